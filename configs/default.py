@@ -1,0 +1,30 @@
+"""Default experiment: a tiny Llama learns 2-digit addition with SFT, then GRPO, on the CPU.
+
+Run:   make run
+  or:  .venv/bin/python -m train.main --config=configs/default.py
+Override any field: --config.rl.steps=50 --config.task.name=reverse
+"""
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.run_dir = "runs"
+  c.run_name = ""
+  c.checkpoint_every = 50
+  c.keep_checkpoints = 3
+  c.progress = True
+
+  c.model = dict(vocab_size=264, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                 d_ff=512, rope_theta=10_000.0, norm_eps=1e-6, tie_embeddings=True, dtype="float32")
+  c.task = dict(name="addition", num_digits=2, n_train=4096, n_heldout=256, verifier="exact_match")
+  # Fully sharded over the 8 (fake) devices: batch and the weights' embed axis over `fsdp`.
+  c.mesh = dict(data=1, fsdp=8, tensor=1, cpu_devices=8)
+  c.sft = dict(steps=200, batch_size=64, learning_rate=1e-3, warmup_steps=20, weight_decay=0.0)
+  c.rl = dict(steps=100, prompts_per_step=16, group_size=8, num_minibatches=2, learning_rate=3e-4,
+              advantage="grpo", clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.02,
+              kl_estimator="k3", loss_aggregation="token_mean", temperature=1.0, top_k=0,
+              max_grad_norm=1.0)
+  c.eval = dict(every=20, batch_size=256)
+  return ml_collections.ConfigDict(c)

@@ -1,0 +1,163 @@
+"""Frozen, validated experiment config: the boundary between ml_collections files and the code.
+
+`from_mapping(ExperimentConfig, config_dict)` raises `ConfigError` naming the first unknown,
+missing-typed or out-of-range field as `config.section.field`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from jaxrl.algos import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS
+from jaxrl.data.tasks import TASKS
+from jaxrl.models.llama import ModelConfig
+
+
+class ConfigError(ValueError):
+  """A user error in the config: reported in one line, exit code 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+  name: str = "addition"
+  num_digits: int = 2
+  n_train: int = 4096
+  n_heldout: int = 256
+  verifier: str = "exact_match"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = 1
+  fsdp: int = 8
+  tensor: int = 1
+  cpu_devices: int = 8  # fake host devices when running on the CPU (XLA_FLAGS)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  steps: int = 200
+  batch_size: int = 64
+  learning_rate: float = 1e-3
+  warmup_steps: int = 20
+  weight_decay: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  steps: int = 100
+  prompts_per_step: int = 16
+  group_size: int = 8
+  num_minibatches: int = 2
+  learning_rate: float = 3e-4
+  advantage: str = "grpo"
+  clip_eps_low: float = 0.2
+  clip_eps_high: float = 0.2
+  kl_coef: float = 0.02
+  kl_estimator: str = "k3"
+  loss_aggregation: str = "token_mean"
+  temperature: float = 1.0
+  top_k: int = 0
+  max_grad_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  every: int = 20  # RL steps between held-out greedy evaluations
+  batch_size: int = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  seed: int = 0
+  run_dir: str = "runs"  # a fresh timestamped subdirectory is made per run
+  run_name: str = ""  # subdirectory name; empty -> timestamp
+  checkpoint_every: int = 50  # RL steps
+  keep_checkpoints: int = 3
+  progress: bool = True
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+  rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+  eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+
+def _check_type(path: str, value: Any, typ: Any) -> Any:
+  if typ is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if typ in (int, float) and (isinstance(value, bool) or not isinstance(value, typ)):
+    raise ConfigError(f"{path}: expected {typ.__name__}, got {value!r}")
+  if typ in (str, bool) and not isinstance(value, typ):
+    raise ConfigError(f"{path}: expected {typ.__name__}, got {value!r}")
+  return value
+
+
+def from_mapping(cls: type, values: Mapping[str, Any], path: str = "config"):
+  """Builds dataclass `cls` from a (nested) mapping, naming the first bad field in the error."""
+  hints = typing.get_type_hints(cls)
+  fields = {f.name for f in dataclasses.fields(cls)}
+  kwargs = {}
+  for name, value in values.items():
+    where = f"{path}.{name}"
+    if name not in fields:
+      raise ConfigError(f"{where}: unknown field; expected one of {sorted(fields)}")
+    typ = hints[name]
+    if dataclasses.is_dataclass(typ):
+      if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected a section (dict), got {value!r}")
+      kwargs[name] = from_mapping(typ, value, where)
+    elif isinstance(typ, types.UnionType):
+      kwargs[name] = value
+    else:
+      kwargs[name] = _check_type(where, value, typ)
+  try:
+    obj = cls(**kwargs)
+  except ValueError as e:
+    raise ConfigError(f"{path}.{e}" if not str(e).startswith(path) else str(e)) from None
+  return obj
+
+
+def _choice(path: str, value: str, options) -> None:
+  if value not in options:
+    raise ConfigError(f"{path}: expected one of {sorted(options)}, got {value!r}")
+
+
+def _positive(path: str, value) -> None:
+  if value <= 0:
+    raise ConfigError(f"{path}: expected > 0, got {value!r}")
+
+
+def validate(cfg: ExperimentConfig) -> ExperimentConfig:
+  """Cross-field checks that a single dataclass cannot do alone."""
+  from jaxrl.rewards.verifier import VERIFIERS
+  _choice("config.task.name", cfg.task.name, TASKS)
+  _choice("config.task.verifier", cfg.task.verifier, VERIFIERS)
+  _choice("config.rl.advantage", cfg.rl.advantage, ADVANTAGES)
+  _choice("config.rl.kl_estimator", cfg.rl.kl_estimator, KL_ESTIMATORS)
+  _choice("config.rl.loss_aggregation", cfg.rl.loss_aggregation, AGGREGATIONS)
+  for path, value in [("config.sft.batch_size", cfg.sft.batch_size),
+                      ("config.rl.prompts_per_step", cfg.rl.prompts_per_step),
+                      ("config.rl.group_size", cfg.rl.group_size),
+                      ("config.rl.num_minibatches", cfg.rl.num_minibatches),
+                      ("config.rl.temperature", cfg.rl.temperature),
+                      ("config.eval.every", cfg.eval.every),
+                      ("config.eval.batch_size", cfg.eval.batch_size),
+                      ("config.task.num_digits", cfg.task.num_digits),
+                      ("config.task.n_train", cfg.task.n_train),
+                      ("config.task.n_heldout", cfg.task.n_heldout)]:
+    _positive(path, value)
+  batch_ways = cfg.mesh.data * cfg.mesh.fsdp
+  rollouts = cfg.rl.prompts_per_step * cfg.rl.group_size
+  if rollouts % (cfg.rl.num_minibatches * batch_ways):
+    raise ConfigError(
+        f"config.rl.num_minibatches: prompts_per_step*group_size={rollouts} must split into "
+        f"{cfg.rl.num_minibatches} minibatches divisible by mesh data*fsdp={batch_ways}")
+  for path, value in [("config.sft.batch_size", cfg.sft.batch_size),
+                      ("config.eval.batch_size", cfg.eval.batch_size)]:
+    if value % batch_ways:
+      raise ConfigError(f"{path}: {value} is not divisible by mesh data*fsdp={batch_ways}")
+  return cfg

@@ -1,0 +1,207 @@
+"""A Llama-style decoder in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Every parameter carries `logical_axes` metadata and every large activation is constrained with
+logical names (see sharding/rules.py); no mesh axis is named here.
+
+Attention works on a fixed slot layout: a batch row occupies cache slots [0, S), with left padding
+marked invalid in `key_valid_BS`. Training passes the whole sequence (S == T); the sampler passes
+a KV cache of S slots and the slot index of the first new token.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sharding.rules import constrain
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# One (k_BSKH, v_BSKH) pair per layer.
+KVCache = tuple[tuple[jax.Array, jax.Array], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 264
+  d_model: int = 128
+  n_layers: int = 2
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  head_dim: int = 32
+  d_ff: int = 512
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  dtype: str = "float32"  # compute dtype; parameters are always stored in float32
+
+  def __post_init__(self):
+    if self.dtype not in DTYPES:
+      raise ValueError(f"model.dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(
+          f"model.n_heads: {self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}")
+
+  @property
+  def compute_dtype(self):
+    return DTYPES[self.dtype]
+
+
+def _param(rngs: nnx.Rngs, shape, axes, scale: float) -> nnx.Param:
+  return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * scale, logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float):
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=("embed",))
+    self.eps = eps
+
+  def __call__(self, x_BTD):
+    x32 = x_BTD.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (x32 * self.scale[...]).astype(x_BTD.dtype)
+
+
+def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+  half = x_BTNH.shape[-1] // 2
+  freq_H = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle_BTH = positions_BT[..., None].astype(jnp.float32) * freq_H
+  sin, cos = jnp.sin(angle_BTH)[:, :, None, :], jnp.cos(angle_BTH)[:, :, None, :]
+  x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BTNH.dtype)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    self.cfg = cfg
+    self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), d**-0.5)
+    self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), d**-0.5)
+    self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), d**-0.5)
+    self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), (n * h)**-0.5 / cfg.n_layers)
+
+  def __call__(self, x_BTD, positions_BT, mask_BTS, layer_cache, cache_index):
+    cfg, dt = self.cfg, x_BTD.dtype
+    q_BTNH = rope(jnp.einsum("btd,dnh->btnh", x_BTD, self.wq[...].astype(dt)), positions_BT,
+                  cfg.rope_theta)
+    k_BTKH = rope(jnp.einsum("btd,dkh->btkh", x_BTD, self.wk[...].astype(dt)), positions_BT,
+                  cfg.rope_theta)
+    v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wv[...].astype(dt))
+    q_BTNH = constrain(q_BTNH, ("batch", None, "act_heads", None))
+    if layer_cache is None:
+      k_BSKH, v_BSKH = k_BTKH, v_BTKH
+    else:
+      k_BSKH = jax.lax.dynamic_update_slice_in_dim(layer_cache[0], k_BTKH.astype(layer_cache[0].dtype),
+                                                   cache_index, axis=1)
+      v_BSKH = jax.lax.dynamic_update_slice_in_dim(layer_cache[1], v_BTKH.astype(layer_cache[1].dtype),
+                                                   cache_index, axis=1)
+      layer_cache = (k_BSKH, v_BSKH)
+    b, t, n, h = q_BTNH.shape
+    g = n // cfg.n_kv_heads
+    q_BTKGH = q_BTNH.reshape(b, t, cfg.n_kv_heads, g, h)
+    logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH.astype(dt)).astype(jnp.float32)
+    logits_BKGTS = logits_BKGTS / math.sqrt(h)
+    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
+    probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt)
+    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH.astype(dt))
+    out_BTD = jnp.einsum("btnh,nhd->btd", out_BTKGH.reshape(b, t, n, h), self.wo[...].astype(dt))
+    return out_BTD, layer_cache
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, f = cfg.d_model, cfg.d_ff
+    self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), d**-0.5)
+    self.w_up = _param(rngs, (d, f), ("embed", "mlp"), d**-0.5)
+    self.w_down = _param(rngs, (f, d), ("mlp", "embed"), f**-0.5 / cfg.n_layers)
+
+  def __call__(self, x_BTD):
+    dt = x_BTD.dtype
+    gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.w_gate[...].astype(dt))
+    up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.w_up[...].astype(dt))
+    h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", None, "act_mlp"))
+    return jnp.einsum("btf,fd->btd", h_BTF, self.w_down[...].astype(dt))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x_BTD, positions_BT, mask_BTS, layer_cache, cache_index):
+    attn_BTD, layer_cache = self.attn(self.attn_norm(x_BTD), positions_BT, mask_BTS, layer_cache,
+                                      cache_index)
+    x_BTD = x_BTD + attn_BTD
+    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+    return constrain(x_BTD, ("batch", None, None)), layer_cache
+
+
+def attention_mask(key_valid_BS: jax.Array, t: int, cache_index) -> jax.Array:
+  """Query i (slot cache_index + i) sees valid keys at slots <= its own."""
+  s = key_valid_BS.shape[1]
+  query_slot_T = cache_index + jnp.arange(t)
+  causal_TS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
+  return causal_TS[None] & key_valid_BS[:, None, :]
+
+
+class Decoder(nnx.Module):
+  """Embedding + blocks + final norm; returns hidden states (heads are separate modules)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
+    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+  def __call__(self, tokens_BT, positions_BT, key_valid_BS, kv_cache: KVCache | None = None,
+               cache_index=0):
+    x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.cfg.compute_dtype)
+    x_BTD = constrain(x_BTD, ("batch", None, None))
+    mask_BTS = attention_mask(key_valid_BS, tokens_BT.shape[1], cache_index)
+    new_cache = []
+    for i, block in enumerate(self.blocks):
+      x_BTD, layer_cache = block(x_BTD, positions_BT, mask_BTS,
+                                 None if kv_cache is None else kv_cache[i], cache_index)
+      new_cache.append(layer_cache)
+    h_BTD = self.final_norm(x_BTD)
+    return h_BTD, (None if kv_cache is None else tuple(new_cache))
+
+
+class LanguageModel(nnx.Module):
+  """Decoder with an LM head (tied to the embedding unless `tie_embeddings=False`)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.decoder = Decoder(cfg, rngs)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+                            cfg.d_model**-0.5)
+
+  def __call__(self, tokens_BT, positions_BT, key_valid_BS, kv_cache=None, cache_index=0):
+    h_BTD, kv_cache = self.decoder(tokens_BT, positions_BT, key_valid_BS, kv_cache, cache_index)
+    if self.cfg.tie_embeddings:
+      w_DV = self.decoder.embed[...].T * self.cfg.d_model**-0.5
+    else:
+      w_DV = self.lm_head[...]
+    logits_BTV = jnp.einsum("btd,dv->btv", h_BTD, w_DV.astype(h_BTD.dtype)).astype(jnp.float32)
+    return constrain(logits_BTV, ("batch", None, "act_vocab")), kv_cache
+
+
+def init_kv_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
+  shape = (batch, slots, cfg.n_kv_heads, cfg.head_dim)
+  return tuple((jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype))
+               for _ in range(cfg.n_layers))
+
+
+def positions_from_valid(valid_BT: jax.Array) -> jax.Array:
+  """RoPE positions counting only valid tokens, so left padding does not shift a row."""
+  return jnp.maximum(jnp.cumsum(valid_BT.astype(jnp.int32), axis=1) - 1, 0)

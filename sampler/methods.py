@@ -1,0 +1,55 @@
+"""Sampling methods: small pure functions `(logits_BV, key, cfg) -> (tokens_B, logprobs_B)`.
+
+The returned log-prob is that of the chosen token under the distribution actually sampled from
+(after temperature and top-k), which is what off-policy corrections need as mu.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  max_new_tokens: int
+  eos_id: int
+  pad_id: int
+  method: str = "temperature"  # one of SAMPLERS
+  temperature: float = 1.0
+  top_k: int = 0  # 0 keeps the whole vocabulary
+
+  def __post_init__(self):
+    if self.method not in SAMPLERS:
+      raise ValueError(f"sampling method: expected one of {sorted(SAMPLERS)}, got {self.method!r}")
+    if self.method != "greedy" and self.temperature <= 0:
+      raise ValueError(f"temperature: expected > 0, got {self.temperature}")
+
+
+def _chosen_logprob(logits_BV, tokens_B):
+  return jnp.take_along_axis(jax.nn.log_softmax(logits_BV, -1), tokens_B[:, None], -1)[:, 0]
+
+
+def greedy(logits_BV, key, cfg: SamplingConfig):
+  del key, cfg
+  tokens_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  return tokens_B, _chosen_logprob(logits_BV, tokens_B)
+
+
+def top_k_filter(logits_BV, k: int):
+  if k <= 0 or k >= logits_BV.shape[-1]:
+    return logits_BV
+  kth_B1 = jax.lax.top_k(logits_BV, k)[0][:, -1:]
+  return jnp.where(logits_BV < kth_B1, NEG_INF, logits_BV)
+
+
+def temperature(logits_BV, key, cfg: SamplingConfig):
+  scaled_BV = top_k_filter(logits_BV / cfg.temperature, cfg.top_k)
+  tokens_B = jax.random.categorical(key, scaled_BV, axis=-1).astype(jnp.int32)
+  return tokens_B, _chosen_logprob(scaled_BV, tokens_B)
+
+
+SAMPLERS = {"greedy": greedy, "temperature": temperature}
