@@ -39,26 +39,28 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   next_pos_B = prompt_valid_BP.sum(axis=1).astype(jnp.int32)
 
   def cond(carry):
-    step, _, _, _, _, done_B, _ = carry
+    step, *_, done_B, _ = carry
     return (step < n) & ~jnp.all(done_B)
 
   def body(carry):
-    step, logits_BV, kv_cache, tokens_BN, logprobs_BN, done_B, key = carry
+    step, logits_BV, kv_cache, tokens_BN, mask_BN, logprobs_BN, done_B, key = carry
     key, sub = jax.random.split(key)
     tok_B, logp_B = sample(logits_BV, sub, cfg)
     tok_B = jnp.where(done_B, cfg.pad_id, tok_B)
     tokens_BN = jax.lax.dynamic_update_slice_in_dim(tokens_BN, tok_B[:, None], step, axis=1)
+    mask_BN = jax.lax.dynamic_update_slice_in_dim(mask_BN, ~done_B[:, None], step, axis=1)
     logprobs_BN = jax.lax.dynamic_update_slice_in_dim(
         logprobs_BN, jnp.where(done_B, 0.0, logp_B)[:, None], step, axis=1)
     done_B = done_B | (tok_B == cfg.eos_id)
     logits_B1V, kv_cache = model(tok_B[:, None], (next_pos_B + step)[:, None], key_valid_BS,
                                  kv_cache, p + step)
-    return step + 1, logits_B1V[:, 0], kv_cache, tokens_BN, logprobs_BN, done_B, key
+    return step + 1, logits_B1V[:, 0], kv_cache, tokens_BN, mask_BN, logprobs_BN, done_B, key
 
   carry = (jnp.int32(0), logits_BPV[:, -1], kv_cache, jnp.full((b, n), cfg.pad_id, jnp.int32),
-           jnp.zeros((b, n), jnp.float32), jnp.zeros((b,), bool), key)
-  _, _, _, tokens_BN, logprobs_BN, _, _ = jax.lax.while_loop(cond, body, carry)
-  completion_mask_BN = tokens_BN != cfg.pad_id
+           jnp.zeros((b, n), bool), jnp.zeros((b, n), jnp.float32), jnp.zeros((b,), bool), key)
+  # The mask comes from the done flags, not from comparing with PAD, so a sampled PAD token
+  # mid-answer stays a real (masked-in) token for the trainer as it was for the sampler.
+  _, _, _, tokens_BN, completion_mask_BN, logprobs_BN, _, _ = jax.lax.while_loop(cond, body, carry)
   return Rollout(
       tokens_BT=jnp.concatenate([prompt_tokens_BP, tokens_BN], axis=1),
       valid_BT=jnp.concatenate([prompt_valid_BP, completion_mask_BN], axis=1),

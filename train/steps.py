@@ -21,8 +21,9 @@ class TrainState:
 
 def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, total_steps: int = 1,
                    weight_decay: float = 0.0, max_grad_norm: float = 1.0):
+  warmup_steps = max(warmup_steps, 1)
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, learning_rate, max(warmup_steps, 1), max(total_steps, warmup_steps + 1), learning_rate * 0.1)
+      0.0, learning_rate, warmup_steps, max(total_steps, warmup_steps + 1), learning_rate * 0.1)
   return optax.chain(optax.clip_by_global_norm(max_grad_norm),
                      optax.adamw(schedule, b2=0.98, weight_decay=weight_decay))
 

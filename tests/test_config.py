@@ -1,0 +1,65 @@
+import subprocess
+import sys
+
+import pytest
+
+from configs import default
+from jaxrl.config import ConfigError, ExperimentConfig, from_mapping, validate
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+
+
+def _cfg(**overrides):
+  raw = default.get_config().to_dict()
+  for dotted, value in overrides.items():
+    *path, leaf = dotted.split("__")
+    node = raw
+    for p in path:
+      node = node[p]
+    node[leaf] = value
+  return validate(from_mapping(ExperimentConfig, raw))
+
+
+def test_default_config_is_valid():
+  cfg = _cfg()
+  assert cfg.task.name == "addition" and cfg.mesh.fsdp == 8
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"rl__stepz": 3}, "config.rl.stepz: unknown field"),
+    ({"rl__steps": "ten"}, "config.rl.steps: expected int, got 'ten'"),
+    ({"rl__steps": 2.5}, "config.rl.steps: expected int"),
+    ({"sft__learning_rate": True}, "config.sft.learning_rate: expected float"),
+    ({"task__name": "chess"}, "config.task.name: expected one of"),
+    ({"rl__advantage": "ppo2"}, "config.rl.advantage: expected one of"),
+    ({"model__dtype": "fp8"}, "config.model.dtype: expected one of"),
+    ({"rl__group_size": 0}, "config.rl.group_size: expected > 0"),
+    ({"sft__batch_size": 12}, "config.sft.batch_size: 12 is not divisible by mesh data*fsdp=8"),
+    ({"model": 3}, "config.model: expected a section"),
+])
+def test_bad_fields_are_named(overrides, message):
+  with pytest.raises(ConfigError) as e:
+    _cfg(**overrides)
+  assert message in str(e.value)
+  assert "\n" not in str(e.value)
+
+
+def test_int_is_accepted_for_float():
+  assert _cfg(rl__learning_rate=1).rl.learning_rate == 1.0
+
+
+@pytest.mark.parametrize("arg,message", [
+    ("--config.rl.stepz=3", "rl.stepz"),
+    ("--config.rl.steps=abc", "rl.steps"),
+    ("--config.task.name=chess", "config.task.name"),
+    ("--config.mesh.fsdp=3", "mesh"),
+])
+def test_cli_user_error_exits_2_with_one_line(arg, message, tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "train.main", "--config=configs/tiny.py", arg,
+       f"--config.run_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("jaxrl: error:"), proc.stderr
+  assert message in lines[0]
+  assert "Traceback" not in proc.stderr

@@ -1,0 +1,54 @@
+"""End-to-end smoke: the CLI on the tiny config writes metrics, a plot and a checkpoint."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.models.llama import LanguageModel, ModelConfig
+from train.checkpoint import Checkpointer
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+
+
+@pytest.mark.slow
+def test_tiny_run_through_main(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "train.main", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
+       "--config.run_name=smoke"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  run_dir = tmp_path / "smoke"
+  rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  rl = [r for r in rows if r["phase"] == "rl" and "reward_mean" in r]
+  assert [r["step"] for r in rl] == [1, 2, 3]
+  for key in ("reward_mean", "kl", "entropy", "response_len", "step_time", "tokens_per_s", "loss"):
+    assert all(np.isfinite(r[key]) for r in rl), key
+  assert "heldout_acc" in rl[-1] and any(r["phase"] == "sft" for r in rows)
+  assert (run_dir / "metrics.png").stat().st_size > 10_000
+  summary = json.loads((run_dir / "summary.json").read_text())
+  assert summary["checkpoint_step"] == 6  # 3 SFT + 3 RL steps
+
+  # The checkpoint restores into the tiny model's structure with finite values.
+  cfg = json.loads((run_dir / "config.json").read_text())["model"]
+  abstract = nnx.state(nnx.eval_shape(lambda: LanguageModel(ModelConfig(**cfg), rngs=nnx.Rngs(0))))
+  ckpt = Checkpointer(str(run_dir), keep=3)
+  assert ckpt.latest_step() == 6
+  params = ckpt.restore_params(abstract)
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+  assert ckpt.restore_meta(3)["phase"] == "sft"
+  ckpt.close()
+
+  # A second run with the same name refuses to touch the existing checkpoints.
+  before = {os.path.join(dp, p): os.path.getmtime(os.path.join(dp, p)) for dp, _, fs in os.walk(run_dir / "checkpoints")
+            for p in fs}
+  again = subprocess.run(
+      [sys.executable, "-m", "train.main", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
+       "--config.run_name=smoke"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert again.returncode == 2 and "already holds checkpoints" in again.stderr
+  after = {os.path.join(dp, p): os.path.getmtime(os.path.join(dp, p)) for dp, _, fs in os.walk(run_dir / "checkpoints")
+           for p in fs}
+  assert after == before and len(before) > 0

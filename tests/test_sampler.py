@@ -1,0 +1,70 @@
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxrl.data.tokenizer import ByteTokenizer
+from jaxrl.models.llama import LanguageModel, positions_from_valid
+from sampler.engine import generate
+from sampler.methods import SamplingConfig, temperature
+from train.steps import completion_logprobs
+
+TOK = ByteTokenizer()
+
+
+def _gen(model, prompts, n, method="greedy", eos_id=TOK.eos_id, **kw):
+  graphdef, params = nnx.split(model)
+  tokens, valid = TOK.pad_left([TOK.encode(p, bos=True) for p in prompts], 8)
+  cfg = SamplingConfig(max_new_tokens=n, eos_id=eos_id, pad_id=TOK.pad_id, method=method, **kw)
+  fn = jax.jit(functools.partial(generate, graphdef, cfg=cfg))
+  return fn(params, jnp.asarray(tokens), jnp.asarray(valid), jax.random.key(0))
+
+
+def test_greedy_with_cache_equals_recomputing_without_cache(tiny_model):
+  rollout = _gen(tiny_model, ["12+34=", "7+5="], 6, eos_id=-1)
+  tokens_BT, valid_BT = rollout.tokens_BT[:, :8], rollout.valid_BT[:, :8]
+  for _ in range(6):  # no cache: re-run the whole sequence for every new token
+    logits = tiny_model(tokens_BT, positions_from_valid(valid_BT), valid_BT)[0][:, -1]
+    tokens_BT = jnp.concatenate([tokens_BT, jnp.argmax(logits, -1)[:, None].astype(jnp.int32)], 1)
+    valid_BT = jnp.concatenate([valid_BT, jnp.ones((2, 1), bool)], 1)
+  np.testing.assert_array_equal(rollout.tokens_BT, tokens_BT)
+
+
+def test_sampled_logprobs_equal_full_forward(tiny_model):
+  rollout = _gen(tiny_model, ["12+34=", "7+5=", "rev ab=", "1="], 7, method="temperature",
+                 temperature=1.0)
+  graphdef, params = nnx.split(tiny_model)
+  logp_BN, _ = completion_logprobs(graphdef, params, rollout.tokens_BT, rollout.valid_BT, 8)
+  mask = np.asarray(rollout.completion_mask_BN)
+  np.testing.assert_allclose(np.where(mask, logp_BN, 0), rollout.logprobs_BN, atol=1e-4)
+
+
+def test_eos_stops_a_row_and_masks_the_rest(tiny_model):
+  first = _gen(tiny_model, ["12+34="], 1, eos_id=-1).tokens_BT[0, -1]  # greedy's first token
+  rollout = _gen(tiny_model, ["12+34="], 5, eos_id=int(first))
+  np.testing.assert_array_equal(rollout.completion_mask_BN[0], [True, False, False, False, False])
+  assert (rollout.tokens_BT[0, 9:] == TOK.pad_id).all() and rollout.lengths_B[0] == 1
+
+
+def test_mixed_prompt_lengths_match_each_alone(tiny_model):
+  prompts = ["12+34=", "7+5=", "rev abcdef="[:7]]
+  together = _gen(tiny_model, prompts, 5, eos_id=-1)
+  for i, p in enumerate(prompts):
+    alone = _gen(tiny_model, [p], 5, eos_id=-1)
+    np.testing.assert_array_equal(together.tokens_BT[i, 8:], alone.tokens_BT[0, 8:])
+    np.testing.assert_allclose(together.logprobs_BN[i], alone.logprobs_BN[0], atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 2**31 - 1), st.floats(0.2, 3.0))
+def test_top_k_never_samples_outside_the_top_k(k, seed, temp):
+  logits_BV = jax.random.normal(jax.random.key(seed), (16, 12)) * 3
+  cfg = SamplingConfig(max_new_tokens=1, eos_id=0, pad_id=1, temperature=temp, top_k=k)
+  tokens_B, logp_B = temperature(logits_BV, jax.random.key(seed + 1), cfg)
+  allowed_BK = np.asarray(jax.lax.top_k(logits_BV, k)[1])
+  assert all(int(t) in allowed_BK[i] for i, t in enumerate(np.asarray(tokens_B)))
+  assert (np.asarray(logp_B) <= 1e-6).all()
