@@ -1,8 +1,12 @@
-"""Default experiment: a tiny Llama learns 2-digit addition with SFT, then GRPO, on the CPU.
+"""Default experiment: a tiny Llama learns to reverse strings with SFT, then GRPO, on the CPU.
+
+The SFT demonstrations come from an imperfect teacher with an off-by-one bug: 60% of its answers
+reverse all but the last character (`rev abcde=` -> `dcbae` instead of `edcba`). SFT copies the
+bug; GRPO with the exact-match verifier fixes it. Set `task.teacher_error=0` for clean demos.
 
 Run:   make run
   or:  .venv/bin/python -m train.main --config=configs/default.py
-Override any field: --config.rl.steps=50 --config.task.name=reverse
+Override any field: --config.rl.steps=50 --config.task.name=addition --config.task.num_digits=2
 """
 import ml_collections
 
@@ -18,13 +22,14 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.model = dict(vocab_size=264, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
                  d_ff=512, rope_theta=10_000.0, norm_eps=1e-6, tie_embeddings=True, dtype="float32")
-  c.task = dict(name="addition", num_digits=2, n_train=4096, n_heldout=256, verifier="exact_match")
+  c.task = dict(name="reverse", num_digits=5, n_train=4096, n_heldout=256, teacher_error=0.6,
+                verifier="exact_match")
   # Fully sharded over the 8 (fake) devices: batch and the weights' embed axis over `fsdp`.
   c.mesh = dict(data=1, fsdp=8, tensor=1, cpu_devices=8)
-  c.sft = dict(steps=200, batch_size=64, learning_rate=1e-3, warmup_steps=20, weight_decay=0.0)
-  c.rl = dict(steps=100, prompts_per_step=16, group_size=8, num_minibatches=2, learning_rate=3e-4,
+  c.sft = dict(steps=800, batch_size=64, learning_rate=1e-3, warmup_steps=20, weight_decay=0.0)
+  c.rl = dict(steps=150, prompts_per_step=64, group_size=8, num_minibatches=2, learning_rate=3e-4,
               advantage="grpo", clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.02,
               kl_estimator="k3", loss_aggregation="token_mean", temperature=1.0, top_k=0,
               max_grad_norm=1.0)
-  c.eval = dict(every=20, batch_size=256)
+  c.eval = dict(every=10, batch_size=256)
   return ml_collections.ConfigDict(c)

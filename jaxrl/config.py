@@ -26,6 +26,8 @@ class TaskConfig:
   num_digits: int = 2
   n_train: int = 4096
   n_heldout: int = 256
+  # Chance that an SFT demonstration is the teacher's systematic mistake instead of the answer.
+  teacher_error: float = 0.0
   verifier: str = "exact_match"
 
 
@@ -160,4 +162,6 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
                       ("config.eval.batch_size", cfg.eval.batch_size)]:
     if value % batch_ways:
       raise ConfigError(f"{path}: {value} is not divisible by mesh data*fsdp={batch_ways}")
+  if not 0.0 <= cfg.task.teacher_error <= 1.0:
+    raise ConfigError(f"config.task.teacher_error: expected in [0, 1], got {cfg.task.teacher_error}")
   return cfg

@@ -30,17 +30,22 @@ def test_tiny_run_through_main(tmp_path):
   assert "heldout_acc" in rl[-1] and any(r["phase"] == "sft" for r in rows)
   assert (run_dir / "metrics.png").stat().st_size > 10_000
   summary = json.loads((run_dir / "summary.json").read_text())
-  assert summary["checkpoint_step"] == 6  # 3 SFT + 3 RL steps
+  assert summary["sft_checkpoint_step"] == 3 and summary["rl_checkpoint_step"] == 3
 
   # The checkpoint restores into the tiny model's structure with finite values.
   cfg = json.loads((run_dir / "config.json").read_text())["model"]
   abstract = nnx.state(nnx.eval_shape(lambda: LanguageModel(ModelConfig(**cfg), rngs=nnx.Rngs(0))))
-  ckpt = Checkpointer(str(run_dir), keep=3)
-  assert ckpt.latest_step() == 6
+  ckpt = Checkpointer(str(run_dir), "rl", keep=3)
+  assert ckpt.latest_step() == 3
   params = ckpt.restore_params(abstract)
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
-  assert ckpt.restore_meta(3)["phase"] == "sft"
+  assert ckpt.restore_meta()["phase"] == "rl"
   ckpt.close()
+  sft = Checkpointer(str(run_dir), "sft", keep=1)
+  assert sft.restore_meta(3)["phase"] == "sft"
+  sft_params = sft.restore_params(abstract, 3)
+  assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(sft_params)))
+  sft.close()
 
   # A second run with the same name refuses to touch the existing checkpoints.
   before = {os.path.join(dp, p): os.path.getmtime(os.path.join(dp, p)) for dp, _, fs in os.walk(run_dir / "checkpoints")

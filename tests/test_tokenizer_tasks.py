@@ -69,3 +69,23 @@ def test_pipelines_shapes_and_masks():
   prompts = next(iter(prompt_dataset(train, TOK, batch_size=4, length=length, seed=0)))
   assert prompts["prompt_tokens"].shape == (4, length)
   assert (prompts["prompt_tokens"][:, -1] == ord("=")).all()  # left padded: prompts end aligned
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_teacher_error_corrupts_only_training_demos(task):
+  clean, held = make_splits(task, 3, 300, 50, seed=3)
+  assert all(e.target == e.answer for e in clean)
+  noisy, held_noisy = make_splits(task, 3, 300, 50, seed=3, teacher_error=1.0)
+  assert held_noisy == held and all(e.target == e.answer for e in held_noisy)
+  assert [e.prompt for e in noisy] == [e.prompt for e in clean]
+  wrong = [e for e in noisy if e.target != e.answer]
+  assert len(wrong) == sum(bool(e.mistake) for e in noisy) > 50
+  assert all(e.target == e.mistake for e in wrong)
+
+
+def test_addition_mistake_is_a_dropped_carry():
+  train, _ = make_splits("addition", 2, 200, 10, seed=0, teacher_error=1.0)
+  for ex in train:
+    a, b = (int(x) for x in ex.prompt.rstrip("=").split("+"))
+    carry = a % 10 + b % 10 >= 10
+    assert ex.target == str(a + b - 10 * carry)

@@ -1,4 +1,8 @@
-"""Orbax checkpoints under `run_dir/checkpoints`: atomic, keep-N, never overwriting a good one."""
+"""Orbax checkpoints under `run_dir/checkpoints/PHASE`: atomic, keep-N, never overwriting a good one.
+
+Each phase (sft, rl) has its own manager, so keep-N garbage collection of RL checkpoints never
+removes the SFT warm start.
+"""
 from __future__ import annotations
 
 import os
@@ -10,8 +14,8 @@ from flax import nnx
 
 class Checkpointer:
 
-  def __init__(self, run_dir: str, keep: int):
-    self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+  def __init__(self, run_dir: str, phase: str, keep: int):
+    self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints", phase))
     self._manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 

@@ -46,12 +46,20 @@ def evaluate(trainer: Trainer, tok: ByteTokenizer, examples: list[Example], leng
   return float(correct) / len(examples)
 
 
-def rl_batch(trainer: Trainer, tok: ByteTokenizer, prompts: dict, key, reference, verifier):
-  """One rollout batch, ready for the update: group-major rows, G samples per prompt."""
+def rl_batch(trainer: Trainer, tok: ByteTokenizer, prompts: dict, key, reference, verifier,
+             times: dict):
+  """One rollout batch, ready for the update: group-major rows, G samples per prompt.
+
+  Stages: rollout -> score -> reference/old log-probs -> advantages; `times` gets each one's
+  wall time (seconds) as `time_<stage>`.
+  """
   g = trainer.cfg.rl.group_size
   grouped = {k: np.repeat(v, g, axis=0) for k, v in prompts.items()}
-  rollout = trainer.sample(grouped, key)
+  t0 = time.perf_counter()
+  rollout = jax.block_until_ready(trainer.sample(grouped, key))
+  t1 = time.perf_counter()
   rewards_B, _ = score(tok, rollout, grouped["answers"], verifier)
+  t2 = time.perf_counter()
   batch = {
       "tokens": rollout.tokens_BT, "valid": rollout.valid_BT,
       "completion_mask": rollout.completion_mask_BN,
@@ -59,7 +67,9 @@ def rl_batch(trainer: Trainer, tok: ByteTokenizer, prompts: dict, key, reference
       "ref_logprobs": trainer.completion_logprobs(reference, rollout),
       "advantages": trainer.advantages(rewards_B),
   }
-  return {k: np.asarray(v) for k, v in batch.items()}, rewards_B, np.asarray(rollout.lengths_B)
+  batch = {k: np.asarray(v) for k, v in batch.items()}
+  times.update(time_generate=t1 - t0, time_score=t2 - t1, time_logprobs=time.perf_counter() - t2)
+  return batch, rewards_B, np.asarray(rollout.lengths_B)
 
 
 def make_run_dir(cfg: ExperimentConfig) -> str:
@@ -80,11 +90,12 @@ def run(cfg: ExperimentConfig, run_dir: str) -> dict:
     raise ValueError(f"config.model.vocab_size: expected >= {tok.vocab_size} for the byte tokenizer")
   verifier = VERIFIERS[cfg.task.verifier]
   train_set, heldout = make_splits(cfg.task.name, cfg.task.num_digits, cfg.task.n_train,
-                                   cfg.task.n_heldout, cfg.seed)
+                                   cfg.task.n_heldout, cfg.seed, cfg.task.teacher_error)
   p_len = prompt_length(train_set + heldout, tok)
   trainer = Trainer(cfg, prompt_len=p_len, max_new_tokens=answer_length(train_set + heldout, tok) + 2,
                     eos_id=tok.eos_id, pad_id=tok.pad_id)
-  writer, ckpt = MetricsWriter(run_dir), Checkpointer(run_dir, cfg.keep_checkpoints)
+  writer = MetricsWriter(run_dir)
+  sft_ckpt, ckpt = Checkpointer(run_dir, "sft", 1), Checkpointer(run_dir, "rl", cfg.keep_checkpoints)
   evaluate_now = lambda: evaluate(trainer, tok, heldout, p_len, cfg.eval.batch_size, verifier)
   summary = {"run_dir": run_dir, "heldout_acc_init": evaluate_now()}
   try:
@@ -99,7 +110,7 @@ def run(cfg: ExperimentConfig, run_dir: str) -> dict:
         bar.set_postfix(loss=f"{m['loss']:.3f}")
     summary["heldout_acc_sft"] = acc = evaluate_now()
     writer.write({"phase": "rl", "step": 0, "heldout_acc": acc})
-    ckpt.save(cfg.sft.steps, trainer.state.params, {"phase": "sft", "heldout_acc": acc})
+    sft_ckpt.save(cfg.sft.steps, trainer.state.params, {"phase": "sft", "heldout_acc": acc})
     log.info("after SFT: held-out greedy accuracy %.3f", acc)
 
     # GRPO.
@@ -111,29 +122,36 @@ def run(cfg: ExperimentConfig, run_dir: str) -> dict:
     for step in bar:
       t0 = time.perf_counter()
       key, sub = jax.random.split(key)
-      batch, rewards_B, lengths_B = rl_batch(trainer, tok, next(prompts_iter), sub, reference, verifier)
+      times: dict = {}
+      batch, rewards_B, lengths_B = rl_batch(trainer, tok, next(prompts_iter), sub, reference,
+                                             verifier, times)
+      t_update = time.perf_counter()
       n_mb = cfg.rl.num_minibatches
       metrics = [trainer.rl_step(trainer.put_batch({k: np.array_split(v, n_mb)[i]
                                                     for k, v in batch.items()}))
                  for i in range(n_mb)]
       m = {k: float(np.mean([jax.device_get(x[k]) for x in metrics])) for k in metrics[0]}
+      times["time_update"] = time.perf_counter() - t_update
       dt = time.perf_counter() - t0
-      row = {"phase": "rl", "step": step, "reward_mean": float(rewards_B.mean()), **m,
+      row = {"phase": "rl", "step": step, "reward_mean": float(rewards_B.mean()), **m, **times,
              "response_len": float(lengths_B.mean()), "step_time": dt,
              "tokens_per_s": float(lengths_B.sum()) / dt}
       if step % cfg.eval.every == 0 or step == cfg.rl.steps:
         row["heldout_acc"] = evaluate_now()
       if step % cfg.checkpoint_every == 0 or step == cfg.rl.steps:
-        ckpt.save(cfg.sft.steps + step, trainer.state.params, {"phase": "rl"})
+        ckpt.save(step, trainer.state.params, {"phase": "rl", **{k: row[k] for k in row
+                                                                   if k == "heldout_acc"}})
       writer.write(row)
       bar.set_postfix(reward=f"{row['reward_mean']:.2f}", step_s=f"{dt:.2f}",
                       acc=f"{row.get('heldout_acc', float('nan')):.2f}")
     summary["heldout_acc_rl"] = row["heldout_acc"] if cfg.rl.steps else acc
   finally:
+    sft_ckpt.close()
     ckpt.close()
     writer.close()
   plot_metrics(writer.path, os.path.join(run_dir, "metrics.png"))
-  summary["checkpoint_step"] = ckpt.latest_step()
+  summary["sft_checkpoint_step"] = sft_ckpt.latest_step()
+  summary["rl_checkpoint_step"] = ckpt.latest_step()
   with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2)
   return summary

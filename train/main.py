@@ -8,15 +8,68 @@ import logging
 import os
 import sys
 
+import importlib.util
+
 from absl import flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "configs", "default.py"),
-    "Experiment config file (a Python file with get_config()).", lock_config=True)
-
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "configs", "default.py")
 EXIT_USER_ERROR = 2
+
+
+class UsageError(Exception):
+  pass
+
+
+def _config_path(argv: list[str]) -> str:
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return DEFAULT_CONFIG
+
+
+def _check_override_paths(argv: list[str]) -> None:
+  """Names an unknown `--config.a.b` override before absl turns it into a traceback."""
+  path = _config_path(argv)
+  if not os.path.isfile(path):
+    raise UsageError(f"--config: no such config file {path!r}")
+  spec = importlib.util.spec_from_file_location("_jaxrl_user_config", path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+    config = module.get_config()
+  except Exception as e:  # a broken config file is a user error too
+    raise UsageError(f"--config: {path} failed to load: {type(e).__name__}: {e}") from None
+  for arg in argv[1:]:
+    if not arg.startswith("--config."):
+      continue
+    dotted = arg[len("--config."):].split("=", 1)[0]
+    node, walked = config, "config"
+    for name in dotted.split("."):
+      if not hasattr(node, "keys") or name not in node.keys():
+        options = sorted(node.keys()) if hasattr(node, "keys") else []
+        raise UsageError(f"{walked}.{name}: unknown field; expected one of {options}")
+      node, walked = node[name], f"{walked}.{name}"
+
+
+def parse_config(argv: list[str]):
+  """argv -> the locked ConfigDict with overrides applied; UsageError on any user mistake."""
+  _check_override_paths(argv)
+  flag_values = flags.FlagValues()
+  saved, sys.argv = sys.argv, list(argv)  # config_flags reads override names from sys.argv
+  try:
+    holder = config_flags.DEFINE_config_file(
+        "config", DEFAULT_CONFIG, "Experiment config file (a Python file with get_config()).",
+        flag_values=flag_values, lock_config=True)
+    flag_values(argv)
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    raise UsageError(" ".join(str(e).split())) from None
+  finally:
+    sys.argv = saved
+  return holder.value
 
 
 def _fail(message: str) -> int:
@@ -34,10 +87,9 @@ def _force_cpu_devices(n: int) -> None:
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv if argv is None else argv
   try:
-    flags.FLAGS(argv)
-  except flags.Error as e:
-    return _fail(str(e).splitlines()[0])
-  raw = _CONFIG.value
+    raw = parse_config(argv)
+  except UsageError as e:
+    return _fail(str(e))
   cpu_devices = raw.get("mesh", {}).get("cpu_devices", 8)
   _force_cpu_devices(cpu_devices if isinstance(cpu_devices, int) else 8)
 

@@ -20,7 +20,7 @@ def answer_length(examples: Sequence[Example], tok: ByteTokenizer) -> int:
 
 def _sft_row(ex: Example, tok: ByteTokenizer, seq_len: int) -> dict[str, np.ndarray]:
   prompt = tok.encode(ex.prompt, bos=True)
-  full = prompt + tok.encode(ex.answer, eos=True)
+  full = prompt + tok.encode(ex.target, eos=True)
   tokens, valid = tok.pad_right([full], seq_len)
   loss_mask = valid.copy()
   loss_mask[0, :len(prompt)] = False  # only the answer (and EOS) is learned

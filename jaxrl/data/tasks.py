@@ -1,7 +1,10 @@
 """Synthetic verifiable tasks, generated deterministically from a seed.
 
-Each task yields `Example(prompt, answer)`; the model is asked to emit `answer` then EOS.
-Train and held-out sets are disjoint by prompt.
+Each task yields `Example(prompt, answer, mistake)`; the model is asked to emit `answer` then EOS.
+`mistake` is the systematic error an imperfect teacher makes on that prompt (a dropped carry, a
+mis-ordered pair), or "" where the teacher cannot go wrong that way. SFT demonstrations come from
+that teacher (`demo`), so SFT data can be as imperfect as real demonstrations are, while rewards and
+held-out accuracy always check the true `answer`. Train and held-out sets are disjoint by prompt.
 """
 from __future__ import annotations
 
@@ -15,21 +18,31 @@ import numpy as np
 class Example:
   prompt: str
   answer: str
+  mistake: str = ""
+  demo: str = ""  # the SFT target; the teacher's answer (== answer unless it erred)
+
+  @property
+  def target(self) -> str:
+    return self.demo or self.answer
 
 
 def addition(rng: np.random.Generator, num_digits: int) -> Example:
   a, b = (int(rng.integers(0, 10**num_digits)) for _ in range(2))
-  return Example(f"{a}+{b}=", str(a + b))
+  carries = a % 10 + b % 10 >= 10
+  return Example(f"{a}+{b}=", str(a + b), mistake=str(a + b - 10) if carries else "")
 
 
 def reverse(rng: np.random.Generator, num_digits: int) -> Example:
   s = "".join(rng.choice(list("abcdefghij"), size=num_digits))
-  return Example(f"rev {s}=", s[::-1])
+  wrong = s[-2::-1] + s[-1]  # reverses all but the last character
+  return Example(f"rev {s}=", s[::-1], mistake=wrong if wrong != s[::-1] else "")
 
 
 def sort_digits(rng: np.random.Generator, num_digits: int) -> Example:
   s = "".join(str(d) for d in rng.integers(0, 10, size=num_digits))
-  return Example(f"sort {s}=", "".join(sorted(s)))
+  answer = "".join(sorted(s))
+  wrong = answer[:-2] + answer[-1] + answer[-2]  # last two swapped
+  return Example(f"sort {s}=", answer, mistake=wrong if wrong != answer else "")
 
 
 TASKS: dict[str, Callable[[np.random.Generator, int], Example]] = {
@@ -39,9 +52,12 @@ TASKS: dict[str, Callable[[np.random.Generator, int], Example]] = {
 }
 
 
-def make_splits(task: str, num_digits: int, n_train: int, n_heldout: int,
-                seed: int) -> tuple[list[Example], list[Example]]:
-  """Draws unique prompts until both splits are full; raises if the task space is too small."""
+def make_splits(task: str, num_digits: int, n_train: int, n_heldout: int, seed: int,
+                teacher_error: float = 0.0) -> tuple[list[Example], list[Example]]:
+  """Draws unique prompts until both splits are full; raises if the task space is too small.
+
+  With probability `teacher_error` a training example's demo is its `mistake` (where it has one).
+  """
   if task not in TASKS:
     raise ValueError(f"task.name: expected one of {sorted(TASKS)}, got {task!r}")
   rng = np.random.default_rng(seed)
@@ -55,4 +71,7 @@ def make_splits(task: str, num_digits: int, n_train: int, n_heldout: int,
       raise ValueError(f"task {task!r} with num_digits={num_digits} has fewer than {want} "
                        f"distinct prompts; lower task.n_train or task.n_heldout")
   examples = list(seen.values())
-  return examples[n_heldout:], examples[:n_heldout]
+  errs = rng.random(len(examples)) < teacher_error
+  train = [dataclasses.replace(ex, demo=ex.mistake if err and ex.mistake else ex.answer)
+           for ex, err in zip(examples[n_heldout:], errs[n_heldout:])]
+  return train, examples[:n_heldout]
