@@ -119,7 +119,7 @@ def from_mapping(cls: type, values: Mapping[str, Any], path: str = "config"):
   try:
     obj = cls(**kwargs)
   except ValueError as e:
-    raise ConfigError(f"{path}.{e}" if not str(e).startswith(path) else str(e)) from None
+    raise ConfigError(f"{path}.{e}") from None
   return obj
 
 

@@ -22,7 +22,7 @@ def _cfg(**overrides):
 
 def test_default_config_is_valid():
   cfg = _cfg()
-  assert cfg.task.name == "addition" and cfg.mesh.fsdp == 8
+  assert cfg.task.name == "reverse" and cfg.mesh.fsdp == 8 and cfg.task.teacher_error == 0.6
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -36,6 +36,8 @@ def test_default_config_is_valid():
     ({"rl__group_size": 0}, "config.rl.group_size: expected > 0"),
     ({"sft__batch_size": 12}, "config.sft.batch_size: 12 is not divisible by mesh data*fsdp=8"),
     ({"model": 3}, "config.model: expected a section"),
+    ({"model__n_kv_heads": 3}, "config.model.n_heads: 4 must be a multiple of n_kv_heads=3"),
+    ({"task__teacher_error": 1.5}, "config.task.teacher_error: expected in [0, 1]"),
 ])
 def test_bad_fields_are_named(overrides, message):
   with pytest.raises(ConfigError) as e:

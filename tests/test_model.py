@@ -38,7 +38,7 @@ def test_untied_head_and_bf16(tiny_cfg):
 
 
 def test_bad_model_config():
-  with pytest.raises(ValueError, match="model.dtype"):
+  with pytest.raises(ValueError, match="dtype: expected one of"):
     ModelConfig(dtype="float16")
   with pytest.raises(ValueError, match="n_kv_heads"):
     ModelConfig(n_heads=4, n_kv_heads=3)

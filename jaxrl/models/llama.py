@@ -40,10 +40,10 @@ class ModelConfig:
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
-      raise ValueError(f"model.dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
+      raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
-          f"model.n_heads: {self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}")
+          f"n_heads: {self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
 
   @property
   def compute_dtype(self):
