@@ -18,11 +18,8 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
-# Training layout: batch over data x fsdp; weights fsdp-sharded on `embed`, tensor-parallel on
-# heads / mlp / vocab.
-TRAIN_RULES: Rules = (
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
+# Tensor parallelism over heads / mlp / vocab, for weights and activations alike.
+_TENSOR: Rules = (
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -33,18 +30,11 @@ TRAIN_RULES: Rules = (
     ("act_vocab", "tensor"),
 )
 
+# Training layout: batch over data x fsdp; weights fsdp-sharded on `embed`, tensor-parallel.
+TRAIN_RULES: Rules = (("batch", ("data", "fsdp")), ("embed", "fsdp")) + _TENSOR
+
 # Sampling layout: tensor parallel, weights replicated over data (no per-token all-gathers).
-SAMPLER_RULES: Rules = (
-    ("batch", ("data", "fsdp")),
-    ("vocab", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("act_heads", "tensor"),
-    ("act_kv_heads", "tensor"),
-    ("act_mlp", "tensor"),
-    ("act_vocab", "tensor"),
-)
+SAMPLER_RULES: Rules = (("batch", ("data", "fsdp")),) + _TENSOR
 
 RULES = {"train": TRAIN_RULES, "sampler": SAMPLER_RULES}
 
