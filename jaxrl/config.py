@@ -159,6 +159,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         f"config.rl.num_minibatches: prompts_per_step*group_size={rollouts} must split into "
         f"{cfg.rl.num_minibatches} minibatches divisible by mesh data*fsdp={batch_ways}")
   for path, value in [("config.sft.batch_size", cfg.sft.batch_size),
+                      ("config.rl.prompts_per_step", cfg.rl.prompts_per_step),
                       ("config.eval.batch_size", cfg.eval.batch_size)]:
     if value % batch_ways:
       raise ConfigError(f"{path}: {value} is not divisible by mesh data*fsdp={batch_ways}")

@@ -1,7 +1,7 @@
 """Sampling methods: small pure functions `(logits_BV, key, cfg) -> (tokens_B, logprobs_B)`.
 
 The returned log-prob is that of the chosen token under the distribution actually sampled from
-(after temperature and top-k), which is what off-policy corrections need as mu.
+(after temperature, top-k and top-p), which is what off-policy corrections need as mu.
 """
 from __future__ import annotations
 
@@ -15,18 +15,26 @@ NEG_INF = -1e30
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
+  """Static (hashable) decode settings; a change recompiles, so keep them per experiment."""
   max_new_tokens: int
   eos_id: int
   pad_id: int
   method: str = "temperature"  # one of SAMPLERS
   temperature: float = 1.0
   top_k: int = 0  # 0 keeps the whole vocabulary
+  top_p: float = 1.0  # nucleus mass kept; 1.0 keeps everything
+  ignore_eos: bool = False  # fixed-length generation (benchmarks)
+  stop_sequences: tuple[tuple[int, ...], ...] = ()  # token sequences that end a row, like EOS
 
   def __post_init__(self):
     if self.method not in SAMPLERS:
       raise ValueError(f"sampling method: expected one of {sorted(SAMPLERS)}, got {self.method!r}")
     if self.method != "greedy" and self.temperature <= 0:
       raise ValueError(f"temperature: expected > 0, got {self.temperature}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p: expected in (0, 1], got {self.top_p}")
+    if any(len(s) == 0 for s in self.stop_sequences):
+      raise ValueError("stop_sequences: every stop sequence needs at least one token")
 
 
 def _chosen_logprob(logits_BV, tokens_B):
@@ -46,8 +54,20 @@ def top_k_filter(logits_BV, k: int):
   return jnp.where(logits_BV < kth_B1, NEG_INF, logits_BV)
 
 
+def top_p_filter(logits_BV, p: float):
+  """Keeps the smallest set of most likely tokens whose mass reaches p (always the top one)."""
+  if p >= 1.0:
+    return logits_BV
+  sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+  probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+  mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+  kept_BV = mass_before_BV < p
+  threshold_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+  return jnp.where(logits_BV < threshold_B1, NEG_INF, logits_BV)
+
+
 def temperature(logits_BV, key, cfg: SamplingConfig):
-  scaled_BV = top_k_filter(logits_BV / cfg.temperature, cfg.top_k)
+  scaled_BV = top_p_filter(top_k_filter(logits_BV / cfg.temperature, cfg.top_k), cfg.top_p)
   tokens_B = jax.random.categorical(key, scaled_BV, axis=-1).astype(jnp.int32)
   return tokens_B, _chosen_logprob(scaled_BV, tokens_B)
 

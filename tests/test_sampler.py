@@ -68,3 +68,80 @@ def test_top_k_never_samples_outside_the_top_k(k, seed, temp):
   allowed_BK = np.asarray(jax.lax.top_k(logits_BV, k)[1])
   assert all(int(t) in allowed_BK[i] for i, t in enumerate(np.asarray(tokens_B)))
   assert (np.asarray(logp_B) <= 1e-6).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.floats(0.05, 0.95), st.integers(0, 2**31 - 1))
+def test_top_p_never_samples_outside_the_nucleus(p, seed):
+  logits_BV = jax.random.normal(jax.random.key(seed), (16, 12)) * 3
+  cfg = SamplingConfig(max_new_tokens=1, eos_id=0, pad_id=1, top_p=p)
+  tokens_B, _ = temperature(logits_BV, jax.random.key(seed + 1), cfg)
+  probs_BV = np.asarray(jax.nn.softmax(logits_BV, -1), np.float64)
+  for row, tok in enumerate(np.asarray(tokens_B)):
+    order = np.argsort(-probs_BV[row])
+    mass_before = np.cumsum(probs_BV[row][order]) - probs_BV[row][order]
+    nucleus = set(order[mass_before < p - 1e-6].tolist()) | {order[0]}
+    assert int(tok) in nucleus
+
+
+def test_n_samples_share_the_prefix_and_match_repeated_prompts(tiny_model):
+  graphdef, params = nnx.split(tiny_model)
+  tokens, valid = TOK.pad_left([TOK.encode(p, bos=True) for p in ["12+34=", "7+5="]], 8)
+  cfg = SamplingConfig(max_new_tokens=5, eos_id=-1, pad_id=TOK.pad_id)
+  shared = generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(valid), jax.random.key(3),
+                    cfg=cfg, n=3)
+  repeated = generate(graphdef, params, jnp.asarray(np.repeat(tokens, 3, 0)),
+                      jnp.asarray(np.repeat(valid, 3, 0)), jax.random.key(3), cfg=cfg)
+  np.testing.assert_array_equal(shared.tokens_BT, repeated.tokens_BT)
+  np.testing.assert_allclose(shared.logprobs_BN, repeated.logprobs_BN, atol=1e-5)
+  assert len({tuple(r) for r in np.asarray(shared.tokens_BT[:3, 8:])}) > 1  # samples differ
+
+
+def test_per_row_budget_stop_sequences_and_ignore_eos(tiny_model):
+  graphdef, params = nnx.split(tiny_model)
+  tokens, valid = TOK.pad_left([TOK.encode("12+34=", bos=True)] * 2, 8)
+  args = (graphdef, params, jnp.asarray(tokens), jnp.asarray(valid), jax.random.key(0))
+  free = generate(*args, cfg=SamplingConfig(max_new_tokens=6, eos_id=-1, pad_id=TOK.pad_id,
+                                            method="greedy"))
+  out = np.asarray(free.tokens_BT[0, 8:])
+  budget = generate(*args, jnp.asarray([2, 6]), cfg=SamplingConfig(
+      max_new_tokens=6, eos_id=-1, pad_id=TOK.pad_id, method="greedy"))
+  np.testing.assert_array_equal(budget.lengths_B, [2, 6])
+  np.testing.assert_array_equal(budget.tokens_BT[0, 8:10], out[:2])
+  stop = tuple(int(t) for t in out[1:3])
+  stopped = generate(*args, cfg=SamplingConfig(max_new_tokens=6, eos_id=-1, pad_id=TOK.pad_id,
+                                               method="greedy", stop_sequences=(stop,)))
+  first_end = next(i + 2 for i in range(len(out) - 1) if tuple(out[i:i + 2]) == stop)
+  assert first_end <= 3 and int(stopped.lengths_B[0]) == first_end  # the stop is kept, like EOS
+  ignore = generate(*args, cfg=SamplingConfig(max_new_tokens=6, eos_id=int(out[0]),
+                                              pad_id=TOK.pad_id, method="greedy", ignore_eos=True))
+  np.testing.assert_array_equal(ignore.lengths_B, [6, 6])
+
+
+def test_sampler_buckets_do_not_retrace(tiny_model):
+  from sampler.sampler import Sampler
+  graphdef, params = nnx.split(tiny_model)
+  sampler = Sampler(graphdef, SamplingConfig(max_new_tokens=4, eos_id=TOK.eos_id, pad_id=TOK.pad_id),
+                    n=2)
+  first = sampler(params, [TOK.encode("12+34=", bos=True)] * 3, jax.random.key(0))
+  second = sampler(params, [TOK.encode(p, bos=True) for p in ["1=", "rev abc=", "9+9=", "x"]],
+                   jax.random.key(1), max_new_tokens=[1, 4, 4, 2])
+  assert sampler.traces == 1
+  assert first.tokens_BT.shape == (6, 16 + 4) and second.tokens_BT.shape == (8, 20)
+  assert second.lengths_B[0] <= 1 and second.lengths_B[1] <= 1 and second.lengths_B[6] <= 2
+
+
+def test_sharded_sampler_matches_single_device(tiny_model):
+  from sampler.sampler import Sampler
+  from sharding.mesh import make_mesh, param_shardings
+  from sharding.rules import SAMPLER_RULES
+  graphdef, params = nnx.split(tiny_model)
+  cfg = SamplingConfig(max_new_tokens=5, eos_id=-1, pad_id=TOK.pad_id, method="greedy")
+  prompts = [TOK.encode(p, bos=True) for p in ["12+34=", "7+5=", "rev ab=", "1="] * 2]
+  want = Sampler(graphdef, cfg)(params, prompts, jax.random.key(0))
+  mesh = make_mesh({"data": 4, "tensor": 2})
+  shardings = param_shardings(params, SAMPLER_RULES, mesh)
+  sharded = Sampler(graphdef, cfg, mesh=mesh, param_shardings=shardings)
+  got = sharded(jax.device_put(params, shardings), prompts, jax.random.key(0))
+  np.testing.assert_array_equal(got.tokens_BT, want.tokens_BT)
+  np.testing.assert_allclose(got.logprobs_BN, want.logprobs_BN, atol=1e-5)

@@ -53,12 +53,11 @@ def rl_batch(trainer: Trainer, tok: ByteTokenizer, prompts: dict, key, reference
   Stages: rollout -> score -> reference/old log-probs -> advantages; `times` gets each one's
   wall time (seconds) as `time_<stage>`.
   """
-  g = trainer.cfg.rl.group_size
-  grouped = {k: np.repeat(v, g, axis=0) for k, v in prompts.items()}
   t0 = time.perf_counter()
-  rollout = jax.block_until_ready(trainer.sample(grouped, key))
+  rollout = jax.block_until_ready(trainer.sample(prompts, key))
   t1 = time.perf_counter()
-  rewards_B, _ = score(tok, rollout, grouped["answers"], verifier)
+  answers_B = np.repeat(prompts["answers"], trainer.cfg.rl.group_size)
+  rewards_B, _ = score(tok, rollout, answers_B, verifier)
   t2 = time.perf_counter()
   batch = {
       "tokens": rollout.tokens_BT, "valid": rollout.valid_BT,

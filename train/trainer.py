@@ -46,7 +46,7 @@ class Trainer:
                                 top_k=cfg.rl.top_k)
     greedy_cfg = SamplingConfig(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
                                 method="greedy")
-    self._sample = self._jit_generate(sample_cfg)
+    self._sample = self._jit_generate(sample_cfg, n=cfg.rl.group_size)
     self._greedy = self._jit_generate(greedy_cfg)
     self._logprobs = self._jit(
         functools.partial(steps.completion_logprobs, self.graphdef, prompt_len=prompt_len),
@@ -64,8 +64,8 @@ class Trainer:
 
     return jax.jit(traced, **kwargs)
 
-  def _jit_generate(self, sample_cfg: SamplingConfig):
-    return self._jit(functools.partial(generate, self.graphdef, cfg=sample_cfg),
+  def _jit_generate(self, sample_cfg: SamplingConfig, n: int = 1):
+    return self._jit(functools.partial(generate, self.graphdef, cfg=sample_cfg, n=n),
                      in_shardings=(self.param_shardings, self.batch_sharding,
                                    self.batch_sharding, None))
 
@@ -115,6 +115,7 @@ class Trainer:
     return metrics
 
   def sample(self, prompts: dict, key) -> Rollout:
+    """`group_size` samples per prompt, group-major; the prompt prefill is shared."""
     return self._sample(self.state.params, *self._prompts(prompts), key)
 
   def greedy(self, prompts: dict) -> Rollout:

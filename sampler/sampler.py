@@ -1,0 +1,73 @@
+"""Host-side front end of the engine: buckets, padding, sharded decode on the sampler mesh.
+
+A list of prompts (token ids) is left-padded into a (batch, length) bucket so that new batches of
+similar size reuse the compiled program instead of recompiling; padding rows are dropped from the
+result. With a mesh, decode runs under the sampling rules (tensor parallel over heads / mlp,
+data parallel over the batch).
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from sampler.engine import Rollout, generate
+from sampler.methods import SamplingConfig
+from sharding.mesh import batch_sharding
+from sharding.rules import SAMPLER_RULES, Rules, activation_rules
+
+LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+BATCH_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def bucket(size: int, buckets: Sequence[int]) -> int:
+  at = bisect.bisect_left(buckets, size)
+  if at == len(buckets):
+    raise ValueError(f"size {size} is larger than the largest bucket {buckets[-1]}")
+  return buckets[at]
+
+
+class Sampler:
+
+  def __init__(self, graphdef: nnx.GraphDef, cfg: SamplingConfig, *, n: int = 1,
+               mesh: Mesh | None = None, rules: Rules = SAMPLER_RULES, param_shardings=None,
+               length_buckets: Sequence[int] = LENGTH_BUCKETS,
+               batch_buckets: Sequence[int] = BATCH_BUCKETS):
+    self.cfg, self.n, self.mesh, self.rules = cfg, n, mesh, rules
+    self.length_buckets, self.batch_buckets = tuple(length_buckets), tuple(batch_buckets)
+    self.traces = 0  # how many times the engine was traced (a retrace means a new bucket)
+
+    def run(params, tokens_BP, valid_BP, key, max_new_B):
+      self.traces += 1
+      with activation_rules(mesh, rules):
+        return generate(graphdef, params, tokens_BP, valid_BP, key, max_new_B, cfg=cfg, n=n)
+
+    if mesh is None:
+      self._fn = jax.jit(run)
+    else:
+      rows = batch_sharding(mesh, rules, 1)
+      grid = batch_sharding(mesh, rules, 2)
+      self._fn = jax.jit(run, in_shardings=(param_shardings, grid, grid, None, rows))
+
+  def __call__(self, params, prompts: Sequence[Sequence[int]], key: jax.Array,
+               max_new_tokens: Sequence[int] | None = None) -> Rollout:
+    """Generates `n` samples per prompt (rows group-major), as host numpy arrays."""
+    b, p = bucket(len(prompts), self.batch_buckets), bucket(max(map(len, prompts)), self.length_buckets)
+    tokens_BP = np.full((b, p), self.cfg.pad_id, np.int32)
+    for row, ids in enumerate(prompts):
+      tokens_BP[row, p - len(ids):] = ids
+    valid_BP = np.zeros((b, p), bool)
+    for row, ids in enumerate(prompts):
+      valid_BP[row, p - len(ids):] = True
+    valid_BP[len(prompts):, -1] = True  # padding rows: one dummy token, so attention is defined
+    budget = np.full((b,), self.cfg.max_new_tokens, np.int32)
+    if max_new_tokens is not None:
+      budget[:len(prompts)] = np.minimum(np.asarray(max_new_tokens, np.int32), budget[0])
+    budget_B = np.repeat(budget, self.n)
+    out = jax.device_get(self._fn(params, tokens_BP, valid_BP, key, budget_B))
+    keep = len(prompts) * self.n
+    return jax.tree.map(lambda x: x[:keep], out)

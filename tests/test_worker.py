@@ -1,0 +1,108 @@
+import functools
+import threading
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.data.tokenizer import ByteTokenizer
+from jaxrl.models.llama import LanguageModel
+from sampler.engine import generate
+from sampler.methods import SamplingConfig
+from sampler.worker import RolloutWorker, RolloutWorkerError
+
+TOK = ByteTokenizer()
+
+
+def _prompt_stream(n_batches):
+  for i in range(n_batches):
+    tokens, valid = TOK.pad_left([TOK.encode(f"{i}+{j}=", bos=True) for j in range(4)], 8)
+    yield {"tokens": tokens, "valid": valid}
+
+
+def _real_generate(tiny_cfg):
+  graphdef, params = nnx.split(LanguageModel(tiny_cfg, rngs=nnx.Rngs(0)))
+  cfg = SamplingConfig(max_new_tokens=4, eos_id=TOK.eos_id, pad_id=TOK.pad_id)
+  fn = jax.jit(functools.partial(generate, graphdef, cfg=cfg, n=2))
+  return (lambda p, prompts, key: fn(p, prompts["tokens"], prompts["valid"], key)), params
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_versions_monotonic_and_staleness_bounded(tiny_cfg, max_staleness):
+  gen, params = _real_generate(tiny_cfg)
+  seen = []
+  with RolloutWorker(gen, _prompt_stream(12), params, max_staleness=max_staleness,
+                     queue_size=3) as worker:
+    version = 0
+    for batch in worker:
+      assert batch.rollout.tokens_BT.shape == (8, 12)  # 4 prompts x 2 samples, 8 + 4 tokens
+      assert version - batch.version <= max_staleness
+      seen.append(batch.version)
+      time.sleep(0.01)  # the trainer's update
+      version += 1
+      worker.update_weights(jax.tree.map(lambda x: x * 1.0, params), version)
+  assert seen == sorted(seen) and len(seen) + worker.dropped == 12
+  if max_staleness == 0:
+    assert seen == list(range(len(seen)))  # synchronous: always the newest weights
+
+
+def test_new_weights_are_used(tiny_cfg):
+  gen, params = _real_generate(tiny_cfg)
+  zeros = jax.tree.map(jnp.zeros_like, params)  # all-zero weights: uniform logits
+  with RolloutWorker(gen, _prompt_stream(3), params, max_staleness=0) as worker:
+    first = worker.get(timeout=60)
+    worker.update_weights(zeros, 1)
+    second = worker.get(timeout=60)
+  assert first.version == 0 and second.version == 1
+  uniform = -np.log(tiny_cfg.vocab_size)
+  mask = np.asarray(second.rollout.completion_mask_BN)
+  np.testing.assert_allclose(np.asarray(second.rollout.logprobs_BN)[mask], uniform, rtol=1e-5)
+  assert not np.allclose(np.asarray(first.rollout.logprobs_BN)[mask], uniform, rtol=1e-3)
+
+
+def _exploding_generate(params, prompts, key):
+  raise ValueError("bad prompt batch 7")
+
+
+def test_worker_exception_reaches_consumer_with_traceback():
+  worker = RolloutWorker(_exploding_generate, _prompt_stream(3), {"w": jnp.ones(2)})
+  with pytest.raises(RolloutWorkerError) as e:
+    worker.get(timeout=30)
+  assert isinstance(e.value.__cause__, ValueError)
+  frames = traceback.extract_tb(e.value.__cause__.__traceback__)
+  assert any(f.name == "_exploding_generate" for f in frames)
+  worker.close()
+
+
+def test_close_returns_with_full_queue_and_no_consumer():
+  calls = threading.Event()
+
+  def gen(params, prompts, key):
+    calls.set()
+    return params
+
+  worker = RolloutWorker(gen, iter(range(10**6)), {"w": jnp.ones(2)}, max_staleness=5, queue_size=1)
+  assert calls.wait(10)
+  time.sleep(0.1)  # the worker is now blocked on the full queue
+  t0 = time.monotonic()
+  worker.close(timeout=5)
+  assert time.monotonic() - t0 < 5
+  with pytest.raises(RolloutWorkerError, match="closed"):
+    worker.get(timeout=1)
+
+
+def test_sync_worker_waits_for_new_weights():
+  worker = RolloutWorker(lambda p, prompts, key: prompts, iter(range(100)), {"w": jnp.ones(2)},
+                         max_staleness=0)
+  assert worker.get(timeout=10).prompts == 0
+  with pytest.raises(TimeoutError):
+    worker.get(timeout=0.3)  # no second batch until the weights move on
+  worker.update_weights({"w": jnp.zeros(2)}, 1)
+  assert worker.get(timeout=10).version == 1
+  with pytest.raises(ValueError, match="must increase"):
+    worker.update_weights({"w": jnp.zeros(2)}, 1)
+  worker.close()
