@@ -102,15 +102,27 @@ class Attention(nnx.Module):
                                                    cache_index, axis=1)
       layer_cache = (k_BSKH, v_BSKH)
     b, t, n, h = q_BTNH.shape
-    g = n // cfg.n_kv_heads
-    q_BTKGH = q_BTNH.reshape(b, t, cfg.n_kv_heads, g, h)
-    logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH.astype(dt)).astype(jnp.float32)
-    logits_BKGTS = logits_BKGTS / math.sqrt(h)
-    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
-    probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt)
-    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH.astype(dt))
+    q_BTKGH = q_BTNH.reshape(b, t, cfg.n_kv_heads, n // cfg.n_kv_heads, h) / math.sqrt(h)
+    attend = _attend_one if t == 1 else _attend
+    out_BTKGH = attend(q_BTKGH, k_BSKH.astype(dt), v_BSKH.astype(dt), mask_BTS)
     out_BTD = jnp.einsum("btnh,nhd->btd", out_BTKGH.reshape(b, t, n, h), self.wo[...].astype(dt))
     return out_BTD, layer_cache
+
+
+def _attend(q_BTKGH, k_BSKH, v_BSKH, mask_BTS):
+  logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH).astype(jnp.float32)
+  logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
+  probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(q_BTKGH.dtype)
+  return jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
+
+
+def _attend_one(q_B1KGH, k_BSKH, v_BSKH, mask_B1S):
+  """Decode (one query): broadcast-multiply-reduce, which XLA:CPU runs ~2x faster than the
+  tiny batched dot products the einsum form becomes."""
+  logits_BSKG = (q_B1KGH[:, 0, None] * k_BSKH[:, :, :, None, :]).sum(-1).astype(jnp.float32)
+  logits_BSKG = jnp.where(mask_B1S[:, 0, :, None, None], logits_BSKG, jnp.finfo(jnp.float32).min)
+  probs_BSKG = jax.nn.softmax(logits_BSKG, axis=1).astype(q_B1KGH.dtype)
+  return (probs_BSKG[..., None] * v_BSKH[:, :, :, None, :]).sum(1)[:, None]
 
 
 class MLP(nnx.Module):

@@ -1,0 +1,41 @@
+"""Shared benchmark plumbing: fake CPU devices before JAX starts, timing, the JSON last line."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+def force_cpu_devices(n: int) -> None:
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def best_seconds(fn, *, repeats: int, warmup: int = 1) -> float:
+  """Best wall time of `fn()` (which must block until done) over `repeats` runs."""
+  for _ in range(warmup):
+    fn()
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
+def matmul_flops_per_s(n: int = 1024, repeats: int = 20) -> float:
+  """Peak fp32 matmul rate of the default device, measured now (n x n @ n x n, jitted)."""
+  import jax
+  import jax.numpy as jnp
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  seconds = best_seconds(lambda: f(a).block_until_ready(), repeats=repeats, warmup=2)
+  return 2 * n**3 / seconds
+
+
+def emit(result: dict, as_json: bool) -> None:
+  if not as_json:
+    for k, v in result.items():
+      print(f"{k:>24}: {v}")
+  print(json.dumps(result))
