@@ -1,0 +1,139 @@
+"""Placement of the RLHF roles on device slices, as presets over one role -> (devices, mesh) map.
+
+Strategies (DESIGN.md, "Adaptive placement"):
+  colocate   every role on every device, run in turn (flattening); the sampler re-lays the
+             actor's weights out for decoding on the same devices (ReaL-style reallocation).
+  interleave the trainer (actor, critic) and the sampler share the first `train_devices`;
+             reference and reward get exclusive halves of the rest and run concurrently.
+  separate   trainer roles on the first `train_devices`, the sampler on the rest, holding a
+             shadow copy of the actor refreshed after every update.
+Devices are taken host by host, so on several hosts each host gives its first devices to training
+and the rest to sampling, and the train -> sampler transfer stays inside a host.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from sharding.rules import MESH_AXES
+
+ROLES = ("actor", "critic", "reference", "reward", "sampler")
+STRATEGIES = ("colocate", "interleave", "separate")
+
+
+class PlacementError(ValueError):
+  """A placement that cannot work; the message names the role, the axis and the numbers."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSpec:
+  devices: tuple[int, ...]  # positions in the host-major device list
+  mesh: tuple[tuple[str, int], ...]  # ((axis, size), ...) over MESH_AXES
+
+  @property
+  def shape(self) -> dict[str, int]:
+    return dict(self.mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  strategy: str
+  roles: dict[str, RoleSpec]
+
+  def shares_weights(self, a: str, b: str) -> bool:
+    """Roles with identical devices and mesh layout hold one copy of the weights."""
+    return self.roles[a] == self.roles[b]
+
+  def mesh(self, role: str, devices=None) -> Mesh:
+    devices = host_major_devices() if devices is None else list(devices)
+    spec = self.roles[role]
+    sizes = tuple(spec.shape.get(a, 1) for a in MESH_AXES)
+    picked = np.asarray([devices[i] for i in spec.devices], dtype=object)
+    return Mesh(picked.reshape(sizes), MESH_AXES)
+
+
+def host_major_devices() -> list:
+  return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+
+
+def _mesh(**sizes: int) -> tuple[tuple[str, int], ...]:
+  return tuple((a, int(sizes.get(a, 1))) for a in MESH_AXES)
+
+
+def _per_host_split(n_devices: int, n_hosts: int, train_per_host: int):
+  local = n_devices // n_hosts
+  train = tuple(h * local + i for h in range(n_hosts) for i in range(train_per_host))
+  rest = tuple(h * local + i for h in range(n_hosts) for i in range(train_per_host, local))
+  return train, rest
+
+
+def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler_tensor: int = 1,
+                   n_hosts: int = 1) -> Placement:
+  """The preset for `strategy`; `train_devices` counts devices over all hosts."""
+  if strategy not in STRATEGIES:
+    raise PlacementError(f"placement.strategy: expected one of {list(STRATEGIES)}, got {strategy!r}")
+  if n_devices % n_hosts:
+    raise PlacementError(f"placement: {n_devices} devices do not split over {n_hosts} hosts")
+  everything = tuple(range(n_devices))
+  if strategy == "colocate":
+    train, rest = everything, everything
+    sampler_devices = everything
+  else:
+    if train_devices % n_hosts or not 0 < train_devices < n_devices:
+      raise PlacementError(
+          f"placement.train_devices: {train_devices} must be in (0, {n_devices}) and a multiple "
+          f"of the {n_hosts} hosts")
+    train, rest = _per_host_split(n_devices, n_hosts, train_devices // n_hosts)
+    sampler_devices = train if strategy == "interleave" else rest
+  if len(sampler_devices) % sampler_tensor:
+    raise PlacementError(
+        f"sampler: mesh axis tensor={sampler_tensor} does not divide its {len(sampler_devices)} "
+        f"devices")
+  trainer = RoleSpec(train, _mesh(fsdp=len(train)))
+  roles = {"actor": trainer, "critic": trainer, "reference": trainer, "reward": trainer,
+           "sampler": RoleSpec(sampler_devices, _mesh(data=len(sampler_devices) // sampler_tensor,
+                                                       tensor=sampler_tensor))}
+  if strategy == "interleave":
+    half = len(rest) // 2
+    if half == 0:
+      raise PlacementError(f"placement.train_devices: interleave needs >= 2 devices left for "
+                           f"reference and reward, got {len(rest)}")
+    roles["reference"] = RoleSpec(rest[:half], _mesh(fsdp=half))
+    roles["reward"] = RoleSpec(rest[half:2 * half], _mesh(fsdp=half))
+  placement = Placement(strategy, roles)
+  validate(placement, n_devices)
+  return placement
+
+
+def validate(placement: Placement, n_devices: int, model_dims: dict[str, int] | None = None,
+             rules=None) -> None:
+  """Fails before any compile, naming the role, the axis and the numbers."""
+  for role, spec in placement.roles.items():
+    size = int(np.prod([s for _, s in spec.mesh]))
+    if size != len(spec.devices):
+      raise PlacementError(f"{role}: mesh {spec.shape} has {size} devices but the role is given "
+                           f"{len(spec.devices)}")
+    if max(spec.devices) >= n_devices:
+      raise PlacementError(f"{role}: asks for device {max(spec.devices)} but only {n_devices} exist")
+  if placement.strategy == "separate":
+    train, sampler = set(placement.roles["actor"].devices), set(placement.roles["sampler"].devices)
+    if train & sampler:
+      raise PlacementError(f"sampler: separate placement overlaps the actor on devices "
+                           f"{sorted(train & sampler)}")
+  if placement.strategy == "interleave":
+    ref, reward = set(placement.roles["reference"].devices), set(placement.roles["reward"].devices)
+    if ref & reward or (ref | reward) & set(placement.roles["actor"].devices):
+      raise PlacementError("reference/reward: interleave needs exclusive device groups")
+  if model_dims and rules:
+    table = dict(rules)
+    for role, spec in placement.roles.items():
+      for logical, dim in model_dims.items():
+        target = table.get(logical)
+        for axis in ((target,) if isinstance(target, str) else tuple(target or ())):
+          n = spec.shape.get(axis, 1)
+          if dim % n:
+            raise PlacementError(f"{role}: mesh axis {axis}={n} does not divide model dimension "
+                                 f"{logical}={dim}")

@@ -1,0 +1,101 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.models.llama import LanguageModel, ModelConfig, positions_from_valid
+from sharding.mesh import init_sharded, param_shardings
+from sharding.placement import PlacementError, make_placement
+from sharding.reshard import plan_buckets, reshard
+from sharding.rules import SAMPLER_RULES, TRAIN_RULES, activation_rules
+
+CFG = ModelConfig(vocab_size=264, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                  d_ff=128)
+
+
+@pytest.mark.parametrize("strategy", ["colocate", "interleave", "separate"])
+def test_presets_and_sharded_logprobs_equal_single_device(strategy):
+  placement = make_placement(strategy, 8, train_devices=4, sampler_tensor=2)
+  actor, sampler = placement.roles["actor"], placement.roles["sampler"]
+  assert placement.shares_weights("actor", "critic")
+  if strategy == "separate":
+    assert not set(actor.devices) & set(sampler.devices)
+  if strategy == "interleave":
+    assert not placement.shares_weights("reference", "reward")
+  model = LanguageModel(CFG, rngs=nnx.Rngs(0))
+  tokens_BT = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 10)), jnp.int32)
+  valid_BT = jnp.ones((8, 10), bool)
+  want = jax.nn.log_softmax(model(tokens_BT, positions_from_valid(valid_BT), valid_BT)[0])
+  for role, rules in [("actor", TRAIN_RULES), ("reference", TRAIN_RULES),
+                      ("sampler", SAMPLER_RULES)]:
+    mesh = placement.mesh(role)
+    graphdef, state, _ = init_sharded(lambda: LanguageModel(CFG, rngs=nnx.Rngs(0)), rules, mesh)
+
+    @jax.jit
+    def logp(state, tokens_BT, valid_BT):
+      with activation_rules(mesh, rules):
+        logits = nnx.merge(graphdef, state)(tokens_BT, positions_from_valid(valid_BT), valid_BT)[0]
+        return jax.nn.log_softmax(logits)
+
+    np.testing.assert_allclose(logp(state, tokens_BT, valid_BT), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(strategy="separate", train_devices=8), "placement.train_devices: 8 must be in (0, 8)"),
+    (dict(strategy="separate", train_devices=5, sampler_tensor=2),
+     "sampler: mesh axis tensor=2 does not divide its 3 devices"),
+    (dict(strategy="interleave", train_devices=7), "interleave needs >= 2 devices"),
+    (dict(strategy="pipeline", train_devices=4), "placement.strategy: expected one of"),
+])
+def test_bad_placements_fail_with_one_line(kwargs, message):
+  with pytest.raises(PlacementError) as e:
+    make_placement(n_devices=8, **kwargs)
+  assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_plan_buckets():
+  assert plan_buckets([4, 4, 4, 10, 1], 8) == [[0, 1], [2], [3], [4]]
+  assert plan_buckets([], 8) == []
+
+
+def test_reshard_moves_values_into_the_target_layout_across_devices():
+  placement = make_placement("separate", 8, train_devices=4, sampler_tensor=2)
+  train_mesh, sampler_mesh = placement.mesh("actor"), placement.mesh("sampler")
+  _, state, _ = init_sharded(lambda: LanguageModel(CFG, rngs=nnx.Rngs(0)), TRAIN_RULES, train_mesh)
+  target = param_shardings(state, SAMPLER_RULES, sampler_mesh)
+  host = jax.tree.map(np.asarray, state)
+  moved, stats = reshard(state, target, bucket_bytes=64 << 10)
+  flat_moved, flat_target = jax.tree.leaves(moved), jax.tree.leaves(target)
+  for x, want, sharding in zip(flat_moved, jax.tree.leaves(host), flat_target):
+    assert x.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(x), want)
+  assert stats.bytes == sum(x.nbytes for x in jax.tree.leaves(host)) and stats.buckets > 1
+  back, _ = reshard(moved, jax.tree.map(lambda x: x.sharding, state))
+  for x, want in zip(jax.tree.leaves(back), jax.tree.leaves(host)):
+    np.testing.assert_array_equal(np.asarray(x), want)
+
+
+def test_bucket_cap_bounds_live_memory_when_donating():
+  placement = make_placement("separate", 8, train_devices=4, sampler_tensor=2)
+  train_mesh, sampler_mesh = placement.mesh("actor"), placement.mesh("sampler")
+  cfg = ModelConfig(vocab_size=264, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
+                    d_ff=512)
+  _, state, _ = init_sharded(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)), TRAIN_RULES, train_mesh)
+  target = param_shardings(state, SAMPLER_RULES, sampler_mesh)
+  cap = 256 << 10
+  total = sum(x.nbytes for x in jax.tree.leaves(state))
+  assert total > 8 * cap
+  live = lambda: sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
+  others = live() - total
+  r = sampler_mesh.shape["data"]  # the sampler layout replicates weights over `data`
+  steady = max(total, r * total)  # footprint before (source) and after (r copies of the target)
+  extra = []
+  moved, stats = reshard(state, target, bucket_bytes=cap, donate=True,
+                         on_bucket=lambda b: extra.append(live() - others - steady))
+  assert stats.largest_bucket_bytes <= cap and stats.buckets >= 8
+  # At the peak (a bucket landed, its sources not yet freed) at most r bucket copies are extra;
+  # moving everything at once would be `total` extra.
+  assert max(extra) <= r * cap < total
+  assert all(x.is_deleted() for x in jax.tree.leaves(state))
+  assert all(not x.is_deleted() for x in jax.tree.leaves(moved))
