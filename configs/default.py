@@ -24,8 +24,11 @@ def get_config() -> ml_collections.ConfigDict:
                  d_ff=512, rope_theta=10_000.0, norm_eps=1e-6, tie_embeddings=True, dtype="float32")
   c.task = dict(name="reverse", num_digits=5, n_train=4096, n_heldout=256, teacher_error=0.6,
                 verifier="exact_match")
-  # Fully sharded over the 8 (fake) devices: batch and the weights' embed axis over `fsdp`.
-  c.mesh = dict(data=1, fsdp=8, tensor=1, cpu_devices=8)
+  # Separate placement on 8 (fake) devices: the trainer fsdp-shards the actor over devices 0-3,
+  # the sampler decodes on devices 4-7 ({data: 2, tensor: 2}) from a shadow copy resharded
+  # after every update.
+  c.placement = dict(strategy="separate", train_devices=4, sampler_tensor=2,
+                     reshard_bucket_mb=256, cpu_devices=8)
   c.sft = dict(steps=800, batch_size=64, learning_rate=1e-3, warmup_steps=20, weight_decay=0.0)
   c.rl = dict(steps=150, prompts_per_step=64, group_size=8, num_minibatches=2, learning_rate=3e-4,
               advantage="grpo", clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.02,

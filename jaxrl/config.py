@@ -14,6 +14,7 @@ from typing import Any
 from jaxrl.algos import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS
 from jaxrl.data.tasks import TASKS
 from jaxrl.models.llama import ModelConfig
+from sharding.placement import STRATEGIES
 
 
 class ConfigError(ValueError):
@@ -32,10 +33,11 @@ class TaskConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig:
-  data: int = 1
-  fsdp: int = 8
-  tensor: int = 1
+class PlacementConfig:
+  strategy: str = "separate"  # colocate | interleave | separate (sharding/placement.py)
+  train_devices: int = 4  # devices (over all hosts) for the trainer roles; ignored by colocate
+  sampler_tensor: int = 1  # tensor-parallel degree of the sampler mesh
+  reshard_bucket_mb: int = 256  # cap on the extra memory of one train -> sampler transfer
   cpu_devices: int = 8  # fake host devices when running on the CPU (XLA_FLAGS)
 
 
@@ -82,7 +84,7 @@ class ExperimentConfig:
   progress: bool = True
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
-  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
   sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
   rl: RLConfig = dataclasses.field(default_factory=RLConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
@@ -152,17 +154,25 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
                       ("config.task.n_train", cfg.task.n_train),
                       ("config.task.n_heldout", cfg.task.n_heldout)]:
     _positive(path, value)
-  batch_ways = cfg.mesh.data * cfg.mesh.fsdp
+  _choice("config.placement.strategy", cfg.placement.strategy, STRATEGIES)
+  pl = cfg.placement
+  if pl.strategy != "colocate" and not 0 < pl.train_devices < pl.cpu_devices:
+    raise ConfigError(f"config.placement.train_devices: {pl.train_devices} must be in "
+                      f"(0, {pl.cpu_devices})")
+  train_ways = pl.cpu_devices if pl.strategy == "colocate" else pl.train_devices
+  sampler_devices = {"colocate": pl.cpu_devices, "interleave": pl.train_devices,
+                     "separate": pl.cpu_devices - pl.train_devices}[pl.strategy]
+  sampler_ways = max(sampler_devices // max(pl.sampler_tensor, 1), 1)
   rollouts = cfg.rl.prompts_per_step * cfg.rl.group_size
-  if rollouts % (cfg.rl.num_minibatches * batch_ways):
+  if rollouts % (cfg.rl.num_minibatches * train_ways):
     raise ConfigError(
         f"config.rl.num_minibatches: prompts_per_step*group_size={rollouts} must split into "
-        f"{cfg.rl.num_minibatches} minibatches divisible by mesh data*fsdp={batch_ways}")
-  for path, value in [("config.sft.batch_size", cfg.sft.batch_size),
-                      ("config.rl.prompts_per_step", cfg.rl.prompts_per_step),
-                      ("config.eval.batch_size", cfg.eval.batch_size)]:
-    if value % batch_ways:
-      raise ConfigError(f"{path}: {value} is not divisible by mesh data*fsdp={batch_ways}")
+        f"{cfg.rl.num_minibatches} minibatches divisible by the trainer's {train_ways} devices")
+  for path, value, ways in [("config.sft.batch_size", cfg.sft.batch_size, train_ways),
+                            ("config.rl.prompts_per_step", cfg.rl.prompts_per_step, sampler_ways),
+                            ("config.eval.batch_size", cfg.eval.batch_size, sampler_ways)]:
+    if value % ways:
+      raise ConfigError(f"{path}: {value} is not divisible by the {ways}-way batch split of its mesh")
   if not 0.0 <= cfg.task.teacher_error <= 1.0:
     raise ConfigError(f"config.task.teacher_error: expected in [0, 1], got {cfg.task.teacher_error}")
   return cfg

@@ -22,7 +22,7 @@ def _cfg(**overrides):
 
 def test_default_config_is_valid():
   cfg = _cfg()
-  assert cfg.task.name == "reverse" and cfg.mesh.fsdp == 8 and cfg.task.teacher_error == 0.6
+  assert cfg.task.name == "reverse" and cfg.placement.strategy == "separate" and cfg.task.teacher_error == 0.6
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -34,7 +34,8 @@ def test_default_config_is_valid():
     ({"rl__advantage": "ppo2"}, "config.rl.advantage: expected one of"),
     ({"model__dtype": "fp8"}, "config.model.dtype: expected one of"),
     ({"rl__group_size": 0}, "config.rl.group_size: expected > 0"),
-    ({"sft__batch_size": 12}, "config.sft.batch_size: 12 is not divisible by mesh data*fsdp=8"),
+    ({"sft__batch_size": 10}, "config.sft.batch_size: 10 is not divisible by the 4-way batch"),
+    ({"eval__batch_size": 3}, "config.eval.batch_size: 3 is not divisible by the 2-way batch"),
     ({"model": 3}, "config.model: expected a section"),
     ({"model__n_kv_heads": 3}, "config.model.n_heads: 4 must be a multiple of n_kv_heads=3"),
     ({"task__teacher_error": 1.5}, "config.task.teacher_error: expected in [0, 1]"),
@@ -54,7 +55,9 @@ def test_int_is_accepted_for_float():
     ("--config.rl.stepz=3", "rl.stepz"),
     ("--config.rl.steps=abc", "rl.steps"),
     ("--config.task.name=chess", "config.task.name"),
-    ("--config.mesh.fsdp=3", "mesh"),
+    ("--config.placement.train_devices=9", "config.placement.train_devices: 9 must be in (0, 8)"),
+    ("--config.placement.sampler_tensor=3", "sampler: mesh axis tensor=3 does not divide its 4"),
+    ("--config.placement.strategy=pipeline", "config.placement.strategy: expected one of"),
 ])
 def test_cli_user_error_exits_2_with_one_line(arg, message, tmp_path):
   proc = subprocess.run(

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxrl.config import ExperimentConfig
+from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.pipeline import answer_length, prompt_batch, prompt_dataset, prompt_length, sft_dataset
 from jaxrl.data.tasks import Example, make_splits
 from jaxrl.data.tokenizer import ByteTokenizer
@@ -54,7 +54,7 @@ def rl_batch(trainer: Trainer, tok: ByteTokenizer, prompts: dict, key, reference
   wall time (seconds) as `time_<stage>`.
   """
   t0 = time.perf_counter()
-  rollout = jax.block_until_ready(trainer.sample(prompts, key))
+  rollout = trainer.sample(prompts, key)
   t1 = time.perf_counter()
   answers_B = np.repeat(prompts["answers"], trainer.cfg.rl.group_size)
   rewards_B, _ = score(tok, rollout, answers_B, verifier)
@@ -91,8 +91,12 @@ def run(cfg: ExperimentConfig, run_dir: str) -> dict:
   train_set, heldout = make_splits(cfg.task.name, cfg.task.num_digits, cfg.task.n_train,
                                    cfg.task.n_heldout, cfg.seed, cfg.task.teacher_error)
   p_len = prompt_length(train_set + heldout, tok)
-  trainer = Trainer(cfg, prompt_len=p_len, max_new_tokens=answer_length(train_set + heldout, tok) + 2,
-                    eos_id=tok.eos_id, pad_id=tok.pad_id)
+  try:  # placement and divisibility problems are user errors, found before any compile
+    trainer = Trainer(cfg, prompt_len=p_len,
+                      max_new_tokens=answer_length(train_set + heldout, tok) + 2,
+                      eos_id=tok.eos_id, pad_id=tok.pad_id)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   writer = MetricsWriter(run_dir)
   sft_ckpt, ckpt = Checkpointer(run_dir, "sft", 1), Checkpointer(run_dir, "rl", cfg.keep_checkpoints)
   evaluate_now = lambda: evaluate(trainer, tok, heldout, p_len, cfg.eval.batch_size, verifier)
@@ -113,6 +117,7 @@ def run(cfg: ExperimentConfig, run_dir: str) -> dict:
     log.info("after SFT: held-out greedy accuracy %.3f", acc)
 
     # GRPO.
+    trainer.sync_sampler()
     reference = trainer.start_rl()
     prompts_iter = iter(prompt_dataset(train_set, tok, batch_size=cfg.rl.prompts_per_step,
                                        length=p_len, seed=cfg.seed + 1))
@@ -131,6 +136,8 @@ def run(cfg: ExperimentConfig, run_dir: str) -> dict:
                  for i in range(n_mb)]
       m = {k: float(np.mean([jax.device_get(x[k]) for x in metrics])) for k in metrics[0]}
       times["time_update"] = time.perf_counter() - t_update
+      transfer = trainer.sync_sampler()
+      times.update(time_reshard=transfer.seconds, reshard_gbps=transfer.gbps)
       dt = time.perf_counter() - t0
       row = {"phase": "rl", "step": step, "reward_mean": float(rewards_B.mean()), **m, **times,
              "response_len": float(lengths_B.mean()), "step_time": dt,

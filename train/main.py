@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = parse_config(argv)
   except UsageError as e:
     return _fail(str(e))
-  cpu_devices = raw.get("mesh", {}).get("cpu_devices", 8)
+  cpu_devices = raw.get("placement", {}).get("cpu_devices", 8)
   _force_cpu_devices(cpu_devices if isinstance(cpu_devices, int) else 8)
 
   from jaxrl.config import ConfigError, ExperimentConfig, from_mapping, validate

@@ -14,24 +14,36 @@ from jaxrl.config import ExperimentConfig
 from jaxrl.models.llama import LanguageModel
 from sampler.engine import Rollout, generate
 from sampler.methods import SamplingConfig
-from sharding.mesh import batch_sharding, init_sharded, make_mesh
-from sharding.rules import TRAIN_RULES, activation_rules
+from sharding.mesh import batch_sharding, init_sharded, param_shardings
+from sharding.placement import host_major_devices, make_placement
+from sharding.reshard import TransferStats, reshard
+from sharding.rules import SAMPLER_RULES, TRAIN_RULES, activation_rules
 from train import steps
 
 
 class Trainer:
-  """Holds the mesh, the model's graphdef and the jitted steps for one actor on one mesh."""
+  """The actor on its train mesh plus its shadow copy on the sampler mesh (see placement).
+
+  After every update `sync_sampler()` reshards the weights into the sampler's layout: across
+  devices for `separate`, in place (fsdp -> tensor parallel) for `colocate`.
+  """
 
   def __init__(self, cfg: ExperimentConfig, *, prompt_len: int, max_new_tokens: int, eos_id: int,
-               pad_id: int, devices=None):
+               pad_id: int):
     self.cfg = cfg
     self.prompt_len = prompt_len
-    self.mesh = make_mesh(
-        {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}, devices)
-    self.rules = TRAIN_RULES
+    devices = host_major_devices()
+    pl = cfg.placement
+    self.placement = make_placement(pl.strategy, len(devices), train_devices=pl.train_devices,
+                                    sampler_tensor=pl.sampler_tensor,
+                                    n_hosts=jax.process_count())
+    self.mesh, self.rules = self.placement.mesh("actor", devices), TRAIN_RULES
+    self.sampler_mesh = self.placement.mesh("sampler", devices)
     self.graphdef, params, self.param_shardings = init_sharded(
         lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.seed)), self.rules, self.mesh)
+    self.sampler_shardings = param_shardings(params, SAMPLER_RULES, self.sampler_mesh)
     self.batch_sharding = batch_sharding(self.mesh, self.rules)
+    self.sampler_batch = batch_sharding(self.sampler_mesh, SAMPLER_RULES)
     self.sft_optimizer = steps.make_optimizer(
         cfg.sft.learning_rate, warmup_steps=cfg.sft.warmup_steps, total_steps=cfg.sft.steps,
         weight_decay=cfg.sft.weight_decay)
@@ -54,20 +66,33 @@ class Trainer:
     self._advantages = jax.jit(functools.partial(steps.advantages, cfg=cfg.rl))
     self._sft_step = None
     self._rl_step = None
+    self.sampler_params = None
+    self.sync_sampler()
 
-  def _jit(self, fn, **kwargs):
-    """jit whose trace runs under this mesh's activation rules."""
+  def _jit(self, fn, *, mesh=None, rules=None, **kwargs):
+    """jit whose trace runs under a mesh's activation rules (default: the train mesh)."""
+    mesh, rules = (self.mesh, self.rules) if mesh is None else (mesh, rules)
 
     def traced(*args):
-      with activation_rules(self.mesh, self.rules):
+      with activation_rules(mesh, rules):
         return fn(*args)
 
     return jax.jit(traced, **kwargs)
 
   def _jit_generate(self, sample_cfg: SamplingConfig, n: int = 1):
     return self._jit(functools.partial(generate, self.graphdef, cfg=sample_cfg, n=n),
-                     in_shardings=(self.param_shardings, self.batch_sharding,
-                                   self.batch_sharding, None))
+                     mesh=self.sampler_mesh, rules=SAMPLER_RULES,
+                     in_shardings=(self.sampler_shardings, self.sampler_batch,
+                                   self.sampler_batch, None))
+
+  def sync_sampler(self) -> TransferStats:
+    """Refreshes the sampler's copy of the actor (the old copy is donated)."""
+    old = self.sampler_params
+    self.sampler_params, stats = reshard(self.state.params, self.sampler_shardings,
+                                         bucket_bytes=self.cfg.placement.reshard_bucket_mb << 20)
+    if old is not None:
+      jax.tree.map(lambda x: x.delete(), old)
+    return stats
 
   def new_state(self, params, optimizer) -> steps.TrainState:
     replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -115,18 +140,21 @@ class Trainer:
     return metrics
 
   def sample(self, prompts: dict, key) -> Rollout:
-    """`group_size` samples per prompt, group-major; the prompt prefill is shared."""
-    return self._sample(self.state.params, *self._prompts(prompts), key)
+    """`group_size` samples per prompt, group-major, on the sampler mesh (host arrays out)."""
+    return jax.device_get(self._sample(self.sampler_params, *self._prompts(prompts), key))
 
   def greedy(self, prompts: dict) -> Rollout:
-    return self._greedy(self.state.params, *self._prompts(prompts), jax.random.key(0))
+    return jax.device_get(self._greedy(self.sampler_params, *self._prompts(prompts),
+                                       jax.random.key(0)))
 
   def _prompts(self, prompts: dict):
-    return (jax.device_put(prompts["prompt_tokens"], self.batch_sharding),
-            jax.device_put(prompts["prompt_valid"], self.batch_sharding))
+    return (jax.device_put(prompts["prompt_tokens"], self.sampler_batch),
+            jax.device_put(prompts["prompt_valid"], self.sampler_batch))
 
   def completion_logprobs(self, params, rollout: Rollout) -> jax.Array:
-    return self._logprobs(params, rollout.tokens_BT, rollout.valid_BT)[0]
+    """Trainer-side log-probs of a (host) rollout on the train mesh."""
+    batch = self.put_batch({"tokens": rollout.tokens_BT, "valid": rollout.valid_BT})
+    return self._logprobs(params, batch["tokens"], batch["valid"])[0]
 
   def advantages(self, rewards_B: np.ndarray) -> jax.Array:
     return self._advantages(jnp.asarray(rewards_B, jnp.float32))
