@@ -57,6 +57,8 @@ def test_int_is_accepted_for_float():
     ("--config.task.name=chess", "config.task.name"),
     ("--config.placement.train_devices=9", "config.placement.train_devices: 9 must be in (0, 8)"),
     ("--config.placement.sampler_tensor=3", "sampler: mesh axis tensor=3 does not divide its 4"),
+    ("--config.model.n_kv_heads=1",
+     "sampler: decoder/blocks/0/attn/wk: dimension 1 is not divisible by mesh axis tensor=2"),
     ("--config.placement.strategy=pipeline", "config.placement.strategy: expected one of"),
 ])
 def test_cli_user_error_exits_2_with_one_line(arg, message, tmp_path):

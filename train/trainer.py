@@ -15,7 +15,7 @@ from jaxrl.models.llama import LanguageModel
 from sampler.engine import Rollout, generate
 from sampler.methods import SamplingConfig
 from sharding.mesh import batch_sharding, init_sharded, param_shardings
-from sharding.placement import host_major_devices, make_placement
+from sharding.placement import PlacementError, host_major_devices, make_placement
 from sharding.reshard import TransferStats, reshard
 from sharding.rules import SAMPLER_RULES, TRAIN_RULES, activation_rules
 from train import steps
@@ -39,8 +39,15 @@ class Trainer:
                                     n_hosts=jax.process_count())
     self.mesh, self.rules = self.placement.mesh("actor", devices), TRAIN_RULES
     self.sampler_mesh = self.placement.mesh("sampler", devices)
-    self.graphdef, params, self.param_shardings = init_sharded(
-        lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.seed)), self.rules, self.mesh)
+    make_model = lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    abstract = nnx.state(nnx.eval_shape(make_model))
+    for role, mesh, rules in [("actor", self.mesh, TRAIN_RULES),
+                              ("sampler", self.sampler_mesh, SAMPLER_RULES)]:
+      try:  # checked on abstract shapes, before anything is allocated or compiled
+        param_shardings(abstract, rules, mesh)
+      except ValueError as e:
+        raise PlacementError(f"{role}: {e}") from None
+    self.graphdef, params, self.param_shardings = init_sharded(make_model, self.rules, self.mesh)
     self.sampler_shardings = param_shardings(params, SAMPLER_RULES, self.sampler_mesh)
     self.batch_sharding = batch_sharding(self.mesh, self.rules)
     self.sampler_batch = batch_sharding(self.sampler_mesh, SAMPLER_RULES)
