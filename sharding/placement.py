@@ -92,7 +92,9 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
     raise PlacementError(
         f"sampler: mesh axis tensor={sampler_tensor} does not divide its {len(sampler_devices)} "
         f"devices")
-  trainer = RoleSpec(train, _mesh(fsdp=len(train)))
+  # Across hosts the trainer is hybrid-sharded: fsdp inside a host, data-parallel over hosts, so
+  # every host holds a whole copy and its transfer to the local sampler devices stays local.
+  trainer = RoleSpec(train, _mesh(data=n_hosts, fsdp=len(train) // n_hosts))
   roles = {"actor": trainer, "critic": trainer, "reference": trainer, "reward": trainer,
            "sampler": RoleSpec(sampler_devices, _mesh(data=len(sampler_devices) // sampler_tensor,
                                                        tensor=sampler_tensor))}

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,28 @@ def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
   return buckets
 
 
+def _host_local_put(x: jax.Array, target) -> jax.Array:
+  """Multi-process path: each process fills its own target shards from its own source shards,
+  which must cover the whole array (a host-local copy, as the hybrid-sharded trainer keeps)."""
+  full = np.empty(x.shape, x.dtype)
+  covered = np.zeros(x.shape, bool)
+  for shard in x.addressable_shards:
+    full[shard.index] = np.asarray(shard.data)
+    covered[shard.index] = True
+  if not covered.all():
+    raise ValueError(f"reshard: process {jax.process_index()} holds only part of a {x.shape} "
+                     f"array; place the trainer so each host keeps a whole copy")
+  local = [jax.device_put(full[idx], d)
+           for d, idx in target.addressable_devices_indices_map(x.shape).items()]
+  return jax.make_array_from_single_device_arrays(x.shape, target, local)
+
+
+def _put(x: jax.Array, target) -> jax.Array:
+  if x.is_fully_addressable:
+    return jax.device_put(x, target)
+  return _host_local_put(x, target)
+
+
 def reshard(tree, target_shardings, *, bucket_bytes: int = 256 << 20, donate: bool = False,
             on_bucket: Callable[[int], None] | None = None):
   """Returns (tree in the target layout, TransferStats). `target_shardings` mirrors `tree`
@@ -53,7 +76,7 @@ def reshard(tree, target_shardings, *, bucket_bytes: int = 256 << 20, donate: bo
   out = [None] * len(leaves)
   t0 = time.perf_counter()
   for b, idx in enumerate(buckets):
-    moved = jax.device_put([leaves[i] for i in idx], [targets[i] for i in idx])
+    moved = [_put(leaves[i], targets[i]) for i in idx]
     jax.block_until_ready(moved)
     if on_bucket is not None:
       on_bucket(b)
