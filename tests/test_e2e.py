@@ -57,3 +57,16 @@ def test_tiny_run_through_main(tmp_path):
   after = {os.path.join(dp, p): os.path.getmtime(os.path.join(dp, p)) for dp, _, fs in os.walk(run_dir / "checkpoints")
            for p in fs}
   assert after == before and len(before) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["colocate", "interleave"])
+def test_tiny_run_with_other_placements(tmp_path, strategy):
+  proc = subprocess.run(
+      [sys.executable, "-m", "train.main", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
+       "--config.run_name=p", f"--config.placement.strategy={strategy}"], cwd=ROOT,
+      capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [json.loads(l) for l in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
+  rl = [r for r in rows if r["phase"] == "rl" and "reward_mean" in r]
+  assert len(rl) == 3 and all(r["time_reshard"] > 0 for r in rl)
