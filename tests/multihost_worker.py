@@ -8,8 +8,9 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["JAX_PLATFORMS"] = "cpu"
+if __name__ == "__main__":  # as a worker process; imported by the test, it leaves env alone
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import functools  # noqa: E402
