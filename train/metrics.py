@@ -5,8 +5,9 @@ import json
 import math
 import os
 
-PLOTTED = (("reward_mean", "reward (train samples)"), ("heldout_acc", "held-out greedy accuracy"),
-           ("kl", "KL(pi || ref)"), ("entropy", "entropy (nats/token)"))
+PLOTTED = (("loss", "SFT loss", ("sft",)), ("reward_mean", "reward (train samples)", ("rl",)),
+           ("heldout_acc", "held-out greedy accuracy (RL step 0 = after SFT)", ("rl",)),
+           ("kl", "KL(pi || ref)", ("rl",)), ("entropy", "entropy (nats/token)", ("rl",)))
 
 
 class MetricsWriter:
@@ -35,13 +36,13 @@ def plot_metrics(metrics_path: str, out_path: str) -> None:
   import matplotlib.pyplot as plt
 
   rows = read_metrics(metrics_path)
-  fig, axes = plt.subplots(1, len(PLOTTED), figsize=(4 * len(PLOTTED), 3.2))
-  for ax, (key, title) in zip(axes, PLOTTED):
-    for phase, style in (("sft", "--"), ("rl", "-")):
+  fig, axes = plt.subplots(1, len(PLOTTED), figsize=(3.6 * len(PLOTTED), 3.2))
+  for ax, (key, title, phases) in zip(axes, PLOTTED):
+    for phase in phases:
       pts = [(r["step"], r[key]) for r in rows
              if r.get("phase") == phase and key in r and not math.isnan(r[key])]
       if pts:
-        ax.plot(*zip(*pts), style, marker="." if key == "heldout_acc" else None, label=phase)
+        ax.plot(*zip(*pts), marker="." if key == "heldout_acc" else None, label=phase)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
