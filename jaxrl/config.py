@@ -11,10 +11,15 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from jaxrl.algos import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS
+from jaxrl.algos import AGGREGATIONS, KL_ESTIMATORS
 from jaxrl.data.tasks import TASKS
 from jaxrl.models.llama import ModelConfig
 from sharding.placement import STRATEGIES
+
+
+# Estimators the critic-free RL loop can use today (gae needs a critic, reinforce_pp the KL folded
+# into its rewards; both are in jaxrl.algos for the PPO trainer).
+CRITIC_FREE_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 
 
 class ConfigError(ValueError):
@@ -140,7 +145,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
   from jaxrl.rewards.verifier import VERIFIERS
   _choice("config.task.name", cfg.task.name, TASKS)
   _choice("config.task.verifier", cfg.task.verifier, VERIFIERS)
-  _choice("config.rl.advantage", cfg.rl.advantage, ADVANTAGES)
+  _choice("config.rl.advantage", cfg.rl.advantage, CRITIC_FREE_ADVANTAGES)
   _choice("config.rl.kl_estimator", cfg.rl.kl_estimator, KL_ESTIMATORS)
   _choice("config.rl.loss_aggregation", cfg.rl.loss_aggregation, AGGREGATIONS)
   for path, value in [("config.sft.batch_size", cfg.sft.batch_size),

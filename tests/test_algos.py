@@ -4,8 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.algos.advantages import grpo_advantages
-from jaxrl.algos.losses import AGGREGATIONS, kl_k1, kl_k2, kl_k3, ppo_clip_loss
+from jaxrl.algos.advantages import ADVANTAGES, gae, grpo, reinforce_pp
+from jaxrl.algos.losses import (AGGREGATIONS, aipo_loss, kl_k1, kl_k2, kl_k3, ppo_clip_loss,
+                                truncated_is_weight, value_loss)
 
 
 def np_grpo(rewards, group_size, eps=1e-6):
@@ -22,13 +23,17 @@ def np_grpo(rewards, group_size, eps=1e-6):
 def test_grpo_advantages_match_numpy(group_size):
   rng = np.random.default_rng(group_size)
   rewards = rng.integers(0, 2, 32).astype(np.float32) * rng.normal(size=32).astype(np.float32)
-  got = grpo_advantages(jnp.asarray(rewards), group_size)
-  np.testing.assert_allclose(got, np_grpo(rewards, group_size), rtol=1e-5, atol=1e-5)
+  mask = np.ones((32, 3), np.float32)
+  mask[5, 1:] = 0  # padding: masked tokens get no advantage
+  got = grpo(jnp.asarray(rewards), jnp.asarray(mask), group_size=group_size)
+  want = np_grpo(rewards, group_size)[:, None] * mask
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   assert np.isfinite(np.asarray(got)).all()
 
 
 def test_grpo_constant_group_has_zero_advantage():
-  got = grpo_advantages(jnp.asarray([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0]), 4)
+  got = grpo(jnp.asarray([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0]), jnp.ones((8, 1)),
+             group_size=4)[:, 0]
   np.testing.assert_allclose(got[:4], 0.0)
   np.testing.assert_allclose(got[4:], [-0.866025, 0.866025, -0.866025, 0.866025], atol=1e-5)
 
@@ -43,14 +48,14 @@ def test_ppo_clip_loss_matches_numpy():
   logp = rng.normal(size=(6, 5)) * 0.3 - 1
   old = logp + rng.normal(size=(6, 5)) * 0.3
   adv = rng.normal(size=6)
-  got = ppo_clip_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), eps_low=0.2,
+  got = ppo_clip_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv)[:, None], eps_low=0.2,
                       eps_high=0.28)
   np.testing.assert_allclose(got, np_ppo(logp, old, adv, 0.2, 0.28), rtol=1e-5)
 
 
 def test_ppo_clip_blocks_gradient_outside_trust_region():
   old = jnp.zeros((1, 1))
-  adv = jnp.ones((1,))
+  adv = jnp.ones((1, 1))
   grad = jax.grad(lambda lp: ppo_clip_loss(lp, old, adv, eps_low=0.2, eps_high=0.2).sum())
   assert grad(jnp.full((1, 1), 0.5))[0, 0] == 0.0  # ratio e^0.5 > 1.2 with A > 0: clipped
   assert grad(jnp.full((1, 1), 0.05))[0, 0] < 0.0  # inside: pushes logp up
@@ -74,3 +79,94 @@ def test_aggregations_with_padding():
   assert AGGREGATIONS["seq_mean_token_mean"](loss, mask) == pytest.approx((1.5 + 3.0) / 2)
   assert AGGREGATIONS["seq_mean_token_sum"](loss, mask) == pytest.approx((3.0 + 3.0) / 2)
   assert AGGREGATIONS["token_mean"](loss, np.zeros_like(mask)) == 0.0
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+def test_dr_grpo_and_rloo_match_numpy(group_size):
+  rng = np.random.default_rng(group_size)
+  r = rng.normal(size=16).astype(np.float32)
+  mask = np.ones((16, 2), np.float32)
+  dr = np.asarray(ADVANTAGES["dr_grpo"](jnp.asarray(r), jnp.asarray(mask), group_size=group_size))
+  loo = np.asarray(ADVANTAGES["rloo"](jnp.asarray(r), jnp.asarray(mask), group_size=group_size))
+  for g in range(16 // group_size):
+    rg = r[g * group_size:(g + 1) * group_size].astype(np.float64)
+    np.testing.assert_allclose(dr[g * group_size:(g + 1) * group_size, 0], rg - rg.mean(), atol=1e-5)
+    want = (np.zeros_like(rg) if group_size == 1 else
+            np.array([rg[i] - np.delete(rg, i).mean() for i in range(group_size)]))
+    np.testing.assert_allclose(loo[g * group_size:(g + 1) * group_size, 0], want, atol=1e-5)
+  assert np.isfinite(dr).all() and np.isfinite(loo).all()
+
+
+def np_returns(r, mask, gamma):
+  out = np.zeros_like(r)
+  for b in range(r.shape[0]):
+    acc = 0.0
+    for t in reversed(range(r.shape[1])):
+      acc = (r[b, t] + gamma * acc) * mask[b, t]
+      out[b, t] = acc
+  return out
+
+
+def _padded_mask():
+  mask = np.ones((4, 5), np.float32)
+  mask[1, 3:] = 0
+  mask[2, 1:] = 0
+  return mask
+
+
+def test_reinforce_pp_matches_numpy():
+  rng = np.random.default_rng(0)
+  rewards, kl, mask = rng.normal(size=4), rng.normal(size=(4, 5)) * 0.1, _padded_mask()
+  got = reinforce_pp(jnp.asarray(rewards), jnp.asarray(mask), kl_BN=jnp.asarray(kl), kl_coef=0.5,
+                     gamma=0.9)
+  r = -0.5 * kl * mask
+  for b in range(4):
+    r[b, int(mask[b].sum()) - 1] += rewards[b]
+  ret = np_returns(r, mask, 0.9)
+  valid = ret[mask > 0]
+  want = (ret - valid.mean()) / (valid.std() + 1e-6) * mask
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_gae_matches_numpy():
+  rng = np.random.default_rng(1)
+  rewards, values, mask = rng.normal(size=4), rng.normal(size=(4, 5)), _padded_mask()
+  got = gae(jnp.asarray(rewards), jnp.asarray(mask), values_BN=jnp.asarray(values), gamma=0.99,
+            lam=0.9)
+  want = np.zeros((4, 5))
+  for b in range(4):
+    n = int(mask[b].sum())
+    r = np.zeros(n)
+    r[-1] = rewards[b]
+    acc = 0.0
+    for t in reversed(range(n)):
+      next_v = values[b, t + 1] if t + 1 < n else 0.0
+      acc = r[t] + 0.99 * next_v - values[b, t] + 0.99 * 0.9 * acc
+      want[b, t] = acc
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_aipo_gradient_truncation_and_on_policy_limit():
+  rng = np.random.default_rng(2)
+  logp = jnp.asarray(rng.normal(size=(3, 4)) - 1.0)
+  mu = logp + jnp.asarray(rng.normal(size=(3, 4)) * 2.0)
+  adv = jnp.asarray(rng.normal(size=(3, 4)))
+  rho = 2.0
+  grad = jax.grad(lambda lp: aipo_loss(lp, mu, adv, rho=rho).sum())(logp)
+  weight = np.minimum(np.exp(np.asarray(logp - mu)), rho)
+  np.testing.assert_allclose(grad, -weight * np.asarray(adv), rtol=1e-5)  # d/dlogp, w held fixed
+  assert weight.max() <= rho and (weight == rho).any()  # truncated at rho
+  on_policy = jax.grad(lambda lp: aipo_loss(lp, lp, adv, rho=rho).sum())(logp)
+  np.testing.assert_allclose(on_policy, -np.asarray(adv), rtol=1e-6)  # REINFORCE when pi == mu
+
+
+def test_truncated_is_weight_and_value_loss():
+  old, mu = jnp.asarray([[0.0, -1.0]]), jnp.asarray([[-2.0, -1.0]])
+  np.testing.assert_allclose(truncated_is_weight(old, mu, 3.0), [[3.0, 1.0]], rtol=1e-6)
+  v, v_old, ret = jnp.asarray([[1.0, 0.0]]), jnp.asarray([[0.0, 0.0]]), jnp.asarray([[0.0, 1.0]])
+  # token 0: unclipped 0.5, clipped (0.2 - 0)^2/2 = 0.02 -> max 0.5; token 1: both 0.5
+  np.testing.assert_allclose(value_loss(v, v_old, ret, clip_eps=0.2), [[0.5, 0.5]], rtol=1e-6)
+  v2 = jnp.asarray([[0.5, 0.0]])
+  ret2 = jnp.asarray([[1.0, 0.0]])
+  # clip(0.5) -> 0.2: (0.2 - 1)^2/2 = 0.32 > (0.5 - 1)^2/2 = 0.125: the clipped term wins
+  np.testing.assert_allclose(value_loss(v2, v_old, ret2, clip_eps=0.2)[0, 0], 0.32, rtol=1e-6)

@@ -64,7 +64,7 @@ def rl_batch(trainer: Trainer, tok: ByteTokenizer, prompts: dict, key, reference
       "completion_mask": rollout.completion_mask_BN,
       "old_logprobs": trainer.completion_logprobs(trainer.state.params, rollout),
       "ref_logprobs": trainer.completion_logprobs(reference, rollout),
-      "advantages": trainer.advantages(rewards_B),
+      "advantages": trainer.advantages(rewards_B, rollout.completion_mask_BN),
   }
   batch = {k: np.asarray(v) for k, v in batch.items()}
   times.update(time_generate=t1 - t0, time_score=t2 - t1, time_logprobs=time.perf_counter() - t2)

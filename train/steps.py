@@ -62,12 +62,14 @@ def sft_update(state: TrainState, batch, *, graphdef, optimizer):
   return _apply(state, grads, optimizer), {"loss": loss, "grad_norm": optax.global_norm(grads)}
 
 
-def advantages(rewards_B: jax.Array, *, cfg: RLConfig) -> jax.Array:
-  return ADVANTAGES[cfg.advantage](rewards_B, cfg.group_size)
+def advantages(rewards_B: jax.Array, mask_BN: jax.Array, *, cfg: RLConfig) -> jax.Array:
+  """Per-token advantages `adv_BN` from sequence rewards (critic-free estimators)."""
+  return ADVANTAGES[cfg.advantage](rewards_B, mask_BN.astype(jnp.float32), group_size=cfg.group_size)
 
 
 def policy_loss(params, batch, *, graphdef, cfg: RLConfig, prompt_len: int):
-  """Clipped policy loss plus `kl_coef` * KL(pi || ref), aggregated over completion tokens."""
+  """Clipped policy loss plus `kl_coef` * KL(pi || ref), aggregated over completion tokens;
+  `batch["advantages"]` is per token [B, N]."""
   logp_BN, entropy_BN = completion_logprobs(graphdef, params, batch["tokens"], batch["valid"],
                                             prompt_len)
   mask_BN = batch["completion_mask"].astype(jnp.float32)

@@ -163,5 +163,5 @@ class Trainer:
     batch = self.put_batch({"tokens": rollout.tokens_BT, "valid": rollout.valid_BT})
     return self._logprobs(params, batch["tokens"], batch["valid"])[0]
 
-  def advantages(self, rewards_B: np.ndarray) -> jax.Array:
-    return self._advantages(jnp.asarray(rewards_B, jnp.float32))
+  def advantages(self, rewards_B: np.ndarray, mask_BN: np.ndarray) -> jax.Array:
+    return self._advantages(jnp.asarray(rewards_B, jnp.float32), jnp.asarray(mask_BN))

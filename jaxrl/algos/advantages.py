@@ -1,18 +1,89 @@
-"""Advantage estimators over flat batches laid out group-major: rows [g*n, (g+1)*n) share a prompt."""
+"""Advantage estimators, one signature for all, selected by name from `ADVANTAGES`:
+
+  fn(rewards_B, mask_BN, *, group_size, kl_BN=None, values_BN=None, gamma=1.0, lam=1.0) -> adv_BN
+
+Rows are group-major (rows [g*n, (g+1)*n) share a prompt); `rewards_B` is the sequence reward,
+credited at the last valid token; masked tokens get advantage 0.
+"""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 
-def grpo_advantages(rewards_B: jax.Array, group_size: int, eps: float = 1e-6) -> jax.Array:
-  """(r - group mean) / (group std + eps), std unbiased; groups of one get advantage 0."""
+def _per_token(adv_B, mask_BN):
+  return adv_B[:, None] * mask_BN
+
+
+def _grouped(rewards_B, group_size):
   r_GN = rewards_B.reshape(-1, group_size).astype(jnp.float32)
-  centred_GN = r_GN - r_GN.mean(axis=1, keepdims=True)
+  return r_GN, r_GN.mean(axis=1, keepdims=True)
+
+
+def grpo(rewards_B, mask_BN, *, group_size, eps=1e-6, **_):
+  """(r - group mean) / (group std + eps), std unbiased; groups of one get advantage 0."""
   if group_size == 1:
-    return jnp.zeros_like(rewards_B, jnp.float32)
+    return jnp.zeros(mask_BN.shape, jnp.float32)
+  r_GN, mean_G1 = _grouped(rewards_B, group_size)
+  centred_GN = r_GN - mean_G1
   std_G1 = jnp.sqrt((centred_GN**2).sum(axis=1, keepdims=True) / (group_size - 1))
-  return (centred_GN / (std_G1 + eps)).reshape(-1)
+  return _per_token((centred_GN / (std_G1 + eps)).reshape(-1), mask_BN)
 
 
-ADVANTAGES = {"grpo": grpo_advantages}
+def dr_grpo(rewards_B, mask_BN, *, group_size, **_):
+  """Dr. GRPO: r - group mean, no std normalisation (pair with a length-free aggregation)."""
+  r_GN, mean_G1 = _grouped(rewards_B, group_size)
+  return _per_token((r_GN - mean_G1).reshape(-1), mask_BN)
+
+
+def rloo(rewards_B, mask_BN, *, group_size, **_):
+  """Leave-one-out baseline: r_i - mean of the other samples of the prompt (0 for groups of 1)."""
+  if group_size == 1:
+    return jnp.zeros(mask_BN.shape, jnp.float32)
+  r_GN, _ = _grouped(rewards_B, group_size)
+  others_GN = (r_GN.sum(axis=1, keepdims=True) - r_GN) / (group_size - 1)
+  return _per_token((r_GN - others_GN).reshape(-1), mask_BN)
+
+
+def token_rewards(rewards_B, mask_BN, kl_BN=None, kl_coef=0.0):
+  """Sequence reward on the last valid token, minus kl_coef * KL on every token."""
+  n = mask_BN.shape[1]
+  last_B = jnp.maximum(mask_BN.sum(axis=1).astype(jnp.int32) - 1, 0)
+  r_BN = jax.nn.one_hot(last_B, n) * rewards_B[:, None] * (mask_BN.sum(axis=1, keepdims=True) > 0)
+  if kl_BN is not None:
+    r_BN = r_BN - kl_coef * kl_BN
+  return r_BN * mask_BN
+
+
+def discounted_returns(r_BN, mask_BN, gamma):
+  def step(carry_B, x):
+    r_B, m_B = x
+    carry_B = (r_B + gamma * carry_B) * m_B
+    return carry_B, carry_B
+
+  _, ret_NB = jax.lax.scan(step, jnp.zeros(r_BN.shape[:1]), (r_BN.T, mask_BN.T), reverse=True)
+  return ret_NB.T
+
+
+def reinforce_pp(rewards_B, mask_BN, *, kl_BN=None, kl_coef=0.0, gamma=1.0, eps=1e-6, **_):
+  """REINFORCE++: KL folded into per-token rewards, returns-to-go, normalised over the batch."""
+  mask = mask_BN.astype(jnp.float32)
+  ret_BN = discounted_returns(token_rewards(rewards_B, mask, kl_BN, kl_coef), mask, gamma)
+  count = jnp.maximum(mask.sum(), 1.0)
+  mean = (ret_BN * mask).sum() / count
+  var = (((ret_BN - mean) * mask)**2).sum() / count
+  return (ret_BN - mean) / (jnp.sqrt(var) + eps) * mask
+
+
+def gae(rewards_B, mask_BN, *, values_BN, kl_BN=None, kl_coef=0.0, gamma=1.0, lam=0.95, **_):
+  """Generalised advantage estimation with a critic; returns = advantages + values."""
+  mask = mask_BN.astype(jnp.float32)
+  r_BN = token_rewards(rewards_B, mask, kl_BN, kl_coef)
+  next_v_BN = jnp.concatenate([values_BN[:, 1:], jnp.zeros_like(values_BN[:, :1])], 1)
+  next_v_BN = next_v_BN * jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], 1)
+  delta_BN = (r_BN + gamma * next_v_BN - values_BN) * mask
+  return discounted_returns(delta_BN, mask, gamma * lam)
+
+
+ADVANTAGES = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
+              "gae": gae}

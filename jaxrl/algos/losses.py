@@ -5,12 +5,29 @@ import jax
 import jax.numpy as jnp
 
 
-def ppo_clip_loss(logp_BN, old_logp_BN, adv_B, *, eps_low: float, eps_high: float) -> jax.Array:
+def ppo_clip_loss(logp_BN, old_logp_BN, adv_BN, *, eps_low: float, eps_high: float) -> jax.Array:
   """Clipped surrogate, per token: -min(ratio * A, clip(ratio, 1-eps_low, 1+eps_high) * A)."""
   ratio_BN = jnp.exp(logp_BN - old_logp_BN)
-  adv_B1 = adv_B[:, None]
   clipped_BN = jnp.clip(ratio_BN, 1.0 - eps_low, 1.0 + eps_high)
-  return -jnp.minimum(ratio_BN * adv_B1, clipped_BN * adv_B1)
+  return -jnp.minimum(ratio_BN * adv_BN, clipped_BN * adv_BN)
+
+
+def aipo_loss(logp_BN, mu_logp_BN, adv_BN, *, rho: float = 4.0) -> jax.Array:
+  """AIPO (LlamaRL): -min(pi/mu, rho) * A * log pi, the weight a stop-gradient constant."""
+  weight_BN = jax.lax.stop_gradient(jnp.minimum(jnp.exp(logp_BN - mu_logp_BN), rho))
+  return -weight_BN * adv_BN * logp_BN
+
+
+def truncated_is_weight(old_logp_BN, mu_logp_BN, cap: float) -> jax.Array:
+  """Token-level truncated importance weight min(pi_old / mu, cap) for samplers whose numerics
+  differ from the trainer's; multiplies the PPO loss per token."""
+  return jax.lax.stop_gradient(jnp.minimum(jnp.exp(old_logp_BN - mu_logp_BN), cap))
+
+
+def value_loss(values_BN, old_values_BN, returns_BN, *, clip_eps: float) -> jax.Array:
+  """Clipped value loss, per token: 0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)."""
+  clipped_BN = old_values_BN + jnp.clip(values_BN - old_values_BN, -clip_eps, clip_eps)
+  return 0.5 * jnp.maximum((values_BN - returns_BN)**2, (clipped_BN - returns_BN)**2)
 
 
 def kl_k1(logp_BN, ref_logp_BN):
@@ -43,9 +60,15 @@ def seq_mean_token_sum(loss_BN, mask_BN):
   return (loss_BN * mask_BN).sum(1).mean()
 
 
+def seq_mean_token_sum_norm(loss_BN, mask_BN):
+  """Dr. GRPO's length-free aggregation: token sums divided by the fixed horizon N."""
+  return (loss_BN * mask_BN).sum() / (loss_BN.shape[0] * loss_BN.shape[1])
+
+
 AGGREGATIONS = {
     "token_mean": token_mean,
     "seq_mean_token_mean": seq_mean_token_mean,
     "seq_mean_token_sum": seq_mean_token_sum,
+    "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
 }
-POLICY_LOSSES = {"ppo_clip": ppo_clip_loss}
+POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "aipo": aipo_loss}
