@@ -1,15 +1,8 @@
-"""Shared benchmark plumbing: fake CPU devices before JAX starts, timing, the JSON last line."""
+"""Shared benchmark plumbing: timing, the matmul peak, the JSON last line."""
 from __future__ import annotations
 
 import json
-import os
 import time
-
-
-def force_cpu_devices(n: int) -> None:
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def best_seconds(fn, *, repeats: int, warmup: int = 1) -> float:

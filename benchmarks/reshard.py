@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import best_seconds, emit, force_cpu_devices
+from benchmarks.common import best_seconds, emit
+from sharding.host import force_cpu_devices
 
 
 def main() -> None:

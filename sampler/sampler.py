@@ -58,15 +58,15 @@ class Sampler:
     """Generates `n` samples per prompt (rows group-major), as host numpy arrays."""
     b, p = bucket(len(prompts), self.batch_buckets), bucket(max(map(len, prompts)), self.length_buckets)
     tokens_BP = np.full((b, p), self.cfg.pad_id, np.int32)
-    for row, ids in enumerate(prompts):
-      tokens_BP[row, p - len(ids):] = ids
     valid_BP = np.zeros((b, p), bool)
     for row, ids in enumerate(prompts):
+      tokens_BP[row, p - len(ids):] = ids
       valid_BP[row, p - len(ids):] = True
     valid_BP[len(prompts):, -1] = True  # padding rows: one dummy token, so attention is defined
     budget = np.full((b,), self.cfg.max_new_tokens, np.int32)
     if max_new_tokens is not None:
-      budget[:len(prompts)] = np.minimum(np.asarray(max_new_tokens, np.int32), budget[0])
+      budget[:len(prompts)] = np.minimum(np.asarray(max_new_tokens, np.int32),
+                                         self.cfg.max_new_tokens)
     budget_B = np.repeat(budget, self.n)
     out = jax.device_get(self._fn(params, tokens_BP, valid_BP, key, budget_B))
     keep = len(prompts) * self.n

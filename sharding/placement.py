@@ -110,9 +110,9 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
   return placement
 
 
-def validate(placement: Placement, n_devices: int, model_dims: dict[str, int] | None = None,
-             rules=None) -> None:
-  """Fails before any compile, naming the role, the axis and the numbers."""
+def validate(placement: Placement, n_devices: int) -> None:
+  """Fails before any compile, naming the role and the numbers. (Whether mesh axes divide the
+  model's dimensions is checked per parameter by sharding.mesh.param_specs.)"""
   for role, spec in placement.roles.items():
     size = int(np.prod([s for _, s in spec.mesh]))
     if size != len(spec.devices):
@@ -129,13 +129,3 @@ def validate(placement: Placement, n_devices: int, model_dims: dict[str, int] | 
     ref, reward = set(placement.roles["reference"].devices), set(placement.roles["reward"].devices)
     if ref & reward or (ref | reward) & set(placement.roles["actor"].devices):
       raise PlacementError("reference/reward: interleave needs exclusive device groups")
-  if model_dims and rules:
-    table = dict(rules)
-    for role, spec in placement.roles.items():
-      for logical, dim in model_dims.items():
-        target = table.get(logical)
-        for axis in ((target,) if isinstance(target, str) else tuple(target or ())):
-          n = spec.shape.get(axis, 1)
-          if dim % n:
-            raise PlacementError(f"{role}: mesh axis {axis}={n} does not divide model dimension "
-                                 f"{logical}={dim}")

@@ -4,14 +4,15 @@ User errors (unknown or ill-typed config fields, impossible meshes) print one li
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
 
-import importlib.util
-
 from absl import flags
 from ml_collections import config_flags
+
+from sharding.host import force_cpu_devices
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "configs", "default.py")
@@ -77,13 +78,6 @@ def _fail(message: str) -> int:
   return EXIT_USER_ERROR
 
 
-def _force_cpu_devices(n: int) -> None:
-  """Fake host devices for the CPU mesh; must happen before JAX creates its CPU backend."""
-  xla_flags = os.environ.get("XLA_FLAGS", "")
-  if n > 1 and "xla_force_host_platform_device_count" not in xla_flags:
-    os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={n}".strip()
-
-
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv if argv is None else argv
   try:
@@ -91,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
   except UsageError as e:
     return _fail(str(e))
   cpu_devices = raw.get("placement", {}).get("cpu_devices", 8)
-  _force_cpu_devices(cpu_devices if isinstance(cpu_devices, int) else 8)
+  force_cpu_devices(cpu_devices if isinstance(cpu_devices, int) else 8)
 
   from jaxrl.config import ConfigError, ExperimentConfig, from_mapping, validate
   from train.loop import make_run_dir, run

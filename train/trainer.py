@@ -41,14 +41,15 @@ class Trainer:
     self.sampler_mesh = self.placement.mesh("sampler", devices)
     make_model = lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.seed))
     abstract = nnx.state(nnx.eval_shape(make_model))
+    shardings = {}
     for role, mesh, rules in [("actor", self.mesh, TRAIN_RULES),
                               ("sampler", self.sampler_mesh, SAMPLER_RULES)]:
       try:  # checked on abstract shapes, before anything is allocated or compiled
-        param_shardings(abstract, rules, mesh)
+        shardings[role] = param_shardings(abstract, rules, mesh)
       except ValueError as e:
         raise PlacementError(f"{role}: {e}") from None
     self.graphdef, params, self.param_shardings = init_sharded(make_model, self.rules, self.mesh)
-    self.sampler_shardings = param_shardings(params, SAMPLER_RULES, self.sampler_mesh)
+    self.sampler_shardings = shardings["sampler"]
     self.batch_sharding = batch_sharding(self.mesh, self.rules)
     self.sampler_batch = batch_sharding(self.sampler_mesh, SAMPLER_RULES)
     self.sft_optimizer = steps.make_optimizer(
