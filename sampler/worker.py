@@ -61,6 +61,12 @@ class RolloutWorker:
   def version(self) -> int:
     return self._version
 
+  @property
+  def params(self) -> Any:
+    """The newest weights, in the sampler's layout."""
+    with self._cond:
+      return self._params
+
   def update_weights(self, params: Any, version: int) -> None:
     """Installs new weights; the generate call in flight (if any) finishes with the old ones."""
     params = self._transfer(params)  # outside the lock: a reshard can take a while

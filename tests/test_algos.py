@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from jaxrl.algos.advantages import ADVANTAGES, gae, grpo, reinforce_pp
-from jaxrl.algos.losses import (AGGREGATIONS, aipo_loss, kl_k1, kl_k2, kl_k3, ppo_clip_loss,
-                                truncated_is_weight, value_loss)
+from jaxrl.algos.losses import (AGGREGATIONS, aipo_loss, bradley_terry_loss, dpo_loss, kl_k1, kl_k2,
+                                kl_k3, ppo_clip_loss, truncated_is_weight, value_loss)
 
 
 def np_grpo(rewards, group_size, eps=1e-6):
@@ -170,3 +170,17 @@ def test_truncated_is_weight_and_value_loss():
   ret2 = jnp.asarray([[1.0, 0.0]])
   # clip(0.5) -> 0.2: (0.2 - 1)^2/2 = 0.32 > (0.5 - 1)^2/2 = 0.125: the clipped term wins
   np.testing.assert_allclose(value_loss(v2, v_old, ret2, clip_eps=0.2)[0, 0], 0.32, rtol=1e-6)
+
+
+def test_bradley_terry_and_dpo_losses_match_numpy():
+  rng = np.random.default_rng(7)
+  c, r, rc, rr = (rng.normal(size=16) * 3 for _ in range(4))
+  np.testing.assert_allclose(bradley_terry_loss(jnp.asarray(c), jnp.asarray(r)),
+                             np.log1p(np.exp(-(c - r))), rtol=1e-5)
+  loss, margin = dpo_loss(*(jnp.asarray(x) for x in (c, r, rc, rr)), beta=0.1)
+  want_margin = 0.1 * ((c - rc) - (r - rr))
+  np.testing.assert_allclose(margin, want_margin, rtol=1e-5)
+  np.testing.assert_allclose(loss, np.log1p(np.exp(-want_margin)), rtol=1e-5)
+  # Policy equal to the reference: margin 0, loss log 2, gradient pushes chosen up.
+  grad_c = jax.grad(lambda x: dpo_loss(x, jnp.zeros(1), jnp.zeros(1), jnp.zeros(1), beta=0.5)[0].sum())
+  np.testing.assert_allclose(grad_c(jnp.zeros(1)), [-0.25], rtol=1e-6)

@@ -39,6 +39,12 @@ def test_default_config_is_valid():
     ({"model": 3}, "config.model: expected a section"),
     ({"model__n_kv_heads": 3}, "config.model.n_heads: 4 must be a multiple of n_kv_heads=3"),
     ({"task__teacher_error": 1.5}, "config.task.teacher_error: expected in [0, 1]"),
+    ({"rl__advantage": "reinforce_pp"}, "config.rl.kl_mode: reinforce_pp folds the KL"),
+    ({"rl__reward": "human"}, "config.rl.reward: expected one of"),
+    ({"rl__policy_loss": "ppo2"}, "config.rl.policy_loss: expected one of"),
+    ({"rl__lam": 1.5}, "config.rl.lam: expected in [0, 1]"),
+    ({"rl__reward": "reward_model", "reward_model__steps": 0}, "config.reward_model.steps"),
+    ({"dpo__beta": 0.0}, "config.dpo.beta: expected > 0"),
 ])
 def test_bad_fields_are_named(overrides, message):
   with pytest.raises(ConfigError) as e:
@@ -60,10 +66,12 @@ def test_int_is_accepted_for_float():
     ("--config.model.n_kv_heads=1",
      "sampler: decoder/blocks/0/attn/wk: dimension 1 is not divisible by mesh axis tensor=2"),
     ("--config.placement.strategy=pipeline", "config.placement.strategy: expected one of"),
+    ("--config.dpo.steps=2 --config.dpo.pairs_path=/nonexistent/pairs.jsonl",
+     "/nonexistent/pairs.jsonl: cannot read pairs file"),
 ])
 def test_cli_user_error_exits_2_with_one_line(arg, message, tmp_path):
   proc = subprocess.run(
-      [sys.executable, "-m", "train.main", "--config=configs/tiny.py", arg,
+      [sys.executable, "-m", "train.main", "--config=configs/tiny.py", *arg.split(),
        f"--config.run_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2, proc.stderr
   lines = proc.stderr.strip().splitlines()

@@ -70,3 +70,31 @@ def test_tiny_run_with_other_placements(tmp_path, strategy):
   rows = [json.loads(l) for l in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
   rl = [r for r in rows if r["phase"] == "rl" and "reward_mean" in r]
   assert len(rl) == 3 and all(r["time_reshard"] > 0 for r in rl)
+
+
+@pytest.mark.slow
+def test_tiny_rlhf_run_with_dpo_reward_model_and_critic(tmp_path):
+  """SFT -> DPO -> reward model -> PPO (gae critic) through the CLI on the tiny model."""
+  proc = subprocess.run(
+      [sys.executable, "-m", "train.main", "--config=configs/ppo_rlhf_tiny.py",
+       "--config.model.d_model=32", "--config.model.n_layers=1", "--config.model.n_heads=2",
+       "--config.model.n_kv_heads=2", "--config.model.head_dim=16", "--config.model.d_ff=64",
+       "--config.task.n_train=128", "--config.task.n_heldout=16", "--config.sft.steps=3",
+       "--config.sft.batch_size=16", "--config.dpo.steps=3", "--config.dpo.batch_size=8",
+       "--config.reward_model.steps=3", "--config.reward_model.batch_size=8",
+       "--config.rl.steps=2", "--config.rl.prompts_per_step=8", "--config.rl.group_size=2",
+       "--config.eval.every=1", "--config.eval.batch_size=16", "--config.progress=False",
+       f"--config.run_dir={tmp_path}", "--config.run_name=rlhf"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  run_dir = tmp_path / "rlhf"
+  rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  assert {"sft", "dpo", "reward_model", "rl"} <= {r["phase"] for r in rows}
+  rl = [r for r in rows if r["phase"] == "rl" and "reward_mean" in r]
+  assert len(rl) == 2 and all(np.isfinite(r["value_loss"]) and "verified_mean" in r for r in rl)
+  summary = json.loads((run_dir / "summary.json").read_text())
+  assert 0.0 <= summary["rm_heldout_pair_acc"] <= 1.0 and "dpo_heldout_logp_margin" in summary
+  for stage in ("dpo", "reward_model"):
+    for split in ("train", "heldout"):
+      assert (run_dir / f"{stage}_pairs_{split}.jsonl").stat().st_size > 0
+  assert sorted(os.listdir(run_dir / "checkpoints")) == ["dpo", "reward_model", "rl", "sft"]

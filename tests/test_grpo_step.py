@@ -23,12 +23,12 @@ def test_policy_loss_matches_numpy(tiny_cfg):
   old = logp + rng.normal(size=(b, n)) * 0.2
   ref = logp + rng.normal(size=(b, n)) * 0.2
   rewards = np.array([1.0, 0.0, 0.0, 0.0])
-  adv = np.asarray(steps.advantages(jnp.asarray(rewards), jnp.asarray(completion_mask), cfg=cfg))
+  adv = np.asarray(steps.advantages(jnp.asarray(rewards), jnp.asarray(completion_mask), cfg=cfg)[0])
   np.testing.assert_allclose(adv[:, 0], [0.7071, -0.7071, 0, 0], atol=1e-3)
   assert (adv[1, 2:] == 0).all()  # padding carries no advantage
   batch = {"tokens": tokens, "valid": valid, "completion_mask": jnp.asarray(completion_mask),
            "old_logprobs": jnp.asarray(old, jnp.float32), "ref_logprobs": jnp.asarray(ref, jnp.float32),
-           "advantages": jnp.asarray(adv)}
+           "advantages": jnp.asarray(adv), "sampler_logprobs": jnp.asarray(old, jnp.float32)}
   loss, metrics = steps.policy_loss(params, batch, graphdef=graphdef, cfg=cfg, prompt_len=p)
 
   ratio = np.exp(logp - old)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import signal
 import sys
+import traceback
 
 from absl import flags
 from ml_collections import config_flags
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
   force_cpu_devices(cpu_devices if isinstance(cpu_devices, int) else 8)
 
   from jaxrl.config import ConfigError, ExperimentConfig, from_mapping, validate
+  from jaxrl.data.preferences import PreferenceDataError
+  from train.executors import ExecutorError
   from train.loop import make_run_dir, run
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
   try:
@@ -98,11 +102,19 @@ def main(argv: list[str] | None = None) -> int:
   print(f"jaxrl: run dir {run_dir}", flush=True)
   try:
     summary = run(cfg, run_dir)
-  except ConfigError as e:
+  except (ConfigError, PreferenceDataError) as e:
     return _fail(str(e))
   except KeyboardInterrupt:
     print("jaxrl: interrupted; the last saved checkpoint is intact", file=sys.stderr)
     return 130
+  except ExecutorError as e:  # a bug or a crash, not a user error: keep the traceback
+    traceback.print_exception(e.__cause__ or e)
+    print(f"jaxrl: error: {e}; stopped, saved checkpoints are intact", file=sys.stderr)
+    return 1
+  if summary.get("stopped"):
+    print(f"jaxrl: stopped by {summary['stopped']} after {summary.get('rl_steps_done', 0)} RL "
+          f"steps; checkpoint saved in {run_dir}", file=sys.stderr)
+    return 128 + signal.Signals[summary["stopped"]].value
   print("jaxrl: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                               for k, v in summary.items()), flush=True)
   return 0

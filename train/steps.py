@@ -7,9 +7,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxrl.algos import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from jaxrl.algos import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES,
+                         bradley_terry_loss, dpo_loss)
+from jaxrl.algos.losses import truncated_is_weight, value_loss
 from jaxrl.config import RLConfig
-from jaxrl.models.llama import positions_from_valid
+from jaxrl.models.llama import positions_from_segments, positions_from_valid
 
 
 @flax.struct.dataclass
@@ -28,10 +30,16 @@ def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, total_steps: 
                      optax.adamw(schedule, b2=0.98, weight_decay=weight_decay))
 
 
-def token_logprobs(graphdef, params, tokens_BT, valid_BT):
-  """log pi(tokens[t+1] | tokens[:t+1]) and the entropy of that distribution, shapes [B, T-1]."""
+def token_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT=None):
+  """log pi(tokens[t+1] | tokens[:t+1]) and the entropy of that distribution, shapes [B, T-1].
+
+  With `segment_ids_BT` (packed rows) positions restart and attention stays in each segment."""
   model = nnx.merge(graphdef, params)
-  logits_BTV, _ = model(tokens_BT, positions_from_valid(valid_BT), valid_BT)
+  if segment_ids_BT is None:
+    logits_BTV, _ = model(tokens_BT, positions_from_valid(valid_BT), valid_BT)
+  else:
+    logits_BTV, _ = model(tokens_BT, positions_from_segments(segment_ids_BT), valid_BT,
+                          segment_ids_BT=segment_ids_BT)
   logp_all_BTV = jax.nn.log_softmax(logits_BTV[:, :-1], axis=-1)
   logp_BT = jnp.take_along_axis(logp_all_BTV, tokens_BT[:, 1:, None], axis=-1)[..., 0]
   entropy_BT = -(jnp.exp(logp_all_BTV) * logp_all_BTV).sum(-1)
@@ -51,33 +59,63 @@ def _apply(state: TrainState, grads, optimizer) -> TrainState:
 
 
 def sft_update(state: TrainState, batch, *, graphdef, optimizer):
-  """Cross-entropy on the answer tokens only (`loss_mask` marks them)."""
+  """Cross-entropy on the answer tokens only (`loss_mask` marks them); packed batches carry
+  `segment_ids`."""
 
   def loss_fn(params):
-    logp_BT, _ = token_logprobs(graphdef, params, batch["tokens"], batch["valid"])
+    logp_BT, _ = token_logprobs(graphdef, params, batch["tokens"], batch["valid"],
+                               batch.get("segment_ids"))
     mask_BT = batch["loss_mask"][:, 1:]
     return -(logp_BT * mask_BT).sum() / jnp.maximum(mask_BT.sum(), 1)
 
   loss, grads = jax.value_and_grad(loss_fn)(state.params)
-  return _apply(state, grads, optimizer), {"loss": loss, "grad_norm": optax.global_norm(grads)}
+  return _apply(state, grads, optimizer), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
-def advantages(rewards_B: jax.Array, mask_BN: jax.Array, *, cfg: RLConfig) -> jax.Array:
-  """Per-token advantages `adv_BN` from sequence rewards (critic-free estimators)."""
-  return ADVANTAGES[cfg.advantage](rewards_B, mask_BN.astype(jnp.float32), group_size=cfg.group_size)
+def advantages(rewards_B, mask_BN, kl_BN=None, values_BN=None, *, cfg: RLConfig):
+  """Per-token advantages from sequence rewards: `(adv_BN, raw_BN)`, where `raw_BN` is before
+  `cfg.whiten_advantages` (normalising over the batch's valid tokens); with a critic the value
+  targets are `raw_BN + values_BN`. With `cfg.kl_mode == "reward"`, `kl_coef * kl_BN` is taken
+  from the per-token rewards (reinforce_pp, PPO); `gae` needs the critic's `values_BN`."""
+  mask_BN = mask_BN.astype(jnp.float32)
+  kl_coef = cfg.kl_coef if cfg.kl_mode == "reward" else 0.0
+  raw_BN = ADVANTAGES[cfg.advantage](rewards_B, mask_BN, group_size=cfg.group_size, kl_BN=kl_BN,
+                                     kl_coef=kl_coef, values_BN=values_BN, gamma=cfg.gamma,
+                                     lam=cfg.lam)
+  adv_BN = raw_BN
+  if cfg.whiten_advantages:
+    count = jnp.maximum(mask_BN.sum(), 1.0)
+    mean = (raw_BN * mask_BN).sum() / count
+    std = jnp.sqrt((((raw_BN - mean) * mask_BN)**2).sum() / count)
+    adv_BN = (raw_BN - mean) / (std + 1e-6) * mask_BN
+  return adv_BN, raw_BN
 
 
 def policy_loss(params, batch, *, graphdef, cfg: RLConfig, prompt_len: int):
-  """Clipped policy loss plus `kl_coef` * KL(pi || ref), aggregated over completion tokens;
-  `batch["advantages"]` is per token [B, N]."""
+  """`cfg.policy_loss` (PPO clip or AIPO) plus, with `kl_mode == "loss"`, `kl_coef` * KL(pi ||
+  ref), minus `entropy_coef` * entropy, aggregated over completion tokens.
+
+  `batch` holds per-token [B, N] `advantages`, `old_logprobs` (trainer, before the update),
+  `ref_logprobs` and `sampler_logprobs` (mu, what the sampler drew with: AIPO's behaviour policy
+  and the denominator of the truncated-IS correction `tis_cap`)."""
   logp_BN, entropy_BN = completion_logprobs(graphdef, params, batch["tokens"], batch["valid"],
                                             prompt_len)
   mask_BN = batch["completion_mask"].astype(jnp.float32)
-  pg_BN = POLICY_LOSSES["ppo_clip"](logp_BN, batch["old_logprobs"], batch["advantages"],
-                                    eps_low=cfg.clip_eps_low, eps_high=cfg.clip_eps_high)
+  if cfg.policy_loss == "aipo":
+    pg_BN = POLICY_LOSSES["aipo"](logp_BN, batch["sampler_logprobs"], batch["advantages"],
+                                  rho=cfg.aipo_rho)
+  else:
+    pg_BN = POLICY_LOSSES["ppo_clip"](logp_BN, batch["old_logprobs"], batch["advantages"],
+                                      eps_low=cfg.clip_eps_low, eps_high=cfg.clip_eps_high)
+    if cfg.tis_cap > 0:
+      pg_BN = pg_BN * truncated_is_weight(batch["old_logprobs"], batch["sampler_logprobs"],
+                                          cfg.tis_cap)
   kl_BN = KL_ESTIMATORS[cfg.kl_estimator](logp_BN, batch["ref_logprobs"])
+  loss_BN = pg_BN - cfg.entropy_coef * entropy_BN
+  if cfg.kl_mode == "loss":
+    loss_BN = loss_BN + cfg.kl_coef * kl_BN
   aggregate = AGGREGATIONS[cfg.loss_aggregation]
-  loss = aggregate(pg_BN + cfg.kl_coef * kl_BN, mask_BN)
+  loss = aggregate(loss_BN, mask_BN)
   ratio_BN = jnp.exp(logp_BN - batch["old_logprobs"])
   clipped_BN = (ratio_BN < 1 - cfg.clip_eps_low) | (ratio_BN > 1 + cfg.clip_eps_high)
   metrics = {"kl": aggregate(kl_BN, mask_BN), "entropy": aggregate(entropy_BN, mask_BN),
@@ -89,5 +127,73 @@ def rl_update(state: TrainState, batch, *, graphdef, optimizer, cfg: RLConfig, p
   grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
   (loss, metrics), grads = grad_fn(state.params, batch, graphdef=graphdef, cfg=cfg,
                                    prompt_len=prompt_len)
-  metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+  metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+  return _apply(state, grads, optimizer), metrics
+
+
+# -- critic, reward model, DPO -------------------------------------------------------------------
+def completion_values(graphdef, params, tokens_BT, valid_BT, prompt_len: int) -> jax.Array:
+  """Critic values of the states before each completion token, [B, N] (aligned with the
+  log-probs: value i is read where token i is predicted)."""
+  model = nnx.merge(graphdef, params)
+  values_BT = model(tokens_BT, positions_from_valid(valid_BT), valid_BT)
+  return values_BT[:, prompt_len - 1:-1]
+
+
+def critic_update(state: TrainState, batch, *, graphdef, optimizer, cfg: RLConfig,
+                  prompt_len: int):
+  """Clipped value regression onto `returns` (= advantages before whitening + old values)."""
+
+  def loss_fn(params):
+    values_BN = completion_values(graphdef, params, batch["tokens"], batch["valid"], prompt_len)
+    mask_BN = batch["completion_mask"].astype(jnp.float32)
+    per_token = value_loss(values_BN, batch["old_values"], batch["returns"],
+                           clip_eps=cfg.value_clip_eps)
+    return AGGREGATIONS["token_mean"](per_token, mask_BN)
+
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return _apply(state, grads, optimizer), {"value_loss": loss, "critic_grad_norm":
+                                           optax.tree.norm(grads)}
+
+
+def sequence_scores(graphdef, params, tokens_BT, valid_BT) -> jax.Array:
+  """Reward-model score of each whole sequence, [B]."""
+  model = nnx.merge(graphdef, params)
+  return model(tokens_BT, positions_from_valid(valid_BT), valid_BT)
+
+
+def reward_model_update(state: TrainState, batch, *, graphdef, optimizer):
+  """Bradley-Terry on a pair batch (chosen rows, then rejected rows)."""
+
+  def loss_fn(params):
+    scores_B2 = sequence_scores(graphdef, params, batch["tokens"], batch["valid"])
+    chosen_B, rejected_B = jnp.split(scores_B2, 2)
+    return bradley_terry_loss(chosen_B, rejected_B).mean(), (chosen_B, rejected_B)
+
+  (loss, (chosen_B, rejected_B)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  metrics = {"loss": loss, "accuracy": (chosen_B > rejected_B).mean(),
+             "margin": (chosen_B - rejected_B).mean(), "grad_norm": optax.tree.norm(grads)}
+  return _apply(state, grads, optimizer), metrics
+
+
+def sequence_logprobs(graphdef, params, tokens_BT, valid_BT, completion_mask_BN,
+                      prompt_len: int) -> jax.Array:
+  """Sum of the response tokens' log-probs per row, [B]."""
+  logp_BN, _ = completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len)
+  return (logp_BN * completion_mask_BN).sum(axis=1)
+
+
+def dpo_update(state: TrainState, batch, *, graphdef, optimizer, beta: float, prompt_len: int):
+  """DPO's sigmoid loss; `batch["ref_logprobs"]` [2B] was computed once, before training."""
+
+  def loss_fn(params):
+    logp_B2 = sequence_logprobs(graphdef, params, batch["tokens"], batch["valid"],
+                                batch["completion_mask"], prompt_len)
+    ref_c, ref_r = jnp.split(batch["ref_logprobs"], 2)
+    loss_B, margin_B = dpo_loss(*jnp.split(logp_B2, 2), ref_c, ref_r, beta=beta)
+    return loss_B.mean(), margin_B
+
+  (loss, margin_B), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  metrics = {"loss": loss, "margin": margin_B.mean(), "accuracy": (margin_B > 0).mean(),
+             "grad_norm": optax.tree.norm(grads)}
   return _apply(state, grads, optimizer), metrics

@@ -47,6 +47,18 @@ def kl_k3(logp_BN, ref_logp_BN):
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
 
+def bradley_terry_loss(chosen_B, rejected_B) -> jax.Array:
+  """Reward-model loss, per pair: -log sigmoid(r_chosen - r_rejected)."""
+  return -jax.nn.log_sigmoid(chosen_B - rejected_B)
+
+
+def dpo_loss(logp_chosen_B, logp_rejected_B, ref_chosen_B, ref_rejected_B, *, beta: float):
+  """DPO's sigmoid loss on sequence log-probs, per pair, and the implicit reward margin
+  beta * ((pi_c - ref_c) - (pi_r - ref_r))."""
+  margin_B = beta * ((logp_chosen_B - ref_chosen_B) - (logp_rejected_B - ref_rejected_B))
+  return -jax.nn.log_sigmoid(margin_B), margin_B
+
+
 def token_mean(loss_BN, mask_BN):
   return (loss_BN * mask_BN).sum() / jnp.maximum(mask_BN.sum(), 1)
 

@@ -21,14 +21,15 @@ class ValueModel(nnx.Module):
     return jnp.einsum("btd,d->bt", h_BTD.astype(jnp.float32), self.head[...]) + self.bias[...]
 
 
-class RewardModel(nnx.Module):
-  """Reward model: a scalar score per sequence, read at the last valid token."""
+class RewardModel(ValueModel):
+  """Reward model: a scalar score per sequence, the value head read at the last valid token.
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self.values = ValueModel(cfg, rngs=rngs)
+  Same parameter tree as ValueModel (decoder, head, bias), so a critic can start from it and
+  both can start from an actor's `decoder`.
+  """
 
   def __call__(self, tokens_BT, positions_BT, key_valid_BS) -> jax.Array:
-    values_BT = self.values(tokens_BT, positions_BT, key_valid_BS)
+    values_BT = super().__call__(tokens_BT, positions_BT, key_valid_BS)
     t = tokens_BT.shape[1]
     last_B = t - 1 - jnp.argmax(key_valid_BS[:, ::-1], axis=1)
     return jnp.take_along_axis(values_BT, last_B[:, None], axis=1)[:, 0]

@@ -157,12 +157,17 @@ class Block(nnx.Module):
     return constrain(x_BTD, ("batch", None, None)), layer_cache
 
 
-def attention_mask(key_valid_BS: jax.Array, t: int, cache_index) -> jax.Array:
-  """Query i (slot cache_index + i) sees valid keys at slots <= its own."""
+def attention_mask(key_valid_BS: jax.Array, t: int, cache_index,
+                   segment_ids_BS: jax.Array | None = None) -> jax.Array:
+  """Query i (slot cache_index + i) sees valid keys at slots <= its own (and, for packed rows,
+  only keys of its own segment)."""
   s = key_valid_BS.shape[1]
   query_slot_T = cache_index + jnp.arange(t)
   causal_TS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
-  return causal_TS[None] & key_valid_BS[:, None, :]
+  mask_BTS = causal_TS[None] & key_valid_BS[:, None, :]
+  if segment_ids_BS is not None:
+    mask_BTS &= segment_ids_BS[:, -t:, None] == segment_ids_BS[:, None, :]
+  return mask_BTS
 
 
 class Decoder(nnx.Module):
@@ -175,10 +180,10 @@ class Decoder(nnx.Module):
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
   def __call__(self, tokens_BT, positions_BT, key_valid_BS, kv_cache: KVCache | None = None,
-               cache_index=0):
+               cache_index=0, segment_ids_BT=None):
     x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.cfg.compute_dtype)
     x_BTD = constrain(x_BTD, ("batch", None, None))
-    mask_BTS = attention_mask(key_valid_BS, tokens_BT.shape[1], cache_index)
+    mask_BTS = attention_mask(key_valid_BS, tokens_BT.shape[1], cache_index, segment_ids_BT)
     new_cache = []
     for i, block in enumerate(self.blocks):
       x_BTD, layer_cache = block(x_BTD, positions_BT, mask_BTS,
@@ -198,8 +203,11 @@ class LanguageModel(nnx.Module):
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                             cfg.d_model**-0.5)
 
-  def __call__(self, tokens_BT, positions_BT, key_valid_BS, kv_cache=None, cache_index=0):
-    h_BTD, kv_cache = self.decoder(tokens_BT, positions_BT, key_valid_BS, kv_cache, cache_index)
+  def __call__(self, tokens_BT, positions_BT, key_valid_BS, kv_cache=None, cache_index=0,
+               segment_ids_BT=None):
+    """`segment_ids_BT` (training only): packed rows, attention stays inside a segment."""
+    h_BTD, kv_cache = self.decoder(tokens_BT, positions_BT, key_valid_BS, kv_cache, cache_index,
+                                   segment_ids_BT)
     if self.cfg.tie_embeddings:
       w_DV = self.decoder.embed[...].T * self.cfg.d_model**-0.5
     else:
@@ -212,6 +220,15 @@ def init_kv_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
   shape = (batch, slots, cfg.n_kv_heads, cfg.head_dim)
   return tuple((jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype))
                for _ in range(cfg.n_layers))
+
+
+def positions_from_segments(segment_ids_BT: jax.Array) -> jax.Array:
+  """Positions restarting at 0 where a packed row's segment id changes."""
+  t = segment_ids_BT.shape[1]
+  idx_BT = jnp.broadcast_to(jnp.arange(t), segment_ids_BT.shape)
+  starts_BT = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], bool),
+                               segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+  return idx_BT - jax.lax.cummax(jnp.where(starts_BT, idx_BT, 0), axis=1)
 
 
 def positions_from_valid(valid_BT: jax.Array) -> jax.Array:

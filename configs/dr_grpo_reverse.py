@@ -1,0 +1,11 @@
+"""Dr. GRPO on the default task: advantages r - group mean (no std), length-free aggregation.
+
+Run:  .venv/bin/python -m train.main --config=configs/dr_grpo_reverse.py
+"""
+from configs import default
+
+
+def get_config():
+  c = default.get_config()
+  c.rl.update(advantage="dr_grpo", loss_aggregation="seq_mean_token_sum_norm")
+  return c

@@ -1,0 +1,12 @@
+"""REINFORCE++ on the default task: the KL to the reference folded into per-token rewards (k1),
+returns-to-go normalised over the whole batch (no per-prompt baseline, no critic).
+
+Run:  .venv/bin/python -m train.main --config=configs/reinforce_pp_reverse.py
+"""
+from configs import default
+
+
+def get_config():
+  c = default.get_config()
+  c.rl.update(advantage="reinforce_pp", kl_mode="reward", kl_estimator="k1", kl_coef=0.02)
+  return c

@@ -1,0 +1,12 @@
+"""RLOO on the default task: each sample's baseline is the mean reward of the other samples of
+its prompt (group of 8), with the PPO clipped loss and k3 KL to the reference.
+
+Run:  .venv/bin/python -m train.main --config=configs/rloo_reverse.py
+"""
+from configs import default
+
+
+def get_config():
+  c = default.get_config()
+  c.rl.update(advantage="rloo")
+  return c

@@ -1,0 +1,149 @@
+"""The single controller: executors, timeline, sync vs async, failures and stop requests."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import tiny
+from jaxrl.config import ExperimentConfig, from_mapping, validate
+from jaxrl.models.llama import LanguageModel, ModelConfig
+from jaxrl.rewards import verifier as verifier_mod
+from train.checkpoint import Checkpointer
+from train.executors import Executor, ExecutorError
+from train.loop import run
+from train.timeline import Timeline
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+
+
+def _cfg(tmp_path, name, **rl):
+  raw = tiny.get_config().to_dict()
+  raw.update(run_dir=str(tmp_path), run_name=name, checkpoint_every=1)
+  raw["rl"].update(rl)
+  cfg = validate(from_mapping(ExperimentConfig, raw))
+  os.makedirs(os.path.join(cfg.run_dir, name), exist_ok=True)
+  return cfg, os.path.join(cfg.run_dir, name)
+
+
+def _rows(run_dir):
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    return [r for r in map(json.loads, f) if r["phase"] == "rl" and "policy_lag" in r]
+
+
+def _params(run_dir, step):
+  model_cfg = ModelConfig(**tiny.get_config().to_dict()["model"])
+  abstract = nnx.state(nnx.eval_shape(lambda: LanguageModel(model_cfg, rngs=nnx.Rngs(0))))
+  ckpt = Checkpointer(run_dir, "rl", 3)
+  params = ckpt.restore_params(abstract, step)
+  ckpt.close()
+  return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
+def test_executors_overlap_serialise_and_name_failures():
+  timeline = Timeline()
+  started = threading.Event()
+  a = Executor("a", lambda: started.wait(10) or "timed out", timeline)
+  b = Executor("b", lambda: started.set() or "set", timeline)
+  fa, fb = a.submit(), b.submit()
+  assert a.result(fa) is True and b.result(fb) == "set"  # a only returns if b ran meanwhile
+  order = []
+  c = Executor("c", lambda i: order.append(i) or time.sleep(0.01), timeline)
+  for f in [c.submit(i) for i in range(5)]:
+    c.result(f)
+  assert order == list(range(5))
+  bad = Executor("reward", lambda: 1 / 0, timeline)
+  with pytest.raises(ExecutorError, match="reward executor failed: ZeroDivisionError") as e:
+    bad()
+  assert isinstance(e.value.__cause__, ZeroDivisionError) and e.value.executor == "reward"
+  summary = timeline.summary()
+  assert set(summary["busy"]) == {"a", "b", "c", "reward"}
+  assert all(0.0 <= v <= 1.0 for v in summary["busy"].values()) and 0.0 <= summary["bubble"] <= 1.0
+  for ex in (a, b, c, bad):
+    ex.close()
+
+
+def test_chrome_trace(tmp_path):
+  timeline = Timeline()
+  with timeline.span("trainer", "update", step=1):
+    time.sleep(0.01)
+  with timeline.span("generator", "generate"):
+    pass
+  path = tmp_path / "trace.json"
+  timeline.write_chrome_trace(str(path))
+  events = json.loads(path.read_text())["traceEvents"]
+  names = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M"}
+  slices = [e for e in events if e["ph"] == "X"]
+  assert set(names) == {"trainer", "generator"} and len(slices) == 2
+  update = next(e for e in slices if e["name"] == "update")
+  assert update["tid"] == names["trainer"] and update["dur"] >= 1e4 and update["args"] == {"step": 1}
+
+
+def test_async_with_staleness_0_equals_sync(tmp_path):
+  cfg_s, dir_s = _cfg(tmp_path, "sync", steps=3)
+  cfg_a, dir_a = _cfg(tmp_path, "async", steps=3, mode="async", max_staleness=0)
+  run(cfg_s, dir_s)
+  run(cfg_a, dir_a)
+  assert [r["policy_lag"] for r in _rows(dir_a)] == [0, 0, 0]
+  assert [r["reward_mean"] for r in _rows(dir_a)] == [r["reward_mean"] for r in _rows(dir_s)]
+  for s, a in zip(_params(dir_s, 3), _params(dir_a, 3)):
+    np.testing.assert_array_equal(s, a)
+
+
+def test_async_staleness_bound(tmp_path):
+  cfg, run_dir = _cfg(tmp_path, "stale", steps=6, mode="async", max_staleness=2)
+  summary = run(cfg, run_dir)
+  rows = _rows(run_dir)
+  lags = [r["policy_lag"] for r in rows]
+  assert len(rows) == 6 and max(lags) <= 2 and max(lags) > 0
+  assert all(r["rollout_version"] + r["policy_lag"] == r["step"] - 1 for r in rows)
+  assert os.path.getsize(os.path.join(run_dir, "trace.json")) > 0 and 0 <= summary["bubble"] <= 1
+
+
+def test_failing_executor_is_named_and_checkpoints_survive(tmp_path, monkeypatch):
+  calls = {"n": 0}
+  real = verifier_mod.VERIFIERS["exact_match"]
+
+  def flaky(response, answer):
+    calls["n"] += 1
+    if calls["n"] > 16 * 2 + 16:  # eval (16) + SFT eval (16) + first RL step's 16 samples
+      raise RuntimeError("verifier crashed")
+    return real(response, answer)
+
+  monkeypatch.setitem(verifier_mod.VERIFIERS, "exact_match", flaky)
+  cfg, run_dir = _cfg(tmp_path, "crash", steps=5)
+  with pytest.raises(ExecutorError, match="reward executor failed: RuntimeError: verifier crashed"):
+    run(cfg, run_dir)
+  ckpt = Checkpointer(run_dir, "rl", 3)
+  assert ckpt.latest_step() == 1
+  ckpt.close()
+  assert all(np.isfinite(x).all() for x in _params(run_dir, 1))
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_with_a_checkpoint(tmp_path):
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "train.main", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
+       "--config.run_name=stop", "--config.rl.steps=100000", "--config.checkpoint_every=100000"],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  metrics = tmp_path / "stop" / "metrics.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline and not (metrics.exists() and '"policy_lag"' in metrics.read_text()):
+    time.sleep(0.5)
+  assert proc.poll() is None, proc.stderr.read()
+  t0 = time.time()
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=60)
+  assert time.time() - t0 < 20, "did not stop within 20 s"
+  assert proc.returncode == 128 + signal.SIGTERM, err
+  assert "stopped by SIGTERM" in err and "Traceback" not in err
+  summary = json.loads((tmp_path / "stop" / "summary.json").read_text())
+  done = summary["rl_steps_done"]
+  assert summary["stopped"] == "SIGTERM" and summary["rl_checkpoint_step"] == done >= 1

@@ -1,0 +1,159 @@
+"""Reward-model, DPO, critic and policy-loss variants of train/steps.py, and role copies."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.config import RLConfig
+from jaxrl.data.preferences import Pair, pair_batch, pair_lengths
+from jaxrl.data.tokenizer import ByteTokenizer
+from jaxrl.models import LanguageModel, RewardModel, ValueModel
+from sharding.mesh import make_mesh
+from train import steps
+from train.roles import ModelRole
+
+PAIRS = [Pair("rev abc=", "cba", "bca"), Pair("rev bad=", "dab", "abd"),
+         Pair("rev cab=", "bac", "acb"), Pair("rev dcb=", "bcd", "cbd")]
+
+
+def _pair_batch():
+  tok = ByteTokenizer()
+  lengths = pair_lengths(PAIRS, tok)
+  return {k: jnp.asarray(v) for k, v in pair_batch(PAIRS, tok, *lengths).items()}, lengths[0]
+
+
+def _state(model, lr=3e-3):
+  graphdef, params = nnx.split(model)
+  opt = steps.make_optimizer(lr, warmup_steps=1, total_steps=100)
+  return graphdef, opt, steps.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
+
+
+def test_reward_model_learns_pairs(tiny_cfg):
+  batch, _ = _pair_batch()
+  graphdef, opt, state = _state(RewardModel(tiny_cfg, rngs=nnx.Rngs(0)))
+  update = jax.jit(lambda s, b: steps.reward_model_update(s, b, graphdef=graphdef, optimizer=opt))
+  state, first = update(state, batch)
+  assert float(first["loss"]) == pytest.approx(np.log(2), abs=1e-6)  # zero-initialised head
+  for _ in range(40):
+    state, m = update(state, batch)
+  assert float(m["loss"]) < 0.2 and float(m["accuracy"]) == 1.0 and float(m["margin"]) > 1.0
+  scores = steps.sequence_scores(graphdef, state.params, batch["tokens"], batch["valid"])
+  np.testing.assert_array_less(scores[4:], scores[:4])
+
+
+def test_dpo_raises_margin_from_zero(tiny_cfg):
+  batch, prompt_len = _pair_batch()
+  graphdef, opt, state = _state(LanguageModel(tiny_cfg, rngs=nnx.Rngs(1)))
+  batch["ref_logprobs"] = steps.sequence_logprobs(graphdef, state.params, batch["tokens"],
+                                                  batch["valid"], batch["completion_mask"],
+                                                  prompt_len)
+  update = jax.jit(lambda s, b: steps.dpo_update(s, b, graphdef=graphdef, optimizer=opt, beta=0.1,
+                                                 prompt_len=prompt_len))
+  state, first = update(state, batch)
+  assert float(first["margin"]) == pytest.approx(0.0, abs=1e-5)  # policy == reference
+  for _ in range(30):
+    state, m = update(state, batch)
+  assert float(m["margin"]) > 0.5 and float(m["accuracy"]) == 1.0
+
+
+def test_sequence_logprobs_sum_completion_tokens(tiny_cfg):
+  batch, prompt_len = _pair_batch()
+  graphdef, params = nnx.split(LanguageModel(tiny_cfg, rngs=nnx.Rngs(2)))
+  logp_BN, _ = steps.completion_logprobs(graphdef, params, batch["tokens"], batch["valid"], prompt_len)
+  want = (np.asarray(logp_BN) * np.asarray(batch["completion_mask"])).sum(1)
+  got = steps.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid"],
+                                batch["completion_mask"], prompt_len)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_critic_values_align_and_regress(tiny_cfg):
+  batch, prompt_len = _pair_batch()
+  model = ValueModel(tiny_cfg, rngs=nnx.Rngs(3))
+  graphdef, opt, state = _state(model, lr=1e-2)
+  values = steps.completion_values(graphdef, state.params, batch["tokens"], batch["valid"], prompt_len)
+  n = batch["completion_mask"].shape[1]
+  full = model(batch["tokens"], steps.positions_from_valid(batch["valid"]), batch["valid"])
+  np.testing.assert_allclose(values, full[:, prompt_len - 1:prompt_len - 1 + n], rtol=1e-6)
+  returns = jnp.where(batch["completion_mask"], 1.5, 0.0)
+  cb = dict(batch, old_values=values, returns=returns)
+  cfg = RLConfig(value_clip_eps=10.0)
+  update = jax.jit(lambda s, b: steps.critic_update(s, b, graphdef=graphdef, optimizer=opt, cfg=cfg,
+                                                    prompt_len=prompt_len))
+  state, first = update(state, cb)
+  for _ in range(30):
+    state, m = update(state, cb)
+  assert float(m["value_loss"]) < 0.1 * float(first["value_loss"])
+
+
+def test_whitened_advantages_and_raw_returns():
+  rng = np.random.default_rng(0)
+  rewards = jnp.asarray(rng.normal(size=6), jnp.float32)
+  mask = np.ones((6, 4), np.float32)
+  mask[2, 2:] = 0
+  values = jnp.asarray(rng.normal(size=(6, 4)) * mask, jnp.float32)
+  kl = jnp.asarray(np.abs(rng.normal(size=(6, 4))) * mask, jnp.float32)
+  cfg = RLConfig(advantage="gae", kl_mode="reward", kl_coef=0.1, whiten_advantages=True, lam=0.9)
+  adv, raw = steps.advantages(rewards, jnp.asarray(mask), kl, values, cfg=cfg)
+  sel = mask > 0
+  assert abs(float(np.asarray(adv)[sel].mean())) < 1e-5
+  assert float(np.asarray(adv)[sel].std()) == pytest.approx(1.0, abs=1e-4)
+  assert (np.asarray(adv)[~sel] == 0).all()
+  from jaxrl.algos.advantages import gae
+  np.testing.assert_allclose(raw, gae(rewards, jnp.asarray(mask), values_BN=values, kl_BN=kl,
+                                      kl_coef=0.1, lam=0.9), rtol=1e-6)
+  # kl_mode="loss": the KL stays out of the rewards.
+  _, raw_loss = steps.advantages(rewards, jnp.asarray(mask), kl, values,
+                                 cfg=RLConfig(advantage="gae", kl_coef=0.1, lam=0.9))
+  np.testing.assert_allclose(raw_loss, gae(rewards, jnp.asarray(mask), values_BN=values, lam=0.9),
+                             rtol=1e-6)
+
+
+def _policy_batch(tiny_cfg):
+  graphdef, params = nnx.split(LanguageModel(tiny_cfg, rngs=nnx.Rngs(4)))
+  batch, p = _pair_batch()
+  logp, _ = steps.completion_logprobs(graphdef, params, batch["tokens"], batch["valid"], p)
+  rng = np.random.default_rng(1)
+  noise = lambda: jnp.asarray(rng.normal(size=logp.shape) * 0.3, jnp.float32)
+  batch.update(old_logprobs=logp + noise(), ref_logprobs=logp + noise(), sampler_logprobs=logp + noise(),
+               advantages=jnp.asarray(rng.normal(size=logp.shape), jnp.float32) * batch["completion_mask"])
+  return graphdef, params, batch, p, np.asarray(logp, np.float64)
+
+
+def test_policy_loss_aipo_and_kl_in_reward(tiny_cfg):
+  graphdef, params, batch, p, logp = _policy_batch(tiny_cfg)
+  m = np.asarray(batch["completion_mask"], np.float64)
+  adv, mu = np.asarray(batch["advantages"]), np.asarray(batch["sampler_logprobs"])
+  cfg = RLConfig(policy_loss="aipo", aipo_rho=1.5, kl_mode="reward", kl_coef=0.5)
+  loss, _ = steps.policy_loss(params, batch, graphdef=graphdef, cfg=cfg, prompt_len=p)
+  want = -np.minimum(np.exp(logp - mu), 1.5) * adv * logp  # no KL term: it is in the rewards
+  np.testing.assert_allclose(loss, (want * m).sum() / m.sum(), rtol=1e-4, atol=1e-6)
+
+
+def test_policy_loss_truncated_is_and_entropy(tiny_cfg):
+  graphdef, params, batch, p, logp = _policy_batch(tiny_cfg)
+  m = np.asarray(batch["completion_mask"], np.float64)
+  adv = np.asarray(batch["advantages"])
+  old, mu = np.asarray(batch["old_logprobs"]), np.asarray(batch["sampler_logprobs"])
+  cfg = RLConfig(tis_cap=1.2, kl_coef=0.0, entropy_coef=0.01)
+  loss, metrics = steps.policy_loss(params, batch, graphdef=graphdef, cfg=cfg, prompt_len=p)
+  ratio = np.exp(logp - old)
+  pg = -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv) * np.minimum(np.exp(old - mu), 1.2)
+  want = (pg * m).sum() / m.sum() - 0.01 * float(metrics["entropy"])
+  np.testing.assert_allclose(loss, want, rtol=1e-4, atol=1e-6)
+
+
+def test_role_copies_survive_donation_of_the_source(tiny_cfg):
+  mesh = make_mesh({"fsdp": 4}, jax.devices()[:4])
+  make = lambda: LanguageModel(tiny_cfg, rngs=nnx.Rngs(5))
+  actor = ModelRole("actor", make, mesh)
+  reference = actor.frozen_copy("reference", mesh, make)
+  want = [np.asarray(x) for x in jax.tree.leaves(actor.params)]
+  jax.tree.map(lambda x: x.delete(), actor.params)  # what a donated update does
+  for w, x in zip(want, jax.tree.leaves(reference.params)):
+    np.testing.assert_array_equal(np.asarray(x), w)
+  critic = ModelRole("critic", lambda: ValueModel(tiny_cfg, rngs=nnx.Rngs(6)), mesh)
+  critic.load(reference.params, subtree="decoder")
+  np.testing.assert_array_equal(np.asarray(critic.params["decoder"]["embed"][...]),
+                                np.asarray(reference.params["decoder"]["embed"][...]))
+  assert critic.params["decoder"]["embed"][...].sharding == reference.params["decoder"]["embed"][...].sharding

@@ -1,0 +1,56 @@
+"""Executors: named workers, one per role, each running its calls on its own thread.
+
+`submit(*args) -> Future`: calls to one executor run one at a time, in submission order (they
+share that role's devices); different executors run concurrently, so independent stages such as
+reward scoring, reference log-probs and critic values overlap (interleaving). Every call is a busy
+interval on the timeline; a failure surfaces as `ExecutorError` naming the executor, with the
+original exception as its cause.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from train.timeline import Timeline
+
+
+class ExecutorError(RuntimeError):
+  """An executor's call failed; `executor` names it, `__cause__` is the original error."""
+
+  def __init__(self, executor: str, error: BaseException):
+    super().__init__(f"{executor} executor failed: {type(error).__name__}: {error}")
+    self.executor = executor
+
+
+class Executor:
+
+  def __init__(self, name: str, fn: Callable[..., Any], timeline: Timeline):
+    self.name, self._fn, self._timeline = name, fn, timeline
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"jaxrl-{name}")
+    timeline.register(name)
+
+  def submit(self, *args, label: str = "", **kwargs) -> concurrent.futures.Future:
+
+    def call():
+      with self._timeline.span(self.name, label or self.name):
+        # Blocking here makes the busy interval the real device time, not the dispatch.
+        return jax.block_until_ready(self._fn(*args, **kwargs))
+
+    return self._pool.submit(call)
+
+  def result(self, future: concurrent.futures.Future, timeout: float | None = None):
+    try:
+      return future.result(timeout)
+    except ExecutorError:
+      raise
+    except Exception as e:  # noqa: BLE001 - re-raised with the executor named
+      raise ExecutorError(self.name, e) from e
+
+  def __call__(self, *args, **kwargs):
+    return self.result(self.submit(*args, **kwargs))
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=True, cancel_futures=True)
