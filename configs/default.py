@@ -19,6 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 50
   c.keep_checkpoints = 3
   c.progress = True
+  c.init_checkpoint = ""  # e.g. runs/NAME/checkpoints/sft: start from saved actor weights
 
   c.model = dict(vocab_size=264, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
                  d_ff=512, rope_theta=10_000.0, norm_eps=1e-6, tie_embeddings=True, dtype="float32")
@@ -39,8 +40,8 @@ def get_config() -> ml_collections.ConfigDict:
                         pairs_path="", pairs_per_prompt=2, policy_negatives=True)
   # GRPO with the verifier's reward. See configs/{grpo,rloo,reinforce_pp,ppo_rlhf}_*.py and
   # docs/algorithms.md for the other algorithms.
-  c.rl = dict(steps=150, mode="sync", max_staleness=1, prompts_per_step=64, group_size=8, num_minibatches=2, learning_rate=3e-4,
-              advantage="grpo", reward="verifier", policy_loss="ppo_clip", aipo_rho=4.0,
+  c.rl = dict(steps=150, mode="sync", max_staleness=1, prompts_per_step=64, group_size=8,
+              num_minibatches=2, learning_rate=3e-4, advantage="grpo", reward="verifier", policy_loss="ppo_clip", aipo_rho=4.0,
               tis_cap=0.0, clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.02, kl_estimator="k3",
               kl_mode="loss", entropy_coef=0.0, gamma=1.0, lam=0.95, whiten_advantages=False,
               critic_learning_rate=1e-4, value_clip_eps=0.2, loss_aggregation="token_mean",

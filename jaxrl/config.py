@@ -129,6 +129,8 @@ class ExperimentConfig:
   checkpoint_every: int = 50  # RL steps
   keep_checkpoints: int = 3
   progress: bool = True
+  # An orbax checkpoint directory (e.g. runs/NAME/checkpoints/sft) to start the actor from.
+  init_checkpoint: str = ""
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
   placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)

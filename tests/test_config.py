@@ -45,6 +45,11 @@ def test_default_config_is_valid():
     ({"rl__lam": 1.5}, "config.rl.lam: expected in [0, 1]"),
     ({"rl__reward": "reward_model", "reward_model__steps": 0}, "config.reward_model.steps"),
     ({"dpo__beta": 0.0}, "config.dpo.beta: expected > 0"),
+    ({"rl__mode": "async", "placement__strategy": "colocate"},
+     "config.rl.mode: async needs the sampler on devices of its own"),
+    ({"rl__mode": "async", "placement__strategy": "interleave"}, "use mode='sync'"),
+    ({"rl__mode": "later"}, "config.rl.mode: expected one of"),
+    ({"rl__max_staleness": -1}, "config.rl.max_staleness: expected >= 0"),
 ])
 def test_bad_fields_are_named(overrides, message):
   with pytest.raises(ConfigError) as e:
@@ -68,6 +73,9 @@ def test_int_is_accepted_for_float():
     ("--config.placement.strategy=pipeline", "config.placement.strategy: expected one of"),
     ("--config.dpo.steps=2 --config.dpo.pairs_path=/nonexistent/pairs.jsonl",
      "/nonexistent/pairs.jsonl: cannot read pairs file"),
+    ("--config.init_checkpoint=/nonexistent/ckpt", "config.init_checkpoint: no such directory"),
+    ("--config.model.vocab_size=256", "config.model.vocab_size: expected >= 264"),
+    ("--config.sft.pack_length=4", "sft.pack_length: example"),
 ])
 def test_cli_user_error_exits_2_with_one_line(arg, message, tmp_path):
   proc = subprocess.run(

@@ -38,12 +38,14 @@ class Controller:
     self.trainer, self.tok, self.verifier, self.timeline = trainer, tok, verifier, timeline
     self.cfg = trainer.cfg.rl
     t = trainer
-    self.generator = Executor("generator", t.sample, timeline)
-    self.reward = Executor("reward", self._score, timeline)
+    self.generator = Executor("generator", t.sample, timeline, t.sampler_mesh)
+    self.reward = Executor("reward", self._score, timeline,
+                           t.reward.mesh if self.cfg.reward == "reward_model" else None)
     self.reference = Executor("reference", lambda ro: t.completion_logprobs(t.reference, ro),
-                              timeline)
-    self.critic = Executor("critic", t.critic_values, timeline) if t.critic is not None else None
-    self.train = Executor("trainer", self._train_call, timeline)
+                              timeline, t.reference.mesh)
+    self.critic = (Executor("critic", t.critic_values, timeline, t.critic.mesh)
+                   if t.critic is not None else None)
+    self.train = Executor("trainer", self._train_call, timeline, t.actor.mesh)
     self.worker: RolloutWorker | None = None
     self.version = 0  # policy version = completed RL steps
 
@@ -113,8 +115,9 @@ class Controller:
     return self._last_transfer
 
   def _transfer(self, params):
+    bucket_bytes = self.trainer.cfg.placement.reshard_bucket_mb << 20
     out, self._last_transfer = reshard(params, self.trainer.sampler_shardings,
-                                       bucket_bytes=self.trainer.cfg.placement.reshard_bucket_mb << 20)
+                                       bucket_bytes=bucket_bytes)
     return out
 
   # -- the loop -----------------------------------------------------------------------------

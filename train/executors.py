@@ -27,10 +27,11 @@ class ExecutorError(RuntimeError):
 
 class Executor:
 
-  def __init__(self, name: str, fn: Callable[..., Any], timeline: Timeline):
+  def __init__(self, name: str, fn: Callable[..., Any], timeline: Timeline, mesh=None):
+    """`mesh`: where the role's calls run (its devices count towards the timeline's bubble)."""
     self.name, self._fn, self._timeline = name, fn, timeline
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"jaxrl-{name}")
-    timeline.register(name)
+    timeline.register(name, () if mesh is None else [d.id for d in mesh.devices.flat])
 
   def submit(self, *args, label: str = "", **kwargs) -> concurrent.futures.Future:
 

@@ -20,11 +20,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxrl.config import ConfigError, ExperimentConfig
-from jaxrl.data.pipeline import answer_length, prompt_batch, prompt_dataset, prompt_length, sft_dataset
+from jaxrl.data.pipeline import (answer_length, prompt_batch, prompt_dataset, prompt_length,
+                                 sft_dataset)
 from jaxrl.data.tasks import Example, make_splits
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.rewards.verifier import VERIFIERS
-from train.checkpoint import Checkpointer
+from train.checkpoint import Checkpointer, load_params
 from train.controller import Controller, run_rl
 from train.experience import verify
 from train.metrics import MetricsWriter, plot_metrics
@@ -97,7 +98,8 @@ def run(cfg: ExperimentConfig, run_dir: str) -> dict:
 def _run(cfg: ExperimentConfig, run_dir: str, stop: StopRequest) -> dict:
   tok = ByteTokenizer()
   if cfg.model.vocab_size < tok.vocab_size:
-    raise ValueError(f"config.model.vocab_size: expected >= {tok.vocab_size} for the byte tokenizer")
+    raise ConfigError(f"config.model.vocab_size: expected >= {tok.vocab_size} for the byte "
+                      f"tokenizer, got {cfg.model.vocab_size}")
   verifier = VERIFIERS[cfg.task.verifier]
   train_set, heldout = make_splits(cfg.task.name, cfg.task.num_digits, cfg.task.n_train,
                                    cfg.task.n_heldout, cfg.seed, cfg.task.teacher_error)
@@ -108,8 +110,17 @@ def _run(cfg: ExperimentConfig, run_dir: str, stop: StopRequest) -> dict:
                       eos_id=tok.eos_id, pad_id=tok.pad_id)
   except ValueError as e:
     raise ConfigError(str(e)) from None
+  if cfg.init_checkpoint:
+    try:
+      params, step = load_params(cfg.init_checkpoint, trainer.actor.params)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+    trainer.actor.load(params)
+    trainer.sync_sampler()
+    log.info("actor initialised from %s (step %d)", cfg.init_checkpoint, step)
   writer = MetricsWriter(run_dir)
-  sft_ckpt, ckpt = Checkpointer(run_dir, "sft", 1), Checkpointer(run_dir, "rl", cfg.keep_checkpoints)
+  sft_ckpt = Checkpointer(run_dir, "sft", 1)
+  ckpt = Checkpointer(run_dir, "rl", cfg.keep_checkpoints)
   evaluate_now = lambda params=None: evaluate(trainer, tok, heldout, p_len, cfg.eval.batch_size,
                                               verifier, params)
   timeline = Timeline()

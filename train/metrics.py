@@ -46,7 +46,8 @@ def plot_metrics(metrics_path: str, out_path: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.lines:
+      ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(out_path, dpi=100)
   plt.close(fig)

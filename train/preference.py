@@ -80,8 +80,8 @@ def reward_accuracy(trainer, tok: ByteTokenizer, pairs: list[Pair], lengths, bat
   return correct / len(pairs), margin / len(pairs)
 
 
-def train_reward_model(trainer, tok: ByteTokenizer, cfg: ExperimentConfig, train_pairs, heldout_pairs,
-                       writer: MetricsWriter) -> dict:
+def train_reward_model(trainer, tok: ByteTokenizer, cfg: ExperimentConfig, train_pairs,
+                       heldout_pairs, writer: MetricsWriter) -> dict:
   """Bradley-Terry training of a reward model initialised from the actor's trunk."""
   rm = cfg.reward_model
   trainer.init_reward_model()
@@ -119,9 +119,8 @@ def run_dpo(trainer, tok: ByteTokenizer, cfg: ExperimentConfig, train_pairs, hel
   """DPO of the actor against a frozen copy of itself; reference log-probs computed once."""
   d = cfg.dpo
   lengths = pair_lengths(train_pairs + heldout_pairs, tok)
-  reference = trainer.actor.frozen_copy("reference", trainer.placement.mesh("reference",
-                                                                            trainer.devices),
-                                        trainer.model_factory("reference"))
+  mesh = trainer.placement.mesh("reference", trainer.devices)
+  reference = trainer.actor.frozen_copy("reference", mesh, trainer.model_factory("reference"))
   ref_train = _sequence_logprobs(trainer, reference, tok, train_pairs, lengths, d.batch_size)
   ref_held = _sequence_logprobs(trainer, reference, tok, heldout_pairs, lengths, d.batch_size)
   del reference

@@ -1,8 +1,10 @@
 """Busy intervals of the executors, written as a Chrome / Perfetto trace (`trace.json`).
 
 Open the file in ui.perfetto.dev or chrome://tracing: one row per executor, one slice per call.
-`summary()` gives each executor's busy fraction of the wall time and the bubble: the mean idle
-fraction over the executors that own devices (1 - sum(busy) / (n * wall)).
+`summary()` gives each executor's busy fraction of the wall time and the bubble: the fraction of
+device-time left idle, where a device is busy while any executor placed on it runs a call
+(1 - sum over devices of busy time / (n_devices * wall)). Executors without devices (a host-side
+verifier) count for busy % but not for the bubble.
 """
 from __future__ import annotations
 
@@ -17,44 +19,70 @@ class Timeline:
   def __init__(self):
     self._lock = threading.Lock()
     self._events: list[tuple[str, str, float, float, dict]] = []
-    self._executors: list[str] = []
+    self._executors: dict[str, tuple[int, ...]] = {}  # executor -> device ids it runs on
     self.t0 = time.perf_counter()
 
-  def register(self, executor: str) -> None:
+  def register(self, executor: str, devices=()) -> None:
     with self._lock:
-      if executor not in self._executors:
-        self._executors.append(executor)
+      if executor not in self._executors or devices:
+        self._executors[executor] = tuple(devices)
+
+  def add(self, executor: str, label: str, start: float, end: float, **args) -> None:
+    with self._lock:
+      self._executors.setdefault(executor, ())
+      self._events.append((executor, label, start, end, args))
 
   @contextlib.contextmanager
   def span(self, executor: str, label: str, **args):
-    self.register(executor)
     start = time.perf_counter()
     try:
       yield
     finally:
-      with self._lock:
-        self._events.append((executor, label, start, time.perf_counter(), args))
+      self.add(executor, label, start, time.perf_counter(), **args)
 
-  def busy_seconds(self, since: float | None = None) -> dict[str, float]:
+  def busy_seconds(self, since: float | None = None,
+                   until: float = float("inf")) -> dict[str, float]:
     since = self.t0 if since is None else since
     with self._lock:
       out = dict.fromkeys(self._executors, 0.0)
       for executor, _, start, end, _ in self._events:
-        out[executor] += max(0.0, end - max(start, since))
+        out[executor] += max(0.0, min(end, until) - max(start, since))
     return out
 
-  def summary(self, since: float | None = None) -> dict:
-    """{"wall_s", "busy": {executor: fraction}, "bubble"} over [since, now]."""
+  def _device_busy_seconds(self, since: float, until: float) -> dict[int, float]:
+    """Per device, the length of the union of the busy intervals of the executors on it."""
+    with self._lock:
+      intervals: dict[int, list[tuple[float, float]]] = {}
+      for executor, _, start, end, _ in self._events:
+        start, end = max(start, since), min(end, until)
+        for d in self._executors.get(executor, ()):
+          if end > start:
+            intervals.setdefault(d, []).append((start, end))
+      devices = {d for ds in self._executors.values() for d in ds}
+    out = dict.fromkeys(devices, 0.0)
+    for d, spans in intervals.items():
+      reach = since
+      for start, end in sorted(spans):
+        out[d] += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return out
+
+  def summary(self, since: float | None = None, until: float | None = None) -> dict:
+    """{"wall_s", "busy": {executor: fraction}, "bubble"} over [since, until or now]."""
     since = self.t0 if since is None else since
-    wall = max(time.perf_counter() - since, 1e-9)
-    busy = {k: min(v / wall, 1.0) for k, v in self.busy_seconds(since).items()}
-    bubble = 1.0 - sum(busy.values()) / len(busy) if busy else 0.0
+    until = time.perf_counter() if until is None else until
+    wall = max(until - since, 1e-9)
+    busy = {k: min(v / wall, 1.0) for k, v in self.busy_seconds(since, until).items()}
+    per_device = self._device_busy_seconds(since, until)
+    bubble = 1.0 - sum(per_device.values()) / (len(per_device) * wall) if per_device else 0.0
     return {"wall_s": wall, "busy": busy, "bubble": bubble}
 
   def write_chrome_trace(self, path: str) -> None:
     with self._lock:
       tids = {name: i for i, name in enumerate(self._executors)}
-      events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
+      events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid,
+                 "args": {"name": f"{name} (devices {list(self._executors[name])})"
+                          if self._executors[name] else name}}
                 for name, tid in tids.items()]
       events += [{"name": label, "cat": executor, "ph": "X", "pid": 0, "tid": tids[executor],
                   "ts": (start - self.t0) * 1e6, "dur": (end - start) * 1e6, "args": args}

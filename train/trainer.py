@@ -48,7 +48,8 @@ class Trainer:
       self.sampler_shardings = param_shardings(abstract, SAMPLER_RULES, self.sampler_mesh)
     except ValueError as e:
       raise PlacementError(f"sampler: {e}") from None
-    self.actor = ModelRole("actor", self.model_factory("actor"), self.placement.mesh("actor", self.devices))
+    self.actor = ModelRole("actor", self.model_factory("actor"),
+                           self.placement.mesh("actor", self.devices))
     self.reference: ModelRole | None = None
     self.reward: ModelRole | None = None
     self.critic: ModelRole | None = None
@@ -172,7 +173,8 @@ class Trainer:
     else from the actor's trunk)."""
     rl = self.cfg.rl
     self.reference = self.actor.frozen_copy(
-        "reference", self.placement.mesh("reference", self.devices), self.model_factory("reference"))
+        "reference", self.placement.mesh("reference", self.devices),
+        self.model_factory("reference"))
     updates = rl.steps * rl.num_minibatches
     self._rl_optimizer = self._optimizer(rl.learning_rate, min(10, updates // 10), updates,
                                          rl.max_grad_norm)

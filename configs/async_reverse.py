@@ -1,0 +1,14 @@
+"""The default experiment with asynchronous RL: the sampler (devices 4-7) generates the next batch
+while the trainer (devices 0-3) updates on the previous one, at most one policy version behind
+(`max_staleness=1`). The lag is corrected by a token-level truncated importance weight
+min(pi_old / mu, 2) on the PPO loss (`tis_cap`), mu being the sampler's own log-prob.
+
+Run:  .venv/bin/python -m train.main --config=configs/async_reverse.py
+"""
+from configs import default
+
+
+def get_config():
+  c = default.get_config()
+  c.rl.update(mode="async", max_staleness=1, tis_cap=2.0)
+  return c
