@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.pipeline import (answer_length, prompt_batch, prompt_dataset, prompt_length,
                                  sft_dataset)
+from jaxrl.data.preferences import read_jsonl
 from jaxrl.data.tasks import Example, make_splits
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.rewards.verifier import VERIFIERS
@@ -104,6 +105,11 @@ def _run(cfg: ExperimentConfig, run_dir: str, stop: StopRequest) -> dict:
   train_set, heldout = make_splits(cfg.task.name, cfg.task.num_digits, cfg.task.n_train,
                                    cfg.task.n_heldout, cfg.seed, cfg.task.teacher_error)
   p_len = prompt_length(train_set + heldout, tok)
+  # Users' pairs files are checked now, not after SFT: a bad row should cost seconds, not a run.
+  for needed, path in [(cfg.dpo.steps > 0, cfg.dpo.pairs_path),
+                       (cfg.rl.reward == "reward_model", cfg.reward_model.pairs_path)]:
+    if needed and path:
+      read_jsonl(path)
   try:  # placement and divisibility problems are user errors, found before any compile
     trainer = Trainer(cfg, prompt_len=p_len,
                       max_new_tokens=answer_length(train_set + heldout, tok) + 2,

@@ -93,7 +93,14 @@ def main(argv: list[str] | None = None) -> int:
   from jaxrl.data.preferences import PreferenceDataError
   from train.executors import ExecutorError
   from train.loop import make_run_dir, run
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  # The jaxrl logger gets its own handler: absl/orbax may have configured the root logger already.
+  log = logging.getLogger("jaxrl")
+  if not log.handlers:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s jaxrl: %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
   try:
     cfg = validate(from_mapping(ExperimentConfig, raw.to_dict()))
     run_dir = make_run_dir(cfg)
