@@ -196,3 +196,22 @@ def test_async_matches_sync_accuracy_within_1_5x_samples(tmp_path):
   assert results["sync"]["heldout_acc_sft"] == results["async"]["heldout_acc_sft"]
   assert results["sync"]["heldout_acc_rl"] > results["sync"]["heldout_acc_sft"] + 0.3
   assert results["async"]["heldout_acc_rl"] >= results["sync"]["heldout_acc_rl"] - 0.02, results
+
+
+def test_generator_failure_in_async_mode_is_named(tmp_path, monkeypatch):
+  from train.trainer import Trainer
+  real, calls = Trainer.sample, {"n": 0}
+
+  def flaky(self, prompts, key, params=None):
+    calls["n"] += 1
+    if calls["n"] > 2:
+      raise RuntimeError("sampler out of memory")
+    return real(self, prompts, key, params)
+
+  monkeypatch.setattr(Trainer, "sample", flaky)
+  cfg, run_dir = _cfg(tmp_path, "gen", steps=6, mode="async", max_staleness=1)
+  with pytest.raises(ExecutorError, match="generator executor failed: RuntimeError: sampler out of"):
+    run(cfg, run_dir)
+  ckpt = Checkpointer(run_dir, "rl", 3)
+  assert ckpt.latest_step() in (1, 2)  # the steps before the failure were saved
+  ckpt.close()
