@@ -27,6 +27,17 @@ def matmul_flops_per_s(n: int = 1024, repeats: int = 20) -> float:
   return 2 * n**3 / seconds
 
 
+def add_host_flags(parser) -> None:
+  parser.add_argument("--no-retain-freed-memory", dest="retain", action="store_false",
+                      help="keep glibc's default of unmapping large freed buffers")
+
+
+def setup_host(args) -> bool:
+  """Applies sharding.host.retain_freed_memory unless --no-retain-freed-memory; returns it."""
+  from sharding.host import retain_freed_memory
+  return retain_freed_memory() if args.retain else False
+
+
 def emit(result: dict, as_json: bool) -> None:
   if not as_json:
     for k, v in result.items():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import best_seconds, emit
+from benchmarks.common import add_host_flags, setup_host, best_seconds, emit
 from sharding.host import force_cpu_devices
 
 
@@ -18,7 +18,9 @@ def main() -> None:
   parser.add_argument("--json", action="store_true")
   parser.add_argument("--bucket-mb", type=int, default=64)
   parser.add_argument("--repeats", type=int, default=5)
+  add_host_flags(parser)
   args = parser.parse_args()
+  retained = setup_host(args)
   force_cpu_devices(8)
 
   import jax
@@ -54,6 +56,7 @@ def main() -> None:
   memcpy_s = best_seconds(lambda: [np.copyto(dst, src) for _ in range(copies)], repeats=args.repeats)
   moved_bytes = nbytes * copies
   emit({"bytes": nbytes, "bytes_written": moved_bytes, "seconds": round(seconds, 4),
+        "retain_freed_memory": retained,
         "gbps": round(moved_bytes / seconds / 1e9, 2),
         "memcpy_gbps": round(moved_bytes / memcpy_s / 1e9, 2),
         "ratio_to_memcpy": round(memcpy_s / seconds, 3), "buckets": results[-1].buckets,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from benchmarks.common import emit
+from benchmarks.common import add_host_flags, setup_host, emit
 from sharding.host import force_cpu_devices
 
 MODES = {"sync-colocate": ("colocate", "sync"), "sync-separate": ("separate", "sync"),
@@ -66,14 +66,16 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--max-staleness", type=int, default=1)
+  add_host_flags(parser)
   args = parser.parse_args()
+  retained = setup_host(args)
   force_cpu_devices(8)
   import jax
 
   modes = {name: run_mode(strategy, mode, steps=args.steps, warmup=args.warmup,
                           max_staleness=args.max_staleness)
            for name, (strategy, mode) in MODES.items()}
-  emit({"modes": modes,
+  emit({"modes": modes, "retain_freed_memory": retained,
         "async_over_sync": modes["async-separate"]["samples_per_s"]
                            / modes["sync-separate"]["samples_per_s"],
         "steps": args.steps, "max_staleness": args.max_staleness,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 
-from benchmarks.common import best_seconds, emit, matmul_flops_per_s
+from benchmarks.common import add_host_flags, setup_host, best_seconds, emit, matmul_flops_per_s
 
 
 def main() -> None:
@@ -22,7 +22,9 @@ def main() -> None:
   parser.add_argument("--prompt-len", type=int, default=16)
   parser.add_argument("--new-tokens", type=int, default=64)
   parser.add_argument("--repeats", type=int, default=5)
+  add_host_flags(parser)
   args = parser.parse_args()
+  retained = setup_host(args)
 
   import jax
   import jax.numpy as jnp
@@ -48,6 +50,7 @@ def main() -> None:
   flops_per_s = 2 * non_embedding * tokens / seconds
   peak = matmul_flops_per_s()
   emit({"tokens_per_s": round(tokens / seconds, 1), "batch": args.batch,
+        "retain_freed_memory": retained,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "flops_per_s": round(flops_per_s), "matmul_flops_per_s": round(peak),
         "ratio_to_matmul_peak": round(flops_per_s / peak, 3), "seconds": round(seconds, 4),

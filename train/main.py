@@ -14,7 +14,7 @@ import traceback
 from absl import flags
 from ml_collections import config_flags
 
-from sharding.host import force_cpu_devices
+from sharding.host import force_cpu_devices, retain_freed_memory
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "configs", "default.py")
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     return _fail(str(e))
   cpu_devices = raw.get("placement", {}).get("cpu_devices", 8)
   force_cpu_devices(cpu_devices if isinstance(cpu_devices, int) else 8)
+  retain_freed_memory()
 
   from jaxrl.config import ConfigError, ExperimentConfig, from_mapping, validate
   from jaxrl.data.preferences import PreferenceDataError
