@@ -82,9 +82,10 @@ class Trainer:
                  "critic": ValueModel}[role]
     return lambda: model_cls(self.cfg.model, rngs=nnx.Rngs(self.cfg.seed))
 
-  def _optimizer(self, lr: float, warmup: int, total: int, max_grad_norm: float = 1.0):
+  def _optimizer(self, lr: float, warmup: int, total: int, max_grad_norm: float = 1.0,
+                 weight_decay: float = 0.0):
     return steps.make_optimizer(lr, warmup_steps=warmup, total_steps=total,
-                                max_grad_norm=max_grad_norm)
+                                max_grad_norm=max_grad_norm, weight_decay=weight_decay)
 
   def _cached(self, key, build):
     if key not in self._jitted:
@@ -119,8 +120,9 @@ class Trainer:
     return metrics
 
   def _sft_optimizer(self):
+    sft = self.cfg.sft
     return self._cached("sft_opt", lambda: self._optimizer(
-        self.cfg.sft.learning_rate, self.cfg.sft.warmup_steps, self.cfg.sft.steps))
+        sft.learning_rate, sft.warmup_steps, sft.steps, weight_decay=sft.weight_decay))
 
   def start_dpo(self, prompt_len: int) -> None:
     """Fresh optimizer for DPO on pair batches whose prompts are padded to `prompt_len`."""
