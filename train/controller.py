@@ -24,7 +24,6 @@ import numpy as np
 from jaxrl.algos import KL_ESTIMATORS
 from jaxrl.data.tokenizer import ByteTokenizer
 from sampler.worker import RolloutWorker, RolloutWorkerError
-from sharding.reshard import reshard
 from train.executors import Executor, ExecutorError
 from train.experience import verify
 from train.timeline import Timeline
@@ -107,18 +106,12 @@ class Controller:
     else:
       stats = self.train(self._train_call, self._push, label="push weights")
     return metrics, {"time_update": t1 - t0, "time_reshard": time.perf_counter() - t1,
-                     "reshard_gbps": stats.gbps if stats is not None else float("nan")}
+                     "reshard_gbps": stats.gbps}
 
   def _push(self):
-    self._last_transfer = None
-    self.worker.update_weights(self.trainer.actor.params, self.version)
-    return self._last_transfer
-
-  def _transfer(self, params):
-    bucket_bytes = self.trainer.cfg.placement.reshard_bucket_mb << 20
-    out, self._last_transfer = reshard(params, self.trainer.sampler_shardings,
-                                       bucket_bytes=bucket_bytes)
-    return out
+    params, stats = self.trainer.sampler_copy()
+    self.worker.update_weights(params, self.version)
+    return stats
 
   # -- the loop -----------------------------------------------------------------------------
   def start(self, prompts_iter, seed: int) -> None:
@@ -132,10 +125,10 @@ class Controller:
       with self.timeline.span("generator", "generate"):
         return self.trainer.sample(prompts, key, params=params)
 
-    self.worker = RolloutWorker(generate, prompts_iter, self.trainer.actor.params, version=0,
+    # Weights reach the worker already in the sampler's layout (trainer.sampler_copy).
+    self.worker = RolloutWorker(generate, prompts_iter, self.trainer.sampler_params, version=0,
                                 max_staleness=self.cfg.max_staleness,
-                                queue_size=self.cfg.max_staleness + 1, seed=seed,
-                                transfer=self._transfer)
+                                queue_size=self.cfg.max_staleness + 1, seed=seed)
 
   def next_rollout(self):
     """(rollout, prompts, rollout_version, seconds waited for it)."""

@@ -89,12 +89,8 @@ def train_reward_model(trainer, tok: ByteTokenizer, cfg: ExperimentConfig, train
   acc0, _ = reward_accuracy(trainer, tok, heldout_pairs, lengths, rm.batch_size)
   data = iter(pair_dataset(train_pairs, tok, batch_size=rm.batch_size, prompt_len=lengths[0],
                            response_len=lengths[1], seed=cfg.seed + 2))
-  bar = tqdm(range(rm.steps), desc="reward model", disable=not cfg.progress, dynamic_ncols=True)
-  for step in bar:
-    m = jax.device_get(trainer.reward_model_step(next(data)))
-    if step % 10 == 0 or step == rm.steps - 1:
-      writer.write({"phase": "reward_model", "step": step, **m})
-      bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['accuracy']:.2f}")
+  _train("reward_model", rm.steps, trainer.reward_model_step, data, writer, cfg.progress,
+         {"loss": "loss", "accuracy": "acc"})
   acc, margin = reward_accuracy(trainer, tok, heldout_pairs, lengths, rm.batch_size)
   writer.write({"phase": "reward_model", "step": rm.steps, "heldout_pair_acc": acc,
                 "heldout_margin": margin})
@@ -102,6 +98,19 @@ def train_reward_model(trainer, tok: ByteTokenizer, cfg: ExperimentConfig, train
            len(heldout_pairs))
   return {"rm_heldout_pair_acc_init": acc0, "rm_heldout_pair_acc": acc,
           "rm_train_pairs": len(train_pairs), "rm_heldout_pairs": len(heldout_pairs)}
+
+
+def _train(phase: str, steps: int, step_fn, data, writer: MetricsWriter, progress: bool,
+           shown: dict[str, str]) -> None:
+  """`steps` calls of `step_fn(next(data))`, logging every 10th (and the last) to `writer` and
+  the bar; `shown` maps metric -> short name on the bar."""
+  bar = tqdm(range(steps), desc=phase.replace("_", " "), disable=not progress,
+             dynamic_ncols=True)
+  for step in bar:
+    m = jax.device_get(step_fn(next(data)))
+    if step % 10 == 0 or step == steps - 1:
+      writer.write({"phase": phase, "step": step, **m})
+      bar.set_postfix({short: f"{m[key]:.3f}" for key, short in shown.items()})
 
 
 def _sequence_logprobs(trainer, role, tok, pairs, lengths, batch_size) -> np.ndarray:
@@ -142,12 +151,8 @@ def run_dpo(trainer, tok: ByteTokenizer, cfg: ExperimentConfig, train_pairs, hel
 
   margin0, _ = heldout_margins()
   trainer.start_dpo(lengths[0])
-  bar = tqdm(range(d.steps), desc="dpo", disable=not cfg.progress, dynamic_ncols=True)
-  for step in bar:
-    m = jax.device_get(trainer.dpo_step(next(data)))
-    if step % 10 == 0 or step == d.steps - 1:
-      writer.write({"phase": "dpo", "step": step, **m})
-      bar.set_postfix(loss=f"{m['loss']:.3f}", margin=f"{m['margin']:.2f}")
+  _train("dpo", d.steps, trainer.dpo_step, data, writer, cfg.progress,
+         {"loss": "loss", "margin": "margin"})
   margin, implicit = heldout_margins()
   writer.write({"phase": "dpo", "step": d.steps, "heldout_logp_margin": margin,
                 "heldout_implicit_margin": implicit})

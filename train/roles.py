@@ -19,17 +19,45 @@ from sharding.rules import TRAIN_RULES, activation_rules
 from train.steps import TrainState
 
 
-class ModelRole:
-  """`make_model()` builds the module; parameters are born sharded on `mesh` under `rules`."""
+def jit_on(mesh: Mesh, rules, fn, **kwargs):
+  """jit whose trace runs under `mesh`'s activation rules (see sharding.rules.constrain)."""
 
-  def __init__(self, name: str, make_model, mesh: Mesh, rules=TRAIN_RULES):
+  def traced(*args):
+    with activation_rules(mesh, rules):
+      return fn(*args)
+
+  return jax.jit(traced, **kwargs)
+
+
+def role_shardings(name: str, abstract: nnx.State, rules, mesh: Mesh) -> nnx.State:
+  """Parameter shardings of a role, checked on abstract shapes before anything is allocated;
+  an axis that does not divide a dimension is a PlacementError naming the role."""
+  try:
+    return param_shardings(abstract, rules, mesh)
+  except ValueError as e:
+    raise PlacementError(f"{name}: {e}") from None
+
+
+def copy_into(params: nnx.State, shardings: nnx.State) -> nnx.State:
+  """`params` (from any mesh) in the layout `shardings`, never aliasing the source."""
+  moved, _ = reshard(params, shardings, donate=False)
+  # Where the layouts already match, device_put returns the source itself: copy, so that
+  # donating the source (an update step) cannot free these weights.
+  return jax.tree.map(lambda a, b: jnp.copy(b) if a is b else b, params, moved)
+
+
+class ModelRole:
+  """`make_model()` builds the module; parameters are born sharded on `mesh` under `rules`, or
+  are a copy of `params` (any layout) when given."""
+
+  def __init__(self, name: str, make_model, mesh: Mesh, rules=TRAIN_RULES, params=None):
     self.name, self.mesh, self.rules = name, mesh, rules
-    abstract = nnx.state(nnx.eval_shape(make_model))
-    try:  # checked on abstract shapes, before anything is allocated or compiled
-      param_shardings(abstract, rules, mesh)
-    except ValueError as e:
-      raise PlacementError(f"{name}: {e}") from None
-    self.graphdef, params, self.shardings = init_sharded(make_model, rules, mesh)
+    self.graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
+    self.shardings = role_shardings(name, abstract, rules, mesh)
+    if params is None:
+      _, params, _ = init_sharded(make_model, rules, mesh)
+    else:
+      params = copy_into(params, self.shardings)
     self.state = TrainState(step=self._replicated(jnp.zeros((), jnp.int32)), params=params,
                             opt_state=())
     self.batch_sharding = batch_sharding(mesh, rules)
@@ -43,12 +71,7 @@ class ModelRole:
 
   def jit(self, fn, **kwargs):
     """jit whose trace runs under this mesh's activation rules."""
-
-    def traced(*args):
-      with activation_rules(self.mesh, self.rules):
-        return fn(*args)
-
-    return jax.jit(traced, **kwargs)
+    return jit_on(self.mesh, self.rules, fn, **kwargs)
 
   def jit_update(self, update_fn):
     """An update step `(state, batch) -> (state, metrics)` with the state donated."""
@@ -74,21 +97,14 @@ class ModelRole:
   def load(self, params: nnx.State, *, subtree: str | None = None) -> None:
     """Copies `params` (from any mesh) into this role's layout, whole or into one `subtree`
     (e.g. an actor's `decoder` into a reward model or critic)."""
-    def copy(src, dst):
-      moved, _ = reshard(src, dst, donate=False)
-      # Where the layouts already match, device_put aliases the source: copy, so that donating
-      # the source (an update step) cannot free this role's weights.
-      return jax.tree.map(lambda a, b: jnp.copy(b) if a is b else b, src, moved)
-
     if subtree is None:
-      new = copy(params, self.shardings)
+      new = copy_into(params, self.shardings)
     else:
       new = jax.tree.map(lambda x: x, self.state.params)
-      new[subtree] = copy(params[subtree], self.shardings[subtree])
+      new[subtree] = copy_into(params[subtree], self.shardings[subtree])
     self.state = TrainState(step=self.state.step, params=new, opt_state=self.state.opt_state)
 
   def frozen_copy(self, name: str, mesh: Mesh, make_model) -> ModelRole:
-    """A copy of the current parameters as a new role on `mesh` (e.g. the reference)."""
-    role = ModelRole(name, make_model, mesh, self.rules)
-    role.load(self.state.params)
-    return role
+    """A copy of the current parameters as a new role on `mesh` (e.g. the reference); no
+    random initialisation is run for it."""
+    return ModelRole(name, make_model, mesh, self.rules, params=self.state.params)

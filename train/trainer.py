@@ -17,12 +17,12 @@ from jaxrl.models.heads import RewardModel, ValueModel
 from jaxrl.models.llama import LanguageModel
 from sampler.engine import Rollout, generate
 from sampler.methods import SamplingConfig
-from sharding.mesh import batch_sharding, param_shardings
-from sharding.placement import PlacementError, host_major_devices, make_placement
+from sharding.mesh import batch_sharding
+from sharding.placement import host_major_devices, make_placement
 from sharding.reshard import TransferStats, reshard
-from sharding.rules import SAMPLER_RULES, activation_rules
+from sharding.rules import SAMPLER_RULES
 from train import steps
-from train.roles import ModelRole
+from train.roles import ModelRole, jit_on, role_shardings
 
 
 class Trainer:
@@ -44,10 +44,7 @@ class Trainer:
                                     n_hosts=jax.process_count())
     self.sampler_mesh = self.placement.mesh("sampler", self.devices)
     abstract = nnx.state(nnx.eval_shape(self.model_factory("actor")))
-    try:  # checked on abstract shapes, before anything is allocated or compiled
-      self.sampler_shardings = param_shardings(abstract, SAMPLER_RULES, self.sampler_mesh)
-    except ValueError as e:
-      raise PlacementError(f"sampler: {e}") from None
+    self.sampler_shardings = role_shardings("sampler", abstract, SAMPLER_RULES, self.sampler_mesh)
     self.actor = ModelRole("actor", self.model_factory("actor"),
                            self.placement.mesh("actor", self.devices))
     self.reference: ModelRole | None = None
@@ -93,18 +90,20 @@ class Trainer:
     return self._jitted[key]
 
   def _jit_generate(self, sample_cfg: SamplingConfig, n: int = 1):
-    def traced(*args):
-      with activation_rules(self.sampler_mesh, SAMPLER_RULES):
-        return generate(self.graphdef, *args, cfg=sample_cfg, n=n)
+    return jit_on(self.sampler_mesh, SAMPLER_RULES,
+                  functools.partial(generate, self.graphdef, cfg=sample_cfg, n=n),
+                  in_shardings=(self.sampler_shardings, self.sampler_batch, self.sampler_batch,
+                                None))
 
-    return jax.jit(traced, in_shardings=(self.sampler_shardings, self.sampler_batch,
-                                         self.sampler_batch, None))
+  def sampler_copy(self) -> tuple[nnx.State, TransferStats]:
+    """The actor's current weights resharded into the sampler's layout (bucketed, timed)."""
+    return reshard(self.actor.params, self.sampler_shardings,
+                   bucket_bytes=self.cfg.placement.reshard_bucket_mb << 20)
 
   def sync_sampler(self) -> TransferStats:
     """Refreshes the sampler's copy of the actor (the old copy is donated)."""
     old = self.sampler_params
-    self.sampler_params, stats = reshard(self.actor.params, self.sampler_shardings,
-                                         bucket_bytes=self.cfg.placement.reshard_bucket_mb << 20)
+    self.sampler_params, stats = self.sampler_copy()
     if old is not None:
       jax.tree.map(lambda x: x.delete(), old)
     return stats
