@@ -2,17 +2,21 @@
 
   python -m benchmarks.sampler --json              # batch 64 (the reference config)
   python -m benchmarks.sampler --json --batch 8
+  python -m benchmarks.sampler --json --devices 1  # one device only
 
 Reference config: vocab 256, d_model 256, 4 layers, 4 heads, 2 KV heads, MLP 1024, prompt 16,
 64 new tokens, fp32, temperature 1, EOS ignored. FLOPs are counted as 2 x non-embedding
-parameters per generated token. Runs on one device (the default one).
+parameters per generated token. Decode runs as the sampler role does, data parallel over a mesh
+of `--devices` devices (default on a CPU host: one device per core, as many as the batch
+allows; elsewhere 1); the matmul peak is measured over the whole host (all cores) either way.
 """
 from __future__ import annotations
 
 import argparse
-import functools
+import os
 
 from benchmarks.common import add_host_flags, setup_host, best_seconds, emit, matmul_flops_per_s
+from sharding.host import force_cpu_devices
 
 
 def main() -> None:
@@ -22,24 +26,36 @@ def main() -> None:
   parser.add_argument("--prompt-len", type=int, default=16)
   parser.add_argument("--new-tokens", type=int, default=64)
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--devices", type=int, default=0,
+                      help="data-parallel decode devices (0: one per CPU core on a CPU host)")
   add_host_flags(parser)
   args = parser.parse_args()
   retained = setup_host(args)
+  cores = len(os.sched_getaffinity(0))
+  force_cpu_devices(args.devices or cores)  # only affects the CPU backend
 
   import jax
   import jax.numpy as jnp
   from flax import nnx
 
   from jaxrl.models.llama import LanguageModel, ModelConfig
-  from sampler.engine import generate
   from sampler.methods import SamplingConfig
+  from sampler.sampler import jit_generate
+  from sharding.mesh import make_mesh, param_shardings
+  from sharding.rules import SAMPLER_RULES
 
   cfg = ModelConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64,
                     d_ff=1024, tie_embeddings=True, dtype="float32")
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
   sample_cfg = SamplingConfig(max_new_tokens=args.new_tokens, eos_id=0, pad_id=0,
                               method="temperature", temperature=1.0, ignore_eos=True)
-  fn = jax.jit(functools.partial(generate, graphdef, cfg=sample_cfg))
+  devices = args.devices or (cores if jax.default_backend() == "cpu" else 1)
+  while args.batch % devices:
+    devices -= 1
+  mesh = make_mesh({"data": devices}, jax.devices()[:devices])
+  shardings = param_shardings(params, SAMPLER_RULES, mesh)
+  params = jax.device_put(params, shardings)
+  fn = jit_generate(graphdef, sample_cfg, mesh=mesh, param_shardings=shardings)
   tokens_BP = jax.random.randint(jax.random.key(1), (args.batch, args.prompt_len), 1, 256)
   valid_BP = jnp.ones((args.batch, args.prompt_len), bool)
   seconds = best_seconds(
@@ -49,7 +65,7 @@ def main() -> None:
   tokens = args.batch * args.new_tokens
   flops_per_s = 2 * non_embedding * tokens / seconds
   peak = matmul_flops_per_s()
-  emit({"tokens_per_s": round(tokens / seconds, 1), "batch": args.batch,
+  emit({"tokens_per_s": round(tokens / seconds, 1), "batch": args.batch, "devices": devices,
         "retain_freed_memory": retained,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "flops_per_s": round(flops_per_s), "matmul_flops_per_s": round(peak),

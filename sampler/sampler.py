@@ -8,17 +8,18 @@ data parallel over the batch).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from sampler.engine import Rollout, generate
 from sampler.methods import SamplingConfig
 from sharding.mesh import batch_sharding
-from sharding.rules import SAMPLER_RULES, Rules, activation_rules
+from sharding.rules import SAMPLER_RULES, Rules, activation_rules, logical_to_spec
 
 LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 BATCH_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -31,6 +32,48 @@ def bucket(size: int, buckets: Sequence[int]) -> int:
   return buckets[at]
 
 
+def jit_generate(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, n: int = 1,
+                 mesh: Mesh | None = None, rules: Rules = SAMPLER_RULES, param_shardings=None,
+                 on_trace: Callable[[], None] | None = None):
+  """`generate` jitted for a mesh: `fn(params, tokens_BP, valid_BP, key, max_new_B=None)`.
+
+  Data parallelism is manual (shard_map over the mesh axes `batch` maps to): every data shard
+  runs its own decode loop on its rows, with no per-token collective (a shard stops when its own
+  rows are done) and its own random stream (the key folded with the shard index). Inside a
+  shard the remaining axes stay automatic, so tensor parallelism follows `rules` as before.
+  """
+
+  def run(params, tokens_BP, valid_BP, key, max_new_B, inner_rules=rules):
+    if on_trace is not None:
+      on_trace()
+    with activation_rules(mesh, inner_rules):
+      return generate(graphdef, params, tokens_BP, valid_BP, key, max_new_B, cfg=cfg, n=n)
+
+  if mesh is None:
+    fn = jax.jit(run)
+    return lambda params, tokens_BP, valid_BP, key, max_new_B=None: fn(
+        params, tokens_BP, valid_BP, key, max_new_B)
+  rows, grid = batch_sharding(mesh, rules, 1), batch_sharding(mesh, rules, 2)
+  data = logical_to_spec(("batch",), rules, mesh)[0]
+  data_axes = () if data is None else (data,) if isinstance(data, str) else tuple(data)
+  if not data_axes:
+    fn = jax.jit(run, in_shardings=(param_shardings, grid, grid, None, rows))
+  else:
+    no_batch = tuple(rule for rule in rules if rule[0] != "batch")
+
+    def shard(params, tokens_BP, valid_BP, key, max_new_B):
+      key = jax.random.fold_in(key, jax.lax.axis_index(data_axes))
+      return run(params, tokens_BP, valid_BP, key, max_new_B, inner_rules=no_batch)
+
+    split = PartitionSpec(data_axes)
+    fn = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=(PartitionSpec(), split, split,
+                                                           PartitionSpec(), split),
+                               out_specs=split, axis_names=set(data_axes), check_vma=False),
+                 in_shardings=(param_shardings, grid, grid, None, rows))
+  return lambda params, tokens_BP, valid_BP, key, max_new_B=None: fn(
+      params, tokens_BP, valid_BP, key, max_new_B)
+
+
 class Sampler:
 
   def __init__(self, graphdef: nnx.GraphDef, cfg: SamplingConfig, *, n: int = 1,
@@ -41,17 +84,11 @@ class Sampler:
     self.length_buckets, self.batch_buckets = tuple(length_buckets), tuple(batch_buckets)
     self.traces = 0  # how many times the engine was traced (a retrace means a new bucket)
 
-    def run(params, tokens_BP, valid_BP, key, max_new_B):
-      self.traces += 1
-      with activation_rules(mesh, rules):
-        return generate(graphdef, params, tokens_BP, valid_BP, key, max_new_B, cfg=cfg, n=n)
+    self._fn = jit_generate(graphdef, cfg, n=n, mesh=mesh, rules=rules,
+                            param_shardings=param_shardings, on_trace=self._count_trace)
 
-    if mesh is None:
-      self._fn = jax.jit(run)
-    else:
-      rows = batch_sharding(mesh, rules, 1)
-      grid = batch_sharding(mesh, rules, 2)
-      self._fn = jax.jit(run, in_shardings=(param_shardings, grid, grid, None, rows))
+  def _count_trace(self):
+    self.traces += 1
 
   def __call__(self, params, prompts: Sequence[Sequence[int]], key: jax.Array,
                max_new_tokens: Sequence[int] | None = None) -> Rollout:

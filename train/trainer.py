@@ -15,8 +15,9 @@ from flax import nnx
 from jaxrl.config import ExperimentConfig
 from jaxrl.models.heads import RewardModel, ValueModel
 from jaxrl.models.llama import LanguageModel
-from sampler.engine import Rollout, generate
+from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
+from sampler.sampler import jit_generate
 from sharding.mesh import batch_sharding
 from sharding.placement import host_major_devices, make_placement
 from sharding.reshard import TransferStats, reshard
@@ -90,10 +91,8 @@ class Trainer:
     return self._jitted[key]
 
   def _jit_generate(self, sample_cfg: SamplingConfig, n: int = 1):
-    return jit_on(self.sampler_mesh, SAMPLER_RULES,
-                  functools.partial(generate, self.graphdef, cfg=sample_cfg, n=n),
-                  in_shardings=(self.sampler_shardings, self.sampler_batch, self.sampler_batch,
-                                None))
+    return jit_generate(self.graphdef, sample_cfg, n=n, mesh=self.sampler_mesh,
+                        param_shardings=self.sampler_shardings)
 
   def sampler_copy(self) -> tuple[nnx.State, TransferStats]:
     """The actor's current weights resharded into the sampler's layout (bucketed, timed)."""

@@ -20,7 +20,7 @@ from sharding.rules import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-# One (k_BSKH, v_BSKH) pair per layer.
+# One (k_BKHS, v_BKSH) pair per layer: kv heads first; keys transposed (head_dim before slots).
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]
 
 
@@ -93,36 +93,38 @@ class Attention(nnx.Module):
                   cfg.rope_theta)
     v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wv[...].astype(dt))
     q_BTNH = constrain(q_BTNH, ("batch", None, "act_heads", None))
+    # Keys are stored transposed (head_dim before slots) so that both attention products are
+    # plain matrix products over a contiguous cache (no per-step transpose of the keys).
+    k_BKHT, v_BKTH = k_BTKH.transpose(0, 2, 3, 1), v_BTKH.transpose(0, 2, 1, 3)
     if layer_cache is None:
-      k_BSKH, v_BSKH = k_BTKH, v_BTKH
+      k_BKHS, v_BKSH = k_BKHT, v_BKTH
     else:
-      k_BSKH = jax.lax.dynamic_update_slice_in_dim(layer_cache[0], k_BTKH.astype(layer_cache[0].dtype),
-                                                   cache_index, axis=1)
-      v_BSKH = jax.lax.dynamic_update_slice_in_dim(layer_cache[1], v_BTKH.astype(layer_cache[1].dtype),
-                                                   cache_index, axis=1)
-      layer_cache = (k_BSKH, v_BSKH)
+      k_BKHS = jax.lax.dynamic_update_slice_in_dim(layer_cache[0], k_BKHT.astype(layer_cache[0].dtype),
+                                                   cache_index, axis=3)
+      v_BKSH = jax.lax.dynamic_update_slice_in_dim(layer_cache[1], v_BKTH.astype(layer_cache[1].dtype),
+                                                   cache_index, axis=2)
+      layer_cache = (k_BKHS, v_BKSH)
     b, t, n, h = q_BTNH.shape
     q_BTKGH = q_BTNH.reshape(b, t, cfg.n_kv_heads, n // cfg.n_kv_heads, h) / math.sqrt(h)
     attend = _attend_one if t == 1 else _attend
-    out_BTKGH = attend(q_BTKGH, k_BSKH.astype(dt), v_BSKH.astype(dt), mask_BTS)
+    out_BTKGH = attend(q_BTKGH, k_BKHS.astype(dt), v_BKSH.astype(dt), mask_BTS)
     out_BTD = jnp.einsum("btnh,nhd->btd", out_BTKGH.reshape(b, t, n, h), self.wo[...].astype(dt))
     return out_BTD, layer_cache
 
 
-def _attend(q_BTKGH, k_BSKH, v_BSKH, mask_BTS):
-  logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH).astype(jnp.float32)
+def _attend(q_BTKGH, k_BKHS, v_BKSH, mask_BTS):
+  logits_BKGTS = jnp.einsum("btkgh,bkhs->bkgts", q_BTKGH, k_BKHS).astype(jnp.float32)
   logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
   probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(q_BTKGH.dtype)
-  return jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
+  return jnp.einsum("bkgts,bksh->btkgh", probs_BKGTS, v_BKSH)
 
 
-def _attend_one(q_B1KGH, k_BSKH, v_BSKH, mask_B1S):
-  """Decode (one query): broadcast-multiply-reduce, which XLA:CPU runs ~2x faster than the
-  tiny batched dot products the einsum form becomes."""
-  logits_BSKG = (q_B1KGH[:, 0, None] * k_BSKH[:, :, :, None, :]).sum(-1).astype(jnp.float32)
-  logits_BSKG = jnp.where(mask_B1S[:, 0, :, None, None], logits_BSKG, jnp.finfo(jnp.float32).min)
-  probs_BSKG = jax.nn.softmax(logits_BSKG, axis=1).astype(q_B1KGH.dtype)
-  return (probs_BSKG[..., None] * v_BSKH[:, :, :, None, :]).sum(1)[:, None]
+def _attend_one(q_B1KGH, k_BKHS, v_BKSH, mask_B1S):
+  """Decode (one query per row): a small matrix product per kv head over its cache slots."""
+  logits_BKGS = jnp.einsum("bkgh,bkhs->bkgs", q_B1KGH[:, 0], k_BKHS).astype(jnp.float32)
+  logits_BKGS = jnp.where(mask_B1S[:, 0, None, None, :], logits_BKGS, jnp.finfo(jnp.float32).min)
+  probs_BKGS = jax.nn.softmax(logits_BKGS, axis=-1).astype(q_B1KGH.dtype)
+  return jnp.einsum("bkgs,bksh->bkgh", probs_BKGS, v_BKSH)[:, None]
 
 
 class MLP(nnx.Module):
@@ -217,8 +219,9 @@ class LanguageModel(nnx.Module):
 
 
 def init_kv_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
-  shape = (batch, slots, cfg.n_kv_heads, cfg.head_dim)
-  return tuple((jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype))
+  k_shape = (batch, cfg.n_kv_heads, cfg.head_dim, slots)
+  v_shape = (batch, cfg.n_kv_heads, slots, cfg.head_dim)
+  return tuple((jnp.zeros(k_shape, cfg.compute_dtype), jnp.zeros(v_shape, cfg.compute_dtype))
                for _ in range(cfg.n_layers))
 
 
