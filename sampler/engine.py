@@ -35,7 +35,6 @@ class DecodeState:
   logprobs_BN: jax.Array
   recent_BK: jax.Array  # the last K tokens, K = longest stop sequence (at least 1)
   done_B: jax.Array
-  key: jax.Array
 
 
 def _hit_stop(recent_BK: jax.Array, cfg: SamplingConfig) -> jax.Array:
@@ -70,10 +69,11 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   def cond(s: DecodeState):
     return (s.step < steps) & ~jnp.all(s.done_B)
 
+  uniforms_NB = jax.random.uniform(key, (steps, b))  # all of the call's randomness, drawn once
+
   def body(s: DecodeState) -> DecodeState:
-    key, sub = jax.random.split(s.key)
     done_B = s.done_B | (s.step >= max_new_B)
-    tok_B, logp_B = sample(s.logits_BV, sub, cfg)
+    tok_B, logp_B = sample(s.logits_BV, uniforms_NB[s.step], cfg)
     tok_B = jnp.where(done_B, cfg.pad_id, tok_B)
     write = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(buf, col[:, None], s.step, axis=1)
     recent_BK = jnp.concatenate([s.recent_BK[:, 1:], tok_B[:, None]], axis=1)
@@ -85,13 +85,12 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
     return DecodeState(step=s.step + 1, logits_BV=logits_B1V[:, 0], kv_cache=kv_cache,
                        tokens_BN=write(s.tokens_BN, tok_B), mask_BN=write(s.mask_BN, ~done_B),
                        logprobs_BN=write(s.logprobs_BN, jnp.where(done_B, 0.0, logp_B)),
-                       recent_BK=recent_BK, done_B=done_B | finished_B, key=key)
+                       recent_BK=recent_BK, done_B=done_B | finished_B)
 
   init = DecodeState(step=jnp.int32(0), logits_BV=logits_BPV[:, -1], kv_cache=kv_cache,
                      tokens_BN=jnp.full((b, steps), cfg.pad_id, jnp.int32),
                      mask_BN=jnp.zeros((b, steps), bool), logprobs_BN=jnp.zeros((b, steps)),
-                     recent_BK=jnp.full((b, k), -1, jnp.int32), done_B=jnp.zeros((b,), bool),
-                     key=key)
+                     recent_BK=jnp.full((b, k), -1, jnp.int32), done_B=jnp.zeros((b,), bool))
   # The mask comes from the done flags, not from comparing with PAD, so a sampled PAD token
   # mid-answer stays a real (masked-in) token for the trainer as it was for the sampler.
   final = jax.lax.while_loop(cond, body, init)

@@ -1,7 +1,11 @@
-"""Sampling methods: small pure functions `(logits_BV, key, cfg) -> (tokens_B, logprobs_B)`.
+"""Sampling methods: small pure functions `(logits_BV, u_B, cfg) -> (tokens_B, logprobs_B)`.
 
-The returned log-prob is that of the chosen token under the distribution actually sampled from
-(after temperature, top-k and top-p), which is what off-policy corrections need as mu.
+`u_B` is one uniform draw in [0, 1) per row: a token is drawn by inverting the cumulative
+distribution (the first token whose cumulative probability exceeds u x total), which is exact
+and needs one random number per row instead of a Gumbel draw per vocabulary entry. The engine
+draws all of a call's uniforms before its decode loop. The returned log-prob is that of the
+chosen token under the distribution actually sampled from (after temperature, top-k and top-p),
+which is what off-policy corrections need as mu.
 """
 from __future__ import annotations
 
@@ -37,14 +41,33 @@ class SamplingConfig:
       raise ValueError("stop_sequences: every stop sequence needs at least one token")
 
 
-def _chosen_logprob(logits_BV, tokens_B):
-  return jnp.take_along_axis(jax.nn.log_softmax(logits_BV, -1), tokens_B[:, None], -1)[:, 0]
+def _pick(logp_BV, tokens_B):
+  """logp_BV[b, tokens_B[b]] as a masked sum (cheaper than a gather on the CPU)."""
+  hit_BV = jnp.arange(logp_BV.shape[-1]) == tokens_B[:, None]
+  return jnp.sum(jnp.where(hit_BV, logp_BV, 0.0), axis=-1)
 
 
-def greedy(logits_BV, key, cfg: SamplingConfig):
-  del key, cfg
-  tokens_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-  return tokens_B, _chosen_logprob(logits_BV, tokens_B)
+def _first(hit_BV, default):
+  """Index of the first True per row (`default` where none), as a min-reduction."""
+  v = hit_BV.shape[-1]
+  first_B = jnp.min(jnp.where(hit_BV, jnp.arange(v), v), axis=-1)
+  return jnp.where(first_B == v, default, first_B).astype(jnp.int32)
+
+
+def greedy(logits_BV, u_B, cfg: SamplingConfig):
+  del u_B, cfg
+  tokens_B = _first(logits_BV == jnp.max(logits_BV, axis=-1, keepdims=True), 0)
+  return tokens_B, _pick(jax.nn.log_softmax(logits_BV, -1), tokens_B)
+
+
+def inverse_cdf(logp_BV, u_B):
+  """The first token whose cumulative probability exceeds u x total; tokens of probability 0
+  are never chosen (even where rounding in the cumulative sum would put u on one of them)."""
+  probs_BV = jnp.exp(logp_BV)
+  cdf_BV = jnp.cumsum(probs_BV, axis=-1)
+  allowed_BV = probs_BV > 0
+  last_B = jnp.max(jnp.where(allowed_BV, jnp.arange(logp_BV.shape[-1]), 0), axis=-1)
+  return _first(allowed_BV & (cdf_BV > u_B[:, None] * cdf_BV[:, -1:]), last_B)
 
 
 def top_k_filter(logits_BV, k: int):
@@ -66,10 +89,11 @@ def top_p_filter(logits_BV, p: float):
   return jnp.where(logits_BV < threshold_B1, NEG_INF, logits_BV)
 
 
-def temperature(logits_BV, key, cfg: SamplingConfig):
+def temperature(logits_BV, u_B, cfg: SamplingConfig):
   scaled_BV = top_p_filter(top_k_filter(logits_BV / cfg.temperature, cfg.top_k), cfg.top_p)
-  tokens_B = jax.random.categorical(key, scaled_BV, axis=-1).astype(jnp.int32)
-  return tokens_B, _chosen_logprob(scaled_BV, tokens_B)
+  logp_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
+  tokens_B = inverse_cdf(logp_BV, u_B)
+  return tokens_B, _pick(logp_BV, tokens_B)
 
 
 SAMPLERS = {"greedy": greedy, "temperature": temperature}

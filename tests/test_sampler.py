@@ -59,12 +59,31 @@ def test_mixed_prompt_lengths_match_each_alone(tiny_model):
     np.testing.assert_allclose(together.logprobs_BN[i], alone.logprobs_BN[0], atol=1e-5)
 
 
+def _uniforms(seed, b):  # the extremes of [0, 1) first, then random draws
+  u = np.array(jax.random.uniform(jax.random.key(seed + 1), (b,)))
+  u[:2] = 0.0, np.nextafter(np.float32(1), np.float32(0))
+  return jnp.asarray(u)
+
+
+def test_inverse_cdf_draws_follow_the_softmax():
+  logits_V = jnp.asarray([2.0, -1.0, 0.5, -30.0, 1.0, 0.0])
+  n = 60_000
+  cfg = SamplingConfig(max_new_tokens=1, eos_id=0, pad_id=1, temperature=0.7)
+  tokens_B, logp_B = temperature(jnp.broadcast_to(logits_V, (n, 6)),
+                                 jax.random.uniform(jax.random.key(0), (n,)), cfg)
+  want_V = np.asarray(jax.nn.softmax(logits_V / 0.7))
+  freq_V = np.bincount(np.asarray(tokens_B), minlength=6) / n
+  sigma_V = np.sqrt(want_V * (1 - want_V) / n)
+  assert (np.abs(freq_V - want_V) <= 4 * sigma_V + 1e-9).all(), (freq_V, want_V)
+  np.testing.assert_allclose(np.exp(logp_B), want_V[np.asarray(tokens_B)], rtol=1e-5)
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 6), st.integers(0, 2**31 - 1), st.floats(0.2, 3.0))
 def test_top_k_never_samples_outside_the_top_k(k, seed, temp):
   logits_BV = jax.random.normal(jax.random.key(seed), (16, 12)) * 3
   cfg = SamplingConfig(max_new_tokens=1, eos_id=0, pad_id=1, temperature=temp, top_k=k)
-  tokens_B, logp_B = temperature(logits_BV, jax.random.key(seed + 1), cfg)
+  tokens_B, logp_B = temperature(logits_BV, _uniforms(seed, 16), cfg)
   allowed_BK = np.asarray(jax.lax.top_k(logits_BV, k)[1])
   assert all(int(t) in allowed_BK[i] for i, t in enumerate(np.asarray(tokens_B)))
   assert (np.asarray(logp_B) <= 1e-6).all()
@@ -75,7 +94,7 @@ def test_top_k_never_samples_outside_the_top_k(k, seed, temp):
 def test_top_p_never_samples_outside_the_nucleus(p, seed):
   logits_BV = jax.random.normal(jax.random.key(seed), (16, 12)) * 3
   cfg = SamplingConfig(max_new_tokens=1, eos_id=0, pad_id=1, top_p=p)
-  tokens_B, _ = temperature(logits_BV, jax.random.key(seed + 1), cfg)
+  tokens_B, _ = temperature(logits_BV, _uniforms(seed, 16), cfg)
   probs_BV = np.asarray(jax.nn.softmax(logits_BV, -1), np.float64)
   for row, tok in enumerate(np.asarray(tokens_B)):
     order = np.argsort(-probs_BV[row])

@@ -23,7 +23,7 @@ from sharding.placement import host_major_devices, make_placement
 from sharding.reshard import TransferStats, reshard
 from sharding.rules import SAMPLER_RULES
 from train import steps
-from train.roles import ModelRole, jit_on, role_shardings
+from train.roles import ModelRole, role_shardings
 
 
 class Trainer:

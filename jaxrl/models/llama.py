@@ -66,11 +66,18 @@ class RMSNorm(nnx.Module):
     return (x32 * self.scale[...]).astype(x_BTD.dtype)
 
 
-def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
-  half = x_BTNH.shape[-1] // 2
+def rope_table(positions_BT: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+  """(sin, cos) of the RoPE angles, [B, T, head_dim / 2]: computed once per forward pass and
+  shared by every layer's queries and keys."""
+  half = head_dim // 2
   freq_H = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
   angle_BTH = positions_BT[..., None].astype(jnp.float32) * freq_H
-  sin, cos = jnp.sin(angle_BTH)[:, :, None, :], jnp.cos(angle_BTH)[:, :, None, :]
+  return jnp.sin(angle_BTH), jnp.cos(angle_BTH)
+
+
+def rope(x_BTNH: jax.Array, table: tuple[jax.Array, jax.Array], scale: float = 1.0) -> jax.Array:
+  """Rotates pairs (i, i + head_dim / 2) by the table's angles; `scale` multiplies the result."""
+  sin, cos = (a[:, :, None, :] * scale for a in table)
   x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BTNH.dtype)
 
@@ -85,12 +92,12 @@ class Attention(nnx.Module):
     self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), d**-0.5)
     self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), (n * h)**-0.5 / cfg.n_layers)
 
-  def __call__(self, x_BTD, positions_BT, mask_BTS, layer_cache, cache_index):
+  def __call__(self, x_BTD, rope_BTH, mask_BTS, layer_cache, cache_index):
     cfg, dt = self.cfg, x_BTD.dtype
-    q_BTNH = rope(jnp.einsum("btd,dnh->btnh", x_BTD, self.wq[...].astype(dt)), positions_BT,
-                  cfg.rope_theta)
-    k_BTKH = rope(jnp.einsum("btd,dkh->btkh", x_BTD, self.wk[...].astype(dt)), positions_BT,
-                  cfg.rope_theta)
+    # Queries carry the 1/sqrt(head_dim) of the attention logits from here on.
+    q_BTNH = rope(jnp.einsum("btd,dnh->btnh", x_BTD, self.wq[...].astype(dt)), rope_BTH,
+                  cfg.head_dim**-0.5)
+    k_BTKH = rope(jnp.einsum("btd,dkh->btkh", x_BTD, self.wk[...].astype(dt)), rope_BTH)
     v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wv[...].astype(dt))
     q_BTNH = constrain(q_BTNH, ("batch", None, "act_heads", None))
     # Keys are stored transposed (head_dim before slots) so that both attention products are
@@ -105,10 +112,12 @@ class Attention(nnx.Module):
                                                    cache_index, axis=2)
       layer_cache = (k_BKHS, v_BKSH)
     b, t, n, h = q_BTNH.shape
-    q_BTKGH = q_BTNH.reshape(b, t, cfg.n_kv_heads, n // cfg.n_kv_heads, h) / math.sqrt(h)
+    q_BTKGH = q_BTNH.reshape(b, t, cfg.n_kv_heads, n // cfg.n_kv_heads, h)
     attend = _attend_one if t == 1 else _attend
     out_BTKGH = attend(q_BTKGH, k_BKHS.astype(dt), v_BKSH.astype(dt), mask_BTS)
-    out_BTD = jnp.einsum("btnh,nhd->btd", out_BTKGH.reshape(b, t, n, h), self.wo[...].astype(dt))
+    # One (n * h) contraction on flat views: XLA:CPU would otherwise transpose wo every call.
+    out_BTD = jnp.einsum("btf,fd->btd", out_BTKGH.reshape(b, t, n * h),
+                         self.wo[...].astype(dt).reshape(n * h, cfg.d_model))
     return out_BTD, layer_cache
 
 
@@ -151,8 +160,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BTD, positions_BT, mask_BTS, layer_cache, cache_index):
-    attn_BTD, layer_cache = self.attn(self.attn_norm(x_BTD), positions_BT, mask_BTS, layer_cache,
+  def __call__(self, x_BTD, rope_BTH, mask_BTS, layer_cache, cache_index):
+    attn_BTD, layer_cache = self.attn(self.attn_norm(x_BTD), rope_BTH, mask_BTS, layer_cache,
                                       cache_index)
     x_BTD = x_BTD + attn_BTD
     x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
@@ -186,9 +195,10 @@ class Decoder(nnx.Module):
     x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.cfg.compute_dtype)
     x_BTD = constrain(x_BTD, ("batch", None, None))
     mask_BTS = attention_mask(key_valid_BS, tokens_BT.shape[1], cache_index, segment_ids_BT)
+    rope_BTH = rope_table(positions_BT, self.cfg.head_dim, self.cfg.rope_theta)
     new_cache = []
     for i, block in enumerate(self.blocks):
-      x_BTD, layer_cache = block(x_BTD, positions_BT, mask_BTS,
+      x_BTD, layer_cache = block(x_BTD, rope_BTH, mask_BTS,
                                  None if kv_cache is None else kv_cache[i], cache_index)
       new_cache.append(layer_cache)
     h_BTD = self.final_norm(x_BTD)
