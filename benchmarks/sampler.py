@@ -26,6 +26,7 @@ def main() -> None:
   parser.add_argument("--prompt-len", type=int, default=16)
   parser.add_argument("--new-tokens", type=int, default=64)
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
   parser.add_argument("--devices", type=int, default=0,
                       help="data-parallel decode devices (0: one per CPU core on a CPU host)")
   add_host_flags(parser)
@@ -52,7 +53,7 @@ def main() -> None:
   devices = args.devices or (cores if jax.default_backend() == "cpu" else 1)
   while args.batch % devices:
     devices -= 1
-  mesh = make_mesh({"data": devices}, jax.devices()[:devices])
+  mesh = make_mesh({"data": devices // args.tensor, "tensor": args.tensor}, jax.devices()[:devices])
   shardings = param_shardings(params, SAMPLER_RULES, mesh)
   params = jax.device_put(params, shardings)
   fn = jit_generate(graphdef, sample_cfg, mesh=mesh, param_shardings=shardings)

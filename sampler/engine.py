@@ -7,12 +7,14 @@ prompt is prefilled once and its KV cache repeated (group-major rows: prompt i -
 """
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.llama import KVCache, init_kv_cache, positions_from_valid
+from jaxrl.models.llama import KVCache, init_kv_cache, positions_from_valid, rope_table
 from sampler.methods import SAMPLERS, SamplingConfig
 
 
@@ -44,34 +46,62 @@ def _hit_stop(recent_BK: jax.Array, cfg: SamplingConfig) -> jax.Array:
   return hit_B
 
 
+MIN_SEGMENT = 8  # decode steps
+
+
+def segment_ends(forwards: int, segments: int) -> list[int]:
+  """Where the decode loop's segments end (exclusive), over `forwards` decode forward passes."""
+  if forwards == 0:
+    return []
+  count = min(segments, max(1, forwards // MIN_SEGMENT))
+  chunk = -(-forwards // count)
+  return list(range(chunk, forwards, chunk)) + [forwards]
+
+
+def grow_kv_cache(kv_cache: KVCache, slots: int) -> KVCache:
+  """The cache with its slot axis zero-padded to `slots` (keys [B,K,H,S], values [B,K,S,H])."""
+  def grow(x, axis):
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, slots - x.shape[axis])
+    return jnp.pad(x, pad)
+  return tuple((grow(k, 3), grow(v, 2)) for k, v in kv_cache)
+
+
 def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Array,
              prompt_valid_BP: jax.Array, key: jax.Array, max_new_B: jax.Array | None = None, *,
              cfg: SamplingConfig, n: int = 1) -> Rollout:
-  """Samples `n` completions per prompt; `max_new_B` (per output row) caps each row's length."""
+  """Samples `n` completions per prompt; `max_new_B` (per output row) caps each row's length.
+
+  Token i is sampled from the logits of forward pass i - 1 (the prefill for i = 0), so N tokens
+  take N - 1 decode forwards; they run in `cfg.decode_segments` while loops whose attention
+  covers only the cache slots filled by the segment's end.
+  """
   model = nnx.merge(graphdef, params)
   p, steps = prompt_tokens_BP.shape[1], cfg.max_new_tokens
-  kv_cache = init_kv_cache(model.cfg, prompt_tokens_BP.shape[0], p + steps)
+  ends = segment_ends(steps - 1, cfg.decode_segments)
+  first_slots = p + (ends[0] if ends else 0)
   key_valid_BS = jnp.concatenate(
       [prompt_valid_BP, jnp.ones((prompt_tokens_BP.shape[0], steps), bool)], axis=1)
-  logits_BPV, kv_cache = model(prompt_tokens_BP, positions_from_valid(prompt_valid_BP),
-                               key_valid_BS, kv_cache, 0)
+  h_BPD, kv_cache = model.decoder(prompt_tokens_BP, positions_from_valid(prompt_valid_BP),
+                                  key_valid_BS[:, :first_slots],
+                                  init_kv_cache(model.cfg, prompt_tokens_BP.shape[0], first_slots))
+  logits_BV = model.logits(h_BPD[:, -1:])[:, 0]  # only the last prompt position is sampled from
   if n > 1:  # share the prefix: prefill once, then give each sample its own copy of the cache
     repeat = lambda x: jnp.repeat(x, n, axis=0)
     kv_cache = jax.tree.map(repeat, kv_cache)
-    prompt_tokens_BP, prompt_valid_BP, key_valid_BS, logits_BPV = map(
-        repeat, (prompt_tokens_BP, prompt_valid_BP, key_valid_BS, logits_BPV))
+    prompt_tokens_BP, prompt_valid_BP, key_valid_BS, logits_BV = map(
+        repeat, (prompt_tokens_BP, prompt_valid_BP, key_valid_BS, logits_BV))
   b = prompt_tokens_BP.shape[0]
   next_pos_B = prompt_valid_BP.sum(axis=1).astype(jnp.int32)
   max_new_B = jnp.full((b,), steps, jnp.int32) if max_new_B is None else max_new_B
   sample = SAMPLERS[cfg.method]
   k = max([len(s) for s in cfg.stop_sequences], default=1)
-
-  def cond(s: DecodeState):
-    return (s.step < steps) & ~jnp.all(s.done_B)
-
   uniforms_NB = jax.random.uniform(key, (steps, b))  # all of the call's randomness, drawn once
+  sin_NBH, cos_NBH = rope_table(next_pos_B[None, :] + jnp.arange(steps)[:, None],
+                                model.cfg.head_dim, model.cfg.rope_theta)
 
-  def body(s: DecodeState) -> DecodeState:
+  def emit(s: DecodeState) -> tuple[DecodeState, jax.Array]:
+    """Samples token `s.step` from `s.logits_BV` and records it."""
     done_B = s.done_B | (s.step >= max_new_B)
     tok_B, logp_B = sample(s.logits_BV, uniforms_NB[s.step], cfg)
     tok_B = jnp.where(done_B, cfg.pad_id, tok_B)
@@ -80,24 +110,33 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
     finished_B = _hit_stop(recent_BK, cfg)
     if not cfg.ignore_eos:
       finished_B |= tok_B == cfg.eos_id
-    logits_B1V, kv_cache = model(tok_B[:, None], (next_pos_B + s.step)[:, None], key_valid_BS,
-                                 s.kv_cache, p + s.step)
-    return DecodeState(step=s.step + 1, logits_BV=logits_B1V[:, 0], kv_cache=kv_cache,
-                       tokens_BN=write(s.tokens_BN, tok_B), mask_BN=write(s.mask_BN, ~done_B),
-                       logprobs_BN=write(s.logprobs_BN, jnp.where(done_B, 0.0, logp_B)),
-                       recent_BK=recent_BK, done_B=done_B | finished_B)
+    return s.replace(step=s.step + 1, tokens_BN=write(s.tokens_BN, tok_B),
+                     mask_BN=write(s.mask_BN, ~done_B),
+                     logprobs_BN=write(s.logprobs_BN, jnp.where(done_B, 0.0, logp_B)),
+                     recent_BK=recent_BK, done_B=done_B | finished_B), tok_B
 
-  init = DecodeState(step=jnp.int32(0), logits_BV=logits_BPV[:, -1], kv_cache=kv_cache,
-                     tokens_BN=jnp.full((b, steps), cfg.pad_id, jnp.int32),
-                     mask_BN=jnp.zeros((b, steps), bool), logprobs_BN=jnp.zeros((b, steps)),
-                     recent_BK=jnp.full((b, k), -1, jnp.int32), done_B=jnp.zeros((b,), bool))
+  def body(s: DecodeState, slots: int) -> DecodeState:
+    s, tok_B = emit(s)
+    i = s.step - 1  # the token just sampled goes to cache slot p + i
+    logits_B1V, kv_cache = model(tok_B[:, None], (sin_NBH[i][:, None], cos_NBH[i][:, None]),
+                                 key_valid_BS[:, :slots], s.kv_cache, p + i)
+    return s.replace(logits_BV=logits_B1V[:, 0], kv_cache=kv_cache)
+
+  state = DecodeState(step=jnp.int32(0), logits_BV=logits_BV, kv_cache=kv_cache,
+                      tokens_BN=jnp.full((b, steps), cfg.pad_id, jnp.int32),
+                      mask_BN=jnp.zeros((b, steps), bool), logprobs_BN=jnp.zeros((b, steps)),
+                      recent_BK=jnp.full((b, k), -1, jnp.int32), done_B=jnp.zeros((b,), bool))
+  for end in ends:
+    state = state.replace(kv_cache=grow_kv_cache(state.kv_cache, p + end))
+    state = jax.lax.while_loop(lambda s, end=end: (s.step < end) & ~jnp.all(s.done_B),
+                               functools.partial(body, slots=p + end), state)
+  state, _ = emit(state)  # the last token needs no forward pass (a no-op if every row is done)
   # The mask comes from the done flags, not from comparing with PAD, so a sampled PAD token
   # mid-answer stays a real (masked-in) token for the trainer as it was for the sampler.
-  final = jax.lax.while_loop(cond, body, init)
   return Rollout(
-      tokens_BT=jnp.concatenate([prompt_tokens_BP, final.tokens_BN], axis=1),
-      valid_BT=jnp.concatenate([prompt_valid_BP, final.mask_BN], axis=1),
-      completion_mask_BN=final.mask_BN,
-      logprobs_BN=final.logprobs_BN,
-      lengths_B=final.mask_BN.sum(axis=1),
+      tokens_BT=jnp.concatenate([prompt_tokens_BP, state.tokens_BN], axis=1),
+      valid_BT=jnp.concatenate([prompt_valid_BP, state.mask_BN], axis=1),
+      completion_mask_BN=state.mask_BN,
+      logprobs_BN=state.logprobs_BN,
+      lengths_B=state.mask_BN.sum(axis=1),
   )

@@ -29,6 +29,10 @@ class SamplingConfig:
   top_p: float = 1.0  # nucleus mass kept; 1.0 keeps everything
   ignore_eos: bool = False  # fixed-length generation (benchmarks)
   stop_sequences: tuple[tuple[int, ...], ...] = ()  # token sequences that end a row, like EOS
+  # The decode loop runs in up to this many segments; in each, attention reads only the KV-cache
+  # slots that can be filled by its end (the cache grows between segments). Segments are at least
+  # MIN_SEGMENT steps, so short generations run as one loop (one compiled body per segment).
+  decode_segments: int = 4
 
   def __post_init__(self):
     if self.method not in SAMPLERS:
@@ -37,6 +41,8 @@ class SamplingConfig:
       raise ValueError(f"temperature: expected > 0, got {self.temperature}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p: expected in (0, 1], got {self.top_p}")
+    if self.decode_segments < 1:
+      raise ValueError(f"decode_segments: expected >= 1, got {self.decode_segments}")
     if any(len(s) == 0 for s in self.stop_sequences):
       raise ValueError("stop_sequences: every stop sequence needs at least one token")
 

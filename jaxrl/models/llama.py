@@ -195,7 +195,10 @@ class Decoder(nnx.Module):
     x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.cfg.compute_dtype)
     x_BTD = constrain(x_BTD, ("batch", None, None))
     mask_BTS = attention_mask(key_valid_BS, tokens_BT.shape[1], cache_index, segment_ids_BT)
-    rope_BTH = rope_table(positions_BT, self.cfg.head_dim, self.cfg.rope_theta)
+    if isinstance(positions_BT, tuple):  # a rope_table the caller computed ahead (decode loops)
+      rope_BTH = positions_BT
+    else:
+      rope_BTH = rope_table(positions_BT, self.cfg.head_dim, self.cfg.rope_theta)
     new_cache = []
     for i, block in enumerate(self.blocks):
       x_BTD, layer_cache = block(x_BTD, rope_BTH, mask_BTS,
@@ -217,15 +220,21 @@ class LanguageModel(nnx.Module):
 
   def __call__(self, tokens_BT, positions_BT, key_valid_BS, kv_cache=None, cache_index=0,
                segment_ids_BT=None):
-    """`segment_ids_BT` (training only): packed rows, attention stays inside a segment."""
+    """`positions_BT`: RoPE positions, or their `rope_table` computed ahead (a decode loop does,
+    so that no step recomputes sines). `segment_ids_BT` (training only): packed rows, attention
+    stays inside a segment."""
     h_BTD, kv_cache = self.decoder(tokens_BT, positions_BT, key_valid_BS, kv_cache, cache_index,
                                    segment_ids_BT)
+    return self.logits(h_BTD), kv_cache
+
+  def logits(self, h_BTD):
+    """The LM head over decoder states (float32 logits)."""
     if self.cfg.tie_embeddings:
       w_DV = self.decoder.embed[...].T * self.cfg.d_model**-0.5
     else:
       w_DV = self.lm_head[...]
     logits_BTV = jnp.einsum("btd,dv->btv", h_BTD, w_DV.astype(h_BTD.dtype)).astype(jnp.float32)
-    return constrain(logits_BTV, ("batch", None, "act_vocab")), kv_cache
+    return constrain(logits_BTV, ("batch", None, "act_vocab"))
 
 
 def init_kv_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
