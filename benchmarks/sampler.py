@@ -7,8 +7,9 @@
 Reference config: vocab 256, d_model 256, 4 layers, 4 heads, 2 KV heads, MLP 1024, prompt 16,
 64 new tokens, fp32, temperature 1, EOS ignored. FLOPs are counted as 2 x non-embedding
 parameters per generated token. Decode runs as the sampler role does, data parallel over a mesh
-of `--devices` devices (default on a CPU host: one device per core, as many as the batch
-allows; elsewhere 1); the matmul peak is measured over the whole host (all cores) either way.
+of `--devices` devices (default on a CPU host: one device per core while each keeps >= 32 rows,
+since below that a core spends its step streaming weights for too few rows; elsewhere 1). The
+matmul peak is measured over the whole host (all cores) either way.
 """
 from __future__ import annotations
 
@@ -28,12 +29,12 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
   parser.add_argument("--devices", type=int, default=0,
-                      help="data-parallel decode devices (0: one per CPU core on a CPU host)")
+                      help="decode devices (0: one per CPU core with >= 32 rows each on a CPU host)")
   add_host_flags(parser)
   args = parser.parse_args()
   retained = setup_host(args)
-  cores = len(os.sched_getaffinity(0))
-  force_cpu_devices(args.devices or cores)  # only affects the CPU backend
+  cpu_devices = args.devices or max(1, min(len(os.sched_getaffinity(0)), args.batch // 32))
+  force_cpu_devices(cpu_devices)  # only affects the CPU backend
 
   import jax
   import jax.numpy as jnp
@@ -50,9 +51,10 @@ def main() -> None:
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
   sample_cfg = SamplingConfig(max_new_tokens=args.new_tokens, eos_id=0, pad_id=0,
                               method="temperature", temperature=1.0, ignore_eos=True)
-  devices = args.devices or (cores if jax.default_backend() == "cpu" else 1)
-  while args.batch % devices:
-    devices -= 1
+  devices = args.devices or (cpu_devices if jax.default_backend() == "cpu" else 1)
+  if args.batch % devices or devices % args.tensor:
+    parser.error(f"--devices {devices}: must divide --batch {args.batch} and be a multiple of "
+                 f"--tensor {args.tensor}")
   mesh = make_mesh({"data": devices // args.tensor, "tensor": args.tensor}, jax.devices()[:devices])
   shardings = param_shardings(params, SAMPLER_RULES, mesh)
   params = jax.device_put(params, shardings)
