@@ -69,8 +69,10 @@ def grow_kv_cache(kv_cache: KVCache, slots: int) -> KVCache:
 
 def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Array,
              prompt_valid_BP: jax.Array, key: jax.Array, max_new_B: jax.Array | None = None, *,
-             cfg: SamplingConfig, n: int = 1) -> Rollout:
+             cfg: SamplingConfig, n: int = 1, all_done=jnp.all) -> Rollout:
   """Samples `n` completions per prompt; `max_new_B` (per output row) caps each row's length.
+  The loop stops early once `all_done(done_B)`: under shard_map a caller whose shards must stay
+  in step (they share collectives) passes a reduction over its data axes.
 
   Token i is sampled from the logits of forward pass i - 1 (the prefill for i = 0), so N tokens
   take N - 1 decode forwards; they run in `cfg.decode_segments` while loops whose attention
@@ -128,7 +130,7 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
                       recent_BK=jnp.full((b, k), -1, jnp.int32), done_B=jnp.zeros((b,), bool))
   for end in ends:
     state = state.replace(kv_cache=grow_kv_cache(state.kv_cache, p + end))
-    state = jax.lax.while_loop(lambda s, end=end: (s.step < end) & ~jnp.all(s.done_B),
+    state = jax.lax.while_loop(lambda s, end=end: (s.step < end) & ~all_done(s.done_B),
                                functools.partial(body, slots=p + end), state)
   state, _ = emit(state)  # the last token needs no forward pass (a no-op if every row is done)
   # The mask comes from the done flags, not from comparing with PAD, so a sampled PAD token

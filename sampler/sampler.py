@@ -12,6 +12,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
@@ -38,16 +39,19 @@ def jit_generate(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, n: int = 1,
   """`generate` jitted for a mesh: `fn(params, tokens_BP, valid_BP, key, max_new_B=None)`.
 
   Data parallelism is manual (shard_map over the mesh axes `batch` maps to): every data shard
-  runs its own decode loop on its rows, with no per-token collective (a shard stops when its own
-  rows are done) and its own random stream (the key folded with the shard index). Inside a
-  shard the remaining axes stay automatic, so tensor parallelism follows `rules` as before.
+  runs its own decode loop on its rows with its own random stream (the key folded with the shard
+  index). Without other mesh axes a shard stops when its own rows are done, with no per-token
+  collective; with tensor parallelism inside the shards, whose collectives span every device of
+  the program, all shards stop together (one all-reduce of the done flags per step). Inside a
+  shard the remaining axes stay automatic, following `rules`.
   """
 
-  def run(params, tokens_BP, valid_BP, key, max_new_B, inner_rules=rules):
+  def run(params, tokens_BP, valid_BP, key, max_new_B, inner_rules=rules, all_done=jnp.all):
     if on_trace is not None:
       on_trace()
     with activation_rules(mesh, inner_rules):
-      return generate(graphdef, params, tokens_BP, valid_BP, key, max_new_B, cfg=cfg, n=n)
+      return generate(graphdef, params, tokens_BP, valid_BP, key, max_new_B, cfg=cfg, n=n,
+                      all_done=all_done)
 
   if mesh is None:
     fn = jax.jit(run)
@@ -60,10 +64,16 @@ def jit_generate(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, n: int = 1,
     fn = jax.jit(run, in_shardings=(param_shardings, grid, grid, None, rows))
   else:
     no_batch = tuple(rule for rule in rules if rule[0] != "batch")
+    lockstep = any(size > 1 for name, size in mesh.shape.items() if name not in data_axes)
+
+    def all_done(done_B):
+      local = jnp.all(done_B).astype(jnp.int32)
+      return (jax.lax.pmin(local, data_axes) if lockstep else local) > 0
 
     def shard(params, tokens_BP, valid_BP, key, max_new_B):
       key = jax.random.fold_in(key, jax.lax.axis_index(data_axes))
-      return run(params, tokens_BP, valid_BP, key, max_new_B, inner_rules=no_batch)
+      return run(params, tokens_BP, valid_BP, key, max_new_B, inner_rules=no_batch,
+                 all_done=all_done)
 
     split = PartitionSpec(data_axes)
     fn = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=(PartitionSpec(), split, split,

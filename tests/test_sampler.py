@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 
 import jax
@@ -164,6 +165,16 @@ def test_sharded_sampler_matches_single_device(tiny_model):
   got = sharded(jax.device_put(params, shardings), prompts, jax.random.key(0))
   np.testing.assert_array_equal(got.tokens_BT, want.tokens_BT)
   np.testing.assert_allclose(got.logprobs_BN, want.logprobs_BN, atol=1e-5)
+  # Data shards that finish early (2 rows each here: shards 0 and 2 are done after one token)
+  # must keep step with the others, whose tensor-parallel collectives they share (sampling's
+  # cumulative sum over the vocab-sharded logits is a collective permute over all 4 devices;
+  # a shard leaving its loop early used to hang the others until XLA aborted the process).
+  budget = [1, 1, 5, 5, 1, 1, 5, 5]
+  sampled = Sampler(graphdef, dataclasses.replace(cfg, method="temperature"), mesh=mesh,
+                    param_shardings=shardings)
+  got = sampled(jax.device_put(params, shardings), prompts, jax.random.key(0),
+                max_new_tokens=budget)
+  np.testing.assert_array_equal(got.lengths_B, budget)
 
 
 def test_decode_segments_match_one_loop(tiny_model):
