@@ -55,8 +55,14 @@ def jit_generate(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, n: int = 1,
 
   if mesh is None:
     fn = jax.jit(run)
-    return lambda params, tokens_BP, valid_BP, key, max_new_B=None: fn(
-        params, tokens_BP, valid_BP, key, max_new_B)
+  else:
+    fn = _jit_on_mesh(run, mesh, rules, param_shardings)
+  return lambda params, tokens_BP, valid_BP, key, max_new_B=None: fn(
+      params, tokens_BP, valid_BP, key, max_new_B)
+
+
+def _jit_on_mesh(run, mesh: Mesh, rules: Rules, param_shardings):
+  """`run` jitted on `mesh`: manual over the data axes, automatic over the rest."""
   rows, grid = batch_sharding(mesh, rules, 1), batch_sharding(mesh, rules, 2)
   data = logical_to_spec(("batch",), rules, mesh)[0]
   data_axes = () if data is None else (data,) if isinstance(data, str) else tuple(data)
@@ -80,8 +86,7 @@ def jit_generate(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, n: int = 1,
                                                            PartitionSpec(), split),
                                out_specs=split, axis_names=set(data_axes), check_vma=False),
                  in_shardings=(param_shardings, grid, grid, None, rows))
-  return lambda params, tokens_BP, valid_BP, key, max_new_B=None: fn(
-      params, tokens_BP, valid_BP, key, max_new_B)
+  return fn
 
 
 class Sampler:
