@@ -81,12 +81,12 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   model = nnx.merge(graphdef, params)
   p, steps = prompt_tokens_BP.shape[1], cfg.max_new_tokens
   ends = segment_ends(steps - 1, cfg.decode_segments)
-  first_slots = p + (ends[0] if ends else 0)
   key_valid_BS = jnp.concatenate(
       [prompt_valid_BP, jnp.ones((prompt_tokens_BP.shape[0], steps), bool)], axis=1)
+  # The prefill fills a cache of the prompt's P slots; each segment grows it to what it needs.
   h_BPD, kv_cache = model.decoder(prompt_tokens_BP, positions_from_valid(prompt_valid_BP),
-                                  key_valid_BS[:, :first_slots],
-                                  init_kv_cache(model.cfg, prompt_tokens_BP.shape[0], first_slots))
+                                  prompt_valid_BP,
+                                  init_kv_cache(model.cfg, prompt_tokens_BP.shape[0], p))
   logits_BV = model.logits(h_BPD[:, -1:])[:, 0]  # only the last prompt position is sampled from
   if n > 1:  # share the prefix: prefill once, then give each sample its own copy of the cache
     repeat = lambda x: jnp.repeat(x, n, axis=0)
