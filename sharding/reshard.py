@@ -58,9 +58,9 @@ def _host_local_put(x: jax.Array, target) -> jax.Array:
   return jax.make_array_from_single_device_arrays(x.shape, target, local)
 
 
-def _put(x: jax.Array, target) -> jax.Array:
+def _put(x: jax.Array, target, may_alias: bool) -> jax.Array:
   if x.is_fully_addressable:
-    return jax.device_put(x, target)
+    return jax.device_put(x, target, may_alias=may_alias)
   return _host_local_put(x, target)
 
 
@@ -76,7 +76,9 @@ def reshard(tree, target_shardings, *, bucket_bytes: int = 256 << 20, donate: bo
   out = [None] * len(leaves)
   t0 = time.perf_counter()
   for b, idx in enumerate(buckets):
-    moved = [_put(leaves[i], targets[i]) for i in idx]
+    # Without donation the result never aliases the source, even where the layouts match (one
+    # device): the caller keeps the source, and the trainer donates it to its next update.
+    moved = [_put(leaves[i], targets[i], may_alias=donate) for i in idx]
     jax.block_until_ready(moved)
     if on_bucket is not None:
       on_bucket(b)

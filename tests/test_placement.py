@@ -99,3 +99,18 @@ def test_bucket_cap_bounds_live_memory_when_donating():
   assert max(extra) <= r * cap < total
   assert all(x.is_deleted() for x in jax.tree.leaves(state))
   assert all(not x.is_deleted() for x in jax.tree.leaves(moved))
+
+
+def test_reshard_into_the_same_layout_copies_unless_donating():
+  """One device, colocated: the layouts match, yet the trainer later donates its buffers, so
+  the sampler's copy must not alias them (it did: the first greedy eval hit a deleted buffer)."""
+  mesh = make_placement("colocate", 1, train_devices=1, sampler_tensor=1).mesh("actor")
+  _, state, _ = init_sharded(lambda: LanguageModel(CFG, rngs=nnx.Rngs(0)), TRAIN_RULES, mesh)
+  host = jax.tree.map(np.asarray, state)
+  same = jax.tree.map(lambda x: x.sharding, state)
+  copy, _ = reshard(state, same)
+  jax.tree.map(lambda x: x.delete(), state)
+  for x, want in zip(jax.tree.leaves(copy), jax.tree.leaves(host)):
+    np.testing.assert_array_equal(np.asarray(x), want)
+  moved, _ = reshard(copy, same, donate=True)  # donating: aliasing is fine and nothing is freed
+  assert all(not x.is_deleted() for x in jax.tree.leaves(moved))
