@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.models.decode import decode_step, decode_weights
 from jaxrl.models.llama import KVCache, init_kv_cache, positions_from_valid, rope_table
 from sampler.methods import SAMPLERS, SamplingConfig
 
@@ -101,6 +102,8 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   uniforms_NB = jax.random.uniform(key, (steps, b))  # all of the call's randomness, drawn once
   sin_NBH, cos_NBH = rope_table(next_pos_B[None, :] + jnp.arange(steps)[:, None],
                                 model.cfg.head_dim, model.cfg.rope_theta)
+  sin_NHB, cos_NHB = sin_NBH.transpose(0, 2, 1), cos_NBH.transpose(0, 2, 1)
+  weights = decode_weights(model)  # feature-major, transposed once for the whole loop
 
   def emit(s: DecodeState) -> tuple[DecodeState, jax.Array]:
     """Samples token `s.step` from `s.logits_BV` and records it."""
@@ -120,9 +123,9 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   def body(s: DecodeState, slots: int) -> DecodeState:
     s, tok_B = emit(s)
     i = s.step - 1  # the token just sampled goes to cache slot p + i
-    logits_B1V, kv_cache = model(tok_B[:, None], (sin_NBH[i][:, None], cos_NBH[i][:, None]),
-                                 key_valid_BS[:, :slots], s.kv_cache, p + i)
-    return s.replace(logits_BV=logits_B1V[:, 0], kv_cache=kv_cache)
+    logits_BV, kv_cache = decode_step(weights, model.cfg, tok_B, (sin_NHB[i], cos_NHB[i]),
+                                      key_valid_BS[:, :slots], s.kv_cache, p + i)
+    return s.replace(logits_BV=logits_BV, kv_cache=kv_cache)
 
   state = DecodeState(step=jnp.int32(0), logits_BV=logits_BV, kv_cache=kv_cache,
                       tokens_BN=jnp.full((b, steps), cfg.pad_id, jnp.int32),

@@ -33,5 +33,5 @@ def test_restore_into_another_layout_and_errors(tmp_path, tiny_cfg):
   _, wrong, _ = init_sharded(lambda: LanguageModel(other, rngs=nnx.Rngs(1)), TRAIN_RULES,
                              make_mesh({"fsdp": 4}, jax.devices()[:4]))
   with pytest.raises(ValueError, match=r"does not fit this model: decoder/blocks/0/attn/wk is "
-                     r"\(32, 2, 8\) there, \(48, 2, 8\) here"):
+                     r"\(2, 8, 32\) there, \(2, 8, 48\) here"):
     load_params(str(tmp_path / "checkpoints" / "sft"), wrong)

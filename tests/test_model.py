@@ -34,7 +34,7 @@ def test_untied_head_and_bf16(tiny_cfg):
   ref = _forward(LanguageModel(ModelConfig(**{**cfg.__dict__, "dtype": "float32"}),
                                rngs=nnx.Rngs(0)), tokens_BT)
   np.testing.assert_allclose(logits_BTV, ref, atol=0.1)  # bf16 compute stays close to fp32
-  assert model.lm_head.shape == (cfg.d_model, cfg.vocab_size)
+  assert model.lm_head.shape == (cfg.vocab_size, cfg.d_model)
 
 
 def test_bad_model_config():

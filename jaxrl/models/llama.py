@@ -1,7 +1,9 @@
 """A Llama-style decoder in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
 Every parameter carries `logical_axes` metadata and every large activation is constrained with
-logical names (see sharding/rules.py); no mesh axis is named here.
+logical names (see sharding/rules.py); no mesh axis is named here. Projection weights are stored
+[out, in] (PyTorch's order), the layout the sampler's feature-major decode step (decode.py)
+multiplies by directly.
 
 Attention works on a fixed slot layout: a batch row occupies cache slots [0, S), with left padding
 marked invalid in `key_valid_BS`. Training passes the whole sequence (S == T); the sampler passes
@@ -87,18 +89,18 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     self.cfg = cfg
-    self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), d**-0.5)
-    self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), d**-0.5)
-    self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), d**-0.5)
-    self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), (n * h)**-0.5 / cfg.n_layers)
+    self.wq = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), d**-0.5)
+    self.wk = _param(rngs, (k, h, d), ("kv_heads", "head_dim", "embed"), d**-0.5)
+    self.wv = _param(rngs, (k, h, d), ("kv_heads", "head_dim", "embed"), d**-0.5)
+    self.wo = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), (n * h)**-0.5 / cfg.n_layers)
 
   def __call__(self, x_BTD, rope_BTH, mask_BTS, layer_cache, cache_index):
     cfg, dt = self.cfg, x_BTD.dtype
     # Queries carry the 1/sqrt(head_dim) of the attention logits from here on.
-    q_BTNH = rope(jnp.einsum("btd,dnh->btnh", x_BTD, self.wq[...].astype(dt)), rope_BTH,
+    q_BTNH = rope(jnp.einsum("btd,nhd->btnh", x_BTD, self.wq[...].astype(dt)), rope_BTH,
                   cfg.head_dim**-0.5)
-    k_BTKH = rope(jnp.einsum("btd,dkh->btkh", x_BTD, self.wk[...].astype(dt)), rope_BTH)
-    v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wv[...].astype(dt))
+    k_BTKH = rope(jnp.einsum("btd,khd->btkh", x_BTD, self.wk[...].astype(dt)), rope_BTH)
+    v_BTKH = jnp.einsum("btd,khd->btkh", x_BTD, self.wv[...].astype(dt))
     q_BTNH = constrain(q_BTNH, ("batch", None, "act_heads", None))
     # Keys are stored transposed (head_dim before slots) so that both attention products are
     # plain matrix products over a contiguous cache (no per-step transpose of the keys).
@@ -116,8 +118,8 @@ class Attention(nnx.Module):
     attend = _attend_one if t == 1 else _attend
     out_BTKGH = attend(q_BTKGH, k_BKHS.astype(dt), v_BKSH.astype(dt), mask_BTS)
     # One (n * h) contraction on flat views: XLA:CPU would otherwise transpose wo every call.
-    out_BTD = jnp.einsum("btf,fd->btd", out_BTKGH.reshape(b, t, n * h),
-                         self.wo[...].astype(dt).reshape(n * h, cfg.d_model))
+    out_BTD = jnp.einsum("btf,df->btd", out_BTKGH.reshape(b, t, n * h),
+                         self.wo[...].astype(dt).reshape(cfg.d_model, n * h))
     return out_BTD, layer_cache
 
 
@@ -140,16 +142,16 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, f = cfg.d_model, cfg.d_ff
-    self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), d**-0.5)
-    self.w_up = _param(rngs, (d, f), ("embed", "mlp"), d**-0.5)
-    self.w_down = _param(rngs, (f, d), ("mlp", "embed"), f**-0.5 / cfg.n_layers)
+    self.w_gate = _param(rngs, (f, d), ("mlp", "embed"), d**-0.5)
+    self.w_up = _param(rngs, (f, d), ("mlp", "embed"), d**-0.5)
+    self.w_down = _param(rngs, (d, f), ("embed", "mlp"), f**-0.5 / cfg.n_layers)
 
   def __call__(self, x_BTD):
     dt = x_BTD.dtype
-    gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.w_gate[...].astype(dt))
-    up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.w_up[...].astype(dt))
+    gate_BTF = jnp.einsum("btd,fd->btf", x_BTD, self.w_gate[...].astype(dt))
+    up_BTF = jnp.einsum("btd,fd->btf", x_BTD, self.w_up[...].astype(dt))
     h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", None, "act_mlp"))
-    return jnp.einsum("btf,fd->btd", h_BTF, self.w_down[...].astype(dt))
+    return jnp.einsum("btf,df->btd", h_BTF, self.w_down[...].astype(dt))
 
 
 class Block(nnx.Module):
@@ -215,7 +217,7 @@ class LanguageModel(nnx.Module):
     self.cfg = cfg
     self.decoder = Decoder(cfg, rngs)
     if not cfg.tie_embeddings:
-      self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+      self.lm_head = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                             cfg.d_model**-0.5)
 
   def __call__(self, tokens_BT, positions_BT, key_valid_BS, kv_cache=None, cache_index=0,
@@ -229,12 +231,14 @@ class LanguageModel(nnx.Module):
 
   def logits(self, h_BTD):
     """The LM head over decoder states (float32 logits)."""
+    logits_BTV = jnp.einsum("btd,vd->btv", h_BTD, self.head_VD().astype(h_BTD.dtype))
+    return constrain(logits_BTV.astype(jnp.float32), ("batch", None, "act_vocab"))
+
+  def head_VD(self) -> jax.Array:
+    """The LM head's weight, [vocab, d_model]."""
     if self.cfg.tie_embeddings:
-      w_DV = self.decoder.embed[...].T * self.cfg.d_model**-0.5
-    else:
-      w_DV = self.lm_head[...]
-    logits_BTV = jnp.einsum("btd,dv->btv", h_BTD, w_DV.astype(h_BTD.dtype)).astype(jnp.float32)
-    return constrain(logits_BTV, ("batch", None, "act_vocab"))
+      return self.decoder.embed[...] * self.cfg.d_model**-0.5
+    return self.lm_head[...]
 
 
 def init_kv_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
