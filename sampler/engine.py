@@ -85,10 +85,13 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   key_valid_BS = jnp.concatenate(
       [prompt_valid_BP, jnp.ones((prompt_tokens_BP.shape[0], steps), bool)], axis=1)
   # The prefill fills a cache of the prompt's P slots; each segment grows it to what it needs.
-  h_BPD, kv_cache = model.decoder(prompt_tokens_BP, positions_from_valid(prompt_valid_BP),
+  # Only the last prompt position is sampled from, so the final block's queries, attention
+  # and MLP (and the LM head) run for it alone.
+  h_B1D, kv_cache = model.decoder(prompt_tokens_BP, positions_from_valid(prompt_valid_BP),
                                   prompt_valid_BP,
-                                  init_kv_cache(model.cfg, prompt_tokens_BP.shape[0], p))
-  logits_BV = model.logits(h_BPD[:, -1:])[:, 0]  # only the last prompt position is sampled from
+                                  init_kv_cache(model.cfg, prompt_tokens_BP.shape[0], p),
+                                  last_only=True)
+  logits_BV = model.logits(h_B1D)[:, 0]
   if n > 1:  # share the prefix: prefill once, then give each sample its own copy of the cache
     repeat = lambda x: jnp.repeat(x, n, axis=0)
     kv_cache = jax.tree.map(repeat, kv_cache)

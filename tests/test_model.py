@@ -5,7 +5,8 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import LanguageModel, ModelConfig, RewardModel, ValueModel, init_kv_cache
-from jaxrl.models.llama import positions_from_valid
+from jaxrl.models.decode import decode_step, decode_weights
+from jaxrl.models.llama import positions_from_valid, rope_table
 
 
 def _forward(model, tokens_BT, valid_BT=None):
@@ -77,6 +78,30 @@ def test_kv_cache_decode_matches_full_forward(tiny_model, tiny_cfg):
   cached_BTV = jnp.concatenate(steps, axis=1)
   np.testing.assert_allclose(cached_BTV[1], full_BTV[1], atol=1e-4)
   np.testing.assert_allclose(cached_BTV[0, 2:], full_BTV[0, 2:], atol=1e-4)
+
+
+def test_sampler_paths_match_the_model(tiny_model, tiny_cfg):
+  """The sampler's prefill (`last_only`) and its feature-major decode step against the model."""
+  rng = np.random.default_rng(2)
+  b, p, n = 3, 5, 4
+  tokens_BT = jnp.asarray(rng.integers(0, 256, (b, p + n)), jnp.int32)
+  valid_BT = jnp.ones((b, p + n), bool).at[0, :2].set(False)
+  pos_BT = positions_from_valid(valid_BT)
+  full_BTV = tiny_model(tokens_BT, pos_BT, valid_BT)[0]
+  prefill = lambda last_only: tiny_model.decoder(tokens_BT[:, :p], pos_BT[:, :p], valid_BT,
+                                                 init_kv_cache(tiny_cfg, b, p + n), 0,
+                                                 last_only=last_only)
+  (h_BPD, want_cache), (h_B1D, cache) = prefill(False), prefill(True)
+  assert h_B1D.shape == (b, 1, tiny_cfg.d_model)
+  np.testing.assert_allclose(h_B1D[:, 0], h_BPD[:, -1], atol=1e-5)
+  for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(want_cache)):
+    np.testing.assert_array_equal(got, want)
+  weights = decode_weights(tiny_model)
+  for i in range(p, p + n):
+    sin_B1H, cos_B1H = rope_table(pos_BT[:, i:i + 1], tiny_cfg.head_dim, tiny_cfg.rope_theta)
+    logits_BV, cache = decode_step(weights, tiny_cfg, tokens_BT[:, i], (sin_B1H[:, 0].T,
+                                   cos_B1H[:, 0].T), valid_BT, cache, i)
+    np.testing.assert_allclose(logits_BV, full_BTV[:, i], atol=1e-4)
 
 
 def test_params_carry_logical_axes(tiny_model):

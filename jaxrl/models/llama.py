@@ -94,10 +94,16 @@ class Attention(nnx.Module):
     self.wv = _param(rngs, (k, h, d), ("kv_heads", "head_dim", "embed"), d**-0.5)
     self.wo = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), (n * h)**-0.5 / cfg.n_layers)
 
-  def __call__(self, x_BTD, rope_BTH, mask_BTS, layer_cache, cache_index):
+  def __call__(self, x_BTD, rope_BTH, mask_BTS, layer_cache, cache_index, last_only=False):
+    """`last_only`: queries (and so the output) for the last position only; keys and values
+    for every position still go to the cache."""
     cfg, dt = self.cfg, x_BTD.dtype
+    x_BQD, rope_BQH, mask_BQS = x_BTD, rope_BTH, mask_BTS
+    if last_only:
+      x_BQD, mask_BQS = x_BTD[:, -1:], mask_BTS[:, -1:]
+      rope_BQH = tuple(a[:, -1:] for a in rope_BTH)
     # Queries carry the 1/sqrt(head_dim) of the attention logits from here on.
-    q_BTNH = rope(jnp.einsum("btd,nhd->btnh", x_BTD, self.wq[...].astype(dt)), rope_BTH,
+    q_BTNH = rope(jnp.einsum("btd,nhd->btnh", x_BQD, self.wq[...].astype(dt)), rope_BQH,
                   cfg.head_dim**-0.5)
     k_BTKH = rope(jnp.einsum("btd,khd->btkh", x_BTD, self.wk[...].astype(dt)), rope_BTH)
     v_BTKH = jnp.einsum("btd,khd->btkh", x_BTD, self.wv[...].astype(dt))
@@ -116,7 +122,7 @@ class Attention(nnx.Module):
     b, t, n, h = q_BTNH.shape
     q_BTKGH = q_BTNH.reshape(b, t, cfg.n_kv_heads, n // cfg.n_kv_heads, h)
     attend = _attend_one if t == 1 else _attend
-    out_BTKGH = attend(q_BTKGH, k_BKHS.astype(dt), v_BKSH.astype(dt), mask_BTS)
+    out_BTKGH = attend(q_BTKGH, k_BKHS.astype(dt), v_BKSH.astype(dt), mask_BQS)
     # One (n * h) contraction on flat views: XLA:CPU would otherwise transpose wo every call.
     out_BTD = jnp.einsum("btf,df->btd", out_BTKGH.reshape(b, t, n * h),
                          self.wo[...].astype(dt).reshape(cfg.d_model, n * h))
@@ -162,9 +168,11 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BTD, rope_BTH, mask_BTS, layer_cache, cache_index):
+  def __call__(self, x_BTD, rope_BTH, mask_BTS, layer_cache, cache_index, last_only=False):
     attn_BTD, layer_cache = self.attn(self.attn_norm(x_BTD), rope_BTH, mask_BTS, layer_cache,
-                                      cache_index)
+                                      cache_index, last_only)
+    if last_only:
+      x_BTD = x_BTD[:, -1:]
     x_BTD = x_BTD + attn_BTD
     x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
     return constrain(x_BTD, ("batch", None, None)), layer_cache
@@ -193,7 +201,10 @@ class Decoder(nnx.Module):
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
   def __call__(self, tokens_BT, positions_BT, key_valid_BS, kv_cache: KVCache | None = None,
-               cache_index=0, segment_ids_BT=None):
+               cache_index=0, segment_ids_BT=None, last_only=False):
+    """Hidden states [B, T, D], and the updated cache. `last_only` (a prefill that samples from
+    the last position): the final block's queries, attention and MLP run for the last position
+    alone, and the states come back as [B, 1, D]."""
     x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.cfg.compute_dtype)
     x_BTD = constrain(x_BTD, ("batch", None, None))
     mask_BTS = attention_mask(key_valid_BS, tokens_BT.shape[1], cache_index, segment_ids_BT)
@@ -204,7 +215,8 @@ class Decoder(nnx.Module):
     new_cache = []
     for i, block in enumerate(self.blocks):
       x_BTD, layer_cache = block(x_BTD, rope_BTH, mask_BTS,
-                                 None if kv_cache is None else kv_cache[i], cache_index)
+                                 None if kv_cache is None else kv_cache[i], cache_index,
+                                 last_only and i == len(self.blocks) - 1)
       new_cache.append(layer_cache)
     h_BTD = self.final_norm(x_BTD)
     return h_BTD, (None if kv_cache is None else tuple(new_cache))
