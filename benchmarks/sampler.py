@@ -30,6 +30,8 @@ def main() -> None:
   parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
   parser.add_argument("--devices", type=int, default=0,
                       help="decode devices (0: one per CPU core with >= 32 rows each on a CPU host)")
+  parser.add_argument("--layout", default="auto", help="decode activation layout: auto, "
+                      "features or rows (SamplingConfig.decode_layout)")
   add_host_flags(parser)
   args = parser.parse_args()
   retained = setup_host(args)
@@ -50,7 +52,8 @@ def main() -> None:
                     d_ff=1024, tie_embeddings=True, dtype="float32")
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
   sample_cfg = SamplingConfig(max_new_tokens=args.new_tokens, eos_id=0, pad_id=0,
-                              method="temperature", temperature=1.0, ignore_eos=True)
+                              method="temperature", temperature=1.0, ignore_eos=True,
+                              decode_layout=args.layout)
   devices = args.devices or (cpu_devices if jax.default_backend() == "cpu" else 1)
   if args.batch % devices or devices % args.tensor:
     parser.error(f"--devices {devices}: must divide --batch {args.batch} and be a multiple of "
@@ -69,7 +72,7 @@ def main() -> None:
   flops_per_s = 2 * non_embedding * tokens / seconds
   peak = matmul_flops_per_s()
   emit({"tokens_per_s": round(tokens / seconds, 1), "batch": args.batch, "devices": devices,
-        "retain_freed_memory": retained,
+        "retain_freed_memory": retained, "layout": args.layout,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "flops_per_s": round(flops_per_s), "matmul_flops_per_s": round(peak),
         "ratio_to_matmul_peak": round(flops_per_s / peak, 3), "seconds": round(seconds, 4),

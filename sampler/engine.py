@@ -105,8 +105,21 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   uniforms_NB = jax.random.uniform(key, (steps, b))  # all of the call's randomness, drawn once
   sin_NBH, cos_NBH = rope_table(next_pos_B[None, :] + jnp.arange(steps)[:, None],
                                 model.cfg.head_dim, model.cfg.rope_theta)
-  sin_NHB, cos_NHB = sin_NBH.transpose(0, 2, 1), cos_NBH.transpose(0, 2, 1)
-  weights = decode_weights(model)  # feature-major, transposed once for the whole loop
+  layout = cfg.decode_layout
+  if layout == "auto":
+    layout = "features" if jax.default_backend() == "cpu" else "rows"
+  if layout == "features":
+    sin_NHB, cos_NHB = sin_NBH.transpose(0, 2, 1), cos_NBH.transpose(0, 2, 1)
+    weights = decode_weights(model)
+
+  def forward(tok_B, i, kv_cache, slots):
+    """Logits for the token just sampled (step i, cache slot p + i), and the updated cache."""
+    if layout == "features":
+      return decode_step(weights, model.cfg, tok_B, (sin_NHB[i], cos_NHB[i]),
+                         key_valid_BS[:, :slots], kv_cache, p + i)
+    logits_B1V, kv_cache = model(tok_B[:, None], (sin_NBH[i][:, None], cos_NBH[i][:, None]),
+                                 key_valid_BS[:, :slots], kv_cache, p + i)
+    return logits_B1V[:, 0], kv_cache
 
   def emit(s: DecodeState) -> tuple[DecodeState, jax.Array]:
     """Samples token `s.step` from `s.logits_BV` and records it."""
@@ -126,8 +139,7 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   def body(s: DecodeState, slots: int) -> DecodeState:
     s, tok_B = emit(s)
     i = s.step - 1  # the token just sampled goes to cache slot p + i
-    logits_BV, kv_cache = decode_step(weights, model.cfg, tok_B, (sin_NHB[i], cos_NHB[i]),
-                                      key_valid_BS[:, :slots], s.kv_cache, p + i)
+    logits_BV, kv_cache = forward(tok_B, i, s.kv_cache, slots)
     return s.replace(logits_BV=logits_BV, kv_cache=kv_cache)
 
   state = DecodeState(step=jnp.int32(0), logits_BV=logits_BV, kv_cache=kv_cache,

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = -1e30
+DECODE_LAYOUTS = ("auto", "features", "rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,10 @@ class SamplingConfig:
   # slots that can be filled by its end (the cache grows between segments). Segments are at least
   # MIN_SEGMENT steps, so short generations run as one loop (one compiled body per segment).
   decode_segments: int = 4
+  # Activation layout of a decode step: "features" ([features, rows]: weight @ activations, the
+  # faster product for XLA:CPU's small-row matrix products), "rows" (the model's own
+  # [rows, features]), or "auto": features on a CPU, rows elsewhere. Same results either way.
+  decode_layout: str = "auto"
 
   def __post_init__(self):
     if self.method not in SAMPLERS:
@@ -43,6 +48,9 @@ class SamplingConfig:
       raise ValueError(f"top_p: expected in (0, 1], got {self.top_p}")
     if self.decode_segments < 1:
       raise ValueError(f"decode_segments: expected >= 1, got {self.decode_segments}")
+    if self.decode_layout not in DECODE_LAYOUTS:
+      raise ValueError(f"decode_layout: expected one of {list(DECODE_LAYOUTS)}, "
+                       f"got {self.decode_layout!r}")
     if any(len(s) == 0 for s in self.stop_sequences):
       raise ValueError("stop_sequences: every stop sequence needs at least one token")
 

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,8 +26,12 @@ def _gen(model, prompts, n, method="greedy", eos_id=TOK.eos_id, **kw):
   return fn(params, jnp.asarray(tokens), jnp.asarray(valid), jax.random.key(0))
 
 
-def test_greedy_with_cache_equals_recomputing_without_cache(tiny_model):
-  rollout = _gen(tiny_model, ["12+34=", "7+5="], 6, eos_id=-1)
+LAYOUTS = pytest.mark.parametrize("layout", ["features", "rows"])
+
+
+@LAYOUTS
+def test_greedy_with_cache_equals_recomputing_without_cache(tiny_model, layout):
+  rollout = _gen(tiny_model, ["12+34=", "7+5="], 6, eos_id=-1, decode_layout=layout)
   tokens_BT, valid_BT = rollout.tokens_BT[:, :8], rollout.valid_BT[:, :8]
   for _ in range(6):  # no cache: re-run the whole sequence for every new token
     logits = tiny_model(tokens_BT, positions_from_valid(valid_BT), valid_BT)[0][:, -1]
@@ -35,9 +40,10 @@ def test_greedy_with_cache_equals_recomputing_without_cache(tiny_model):
   np.testing.assert_array_equal(rollout.tokens_BT, tokens_BT)
 
 
-def test_sampled_logprobs_equal_full_forward(tiny_model):
+@LAYOUTS
+def test_sampled_logprobs_equal_full_forward(tiny_model, layout):
   rollout = _gen(tiny_model, ["12+34=", "7+5=", "rev ab=", "1="], 7, method="temperature",
-                 temperature=1.0)
+                 temperature=1.0, decode_layout=layout)
   graphdef, params = nnx.split(tiny_model)
   logp_BN, _ = completion_logprobs(graphdef, params, rollout.tokens_BT, rollout.valid_BT, 8)
   mask = np.asarray(rollout.completion_mask_BN)
@@ -190,3 +196,16 @@ def test_decode_segments_match_one_loop(tiny_model):
   np.testing.assert_allclose(outs[0].logprobs_BN, outs[1].logprobs_BN, atol=1e-5)
   logp_BN, _ = completion_logprobs(graphdef, params, outs[1].tokens_BT, outs[1].valid_BT, 8)
   np.testing.assert_allclose(logp_BN, outs[1].logprobs_BN, atol=1e-4)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(temperature=0.0), "temperature: expected > 0, got 0.0"),
+    (dict(top_p=1.5), "top_p: expected in (0, 1], got 1.5"),
+    (dict(decode_segments=0), "decode_segments: expected >= 1, got 0"),
+    (dict(decode_layout="cols"), "decode_layout: expected one of ['auto', 'features', 'rows'], "
+                                 "got 'cols'"),
+])
+def test_bad_sampling_config_fails_with_one_line(kw, message):
+  with pytest.raises(ValueError) as e:
+    SamplingConfig(max_new_tokens=4, eos_id=0, pad_id=0, **kw)
+  assert str(e.value) == message
