@@ -1,8 +1,8 @@
 """The model's forward pass for one new token per row, feature-major: activations [features, B].
 
 A decode step's matrix products have as many rows as the batch shard (tens). On XLA:CPU such a
-product runs ~15% faster as weight [out, in] @ activations [in, B] than as activations [B, in] @
-weight [in, out] (measured in docs/benchmarks.md), so the sampler's loop keeps its activations
+product runs ~14% faster as weight [out, in] @ activations [in, B] than as activations [B, in] @
+weight [in, out] (measured in docs/benchmarks.md; elsewhere the engine keeps the model's layout), so the sampler's loop keeps its activations
 transposed; the weights are stored [out, in] already (llama.py), so nothing is copied per call.
 The math is `LanguageModel.__call__` with one query per row and a KV cache (tests compare them);
 the cache layout is the model's (keys [B, K, H, S], values [B, K, S, H]).
@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.models.llama import KVCache, LanguageModel, attention_mask
+from jaxrl.models.llama import KVCache, LanguageModel, ModelConfig, attention_mask
 from sharding.rules import constrain
 
 
@@ -46,7 +46,7 @@ def _rope(x_NHB, sin_HB, cos_HB):
                          axis=1).astype(x_NHB.dtype)
 
 
-def decode_step(weights: dict, cfg, tokens_B, rope_HB: tuple[jax.Array, jax.Array],
+def decode_step(weights: dict, cfg: ModelConfig, tokens_B, rope_HB: tuple[jax.Array, jax.Array],
                 key_valid_BS, kv_cache: KVCache, slot) -> tuple[jax.Array, KVCache]:
   """Logits [B, V] (float32) for `tokens_B` at cache slot `slot`, and the updated cache.
   `rope_HB`: the (sin, cos) of `llama.rope_table` for the rows' positions, as [head_dim / 2, B]."""
