@@ -2,8 +2,9 @@
 
 A decode step's matrix products have as many rows as the batch shard (tens). On XLA:CPU such a
 product runs ~14% faster as weight [out, in] @ activations [in, B] than as activations [B, in] @
-weight [in, out] (measured in docs/benchmarks.md; elsewhere the engine keeps the model's layout), so the sampler's loop keeps its activations
-transposed; the weights are stored [out, in] already (llama.py), so nothing is copied per call.
+weight [in, out] (docs/benchmarks.md), so on a CPU the sampler's loop keeps its activations
+transposed (elsewhere it runs the model's own layout); the weights are stored [out, in] already
+(llama.py), so nothing is copied per call.
 The math is `LanguageModel.__call__` with one query per row and a KV cache (tests compare them);
 the cache layout is the model's (keys [B, K, H, S], values [B, K, S, H]).
 """
