@@ -17,13 +17,13 @@ def best_seconds(fn, *, repeats: int, warmup: int = 1) -> float:
   return best
 
 
-def matmul_flops_per_s(n: int | None = None, repeats: int = 20) -> float:
-  """Peak fp32 matmul rate of the default device, measured now (n x n @ n x n, jitted; n is
-  1024 on a CPU, 8192 on an accelerator, where a smaller product cannot fill the chip)."""
+def matmul_flops_per_s(n: int | None = None, repeats: int = 20, dtype: str = "float32") -> float:
+  """Peak matmul rate of the default device in `dtype`, measured now (n x n @ n x n, jitted; n
+  is 1024 on a CPU, 8192 on an accelerator, where a smaller product cannot fill the chip)."""
   import jax
   import jax.numpy as jnp
   n = n or (1024 if jax.default_backend() == "cpu" else 8192)
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
   f = jax.jit(lambda x: x @ x)
   seconds = best_seconds(lambda: f(a).block_until_ready(), repeats=repeats, warmup=2)
   return 2 * n**3 / seconds

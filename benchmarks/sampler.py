@@ -30,6 +30,9 @@ def main() -> None:
   parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
   parser.add_argument("--devices", type=int, default=0,
                       help="decode devices (0: one per CPU core with >= 32 rows each on a CPU host)")
+  parser.add_argument("--model", default="256,4,4,2,1024,256",
+                      help="d_model,layers,heads,kv_heads,mlp,vocab (default: the reference config)")
+  parser.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
   parser.add_argument("--layout", default="auto", help="decode activation layout: auto, "
                       "features or rows (SamplingConfig.decode_layout)")
   add_host_flags(parser)
@@ -48,8 +51,13 @@ def main() -> None:
   from sharding.mesh import make_mesh, param_shardings
   from sharding.rules import SAMPLER_RULES
 
-  cfg = ModelConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64,
-                    d_ff=1024, tie_embeddings=True, dtype="float32")
+  try:
+    d, layers, heads, kv_heads, mlp, vocab = (int(x) for x in args.model.split(","))
+    cfg = ModelConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads,
+                      n_kv_heads=kv_heads, head_dim=d // heads, d_ff=mlp, tie_embeddings=True,
+                      dtype=args.dtype)
+  except ValueError as e:
+    parser.error(f"--model {args.model!r} / --dtype {args.dtype!r}: {e}")
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
   sample_cfg = SamplingConfig(max_new_tokens=args.new_tokens, eos_id=0, pad_id=0,
                               method="temperature", temperature=1.0, ignore_eos=True,
@@ -62,7 +70,7 @@ def main() -> None:
   shardings = param_shardings(params, SAMPLER_RULES, mesh)
   params = jax.device_put(params, shardings)
   fn = jit_generate(graphdef, sample_cfg, mesh=mesh, param_shardings=shardings)
-  tokens_BP = jax.random.randint(jax.random.key(1), (args.batch, args.prompt_len), 1, 256)
+  tokens_BP = jax.random.randint(jax.random.key(1), (args.batch, args.prompt_len), 1, vocab)
   valid_BP = jnp.ones((args.batch, args.prompt_len), bool)
   seconds = best_seconds(
       lambda: jax.block_until_ready(fn(params, tokens_BP, valid_BP, jax.random.key(2))),
@@ -70,9 +78,10 @@ def main() -> None:
   non_embedding = sum(x.size for x in jax.tree.leaves(params)) - cfg.vocab_size * cfg.d_model
   tokens = args.batch * args.new_tokens
   flops_per_s = 2 * non_embedding * tokens / seconds
-  peak = matmul_flops_per_s()
+  peak = matmul_flops_per_s(dtype=args.dtype)
   emit({"tokens_per_s": round(tokens / seconds, 1), "batch": args.batch, "devices": devices,
-        "retain_freed_memory": retained, "layout": args.layout,
+        "retain_freed_memory": retained, "layout": args.layout, "model": args.model,
+        "dtype": args.dtype,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "flops_per_s": round(flops_per_s), "matmul_flops_per_s": round(peak),
         "ratio_to_matmul_peak": round(flops_per_s / peak, 3), "seconds": round(seconds, 4),

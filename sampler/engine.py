@@ -108,18 +108,25 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   layout = cfg.decode_layout
   if layout == "auto":
     layout = "features" if jax.default_backend() == "cpu" else "rows"
+  # Weights in the compute dtype once per call, not once per step (a bf16 model keeps float32
+  # parameters); the LM head from the float32 embedding, as the model computes it.
   if layout == "features":
     sin_NHB, cos_NHB = sin_NBH.transpose(0, 2, 1), cos_NBH.transpose(0, 2, 1)
     weights = decode_weights(model)
+  else:
+    dt = model.cfg.compute_dtype
+    head_VD = model.head_VD().astype(dt)
+    stepper = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dt) if x.ndim > 1 else x,
+                                               params))
 
   def forward(tok_B, i, kv_cache, slots):
     """Logits for the token just sampled (step i, cache slot p + i), and the updated cache."""
     if layout == "features":
       return decode_step(weights, model.cfg, tok_B, (sin_NHB[i], cos_NHB[i]),
                          key_valid_BS[:, :slots], kv_cache, p + i)
-    logits_B1V, kv_cache = model(tok_B[:, None], (sin_NBH[i][:, None], cos_NBH[i][:, None]),
-                                 key_valid_BS[:, :slots], kv_cache, p + i)
-    return logits_B1V[:, 0], kv_cache
+    h_B1D, kv_cache = stepper.decoder(tok_B[:, None], (sin_NBH[i][:, None], cos_NBH[i][:, None]),
+                                      key_valid_BS[:, :slots], kv_cache, p + i)
+    return stepper.logits(h_B1D, head_VD)[:, 0], kv_cache
 
   def emit(s: DecodeState) -> tuple[DecodeState, jax.Array]:
     """Samples token `s.step` from `s.logits_BV` and records it."""

@@ -50,6 +50,18 @@ def test_sampled_logprobs_equal_full_forward(tiny_model, layout):
   np.testing.assert_allclose(np.where(mask, logp_BN, 0), rollout.logprobs_BN, atol=1e-4)
 
 
+@LAYOUTS
+def test_bf16_sampling_stays_close_to_the_float32_forward(tiny_cfg, layout):
+  """A bf16 model keeps float32 parameters; the decode loop casts them once per call."""
+  cfg16 = dataclasses.replace(tiny_cfg, dtype="bfloat16")
+  rollout = _gen(LanguageModel(cfg16, rngs=nnx.Rngs(0)), ["12+34=", "7+5="], 6,
+                 method="temperature", temperature=1.0, decode_layout=layout)
+  graphdef, params = nnx.split(LanguageModel(tiny_cfg, rngs=nnx.Rngs(0)))  # same weights, fp32
+  logp_BN, _ = completion_logprobs(graphdef, params, rollout.tokens_BT, rollout.valid_BT, 8)
+  mask = np.asarray(rollout.completion_mask_BN)
+  np.testing.assert_allclose(np.where(mask, logp_BN, 0), rollout.logprobs_BN, atol=0.1)
+
+
 def test_eos_stops_a_row_and_masks_the_rest(tiny_model):
   first = _gen(tiny_model, ["12+34="], 1, eos_id=-1).tokens_BT[0, -1]  # greedy's first token
   rollout = _gen(tiny_model, ["12+34="], 5, eos_id=int(first))

@@ -241,9 +241,11 @@ class LanguageModel(nnx.Module):
                                    segment_ids_BT)
     return self.logits(h_BTD), kv_cache
 
-  def logits(self, h_BTD):
-    """The LM head over decoder states (float32 logits)."""
-    logits_BTV = jnp.einsum("btd,vd->btv", h_BTD, self.head_VD().astype(h_BTD.dtype))
+  def logits(self, h_BTD, head_VD: jax.Array | None = None):
+    """The LM head over decoder states (float32 logits); `head_VD`: `self.head_VD()` computed
+    ahead (a decode loop does, once per call)."""
+    head_VD = self.head_VD() if head_VD is None else head_VD
+    logits_BTV = jnp.einsum("btd,vd->btv", h_BTD, head_VD.astype(h_BTD.dtype))
     return constrain(logits_BTV.astype(jnp.float32), ("batch", None, "act_vocab"))
 
   def head_VD(self) -> jax.Array:
