@@ -3,6 +3,7 @@
   python -m benchmarks.sampler --json              # batch 64 (the reference config)
   python -m benchmarks.sampler --json --batch 8
   python -m benchmarks.sampler --json --devices 1  # one device only
+  python -m benchmarks.sampler --json --model 2048,16,16,8,8192,32000 --dtype bfloat16  # on a GPU
 
 Reference config: vocab 256, d_model 256, 4 layers, 4 heads, 2 KV heads, MLP 1024, prompt 16,
 64 new tokens, fp32, temperature 1, EOS ignored. FLOPs are counted as 2 x non-embedding
