@@ -80,6 +80,12 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   covers only the cache slots filled by the segment's end.
   """
   model = nnx.merge(graphdef, params)
+  dt = model.cfg.compute_dtype
+  # The LM head from the float32 embedding, as the trainer's forward computes it; then every
+  # weight in the compute dtype once per call, not once per forward (a bf16 model keeps float32
+  # parameters; norm scales stay float32, as the model uses them).
+  head_VD = model.head_VD().astype(dt)
+  model = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dt) if x.ndim > 1 else x, params))
   p, steps = prompt_tokens_BP.shape[1], cfg.max_new_tokens
   ends = segment_ends(steps - 1, cfg.decode_segments)
   key_valid_BS = jnp.concatenate(
@@ -91,7 +97,7 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
                                   prompt_valid_BP,
                                   init_kv_cache(model.cfg, prompt_tokens_BP.shape[0], p),
                                   last_only=True)
-  logits_BV = model.logits(h_B1D)[:, 0]
+  logits_BV = model.logits(h_B1D, head_VD)[:, 0]
   if n > 1:  # share the prefix: prefill once, then give each sample its own copy of the cache
     repeat = lambda x: jnp.repeat(x, n, axis=0)
     kv_cache = jax.tree.map(repeat, kv_cache)
@@ -108,25 +114,18 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   layout = cfg.decode_layout
   if layout == "auto":
     layout = "features" if jax.default_backend() == "cpu" else "rows"
-  # Weights in the compute dtype once per call, not once per step (a bf16 model keeps float32
-  # parameters); the LM head from the float32 embedding, as the model computes it.
   if layout == "features":
     sin_NHB, cos_NHB = sin_NBH.transpose(0, 2, 1), cos_NBH.transpose(0, 2, 1)
-    weights = decode_weights(model)
-  else:
-    dt = model.cfg.compute_dtype
-    head_VD = model.head_VD().astype(dt)
-    stepper = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dt) if x.ndim > 1 else x,
-                                               params))
+    weights = decode_weights(model, head_VD)
 
   def forward(tok_B, i, kv_cache, slots):
     """Logits for the token just sampled (step i, cache slot p + i), and the updated cache."""
     if layout == "features":
       return decode_step(weights, model.cfg, tok_B, (sin_NHB[i], cos_NHB[i]),
                          key_valid_BS[:, :slots], kv_cache, p + i)
-    h_B1D, kv_cache = stepper.decoder(tok_B[:, None], (sin_NBH[i][:, None], cos_NBH[i][:, None]),
-                                      key_valid_BS[:, :slots], kv_cache, p + i)
-    return stepper.logits(h_B1D, head_VD)[:, 0], kv_cache
+    h_B1D, kv_cache = model.decoder(tok_B[:, None], (sin_NBH[i][:, None], cos_NBH[i][:, None]),
+                                    key_valid_BS[:, :slots], kv_cache, p + i)
+    return model.logits(h_B1D, head_VD)[:, 0], kv_cache
 
   def emit(s: DecodeState) -> tuple[DecodeState, jax.Array]:
     """Samples token `s.step` from `s.logits_BV` and records it."""

@@ -17,12 +17,13 @@ from jaxrl.models.llama import KVCache, LanguageModel, ModelConfig, attention_ma
 from sharding.rules import constrain
 
 
-def decode_weights(model: LanguageModel) -> dict:
-  """Every weight as a matrix [out, in] in the compute dtype (norm scales as [D, 1] float32
-  columns). The parameters are stored [out, in], so these are views, not copies."""
-  cfg, dt = model.cfg, model.cfg.compute_dtype
+def decode_weights(model: LanguageModel, head_VD: jax.Array | None = None) -> dict:
+  """Every weight as a matrix [out, in] (norm scales as [D, 1] columns); `head_VD`: the LM head
+  computed ahead (`model.head_VD()` by default). The parameters are stored [out, in], so these are
+  views, not copies; they keep the parameters' dtype (the engine casts once per call)."""
+  cfg = model.cfg
   column = lambda norm: norm.scale[...][:, None]
-  matrix = lambda w, out: w[...].reshape(out, -1).astype(dt)
+  matrix = lambda w, out: w[...].reshape(out, -1)
   nh, kh = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
   layers = [dict(attn_norm=column(b.attn_norm), wq=matrix(b.attn.wq, nh),
                  wk=matrix(b.attn.wk, kh), wv=matrix(b.attn.wv, kh),
@@ -31,7 +32,8 @@ def decode_weights(model: LanguageModel) -> dict:
                  w_down=matrix(b.mlp.w_down, cfg.d_model))
             for b in model.decoder.blocks]
   return dict(embed_VD=model.decoder.embed[...], layers=layers,
-              final_norm=column(model.decoder.final_norm), head_VD=model.head_VD().astype(dt))
+              final_norm=column(model.decoder.final_norm),
+              head_VD=model.head_VD() if head_VD is None else head_VD)
 
 
 def _rms_norm(x_DB, scale_D1, eps: float):

@@ -12,7 +12,6 @@ a KV cache of S slots and the slot index of the first new token.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
