@@ -1,7 +1,11 @@
-"""Frozen, validated experiment config: the boundary between ml_collections files and the code.
+"""The experiment schema: frozen dataclasses whose defaults ARE the default experiment.
 
-`from_mapping(ExperimentConfig, config_dict)` raises `ConfigError` naming the first unknown,
-missing-typed or out-of-range field as `config.section.field`.
+`configs/default.py` is `config_dict(ExperimentConfig())`; every other config file overrides
+fields of it, and gin bindings (`rl.steps = 5`) address the same fields. `from_mapping` turns a
+(nested) mapping into the dataclasses, raising `ConfigError` naming the first unknown, ill-typed
+or out-of-range field as `config.section.field`. Each section checks its own fields in
+`__post_init__`; `ExperimentConfig` checks what spans sections. What depends on the devices
+(mesh sizes dividing batch sizes) is checked against the real placement (train/cluster.py).
 """
 from __future__ import annotations
 
@@ -14,8 +18,8 @@ from typing import Any
 from jaxrl.algos import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from jaxrl.data.tasks import TASKS
 from jaxrl.models.llama import ModelConfig
+from jaxrl.rewards.verifier import VERIFIERS
 from sharding.placement import STRATEGIES
-
 
 REWARDS = ("verifier", "reward_model")
 MODES = ("sync", "async")
@@ -26,39 +30,81 @@ class ConfigError(ValueError):
   """A user error in the config: reported in one line, exit code 2."""
 
 
+def _choice(obj, name: str, options) -> None:
+  if getattr(obj, name) not in options:
+    raise ValueError(f"{name}: expected one of {sorted(options)}, got {getattr(obj, name)!r}")
+
+
+def _positive(obj, *names: str) -> None:
+  for name in names:
+    if getattr(obj, name) <= 0:
+      raise ValueError(f"{name}: expected > 0, got {getattr(obj, name)!r}")
+
+
+def _at_least_zero(obj, *names: str) -> None:
+  for name in names:
+    if getattr(obj, name) < 0:
+      raise ValueError(f"{name}: expected >= 0, got {getattr(obj, name)!r}")
+
+
+def _unit(obj, *names: str) -> None:
+  for name in names:
+    if not 0.0 <= getattr(obj, name) <= 1.0:
+      raise ValueError(f"{name}: expected in [0, 1], got {getattr(obj, name)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-  name: str = "addition"
-  num_digits: int = 2
+  """A synthetic verifiable task (jaxrl/data/tasks.py): `rev abcde=` -> `edcba`."""
+  name: str = "reverse"
+  num_digits: int = 5
   n_train: int = 4096
   n_heldout: int = 256
   # Chance that an SFT demonstration is the teacher's systematic mistake instead of the answer.
-  teacher_error: float = 0.0
+  teacher_error: float = 0.6
   verifier: str = "exact_match"
+
+  def __post_init__(self):
+    _choice(self, "name", TASKS)
+    _choice(self, "verifier", VERIFIERS)
+    _positive(self, "num_digits", "n_train", "n_heldout")
+    _unit(self, "teacher_error")
 
 
 @dataclasses.dataclass(frozen=True)
 class PlacementConfig:
-  strategy: str = "separate"  # colocate | interleave | separate (sharding/placement.py)
+  """Roles on devices (sharding/placement.py). Default: the trainer fsdp-shards the actor over
+  devices 0-3, the sampler decodes on devices 4-7 ({data: 2, tensor: 2}) from a shadow copy
+  resharded after every update."""
+  strategy: str = "separate"  # colocate | interleave | separate
   train_devices: int = 4  # devices (over all hosts) for the trainer roles; ignored by colocate
-  sampler_tensor: int = 1  # tensor-parallel degree of the sampler mesh
+  sampler_tensor: int = 2  # tensor-parallel degree of the sampler mesh
   reshard_bucket_mb: int = 256  # cap on the extra memory of one train -> sampler transfer
   cpu_devices: int = 8  # fake host devices when running on the CPU (XLA_FLAGS)
+
+  def __post_init__(self):
+    _choice(self, "strategy", STRATEGIES)
+    _positive(self, "train_devices", "sampler_tensor", "reshard_bucket_mb", "cpu_devices")
 
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-  steps: int = 200
+  """Supervised warm start on the task's (imperfect) demonstrations."""
+  steps: int = 800
   batch_size: int = 64
   learning_rate: float = 1e-3
   warmup_steps: int = 20
   weight_decay: float = 0.0
   pack_length: int = 0  # > 0: pack several examples into rows of this many tokens
 
+  def __post_init__(self):
+    _positive(self, "batch_size")
+    _at_least_zero(self, "steps", "warmup_steps", "pack_length")
+
 
 @dataclasses.dataclass(frozen=True)
 class RewardModelConfig:
-  """Bradley-Terry training of the reward model (used when `rl.reward == "reward_model"`).
+  """Bradley-Terry training of the reward model (runs when `rl.reward == "reward_model"`).
 
   The trunk starts from the SFT actor. Pairs come from `pairs_path` (jsonl of {"prompt",
   "chosen", "rejected"}) or, when empty, are generated from the task's verifier."""
@@ -69,6 +115,10 @@ class RewardModelConfig:
   pairs_path: str = ""
   pairs_per_prompt: int = 2  # synthetic pairs per training prompt
   policy_negatives: bool = True  # synthetic rejected answers include the SFT policy's mistakes
+
+  def __post_init__(self):
+    _positive(self, "batch_size", "pairs_per_prompt")
+    _at_least_zero(self, "steps", "warmup_steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,16 +133,22 @@ class DPOConfig:
   pairs_per_prompt: int = 1
   policy_negatives: bool = True
 
+  def __post_init__(self):
+    _positive(self, "batch_size", "beta", "pairs_per_prompt")
+    _at_least_zero(self, "steps", "warmup_steps")
+
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-  steps: int = 100
+  """GRPO with the verifier's reward by default; see docs/algorithms.md for the others."""
+  steps: int = 150
   mode: str = "sync"  # sync | async (generation runs ahead; needs placement.strategy="separate")
   max_staleness: int = 1  # async: how many policy versions a consumed batch may lag
-  prompts_per_step: int = 16
+  prompts_per_step: int = 64
   group_size: int = 8
   num_minibatches: int = 2
   learning_rate: float = 3e-4
+  warmup_steps: int = 10  # optimizer updates (num_minibatches per RL step) of linear warm-up
   advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (gae trains a critic)
   reward: str = "verifier"  # verifier | reward_model
   policy_loss: str = "ppo_clip"  # ppo_clip | aipo
@@ -114,22 +170,46 @@ class RLConfig:
   top_k: int = 0
   max_grad_norm: float = 1.0
 
+  def __post_init__(self):
+    for name, options in [("mode", MODES), ("advantage", ADVANTAGES), ("reward", REWARDS),
+                          ("policy_loss", POLICY_LOSSES), ("kl_estimator", KL_ESTIMATORS),
+                          ("kl_mode", KL_MODES), ("loss_aggregation", AGGREGATIONS)]:
+      _choice(self, name, options)
+    _positive(self, "prompts_per_step", "group_size", "num_minibatches", "temperature",
+              "aipo_rho", "max_grad_norm")
+    _at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap")
+    _unit(self, "gamma", "lam")
+    if self.advantage == "reinforce_pp" and self.kl_mode != "reward":
+      raise ValueError(f"kl_mode: reinforce_pp folds the KL into the rewards; expected 'reward', "
+                       f"got {self.kl_mode!r}")
+
+  @property
+  def rollouts(self) -> int:
+    return self.prompts_per_step * self.group_size
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  every: int = 20  # RL steps between held-out greedy evaluations
+  every: int = 10  # RL steps between held-out greedy evaluations
   batch_size: int = 256
+
+  def __post_init__(self):
+    _positive(self, "every", "batch_size")
 
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
+  """The default experiment: a 0.5M-parameter Llama learns to reverse 5-letter strings, SFT on
+  an imperfect teacher's demonstrations, then GRPO with an exact-match verifier, on 8 fake CPU
+  devices (README, "What `make run` does")."""
   seed: int = 0
-  run_dir: str = "runs"  # a fresh timestamped subdirectory is made per run
-  run_name: str = ""  # subdirectory name; empty -> timestamp
-  checkpoint_every: int = 50  # RL steps
-  keep_checkpoints: int = 3
+  run_dir: str = "runs"  # runs go to run_dir/run_name
+  run_name: str = ""  # empty -> a timestamp
+  checkpoint_every: int = 50  # steps of any stage between run-state checkpoints
+  checkpoint_minutes: float = 30.0  # and at least this often (0: off)
+  keep_checkpoints: int = 3  # per stage: the last K, plus the best by held-out accuracy
   progress: bool = True
-  # An orbax checkpoint directory (e.g. runs/NAME/checkpoints/sft) to start the actor from.
+  # A run's stage checkpoints (e.g. runs/NAME/checkpoints/sft) to start the actor from.
   init_checkpoint: str = ""
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
@@ -139,6 +219,22 @@ class ExperimentConfig:
   reward_model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
   rl: RLConfig = dataclasses.field(default_factory=RLConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+  def __post_init__(self):
+    _positive(self, "checkpoint_every", "keep_checkpoints")
+    _at_least_zero(self, "checkpoint_minutes")
+    if self.rl.mode == "async" and self.placement.strategy != "separate":
+      raise ValueError(
+          f"rl.mode: async needs the sampler on devices of its own "
+          f"(placement.strategy='separate'); with {self.placement.strategy!r} generation and "
+          f"training share devices and cannot overlap, use mode='sync'")
+    if self.rl.reward == "reward_model" and self.reward_model.steps <= 0:
+      raise ValueError("reward_model.steps: rl.reward='reward_model' needs a trained reward "
+                       f"model, expected > 0, got {self.reward_model.steps}")
+
+
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(ExperimentConfig)
+            if f.default_factory is not dataclasses.MISSING}
 
 
 def _check_type(path: str, value: Any, typ: Any) -> Any:
@@ -170,89 +266,16 @@ def from_mapping(cls: type, values: Mapping[str, Any], path: str = "config"):
     else:
       kwargs[name] = _check_type(where, value, typ)
   try:
-    obj = cls(**kwargs)
+    return cls(**kwargs)
   except ValueError as e:
     raise ConfigError(f"{path}.{e}") from None
-  return obj
 
 
-def _choice(path: str, value: str, options) -> None:
-  if value not in options:
-    raise ConfigError(f"{path}: expected one of {sorted(options)}, got {value!r}")
+def to_dict(cfg) -> dict:
+  return dataclasses.asdict(cfg)
 
 
-def _positive(path: str, value) -> None:
-  if value <= 0:
-    raise ConfigError(f"{path}: expected > 0, got {value!r}")
-
-
-def validate(cfg: ExperimentConfig) -> ExperimentConfig:
-  """Cross-field checks that a single dataclass cannot do alone."""
-  from jaxrl.rewards.verifier import VERIFIERS
-  _choice("config.task.name", cfg.task.name, TASKS)
-  _choice("config.task.verifier", cfg.task.verifier, VERIFIERS)
-  _choice("config.rl.advantage", cfg.rl.advantage, ADVANTAGES)
-  _choice("config.rl.reward", cfg.rl.reward, REWARDS)
-  _choice("config.rl.mode", cfg.rl.mode, MODES)
-  if cfg.rl.mode == "async" and cfg.placement.strategy != "separate":
-    raise ConfigError(
-        f"config.rl.mode: async needs the sampler on devices of its own "
-        f"(placement.strategy='separate'); with {cfg.placement.strategy!r} generation and training "
-        f"share devices and cannot overlap, use mode='sync'")
-  if cfg.rl.max_staleness < 0:
-    raise ConfigError(f"config.rl.max_staleness: expected >= 0, got {cfg.rl.max_staleness}")
-  _choice("config.rl.policy_loss", cfg.rl.policy_loss, POLICY_LOSSES)
-  _choice("config.rl.kl_estimator", cfg.rl.kl_estimator, KL_ESTIMATORS)
-  _choice("config.rl.kl_mode", cfg.rl.kl_mode, KL_MODES)
-  if cfg.rl.advantage == "reinforce_pp" and cfg.rl.kl_mode != "reward":
-    raise ConfigError("config.rl.kl_mode: reinforce_pp folds the KL into the rewards; "
-                      "expected 'reward', got 'loss'")
-  if cfg.rl.reward == "reward_model" and cfg.reward_model.steps <= 0:
-    raise ConfigError("config.reward_model.steps: rl.reward='reward_model' needs a trained "
-                      f"reward model, expected > 0, got {cfg.reward_model.steps}")
-  _choice("config.rl.loss_aggregation", cfg.rl.loss_aggregation, AGGREGATIONS)
-  for path, value in [("config.sft.batch_size", cfg.sft.batch_size),
-                      ("config.rl.prompts_per_step", cfg.rl.prompts_per_step),
-                      ("config.rl.group_size", cfg.rl.group_size),
-                      ("config.rl.num_minibatches", cfg.rl.num_minibatches),
-                      ("config.rl.temperature", cfg.rl.temperature),
-                      ("config.eval.every", cfg.eval.every),
-                      ("config.eval.batch_size", cfg.eval.batch_size),
-                      ("config.task.num_digits", cfg.task.num_digits),
-                      ("config.task.n_train", cfg.task.n_train),
-                      ("config.task.n_heldout", cfg.task.n_heldout),
-                      ("config.rl.aipo_rho", cfg.rl.aipo_rho),
-                      ("config.reward_model.batch_size", cfg.reward_model.batch_size),
-                      ("config.reward_model.pairs_per_prompt", cfg.reward_model.pairs_per_prompt),
-                      ("config.dpo.batch_size", cfg.dpo.batch_size),
-                      ("config.dpo.beta", cfg.dpo.beta),
-                      ("config.dpo.pairs_per_prompt", cfg.dpo.pairs_per_prompt)]:
-    _positive(path, value)
-  _choice("config.placement.strategy", cfg.placement.strategy, STRATEGIES)
-  pl = cfg.placement
-  if pl.strategy != "colocate" and not 0 < pl.train_devices < pl.cpu_devices:
-    raise ConfigError(f"config.placement.train_devices: {pl.train_devices} must be in "
-                      f"(0, {pl.cpu_devices})")
-  train_ways = pl.cpu_devices if pl.strategy == "colocate" else pl.train_devices
-  sampler_devices = {"colocate": pl.cpu_devices, "interleave": pl.train_devices,
-                     "separate": pl.cpu_devices - pl.train_devices}[pl.strategy]
-  sampler_ways = max(sampler_devices // max(pl.sampler_tensor, 1), 1)
-  rollouts = cfg.rl.prompts_per_step * cfg.rl.group_size
-  if rollouts % (cfg.rl.num_minibatches * train_ways):
-    raise ConfigError(
-        f"config.rl.num_minibatches: prompts_per_step*group_size={rollouts} must split into "
-        f"{cfg.rl.num_minibatches} minibatches divisible by the trainer's {train_ways} devices")
-  for path, value, ways in [("config.sft.batch_size", cfg.sft.batch_size, train_ways),
-                            ("config.reward_model.batch_size", 2 * cfg.reward_model.batch_size,
-                             train_ways),
-                            ("config.dpo.batch_size", 2 * cfg.dpo.batch_size, train_ways),
-                            ("config.rl.prompts_per_step", cfg.rl.prompts_per_step, sampler_ways),
-                            ("config.eval.batch_size", cfg.eval.batch_size, sampler_ways)]:
-    if value % ways:
-      raise ConfigError(f"{path}: {value} is not divisible by the {ways}-way batch split of its mesh")
-  for path, value in [("config.rl.gamma", cfg.rl.gamma), ("config.rl.lam", cfg.rl.lam)]:
-    if not 0.0 <= value <= 1.0:
-      raise ConfigError(f"{path}: expected in [0, 1], got {value}")
-  if not 0.0 <= cfg.task.teacher_error <= 1.0:
-    raise ConfigError(f"config.task.teacher_error: expected in [0, 1], got {cfg.task.teacher_error}")
-  return cfg
+def config_dict(cfg: ExperimentConfig):
+  """The config as an ml_collections ConfigDict (what `configs/*.py` files return)."""
+  import ml_collections
+  return ml_collections.ConfigDict(to_dict(cfg))

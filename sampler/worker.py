@@ -19,6 +19,12 @@ from typing import Any
 import jax
 
 
+def rollout_key(seed: int, index: int) -> jax.Array:
+  """The random key of prompt batch `index`: the same whether the batch is generated in turn,
+  ahead of the trainer, or again after a resume."""
+  return jax.random.fold_in(jax.random.key(seed), index)
+
+
 class RolloutWorkerError(RuntimeError):
   """Raised in the consumer when the worker thread failed; the cause carries its traceback."""
 
@@ -36,9 +42,12 @@ class RolloutWorker:
 
   def __init__(self, generate_fn: Callable[[Any, Any, jax.Array], Any], prompts: Iterable,
                params: Any, *, version: int = 0, max_staleness: int = 1, queue_size: int = 2,
-               seed: int = 0, transfer: Callable[[Any], Any] | None = None):
-    """`generate_fn(params, prompts, key) -> rollout`; `transfer` moves trainer weights into the
-    sampler's layout (e.g. a reshard); identity when None."""
+               seed: int = 0, start_index: int = 0,
+               transfer: Callable[[Any], Any] | None = None):
+    """`generate_fn(params, prompts, key) -> rollout`; `prompts` yields the batches of the
+    prompt stream from position `start_index` on, and batch i is generated with
+    `rollout_key(seed, i)`; `transfer` moves trainer weights into the sampler's layout (e.g. a
+    reshard); identity when None."""
     if max_staleness < 0 or queue_size < 1:
       raise ValueError(f"max_staleness must be >= 0 and queue_size >= 1, got {max_staleness}, "
                        f"{queue_size}")
@@ -53,7 +62,7 @@ class RolloutWorker:
     self._closed = self._exhausted = False
     self._error: BaseException | None = None
     self.dropped = 0  # batches discarded as too stale
-    self._key = jax.random.key(seed)
+    self._seed, self._start_index = seed, start_index
     self._thread = threading.Thread(target=self._run, name="rollout-worker", daemon=True)
     self._thread.start()
 
@@ -113,7 +122,7 @@ class RolloutWorker:
             and self._produced_at_version <= self.max_staleness)
 
   def _run(self) -> None:
-    index = 0
+    index = self._start_index
     try:
       while True:
         with self._cond:
@@ -130,9 +139,9 @@ class RolloutWorker:
             self._exhausted = True
             self._cond.notify_all()
           return
-        self._key, key = jax.random.split(self._key)
         t0 = time.perf_counter()
-        rollout = jax.block_until_ready(self._generate(params, prompts, key))
+        rollout = jax.block_until_ready(self._generate(params, prompts,
+                                                       rollout_key(self._seed, index)))
         batch = RolloutBatch(rollout, prompts, version, index, time.perf_counter() - t0)
         index += 1
         with self._cond:

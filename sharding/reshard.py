@@ -59,9 +59,16 @@ def _host_local_put(x: jax.Array, target) -> jax.Array:
 
 
 def _put(x: jax.Array, target, may_alias: bool) -> jax.Array:
-  if x.is_fully_addressable:
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
     return jax.device_put(x, target, may_alias=may_alias)
   return _host_local_put(x, target)
+
+
+def move(tree, target_shardings):
+  """`tree` (device arrays on any mesh, or host arrays) in the layout `target_shardings` (a tree
+  mirroring it): an explicit transfer, device-to-device for device arrays, so a rollout's tokens
+  go from the sampler's devices to a scorer's without a host round trip."""
+  return jax.tree.map(lambda x, s: _put(x, s, False), tree, target_shardings)
 
 
 def reshard(tree, target_shardings, *, bucket_bytes: int = 256 << 20, donate: bool = False,

@@ -1,77 +1,119 @@
-"""Orbax checkpoints under `run_dir/checkpoints/PHASE`: atomic, keep-N, never overwriting a good one.
+"""Run-state checkpoints: `run_dir/checkpoints/STAGE/STEP`, one orbax CheckpointManager per stage.
 
-Each phase (sft, rl) has its own manager, so keep-N garbage collection of RL checkpoints never
-removes the SFT warm start.
+A checkpoint holds everything needed to continue the run, one orbax item each: every model's
+parameters (`actor`, `reference`, `reward`, `critic`: pure dicts), the current stage's learners
+(`learner_actor`, ...: optimizer state and step counter), the stage's own arrays (`stage`, e.g.
+DPO's reference log-probs) and `meta` (JSON: the stage, its steps done, data position and policy
+version, the finished stages' summaries, how many metrics rows it covers). Items restore one by
+one, each array straight into the sharding its abstract leaf carries. Saves are asynchronous and atomic (orbax writes a temporary
+directory and renames it when complete, so a run killed mid-save leaves the previous checkpoint
+as the latest). Each stage keeps its last `keep` checkpoints plus the best by held-out accuracy,
+so the end of every stage stays on disk (`init_checkpoint=RUN/checkpoints/sft` starts another
+run from it).
 """
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Sequence
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from train.transfers import RECORD, to_host
 
-class Checkpointer:
+policies = ocp.checkpoint_managers
 
-  def __init__(self, run_dir: str, phase: str, keep: int, *, directory: str | None = None):
-    """`run_dir/checkpoints/phase`, or an existing checkpoint `directory` (read-only use)."""
-    self.directory = os.path.abspath(directory or os.path.join(run_dir, "checkpoints", phase))
-    self._manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep,
-                                                             create=directory is None))
 
-  def save(self, step: int, params: nnx.State, extra: dict | None = None) -> None:
-    """Saves the actor's parameters (pure dict) and small metadata; asynchronous."""
-    self._manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(nnx.to_pure_dict(params)),
-        meta=ocp.args.JsonSave(dict(extra or {}))))
+class RunCheckpointer:
 
-  def latest_step(self) -> int | None:
-    return self._manager.latest_step()
+  def __init__(self, run_dir: str, stages: Sequence[str], *, keep: int = 3):
+    """`stages`: the run's stage names in order (a resume takes the latest stage first)."""
+    self.root = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+    self.stages, self.keep = tuple(stages), keep
+    self._managers: dict[str, ocp.CheckpointManager] = {}
 
-  def restore_params(self, abstract_params: nnx.State, step: int | None = None) -> nnx.State:
-    """Restores into `abstract_params`' structure; leaves that are arrays or carry a
-    `.sharding` are restored straight into that sharding (any device count)."""
-    step = self.latest_step() if step is None else step
-    abstract_params = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-        abstract_params)
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(nnx.to_pure_dict(abstract_params))))
-    params = jax.tree.map(lambda x: x, abstract_params)
-    nnx.replace_by_pure_dict(params, restored["params"])
-    return params
+  def _manager(self, stage: str) -> ocp.CheckpointManager:
+    if stage not in self._managers:
+      keep = policies.AnyPreservationPolicy([
+          policies.LatestN(n=self.keep),
+          policies.BestN(get_metric_fn=lambda m: m["heldout_acc"], n=1,
+                         keep_checkpoints_without_metrics=False)])
+      self._managers[stage] = ocp.CheckpointManager(
+          os.path.join(self.root, stage), options=ocp.CheckpointManagerOptions(
+              preservation_policy=keep, cleanup_tmp_directories=True, create=True))
+    return self._managers[stage]
 
-  def restore_meta(self, step: int | None = None) -> dict:
-    step = self.latest_step() if step is None else step
-    return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+  def save(self, stage: str, step: int, items: dict, meta: dict,
+           metrics: dict | None = None) -> None:
+    """Asynchronous: returns once the arrays are copied off the devices."""
+    args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
+    with jax.transfer_guard("allow"):  # a deliberate copy to the host
+      self._manager(stage).save(step, args=ocp.args.Composite(
+          **args, meta=ocp.args.JsonSave(meta)), metrics=metrics)
+    RECORD["checkpoint"] += sum(x.nbytes for x in jax.tree.leaves(items))
+
+  def saved(self) -> list[tuple[str, int]]:
+    """Every (stage, step) on disk, newest first."""
+    out = []
+    for stage in reversed(self.stages):
+      if os.path.isdir(os.path.join(self.root, stage)):
+        out += [(stage, step) for step in sorted(self._manager(stage).all_steps(), reverse=True)]
+    return out
+
+  def read_meta(self, stage: str, step: int) -> dict:
+    restored = self._manager(stage).restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))
+    return dict(restored["meta"])
+
+  def restore(self, stage: str, step: int, abstract: dict) -> dict:
+    """The items named in `abstract` (name -> abstract tree), each array straight into the
+    sharding its abstract leaf carries."""
+    args = {name: ocp.args.StandardRestore(tree) for name, tree in abstract.items()}
+    with jax.transfer_guard("allow"):
+      restored = self._manager(stage).restore(step, args=ocp.args.Composite(**args))
+    return {name: restored[name] for name in abstract}
+
+  def wait(self) -> None:
+    for manager in self._managers.values():
+      manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    for manager in self._managers.values():
+      manager.wait_until_finished()
+      manager.close()
+    self._managers.clear()
 
 
-def load_params(directory: str, like: nnx.State) -> tuple[nnx.State, int]:
-  """The latest params saved under `directory` (e.g. a run's checkpoints/sft), laid out like
-  `like`; ValueError naming the directory when there is none or it does not fit the model."""
+def load_actor_params(directory: str, like: nnx.State) -> tuple[nnx.State, int]:
+  """The actor's parameters of the latest checkpoint under a stage directory (e.g. a run's
+  checkpoints/sft), laid out like `like` (abstract arrays with shardings); ValueError naming
+  the directory when there is none or it does not fit the model."""
   if not os.path.isdir(directory):
     raise ValueError(f"config.init_checkpoint: no such directory {directory!r}")
-  ckpt = Checkpointer("", "", 1, directory=directory)
+  manager = ocp.CheckpointManager(os.path.abspath(directory))
   try:
-    step = ckpt.latest_step()
+    step = manager.latest_step()
     if step is None:
       raise ValueError(f"config.init_checkpoint: no checkpoint under {directory!r}")
-    _check_shapes(os.path.join(ckpt.directory, str(step), "params"), like, directory, step)
+    where = f"config.init_checkpoint: {directory!r} step {step}"
+    pure = nnx.to_pure_dict(like)
+    _check_shapes(os.path.join(manager.directory, str(step), "actor"), pure, where)
     try:
-      return ckpt.restore_params(like, step), step
+      with jax.transfer_guard("allow"):
+        restored = manager.restore(step, args=ocp.args.Composite(
+            actor=ocp.args.StandardRestore(pure)))
     except (ValueError, KeyError, TypeError) as e:
       text = str(e).strip()
       first = text.splitlines()[0] if text else type(e).__name__
-      raise ValueError(f"config.init_checkpoint: {directory!r} step {step} does not fit this "
-                       f"model ({first})") from None
+      raise ValueError(f"{where} does not fit this model ({first})") from None
+    params = jax.tree.map(lambda x: x, like)
+    nnx.replace_by_pure_dict(params, restored["actor"])
+    return params, step
   finally:
-    ckpt.close()
+    manager.close()
 
 
 def _shapes(tree) -> dict[str, tuple]:
@@ -79,13 +121,26 @@ def _shapes(tree) -> dict[str, tuple]:
   return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(x.shape) for path, x in flat}
 
 
-def _check_shapes(params_dir: str, like: nnx.State, directory: str, step: int) -> None:
-  """Names the first parameter whose saved shape differs from the model's (before orbax reads)."""
-  metadata = ocp.StandardCheckpointer().metadata(params_dir)
+def _check_shapes(item_dir: str, pure_like: dict, where: str) -> None:
+  """Names the first actor parameter whose saved shape differs from the model's."""
+  if not os.path.isdir(item_dir):
+    raise ValueError(f"{where} holds no actor parameters")
+  metadata = ocp.StandardCheckpointer().metadata(item_dir)
   saved = _shapes(getattr(metadata, "item_metadata", metadata))  # StepMetadata in newer orbax
-  want = _shapes(nnx.to_pure_dict(like))
+  want = _shapes(pure_like)
   for name in sorted(set(saved) | set(want)):
     if saved.get(name) != want.get(name):
-      raise ValueError(f"config.init_checkpoint: {directory!r} step {step} does not fit this "
-                       f"model: {name} is {saved.get(name, 'missing')} there, "
-                       f"{want.get(name, 'missing')} here")
+      raise ValueError(f"{where} does not fit this model: {name} is "
+                       f"{saved.get(name, 'missing')} there, {want.get(name, 'missing')} here")
+
+
+def params_fingerprint(params: nnx.State) -> str:
+  """A hash of the parameters' names, shapes, dtypes and bytes: equal fingerprints mean
+  bit-identical weights, whatever their layout (two runs compare without loading checkpoints)."""
+  digest = hashlib.sha256()
+  flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(params))
+  for path, x in sorted(flat, key=lambda item: jax.tree_util.keystr(item[0])):
+    value = np.ascontiguousarray(to_host(x, "fingerprint"))
+    digest.update(f"{jax.tree_util.keystr(path)}:{value.shape}:{value.dtype}".encode())
+    digest.update(value.tobytes())
+  return digest.hexdigest()[:16]

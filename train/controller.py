@@ -1,181 +1,195 @@
 """The single controller: one Python loop drives the executors (LlamaRL's design, in JAX).
 
-Executors: generator (sampler mesh), reward (verifier on the host or the reward model on its
-mesh), reference and critic (their meshes), trainer (actor + critic updates and the weight push).
+Executors: generator (sampler mesh), reward (the host verifier, and the reward model on its mesh
+when the reward comes from one), reference and critic (their meshes), trainer (actor + critic
+updates and the weight push).
 
 Modes (`rl.mode`):
-  sync   generate -> {reward, reference, critic, old log-probs} -> update -> reshard, in turn
-         (the four scoring calls overlap: they are independent).
+  sync   generate -> {reward, reference, critic, old log-probs} -> experience -> update -> push,
+         in turn (the four scoring calls overlap: they are independent).
   async  the generator is a background RolloutWorker that runs ahead by at most
          `rl.max_staleness` policy versions; the trainer consumes the oldest batch within that
-         bound, and pushes new weights (a reshard) after every update. Off-policy samples are
+         bound and pushes new weights (a reshard) after every update. Off-policy samples are
          corrected by the configured loss (AIPO, or PPO with the truncated-IS weight).
-Every sample's policy version and its lag behind the trainer are logged.
+Data flow: the rollout moves device to device from the sampler to each scorer and to the trainer
+(train/experience.py); the host sees only the completions' token ids (for the verifier), the
+rewards it returns, and the step's metrics. Every sample's policy version and its lag behind the
+trainer are logged.
 """
 from __future__ import annotations
 
-import logging
+import functools
+import itertools
 import time
-from collections.abc import Callable
 
 import jax
 import numpy as np
 
-from jaxrl.algos import KL_ESTIMATORS
-from jaxrl.data.tokenizer import ByteTokenizer
-from sampler.worker import RolloutWorker, RolloutWorkerError
+from sampler.worker import RolloutWorker, RolloutWorkerError, rollout_key
+from sharding.reshard import move
+from train import steps
 from train.executors import Executor, ExecutorError
-from train.experience import verify
-from train.timeline import Timeline
-
-log = logging.getLogger("jaxrl")
+from train.experience import completion_texts, make_experience, verify
+from train.learner import Learner
+from train.transfers import to_device, to_host
 
 
 class Controller:
 
-  def __init__(self, trainer, tok: ByteTokenizer, verifier, timeline: Timeline):
-    self.trainer, self.tok, self.verifier, self.timeline = trainer, tok, verifier, timeline
-    self.cfg = trainer.cfg.rl
-    t = trainer
-    self.generator = Executor("generator", t.sample, timeline, t.sampler_mesh)
-    self.reward = Executor("reward", self._score, timeline,
-                           t.reward.mesh if self.cfg.reward == "reward_model" else None)
-    self.reference = Executor("reference", lambda ro: t.completion_logprobs(t.reference, ro),
-                              timeline, t.reference.mesh)
-    self.critic = (Executor("critic", t.critic_values, timeline, t.critic.mesh)
-                   if t.critic is not None else None)
-    self.train = Executor("trainer", self._train_call, timeline, t.actor.mesh)
-    self.worker: RolloutWorker | None = None
-    self.version = 0  # policy version = completed RL steps
+  def __init__(self, ctx, actor: Learner, critic: Learner | None, *, next_index: int,
+               version: int):
+    """`ctx` (train/context.py): config, tokenizer, task, cluster, generator, timeline.
+    `next_index`: the first prompt batch not yet trained on; `version`: the policy version."""
+    self.ctx, self.cfg, self.actor, self.critic = ctx, ctx.cfg.rl, actor, critic
+    self.next_index, self.version, self.worker = next_index, version, None
+    cluster, timeline = ctx.cluster, ctx.timeline
+    self.reference, self.reward_model = cluster.get("reference"), cluster.get("reward")
+    inline = jax.process_count() > 1  # every process must launch the same programs in order
+    ex = lambda name, mesh: Executor(name, _call, timeline, mesh, inline=inline)
+    self.generator = ex("generator", cluster.meshes["sampler"])
+    self.reward = ex("reward", cluster.meshes["reward"] if self.cfg.reward == "reward_model"
+                     else None)
+    self.ref = ex("reference", self.reference.mesh)
+    self.values = ex("critic", critic.role.mesh) if critic is not None else None
+    self.train = ex("trainer", actor.role.mesh)
+    p_len = ctx.task.prompt_len
+    logp = lambda role: role.jit(functools.partial(steps.completion_logprobs, role.graphdef,
+                                                   prompt_len=p_len))
+    self._ref_logp, self._old_logp = logp(self.reference), logp(actor.role)
+    if critic is not None:
+      self._values_fn = critic.role.jit(functools.partial(
+          steps.completion_values, critic.role.graphdef, prompt_len=p_len))
+    if self.reward_model is not None:
+      self._scores_fn = self.reward_model.jit(functools.partial(steps.sequence_scores,
+                                                                self.reward_model.graphdef))
+    self._experience = actor.role.jit(functools.partial(make_experience, cfg=self.cfg))
 
-  # -- stages -------------------------------------------------------------------------------
+  # -- one batch ------------------------------------------------------------------------------
   def _score(self, rollout, answers_B):
-    verified_B = verify(self.tok, rollout, answers_B, self.verifier)
-    if self.cfg.reward == "reward_model":
-      return np.asarray(self.trainer.reward_scores(rollout.tokens_BT, rollout.valid_BT)), verified_B
-    return verified_B, verified_B
+    """(rewards on the trainer's mesh, verified_B on the host)."""
+    p = self.ctx.task.prompt_len
+    completions_BN = to_host(rollout.tokens_BT[:, p:], "completions")
+    verified_B = verify(completion_texts(self.ctx.tok, completions_BN), answers_B,
+                        self.ctx.task.verifier)
+    if self.reward_model is None:
+      rewards_B = to_device(verified_B, self.actor.role.batch_shardings(verified_B), "rewards")
+    else:
+      rm = self.reward_model
+      scores_B = self._scores_fn(rm.params, *rm.put((rollout.tokens_BT, rollout.valid_BT)))
+      rewards_B = self.actor.role.put(scores_B)
+    return rewards_B, verified_B
 
-  @staticmethod
-  def _train_call(fn, *args):
-    return fn(*args)
+  def _logprobs(self, fn, role, rollout):
+    return fn(role.params, *role.put((rollout.tokens_BT, rollout.valid_BT)))[0]
 
-  def experience(self, rollout, prompts) -> tuple[dict, dict]:
-    """Scores one rollout batch; the reward, reference, critic and old-log-prob calls overlap."""
-    t0 = time.perf_counter()
+  def experience(self, rollout, prompts):
+    """Scores one rollout batch (the reward, reference, critic and old-log-prob calls overlap)
+    and assembles its Experience on the trainer's mesh: (experience, metrics, verified_B)."""
     answers_B = np.repeat(prompts["answers"], self.cfg.group_size)
     futures = {
-        "reward": (self.reward, self.reward.submit(rollout, answers_B, label="score")),
-        "ref": (self.reference, self.reference.submit(rollout, label="ref logprobs")),
-        "old": (self.train, self.train.submit(
-            self.trainer.completion_logprobs, self.trainer.actor, rollout, label="old logprobs")),
+        "reward": (self.reward, self.reward.submit(self._score, rollout, answers_B,
+                                                   label="score")),
+        "ref": (self.ref, self.ref.submit(self._logprobs, self._ref_logp, self.reference,
+                                          rollout, label="ref logprobs")),
+        "old": (self.train, self.train.submit(self._logprobs, self._old_logp, self.actor.role,
+                                              rollout, label="old logprobs")),
     }
     if self.critic is not None:
-      futures["values"] = (self.critic, self.critic.submit(rollout, label="values"))
+      futures["values"] = (self.values, self.values.submit(
+          lambda: self._values_fn(self.critic.role.params,
+                                  *self.critic.role.put((rollout.tokens_BT, rollout.valid_BT))),
+          label="values"))
     out = {k: ex.result(f) for k, (ex, f) in futures.items()}
-    rewards_B, verified_B = out["reward"]
-    mask_BN = np.asarray(rollout.completion_mask_BN)
-    old_BN, ref_BN = np.asarray(out["old"]), np.asarray(out["ref"])
-    values_BN = None if self.critic is None else np.asarray(out["values"]) * mask_BN
-    kl_BN = np.asarray(KL_ESTIMATORS[self.cfg.kl_estimator](old_BN, ref_BN)) * mask_BN
-    adv_BN, raw_BN = self.trainer.advantages(rewards_B, mask_BN, kl_BN, values_BN)
-    batch = {"tokens": rollout.tokens_BT, "valid": rollout.valid_BT, "completion_mask": mask_BN,
-             "old_logprobs": old_BN, "ref_logprobs": ref_BN,
-             "sampler_logprobs": rollout.logprobs_BN, "advantages": adv_BN}
-    if values_BN is not None:
-      batch.update(old_values=values_BN, returns=np.asarray(raw_BN) + values_BN)
-    batch = {k: np.asarray(v) for k, v in batch.items()}
-    info = {"rewards_B": np.asarray(rewards_B), "verified_B": verified_B,
-            "lengths_B": np.asarray(rollout.lengths_B),
-            "time_score": time.perf_counter() - t0}
-    return batch, info
+    (rewards_B, verified_B), on_actor = out["reward"], self.actor.role.put
+    values_BN = on_actor(out["values"]) if "values" in out else None
+    exp, metrics = self._experience(on_actor(rollout), rewards_B, out["old"],
+                                    on_actor(out["ref"]), values_BN)
+    return exp, metrics, verified_B
 
-  def _update(self, batch: dict) -> dict:
-    n_mb = self.cfg.num_minibatches
-    metrics = [self.trainer.rl_step({k: np.array_split(v, n_mb)[i] for k, v in batch.items()})
-               for i in range(n_mb)]
-    return {k: float(np.mean([jax.device_get(x[k]) for x in metrics])) for k in metrics[0]}
-
-  def update(self, batch: dict) -> tuple[dict, dict]:
-    """Actor (+ critic) minibatch updates, then the new weights go to the sampler."""
+  def update(self, exp) -> tuple[dict, dict]:
+    """Actor (+ critic) updates over the minibatches, then the new weights go to the sampler."""
     t0 = time.perf_counter()
-    metrics = self.train(self._train_call, self._update, batch, label="update")
+
+    def learn():
+      metrics = self.actor.update(exp)
+      if self.critic is not None:
+        metrics = {**metrics, **self.critic.update(exp)}
+      return metrics
+
+    metrics = self.train(_call, learn, label="update")
     t1 = time.perf_counter()
     self.version += 1
-    if self.worker is None:
-      stats = self.train(self._train_call, self.trainer.sync_sampler, label="reshard")
-    else:
-      stats = self.train(self._train_call, self._push, label="push weights")
+    stats = self.train(_call, self._push, label="reshard" if self.worker is None else "push")
     return metrics, {"time_update": t1 - t0, "time_reshard": time.perf_counter() - t1,
                      "reshard_gbps": stats.gbps}
 
   def _push(self):
-    params, stats = self.trainer.sampler_copy()
-    self.worker.update_weights(params, self.version)
+    cluster = self.ctx.cluster
+    if self.worker is None:
+      return cluster.push()
+    stats = cluster.push(free_old=False)  # the worker may still be decoding with the old copy
+    self.worker.update_weights(cluster.sampler_params, self.version)
     return stats
 
-  # -- the loop -----------------------------------------------------------------------------
-  def start(self, prompts_iter, seed: int) -> None:
-    """Async mode: starts the generator ahead of the trainer (it samples the same prompt and
-    key sequence as the sync loop, so max_staleness=0 reproduces it exactly)."""
+  # -- the loop -------------------------------------------------------------------------------
+  def start(self) -> None:
+    """Async mode: starts the generator ahead of the trainer, from the first batch not yet
+    trained on (it draws the same prompts and keys as the sync loop: max_staleness=0
+    reproduces it exactly)."""
     if self.cfg.mode != "async":
-      self._prompts, self._key = prompts_iter, jax.random.key(seed)
       return
+    data, seed = self.ctx.task.prompts, self.ctx.cfg.seed
 
     def generate(params, prompts, key):
-      with self.timeline.span("generator", "generate"):
-        return self.trainer.sample(prompts, key, params=params)
+      with self.ctx.timeline.span("generator", "generate"):
+        return self.ctx.generator.sample(params, prompts, key)
 
-    # Weights reach the worker already in the sampler's layout (trainer.sampler_copy).
-    self.worker = RolloutWorker(generate, prompts_iter, self.trainer.sampler_params, version=0,
-                                max_staleness=self.cfg.max_staleness,
-                                queue_size=self.cfg.max_staleness + 1, seed=seed)
+    stream = (data[i] for i in itertools.count(self.next_index))
+    self.worker = RolloutWorker(generate, stream, self.ctx.cluster.fresh_sampler_params(),
+                                version=self.version, max_staleness=self.cfg.max_staleness,
+                                queue_size=self.cfg.max_staleness + 1, seed=seed,
+                                start_index=self.next_index)
 
   def next_rollout(self):
-    """(rollout, prompts, rollout_version, seconds waited for it)."""
+    """(rollout, prompts, its batch index, its policy version, seconds waited for it)."""
     t0 = time.perf_counter()
     if self.worker is None:
-      prompts = next(self._prompts)
-      self._key, sub = jax.random.split(self._key)
-      rollout = self.generator(prompts, sub, label="generate")
-      return rollout, prompts, self.version, time.perf_counter() - t0
+      index = self.next_index
+      prompts = self.ctx.task.prompts[index]
+      rollout = self.generator(_call, self.ctx.generator.sample,
+                               self.ctx.cluster.fresh_sampler_params(), prompts,
+                               rollout_key(self.ctx.cfg.seed, index), label="generate")
+      return rollout, prompts, index, self.version, time.perf_counter() - t0
     try:
       batch = self.worker.get()
     except RolloutWorkerError as e:
       raise ExecutorError("generator", e.__cause__ or e) from (e.__cause__ or e)
-    return batch.rollout, batch.prompts, batch.version, time.perf_counter() - t0
+    return batch.rollout, batch.prompts, batch.index, batch.version, time.perf_counter() - t0
 
-  def sampler_params(self):
-    """The sampler-layout weights of the newest policy (for evaluation)."""
-    return self.trainer.sampler_params if self.worker is None else self.worker.params
-
-  def step(self) -> tuple[dict, dict]:
-    """One RL step: (batch info, metrics row)."""
+  def step(self) -> dict:
+    """One RL step; returns its metrics row (host values)."""
     t0 = time.perf_counter()
-    rollout, prompts, version, waited = self.next_rollout()
+    rollout, prompts, index, version, waited = self.next_rollout()
+    self.next_index = index + 1
     lag = self.version - version
-    batch, info = self.experience(rollout, prompts)
-    metrics, times = self.update(batch)
-    row = {**metrics, **times, "time_generate": waited, "time_score": info["time_score"],
-           "policy_version": self.version, "rollout_version": version, "policy_lag": lag,
-           "step_time": time.perf_counter() - t0}
-    return info, row
+    exp, exp_metrics, verified_B = self.experience(rollout, prompts)
+    t_score = time.perf_counter() - t0 - waited
+    metrics, times = self.update(exp)
+    row = to_host({**exp_metrics, **metrics}, "metrics")
+    step_time = time.perf_counter() - t0
+    return {**row, "verified_mean": float(verified_B.mean()), **times, "time_generate": waited,
+            "time_score": t_score, "policy_version": self.version, "rollout_version": version,
+            "policy_lag": lag, "step_time": step_time,
+            "tokens_per_s": float(row["response_tokens"]) / step_time}
 
   def close(self) -> None:
     if self.worker is not None:
       self.worker.close()
-    for ex in (self.generator, self.reward, self.reference, self.critic, self.train):
+      self.worker = None
+    for ex in (self.generator, self.reward, self.ref, self.values, self.train):
       if ex is not None:
         ex.close()
 
 
-def run_rl(controller: Controller, steps: int, on_step: Callable[[int, dict, dict], None],
-           should_stop: Callable[[], bool] = lambda: False) -> int:
-  """Runs up to `steps` RL steps; returns the number done (fewer when a stop was requested)."""
-  done = 0
-  for step in range(1, steps + 1):
-    if should_stop():
-      break
-    info, row = controller.step()
-    on_step(step, info, row)
-    done = step
-  return done
+def _call(fn, *args):
+  return fn(*args)

@@ -4,7 +4,9 @@
 share that role's devices); different executors run concurrently, so independent stages such as
 reward scoring, reference log-probs and critic values overlap (interleaving). Every call is a busy
 interval on the timeline; a failure surfaces as `ExecutorError` naming the executor, with the
-original exception as its cause.
+original exception as its cause. `inline=True` runs calls in the caller's thread, in program
+order: on several processes every process must launch the same programs in the same order
+(JAX's multi-controller model), which concurrent threads cannot promise.
 """
 from __future__ import annotations
 
@@ -27,10 +29,12 @@ class ExecutorError(RuntimeError):
 
 class Executor:
 
-  def __init__(self, name: str, fn: Callable[..., Any], timeline: Timeline, mesh=None):
+  def __init__(self, name: str, fn: Callable[..., Any], timeline: Timeline, mesh=None, *,
+               inline: bool = False):
     """`mesh`: where the role's calls run (its devices count towards the timeline's bubble)."""
     self.name, self._fn, self._timeline = name, fn, timeline
-    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"jaxrl-{name}")
+    self._pool = (None if inline else
+                  concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"jaxrl-{name}"))
     timeline.register(name, () if mesh is None else [d.id for d in mesh.devices.flat])
 
   def submit(self, *args, label: str = "", **kwargs) -> concurrent.futures.Future:
@@ -40,7 +44,14 @@ class Executor:
         # Blocking here makes the busy interval the real device time, not the dispatch.
         return jax.block_until_ready(self._fn(*args, **kwargs))
 
-    return self._pool.submit(call)
+    if self._pool is not None:
+      return self._pool.submit(call)
+    future = concurrent.futures.Future()
+    try:
+      future.set_result(call())
+    except Exception as e:  # noqa: BLE001 - raised by result(), with the executor named
+      future.set_exception(e)
+    return future
 
   def result(self, future: concurrent.futures.Future, timeout: float | None = None):
     try:
@@ -54,4 +65,5 @@ class Executor:
     return self.result(self.submit(*args, **kwargs))
 
   def close(self) -> None:
-    self._pool.shutdown(wait=True, cancel_futures=True)
+    if self._pool is not None:
+      self._pool.shutdown(wait=True, cancel_futures=True)

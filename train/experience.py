@@ -1,17 +1,65 @@
-"""The verifier stage of experience making: decode completions on the host and check them.
+"""Experience: one RL batch as device arrays, and the pure function that assembles it.
 
-(The other stages, on the role meshes, are driven by train/controller.py.)"""
+The rollout's tokens never visit the host on their way to the update: the sampler's arrays move
+device to device to the scorers' meshes (reference, critic, reward model) and to the trainer's,
+where `make_experience` computes KL and advantages. Only the completions' token ids are fetched
+for the host verifier (`completion_texts`), and its rewards come back as one [B] array.
+"""
 from __future__ import annotations
 
+import flax.struct
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.algos import KL_ESTIMATORS
+from jaxrl.config import RLConfig
 from jaxrl.data.tokenizer import ByteTokenizer
-from sampler.engine import Rollout
+from train import steps
 
 
-def verify(tok: ByteTokenizer, rollout: Rollout, answers, verifier) -> np.ndarray:
-  """Decodes completions on the host and verifies each against its answer: [B] in {0, 1}."""
-  tokens_BT = np.asarray(rollout.tokens_BT)
-  p = tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]
-  return np.array([verifier(tok.decode(row[p:]), a) for row, a in zip(tokens_BT, answers)],
-                  np.float32)
+@flax.struct.dataclass
+class Experience:
+  tokens_BT: jax.Array  # prompt (P, left-padded) followed by N completion slots
+  valid_BT: jax.Array  # prompt validity, then the completion mask
+  completion_mask_BN: jax.Array
+  sampler_logprobs_BN: jax.Array  # mu: what the sampler drew with
+  old_logprobs_BN: jax.Array  # the trainer's policy before this update
+  ref_logprobs_BN: jax.Array
+  advantages_BN: jax.Array
+  old_values_BN: jax.Array | None = None  # critic (gae) only
+  returns_BN: jax.Array | None = None
+
+  @property
+  def prompt_len(self) -> int:
+    return self.tokens_BT.shape[1] - self.completion_mask_BN.shape[1]
+
+
+def make_experience(rollout, rewards_B, old_BN, ref_BN, values_BN, *, cfg: RLConfig):
+  """Per-token KL to the reference and advantages from the sequence rewards; (Experience,
+  metrics). `rollout` is the sampler's `Rollout`, already moved onto this mesh."""
+  mask_BN = rollout.completion_mask_BN
+  maskf_BN = mask_BN.astype(jnp.float32)
+  kl_BN = KL_ESTIMATORS[cfg.kl_estimator](old_BN, ref_BN) * maskf_BN
+  if values_BN is not None:
+    values_BN = values_BN * maskf_BN
+  adv_BN, raw_BN = steps.advantages(rewards_B, mask_BN, kl_BN, values_BN, cfg=cfg)
+  experience = Experience(
+      tokens_BT=rollout.tokens_BT, valid_BT=rollout.valid_BT, completion_mask_BN=mask_BN,
+      sampler_logprobs_BN=rollout.logprobs_BN, old_logprobs_BN=old_BN, ref_logprobs_BN=ref_BN,
+      advantages_BN=adv_BN, old_values_BN=values_BN,
+      returns_BN=None if values_BN is None else raw_BN + values_BN)
+  lengths_B = maskf_BN.sum(axis=1)
+  metrics = {"reward_mean": rewards_B.mean(), "response_len": lengths_B.mean(),
+             "response_tokens": lengths_B.sum()}
+  return experience, metrics
+
+
+def completion_texts(tok: ByteTokenizer, completions_BN: np.ndarray) -> list[str]:
+  """Decoded completions (host); decoding stops at EOS."""
+  return [tok.decode(row) for row in completions_BN]
+
+
+def verify(texts: list[str], answers_B, verifier) -> np.ndarray:
+  """[B] in {0, 1}: each completion checked against its reference answer."""
+  return np.array([verifier(text, a) for text, a in zip(texts, answers_B)], np.float32)

@@ -1,6 +1,16 @@
 """The CLI: `python -m train.main --config=configs/default.py --config.rl.steps=50`.
 
-User errors (unknown or ill-typed config fields, impossible meshes) print one line and exit 2.
+  --config=FILE          an experiment file with get_config() (default: configs/default.py)
+  --config.a.b=VALUE     override any field (the config is locked: a typo is an error)
+  --gin_file=FILE        gin bindings on top (repeatable), e.g. configs/async_reverse.gin
+  --gin_param=BINDING    one binding, e.g. --gin_param=rl.steps=5 (repeatable)
+  --resume               continue the run in run_dir/run_name from its newest good checkpoint
+                         (a fresh start when it has none)
+
+Several hosts: the same command on every host; it joins `jax.distributed` first (auto-detected
+on TPU pods and Slurm, else JAXRL_COORDINATOR / JAXRL_NUM_PROCESSES / JAXRL_PROCESS_ID).
+User errors (unknown or ill-typed fields, impossible meshes, bad data files) print one line and
+exit 2.
 """
 from __future__ import annotations
 
@@ -58,21 +68,24 @@ def _check_override_paths(argv: list[str]) -> None:
       node, walked = node[name], f"{walked}.{name}"
 
 
-def parse_config(argv: list[str]):
-  """argv -> the locked ConfigDict with overrides applied; UsageError on any user mistake."""
+def parse_args(argv: list[str]):
+  """argv -> (locked ConfigDict with overrides, gin files, gin bindings, resume)."""
   _check_override_paths(argv)
-  flag_values = flags.FlagValues()
+  fv = flags.FlagValues()
   saved, sys.argv = sys.argv, list(argv)  # config_flags reads override names from sys.argv
   try:
     holder = config_flags.DEFINE_config_file(
         "config", DEFAULT_CONFIG, "Experiment config file (a Python file with get_config()).",
-        flag_values=flag_values, lock_config=True)
-    flag_values(argv)
+        flag_values=fv, lock_config=True)
+    flags.DEFINE_multi_string("gin_file", [], "gin files applied on top", flag_values=fv)
+    flags.DEFINE_multi_string("gin_param", [], "gin bindings applied on top", flag_values=fv)
+    flags.DEFINE_bool("resume", False, "continue the run from its checkpoints", flag_values=fv)
+    fv(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     raise UsageError(" ".join(str(e).split())) from None
   finally:
     sys.argv = saved
-  return holder.value
+  return holder.value, fv.gin_file, fv.gin_param, fv.resume
 
 
 def _fail(message: str) -> int:
@@ -80,36 +93,56 @@ def _fail(message: str) -> int:
   return EXIT_USER_ERROR
 
 
-def main(argv: list[str] | None = None) -> int:
-  argv = sys.argv if argv is None else argv
-  try:
-    raw = parse_config(argv)
-  except UsageError as e:
-    return _fail(str(e))
-  cpu_devices = raw.get("placement", {}).get("cpu_devices", 8)
-  force_cpu_devices(cpu_devices if isinstance(cpu_devices, int) else 8)
-  retain_freed_memory()
-
-  from jaxrl.config import ConfigError, ExperimentConfig, from_mapping, validate
-  from jaxrl.data.preferences import PreferenceDataError
-  from train.executors import ExecutorError
-  from train.loop import make_run_dir, run
-  # The jaxrl logger gets its own handler: absl/orbax may have configured the root logger already.
+def _setup_logging(primary: bool) -> None:
+  # The jaxrl logger gets its own handler: absl/orbax may have configured the root logger.
   log = logging.getLogger("jaxrl")
   if not log.handlers:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s jaxrl: %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    log.setLevel(logging.INFO if primary else logging.WARNING)
     log.propagate = False
+
+
+def _start(argv: list[str]):
+  """Parses, joins the job, resolves the config: (Experiment, resume) or an exit code."""
   try:
-    cfg = validate(from_mapping(ExperimentConfig, raw.to_dict()))
-    run_dir = make_run_dir(cfg)
-  except (ConfigError, FileExistsError) as e:
+    raw, gin_files, gin_params, resume = parse_args(argv)
+  except UsageError as e:
     return _fail(str(e))
-  print(f"jaxrl: run dir {run_dir}", flush=True)
+  cpu_devices = raw.get("placement", {}).get("cpu_devices", 8)
+  force_cpu_devices(cpu_devices if isinstance(cpu_devices, int) else 8)
+  retain_freed_memory()
+  from sharding import distributed
   try:
-    summary = run(cfg, run_dir)
+    distributed.initialize()  # before anything touches a device
+  except ValueError as e:
+    return _fail(str(e))
+  import jax
+  _setup_logging(jax.process_index() == 0)
+  from jaxrl.config import ConfigError
+  from jaxrl.data.preferences import PreferenceDataError
+  from train.config_files import with_gin
+  from train.experiment import Experiment
+  try:
+    return Experiment(with_gin(raw, gin_files, gin_params), resume_run=resume)
+  except (ConfigError, PreferenceDataError) as e:
+    return _fail(str(e))
+
+
+def main(argv: list[str] | None = None) -> int:
+  exp = _start(sys.argv if argv is None else argv)
+  if isinstance(exp, int):
+    return exp
+  import jax
+  from jaxrl.config import ConfigError
+  from jaxrl.data.preferences import PreferenceDataError
+  from train.executors import ExecutorError
+  primary = jax.process_index() == 0
+  if primary:
+    print(f"jaxrl: run dir {exp.run_dir}", flush=True)
+  try:
+    summary = exp.run()
   except (ConfigError, PreferenceDataError) as e:
     return _fail(str(e))
   except KeyboardInterrupt:
@@ -119,12 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     traceback.print_exception(e.__cause__ or e)
     print(f"jaxrl: error: {e}; stopped, saved checkpoints are intact", file=sys.stderr)
     return 1
+  finally:
+    exp.close()
   if summary.get("stopped"):
-    print(f"jaxrl: stopped by {summary['stopped']} after {summary.get('rl_steps_done', 0)} RL "
-          f"steps; checkpoint saved in {run_dir}", file=sys.stderr)
+    print(f"jaxrl: stopped by {summary['stopped']}; checkpoint saved in {exp.run_dir} "
+          f"(continue with --resume)", file=sys.stderr)
     return 128 + signal.Signals[summary["stopped"]].value
-  print("jaxrl: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                              for k, v in summary.items()), flush=True)
+  if primary:
+    print("jaxrl: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                for k, v in summary.items()), flush=True)
   return 0
 
 

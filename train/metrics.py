@@ -1,28 +1,57 @@
-"""Run outputs: metrics.jsonl (one JSON object per line) and a PNG plot at the end."""
+"""Run outputs: metrics.jsonl (one JSON object per line) and a PNG plot at the end.
+
+The writer counts its rows; a run-state checkpoint records that count, and a resumed run cuts
+the file back to it, so a step redone after a crash is logged once, not twice. On several
+processes only process 0 writes (the others count the same rows).
+"""
 from __future__ import annotations
 
 import json
 import math
 import os
 
+import numpy as np
+
 PLOTTED = (("loss", "SFT loss", ("sft",)), ("reward_mean", "reward (train samples)", ("rl",)),
            ("heldout_acc", "held-out greedy accuracy (RL step 0 = after SFT)", ("rl",)),
            ("kl", "KL(pi || ref)", ("rl",)), ("entropy", "entropy (nats/token)", ("rl",)))
 
 
+def _plain(v):
+  if isinstance(v, (np.ndarray, np.generic)) or hasattr(v, "dtype"):
+    v = np.asarray(v).item()
+  return float(v) if isinstance(v, float) else v
+
+
 class MetricsWriter:
 
-  def __init__(self, run_dir: str):
+  def __init__(self, run_dir: str, *, enabled: bool = True):
     self.path = os.path.join(run_dir, "metrics.jsonl")
-    self._f = open(self.path, "a", encoding="utf-8")
+    self.enabled = enabled
+    self.rows: list[dict] = []
+    self._f = None
 
-  def write(self, row: dict) -> None:
-    clean = {k: (float(v) if hasattr(v, "dtype") or isinstance(v, float) else v) for k, v in row.items()}
-    self._f.write(json.dumps(clean) + "\n")
-    self._f.flush()
+  def resume(self, n_rows: int) -> None:
+    """Keeps the first `n_rows` rows of an existing file (those a checkpoint covers)."""
+    self.rows = read_metrics(self.path)[:n_rows] if os.path.exists(self.path) else []
+    if self.enabled:
+      with open(self.path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in self.rows)
+
+  def write(self, row: dict) -> dict:
+    clean = {k: _plain(v) for k, v in row.items()}
+    self.rows.append(clean)
+    if self.enabled:
+      if self._f is None:
+        self._f = open(self.path, "a", encoding="utf-8")
+      self._f.write(json.dumps(clean) + "\n")
+      self._f.flush()
+    return clean
 
   def close(self) -> None:
-    self._f.close()
+    if self._f is not None:
+      self._f.close()
+      self._f = None
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -30,13 +59,11 @@ def read_metrics(path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_metrics(metrics_path: str, out_path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+def plot_metrics(rows: list[dict], out_path: str) -> None:
+  from matplotlib.figure import Figure  # no pyplot: leaves a notebook's backend alone
 
-  rows = read_metrics(metrics_path)
-  fig, axes = plt.subplots(1, len(PLOTTED), figsize=(3.6 * len(PLOTTED), 3.2))
+  fig = Figure(figsize=(3.6 * len(PLOTTED), 3.2))
+  axes = fig.subplots(1, len(PLOTTED))
   for ax, (key, title, phases) in zip(axes, PLOTTED):
     for phase in phases:
       pts = [(r["step"], r[key]) for r in rows
@@ -50,4 +77,3 @@ def plot_metrics(metrics_path: str, out_path: str) -> None:
       ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(out_path, dpi=100)
-  plt.close(fig)

@@ -1,4 +1,4 @@
-"""Pure update steps. Each is jitted in exactly one place (train/trainer.py) with donated state."""
+"""Pure update steps. Each is jitted in exactly one place (train/learner.py) with donated state."""
 from __future__ import annotations
 
 import flax.struct
@@ -91,44 +91,62 @@ def advantages(rewards_B, mask_BN, kl_BN=None, values_BN=None, *, cfg: RLConfig)
   return adv_BN, raw_BN
 
 
-def policy_loss(params, batch, *, graphdef, cfg: RLConfig, prompt_len: int):
+def split_minibatches(tree, n: int):
+  """Every leaf [B, ...] -> [n, B / n, ...]; minibatch j takes rows j, j + n, j + 2n, ... so each
+  device's block of rows feeds every minibatch equally and the split moves no data."""
+  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1),
+                      tree)
+
+
+def scan_minibatches(update_one, state: TrainState, batch, n: int):
+  """`update_one(state, minibatch) -> (state, metrics)` over `n` minibatches of `batch`, in
+  one program; metrics are averaged over the minibatches."""
+  state, metrics = jax.lax.scan(update_one, state, split_minibatches(batch, n))
+  return state, jax.tree.map(jnp.mean, metrics)
+
+
+def policy_loss(params, exp, *, graphdef, cfg: RLConfig):
   """`cfg.policy_loss` (PPO clip or AIPO) plus, with `kl_mode == "loss"`, `kl_coef` * KL(pi ||
   ref), minus `entropy_coef` * entropy, aggregated over completion tokens.
 
-  `batch` holds per-token [B, N] `advantages`, `old_logprobs` (trainer, before the update),
-  `ref_logprobs` and `sampler_logprobs` (mu, what the sampler drew with: AIPO's behaviour policy
-  and the denominator of the truncated-IS correction `tis_cap`)."""
-  logp_BN, entropy_BN = completion_logprobs(graphdef, params, batch["tokens"], batch["valid"],
-                                            prompt_len)
-  mask_BN = batch["completion_mask"].astype(jnp.float32)
+  `exp` (train/experience.py) holds per-token [B, N] advantages, the trainer's log-probs before
+  the update (`old`), the reference's, and the sampler's (mu, what it drew with: AIPO's
+  behaviour policy and the denominator of the truncated-IS correction `tis_cap`)."""
+  logp_BN, entropy_BN = completion_logprobs(graphdef, params, exp.tokens_BT, exp.valid_BT,
+                                            exp.prompt_len)
+  mask_BN = exp.completion_mask_BN.astype(jnp.float32)
   if cfg.policy_loss == "aipo":
-    pg_BN = POLICY_LOSSES["aipo"](logp_BN, batch["sampler_logprobs"], batch["advantages"],
+    pg_BN = POLICY_LOSSES["aipo"](logp_BN, exp.sampler_logprobs_BN, exp.advantages_BN,
                                   rho=cfg.aipo_rho)
   else:
-    pg_BN = POLICY_LOSSES["ppo_clip"](logp_BN, batch["old_logprobs"], batch["advantages"],
+    pg_BN = POLICY_LOSSES["ppo_clip"](logp_BN, exp.old_logprobs_BN, exp.advantages_BN,
                                       eps_low=cfg.clip_eps_low, eps_high=cfg.clip_eps_high)
     if cfg.tis_cap > 0:
-      pg_BN = pg_BN * truncated_is_weight(batch["old_logprobs"], batch["sampler_logprobs"],
+      pg_BN = pg_BN * truncated_is_weight(exp.old_logprobs_BN, exp.sampler_logprobs_BN,
                                           cfg.tis_cap)
-  kl_BN = KL_ESTIMATORS[cfg.kl_estimator](logp_BN, batch["ref_logprobs"])
+  kl_BN = KL_ESTIMATORS[cfg.kl_estimator](logp_BN, exp.ref_logprobs_BN)
   loss_BN = pg_BN - cfg.entropy_coef * entropy_BN
   if cfg.kl_mode == "loss":
     loss_BN = loss_BN + cfg.kl_coef * kl_BN
   aggregate = AGGREGATIONS[cfg.loss_aggregation]
   loss = aggregate(loss_BN, mask_BN)
-  ratio_BN = jnp.exp(logp_BN - batch["old_logprobs"])
+  ratio_BN = jnp.exp(logp_BN - exp.old_logprobs_BN)
   clipped_BN = (ratio_BN < 1 - cfg.clip_eps_low) | (ratio_BN > 1 + cfg.clip_eps_high)
   metrics = {"kl": aggregate(kl_BN, mask_BN), "entropy": aggregate(entropy_BN, mask_BN),
              "clip_frac": aggregate(clipped_BN.astype(jnp.float32), mask_BN)}
   return loss, metrics
 
 
-def rl_update(state: TrainState, batch, *, graphdef, optimizer, cfg: RLConfig, prompt_len: int):
-  grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
-  (loss, metrics), grads = grad_fn(state.params, batch, graphdef=graphdef, cfg=cfg,
-                                   prompt_len=prompt_len)
-  metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
-  return _apply(state, grads, optimizer), metrics
+def rl_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig):
+  """`cfg.num_minibatches` policy updates on one Experience batch."""
+
+  def one(state, mb):
+    grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
+    (loss, metrics), grads = grad_fn(state.params, mb, graphdef=graphdef, cfg=cfg)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+    return _apply(state, grads, optimizer), metrics
+
+  return scan_minibatches(one, state, exp, cfg.num_minibatches)
 
 
 # -- critic, reward model, DPO -------------------------------------------------------------------
@@ -140,20 +158,23 @@ def completion_values(graphdef, params, tokens_BT, valid_BT, prompt_len: int) ->
   return values_BT[:, prompt_len - 1:-1]
 
 
-def critic_update(state: TrainState, batch, *, graphdef, optimizer, cfg: RLConfig,
-                  prompt_len: int):
-  """Clipped value regression onto `returns` (= advantages before whitening + old values)."""
+def critic_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig):
+  """Clipped value regression onto `returns` (= advantages before whitening + old values), in
+  the same minibatches as the policy update."""
 
-  def loss_fn(params):
-    values_BN = completion_values(graphdef, params, batch["tokens"], batch["valid"], prompt_len)
-    mask_BN = batch["completion_mask"].astype(jnp.float32)
-    per_token = value_loss(values_BN, batch["old_values"], batch["returns"],
-                           clip_eps=cfg.value_clip_eps)
-    return AGGREGATIONS["token_mean"](per_token, mask_BN)
+  def one(state, mb):
 
-  loss, grads = jax.value_and_grad(loss_fn)(state.params)
-  return _apply(state, grads, optimizer), {"value_loss": loss, "critic_grad_norm":
-                                           optax.tree.norm(grads)}
+    def loss_fn(params):
+      values_BN = completion_values(graphdef, params, mb.tokens_BT, mb.valid_BT, mb.prompt_len)
+      per_token = value_loss(values_BN, mb.old_values_BN, mb.returns_BN,
+                             clip_eps=cfg.value_clip_eps)
+      return AGGREGATIONS["token_mean"](per_token, mb.completion_mask_BN.astype(jnp.float32))
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return _apply(state, grads, optimizer), {"value_loss": loss,
+                                             "critic_grad_norm": optax.tree.norm(grads)}
+
+  return scan_minibatches(one, state, exp, cfg.num_minibatches)
 
 
 def sequence_scores(graphdef, params, tokens_BT, valid_BT) -> jax.Array:

@@ -1,0 +1,109 @@
+"""Kill-and-resume: a run killed with SIGKILL at random moments and resumed with --resume ends
+bit-identical to an uninterrupted one (same params_fingerprint, same metrics rows: no step
+missing, none twice), in SFT, in RL sync and in RL async with max_staleness=0; a truncated latest
+checkpoint is reported and the one before it is used."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+ARGS = ["--config=configs/tiny.py", "--config.sft.steps=24", "--config.rl.steps=6",
+        "--config.checkpoint_every=4", "--config.eval.every=2"]
+TIMING = ("step_time", "tokens_per_s", "reshard_gbps")  # wall-clock values differ run to run
+
+
+def _launch(tmp_path, name, *extra, resume=True):
+  return subprocess.Popen(
+      [sys.executable, "-m", "train.main", *ARGS, f"--config.run_dir={tmp_path}",
+       f"--config.run_name={name}", *extra, *(["--resume"] if resume else [])],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _rows(run_dir):
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    lines = f.read().splitlines()
+  return [json.loads(line) for line in lines if line.endswith("}")]  # a half-written last line
+
+
+def _comparable(run_dir):
+  return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("time_")}
+          for r in _rows(run_dir)]
+
+
+def _finish(proc):
+  out, err = proc.communicate(timeout=600)
+  assert proc.returncode == 0, err[-3000:]
+  return err
+
+
+def _kill_at(proc, run_dir, phase, step, delay):
+  """SIGKILL once a `phase` row at `step` or later is logged, after `delay` seconds."""
+  deadline = time.time() + 600
+  while not any(r["phase"] == phase and r["step"] >= step for r in _rows(run_dir)):
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    assert time.time() < deadline
+    time.sleep(0.05)
+  time.sleep(delay)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+
+
+def _summary(run_dir):
+  with open(os.path.join(run_dir, "summary.json")) as f:
+    return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("reference")
+  _finish(_launch(tmp, "ref", resume=False))
+  run_dir = os.path.join(tmp, "ref")
+  return _summary(run_dir)["params_fingerprint"], _comparable(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_killed_in_sft_and_in_rl_sync_resumes_exactly(tmp_path, reference, seed):
+  rng = random.Random(seed)
+  run_dir = os.path.join(tmp_path, "run")
+  _kill_at(_launch(tmp_path, "run", resume=False), run_dir, "sft", rng.choice([1, 10, 20]),
+           rng.uniform(0, 1.5))
+  _kill_at(_launch(tmp_path, "run"), run_dir, "rl", rng.randint(1, 4), rng.uniform(0, 1.5))
+  _finish(_launch(tmp_path, "run"))
+  assert (_summary(run_dir)["params_fingerprint"], _comparable(run_dir)) == reference
+
+
+@pytest.mark.slow
+def test_killed_in_rl_async_staleness_0_resumes_exactly(tmp_path, reference):
+  async_args = ("--config.rl.mode=async", "--config.rl.max_staleness=0")
+  run_dir = os.path.join(tmp_path, "run")
+  _kill_at(_launch(tmp_path, "run", *async_args, resume=False), run_dir, "rl", 3, 0.3)
+  _finish(_launch(tmp_path, "run", *async_args))
+  rows = _comparable(run_dir)
+  assert [r["policy_lag"] for r in rows if "policy_lag" in r] == [0] * 6
+  assert (_summary(run_dir)["params_fingerprint"], rows) == reference
+
+
+@pytest.mark.slow
+def test_truncated_latest_checkpoint_falls_back_to_the_one_before(tmp_path, reference):
+  run_dir = os.path.join(tmp_path, "run")
+  _kill_at(_launch(tmp_path, "run", resume=False), run_dir, "rl", 5, 1.0)
+  rl = os.path.join(run_dir, "checkpoints", "rl")
+  latest = max(int(s) for s in os.listdir(rl) if s.isdigit())
+  data = os.path.join(rl, str(latest), "actor", "d")
+  for name in os.listdir(data):  # cut every array file in half
+    path = os.path.join(data, name)
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+  err = _finish(_launch(tmp_path, "run"))
+  assert f"checkpoints/rl/{latest} cannot be restored" in err
+  assert (_summary(run_dir)["params_fingerprint"], _comparable(run_dir)) == reference

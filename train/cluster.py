@@ -1,0 +1,122 @@
+"""The cluster: the placement, the RLHF models on their meshes, and the sampler's copy of the actor.
+
+Roles (sharding/placement.py): the actor (trained), the frozen reference, the reward model and
+the critic each live on their role's mesh; the sampler holds a copy of the actor in the sampling
+layout, refreshed by `push()` after every update (bucketed reshard, device to device). The
+reference, reward model and critic exist once a stage has added them (`add`). Batch sizes are
+checked here, once, against the real meshes on the real devices.
+"""
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.models.heads import RewardModel, ValueModel
+from jaxrl.models.llama import LanguageModel
+from sharding.placement import ROLES, PlacementError, host_major_devices, make_placement
+from sharding.reshard import TransferStats, reshard
+from sharding.rules import SAMPLER_RULES, logical_to_spec
+from train.roles import ModelRole, role_shardings
+
+MODEL_CLASSES = {"actor": LanguageModel, "reference": LanguageModel, "reward": RewardModel,
+                 "critic": ValueModel}
+
+
+def batch_ways(mesh, rules) -> int:
+  """How many ways a mesh splits the batch (the product of the axes `batch` maps to)."""
+  spec = logical_to_spec(("batch",), rules, mesh)[0]
+  axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+  ways = 1
+  for axis in axes:
+    ways *= mesh.shape[axis]
+  return ways
+
+
+class RoleCluster:
+
+  def __init__(self, cfg: ExperimentConfig, devices=None, *, initialize: bool = True):
+    """`initialize=False` leaves the actor abstract (a restore fills it)."""
+    self.cfg = cfg
+    self.devices = host_major_devices() if devices is None else list(devices)
+    pl = cfg.placement
+    try:  # impossible meshes are user errors, found before anything is allocated
+      self.placement = make_placement(pl.strategy, len(self.devices),
+                                      train_devices=pl.train_devices,
+                                      sampler_tensor=pl.sampler_tensor,
+                                      n_hosts=jax.process_count())
+      self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
+      self.actor = ModelRole("actor", self.model_factory("actor"), self.meshes["actor"])
+      abstract = nnx.state(nnx.eval_shape(self.model_factory("actor")))
+      self.sampler_shardings = role_shardings("sampler", abstract, SAMPLER_RULES,
+                                              self.meshes["sampler"])
+    except PlacementError as e:
+      raise ConfigError(str(e)) from None
+    check_batch_sizes(cfg, self)
+    self.roles: dict[str, ModelRole] = {"actor": self.actor}
+    self.sampler_params = None
+    self._pushed_version = -1  # the actor version the sampler's copy holds
+    if initialize:
+      self.actor.initialize()
+      self.push()
+
+  def model_factory(self, role: str):
+    return lambda: MODEL_CLASSES[role](self.cfg.model, rngs=nnx.Rngs(self.cfg.seed))
+
+  def add(self, name: str, *, initialize: bool = True) -> ModelRole:
+    """The `name` role (reference | reward | critic) on its mesh: random weights, or abstract
+    when a restore or a `load` fills it."""
+    role = ModelRole(name, self.model_factory(name), self.meshes[name])
+    if initialize:
+      role.initialize()
+    self.roles[name] = role
+    return role
+
+  def get(self, name: str) -> ModelRole | None:
+    return self.roles.get(name)
+
+  def sampler_copy(self) -> tuple[nnx.State, TransferStats]:
+    """The actor's current weights resharded into the sampler's layout (bucketed, timed)."""
+    return reshard(self.actor.params, self.sampler_shardings,
+                   bucket_bytes=self.cfg.placement.reshard_bucket_mb << 20)
+
+  def push(self, *, free_old: bool = True) -> TransferStats:
+    """Refreshes the sampler's copy of the actor. The old copy is freed unless an asynchronous
+    generator may still be decoding with it (`free_old=False`)."""
+    old = self.sampler_params
+    self.sampler_params, stats = self.sampler_copy()
+    self._pushed_version = self.actor.version
+    if old is not None and free_old:
+      jax.tree.map(lambda x: x.delete(), old)
+    return stats
+
+  def fresh_sampler_params(self) -> nnx.State:
+    """The sampler's copy, pushed first if the actor changed since the last push."""
+    if self._pushed_version != self.actor.version:
+      self.push()
+    return self.sampler_params
+
+
+def check_batch_sizes(cfg: ExperimentConfig, cluster: RoleCluster) -> None:
+  """Each batch must split evenly over the mesh that runs it (ConfigError naming the field)."""
+  train = batch_ways(cluster.meshes["actor"], cluster.actor.rules)
+  sampler = batch_ways(cluster.meshes["sampler"], SAMPLER_RULES)
+  rl = cfg.rl
+  if rl.rollouts % (rl.num_minibatches * train):
+    raise ConfigError(
+        f"config.rl.num_minibatches: prompts_per_step*group_size={rl.rollouts} must split into "
+        f"{rl.num_minibatches} minibatches divisible by the trainer's {train}-way batch split")
+  checks = [("config.sft.batch_size", cfg.sft.batch_size, train),
+            ("config.rl.prompts_per_step", rl.prompts_per_step, sampler),
+            ("config.eval.batch_size", cfg.eval.batch_size, sampler)]
+  if cfg.dpo.steps:
+    checks.append(("config.dpo.batch_size", 2 * cfg.dpo.batch_size, train))
+  if rl.reward == "reward_model":
+    checks.append(("config.reward_model.batch_size", 2 * cfg.reward_model.batch_size, train))
+  for role in ("reference", "reward", "critic"):
+    checks.append(("config.rl.prompts_per_step", rl.rollouts,
+                   batch_ways(cluster.meshes[role], cluster.actor.rules)))
+  for path, value, ways in checks:
+    if value % ways:
+      raise ConfigError(f"{path}: {value} is not divisible by the {ways}-way batch split of its "
+                        f"mesh")

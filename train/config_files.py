@@ -1,0 +1,80 @@
+"""Config sources -> the one schema (jaxrl/config.py).
+
+An experiment is an `ExperimentConfig`, or anything that resolves to one: the ConfigDict of a
+`configs/NAME.py` file, a plain (nested) mapping such as a run's config.json, or gin bindings.
+For gin, every section is a configurable of its own name (`rl.steps = 5`, `model.d_model = 64`)
+and the top-level fields belong to `experiment` (`experiment.seed = 1`); bindings apply on top of
+a base config (the schema's defaults unless a config file is given too) and the result goes
+through the same checks as an ml_collections config, so `--gin_param=rl.steps=5` and
+`--config.rl.steps=5` resolve to the same config.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import gin
+
+from jaxrl.config import SECTIONS, ConfigError, ExperimentConfig, from_mapping, to_dict
+
+TOP_LEVEL = "experiment"
+_registered = False
+
+
+def resolve(config) -> ExperimentConfig:
+  """An ExperimentConfig from an ExperimentConfig, a ConfigDict or a mapping (validated)."""
+  if isinstance(config, ExperimentConfig):
+    return config
+  if hasattr(config, "to_dict"):  # ml_collections.ConfigDict
+    config = config.to_dict()
+  if isinstance(config, Mapping):
+    return from_mapping(ExperimentConfig, config)
+  raise TypeError(f"expected an ExperimentConfig, a ConfigDict or a mapping, got {type(config)}")
+
+
+def _register() -> None:
+  global _registered
+  if _registered:
+    return
+  for name, cls in SECTIONS.items():
+    gin.external_configurable(cls, name=name, module="jaxrl")
+  scalars = [(f.name, f.type, dataclasses.field(default=f.default))
+             for f in dataclasses.fields(ExperimentConfig) if f.name not in SECTIONS]
+  gin.external_configurable(dataclasses.make_dataclass(TOP_LEVEL, scalars), name=TOP_LEVEL,
+                            module="jaxrl")
+  _registered = True
+
+
+def gin_overrides(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> dict:
+  """The fields that gin files and bindings set, as a nested dict of overrides."""
+  _register()
+  gin.clear_config()
+  try:
+    with gin.unlock_config():
+      gin.parse_config_files_and_bindings(list(files), list(bindings), skip_unknown=False)
+  except (ValueError, SyntaxError, OSError, KeyError) as e:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise ConfigError(f"gin: {first}") from None
+  out = dict(gin.get_bindings(f"jaxrl.{TOP_LEVEL}"))
+  for name in SECTIONS:
+    fields = gin.get_bindings(f"jaxrl.{name}")
+    if fields:
+      out[name] = dict(fields)
+  gin.clear_config()
+  return out
+
+
+def merge(base: Mapping, overrides: Mapping) -> dict:
+  """`base` with `overrides` applied field by field (sections merge, values replace)."""
+  out = dict(base)
+  for key, value in overrides.items():
+    if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+      out[key] = merge(out[key], value)
+    else:
+      out[key] = value
+  return out
+
+
+def with_gin(base, files: Sequence[str] = (), bindings: Sequence[str] = ()) -> ExperimentConfig:
+  """`base` (anything `resolve` takes) with gin files and bindings on top."""
+  return resolve(merge(to_dict(resolve(base)), gin_overrides(files, bindings)))

@@ -1,0 +1,210 @@
+"""`Experiment`: the one entry point of the CLI, the benchmarks, the tests and notebooks.
+
+    exp = Experiment(config)          # a config file's ConfigDict, an ExperimentConfig, a mapping
+    exp.run()                         # every stage the config enables, in order; -> summary
+    exp.stage("sft").run(steps=50)    # or pieces: a stage for some steps, or one RL step:
+    exp.rl.step()
+    exp.sample(["rev abcde="], n=4)   # decoded completions with their log-probs
+    exp.evaluate(); exp.metrics       # held-out accuracy; the logged rows (a DataFrame w/ pandas)
+    exp.save(); Experiment.restore("runs/NAME")   # the whole run state, and back
+
+It owns the run state: the `RunContext` (models on their meshes, generator, task data, logs),
+the stages (train/stages/) with their shared hooks (train/hooks.py), and the run-state
+checkpoints (train/checkpoint.py, restored by train/resume.py).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import jax
+from flax import nnx
+
+from jaxrl.config import ConfigError, ExperimentConfig, to_dict
+from train import resume, rundir
+from train.checkpoint import RunCheckpointer, load_actor_params, params_fingerprint
+from train.config_files import resolve
+from train.context import RunContext
+from train.hooks import Checkpoint, Evaluate, Log, Progress, StopRequest
+from train.metrics import plot_metrics
+from train.sampling import Completion, sample
+from train.stages import STAGES, Stopped, run_stage
+
+log = logging.getLogger("jaxrl")
+
+
+class StageHandle:
+  """`exp.stage(name)`: runs that stage for some steps (`run`) or one step (`step`)."""
+
+  def __init__(self, exp: Experiment, name: str):
+    self._exp, self.name = exp, name
+
+  @property
+  def stage(self):
+    return self._exp.stages[self.name]
+
+  def run(self, steps: int | None = None) -> dict:
+    """`steps` more steps (default: to the stage's end); returns the last metrics row."""
+    return self._exp._run_stage(self.name, steps)
+
+  def step(self) -> dict:
+    return self.run(steps=1)
+
+
+class Experiment:
+
+  def __init__(self, config, *, run_dir: str | None = None, resume_run: bool = False):
+    """`resume_run`: continue from the run dir's newest good checkpoint, if it has one."""
+    self.cfg: ExperimentConfig = resolve(config)
+    self.run_dir = run_dir or rundir.prepare(self.cfg, resume=resume_run)
+    names = [name for name, cls in STAGES.items() if cls.enabled(self.cfg)]
+    self.checkpointer = RunCheckpointer(self.run_dir, names, keep=self.cfg.keep_checkpoints)
+    saved = self.checkpointer.saved() if resume_run else []
+    fresh = not saved and not self.cfg.init_checkpoint
+    self.ctx = RunContext(self.cfg, self.run_dir, initialize=fresh)
+    self.stages = {name: STAGES[name](self.ctx) for name in names}
+    self.position, self._last_save = 0, None
+    self.stop = StopRequest(self._save)
+    self.progress = Progress(self.cfg.progress and jax.process_index() == 0)
+    self.hooks = [Evaluate(), Log(self.ctx.writer),
+                  Checkpoint(self._save, self.cfg.checkpoint_every, self.cfg.checkpoint_minutes),
+                  self.progress, self.stop]
+    if not (saved and resume.latest_good(self, saved)):
+      self.ctx.writer.resume(0)
+      if self.cfg.init_checkpoint:
+        self._init_actor(self.cfg.init_checkpoint)
+      elif self.ctx.cluster.actor.params is None:  # every checkpoint was unreadable
+        self.ctx.cluster.actor.initialize()
+
+  @classmethod
+  def restore(cls, run_dir: str, **overrides) -> Experiment:
+    """The run in `run_dir` (its config.json), continued from its newest good checkpoint."""
+    with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+      raw = json.load(f)
+    for section, fields in overrides.items():
+      raw[section] = {**raw[section], **fields} if isinstance(fields, dict) else fields
+    return cls(raw, run_dir=run_dir, resume_run=True)
+
+  def _init_actor(self, directory: str) -> None:
+    actor = self.ctx.cluster.actor
+    try:
+      actor.params, step = load_actor_params(directory, actor.abstract())
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+    log.info("actor initialised from %s (step %d)", directory, step)
+
+  # -- running ------------------------------------------------------------------------------
+  @property
+  def stage_names(self) -> list[str]:
+    return list(self.stages)
+
+  def stage(self, name: str) -> StageHandle:
+    if name not in self.stages:
+      raise ValueError(f"stage {name!r}: this config runs {self.stage_names}")
+    return StageHandle(self, name)
+
+  @property
+  def rl(self) -> StageHandle:
+    return self.stage("rl")
+
+  def _run_stage(self, name: str, steps: int | None) -> dict:
+    at = self.stage_names.index(name)
+    self.position = max(self.position, at)  # the stages before it are done or skipped
+    stage = self.stages[name]
+    with self.stop:
+      try:
+        if "heldout_acc_init" not in self.ctx.summary:
+          self.ctx.summary["heldout_acc_init"] = self.ctx.evaluate()
+        run_stage(stage, self.hooks, steps)
+      finally:
+        if stage.finished or self.stop.event.is_set():
+          self.progress.close()
+    if stage.finished:
+      self.position = max(self.position, at + 1)
+    return self.ctx.writer.rows[-1] if self.ctx.writer.rows else {}
+
+  def run(self) -> dict:
+    """Every remaining stage to its end; the summary (also written to summary.json)."""
+    try:
+      for name in self.stage_names[self.position:]:
+        self._run_stage(name, None)
+    except Stopped as e:
+      self.ctx.summary["stopped"] = str(e)
+    return self.finish()
+
+  def finish(self) -> dict:
+    """Waits for checkpoints, writes summary.json, metrics.png and trace.json."""
+    for stage in self.stages.values():
+      stage.close()
+    self.checkpointer.wait()
+    summary = self.ctx.summary
+    summary["params_fingerprint"] = params_fingerprint(self.ctx.cluster.actor.params)
+    if jax.process_index() == 0:
+      self.ctx.writer.close()
+      plot_metrics(self.ctx.writer.rows, os.path.join(self.run_dir, "metrics.png"))
+      self.ctx.timeline.write_chrome_trace(os.path.join(self.run_dir, "trace.json"))
+      with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+    return dict(summary)
+
+  def close(self) -> None:
+    for stage in self.stages.values():
+      stage.close()
+    self.progress.close()
+    self.checkpointer.close()
+    self.ctx.writer.close()
+
+  def __enter__(self) -> Experiment:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # -- run state ----------------------------------------------------------------------------
+  def _current(self):
+    started = [s for s in self.stages.values() if s.started]
+    if not started:
+      raise ValueError("nothing to save yet: no stage has run")
+    return started[-1]
+
+  def save(self) -> None:
+    """A run-state checkpoint now (at the current stage's step)."""
+    self._save(self._current())
+
+  def _save(self, stage) -> None:
+    if self._last_save == (stage.name, stage.done):
+      return
+    self._last_save = (stage.name, stage.done)
+    items, meta, metrics = resume.snapshot(self, stage)
+    self.checkpointer.save(stage.name, stage.done, items, meta, metrics)
+
+  # -- looking at the model -----------------------------------------------------------------
+  def evaluate(self) -> dict:
+    """Held-out greedy accuracy of the current policy."""
+    return {"heldout_acc": self.ctx.evaluate()}
+
+  def sample(self, prompts: list[str], *, n: int = 1, greedy: bool = False,
+             max_new_tokens: int | None = None, seed: int = 0) -> list[list[Completion]]:
+    """`n` completions per prompt (text, token ids, per-token log-probs) from the policy."""
+    return sample(self.ctx, prompts, n=n, greedy=greedy, max_new_tokens=max_new_tokens,
+                  seed=seed)
+
+  @property
+  def metrics(self):
+    """The logged rows: a pandas DataFrame when pandas is installed, else a list of dicts."""
+    rows = list(self.ctx.writer.rows)
+    try:
+      import pandas
+    except ImportError:
+      return rows
+    return pandas.DataFrame(rows)
+
+  @property
+  def config(self) -> dict:
+    return to_dict(self.cfg)
+
+  @property
+  def params(self) -> nnx.State:
+    """The actor's parameters (sharded over its mesh)."""
+    return self.ctx.cluster.actor.params

@@ -1,0 +1,50 @@
+"""The generator: the sampler engine on the sampler mesh.
+
+`sample` draws `group_size` completions per prompt at the RL temperature and `greedy` decodes
+for evaluation; each is jitted once, with the sampler layout's shardings, and its rollouts stay
+on the sampler's devices. In async mode the RL controller runs `sample` inside a
+`sampler.worker.RolloutWorker`; either way prompt batch i is drawn with `rollout_key(seed, i)`.
+"""
+from __future__ import annotations
+
+import jax
+
+from jaxrl.config import RLConfig
+from sampler.engine import Rollout
+from sampler.methods import SamplingConfig
+from sampler.sampler import jit_generate
+from sampler.worker import rollout_key
+from sharding.mesh import batch_sharding
+from sharding.rules import SAMPLER_RULES
+from train.cluster import RoleCluster
+from train.transfers import to_device
+
+
+class Generator:
+
+  def __init__(self, cluster: RoleCluster, *, max_new_tokens: int, eos_id: int, pad_id: int,
+               rl: RLConfig):
+    mesh = cluster.meshes["sampler"]
+    self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                                   method="temperature", temperature=rl.temperature,
+                                   top_k=rl.top_k)
+    self.greedy_sampling = SamplingConfig(max_new_tokens=max_new_tokens, eos_id=eos_id,
+                                          pad_id=pad_id, method="greedy")
+    jit = lambda cfg, n: jit_generate(cluster.actor.graphdef, cfg, n=n, mesh=mesh,
+                                      param_shardings=cluster.sampler_shardings)
+    self._sample = jit(self.sampling, rl.group_size)
+    self._greedy = jit(self.greedy_sampling, 1)
+    self._rows = batch_sharding(mesh, SAMPLER_RULES)
+
+  def put_prompts(self, prompts: dict):
+    """A host prompt batch -> (tokens_BP, valid_BP) split over the sampler's data axes."""
+    return to_device((prompts["prompt_tokens"], prompts["prompt_valid"]),
+                     (self._rows, self._rows), "prompts")
+
+  def sample(self, params, prompts: dict, key: jax.Array) -> Rollout:
+    """`group_size` samples per prompt (rows group-major), from `params` in the sampler
+    layout; prompt batch i of a run uses `sampler.worker.rollout_key(seed, i)`."""
+    return self._sample(params, *self.put_prompts(prompts), key)
+
+  def greedy(self, params, prompts: dict) -> Rollout:
+    return self._greedy(params, *self.put_prompts(prompts), rollout_key(0, 0))

@@ -1,0 +1,144 @@
+"""The hooks every stage shares: evaluation, logging, checkpoints, the progress bar, stop requests.
+
+`run_stage` (train/stages/base.py) calls `on_start` when a stage starts, `after_step` after each
+step with its metrics row (hooks run in list order and may add to the row: evaluation first,
+so the row that is logged and the checkpoint that follows carry its results) and `after_stage`
+when the stage is done.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+from tqdm.auto import tqdm
+
+from train.stages.base import Stage, Stopped
+from train.transfers import to_host
+
+log = logging.getLogger("jaxrl")
+
+
+class Hook:
+
+  def on_start(self, stage: Stage) -> None:
+    pass
+
+  def after_step(self, stage: Stage, row: dict) -> None:
+    pass
+
+  def after_stage(self, stage: Stage) -> None:
+    pass
+
+
+class Evaluate(Hook):
+  """Runs the stage's held-out evaluation when it is due and adds it to the row."""
+
+  def after_step(self, stage, row):
+    if stage.eval_due(stage.done):
+      stage.last_eval = stage.evaluate()
+      stage.last_eval_step = stage.done
+      row.update(stage.last_eval)
+
+
+class Log(Hook):
+  """Every `log_every`-th row, each evaluated row and the last row go to metrics.jsonl (their
+  device values fetched then, not every step)."""
+
+  def __init__(self, writer):
+    self.writer = writer
+
+  def after_step(self, stage, row):
+    if stage.done % stage.log_every == 0 or stage.done == stage.total or \
+        getattr(stage, "last_eval_step", None) == stage.done:
+      row.update(self.writer.write(to_host(row, "metrics")))
+
+  def after_stage(self, stage):
+    shown = {k: v for k, v in stage.ctx.summary.items() if isinstance(v, float)}
+    log.info("%s done after %d steps: %s", stage.name, stage.done,
+             ", ".join(f"{k} {v:.3f}" for k, v in shown.items()))
+
+
+class Progress(Hook):
+  """A tqdm bar per stage; its postfix shows the last logged row's headline metrics."""
+
+  SHOWN = {"loss": "loss", "reward_mean": "reward", "step_time": "step_s", "policy_lag": "lag",
+           "heldout_acc": "acc", "accuracy": "acc", "margin": "margin"}
+
+  def __init__(self, enabled: bool):
+    self.enabled, self.bar = enabled, None
+
+  def on_start(self, stage):
+    self.bar = tqdm(total=stage.total, initial=stage.done, disable=not self.enabled,
+                    desc=stage.name.replace("_", " "), dynamic_ncols=True)
+
+  def after_step(self, stage, row):
+    if self.bar is None:
+      self.on_start(stage)
+    self.bar.update(1)
+    shown = {short: row[k] for k, short in self.SHOWN.items()
+             if isinstance(row.get(k), (int, float))}
+    if shown:
+      self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()})
+
+  def after_stage(self, stage):
+    self.close()
+
+  def close(self):
+    if self.bar is not None:
+      self.bar.close()
+      self.bar = None
+
+
+class Checkpoint(Hook):
+  """A run-state checkpoint every `every` steps, at least every `minutes`, and at the end of
+  every stage; `save(stage)` writes one (train/experiment.py)."""
+
+  def __init__(self, save: Callable[[Stage], None], every: int, minutes: float):
+    self.save, self.every, self.seconds = save, every, minutes * 60
+    self.last = time.monotonic()
+
+  def after_step(self, stage, row):
+    due = stage.done % self.every == 0 or (
+        self.seconds > 0 and time.monotonic() - self.last >= self.seconds)
+    if due and stage.done < stage.total:  # the last step is saved by after_stage
+      self.save(stage)
+      self.last = time.monotonic()
+
+  def after_stage(self, stage):
+    self.save(stage)
+    self.last = time.monotonic()
+
+
+class StopRequest(Hook):
+  """SIGTERM / SIGINT (handlers installed in the main thread while a run is inside `with`)
+  end it at the next step boundary of any stage, after a checkpoint; a second Ctrl-C raises
+  KeyboardInterrupt at once."""
+
+  def __init__(self, save: Callable[[Stage], None]):
+    self.save, self.event, self.signal, self._old = save, threading.Event(), None, {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._old[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    if self.event.is_set():
+      raise KeyboardInterrupt
+    self.signal = signal.Signals(signum).name
+    log.warning("%s: stopping after the current step and saving a checkpoint", self.signal)
+    self.event.set()
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+    self._old.clear()
+
+  def after_step(self, stage, row):
+    if self.event.is_set():
+      self.save(stage)
+      raise Stopped(self.signal)

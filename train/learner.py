@@ -1,0 +1,61 @@
+"""A learner: one trained model in one stage, its optimizer state and its ONE jitted update.
+
+The update is a pure step from train/steps.py, `update(state, batch) -> (state, metrics)`, jitted
+here, once, on the model's mesh with the state's shardings and the state donated. The parameters
+stay in the `ModelRole` (other roles copy them: the sampler, a reference); the learner keeps the
+optimizer state and the step counter, sharded like the parameters they belong to.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from train.roles import ModelRole, abstract_like
+from train.steps import TrainState
+
+
+class Learner:
+
+  def __init__(self, role: ModelRole, update_fn, optimizer: optax.GradientTransformation, *,
+               initialize: bool = True):
+    """`update_fn(state, batch, *, graphdef, optimizer)`; `initialize=False` leaves the state
+    abstract for a restore (`load_state`)."""
+    self.role, self.optimizer = role, optimizer
+    abstract_opt = jax.eval_shape(optimizer.init, role.abstract())
+    self._opt_shardings = optax.tree_map_params(
+        optimizer, lambda _, sharding: sharding, abstract_opt, role.shardings,
+        transform_non_params=lambda _: role.replicated)
+    self._abstract_opt = abstract_opt
+    shardings = TrainState(step=role.replicated, params=role.shardings,
+                           opt_state=self._opt_shardings)
+    step = functools.partial(update_fn, graphdef=role.graphdef, optimizer=optimizer)
+    self._update = role.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None),
+                            donate_argnums=0)
+    self.step = self.opt_state = None
+    if initialize:
+      self.step = jax.device_put(jnp.zeros((), jnp.int32), role.replicated)
+      self.opt_state = jax.jit(optimizer.init, out_shardings=self._opt_shardings)(role.params)
+
+  @property
+  def state(self) -> TrainState:
+    return TrainState(step=self.step, params=self.role.params, opt_state=self.opt_state)
+
+  def update(self, batch) -> dict:
+    """One update on `batch` (already on this mesh, or host arrays); metrics stay on device."""
+    state, metrics = self._update(self.state, batch)
+    self.role.params, self.opt_state, self.step = state.params, state.opt_state, state.step
+    return metrics
+
+  def checkpoint_state(self) -> dict:
+    """What a run-state checkpoint keeps of this learner (the parameters are the role's)."""
+    return {"step": self.step, "opt_state": self.opt_state}
+
+  def abstract_state(self) -> dict:
+    return {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=self.role.replicated),
+            "opt_state": abstract_like(self._abstract_opt, self._opt_shardings)}
+
+  def load_state(self, restored: dict) -> None:
+    self.step, self.opt_state = restored["step"], restored["opt_state"]

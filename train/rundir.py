@@ -1,0 +1,65 @@
+"""The run directory: `run_dir/run_name` (a timestamp when unnamed), with the resolved config.
+
+A directory that holds checkpoints is only reopened to resume it; then its config.json is
+rewritten with the config the run continues under, and the fields that changed are logged.
+On several processes they agree on the timestamp, and only process 0 writes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import jax
+import numpy as np
+
+from jaxrl.config import ConfigError, ExperimentConfig, to_dict
+
+log = logging.getLogger("jaxrl")
+
+
+def _timestamp() -> str:
+  now = np.int64(time.time())
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    now = multihost_utils.broadcast_one_to_all(now)  # process 0's clock names the run
+  return time.strftime("%Y%m%d-%H%M%S", time.localtime(int(now)))
+
+
+def _changes(old: dict, new: dict, path: str = "config") -> list[str]:
+  out = []
+  for key in sorted(set(old) | set(new)):
+    a, b = old.get(key), new.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += _changes(a, b, f"{path}.{key}")
+    elif a != b:
+      out.append(f"{path}.{key}: {a!r} -> {b!r}")
+  return out
+
+
+def has_checkpoints(run_dir: str) -> bool:
+  root = os.path.join(run_dir, "checkpoints")
+  return os.path.isdir(root) and any(os.scandir(root))
+
+
+def prepare(cfg: ExperimentConfig, *, resume: bool) -> str:
+  run_dir = os.path.join(cfg.run_dir, cfg.run_name or _timestamp())
+  if has_checkpoints(run_dir) and not resume:
+    raise ConfigError(f"config.run_name: {run_dir} already holds checkpoints; pass --resume to "
+                      f"continue that run, or pick a new name")
+  path = os.path.join(run_dir, "config.json")
+  if resume and os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      changed = _changes(json.load(f), to_dict(cfg))
+    if changed:
+      log.warning("resuming with a changed config: %s", "; ".join(changed))
+  if jax.process_index() == 0:
+    os.makedirs(run_dir, exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+      json.dump(to_dict(cfg), f, indent=2)
+    os.replace(path + ".tmp", path)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("jaxrl run dir")  # it exists before anyone reads it
+  return run_dir

@@ -1,0 +1,54 @@
+"""`Experiment.sample`: completions of text prompts from the current policy, for a look at it.
+
+Prompts are encoded with the run's tokenizer and decoded on the sampler mesh from the sampler's
+copy of the actor, through the bucketed front end (sampler/sampler.py), so prompt lists of
+similar size reuse one compiled program.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from sampler.methods import SamplingConfig
+from sampler.sampler import Sampler
+from sampler.worker import rollout_key
+from train.context import RunContext
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  text: str
+  tokens: list[int]  # up to and including EOS
+  logprobs: list[float]  # log-prob of each token under the distribution it was drawn from
+
+
+def _sampler(ctx: RunContext, n: int, greedy: bool, max_new_tokens: int) -> Sampler:
+  cache, key = ctx.samplers, (n, greedy, max_new_tokens)
+  if key not in cache:
+    g = ctx.generator.greedy_sampling if greedy else ctx.generator.sampling
+    cfg = dataclasses.replace(g, max_new_tokens=max_new_tokens)
+    cluster = ctx.cluster
+    cache[key] = Sampler(cluster.actor.graphdef, cfg, n=n, mesh=cluster.meshes["sampler"],
+                         param_shardings=cluster.sampler_shardings)
+  return cache[key]
+
+
+def sample(ctx: RunContext, prompts: list[str], *, n: int = 1, greedy: bool = False,
+           max_new_tokens: int | None = None, seed: int = 0) -> list[list[Completion]]:
+  """`n` completions per prompt (greedy: the same one `n` times)."""
+  max_new = max_new_tokens or ctx.task.max_new_tokens
+  sampler = _sampler(ctx, n, greedy, max_new)
+  ids = [ctx.tok.encode(p, bos=True) for p in prompts]
+  rollout = sampler(ctx.cluster.fresh_sampler_params(), ids, rollout_key(seed, 0))
+  p = rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]
+  out = []
+  for i in range(len(prompts)):
+    rows = []
+    for r in range(i * n, (i + 1) * n):
+      mask = np.asarray(rollout.completion_mask_BN[r], bool)
+      tokens = np.asarray(rollout.tokens_BT[r, p:])[mask].tolist()
+      rows.append(Completion(ctx.tok.decode(tokens), tokens,
+                             np.asarray(rollout.logprobs_BN[r])[mask].tolist()))
+    out.append(rows)
+  return out

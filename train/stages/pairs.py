@@ -1,0 +1,68 @@
+"""Preference pairs for the DPO and reward-model stages: a user's jsonl, or synthetic ones.
+
+Synthetic pairs come from the task's verifier (chosen: the answer; rejected: the teacher's
+mistake, near misses and, with `policy_negatives`, the current policy's own wrong samples) and
+are written to the run dir first (`STAGE_pairs_train.jsonl`, `STAGE_pairs_heldout.jsonl`), so the
+data a run used is on disk in the format users supply, and a resumed run reads the same pairs.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from jaxrl.data.pipeline import prompt_batch
+from jaxrl.data.preferences import Pair, read_jsonl, synthetic_pairs, write_jsonl
+from jaxrl.data.tasks import Example
+from sampler.worker import rollout_key
+from train.context import RunContext
+from train.experience import completion_texts
+from train.transfers import to_host
+
+HELDOUT_FRACTION = 0.1  # of a user's pairs file, held out for the accuracy / margin metric
+
+
+def chunks(items: list, size: int):
+  """Fixed-size chunks (one compiled shape); the last is padded by repeating its final item."""
+  for start in range(0, len(items), size):
+    chunk = items[start:start + size]
+    yield chunk + [chunk[-1]] * (size - len(chunk)), len(chunk)
+
+
+def policy_samples(ctx: RunContext, examples: list[Example], seed: int) -> dict[str, list[str]]:
+  """`group_size` completions per prompt from the current actor (the RL temperature)."""
+  out, g, p = {}, ctx.cfg.rl.group_size, ctx.task.prompt_len
+  params = ctx.cluster.fresh_sampler_params()
+  for i, (chunk, n) in enumerate(chunks(examples, ctx.cfg.rl.prompts_per_step)):
+    rollout = ctx.generator.sample(params, prompt_batch(chunk, ctx.tok, p), rollout_key(seed, i))
+    texts = completion_texts(ctx.tok, to_host(rollout.tokens_BT[:, p:], "completions"))
+    for j, ex in enumerate(chunk[:n]):
+      out[ex.prompt] = texts[j * g:(j + 1) * g]
+  return out
+
+
+def load_pairs(ctx: RunContext, stage: str, pairs_path: str, *, per_prompt: int,
+               policy_negatives: bool) -> tuple[list[Pair], list[Pair]]:
+  """(train pairs, held-out pairs). A user's file is split 90/10 after a seeded shuffle;
+  synthetic pairs come from the train and held-out prompts (disjoint)."""
+  seed = ctx.cfg.seed
+  if pairs_path:
+    pairs = read_jsonl(pairs_path)
+    order = np.random.default_rng(seed).permutation(len(pairs))
+    n_held = max(1, int(len(pairs) * HELDOUT_FRACTION))
+    return [pairs[i] for i in order[n_held:]], [pairs[i] for i in order[:n_held]]
+  out = []
+  for name, examples, s in [("train", ctx.task.train, seed), ("heldout", ctx.task.heldout, seed + 1)]:
+    path = os.path.join(ctx.run_dir, f"{stage}_pairs_{name}.jsonl")
+    if os.path.exists(path):
+      out.append(read_jsonl(path))
+      continue
+    samples = policy_samples(ctx, examples, s) if policy_negatives else None
+    pairs = synthetic_pairs(examples, ctx.task.verifier, per_prompt=per_prompt, seed=s,
+                            samples=samples)
+    if jax.process_index() == 0:  # whole or not at all: a killed run never leaves half a file
+      write_jsonl(pairs, path + ".tmp")
+      os.replace(path + ".tmp", path)
+    out.append(pairs)
+  return out[0], out[1]

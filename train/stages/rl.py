@@ -1,0 +1,111 @@
+"""RL: the single controller (train/controller.py) in sync or async mode, any algorithm.
+
+On a fresh start the stage freezes the reference (a copy of the actor on the reference mesh)
+and, for `gae`, adds the critic (from the reward model when there is one, else from the actor's
+trunk). Its run state: the policy version (= steps done), the first prompt batch not yet trained
+on, and the learners. In async mode, batches generated ahead but not yet consumed at a
+checkpoint are generated again after a resume, from the checkpoint's weights.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+from jaxrl.config import ExperimentConfig
+from train import steps
+from train.controller import Controller
+from train.learner import Learner
+from train.stages.base import Stage
+
+log = logging.getLogger("jaxrl")
+
+
+class RLStage(Stage):
+  name = "rl"
+
+  def __init__(self, ctx):
+    super().__init__(ctx)
+    self.next_index = 0  # the first prompt batch not yet trained on
+    self.controller: Controller | None = None
+
+  @classmethod
+  def enabled(cls, cfg: ExperimentConfig) -> bool:
+    return cfg.rl.steps > 0
+
+  @property
+  def total(self) -> int:
+    return self.cfg.rl.steps
+
+  def eval_due(self, done: int) -> bool:
+    return done % self.cfg.eval.every == 0 or done == self.total
+
+  def start(self, *, restoring: bool = False) -> None:
+    rl, cluster = self.cfg.rl, self.ctx.cluster
+    if cluster.get("reference") is None:  # frozen: the actor as RL starts
+      cluster.add("reference", initialize=False).load(cluster.actor.params)
+    updates = rl.steps * rl.num_minibatches
+    optimizer = lambda lr: steps.make_optimizer(lr, warmup_steps=rl.warmup_steps,
+                                                total_steps=updates,
+                                                max_grad_norm=rl.max_grad_norm)
+    self.actor = Learner(cluster.actor, functools.partial(steps.rl_update, cfg=rl),
+                         optimizer(rl.learning_rate), initialize=not restoring)
+    self.critic = None
+    if rl.advantage == "gae":
+      critic = cluster.get("critic") or self._new_critic()
+      self.critic = Learner(critic, functools.partial(steps.critic_update, cfg=rl),
+                            optimizer(rl.critic_learning_rate), initialize=not restoring)
+    if not restoring:
+      acc = self.ctx.evaluate()
+      self.ctx.summary["heldout_acc_rl_start"] = acc
+      self.ctx.writer.write({"phase": "rl", "step": 0, "heldout_acc": acc})
+
+  def _new_critic(self):
+    """The critic starts from the reward model when there is one (as OpenRLHF does), else from
+    the actor's trunk with a fresh value head."""
+    cluster = self.ctx.cluster
+    critic, reward = cluster.add("critic"), cluster.get("reward")
+    if reward is not None:
+      critic.load(reward.params)
+    else:
+      critic.load(cluster.actor.params, subtree="decoder")
+    return critic
+
+  def step(self) -> dict:
+    if self.controller is None:
+      self.wall0 = time.perf_counter()
+      self.controller = Controller(self.ctx, self.actor, self.critic,
+                                   next_index=self.next_index, version=self.done)
+      self.controller.start()
+    row = self.controller.step()
+    self.next_index = self.controller.next_index
+    return {**row, "samples": (self.done + 1) * self.cfg.rl.rollouts}
+
+  def evaluate(self) -> dict:
+    return {"heldout_acc": self.ctx.evaluate()}
+
+  def finish(self) -> dict:
+    self.close()
+    t = self.ctx.timeline.summary(getattr(self, "wall0", None))
+    log.info("RL timeline (trace.json): %s; bubble %.2f",
+             ", ".join(f"{k} busy {v:.0%}" for k, v in t["busy"].items()), t["bubble"])
+    return {"rl_steps_done": self.done, "rl_wall_s": t["wall_s"], "bubble": t["bubble"],
+            **{f"busy_{k}": v for k, v in t["busy"].items()},
+            "heldout_acc_rl": self.last_eval["heldout_acc"]}
+
+  def learners(self) -> dict[str, Learner]:
+    out = {"actor": self.actor}
+    if self.critic is not None:
+      out["critic"] = self.critic
+    return out
+
+  def state(self) -> dict:
+    return {"next_index": self.next_index}
+
+  def restore(self, state: dict, arrays: dict) -> None:
+    self.next_index = state["next_index"]
+
+  def close(self) -> None:
+    if self.controller is not None:
+      self.controller.close()
+      self.controller = None

@@ -1,0 +1,48 @@
+"""SFT: the actor learns the task's demonstrations (prompt-masked cross-entropy, packing optional)."""
+from __future__ import annotations
+
+from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.data.pipeline import sft_dataset
+from train import steps
+from train.learner import Learner
+from train.stages.base import Stage
+from train.transfers import to_device
+
+
+class SFTStage(Stage):
+  name = "sft"
+  log_every = 10
+
+  @classmethod
+  def enabled(cls, cfg: ExperimentConfig) -> bool:
+    return cfg.sft.steps > 0
+
+  @property
+  def total(self) -> int:
+    return self.cfg.sft.steps
+
+  def start(self, *, restoring: bool = False) -> None:
+    s, ctx = self.cfg.sft, self.ctx
+    try:
+      self.data = sft_dataset(ctx.task.train, ctx.tok, batch_size=s.batch_size,
+                              seed=self.cfg.seed, pack_length=s.pack_length)
+    except ValueError as e:  # an example longer than sft.pack_length
+      raise ConfigError(str(e)) from None
+    optimizer = steps.make_optimizer(s.learning_rate, warmup_steps=s.warmup_steps,
+                                     total_steps=s.steps, weight_decay=s.weight_decay)
+    self.learner = Learner(ctx.cluster.actor, steps.sft_update, optimizer,
+                           initialize=not restoring)
+
+  def step(self) -> dict:
+    actor = self.ctx.cluster.actor
+    batch = self.data[self.done]
+    return self.learner.update(to_device(batch, actor.batch_shardings(batch), "batch"))
+
+  def evaluate(self) -> dict:
+    return {"heldout_acc": self.ctx.evaluate()}
+
+  def finish(self) -> dict:
+    return {"heldout_acc_sft": self.last_eval["heldout_acc"]}
+
+  def learners(self) -> dict[str, Learner]:
+    return {"actor": self.learner}
