@@ -1,5 +1,4 @@
 """The single controller: executors, timeline, sync vs async, failures and stop requests."""
-import dataclasses
 import json
 import os
 import signal
@@ -11,15 +10,12 @@ import time
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from configs import tiny
-from jaxrl.config import ExperimentConfig, from_mapping, validate
-from jaxrl.models.llama import LanguageModel, ModelConfig
 from jaxrl.rewards import verifier as verifier_mod
-from train.checkpoint import Checkpointer
+from train.checkpoint import RunCheckpointer
 from train.executors import Executor, ExecutorError
-from train.loop import run
+from train.experiment import Experiment
 from train.timeline import Timeline
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
@@ -29,9 +25,12 @@ def _cfg(tmp_path, name, **rl):
   raw = tiny.get_config().to_dict()
   raw.update(run_dir=str(tmp_path), run_name=name, checkpoint_every=1)
   raw["rl"].update(rl)
-  cfg = validate(from_mapping(ExperimentConfig, raw))
-  os.makedirs(os.path.join(cfg.run_dir, name), exist_ok=True)
-  return cfg, os.path.join(cfg.run_dir, name)
+  return raw, os.path.join(str(tmp_path), name)
+
+
+def run(raw, run_dir):
+  with Experiment(raw) as exp:
+    return exp.run()
 
 
 def _rows(run_dir):
@@ -39,13 +38,11 @@ def _rows(run_dir):
     return [r for r in map(json.loads, f) if r["phase"] == "rl" and "policy_lag" in r]
 
 
-def _params(run_dir, step):
-  model_cfg = ModelConfig(**tiny.get_config().to_dict()["model"])
-  abstract = nnx.state(nnx.eval_shape(lambda: LanguageModel(model_cfg, rngs=nnx.Rngs(0))))
-  ckpt = Checkpointer(run_dir, "rl", 3)
-  params = ckpt.restore_params(abstract, step)
+def _rl_steps(run_dir):
+  ckpt = RunCheckpointer(run_dir, ["sft", "rl"])
+  steps = [step for stage, step in ckpt.saved() if stage == "rl"]
   ckpt.close()
-  return [np.asarray(x) for x in jax.tree.leaves(params)]
+  return steps
 
 
 def test_executors_overlap_serialise_and_name_failures():
@@ -90,12 +87,10 @@ def test_chrome_trace(tmp_path):
 def test_async_with_staleness_0_equals_sync(tmp_path):
   cfg_s, dir_s = _cfg(tmp_path, "sync", steps=3)
   cfg_a, dir_a = _cfg(tmp_path, "async", steps=3, mode="async", max_staleness=0)
-  run(cfg_s, dir_s)
-  run(cfg_a, dir_a)
+  sync, async_ = run(cfg_s, dir_s), run(cfg_a, dir_a)
   assert [r["policy_lag"] for r in _rows(dir_a)] == [0, 0, 0]
   assert [r["reward_mean"] for r in _rows(dir_a)] == [r["reward_mean"] for r in _rows(dir_s)]
-  for s, a in zip(_params(dir_s, 3), _params(dir_a, 3)):
-    np.testing.assert_array_equal(s, a)
+  assert sync["params_fingerprint"] == async_["params_fingerprint"]
 
 
 def test_async_staleness_bound(tmp_path):
@@ -114,7 +109,7 @@ def test_failing_executor_is_named_and_checkpoints_survive(tmp_path, monkeypatch
 
   def flaky(response, answer):
     calls["n"] += 1
-    if calls["n"] > 16 * 2 + 16:  # eval (16) + SFT eval (16) + first RL step's 16 samples
+    if calls["n"] > 16 * 3 + 16:  # evals (initial, after SFT, RL start) + the first RL step
       raise RuntimeError("verifier crashed")
     return real(response, answer)
 
@@ -122,10 +117,10 @@ def test_failing_executor_is_named_and_checkpoints_survive(tmp_path, monkeypatch
   cfg, run_dir = _cfg(tmp_path, "crash", steps=5)
   with pytest.raises(ExecutorError, match="reward executor failed: RuntimeError: verifier crashed"):
     run(cfg, run_dir)
-  ckpt = Checkpointer(run_dir, "rl", 3)
-  assert ckpt.latest_step() == 1
-  ckpt.close()
-  assert all(np.isfinite(x).all() for x in _params(run_dir, 1))
+  assert max(_rl_steps(run_dir)) == 1
+  with Experiment.restore(run_dir) as exp:  # the step before the crash, whole
+    assert exp.stages["rl"].done == 1
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(exp.params))
 
 
 @pytest.mark.slow
@@ -146,8 +141,8 @@ def test_sigterm_stops_cleanly_with_a_checkpoint(tmp_path):
   assert proc.returncode == 128 + signal.SIGTERM, err
   assert "stopped by SIGTERM" in err and "Traceback" not in err
   summary = json.loads((tmp_path / "stop" / "summary.json").read_text())
-  done = summary["rl_steps_done"]
-  assert summary["stopped"] == "SIGTERM" and summary["rl_checkpoint_step"] == done >= 1
+  assert summary["stopped"] == "SIGTERM" and summary["rl_checkpoint_step"] >= 1
+  assert summary["rl_checkpoint_step"] == max(r["step"] for r in _rows(tmp_path / "stop"))
 
 
 def test_bubble_counts_idle_device_time():
@@ -180,38 +175,33 @@ def test_async_matches_sync_accuracy_within_1_5x_samples(tmp_path):
     raw.update(run_dir=str(tmp_path), run_name=name, progress=False, checkpoint_every=1000)
     for section, fields in over.items():
       raw[section].update(fields)
-    c = validate(from_mapping(ExperimentConfig, raw))
-    os.makedirs(os.path.join(c.run_dir, name))
-    return c, os.path.join(c.run_dir, name)
+    return raw, os.path.join(str(tmp_path), name)
 
-  c, sft_dir = cfg("sft", rl={"steps": 0})
-  run(c, sft_dir)
-  init = os.path.join(sft_dir, "checkpoints", "sft")
+  run(*cfg("sft", rl={"steps": 0}))
+  init = os.path.join(str(tmp_path), "sft", "checkpoints", "sft")
   results = {}
   for name, rl in [("sync", {"steps": 20}),
                    ("async", {"steps": 30, "mode": "async", "tis_cap": 2.0})]:
-    c, run_dir = cfg(name, sft={"steps": 0}, rl=rl, eval={"every": 1000})
-    c = dataclasses.replace(c, init_checkpoint=init)
-    results[name] = run(c, run_dir)
-  assert results["sync"]["heldout_acc_sft"] == results["async"]["heldout_acc_sft"]
-  assert results["sync"]["heldout_acc_rl"] > results["sync"]["heldout_acc_sft"] + 0.3
+    raw, run_dir = cfg(name, sft={"steps": 0}, rl=rl, eval={"every": 1000})
+    raw["init_checkpoint"] = init
+    results[name] = run(raw, run_dir)
+  assert results["sync"]["heldout_acc_rl_start"] == results["async"]["heldout_acc_rl_start"]
+  assert results["sync"]["heldout_acc_rl"] > results["sync"]["heldout_acc_rl_start"] + 0.3
   assert results["async"]["heldout_acc_rl"] >= results["sync"]["heldout_acc_rl"] - 0.02, results
 
 
 def test_generator_failure_in_async_mode_is_named(tmp_path, monkeypatch):
-  from train.trainer import Trainer
-  real, calls = Trainer.sample, {"n": 0}
+  from train.generator import Generator
+  real, calls = Generator.sample, {"n": 0}
 
-  def flaky(self, prompts, key, params=None):
+  def flaky(self, params, prompts, key):
     calls["n"] += 1
     if calls["n"] > 2:
       raise RuntimeError("sampler out of memory")
-    return real(self, prompts, key, params)
+    return real(self, params, prompts, key)
 
-  monkeypatch.setattr(Trainer, "sample", flaky)
+  monkeypatch.setattr(Generator, "sample", flaky)
   cfg, run_dir = _cfg(tmp_path, "gen", steps=6, mode="async", max_staleness=1)
   with pytest.raises(ExecutorError, match="generator executor failed: RuntimeError: sampler out of"):
     run(cfg, run_dir)
-  ckpt = Checkpointer(run_dir, "rl", 3)
-  assert ckpt.latest_step() in (1, 2)  # the steps before the failure were saved
-  ckpt.close()
+  assert max(_rl_steps(run_dir)) in (1, 2)  # the steps before the failure were saved

@@ -7,10 +7,9 @@ import sys
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from jaxrl.models.llama import LanguageModel, ModelConfig
-from train.checkpoint import Checkpointer
+from train.checkpoint import RunCheckpointer, load_actor_params
+from train.experiment import Experiment
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -32,20 +31,20 @@ def test_tiny_run_through_main(tmp_path):
   summary = json.loads((run_dir / "summary.json").read_text())
   assert summary["sft_checkpoint_step"] == 3 and summary["rl_checkpoint_step"] == 3
 
-  # The checkpoint restores into the tiny model's structure with finite values.
-  cfg = json.loads((run_dir / "config.json").read_text())["model"]
-  abstract = nnx.state(nnx.eval_shape(lambda: LanguageModel(ModelConfig(**cfg), rngs=nnx.Rngs(0))))
-  ckpt = Checkpointer(str(run_dir), "rl", keep=3)
-  assert ckpt.latest_step() == 3
-  params = ckpt.restore_params(abstract)
-  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
-  assert ckpt.restore_meta()["phase"] == "rl"
+  # The run state restores (into the config's layouts) with finite values; the SFT weights
+  # stay on disk apart from RL's and differ from them.
+  ckpt = RunCheckpointer(str(run_dir), ["sft", "rl"])
+  assert ckpt.saved()[0] == ("rl", 3) and ckpt.read_meta("rl", 3)["finished"]
   ckpt.close()
-  sft = Checkpointer(str(run_dir), "sft", keep=1)
-  assert sft.restore_meta(3)["phase"] == "sft"
-  sft_params = sft.restore_params(abstract, 3)
-  assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(sft_params)))
-  sft.close()
+  with Experiment.restore(str(run_dir)) as exp:
+    assert exp.stages["rl"].finished and exp.position == 2
+    params = exp.params
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+    sft_params, step = load_actor_params(str(run_dir / "checkpoints" / "sft"),
+                                         exp.ctx.cluster.actor.abstract())
+    assert step == 3
+    assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(params),
+                                                     jax.tree.leaves(sft_params)))
 
   # A second run with the same name refuses to touch the existing checkpoints.
   before = {os.path.join(dp, p): os.path.getmtime(os.path.join(dp, p)) for dp, _, fs in os.walk(run_dir / "checkpoints")

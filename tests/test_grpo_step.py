@@ -7,6 +7,7 @@ from flax import nnx
 from jaxrl.config import RLConfig
 from jaxrl.models.llama import LanguageModel
 from train import steps
+from train.experience import Experience
 
 
 def test_policy_loss_matches_numpy(tiny_cfg):
@@ -26,10 +27,12 @@ def test_policy_loss_matches_numpy(tiny_cfg):
   adv = np.asarray(steps.advantages(jnp.asarray(rewards), jnp.asarray(completion_mask), cfg=cfg)[0])
   np.testing.assert_allclose(adv[:, 0], [0.7071, -0.7071, 0, 0], atol=1e-3)
   assert (adv[1, 2:] == 0).all()  # padding carries no advantage
-  batch = {"tokens": tokens, "valid": valid, "completion_mask": jnp.asarray(completion_mask),
-           "old_logprobs": jnp.asarray(old, jnp.float32), "ref_logprobs": jnp.asarray(ref, jnp.float32),
-           "advantages": jnp.asarray(adv), "sampler_logprobs": jnp.asarray(old, jnp.float32)}
-  loss, metrics = steps.policy_loss(params, batch, graphdef=graphdef, cfg=cfg, prompt_len=p)
+  exp = Experience(tokens_BT=tokens, valid_BT=valid, completion_mask_BN=jnp.asarray(completion_mask),
+                   old_logprobs_BN=jnp.asarray(old, jnp.float32),
+                   ref_logprobs_BN=jnp.asarray(ref, jnp.float32), advantages_BN=jnp.asarray(adv),
+                   sampler_logprobs_BN=jnp.asarray(old, jnp.float32))
+  assert exp.prompt_len == p
+  loss, metrics = steps.policy_loss(params, exp, graphdef=graphdef, cfg=cfg)
 
   ratio = np.exp(logp - old)
   pg = -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.3) * adv)

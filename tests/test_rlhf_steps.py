@@ -11,6 +11,7 @@ from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.models import LanguageModel, RewardModel, ValueModel
 from sharding.mesh import make_mesh
 from train import steps
+from train.experience import Experience
 from train.roles import ModelRole
 
 PAIRS = [Pair("rev abc=", "cba", "bca"), Pair("rev bad=", "dab", "abd"),
@@ -76,10 +77,13 @@ def test_critic_values_align_and_regress(tiny_cfg):
   full = model(batch["tokens"], steps.positions_from_valid(batch["valid"]), batch["valid"])
   np.testing.assert_allclose(values, full[:, prompt_len - 1:prompt_len - 1 + n], rtol=1e-6)
   returns = jnp.where(batch["completion_mask"], 1.5, 0.0)
-  cb = dict(batch, old_values=values, returns=returns)
-  cfg = RLConfig(value_clip_eps=10.0)
-  update = jax.jit(lambda s, b: steps.critic_update(s, b, graphdef=graphdef, optimizer=opt, cfg=cfg,
-                                                    prompt_len=prompt_len))
+  zeros = jnp.zeros_like(values)
+  cb = Experience(tokens_BT=batch["tokens"], valid_BT=batch["valid"],
+                  completion_mask_BN=batch["completion_mask"], sampler_logprobs_BN=zeros,
+                  old_logprobs_BN=zeros, ref_logprobs_BN=zeros, advantages_BN=zeros,
+                  old_values_BN=values, returns_BN=returns)
+  cfg = RLConfig(value_clip_eps=10.0, num_minibatches=2)
+  update = jax.jit(lambda s, b: steps.critic_update(s, b, graphdef=graphdef, optimizer=opt, cfg=cfg))
   state, first = update(state, cb)
   for _ in range(30):
     state, m = update(state, cb)
@@ -115,28 +119,31 @@ def _policy_batch(tiny_cfg):
   logp, _ = steps.completion_logprobs(graphdef, params, batch["tokens"], batch["valid"], p)
   rng = np.random.default_rng(1)
   noise = lambda: jnp.asarray(rng.normal(size=logp.shape) * 0.3, jnp.float32)
-  batch.update(old_logprobs=logp + noise(), ref_logprobs=logp + noise(), sampler_logprobs=logp + noise(),
-               advantages=jnp.asarray(rng.normal(size=logp.shape), jnp.float32) * batch["completion_mask"])
-  return graphdef, params, batch, p, np.asarray(logp, np.float64)
+  exp = Experience(tokens_BT=batch["tokens"], valid_BT=batch["valid"],
+                   completion_mask_BN=batch["completion_mask"], old_logprobs_BN=logp + noise(),
+                   ref_logprobs_BN=logp + noise(), sampler_logprobs_BN=logp + noise(),
+                   advantages_BN=jnp.asarray(rng.normal(size=logp.shape), jnp.float32)
+                   * batch["completion_mask"])
+  return graphdef, params, exp, p, np.asarray(logp, np.float64)
 
 
 def test_policy_loss_aipo_and_kl_in_reward(tiny_cfg):
-  graphdef, params, batch, p, logp = _policy_batch(tiny_cfg)
-  m = np.asarray(batch["completion_mask"], np.float64)
-  adv, mu = np.asarray(batch["advantages"]), np.asarray(batch["sampler_logprobs"])
+  graphdef, params, exp, p, logp = _policy_batch(tiny_cfg)
+  m = np.asarray(exp.completion_mask_BN, np.float64)
+  adv, mu = np.asarray(exp.advantages_BN), np.asarray(exp.sampler_logprobs_BN)
   cfg = RLConfig(policy_loss="aipo", aipo_rho=1.5, kl_mode="reward", kl_coef=0.5)
-  loss, _ = steps.policy_loss(params, batch, graphdef=graphdef, cfg=cfg, prompt_len=p)
+  loss, _ = steps.policy_loss(params, exp, graphdef=graphdef, cfg=cfg)
   want = -np.minimum(np.exp(logp - mu), 1.5) * adv * logp  # no KL term: it is in the rewards
   np.testing.assert_allclose(loss, (want * m).sum() / m.sum(), rtol=1e-4, atol=1e-6)
 
 
 def test_policy_loss_truncated_is_and_entropy(tiny_cfg):
-  graphdef, params, batch, p, logp = _policy_batch(tiny_cfg)
-  m = np.asarray(batch["completion_mask"], np.float64)
-  adv = np.asarray(batch["advantages"])
-  old, mu = np.asarray(batch["old_logprobs"]), np.asarray(batch["sampler_logprobs"])
+  graphdef, params, exp, p, logp = _policy_batch(tiny_cfg)
+  m = np.asarray(exp.completion_mask_BN, np.float64)
+  adv = np.asarray(exp.advantages_BN)
+  old, mu = np.asarray(exp.old_logprobs_BN), np.asarray(exp.sampler_logprobs_BN)
   cfg = RLConfig(tis_cap=1.2, kl_coef=0.0, entropy_coef=0.01)
-  loss, metrics = steps.policy_loss(params, batch, graphdef=graphdef, cfg=cfg, prompt_len=p)
+  loss, metrics = steps.policy_loss(params, exp, graphdef=graphdef, cfg=cfg)
   ratio = np.exp(logp - old)
   pg = -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv) * np.minimum(np.exp(old - mu), 1.2)
   want = (pg * m).sum() / m.sum() - 0.01 * float(metrics["entropy"])
@@ -146,14 +153,29 @@ def test_policy_loss_truncated_is_and_entropy(tiny_cfg):
 def test_role_copies_survive_donation_of_the_source(tiny_cfg):
   mesh = make_mesh({"fsdp": 4}, jax.devices()[:4])
   make = lambda: LanguageModel(tiny_cfg, rngs=nnx.Rngs(5))
-  actor = ModelRole("actor", make, mesh)
-  reference = actor.frozen_copy("reference", mesh, make)
+  actor = ModelRole("actor", make, mesh).initialize()
+  reference = ModelRole("reference", make, mesh)
+  reference.load(actor.params)
   want = [np.asarray(x) for x in jax.tree.leaves(actor.params)]
   jax.tree.map(lambda x: x.delete(), actor.params)  # what a donated update does
   for w, x in zip(want, jax.tree.leaves(reference.params)):
     np.testing.assert_array_equal(np.asarray(x), w)
-  critic = ModelRole("critic", lambda: ValueModel(tiny_cfg, rngs=nnx.Rngs(6)), mesh)
+  critic = ModelRole("critic", lambda: ValueModel(tiny_cfg, rngs=nnx.Rngs(6)), mesh).initialize()
   critic.load(reference.params, subtree="decoder")
   np.testing.assert_array_equal(np.asarray(critic.params["decoder"]["embed"][...]),
                                 np.asarray(reference.params["decoder"]["embed"][...]))
   assert critic.params["decoder"]["embed"][...].sharding == reference.params["decoder"]["embed"][...].sharding
+
+
+def test_minibatches_take_strided_rows_without_moving_data():
+  x = jnp.arange(8 * 3).reshape(8, 3)
+  mbs = steps.split_minibatches({"x": x}, 2)["x"]
+  np.testing.assert_array_equal(mbs[0], x[0::2])
+  np.testing.assert_array_equal(mbs[1], x[1::2])
+  mesh = make_mesh({"fsdp": 4}, jax.devices()[:4])
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+  # Minibatch 0, still split over the 4 devices (as the update constrains it): no collective.
+  # (Contiguous minibatches, x.reshape(2, 4, 3)[0], compile to an all-to-all here.)
+  first = lambda a: jax.lax.with_sharding_constraint(steps.split_minibatches(a, 2)[0] * 2, rows)
+  hlo = jax.jit(first).lower(jax.device_put(x, rows)).compile().as_text()
+  assert not any(op in hlo for op in ("all-to-all", "all-gather", "collective-permute"))

@@ -59,6 +59,8 @@ class Experiment:
     self.cfg: ExperimentConfig = resolve(config)
     self.run_dir = run_dir or rundir.prepare(self.cfg, resume=resume_run)
     names = [name for name, cls in STAGES.items() if cls.enabled(self.cfg)]
+    for name in names:
+      STAGES[name].check(self.cfg)
     self.checkpointer = RunCheckpointer(self.run_dir, names, keep=self.cfg.keep_checkpoints)
     saved = self.checkpointer.saved() if resume_run else []
     fresh = not saved and not self.cfg.init_checkpoint

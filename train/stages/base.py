@@ -32,6 +32,11 @@ class Stage:
     """Whether a run with `cfg` includes this stage."""
     raise NotImplementedError
 
+  @classmethod
+  def check(cls, cfg: ExperimentConfig) -> None:
+    """Checks the user inputs the stage will read (data files) when the run starts, so a bad
+    row costs seconds, not the stages before this one."""
+
   @property
   def total(self) -> int:
     """The stage's steps."""

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from jaxrl.config import ExperimentConfig
-from jaxrl.data.preferences import pair_batch, pair_lengths
+from jaxrl.data.preferences import pair_batch, pair_lengths, read_jsonl
 from train import steps
 from train.learner import Learner
 from train.stages.base import Stage
@@ -27,6 +27,11 @@ class DPOStage(Stage):
   @classmethod
   def enabled(cls, cfg: ExperimentConfig) -> bool:
     return cfg.dpo.steps > 0
+
+  @classmethod
+  def check(cls, cfg: ExperimentConfig) -> None:
+    if cfg.dpo.pairs_path:
+      read_jsonl(cfg.dpo.pairs_path)
 
   @property
   def total(self) -> int:

@@ -11,7 +11,7 @@ import logging
 import numpy as np
 
 from jaxrl.config import ExperimentConfig
-from jaxrl.data.preferences import pair_batch, pair_dataset, pair_lengths
+from jaxrl.data.preferences import pair_batch, pair_dataset, pair_lengths, read_jsonl
 from train import steps
 from train.learner import Learner
 from train.stages.base import Stage
@@ -28,6 +28,11 @@ class RewardModelStage(Stage):
   @classmethod
   def enabled(cls, cfg: ExperimentConfig) -> bool:
     return cfg.rl.reward == "reward_model" and cfg.reward_model.steps > 0
+
+  @classmethod
+  def check(cls, cfg: ExperimentConfig) -> None:
+    if cfg.reward_model.pairs_path:
+      read_jsonl(cfg.reward_model.pairs_path)
 
   @property
   def total(self) -> int:
