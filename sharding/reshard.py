@@ -58,17 +58,11 @@ def _host_local_put(x: jax.Array, target) -> jax.Array:
   return jax.make_array_from_single_device_arrays(x.shape, target, local)
 
 
-def _put(x: jax.Array, target, may_alias: bool) -> jax.Array:
+def put(x: jax.Array, target, may_alias: bool = False) -> jax.Array:
+  """`jax.device_put`, or the host-local path for an array spread over several processes."""
   if not isinstance(x, jax.Array) or x.is_fully_addressable:
     return jax.device_put(x, target, may_alias=may_alias)
   return _host_local_put(x, target)
-
-
-def move(tree, target_shardings):
-  """`tree` (device arrays on any mesh, or host arrays) in the layout `target_shardings` (a tree
-  mirroring it): an explicit transfer, device-to-device for device arrays, so a rollout's tokens
-  go from the sampler's devices to a scorer's without a host round trip."""
-  return jax.tree.map(lambda x, s: _put(x, s, False), tree, target_shardings)
 
 
 def reshard(tree, target_shardings, *, bucket_bytes: int = 256 << 20, donate: bool = False,
@@ -85,7 +79,7 @@ def reshard(tree, target_shardings, *, bucket_bytes: int = 256 << 20, donate: bo
   for b, idx in enumerate(buckets):
     # Without donation the result never aliases the source, even where the layouts match (one
     # device): the caller keeps the source, and the trainer donates it to its next update.
-    moved = [_put(leaves[i], targets[i], may_alias=donate) for i in idx]
+    moved = [put(leaves[i], targets[i], may_alias=donate) for i in idx]
     jax.block_until_ready(moved)
     if on_bucket is not None:
       on_bucket(b)

@@ -114,3 +114,27 @@ def test_reshard_into_the_same_layout_copies_unless_donating():
     np.testing.assert_array_equal(np.asarray(x), want)
   moved, _ = reshard(copy, same, donate=True)  # donating: aliasing is fine and nothing is freed
   assert all(not x.is_deleted() for x in jax.tree.leaves(moved))
+
+
+@pytest.mark.parametrize("src,dst", [
+    ((("data", 2), ("tensor", 2)), (("fsdp", 4),)),  # sampler rows 2 ways -> trainer 4 ways
+    ((("fsdp", 4),), (("data", 2), ("tensor", 2))),
+    ((("fsdp", 4),), (("fsdp", 2),)),  # onto fewer devices
+    ((("tensor", 2),), (("fsdp", 4),)),  # replicated rows -> split
+])
+def test_move_copies_batches_device_to_device(src, dst):
+  from jax.sharding import NamedSharding, PartitionSpec
+  from sharding.mesh import make_mesh
+  from sharding.transfer import move
+  src_mesh = make_mesh(dict(src), jax.devices()[4:4 + int(np.prod([n for _, n in src]))])
+  dst_mesh = make_mesh(dict(dst), jax.devices()[:int(np.prod([n for _, n in dst]))])
+  rows = lambda mesh: NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+  x = jax.device_put(np.arange(8 * 3, dtype=np.float32).reshape(8, 3), rows(src_mesh))
+  y = jax.device_put(np.arange(8, dtype=np.int32), rows(src_mesh))
+  # No host round trip, explicit or not (jax.device_put would take one for src0 -> dst0).
+  with jax.transfer_guard_host_to_device("disallow_explicit"), \
+      jax.transfer_guard_device_to_host("disallow_explicit"):
+    moved = move({"x": x, "y": y}, {"x": rows(dst_mesh), "y": rows(dst_mesh)})
+  np.testing.assert_array_equal(np.asarray(moved["x"]), np.asarray(x))
+  np.testing.assert_array_equal(np.asarray(moved["y"]), np.asarray(y))
+  assert moved["x"].sharding == rows(dst_mesh) and moved["y"].sharding == rows(dst_mesh)

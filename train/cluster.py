@@ -18,6 +18,7 @@ from sharding.placement import ROLES, PlacementError, host_major_devices, make_p
 from sharding.reshard import TransferStats, reshard
 from sharding.rules import SAMPLER_RULES, logical_to_spec
 from train.roles import ModelRole, role_shardings
+from train.transfers import allowed
 
 MODEL_CLASSES = {"actor": LanguageModel, "reference": LanguageModel, "reward": RewardModel,
                  "critic": ValueModel}
@@ -77,8 +78,9 @@ class RoleCluster:
 
   def sampler_copy(self) -> tuple[nnx.State, TransferStats]:
     """The actor's current weights resharded into the sampler's layout (bucketed, timed)."""
-    return reshard(self.actor.params, self.sampler_shardings,
-                   bucket_bytes=self.cfg.placement.reshard_bucket_mb << 20)
+    with allowed("weights", self.actor.params):  # see train/transfers.py
+      return reshard(self.actor.params, self.sampler_shardings,
+                     bucket_bytes=self.cfg.placement.reshard_bucket_mb << 20)
 
   def push(self, *, free_old: bool = True) -> TransferStats:
     """Refreshes the sampler's copy of the actor. The old copy is freed unless an asynchronous

@@ -17,7 +17,7 @@ from jaxrl.data.tasks import Example, make_splits
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.rewards.verifier import VERIFIERS
 from train.cluster import RoleCluster
-from train.experience import completion_texts, verify
+from train.experience import completion_texts, completion_tokens, verify
 from train.generator import Generator
 from train.metrics import MetricsWriter
 from train.timeline import Timeline
@@ -78,7 +78,7 @@ class RunContext:
       padded = chunk + [chunk[-1]] * (size - len(chunk))
       batch = prompt_batch(padded, self.tok, self.task.prompt_len)
       rollout = self.generator.greedy(params, batch)
-      completions = to_host(rollout.tokens_BT[:, self.task.prompt_len:], "completions")
+      completions = to_host(completion_tokens(rollout), "completions")
       texts = completion_texts(self.tok, completions)
       correct += verify(texts, batch["answers"], self.task.verifier)[:len(chunk)].sum()
     return float(correct) / len(examples)

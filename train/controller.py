@@ -26,10 +26,9 @@ import jax
 import numpy as np
 
 from sampler.worker import RolloutWorker, RolloutWorkerError, rollout_key
-from sharding.reshard import move
 from train import steps
 from train.executors import Executor, ExecutorError
-from train.experience import completion_texts, make_experience, verify
+from train.experience import completion_texts, completion_tokens, make_experience, verify
 from train.learner import Learner
 from train.transfers import to_device, to_host
 
@@ -67,8 +66,7 @@ class Controller:
   # -- one batch ------------------------------------------------------------------------------
   def _score(self, rollout, answers_B):
     """(rewards on the trainer's mesh, verified_B on the host)."""
-    p = self.ctx.task.prompt_len
-    completions_BN = to_host(rollout.tokens_BT[:, p:], "completions")
+    completions_BN = to_host(completion_tokens(rollout), "completions")
     verified_B = verify(completion_texts(self.ctx.tok, completions_BN), answers_B,
                         self.ctx.task.verifier)
     if self.reward_model is None:

@@ -55,6 +55,12 @@ def make_experience(rollout, rewards_B, old_BN, ref_BN, values_BN, *, cfg: RLCon
   return experience, metrics
 
 
+@jax.jit
+def completion_tokens(rollout) -> jax.Array:
+  """The generated part of a rollout's tokens, [B, N], sliced where the rollout lives."""
+  return rollout.tokens_BT[:, rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]:]
+
+
 def completion_texts(tok: ByteTokenizer, completions_BN: np.ndarray) -> list[str]:
   """Decoded completions (host); decoding stops at EOS."""
   return [tok.decode(row) for row in completions_BN]

@@ -16,7 +16,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sharding.mesh import batch_sharding, param_shardings
 from sharding.placement import PlacementError
-from sharding.reshard import move, reshard
+from sharding.reshard import reshard
+from sharding.transfer import move
 from sharding.rules import TRAIN_RULES, activation_rules
 
 

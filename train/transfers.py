@@ -4,11 +4,15 @@ An RL step moves prompts up, completion token ids down (for the host verifier), 
 the step's metrics down. Each goes through `to_device` / `to_host`, which allow host transfers
 for their own thread and call only, so a test can disallow every other host transfer globally
 (`jax.transfer_guard_*("disallow_explicit")`) and any hidden round trip of rollout tokens or
-log-probs fails loudly. `RECORD` counts the named transfers and their bytes.
+log-probs fails loudly. Rollouts move between meshes device to device (sharding/transfer.py).
+The weight push is named too (`allowed("weights", ...)`): where the sampler's layout cuts the
+weights differently from the trainer's, `jax.device_put` routes the copy through the host.
+`RECORD` counts the named transfers and their bytes.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import jax
 import numpy as np
@@ -37,3 +41,11 @@ def to_device(tree, shardings, what: str):
     out = jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), tree, shardings)
   RECORD[what] += sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
   return out
+
+
+@contextlib.contextmanager
+def allowed(what: str, tree):
+  """Host transfers allowed for this thread inside the block, counted as `what`."""
+  with jax.transfer_guard("allow"):
+    yield
+  RECORD[what] += sum(x.nbytes for x in jax.tree.leaves(tree))

@@ -17,7 +17,7 @@ from jaxrl.data.preferences import Pair, read_jsonl, synthetic_pairs, write_json
 from jaxrl.data.tasks import Example
 from sampler.worker import rollout_key
 from train.context import RunContext
-from train.experience import completion_texts
+from train.experience import completion_texts, completion_tokens
 from train.transfers import to_host
 
 HELDOUT_FRACTION = 0.1  # of a user's pairs file, held out for the accuracy / margin metric
@@ -36,7 +36,7 @@ def policy_samples(ctx: RunContext, examples: list[Example], seed: int) -> dict[
   params = ctx.cluster.fresh_sampler_params()
   for i, (chunk, n) in enumerate(chunks(examples, ctx.cfg.rl.prompts_per_step)):
     rollout = ctx.generator.sample(params, prompt_batch(chunk, ctx.tok, p), rollout_key(seed, i))
-    texts = completion_texts(ctx.tok, to_host(rollout.tokens_BT[:, p:], "completions"))
+    texts = completion_texts(ctx.tok, to_host(completion_tokens(rollout), "completions"))
     for j, ex in enumerate(chunk[:n]):
       out[ex.prompt] = texts[j * g:(j + 1) * g]
   return out
