@@ -2,9 +2,10 @@
 
   python -m benchmarks.rl_step --json
 
-The default experiment's model and batch (64 prompts x 8 samples, reverse task, 2 minibatches)
-on the fake 8-device CPU mesh, from a freshly initialised policy (so every response runs to
-max_new_tokens: the same work in every mode). Per mode: samples/s and seconds per RL step over
+The default experiment's RL stage (64 prompts x 8 samples, reverse task, 2 minibatches), built
+by `train.experiment.Experiment` exactly as `make run` builds it, on the fake 8-device CPU mesh,
+from a freshly initialised policy (so every response runs to max_new_tokens: the same work in
+every mode). Per mode: samples/s and seconds per RL step over
 `--steps` steps after `--warmup` (compilation), and the bubble (mean idle fraction of the
 executors, from the timeline). `async_over_sync` = async-separate / sync-separate samples/s.
 """
@@ -21,41 +22,27 @@ MODES = {"sync-colocate": ("colocate", "sync"), "sync-separate": ("separate", "s
 
 
 def run_mode(strategy: str, mode: str, *, steps: int, warmup: int, max_staleness: int) -> dict:
-  from configs import default
-  from jaxrl.config import ExperimentConfig, from_mapping, validate
-  from jaxrl.data.pipeline import answer_length, prompt_dataset, prompt_length
-  from jaxrl.data.tasks import make_splits
-  from jaxrl.data.tokenizer import ByteTokenizer
-  from jaxrl.rewards.verifier import VERIFIERS
-  from train.controller import Controller
-  from train.timeline import Timeline
-  from train.trainer import Trainer
+  """The default experiment's RL stage in one placement and mode, built by `Experiment`."""
+  import tempfile
 
-  raw = default.get_config().to_dict()
+  from jaxrl.config import ExperimentConfig, to_dict
+  from train.experiment import Experiment
+
+  raw = to_dict(ExperimentConfig())
+  raw.update(run_dir=tempfile.mkdtemp(prefix="jaxrl-bench-"), run_name=f"{strategy}-{mode}",
+             progress=False, checkpoint_every=10**6, checkpoint_minutes=0.0)
   raw["placement"]["strategy"] = strategy
-  raw["rl"].update(mode=mode, steps=steps + warmup, max_staleness=max_staleness)
-  cfg = validate(from_mapping(ExperimentConfig, raw))
-  tok = ByteTokenizer()
-  train_set, heldout = make_splits(cfg.task.name, cfg.task.num_digits, cfg.task.n_train,
-                                   cfg.task.n_heldout, cfg.seed, cfg.task.teacher_error)
-  p_len = prompt_length(train_set + heldout, tok)
-  trainer = Trainer(cfg, prompt_len=p_len, max_new_tokens=answer_length(train_set, tok) + 2,
-                    eos_id=tok.eos_id, pad_id=tok.pad_id)
-  trainer.start_rl()
-  timeline = Timeline()
-  controller = Controller(trainer, tok, VERIFIERS[cfg.task.verifier], timeline)
-  controller.start(iter(prompt_dataset(train_set, tok, batch_size=cfg.rl.prompts_per_step,
-                                       length=p_len, seed=cfg.seed)), cfg.seed)
-  try:
+  raw["eval"]["every"] = 10**6
+  # One step more than timed, so the timed ones end before the stage's final evaluation.
+  raw["rl"].update(mode=mode, steps=steps + warmup + 1, max_staleness=max_staleness)
+  with Experiment(raw) as exp:
     for _ in range(warmup):
-      controller.step()
+      exp.rl.step()
     t0 = time.perf_counter()
-    lags = [controller.step()[1]["policy_lag"] for _ in range(steps)]
+    lags = [exp.rl.step()["policy_lag"] for _ in range(steps)]
     wall = time.perf_counter() - t0
-    summary = timeline.summary(t0)
-  finally:
-    controller.close()
-  samples = cfg.rl.prompts_per_step * cfg.rl.group_size
+    summary = exp.ctx.timeline.summary(t0)
+    samples = exp.cfg.rl.rollouts
   return {"samples_per_s": samples * steps / wall, "step_s": wall / steps,
           "bubble": summary["bubble"], "busy": summary["busy"], "max_lag": max(lags)}
 

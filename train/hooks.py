@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from train.stages.base import Stage, Stopped
 from train.transfers import to_host
