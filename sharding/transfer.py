@@ -5,8 +5,9 @@ slices, but where they do not (the sampler splits a rollout's rows 2 ways, the t
 it fetches the whole array to the host and uploads it again. `move` instead cuts each target
 shard's rows out of the source shards that hold them, on their own devices, and copies those
 pieces device to device: no byte of a rollout visits the host. It handles arrays split along
-their first (batch) dimension, as every batch and per-sample result is; anything else (and
-arrays spread over several processes) goes through `sharding.reshard.put`.
+their first (batch) dimension, as every batch and per-sample result is, on one process or on
+several as long as each process already holds the rows its target shards need (placements give
+every host its own slice of both meshes); anything else goes through `sharding.reshard.put`.
 """
 from __future__ import annotations
 
@@ -49,17 +50,22 @@ def _shard_rows(x: jax.Array, device, start: int, stop: int) -> jax.Array:
 
 
 def _movable(x, target) -> bool:
-  if not isinstance(x, jax.Array) or not x.is_fully_addressable or x.ndim == 0:
+  """Row-split source and target, and this process holds every row its target shards need."""
+  if not isinstance(x, jax.Array) or x.ndim == 0:
     return False
   n = x.shape[0]
-  indices = [*x.sharding.devices_indices_map(x.shape).values(),
-             *target.devices_indices_map(x.shape).values()]
-  return all(_row_range(i, n) is not None for i in indices)
+  have = [_row_range(s.index, n) for s in x.addressable_shards]
+  need = [_row_range(i, n) for i in target.addressable_devices_indices_map(x.shape).values()]
+  if any(r is None for r in have + need):
+    return False
+  return all(all(any(lo <= row < hi for lo, hi in have) for row in range(*r)) for r in need)
 
 
 def move_array(x, target: jax.sharding.Sharding):
   """`x` laid out as `target`, device to device where `x` is on devices."""
-  if not _movable(x, target) or x.sharding.is_equivalent_to(target, x.ndim):
+  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
+    return jax.device_put(x, target)  # already laid out so (maybe on other devices)
+  if not _movable(x, target):
     return put(x, target)
   n = x.shape[0]
   shards = [_shard_rows(x, device, *_row_range(index, n))
