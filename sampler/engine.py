@@ -68,6 +68,59 @@ def grow_kv_cache(kv_cache: KVCache, slots: int) -> KVCache:
   return tuple((grow(k, 3), grow(v, 2)) for k, v in kv_cache)
 
 
+def _prefill(model, head_VD, prompt_tokens_BP, prompt_valid_BP):
+  """The prompt's KV cache (exactly its P slots; each decode segment grows it to what it needs)
+  and the next-token logits. Only the last prompt position is sampled from, so the final
+  block's queries, attention and MLP (and the LM head) run for it alone."""
+  b, p = prompt_tokens_BP.shape
+  h_B1D, kv_cache = model.decoder(prompt_tokens_BP, positions_from_valid(prompt_valid_BP),
+                                  prompt_valid_BP, init_kv_cache(model.cfg, b, p),
+                                  last_only=True)
+  return model.logits(h_B1D, head_VD)[:, 0], kv_cache
+
+
+def _decode_forward(model, head_VD, layout: str, key_valid_BS, next_pos_B, steps: int, p: int):
+  """`forward(tok_B, i, kv_cache, slots) -> (logits_BV, kv_cache)`: the decode step for the token
+  sampled at step i (cache slot p + i), in the `layout` the step runs in."""
+  sin_NBH, cos_NBH = rope_table(next_pos_B[None, :] + jnp.arange(steps)[:, None],
+                                model.cfg.head_dim, model.cfg.rope_theta)
+  if layout == "features":
+    sin_NHB, cos_NHB = sin_NBH.transpose(0, 2, 1), cos_NBH.transpose(0, 2, 1)
+    weights = decode_weights(model, head_VD)
+
+    def forward(tok_B, i, kv_cache, slots):
+      return decode_step(weights, model.cfg, tok_B, (sin_NHB[i], cos_NHB[i]),
+                         key_valid_BS[:, :slots], kv_cache, p + i)
+    return forward
+
+  def forward(tok_B, i, kv_cache, slots):
+    h_B1D, kv_cache = model.decoder(tok_B[:, None], (sin_NBH[i][:, None], cos_NBH[i][:, None]),
+                                    key_valid_BS[:, :slots], kv_cache, p + i)
+    return model.logits(h_B1D, head_VD)[:, 0], kv_cache
+  return forward
+
+
+def _emitter(cfg: SamplingConfig, uniforms_NB, max_new_B):
+  """`emit(state) -> (state, tok_B)`: samples token `state.step` from `state.logits_BV` and
+  records it (PAD, masked out, for rows that are done)."""
+  sample = SAMPLERS[cfg.method]
+
+  def emit(s: DecodeState) -> tuple[DecodeState, jax.Array]:
+    done_B = s.done_B | (s.step >= max_new_B)
+    tok_B, logp_B = sample(s.logits_BV, uniforms_NB[s.step], cfg)
+    tok_B = jnp.where(done_B, cfg.pad_id, tok_B)
+    write = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(buf, col[:, None], s.step, axis=1)
+    recent_BK = jnp.concatenate([s.recent_BK[:, 1:], tok_B[:, None]], axis=1)
+    finished_B = _hit_stop(recent_BK, cfg)
+    if not cfg.ignore_eos:
+      finished_B |= tok_B == cfg.eos_id
+    return s.replace(step=s.step + 1, tokens_BN=write(s.tokens_BN, tok_B),
+                     mask_BN=write(s.mask_BN, ~done_B),
+                     logprobs_BN=write(s.logprobs_BN, jnp.where(done_B, 0.0, logp_B)),
+                     recent_BK=recent_BK, done_B=done_B | finished_B), tok_B
+  return emit
+
+
 def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Array,
              prompt_valid_BP: jax.Array, key: jax.Array, max_new_B: jax.Array | None = None, *,
              cfg: SamplingConfig, n: int = 1, all_done=jnp.all) -> Rollout:
@@ -87,82 +140,42 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   head_VD = model.head_VD().astype(dt)
   model = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dt) if x.ndim > 1 else x, params))
   p, steps = prompt_tokens_BP.shape[1], cfg.max_new_tokens
-  ends = segment_ends(steps - 1, cfg.decode_segments)
+  logits_BV, kv_cache = _prefill(model, head_VD, prompt_tokens_BP, prompt_valid_BP)
   key_valid_BS = jnp.concatenate(
       [prompt_valid_BP, jnp.ones((prompt_tokens_BP.shape[0], steps), bool)], axis=1)
-  # The prefill fills a cache of the prompt's P slots; each segment grows it to what it needs.
-  # Only the last prompt position is sampled from, so the final block's queries, attention
-  # and MLP (and the LM head) run for it alone.
-  h_B1D, kv_cache = model.decoder(prompt_tokens_BP, positions_from_valid(prompt_valid_BP),
-                                  prompt_valid_BP,
-                                  init_kv_cache(model.cfg, prompt_tokens_BP.shape[0], p),
-                                  last_only=True)
-  logits_BV = model.logits(h_B1D, head_VD)[:, 0]
   if n > 1:  # share the prefix: prefill once, then give each sample its own copy of the cache
     repeat = lambda x: jnp.repeat(x, n, axis=0)
     kv_cache = jax.tree.map(repeat, kv_cache)
     prompt_tokens_BP, prompt_valid_BP, key_valid_BS, logits_BV = map(
         repeat, (prompt_tokens_BP, prompt_valid_BP, key_valid_BS, logits_BV))
   b = prompt_tokens_BP.shape[0]
-  next_pos_B = prompt_valid_BP.sum(axis=1).astype(jnp.int32)
   max_new_B = jnp.full((b,), steps, jnp.int32) if max_new_B is None else max_new_B
-  sample = SAMPLERS[cfg.method]
-  k = max([len(s) for s in cfg.stop_sequences], default=1)
-  uniforms_NB = jax.random.uniform(key, (steps, b))  # all of the call's randomness, drawn once
-  sin_NBH, cos_NBH = rope_table(next_pos_B[None, :] + jnp.arange(steps)[:, None],
-                                model.cfg.head_dim, model.cfg.rope_theta)
   layout = cfg.decode_layout
   if layout == "auto":
     layout = "features" if jax.default_backend() == "cpu" else "rows"
-  if layout == "features":
-    sin_NHB, cos_NHB = sin_NBH.transpose(0, 2, 1), cos_NBH.transpose(0, 2, 1)
-    weights = decode_weights(model, head_VD)
-
-  def forward(tok_B, i, kv_cache, slots):
-    """Logits for the token just sampled (step i, cache slot p + i), and the updated cache."""
-    if layout == "features":
-      return decode_step(weights, model.cfg, tok_B, (sin_NHB[i], cos_NHB[i]),
-                         key_valid_BS[:, :slots], kv_cache, p + i)
-    h_B1D, kv_cache = model.decoder(tok_B[:, None], (sin_NBH[i][:, None], cos_NBH[i][:, None]),
-                                    key_valid_BS[:, :slots], kv_cache, p + i)
-    return model.logits(h_B1D, head_VD)[:, 0], kv_cache
-
-  def emit(s: DecodeState) -> tuple[DecodeState, jax.Array]:
-    """Samples token `s.step` from `s.logits_BV` and records it."""
-    done_B = s.done_B | (s.step >= max_new_B)
-    tok_B, logp_B = sample(s.logits_BV, uniforms_NB[s.step], cfg)
-    tok_B = jnp.where(done_B, cfg.pad_id, tok_B)
-    write = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(buf, col[:, None], s.step, axis=1)
-    recent_BK = jnp.concatenate([s.recent_BK[:, 1:], tok_B[:, None]], axis=1)
-    finished_B = _hit_stop(recent_BK, cfg)
-    if not cfg.ignore_eos:
-      finished_B |= tok_B == cfg.eos_id
-    return s.replace(step=s.step + 1, tokens_BN=write(s.tokens_BN, tok_B),
-                     mask_BN=write(s.mask_BN, ~done_B),
-                     logprobs_BN=write(s.logprobs_BN, jnp.where(done_B, 0.0, logp_B)),
-                     recent_BK=recent_BK, done_B=done_B | finished_B), tok_B
+  forward = _decode_forward(model, head_VD, layout, key_valid_BS,
+                            prompt_valid_BP.sum(axis=1).astype(jnp.int32), steps, p)
+  # All of the call's randomness, drawn once.
+  emit = _emitter(cfg, jax.random.uniform(key, (steps, b)), max_new_B)
 
   def body(s: DecodeState, slots: int) -> DecodeState:
     s, tok_B = emit(s)
-    i = s.step - 1  # the token just sampled goes to cache slot p + i
-    logits_BV, kv_cache = forward(tok_B, i, s.kv_cache, slots)
+    logits_BV, kv_cache = forward(tok_B, s.step - 1, s.kv_cache, slots)
     return s.replace(logits_BV=logits_BV, kv_cache=kv_cache)
 
+  k = max([len(s) for s in cfg.stop_sequences], default=1)
   state = DecodeState(step=jnp.int32(0), logits_BV=logits_BV, kv_cache=kv_cache,
                       tokens_BN=jnp.full((b, steps), cfg.pad_id, jnp.int32),
                       mask_BN=jnp.zeros((b, steps), bool), logprobs_BN=jnp.zeros((b, steps)),
                       recent_BK=jnp.full((b, k), -1, jnp.int32), done_B=jnp.zeros((b,), bool))
-  for end in ends:
+  for end in segment_ends(steps - 1, cfg.decode_segments):
     state = state.replace(kv_cache=grow_kv_cache(state.kv_cache, p + end))
     state = jax.lax.while_loop(lambda s, end=end: (s.step < end) & ~all_done(s.done_B),
                                functools.partial(body, slots=p + end), state)
   state, _ = emit(state)  # the last token needs no forward pass (a no-op if every row is done)
   # The mask comes from the done flags, not from comparing with PAD, so a sampled PAD token
   # mid-answer stays a real (masked-in) token for the trainer as it was for the sampler.
-  return Rollout(
-      tokens_BT=jnp.concatenate([prompt_tokens_BP, state.tokens_BN], axis=1),
-      valid_BT=jnp.concatenate([prompt_valid_BP, state.mask_BN], axis=1),
-      completion_mask_BN=state.mask_BN,
-      logprobs_BN=state.logprobs_BN,
-      lengths_B=state.mask_BN.sum(axis=1),
-  )
+  return Rollout(tokens_BT=jnp.concatenate([prompt_tokens_BP, state.tokens_BN], axis=1),
+                 valid_BT=jnp.concatenate([prompt_valid_BP, state.mask_BN], axis=1),
+                 completion_mask_BN=state.mask_BN, logprobs_BN=state.logprobs_BN,
+                 lengths_B=state.mask_BN.sum(axis=1))

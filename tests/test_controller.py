@@ -84,15 +84,6 @@ def test_chrome_trace(tmp_path):
   assert update["tid"] == names["trainer"] and update["dur"] >= 1e4 and update["args"] == {"step": 1}
 
 
-def test_async_with_staleness_0_equals_sync(tmp_path):
-  cfg_s, dir_s = _cfg(tmp_path, "sync", steps=3)
-  cfg_a, dir_a = _cfg(tmp_path, "async", steps=3, mode="async", max_staleness=0)
-  sync, async_ = run(cfg_s, dir_s), run(cfg_a, dir_a)
-  assert [r["policy_lag"] for r in _rows(dir_a)] == [0, 0, 0]
-  assert [r["reward_mean"] for r in _rows(dir_a)] == [r["reward_mean"] for r in _rows(dir_s)]
-  assert sync["params_fingerprint"] == async_["params_fingerprint"]
-
-
 def test_async_staleness_bound(tmp_path):
   cfg, run_dir = _cfg(tmp_path, "stale", steps=6, mode="async", max_staleness=2)
   summary = run(cfg, run_dir)
