@@ -139,8 +139,8 @@ class Controller:
     data, seed = self.ctx.task.prompts, self.ctx.cfg.seed
 
     def generate(params, prompts, key):
-      with self.ctx.timeline.span("generator", "generate"):
-        return self.ctx.generator.sample(params, prompts, key)
+      with self.ctx.timeline.span("generator", "generate"):  # the device time, not the dispatch
+        return jax.block_until_ready(self.ctx.generator.sample(params, prompts, key))
 
     stream = (data[i] for i in itertools.count(self.next_index))
     self.worker = RolloutWorker(generate, stream, self.ctx.cluster.fresh_sampler_params(),
