@@ -52,8 +52,8 @@ class Controller:
     self.values = ex("critic", critic.role.mesh) if critic is not None else None
     self.train = ex("trainer", actor.role.mesh)
     p_len = ctx.task.prompt_len
-    logp = lambda role: role.jit(functools.partial(steps.completion_logprobs, role.graphdef,
-                                                   prompt_len=p_len))
+    logp = lambda role: role.jit(lambda params, tokens_BT, valid_BT: steps.completion_logprobs(
+        role.graphdef, params, tokens_BT, valid_BT, prompt_len=p_len)[0])
     self._ref_logp, self._old_logp = logp(self.reference), logp(actor.role)
     if critic is not None:
       self._values_fn = critic.role.jit(functools.partial(
@@ -72,13 +72,13 @@ class Controller:
     if self.reward_model is None:
       rewards_B = to_device(verified_B, self.actor.role.batch_shardings(verified_B), "rewards")
     else:
-      rm = self.reward_model
-      scores_B = self._scores_fn(rm.params, *rm.put((rollout.tokens_BT, rollout.valid_BT)))
-      rewards_B = self.actor.role.put(scores_B)
+      rewards_B = self.actor.role.put(self._on(self.reward_model, self._scores_fn, rollout))
     return rewards_B, verified_B
 
-  def _logprobs(self, fn, role, rollout):
-    return fn(role.params, *role.put((rollout.tokens_BT, rollout.valid_BT)))[0]
+  @staticmethod
+  def _on(role, fn, rollout):
+    """`fn(params, tokens, valid)` on `role`'s mesh, the rollout moved there device to device."""
+    return fn(role.params, *role.put((rollout.tokens_BT, rollout.valid_BT)))
 
   def experience(self, rollout, prompts):
     """Scores one rollout batch (the reward, reference, critic and old-log-prob calls overlap)
@@ -87,16 +87,14 @@ class Controller:
     futures = {
         "reward": (self.reward, self.reward.submit(self._score, rollout, answers_B,
                                                    label="score")),
-        "ref": (self.ref, self.ref.submit(self._logprobs, self._ref_logp, self.reference,
-                                          rollout, label="ref logprobs")),
-        "old": (self.train, self.train.submit(self._logprobs, self._old_logp, self.actor.role,
+        "ref": (self.ref, self.ref.submit(self._on, self.reference, self._ref_logp, rollout,
+                                          label="ref logprobs")),
+        "old": (self.train, self.train.submit(self._on, self.actor.role, self._old_logp,
                                               rollout, label="old logprobs")),
     }
     if self.critic is not None:
       futures["values"] = (self.values, self.values.submit(
-          lambda: self._values_fn(self.critic.role.params,
-                                  *self.critic.role.put((rollout.tokens_BT, rollout.valid_BT))),
-          label="values"))
+          self._on, self.critic.role, self._values_fn, rollout, label="values"))
     out = {k: ex.result(f) for k, (ex, f) in futures.items()}
     (rewards_B, verified_B), on_actor = out["reward"], self.actor.role.put
     values_BN = on_actor(out["values"]) if "values" in out else None

@@ -27,9 +27,10 @@ from train.checkpoint import RunCheckpointer, load_actor_params, params_fingerpr
 from train.config_files import resolve
 from train.context import RunContext
 from train.hooks import Checkpoint, Evaluate, Log, Progress, StopRequest
-from train.metrics import plot_metrics
+from train.metrics import plain_row, plot_metrics
 from train.sampling import Completion, sample
 from train.stages import STAGES, Stopped, run_stage
+from train.transfers import to_host
 
 log = logging.getLogger("jaxrl")
 
@@ -57,10 +58,10 @@ class Experiment:
   def __init__(self, config, *, run_dir: str | None = None, resume_run: bool = False):
     """`resume_run`: continue from the run dir's newest good checkpoint, if it has one."""
     self.cfg: ExperimentConfig = resolve(config)
-    self.run_dir = run_dir or rundir.prepare(self.cfg, resume=resume_run)
     names = [name for name, cls in STAGES.items() if cls.enabled(self.cfg)]
     for name in names:
       STAGES[name].check(self.cfg)
+    self.run_dir = run_dir or rundir.prepare(self.cfg, resume=resume_run)
     self.checkpointer = RunCheckpointer(self.run_dir, names, keep=self.cfg.keep_checkpoints)
     saved = self.checkpointer.saved() if resume_run else []
     fresh = not saved and not self.cfg.init_checkpoint
@@ -118,13 +119,13 @@ class Experiment:
       try:
         if "heldout_acc_init" not in self.ctx.summary:
           self.ctx.summary["heldout_acc_init"] = self.ctx.evaluate()
-        run_stage(stage, self.hooks, steps)
+        row = run_stage(stage, self.hooks, steps)
       finally:
         if stage.finished or self.stop.event.is_set():
           self.progress.close()
     if stage.finished:
       self.position = max(self.position, at + 1)
-    return self.ctx.writer.rows[-1] if self.ctx.writer.rows else {}
+    return plain_row(to_host(row, "metrics"))
 
   def run(self) -> dict:
     """Every remaining stage to its end; the summary (also written to summary.json)."""

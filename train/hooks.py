@@ -38,8 +38,7 @@ class Evaluate(Hook):
 
   def after_step(self, stage, row):
     if stage.eval_due(stage.done):
-      stage.last_eval = stage.evaluate()
-      stage.last_eval_step = stage.done
+      stage.last_eval, stage.last_eval_step = stage.evaluate(), stage.done
       row.update(stage.last_eval)
 
 
@@ -52,7 +51,7 @@ class Log(Hook):
 
   def after_step(self, stage, row):
     if stage.done % stage.log_every == 0 or stage.done == stage.total or \
-        getattr(stage, "last_eval_step", None) == stage.done:
+        stage.last_eval_step == stage.done:
       row.update(self.writer.write(to_host(row, "metrics")))
 
   def after_stage(self, stage):
@@ -121,6 +120,8 @@ class StopRequest(Hook):
     self.save, self.event, self.signal, self._old = save, threading.Event(), None, {}
 
   def __enter__(self):
+    self.event.clear()  # a stop honoured earlier (e.g. in a notebook) does not stop this run
+    self.signal = None
     if threading.current_thread() is threading.main_thread():
       for sig in (signal.SIGTERM, signal.SIGINT):
         self._old[sig] = signal.signal(sig, self._handle)

@@ -23,6 +23,11 @@ def _plain(v):
   return float(v) if isinstance(v, float) else v
 
 
+def plain_row(row: dict) -> dict:
+  """A metrics row of host values as plain Python numbers and strings."""
+  return {k: _plain(v) for k, v in row.items()}
+
+
 class MetricsWriter:
 
   def __init__(self, run_dir: str, *, enabled: bool = True):
@@ -39,7 +44,7 @@ class MetricsWriter:
         f.writelines(json.dumps(r) + "\n" for r in self.rows)
 
   def write(self, row: dict) -> dict:
-    clean = {k: _plain(v) for k, v in row.items()}
+    clean = plain_row(row)
     self.rows.append(clean)
     if self.enabled:
       if self._f is None:

@@ -31,7 +31,7 @@ def snapshot(exp, stage) -> tuple[dict, dict, dict | None]:
           "learners": sorted(learners), "summary": ctx.summary,
           "metrics_rows": len(ctx.writer.rows)}
   metrics = None
-  if getattr(stage, "last_eval_step", None) == stage.done and "heldout_acc" in stage.last_eval:
+  if stage.last_eval_step == stage.done and "heldout_acc" in stage.last_eval:
     metrics = {"heldout_acc": stage.last_eval["heldout_acc"]}
   return items, meta, metrics
 

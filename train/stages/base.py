@@ -25,7 +25,8 @@ class Stage:
     self.ctx, self.cfg = ctx, ctx.cfg
     self.done = 0
     self.started = self.finished = False
-    self.last_eval: dict = {}
+    self.last_eval: dict = {}  # the latest evaluation and the step it ran after
+    self.last_eval_step: int | None = None
 
   @classmethod
   def enabled(cls, cfg: ExperimentConfig) -> bool:
@@ -85,14 +86,15 @@ class Stopped(Exception):
   """A stop request ended the run at a step boundary (a checkpoint was saved first)."""
 
 
-def run_stage(stage: Stage, hooks, steps: int | None = None) -> None:
-  """Runs `stage` for `steps` more steps (default: to its end)."""
+def run_stage(stage: Stage, hooks, steps: int | None = None) -> dict:
+  """Runs `stage` for `steps` more steps (default: to its end); returns the last step's row."""
   if not stage.started:
     stage.start()
     stage.started = True
     for hook in hooks:
       hook.on_start(stage)
   target = stage.total if steps is None else min(stage.total, stage.done + steps)
+  row: dict = {}
   while stage.done < target:
     row = stage.step()
     stage.done += 1
@@ -104,3 +106,4 @@ def run_stage(stage: Stage, hooks, steps: int | None = None) -> None:
     stage.ctx.summary.update(stage.finish())
     for hook in hooks:
       hook.after_stage(stage)
+  return row

@@ -1,0 +1,59 @@
+"""The shared hooks reach every stage: a stop request ends DPO and reward-model training too (with
+a checkpoint), checkpoints come by steps and by minutes, and stages run piecewise."""
+import time
+
+import pytest
+
+from configs import tiny
+from train.experiment import Experiment
+from train.hooks import Checkpoint, Hook
+from train.stages import Stopped
+
+
+class _RequestStopAt(Hook):
+  def __init__(self, exp, step):
+    self.exp, self.step = exp, step
+
+  def after_step(self, stage, row):
+    if stage.done == self.step:
+      self.exp.stop.event.set()  # what SIGTERM's handler does
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,over", [("dpo", {"dpo": {"steps": 50}}),
+                                        ("reward_model", {"reward_model": {"steps": 50},
+                                                          "rl": {"reward": "reward_model"}})])
+def test_stop_request_ends_every_stage_with_a_checkpoint(tmp_path, stage, over):
+  raw = tiny.get_config().to_dict()
+  raw.update(run_dir=str(tmp_path), run_name=stage, checkpoint_every=1000)
+  for section, fields in over.items():
+    raw[section].update(fields)
+  raw["dpo"]["batch_size"] = raw["reward_model"]["batch_size"] = 8
+  with Experiment(raw) as exp:
+    exp.hooks.insert(-1, _RequestStopAt(exp, 3))  # just before the stop hook
+    with pytest.raises(Stopped):
+      exp.stage(stage).run()
+    assert exp.stages[stage].done == 3 and not exp.stages[stage].finished
+    exp.checkpointer.wait()
+    assert exp.checkpointer.saved()[0] == (stage, 3)
+  with Experiment.restore(str(tmp_path / stage)) as again:  # and it continues from there
+    assert again.stages[stage].done == 3
+    again.stage(stage).run(steps=2)
+    assert again.stages[stage].done == 5
+
+
+def test_checkpoint_hook_saves_by_steps_by_minutes_and_at_the_end():
+  saved = []
+
+  class FakeStage:
+    total, done = 10, 0
+
+  hook = Checkpoint(lambda s: saved.append(s.done), every=4, minutes=0.01)  # 0.6 s
+  stage = FakeStage()
+  for done in range(1, 11):
+    stage.done = done
+    if done == 6:
+      time.sleep(0.7)
+    hook.after_step(stage, {})
+  hook.after_stage(stage)
+  assert saved == [4, 6, 8, 10]
