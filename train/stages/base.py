@@ -18,7 +18,7 @@ from train.learner import Learner
 
 
 class Stage:
-  name: ClassVar[str]
+  name: ClassVar[str]  # also the config section holding the stage's `steps`
   log_every: ClassVar[int] = 1  # steps between logged rows (evaluations are always logged)
 
   def __init__(self, ctx: RunContext):
@@ -30,8 +30,8 @@ class Stage:
 
   @classmethod
   def enabled(cls, cfg: ExperimentConfig) -> bool:
-    """Whether a run with `cfg` includes this stage."""
-    raise NotImplementedError
+    """Whether a run with `cfg` includes this stage (by default: when it has steps)."""
+    return getattr(cfg, cls.name).steps > 0
 
   @classmethod
   def check(cls, cfg: ExperimentConfig) -> None:
@@ -41,7 +41,7 @@ class Stage:
   @property
   def total(self) -> int:
     """The stage's steps."""
-    raise NotImplementedError
+    return getattr(self.cfg, self.name).steps
 
   def eval_due(self, done: int) -> bool:
     """Whether to evaluate after step `done` (by default at the end only)."""

@@ -25,17 +25,9 @@ class DPOStage(Stage):
   log_every = 10
 
   @classmethod
-  def enabled(cls, cfg: ExperimentConfig) -> bool:
-    return cfg.dpo.steps > 0
-
-  @classmethod
   def check(cls, cfg: ExperimentConfig) -> None:
     if cfg.dpo.pairs_path:
       read_jsonl(cfg.dpo.pairs_path)
-
-  @property
-  def total(self) -> int:
-    return self.cfg.dpo.steps
 
   def start(self, *, restoring: bool = False) -> None:
     d, ctx, actor = self.cfg.dpo, self.ctx, self.ctx.cluster.actor

@@ -34,10 +34,6 @@ class RewardModelStage(Stage):
     if cfg.reward_model.pairs_path:
       read_jsonl(cfg.reward_model.pairs_path)
 
-  @property
-  def total(self) -> int:
-    return self.cfg.reward_model.steps
-
   def start(self, *, restoring: bool = False) -> None:
     rm, ctx, cluster = self.cfg.reward_model, self.ctx, self.ctx.cluster
     self.train_pairs, self.heldout_pairs = load_pairs(

@@ -12,7 +12,6 @@ import functools
 import logging
 import time
 
-from jaxrl.config import ExperimentConfig
 from train import steps
 from train.controller import Controller
 from train.learner import Learner
@@ -28,14 +27,6 @@ class RLStage(Stage):
     super().__init__(ctx)
     self.next_index = 0  # the first prompt batch not yet trained on
     self.controller: Controller | None = None
-
-  @classmethod
-  def enabled(cls, cfg: ExperimentConfig) -> bool:
-    return cfg.rl.steps > 0
-
-  @property
-  def total(self) -> int:
-    return self.cfg.rl.steps
 
   def eval_due(self, done: int) -> bool:
     return done % self.cfg.eval.every == 0 or done == self.total

@@ -1,7 +1,7 @@
 """SFT: the actor learns the task's demonstrations (prompt-masked cross-entropy, packing optional)."""
 from __future__ import annotations
 
-from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.config import ConfigError
 from jaxrl.data.pipeline import sft_dataset
 from train import steps
 from train.learner import Learner
@@ -12,14 +12,6 @@ from train.transfers import to_device
 class SFTStage(Stage):
   name = "sft"
   log_every = 10
-
-  @classmethod
-  def enabled(cls, cfg: ExperimentConfig) -> bool:
-    return cfg.sft.steps > 0
-
-  @property
-  def total(self) -> int:
-    return self.cfg.sft.steps
 
   def start(self, *, restoring: bool = False) -> None:
     s, ctx = self.cfg.sft, self.ctx
