@@ -30,6 +30,11 @@ class ConfigError(ValueError):
   """A user error in the config: reported in one line, exit code 2."""
 
 
+def first_line(error: BaseException) -> str:
+  """An exception's first line (its type when it has no message): for one-line reports."""
+  return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def _choice(obj, name: str, options) -> None:
   if getattr(obj, name) not in options:
     raise ValueError(f"{name}: expected one of {sorted(options)}, got {getattr(obj, name)!r}")

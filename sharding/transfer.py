@@ -58,13 +58,21 @@ def _movable(x, target) -> bool:
   need = [_row_range(i, n) for i in target.addressable_devices_indices_map(x.shape).values()]
   if any(r is None for r in have + need):
     return False
-  return all(all(any(lo <= row < hi for lo, hi in have) for row in range(*r)) for r in need)
+  covered, reach = [], 0  # the rows this process holds, as disjoint intervals
+  for lo, hi in sorted(have):
+    if covered and lo <= reach:
+      reach = max(reach, hi)
+      covered[-1] = (covered[-1][0], reach)
+    else:
+      covered.append((lo, hi))
+      reach = hi
+  return all(any(lo <= a and b <= hi for lo, hi in covered) for a, b in need)
 
 
 def move_array(x, target: jax.sharding.Sharding):
   """`x` laid out as `target`, device to device where `x` is on devices."""
   if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
-    return jax.device_put(x, target)  # already laid out so (maybe on other devices)
+    return jax.device_put(x, target)  # already there, laid out so
   if not _movable(x, target):
     return put(x, target)
   n = x.shape[0]

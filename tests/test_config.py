@@ -106,6 +106,7 @@ def test_int_is_accepted_for_float():
     ("--config.sft.batch_size=10", "config.sft.batch_size: 10 is not divisible by the 4-way batch"),
     ("--config.eval.batch_size=3", "config.eval.batch_size: 3 is not divisible by the 2-way batch"),
     ("--gin_param=rl.stepz=3", "gin: Configurable 'rl' doesn't have a parameter named 'stepz'"),
+    ("--resume", "config.run_name: --resume continues a named run"),
     ("--config.placement.sampler_tensor=3", "sampler: mesh axis tensor=3 does not divide its 4"),
     ("--config.model.n_kv_heads=1",
      "sampler: decoder/blocks/0/attn/wk: dimension 1 is not divisible by mesh axis tensor=2"),

@@ -48,23 +48,27 @@ def _rl_steps(run_dir):
 def test_executors_overlap_serialise_and_name_failures():
   timeline = Timeline()
   started = threading.Event()
-  a = Executor("a", lambda: started.wait(10) or "timed out", timeline)
-  b = Executor("b", lambda: started.set() or "set", timeline)
-  fa, fb = a.submit(), b.submit()
+  a, b = Executor("a", timeline), Executor("b", timeline)
+  fa = a.submit(lambda: started.wait(10) or "timed out")
+  fb = b.submit(lambda: started.set() or "set")
   assert a.result(fa) is True and b.result(fb) == "set"  # a only returns if b ran meanwhile
   order = []
-  c = Executor("c", lambda i: order.append(i) or time.sleep(0.01), timeline)
-  for f in [c.submit(i) for i in range(5)]:
+  c = Executor("c", timeline)
+  for f in [c.submit(lambda i: order.append(i) or time.sleep(0.01), i) for i in range(5)]:
     c.result(f)
   assert order == list(range(5))
-  bad = Executor("reward", lambda: 1 / 0, timeline)
+  bad = Executor("reward", timeline)
   with pytest.raises(ExecutorError, match="reward executor failed: ZeroDivisionError") as e:
-    bad()
+    bad(lambda: 1 / 0)
   assert isinstance(e.value.__cause__, ZeroDivisionError) and e.value.executor == "reward"
+  inline = Executor("inline", timeline, inline=True)  # several processes: in program order
+  assert inline(lambda: threading.current_thread() is threading.main_thread())
+  with pytest.raises(ExecutorError, match="inline executor failed: ZeroDivisionError"):
+    inline(lambda: 1 / 0)
   summary = timeline.summary()
-  assert set(summary["busy"]) == {"a", "b", "c", "reward"}
+  assert set(summary["busy"]) == {"a", "b", "c", "reward", "inline"}
   assert all(0.0 <= v <= 1.0 for v in summary["busy"].values()) and 0.0 <= summary["bubble"] <= 1.0
-  for ex in (a, b, c, bad):
+  for ex in (a, b, c, bad, inline):
     ex.close()
 
 

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrl.config import ConfigError
 from train.checkpoint import RunCheckpointer, load_actor_params
 from train.experiment import Experiment
 
@@ -45,6 +46,10 @@ def test_tiny_run_through_main(tmp_path):
     assert step == 3
     assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(params),
                                                      jax.tree.leaves(sft_params)))
+  # Another model size does not fit: a one-line config error, not a silent fresh start.
+  with pytest.raises(ConfigError, match=r"checkpoints/rl/3 does not fit this config: "
+                     r"actor/decoder/blocks/0/attn/wk is \(2, 16, 32\) there, \(2, 16, 48\) here"):
+    Experiment.restore(str(run_dir), model={"d_model": 48})
 
   # A second run with the same name refuses to touch the existing checkpoints.
   before = {os.path.join(dp, p): os.path.getmtime(os.path.join(dp, p)) for dp, _, fs in os.walk(run_dir / "checkpoints")

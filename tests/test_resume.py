@@ -107,3 +107,7 @@ def test_truncated_latest_checkpoint_falls_back_to_the_one_before(tmp_path, refe
   err = _finish(_launch(tmp_path, "run"))
   assert f"checkpoints/rl/{latest} cannot be restored" in err
   assert (_summary(run_dir)["params_fingerprint"], _comparable(run_dir)) == reference
+  # The bad one was moved aside, and the redone steps saved their own checkpoints again.
+  assert [d.split("-")[:2] for d in os.listdir(os.path.join(run_dir, "checkpoints_unreadable"))] \
+      == [["rl", str(latest)]]
+  assert str(latest) in os.listdir(rl)

@@ -42,6 +42,31 @@ def test_stop_request_ends_every_stage_with_a_checkpoint(tmp_path, stage, over):
     assert again.stages[stage].done == 5
 
 
+@pytest.mark.slow
+def test_stop_during_a_stages_last_step_ends_the_run_after_that_stage(tmp_path):
+  raw = tiny.get_config().to_dict()
+  raw.update(run_dir=str(tmp_path), run_name="last", checkpoint_every=1000)
+  raw["dpo"].update(steps=4, batch_size=8)
+  with Experiment(raw) as exp:
+    exp.hooks.insert(-1, _OnStage(exp, "dpo", 4))
+    summary = exp.run()
+    assert summary["stopped"] == "stop request" and exp.stages["dpo"].finished
+    assert not exp.stages["rl"].started
+  with Experiment.restore(str(tmp_path / "last")) as again:
+    assert again.stage_names[again.position] == "rl"  # DPO is done: RL is next
+    assert again.stages["dpo"].finished
+
+
+class _OnStage(_RequestStopAt):
+  def __init__(self, exp, name, step):
+    super().__init__(exp, step)
+    self.name = name
+
+  def after_step(self, stage, row):
+    if stage.name == self.name:
+      super().after_step(stage, row)
+
+
 def test_checkpoint_hook_saves_by_steps_by_minutes_and_at_the_end():
   saved = []
 

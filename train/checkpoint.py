@@ -3,8 +3,9 @@
 A checkpoint holds everything needed to continue the run, one orbax item each: every model's
 parameters (`actor`, `reference`, `reward`, `critic`: pure dicts), the current stage's learners
 (`learner_actor`, ...: optimizer state and step counter), the stage's own arrays (`stage`, e.g.
-DPO's reference log-probs) and `meta` (JSON: the stage, its steps done, data position and policy
-version, the finished stages' summaries, how many metrics rows it covers). Items restore one by
+DPO's reference log-probs) and `meta` (JSON: the stage, its steps done (for RL, the policy
+version), its data position, its last evaluation, the finished stages' summaries, how many
+metrics rows it covers). Items restore one by
 one, each array straight into the sharding its abstract leaf carries. Saves are asynchronous and atomic (orbax writes a temporary
 directory and renames it when complete, so a run killed mid-save leaves the previous checkpoint
 as the latest). Each stage keeps its last `keep` checkpoints plus the best by held-out accuracy,
@@ -22,6 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jaxrl.config import first_line
 from train.transfers import RECORD, to_host
 
 policies = ocp.checkpoint_managers
@@ -51,8 +53,11 @@ class RunCheckpointer:
     """Asynchronous: returns once the arrays are copied off the devices."""
     args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
     with jax.transfer_guard("allow"):  # a deliberate copy to the host
-      self._manager(stage).save(step, args=ocp.args.Composite(
+      saved = self._manager(stage).save(step, args=ocp.args.Composite(
           **args, meta=ocp.args.JsonSave(meta)), metrics=metrics)
+    if not saved:  # orbax refuses a step at or below one it already has
+      raise RuntimeError(f"checkpoints/{stage}/{step} was not saved: the directory already "
+                         f"holds step {self._manager(stage).latest_step()}")
     RECORD["checkpoint"] += sum(x.nbytes for x in jax.tree.leaves(items))
 
   def saved(self) -> list[tuple[str, int]]:
@@ -61,6 +66,15 @@ class RunCheckpointer:
     for stage in reversed(self.stages):
       if os.path.isdir(os.path.join(self.root, stage)):
         out += [(stage, step) for step in sorted(self._manager(stage).all_steps(), reverse=True)]
+    return out
+
+  def item_shapes(self, stage: str, step: int, items) -> dict[str, dict[str, tuple]]:
+    """{item: {array path: shape}} of the saved `items`, read from their metadata."""
+    out = {}
+    for name in items:
+      path = os.path.join(self.root, stage, str(step), name)
+      if os.path.isdir(path):
+        out[name] = shapes(_item_metadata(path))
     return out
 
   def read_meta(self, stage: str, step: int) -> dict:
@@ -106,9 +120,7 @@ def load_actor_params(directory: str, like: nnx.State) -> tuple[nnx.State, int]:
         restored = manager.restore(step, args=ocp.args.Composite(
             actor=ocp.args.StandardRestore(pure)))
     except (ValueError, KeyError, TypeError) as e:
-      text = str(e).strip()
-      first = text.splitlines()[0] if text else type(e).__name__
-      raise ValueError(f"{where} does not fit this model ({first})") from None
+      raise ValueError(f"{where} does not fit this model ({first_line(e)})") from None
     params = jax.tree.map(lambda x: x, like)
     nnx.replace_by_pure_dict(params, restored["actor"])
     return params, step
@@ -116,7 +128,15 @@ def load_actor_params(directory: str, like: nnx.State) -> tuple[nnx.State, int]:
     manager.close()
 
 
-def _shapes(tree) -> dict[str, tuple]:
+def _item_metadata(item_dir: str):
+  """The array metadata tree of one saved item (no arrays are read)."""
+  from etils import epath
+  metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(item_dir))
+  return getattr(metadata, "tree", metadata)
+
+
+def shapes(tree) -> dict[str, tuple]:
+  """{"decoder/blocks/0/attn/wk": shape, ...} of a pure-dict tree (arrays or their metadata)."""
   flat = jax.tree_util.tree_leaves_with_path(tree)
   return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(x.shape) for path, x in flat}
 
@@ -125,9 +145,8 @@ def _check_shapes(item_dir: str, pure_like: dict, where: str) -> None:
   """Names the first actor parameter whose saved shape differs from the model's."""
   if not os.path.isdir(item_dir):
     raise ValueError(f"{where} holds no actor parameters")
-  metadata = ocp.StandardCheckpointer().metadata(item_dir)
-  saved = _shapes(getattr(metadata, "item_metadata", metadata))  # StepMetadata in newer orbax
-  want = _shapes(pure_like)
+  saved = shapes(_item_metadata(item_dir))
+  want = shapes(pure_like)
   for name in sorted(set(saved) | set(want)):
     if saved.get(name) != want.get(name):
       raise ValueError(f"{where} does not fit this model: {name} is "

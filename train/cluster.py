@@ -48,14 +48,18 @@ class RoleCluster:
                                       n_hosts=jax.process_count())
       self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
       self.actor = ModelRole("actor", self.model_factory("actor"), self.meshes["actor"])
-      abstract = nnx.state(nnx.eval_shape(self.model_factory("actor")))
-      self.sampler_shardings = role_shardings("sampler", abstract, SAMPLER_RULES,
+      self.sampler_shardings = role_shardings("sampler", self.actor.abstract(), SAMPLER_RULES,
                                               self.meshes["sampler"])
     except PlacementError as e:
       raise ConfigError(str(e)) from None
     check_batch_sizes(cfg, self)
+    if cfg.rl.mode == "async" and jax.process_count() > 1:
+      raise ConfigError(f"config.rl.mode: async runs its generator on a thread of its own, "
+                        f"which on {jax.process_count()} processes could launch programs in a "
+                        f"different order on each; use mode='sync'")
     self.roles: dict[str, ModelRole] = {"actor": self.actor}
     self.sampler_params = None
+    self.copy_shared = False  # an async generator holds the sampler's copy: never free it
     self._pushed_version = -1  # the actor version the sampler's copy holds
     if initialize:
       self.actor.initialize()
@@ -82,13 +86,13 @@ class RoleCluster:
       return reshard(self.actor.params, self.sampler_shardings,
                      bucket_bytes=self.cfg.placement.reshard_bucket_mb << 20)
 
-  def push(self, *, free_old: bool = True) -> TransferStats:
-    """Refreshes the sampler's copy of the actor. The old copy is freed unless an asynchronous
-    generator may still be decoding with it (`free_old=False`)."""
+  def push(self) -> TransferStats:
+    """Refreshes the sampler's copy of the actor. The old copy is freed at once unless an
+    asynchronous generator may still be decoding with it (`copy_shared`)."""
     old = self.sampler_params
     self.sampler_params, stats = self.sampler_copy()
     self._pushed_version = self.actor.version
-    if old is not None and free_old:
+    if old is not None and not self.copy_shared:
       jax.tree.map(lambda x: x.delete(), old)
     return stats
 
@@ -115,10 +119,11 @@ def check_batch_sizes(cfg: ExperimentConfig, cluster: RoleCluster) -> None:
     checks.append(("config.dpo.batch_size", 2 * cfg.dpo.batch_size, train))
   if rl.reward == "reward_model":
     checks.append(("config.reward_model.batch_size", 2 * cfg.reward_model.batch_size, train))
-  for role in ("reference", "reward", "critic"):
-    checks.append(("config.rl.prompts_per_step", rl.rollouts,
+  for role in ("reference", "reward", "critic"):  # trained-model meshes: the train rules
+    checks.append(("config.rl.group_size", rl.rollouts,
                    batch_ways(cluster.meshes[role], cluster.actor.rules)))
   for path, value, ways in checks:
     if value % ways:
-      raise ConfigError(f"{path}: {value} is not divisible by the {ways}-way batch split of its "
-                        f"mesh")
+      what = "prompts_per_step*group_size=" if path == "config.rl.group_size" else ""
+      raise ConfigError(f"{path}: {what}{value} is not divisible by the {ways}-way batch split "
+                        f"of its mesh")

@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 
 import gin
 
-from jaxrl.config import SECTIONS, ConfigError, ExperimentConfig, from_mapping, to_dict
+from jaxrl.config import (SECTIONS, ConfigError, ExperimentConfig, first_line, from_mapping,
+                          to_dict)
 
 TOP_LEVEL = "experiment"
 _registered = False
@@ -53,8 +54,7 @@ def gin_overrides(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> di
     with gin.unlock_config():
       gin.parse_config_files_and_bindings(list(files), list(bindings), skip_unknown=False)
   except (ValueError, SyntaxError, OSError, KeyError) as e:
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    raise ConfigError(f"gin: {first}") from None
+    raise ConfigError(f"gin: {first_line(e)}") from None
   out = dict(gin.get_bindings(f"jaxrl.{TOP_LEVEL}"))
   for name in SECTIONS:
     fields = gin.get_bindings(f"jaxrl.{name}")

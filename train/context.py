@@ -67,18 +67,24 @@ class RunContext:
     self.summary: dict = {"run_dir": run_dir}
     self.samplers: dict = {}  # Experiment.sample's compiled samplers, by settings
 
+  def texts(self, rollout) -> list[str]:
+    """The rollout's completions, decoded on the host (their token ids are all it fetches)."""
+    return completion_texts(self.tok, to_host(completion_tokens(rollout), "completions"))
+
   def evaluate(self, examples: list[Example] | None = None) -> float:
-    """Held-out greedy accuracy of the newest policy (the last chunk is padded by repeating
-    examples)."""
+    """Held-out greedy accuracy of the newest policy."""
     examples = self.task.heldout if examples is None else examples
-    params = self.cluster.fresh_sampler_params()
-    size, correct = self.cfg.eval.batch_size, 0.0
-    for start in range(0, len(examples), size):
-      chunk = examples[start:start + size]
-      padded = chunk + [chunk[-1]] * (size - len(chunk))
-      batch = prompt_batch(padded, self.tok, self.task.prompt_len)
-      rollout = self.generator.greedy(params, batch)
-      completions = to_host(completion_tokens(rollout), "completions")
-      texts = completion_texts(self.tok, completions)
-      correct += verify(texts, batch["answers"], self.task.verifier)[:len(chunk)].sum()
+    params, correct = self.cluster.fresh_sampler_params(), 0.0
+    for chunk, n in chunks(examples, self.cfg.eval.batch_size):
+      batch = prompt_batch(chunk, self.tok, self.task.prompt_len)
+      texts = self.texts(self.generator.greedy(params, batch))
+      correct += verify(texts, batch["answers"], self.task.verifier)[:n].sum()
     return float(correct) / len(examples)
+
+
+def chunks(items: list, size: int):
+  """Fixed-size chunks (one compiled shape) and how many items of each are real: the last is
+  padded by repeating its final item."""
+  for start in range(0, len(items), size):
+    chunk = items[start:start + size]
+    yield chunk + [chunk[-1]] * (size - len(chunk)), len(chunk)

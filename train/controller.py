@@ -28,7 +28,7 @@ import numpy as np
 from sampler.worker import RolloutWorker, RolloutWorkerError, rollout_key
 from train import steps
 from train.executors import Executor, ExecutorError
-from train.experience import completion_texts, completion_tokens, make_experience, verify
+from train.experience import make_experience, verify
 from train.learner import Learner
 from train.transfers import to_device, to_host
 
@@ -44,7 +44,7 @@ class Controller:
     cluster, timeline = ctx.cluster, ctx.timeline
     self.reference, self.reward_model = cluster.get("reference"), cluster.get("reward")
     inline = jax.process_count() > 1  # every process must launch the same programs in order
-    ex = lambda name, mesh: Executor(name, _call, timeline, mesh, inline=inline)
+    ex = lambda name, mesh: Executor(name, timeline, mesh, inline=inline)
     self.generator = ex("generator", cluster.meshes["sampler"])
     self.reward = ex("reward", cluster.meshes["reward"] if self.cfg.reward == "reward_model"
                      else None)
@@ -66,9 +66,7 @@ class Controller:
   # -- one batch ------------------------------------------------------------------------------
   def _score(self, rollout, answers_B):
     """(rewards on the trainer's mesh, verified_B on the host)."""
-    completions_BN = to_host(completion_tokens(rollout), "completions")
-    verified_B = verify(completion_texts(self.ctx.tok, completions_BN), answers_B,
-                        self.ctx.task.verifier)
+    verified_B = verify(self.ctx.texts(rollout), answers_B, self.ctx.task.verifier)
     if self.reward_model is None:
       rewards_B = to_device(verified_B, self.actor.role.batch_shardings(verified_B), "rewards")
     else:
@@ -112,19 +110,18 @@ class Controller:
         metrics = {**metrics, **self.critic.update(exp)}
       return metrics
 
-    metrics = self.train(_call, learn, label="update")
+    metrics = self.train(learn, label="update")
     t1 = time.perf_counter()
     self.version += 1
-    stats = self.train(_call, self._push, label="reshard" if self.worker is None else "push")
+    stats = self.train(self._push, label="reshard" if self.worker is None else "push")
     return metrics, {"time_update": t1 - t0, "time_reshard": time.perf_counter() - t1,
                      "reshard_gbps": stats.gbps}
 
   def _push(self):
     cluster = self.ctx.cluster
-    if self.worker is None:
-      return cluster.push()
-    stats = cluster.push(free_old=False)  # the worker may still be decoding with the old copy
-    self.worker.update_weights(cluster.sampler_params, self.version)
+    stats = cluster.push()
+    if self.worker is not None:
+      self.worker.update_weights(cluster.sampler_params, self.version)
     return stats
 
   # -- the loop -------------------------------------------------------------------------------
@@ -141,6 +138,7 @@ class Controller:
         return jax.block_until_ready(self.ctx.generator.sample(params, prompts, key))
 
     stream = (data[i] for i in itertools.count(self.next_index))
+    self.ctx.cluster.copy_shared = True  # the worker may decode with a copy the trainer replaced
     self.worker = RolloutWorker(generate, stream, self.ctx.cluster.fresh_sampler_params(),
                                 version=self.version, max_staleness=self.cfg.max_staleness,
                                 queue_size=self.cfg.max_staleness + 1, seed=seed,
@@ -152,7 +150,7 @@ class Controller:
     if self.worker is None:
       index = self.next_index
       prompts = self.ctx.task.prompts[index]
-      rollout = self.generator(_call, self.ctx.generator.sample,
+      rollout = self.generator(self.ctx.generator.sample,
                                self.ctx.cluster.fresh_sampler_params(), prompts,
                                rollout_key(self.ctx.cfg.seed, index), label="generate")
       return rollout, prompts, index, self.version, time.perf_counter() - t0
@@ -182,10 +180,7 @@ class Controller:
     if self.worker is not None:
       self.worker.close()
       self.worker = None
+      self.ctx.cluster.copy_shared = False
     for ex in (self.generator, self.reward, self.ref, self.values, self.train):
       if ex is not None:
         ex.close()
-
-
-def _call(fn, *args):
-  return fn(*args)

@@ -1,6 +1,6 @@
 """Executors: named workers, one per role, each running its calls on its own thread.
 
-`submit(*args) -> Future`: calls to one executor run one at a time, in submission order (they
+`submit(fn, *args) -> Future`: calls to one executor run one at a time, in submission order (they
 share that role's devices); different executors run concurrently, so independent stages such as
 reward scoring, reference log-probs and critic values overlap (interleaving). Every call is a busy
 interval on the timeline; a failure surfaces as `ExecutorError` naming the executor, with the
@@ -29,20 +29,21 @@ class ExecutorError(RuntimeError):
 
 class Executor:
 
-  def __init__(self, name: str, fn: Callable[..., Any], timeline: Timeline, mesh=None, *,
-               inline: bool = False):
+  def __init__(self, name: str, timeline: Timeline, mesh=None, *, inline: bool = False):
     """`mesh`: where the role's calls run (its devices count towards the timeline's bubble)."""
-    self.name, self._fn, self._timeline = name, fn, timeline
+    self.name, self._timeline = name, timeline
     self._pool = (None if inline else
                   concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"jaxrl-{name}"))
     timeline.register(name, () if mesh is None else [d.id for d in mesh.devices.flat])
 
-  def submit(self, *args, label: str = "", **kwargs) -> concurrent.futures.Future:
+  def submit(self, fn: Callable[..., Any], *args, label: str = "",
+             **kwargs) -> concurrent.futures.Future:
+    """Runs `fn(*args, **kwargs)` on this executor."""
 
     def call():
       with self._timeline.span(self.name, label or self.name):
         # Blocking here makes the busy interval the real device time, not the dispatch.
-        return jax.block_until_ready(self._fn(*args, **kwargs))
+        return jax.block_until_ready(fn(*args, **kwargs))
 
     if self._pool is not None:
       return self._pool.submit(call)

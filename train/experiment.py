@@ -41,10 +41,6 @@ class StageHandle:
   def __init__(self, exp: Experiment, name: str):
     self._exp, self.name = exp, name
 
-  @property
-  def stage(self):
-    return self._exp.stages[self.name]
-
   def run(self, steps: int | None = None) -> dict:
     """`steps` more steps (default: to the stage's end); returns the last metrics row."""
     return self._exp._run_stage(self.name, steps)
@@ -61,7 +57,7 @@ class Experiment:
     names = [name for name, cls in STAGES.items() if cls.enabled(self.cfg)]
     for name in names:
       STAGES[name].check(self.cfg)
-    self.run_dir = run_dir or rundir.prepare(self.cfg, resume=resume_run)
+    self.run_dir = rundir.prepare(self.cfg, resume=resume_run, run_dir=run_dir)
     self.checkpointer = RunCheckpointer(self.run_dir, names, keep=self.cfg.keep_checkpoints)
     saved = self.checkpointer.saved() if resume_run else []
     fresh = not saved and not self.cfg.init_checkpoint
@@ -77,7 +73,7 @@ class Experiment:
       self.ctx.writer.resume(0)
       if self.cfg.init_checkpoint:
         self._init_actor(self.cfg.init_checkpoint)
-      elif self.ctx.cluster.actor.params is None:  # every checkpoint was unreadable
+      elif self.ctx.cluster.actor.params is None:  # a fresh start after unreadable checkpoints
         self.ctx.cluster.actor.initialize()
 
   @classmethod
@@ -123,15 +119,17 @@ class Experiment:
       finally:
         if stage.finished or self.stop.event.is_set():
           self.progress.close()
-    if stage.finished:
-      self.position = max(self.position, at + 1)
+      if stage.finished:
+        self.position = max(self.position, at + 1)
+        self.stop.check()  # a request during the stage's last step ends the run here
     return plain_row(to_host(row, "metrics"))
 
   def run(self) -> dict:
     """Every remaining stage to its end; the summary (also written to summary.json)."""
     try:
-      for name in self.stage_names[self.position:]:
-        self._run_stage(name, None)
+      with self.stop:  # one signal handler for the whole run: no gap between stages
+        for name in self.stage_names[self.position:]:
+          self._run_stage(name, None)
     except Stopped as e:
       self.ctx.summary["stopped"] = str(e)
     return self.finish()

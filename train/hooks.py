@@ -13,6 +13,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import jax
+import numpy as np
 from tqdm import tqdm
 
 from train.stages.base import Stage, Stopped
@@ -91,6 +93,15 @@ class Progress(Hook):
       self.bar = None
 
 
+def agreed(flag: bool) -> bool:
+  """Process 0's `flag` on every process: saving and stopping are collective (orbax saves with
+  a barrier), so processes must decide them together, not by their own clocks or signals."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+
+
 class Checkpoint(Hook):
   """A run-state checkpoint every `every` steps, at least every `minutes`, and at the end of
   every stage; `save(stage)` writes one (train/experiment.py)."""
@@ -100,9 +111,10 @@ class Checkpoint(Hook):
     self.last = time.monotonic()
 
   def after_step(self, stage, row):
-    due = stage.done % self.every == 0 or (
-        self.seconds > 0 and time.monotonic() - self.last >= self.seconds)
-    if due and stage.done < stage.total:  # the last step is saved by after_stage
+    if stage.done == stage.total:  # the last step is saved by after_stage
+      return
+    late = self.seconds > 0 and time.monotonic() - self.last >= self.seconds
+    if stage.done % self.every == 0 or agreed(late):
       self.save(stage)
       self.last = time.monotonic()
 
@@ -114,18 +126,31 @@ class Checkpoint(Hook):
 class StopRequest(Hook):
   """SIGTERM / SIGINT (handlers installed in the main thread while a run is inside `with`)
   end it at the next step boundary of any stage, after a checkpoint; a second Ctrl-C raises
-  KeyboardInterrupt at once."""
+  KeyboardInterrupt at once. A request after a stage's last step ends the run once that stage
+  has finished (and saved), before the next one starts."""
 
   def __init__(self, save: Callable[[Stage], None]):
     self.save, self.event, self.signal, self._old = save, threading.Event(), None, {}
+    self._depth = 0
 
   def __enter__(self):
+    self._depth += 1
+    if self._depth > 1:  # already inside a run
+      return self
     self.event.clear()  # a stop honoured earlier (e.g. in a notebook) does not stop this run
     self.signal = None
     if threading.current_thread() is threading.main_thread():
       for sig in (signal.SIGTERM, signal.SIGINT):
         self._old[sig] = signal.signal(sig, self._handle)
     return self
+
+  def requested(self) -> bool:
+    return agreed(self.event.is_set())
+
+  def check(self) -> None:
+    """Between stages: ends the run if a stop was requested."""
+    if self.requested():
+      raise Stopped(self.signal or "stop request")
 
   def _handle(self, signum, frame):
     if self.event.is_set():
@@ -135,11 +160,14 @@ class StopRequest(Hook):
     self.event.set()
 
   def __exit__(self, *exc):
+    self._depth -= 1
+    if self._depth:
+      return
     for sig, old in self._old.items():
       signal.signal(sig, old)
     self._old.clear()
 
   def after_step(self, stage, row):
-    if self.event.is_set():
+    if stage.done < stage.total and self.requested():  # the last step: see `check`
       self.save(stage)
-      raise Stopped(self.signal)
+      raise Stopped(self.signal or "stop request")

@@ -105,7 +105,8 @@ def _setup_logging(primary: bool) -> None:
 
 
 def _start(argv: list[str]):
-  """Parses, joins the job, resolves the config: (Experiment, resume) or an exit code."""
+  """Parses the arguments, joins the job, resolves the config: the Experiment, or an exit code
+  for a user error."""
   try:
     raw, gin_files, gin_params, resume = parse_args(argv)
   except UsageError as e:
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
   if summary.get("stopped"):
     print(f"jaxrl: stopped by {summary['stopped']}; checkpoint saved in {exp.run_dir} "
           f"(continue with --resume)", file=sys.stderr)
-    return 128 + signal.Signals[summary["stopped"]].value
+    name = summary["stopped"]
+    return 128 + signal.Signals[name].value if name in signal.Signals.__members__ else 1
   if primary:
     print("jaxrl: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                 for k, v in summary.items()), flush=True)

@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 PLOTTED = (("loss", "SFT loss", ("sft",)), ("reward_mean", "reward (train samples)", ("rl",)),
-           ("heldout_acc", "held-out greedy accuracy (RL step 0 = after SFT)", ("rl",)),
+           ("heldout_acc", "held-out greedy accuracy (RL step 0 = as RL starts)", ("rl",)),
            ("kl", "KL(pi || ref)", ("rl",)), ("entropy", "entropy (nats/token)", ("rl",)))
 
 

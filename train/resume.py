@@ -2,16 +2,26 @@
 
 `snapshot` gathers every model's parameters, the current stage's learners and arrays, and the
 JSON meta. `latest_good` restores the newest checkpoint that reads back whole; one that does not
-(a truncated file, a partial write) is reported in one line and the one before it is used.
-Models restore first, straight into their roles' shardings; then the stage starts in the
-abstract (it may read data that depends on the restored models, e.g. DPO's pairs) and its
-learners and arrays restore into it.
+(a truncated file, a partial write) is reported in one line, moved aside to
+`run_dir/checkpoints_unreadable/` (so later saves at its step are not refused and no later
+resume tries it again) and the one before it is used. A checkpoint that reads back but does not
+fit the config (another model size, a learner the config no longer has) is a ConfigError, not a
+reason to start over. Models restore first, straight into their roles' shardings; then the stage
+starts in the abstract (it may read data that depends on the restored models, e.g. DPO's pairs)
+and its learners and arrays restore into it.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
 
+import jax
 from flax import nnx
+
+from jaxrl.config import ConfigError, first_line
+from train.checkpoint import shapes
 
 log = logging.getLogger("jaxrl")
 
@@ -26,40 +36,60 @@ def snapshot(exp, stage) -> tuple[dict, dict, dict | None]:
   arrays = {} if stage.finished else stage.arrays()
   if arrays:
     items["stage"] = arrays
-  meta = {"stage": stage.name, "done": stage.done, "finished": stage.finished,
-          "state": stage.state() if not stage.finished else {}, "models": sorted(ctx.cluster.roles),
-          "learners": sorted(learners), "summary": ctx.summary,
-          "metrics_rows": len(ctx.writer.rows)}
+  # A copy: orbax writes the JSON later, on its own thread, while the run goes on.
+  meta = json.loads(json.dumps({
+      "stage": stage.name, "done": stage.done, "finished": stage.finished,
+      "state": {} if stage.finished else stage.state(), "models": sorted(ctx.cluster.roles),
+      "learners": sorted(learners), "last_eval": stage.last_eval,
+      "last_eval_step": stage.last_eval_step, "summary": ctx.summary,
+      "metrics_rows": len(ctx.writer.rows)}))
   metrics = None
   if stage.last_eval_step == stage.done and "heldout_acc" in stage.last_eval:
     metrics = {"heldout_acc": stage.last_eval["heldout_acc"]}
   return items, meta, metrics
 
 
+def _check_models_fit(ckpt, where: str, stage_name: str, step: int, abstract: dict) -> None:
+  """ConfigError naming the first model array whose saved shape this config does not have."""
+  saved = ckpt.item_shapes(stage_name, step, abstract)
+  for name, tree in abstract.items():
+    have, want = saved.get(name, {}), shapes(tree)
+    for path in sorted(set(have) | set(want)):
+      if have.get(path) != want.get(path):
+        raise ConfigError(f"{where} does not fit this config: {name}/{path} is "
+                          f"{have.get(path, 'missing')} there, {want.get(path, 'missing')} here")
+
+
 def _restore(exp, stage_name: str, step: int) -> None:
-  ckpt, cluster = exp.checkpointer, exp.ctx.cluster
+  ckpt, cluster, where = exp.checkpointer, exp.ctx.cluster, f"checkpoints/{stage_name}/{step}"
   meta = ckpt.read_meta(stage_name, step)
   roles = {name: cluster.get(name) or cluster.add(name, initialize=False)
            for name in meta["models"]}
-  restored = ckpt.restore(stage_name, step, {name: nnx.to_pure_dict(role.abstract())
-                                             for name, role in roles.items()})
-  for name, role in roles.items():
+  abstract = {name: nnx.to_pure_dict(role.abstract()) for name, role in roles.items()}
+  _check_models_fit(ckpt, where, stage_name, step, abstract)
+  restored = ckpt.restore(stage_name, step, abstract)
+  for name, role in roles.items():  # (a failed attempt makes them abstract again: _reset)
     params = role.abstract()
     nnx.replace_by_pure_dict(params, restored[name])
     role.params = params
   stage = exp.stages[stage_name]
   if not meta["finished"]:
-    stage.start(restoring=True)
-    abstract = {f"learner_{name}": l.abstract_state() for name, l in stage.learners().items()}
+    stage.start(restoring=True)  # may read data that depends on the models (DPO's pairs)
+    learners = stage.learners()
+    if sorted(learners) != meta["learners"]:
+      raise ConfigError(f"{where} holds learners {meta['learners']}, this config's "
+                        f"{stage_name} stage has {sorted(learners)}")
+    abstract = {f"learner_{name}": l.abstract_state() for name, l in learners.items()}
     arrays = stage.abstract_arrays(meta["state"])
     if arrays:
       abstract["stage"] = arrays
     restored = ckpt.restore(stage_name, step, abstract)
-    for name, learner in stage.learners().items():
+    for name, learner in learners.items():
       learner.load_state(restored[f"learner_{name}"])
     stage.restore(meta["state"], restored.get("stage", {}))
   stage.started, stage.done, stage.finished = True, meta["done"], meta["finished"]
-  exp.ctx.summary = dict(meta["summary"])
+  stage.last_eval, stage.last_eval_step = meta["last_eval"], meta["last_eval_step"]
+  exp.ctx.summary = meta["summary"]
   exp.ctx.writer.resume(meta["metrics_rows"])
   at = exp.stage_names.index(stage_name)
   exp.position = at + 1 if stage.finished else at
@@ -67,13 +97,26 @@ def _restore(exp, stage_name: str, step: int) -> None:
 
 
 def _reset(exp) -> None:
-  """Undoes a failed restore attempt: fresh stage objects, no roles beyond the actor."""
+  """Undoes a failed restore attempt: fresh stage objects, no roles beyond an abstract actor."""
   for stage in exp.stages.values():
     stage.close()
-  for name in list(exp.ctx.cluster.roles):
+  cluster = exp.ctx.cluster
+  for name in list(cluster.roles):
     if name != "actor":
-      del exp.ctx.cluster.roles[name]
+      del cluster.roles[name]
+  cluster.actor.params = None
   exp.stages = {name: type(stage)(exp.ctx) for name, stage in exp.stages.items()}
+
+
+def _move_aside(exp, stage_name: str, step: int) -> str:
+  """Moves an unreadable checkpoint out of its stage's directory (process 0; kept for a look)."""
+  exp.checkpointer.close()  # its managers list the steps once; they reopen on next use
+  target = os.path.join(exp.run_dir, "checkpoints_unreadable",
+                        f"{stage_name}-{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+  if jax.process_index() == 0:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.replace(os.path.join(exp.checkpointer.root, stage_name, str(step)), target)
+  return target
 
 
 def latest_good(exp, saved: list[tuple[str, int]]) -> bool:
@@ -81,11 +124,13 @@ def latest_good(exp, saved: list[tuple[str, int]]) -> bool:
   for stage_name, step in saved:
     try:
       _restore(exp, stage_name, step)
+    except ConfigError:
+      raise
     except Exception as e:  # noqa: BLE001 - any failure to read back marks the checkpoint bad
-      first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-      log.warning("checkpoints/%s/%d cannot be restored (%s: %s); trying the one before it",
-                  stage_name, step, type(e).__name__, first)
       _reset(exp)
+      target = _move_aside(exp, stage_name, step)
+      log.warning("checkpoints/%s/%d cannot be restored (%s: %s); moved to %s, trying the one "
+                  "before it", stage_name, step, type(e).__name__, first_line(e), target)
       continue
     log.info("resumed from checkpoints/%s/%d", stage_name, step)
     return True

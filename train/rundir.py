@@ -43,8 +43,12 @@ def has_checkpoints(run_dir: str) -> bool:
   return os.path.isdir(root) and any(os.scandir(root))
 
 
-def prepare(cfg: ExperimentConfig, *, resume: bool) -> str:
-  run_dir = os.path.join(cfg.run_dir, cfg.run_name or _timestamp())
+def prepare(cfg: ExperimentConfig, *, resume: bool, run_dir: str | None = None) -> str:
+  """`run_dir` (default: config.run_dir/run_name), created, with the config written to it."""
+  if resume and not (run_dir or cfg.run_name):
+    raise ConfigError("config.run_name: --resume continues a named run; set the name the run "
+                      "was started with")
+  run_dir = run_dir or os.path.join(cfg.run_dir, cfg.run_name or _timestamp())
   if has_checkpoints(run_dir) and not resume:
     raise ConfigError(f"config.run_name: {run_dir} already holds checkpoints; pass --resume to "
                       f"continue that run, or pick a new name")

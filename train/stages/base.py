@@ -56,8 +56,8 @@ class Stage:
     raise NotImplementedError
 
   def evaluate(self) -> dict:
-    """Held-out metrics of the current models."""
-    return {}
+    """Held-out metrics of the current models (by default the policy's greedy accuracy)."""
+    return {"heldout_acc": self.ctx.evaluate()}
 
   def finish(self) -> dict:
     """Summary entries, after the final evaluation."""

@@ -16,7 +16,8 @@ from jaxrl.data.preferences import pair_batch, pair_lengths, read_jsonl
 from train import steps
 from train.learner import Learner
 from train.stages.base import Stage
-from train.stages.pairs import chunks, load_pairs
+from train.context import chunks
+from train.stages.pairs import load_pairs
 from train.transfers import to_device, to_host
 
 

@@ -16,18 +16,9 @@ from jaxrl.data.pipeline import prompt_batch
 from jaxrl.data.preferences import Pair, read_jsonl, synthetic_pairs, write_jsonl
 from jaxrl.data.tasks import Example
 from sampler.worker import rollout_key
-from train.context import RunContext
-from train.experience import completion_texts, completion_tokens
-from train.transfers import to_host
+from train.context import RunContext, chunks
 
 HELDOUT_FRACTION = 0.1  # of a user's pairs file, held out for the accuracy / margin metric
-
-
-def chunks(items: list, size: int):
-  """Fixed-size chunks (one compiled shape); the last is padded by repeating its final item."""
-  for start in range(0, len(items), size):
-    chunk = items[start:start + size]
-    yield chunk + [chunk[-1]] * (size - len(chunk)), len(chunk)
 
 
 def policy_samples(ctx: RunContext, examples: list[Example], seed: int) -> dict[str, list[str]]:
@@ -35,8 +26,8 @@ def policy_samples(ctx: RunContext, examples: list[Example], seed: int) -> dict[
   out, g, p = {}, ctx.cfg.rl.group_size, ctx.task.prompt_len
   params = ctx.cluster.fresh_sampler_params()
   for i, (chunk, n) in enumerate(chunks(examples, ctx.cfg.rl.prompts_per_step)):
-    rollout = ctx.generator.sample(params, prompt_batch(chunk, ctx.tok, p), rollout_key(seed, i))
-    texts = completion_texts(ctx.tok, to_host(completion_tokens(rollout), "completions"))
+    texts = ctx.texts(ctx.generator.sample(params, prompt_batch(chunk, ctx.tok, p),
+                                           rollout_key(seed, i)))
     for j, ex in enumerate(chunk[:n]):
       out[ex.prompt] = texts[j * g:(j + 1) * g]
   return out

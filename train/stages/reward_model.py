@@ -15,7 +15,8 @@ from jaxrl.data.preferences import pair_batch, pair_dataset, pair_lengths, read_
 from train import steps
 from train.learner import Learner
 from train.stages.base import Stage
-from train.stages.pairs import chunks, load_pairs
+from train.context import chunks
+from train.stages.pairs import load_pairs
 from train.transfers import to_device, to_host
 
 log = logging.getLogger("jaxrl")

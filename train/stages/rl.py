@@ -72,9 +72,6 @@ class RLStage(Stage):
     self.next_index = self.controller.next_index
     return {**row, "samples": (self.done + 1) * self.cfg.rl.rollouts}
 
-  def evaluate(self) -> dict:
-    return {"heldout_acc": self.ctx.evaluate()}
-
   def finish(self) -> dict:
     self.close()
     t = self.ctx.timeline.summary(getattr(self, "wall0", None))

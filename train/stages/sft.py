@@ -30,9 +30,6 @@ class SFTStage(Stage):
     batch = self.data[self.done]
     return self.learner.update(to_device(batch, actor.batch_shardings(batch), "batch"))
 
-  def evaluate(self) -> dict:
-    return {"heldout_acc": self.ctx.evaluate()}
-
   def finish(self) -> dict:
     return {"heldout_acc_sft": self.last_eval["heldout_acc"]}
 
