@@ -55,6 +55,7 @@ def test_stop_during_a_stages_last_step_ends_the_run_after_that_stage(tmp_path):
   with Experiment.restore(str(tmp_path / "last")) as again:
     assert again.stage_names[again.position] == "rl"  # DPO is done: RL is next
     assert again.stages["dpo"].finished
+    assert "stopped" not in again.ctx.summary  # the checkpoint holds the summary as saved
 
 
 class _OnStage(_RequestStopAt):
