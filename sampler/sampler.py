@@ -8,7 +8,6 @@ data parallel over the batch).
 from __future__ import annotations
 
 import bisect
-import functools
 from collections.abc import Callable, Sequence
 
 import jax

@@ -2,8 +2,6 @@
 (JAX's transfer guard, implicit and explicit), a step runs, and the host sees only the prompts,
 the completions' token ids (for the verifier), the rewards and the metrics; plus the weight
 push, whose layout change jax.device_put routes through the host (train/transfers.py)."""
-import os
-
 import jax
 import numpy as np
 

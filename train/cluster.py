@@ -62,8 +62,7 @@ class RoleCluster:
     self.copy_shared = False  # an async generator holds the sampler's copy: never free it
     self._pushed_version = -1  # the actor version the sampler's copy holds
     if initialize:
-      self.actor.initialize()
-      self.push()
+      self.actor.initialize()  # the sampler's copy follows on first use (fresh_sampler_params)
 
   def model_factory(self, role: str):
     return lambda: MODEL_CLASSES[role](self.cfg.model, rngs=nnx.Rngs(self.cfg.seed))

@@ -24,7 +24,7 @@ from flax import nnx
 from jaxrl.config import ConfigError, ExperimentConfig, to_dict
 from train import resume, rundir
 from train.checkpoint import RunCheckpointer, load_actor_params, params_fingerprint
-from train.config_files import resolve
+from train.config_files import merge, resolve
 from train.context import RunContext
 from train.hooks import Checkpoint, Evaluate, Log, Progress, StopRequest
 from train.metrics import plain_row, plot_metrics
@@ -80,10 +80,7 @@ class Experiment:
   def restore(cls, run_dir: str, **overrides) -> Experiment:
     """The run in `run_dir` (its config.json), continued from its newest good checkpoint."""
     with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
-      raw = json.load(f)
-    for section, fields in overrides.items():
-      raw[section] = {**raw[section], **fields} if isinstance(fields, dict) else fields
-    return cls(raw, run_dir=run_dir, resume_run=True)
+      return cls(merge(json.load(f), overrides), run_dir=run_dir, resume_run=True)
 
   def _init_actor(self, directory: str) -> None:
     actor = self.ctx.cluster.actor

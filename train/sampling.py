@@ -10,7 +10,6 @@ import dataclasses
 
 import numpy as np
 
-from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
 from sampler.worker import rollout_key
 from train.context import RunContext

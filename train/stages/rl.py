@@ -27,6 +27,7 @@ class RLStage(Stage):
     super().__init__(ctx)
     self.next_index = 0  # the first prompt batch not yet trained on
     self.controller: Controller | None = None
+    self.wall0: float | None = None  # when this process's first RL step began
 
   def eval_due(self, done: int) -> bool:
     return done % self.cfg.eval.every == 0 or done == self.total
@@ -74,7 +75,7 @@ class RLStage(Stage):
 
   def finish(self) -> dict:
     self.close()
-    t = self.ctx.timeline.summary(getattr(self, "wall0", None))
+    t = self.ctx.timeline.summary(self.wall0)
     log.info("RL timeline (trace.json): %s; bubble %.2f",
              ", ".join(f"{k} busy {v:.0%}" for k, v in t["busy"].items()), t["bubble"])
     return {"rl_steps_done": self.done, "rl_wall_s": t["wall_s"], "bubble": t["bubble"],
