@@ -22,6 +22,7 @@ from jaxrl.rewards.verifier import VERIFIERS
 from sharding.placement import STRATEGIES
 
 REWARDS = ("verifier", "reward_model")
+ANSWER_FORMATS = ("gsm8k", "boxed", "plain")
 MODES = ("sync", "async")
 KL_MODES = ("loss", "reward")  # KL(pi || ref) as a loss term, or folded into per-token rewards
 
@@ -67,13 +68,36 @@ class TaskConfig:
   n_heldout: int = 256
   # Chance that an SFT demonstration is the teacher's systematic mistake instead of the answer.
   teacher_error: float = 0.6
-  verifier: str = "exact_match"
 
   def __post_init__(self):
     _choice(self, "name", TASKS)
-    _choice(self, "verifier", VERIFIERS)
     _positive(self, "num_digits", "n_train", "n_heldout")
     _unit(self, "teacher_error")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Prompts, reference answers and SFT targets from jsonl / parquet files (docs/data.md);
+  without `train_path` the synthetic task (config.task) supplies them."""
+  train_path: str = ""
+  heldout_path: str = ""  # empty: `heldout_size` rows split off the training file
+  heldout_size: int = 256
+  prompt_field: str = "question"
+  answer_field: str = "answer"
+  messages_field: str = ""  # chat messages as the prompt (SFT: the last assistant turn the target)
+  completion_field: str = ""  # SFT target; empty: the answer field's whole text (a worked solution)
+  answer_format: str = "gsm8k"  # gsm8k ("#### 42") | boxed (the last \boxed{}) | plain
+  prompt_template: str = "{prompt}"  # str.format over the row's fields; {prompt} = prompt_field
+  chat: bool = False  # render prompts with the tokenizer's chat template
+  system_prompt: str = ""  # with chat: a system message first
+  tokenizer_path: str = ""  # empty: model.hf_path's tokenizer when set, else the byte tokenizer
+  max_prompt_tokens: int = 12  # prompts are left-padded to this; longer ones are bad rows
+  on_bad_row: str = "skip"  # skip (and count in the metrics) | error (stop, naming file and row)
+
+  def __post_init__(self):
+    _choice(self, "answer_format", ANSWER_FORMATS)
+    _choice(self, "on_bad_row", ("skip", "error"))
+    _positive(self, "heldout_size", "max_prompt_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +110,12 @@ class PlacementConfig:
   sampler_tensor: int = 2  # tensor-parallel degree of the sampler mesh
   reshard_bucket_mb: int = 256  # cap on the extra memory of one train -> sampler transfer
   cpu_devices: int = 8  # fake host devices when running on the CPU (XLA_FLAGS)
+  device_memory_gb: float = 0.0  # the target accelerator's memory, checked by --dry_run (0: none)
 
   def __post_init__(self):
     _choice(self, "strategy", STRATEGIES)
     _positive(self, "train_devices", "sampler_tensor", "reshard_bucket_mb", "cpu_devices")
+    _at_least_zero(self, "device_memory_gb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +200,10 @@ class RLConfig:
   temperature: float = 1.0
   top_k: int = 0
   max_grad_norm: float = 1.0
+  max_new_tokens: int = 8  # generation budget per completion (SFT targets must fit it too)
+  # The reward of `reward="verifier"` and the held-out score: exact_match | math (math-verify
+  # equivalence) | package.module:function (called with prompts, completions, row fields).
+  verifier: str = "exact_match"
 
   def __post_init__(self):
     for name, options in [("mode", MODES), ("advantage", ADVANTAGES), ("reward", REWARDS),
@@ -181,7 +211,9 @@ class RLConfig:
                           ("kl_mode", KL_MODES), ("loss_aggregation", AGGREGATIONS)]:
       _choice(self, name, options)
     _positive(self, "prompts_per_step", "group_size", "num_minibatches", "temperature",
-              "aipo_rho", "max_grad_norm")
+              "aipo_rho", "max_grad_norm", "max_new_tokens")
+    if ":" not in self.verifier:
+      _choice(self, "verifier", VERIFIERS)
     _at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap")
     _unit(self, "gamma", "lam")
     if self.advantage == "reinforce_pp" and self.kl_mode != "reward":
@@ -218,6 +250,7 @@ class ExperimentConfig:
   init_checkpoint: str = ""
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
   placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
   sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
   dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)

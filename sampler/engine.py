@@ -8,15 +8,17 @@ prompt is prefilled once and its KV cache repeated (group-major rows: prompt i -
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.decode import decode_step, decode_weights
-from jaxrl.models.llama import KVCache, init_kv_cache, positions_from_valid, rope_table
 from sampler.methods import SAMPLERS, SamplingConfig
+
+KVCache = Any  # the model's own cache pytree (batch first in every leaf)
 
 
 @flax.struct.dataclass
@@ -59,44 +61,32 @@ def segment_ends(forwards: int, segments: int) -> list[int]:
   return list(range(chunk, forwards, chunk)) + [forwards]
 
 
-def grow_kv_cache(kv_cache: KVCache, slots: int) -> KVCache:
-  """The cache with its slot axis zero-padded to `slots` (keys [B,K,H,S], values [B,K,S,H])."""
-  def grow(x, axis):
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, slots - x.shape[axis])
-    return jnp.pad(x, pad)
-  return tuple((grow(k, 3), grow(v, 2)) for k, v in kv_cache)
+class DecodeModel(Protocol):
+  """What the engine needs of a model (`LanguageModel.decoding()` returns one): a KV cache, RoPE
+  tables, a prefill and a one-token step, nothing of the model's internals."""
+
+  compute_dtype: Any
+
+  def init_cache(self, batch: int, slots: int) -> KVCache: ...
+
+  def grow_cache(self, kv_cache: KVCache, slots: int) -> KVCache: ...
+
+  def rope(self, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]: ...
+
+  def prefill(self, tokens_BP: jax.Array, valid_BP: jax.Array) -> tuple[jax.Array, KVCache]: ...
+
+  def decode_fn(self, layout: str) -> Callable: ...
 
 
-def _prefill(model, head_VD, prompt_tokens_BP, prompt_valid_BP):
-  """The prompt's KV cache (exactly its P slots; each decode segment grows it to what it needs)
-  and the next-token logits. Only the last prompt position is sampled from, so the final
-  block's queries, attention and MLP (and the LM head) run for it alone."""
-  b, p = prompt_tokens_BP.shape
-  h_B1D, kv_cache = model.decoder(prompt_tokens_BP, positions_from_valid(prompt_valid_BP),
-                                  prompt_valid_BP, init_kv_cache(model.cfg, b, p),
-                                  last_only=True)
-  return model.logits(h_B1D, head_VD)[:, 0], kv_cache
-
-
-def _decode_forward(model, head_VD, layout: str, key_valid_BS, next_pos_B, steps: int, p: int):
+def _decode_forward(model: DecodeModel, layout: str, key_valid_BS, next_pos_B, steps: int,
+                    p: int):
   """`forward(tok_B, i, kv_cache, slots) -> (logits_BV, kv_cache)`: the decode step for the token
   sampled at step i (cache slot p + i), in the `layout` the step runs in."""
-  sin_NBH, cos_NBH = rope_table(next_pos_B[None, :] + jnp.arange(steps)[:, None],
-                                model.cfg.head_dim, model.cfg.rope_theta)
-  if layout == "features":
-    sin_NHB, cos_NHB = sin_NBH.transpose(0, 2, 1), cos_NBH.transpose(0, 2, 1)
-    weights = decode_weights(model, head_VD)
-
-    def forward(tok_B, i, kv_cache, slots):
-      return decode_step(weights, model.cfg, tok_B, (sin_NHB[i], cos_NHB[i]),
-                         key_valid_BS[:, :slots], kv_cache, p + i)
-    return forward
+  sin_NBH, cos_NBH = model.rope(next_pos_B[None, :] + jnp.arange(steps)[:, None])
+  step = model.decode_fn(layout)
 
   def forward(tok_B, i, kv_cache, slots):
-    h_B1D, kv_cache = model.decoder(tok_B[:, None], (sin_NBH[i][:, None], cos_NBH[i][:, None]),
-                                    key_valid_BS[:, :slots], kv_cache, p + i)
-    return model.logits(h_B1D, head_VD)[:, 0], kv_cache
+    return step(tok_B, (sin_NBH[i], cos_NBH[i]), key_valid_BS[:, :slots], kv_cache, p + i)
   return forward
 
 
@@ -132,15 +122,11 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   take N - 1 decode forwards; they run in `cfg.decode_segments` while loops whose attention
   covers only the cache slots filled by the segment's end.
   """
-  model = nnx.merge(graphdef, params)
-  dt = model.cfg.compute_dtype
-  # The LM head from the float32 embedding, as the trainer's forward computes it; then every
-  # weight in the compute dtype once per call, not once per forward (a bf16 model keeps float32
-  # parameters; norm scales stay float32, as the model uses them).
-  head_VD = model.head_VD().astype(dt)
-  model = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dt) if x.ndim > 1 else x, params))
+  # Weights in the compute dtype once per call, not once per forward (a bf16 model keeps
+  # float32 parameters).
+  model: DecodeModel = nnx.merge(graphdef, params).decoding()
   p, steps = prompt_tokens_BP.shape[1], cfg.max_new_tokens
-  logits_BV, kv_cache = _prefill(model, head_VD, prompt_tokens_BP, prompt_valid_BP)
+  logits_BV, kv_cache = model.prefill(prompt_tokens_BP, prompt_valid_BP)
   key_valid_BS = jnp.concatenate(
       [prompt_valid_BP, jnp.ones((prompt_tokens_BP.shape[0], steps), bool)], axis=1)
   if n > 1:  # share the prefix: prefill once, then give each sample its own copy of the cache
@@ -153,7 +139,7 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   layout = cfg.decode_layout
   if layout == "auto":
     layout = "features" if jax.default_backend() == "cpu" else "rows"
-  forward = _decode_forward(model, head_VD, layout, key_valid_BS,
+  forward = _decode_forward(model, layout, key_valid_BS,
                             prompt_valid_BP.sum(axis=1).astype(jnp.int32), steps, p)
   # All of the call's randomness, drawn once.
   emit = _emitter(cfg, jax.random.uniform(key, (steps, b)), max_new_B)
@@ -169,7 +155,7 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
                       mask_BN=jnp.zeros((b, steps), bool), logprobs_BN=jnp.zeros((b, steps)),
                       recent_BK=jnp.full((b, k), -1, jnp.int32), done_B=jnp.zeros((b,), bool))
   for end in segment_ends(steps - 1, cfg.decode_segments):
-    state = state.replace(kv_cache=grow_kv_cache(state.kv_cache, p + end))
+    state = state.replace(kv_cache=model.grow_cache(state.kv_cache, p + end))
     state = jax.lax.while_loop(lambda s, end=end: (s.step < end) & ~all_done(s.done_B),
                                functools.partial(body, slots=p + end), state)
   state, _ = emit(state)  # the last token needs no forward pass (a no-op if every row is done)

@@ -98,7 +98,7 @@ def test_sampler_paths_match_the_model(tiny_model, tiny_cfg):
     np.testing.assert_array_equal(got, want)
   weights = decode_weights(tiny_model)
   for i in range(p, p + n):
-    sin_B1H, cos_B1H = rope_table(pos_BT[:, i:i + 1], tiny_cfg.head_dim, tiny_cfg.rope_theta)
+    sin_B1H, cos_B1H = rope_table(pos_BT[:, i:i + 1], tiny_cfg)
     logits_BV, cache = decode_step(weights, tiny_cfg, tokens_BT[:, i], (sin_B1H[:, 0].T,
                                    cos_B1H[:, 0].T), valid_BT, cache, i)
     np.testing.assert_allclose(logits_BV, full_BTV[:, i], atol=1e-4)
@@ -110,3 +110,36 @@ def test_params_carry_logical_axes(tiny_model):
   for v in leaves:
     axes = v.get_metadata()["logical_axes"]
     assert len(axes) == v.ndim
+
+
+VARIANTS = {
+    "qwen2": dict(qkv_bias=True, tie_embeddings=False),
+    "qwen3": dict(qk_norm=True, head_dim=16, scale_tied_head=False),
+    "llama3": dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_positions=16),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("layout", ["rows", "features"])
+def test_decoding_protocol_matches_forward(tiny_cfg, variant, layout):
+  """The sampler's `decoding()` view (prefill + one-token steps, both layouts) against the full
+  forward, for each architecture variant, with biases and norm scales made non-trivial."""
+  cfg = ModelConfig(**{**tiny_cfg.__dict__, **VARIANTS[variant]})
+  graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
+  keys = iter(jax.random.split(jax.random.key(3), 100))
+  params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape), params)
+  model = nnx.merge(graphdef, params)
+  rng = np.random.default_rng(4)
+  b, p, n = 2, 5, 4
+  tokens_BT = jnp.asarray(rng.integers(0, 256, (b, p + n)), jnp.int32)
+  valid_BT = jnp.ones((b, p + n), bool).at[0, :2].set(False)
+  pos_BT = positions_from_valid(valid_BT)
+  full_BTV = model(tokens_BT, pos_BT, valid_BT)[0]
+  dec = model.decoding()
+  logits_BV, cache = dec.prefill(tokens_BT[:, :p], valid_BT[:, :p])
+  np.testing.assert_allclose(logits_BV, full_BTV[:, p - 1], atol=1e-4)
+  cache, step = dec.grow_cache(cache, p + n), dec.decode_fn(layout)
+  sin_BTH, cos_BTH = dec.rope(pos_BT)
+  for i in range(p, p + n):
+    logits_BV, cache = step(tokens_BT[:, i], (sin_BTH[:, i], cos_BTH[:, i]), valid_BT, cache, i)
+    np.testing.assert_allclose(logits_BV, full_BTV[:, i], atol=1e-4)

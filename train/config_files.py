@@ -11,26 +11,46 @@ through the same checks as an ml_collections config, so `--gin_param=rl.steps=5`
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 
 import gin
 
 from jaxrl.config import (SECTIONS, ConfigError, ExperimentConfig, first_line, from_mapping,
                           to_dict)
+from jaxrl.models.hf_config import HFError, check_config, model_config_from_hf
+from jaxrl.models.llama import ModelConfig
 
 TOP_LEVEL = "experiment"
 _registered = False
 
 
 def resolve(config) -> ExperimentConfig:
-  """An ExperimentConfig from an ExperimentConfig, a ConfigDict or a mapping (validated)."""
-  if isinstance(config, ExperimentConfig):
-    return config
+  """An ExperimentConfig from an ExperimentConfig, a ConfigDict or a mapping (validated), its
+  model section completed from `model.hf_path`'s config.json when one is given."""
   if hasattr(config, "to_dict"):  # ml_collections.ConfigDict
     config = config.to_dict()
   if isinstance(config, Mapping):
-    return from_mapping(ExperimentConfig, config)
-  raise TypeError(f"expected an ExperimentConfig, a ConfigDict or a mapping, got {type(config)}")
+    config = from_mapping(ExperimentConfig, config)
+  if not isinstance(config, ExperimentConfig):
+    raise TypeError(f"expected an ExperimentConfig, a ConfigDict or a mapping, got {type(config)}")
+  return with_hf_model(config)
+
+
+def with_hf_model(cfg: ExperimentConfig) -> ExperimentConfig:
+  """The model's dimensions from `model.hf_path`'s config.json; a field the config sets to
+  something else is a ConfigError naming both values."""
+  path = cfg.model.hf_path
+  if not path:
+    return cfg
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    raise ConfigError(f"config.model.hf_path: {path!r} is not a Hugging Face model directory "
+                      f"(no config.json)")
+  try:
+    model = check_config(cfg.model, model_config_from_hf(path), ModelConfig())
+  except HFError as e:
+    raise ConfigError(str(e)) from None
+  return dataclasses.replace(cfg, model=model)
 
 
 def _register() -> None:

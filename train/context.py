@@ -47,7 +47,7 @@ def load_task(cfg: ExperimentConfig, tok: ByteTokenizer) -> TaskData:
   p_len = prompt_length(train + heldout, tok)
   return TaskData(train=train, heldout=heldout, prompt_len=p_len,
                   max_new_tokens=answer_length(train + heldout, tok) + 2,
-                  verifier=VERIFIERS[t.verifier],
+                  verifier=VERIFIERS[cfg.rl.verifier],
                   prompts=prompt_dataset(train, tok, batch_size=cfg.rl.prompts_per_step,
                                          length=p_len, seed=cfg.seed + 1))
 

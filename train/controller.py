@@ -52,12 +52,15 @@ class Controller:
     self.values = ex("critic", critic.role.mesh) if critic is not None else None
     self.train = ex("trainer", actor.role.mesh)
     p_len = ctx.task.prompt_len
-    logp = lambda role: role.jit(lambda params, tokens_BT, valid_BT: steps.completion_logprobs(
-        role.graphdef, params, tokens_BT, valid_BT, prompt_len=p_len)[0])
-    self._ref_logp, self._old_logp = logp(self.reference), logp(actor.role)
+    n = self.cfg.num_minibatches  # scoring passes run minibatch by minibatch, as the update
+
+    def scorer(role, fn):
+      return role.jit(lambda params, tokens_BT, valid_BT: steps.map_minibatches(
+          lambda mb: fn(role.graphdef, params, *mb, prompt_len=p_len), (tokens_BT, valid_BT), n))
+    logp = lambda *args, **kw: steps.completion_logprobs(*args, **kw)[0]
+    self._ref_logp, self._old_logp = scorer(self.reference, logp), scorer(actor.role, logp)
     if critic is not None:
-      self._values_fn = critic.role.jit(functools.partial(
-          steps.completion_values, critic.role.graphdef, prompt_len=p_len))
+      self._values_fn = scorer(critic.role, steps.completion_values)
     if self.reward_model is not None:
       self._scores_fn = self.reward_model.jit(functools.partial(steps.sequence_scores,
                                                                 self.reward_model.graphdef))

@@ -6,6 +6,10 @@
   --gin_param=BINDING    one binding, e.g. --gin_param=rl.steps=5 (repeatable)
   --resume               continue the run in run_dir/run_name from its newest good checkpoint
                          (a fresh start when it has none)
+  --dry_run              check the config for its target hardware without allocating anything:
+                         parameter shardings on a fake mesh of placement.cpu_devices devices,
+                         batch divisibility, per-device memory against placement.device_memory_gb
+                         (exit 0 when it fits, 1 when it does not)
 
 Several hosts: the same command on every host; it joins `jax.distributed` first (auto-detected
 on TPU pods and Slurm, else JAXRL_COORDINATOR / JAXRL_NUM_PROCESSES / JAXRL_PROCESS_ID).
@@ -69,7 +73,7 @@ def _check_override_paths(argv: list[str]) -> None:
 
 
 def parse_args(argv: list[str]):
-  """argv -> (locked ConfigDict with overrides, gin files, gin bindings, resume)."""
+  """argv -> (locked ConfigDict with overrides, gin files, gin bindings, flags)."""
   _check_override_paths(argv)
   fv = flags.FlagValues()
   saved, sys.argv = sys.argv, list(argv)  # config_flags reads override names from sys.argv
@@ -80,12 +84,13 @@ def parse_args(argv: list[str]):
     flags.DEFINE_multi_string("gin_file", [], "gin files applied on top", flag_values=fv)
     flags.DEFINE_multi_string("gin_param", [], "gin bindings applied on top", flag_values=fv)
     flags.DEFINE_bool("resume", False, "continue the run from its checkpoints", flag_values=fv)
+    flags.DEFINE_bool("dry_run", False, "check shardings and memory, run nothing", flag_values=fv)
     fv(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     raise UsageError(" ".join(str(e).split())) from None
   finally:
     sys.argv = saved
-  return holder.value, fv.gin_file, fv.gin_param, fv.resume
+  return holder.value, fv.gin_file, fv.gin_param, {"resume": fv.resume, "dry_run": fv.dry_run}
 
 
 def _fail(message: str) -> int:
@@ -108,7 +113,7 @@ def _start(argv: list[str]):
   """Parses the arguments, joins the job, resolves the config: the Experiment, or an exit code
   for a user error."""
   try:
-    raw, gin_files, gin_params, resume = parse_args(argv)
+    raw, gin_files, gin_params, opts = parse_args(argv)
   except UsageError as e:
     return _fail(str(e))
   cpu_devices = raw.get("placement", {}).get("cpu_devices", 8)
@@ -126,9 +131,19 @@ def _start(argv: list[str]):
   from train.config_files import with_gin
   from train.experiment import Experiment
   try:
-    return Experiment(with_gin(raw, gin_files, gin_params), resume_run=resume)
+    cfg = with_gin(raw, gin_files, gin_params)
+    if opts["dry_run"]:
+      return _dry_run(cfg)
+    return Experiment(cfg, resume_run=opts["resume"])
   except (ConfigError, PreferenceDataError) as e:
     return _fail(str(e))
+
+
+def _dry_run(cfg) -> int:
+  from train.dry_run import report
+  lines, fits = report(cfg)
+  print("\n".join(f"jaxrl: dry run: {line}" for line in lines), flush=True)
+  return 0 if fits else 1
 
 
 def main(argv: list[str] | None = None) -> int:

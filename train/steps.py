@@ -98,6 +98,14 @@ def split_minibatches(tree, n: int):
                       tree)
 
 
+def map_minibatches(fn, batch, n: int):
+  """`fn(minibatch) -> [B / n, ...]` over `n` strided minibatches of `batch`, one after another
+  (a scoring pass then holds one minibatch's [B / n, T, V] logits at a time, not the batch's),
+  the results back in row order."""
+  out = jax.lax.map(fn, split_minibatches(batch, n))
+  return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), out)
+
+
 def scan_minibatches(update_one, state: TrainState, batch, n: int):
   """`update_one(state, minibatch) -> (state, metrics)` over `n` minibatches of `batch`, in
   one program; metrics are averaged over the minibatches."""

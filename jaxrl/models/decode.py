@@ -10,10 +10,14 @@ the cache layout is the model's (keys [B, K, H, S], values [B, K, S, H]).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from jaxrl.models.llama import KVCache, LanguageModel, ModelConfig, attention_mask
+from jaxrl.models.llama import (KVCache, LanguageModel, ModelConfig, attention_mask,
+                                init_kv_cache, positions_from_valid, rope_table)
 from sharding.rules import constrain
 
 
@@ -25,12 +29,17 @@ def decode_weights(model: LanguageModel, head_VD: jax.Array | None = None) -> di
   column = lambda norm: norm.scale[...][:, None]
   matrix = lambda w, out: w[...].reshape(out, -1)
   nh, kh = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-  layers = [dict(attn_norm=column(b.attn_norm), wq=matrix(b.attn.wq, nh),
-                 wk=matrix(b.attn.wk, kh), wv=matrix(b.attn.wv, kh),
-                 wo=matrix(b.attn.wo, cfg.d_model), mlp_norm=column(b.mlp_norm),
-                 w_gate=matrix(b.mlp.w_gate, cfg.d_ff), w_up=matrix(b.mlp.w_up, cfg.d_ff),
-                 w_down=matrix(b.mlp.w_down, cfg.d_model))
-            for b in model.decoder.blocks]
+  layers = []
+  for b in model.decoder.blocks:
+    w = dict(attn_norm=column(b.attn_norm), wq=matrix(b.attn.wq, nh), wk=matrix(b.attn.wk, kh),
+             wv=matrix(b.attn.wv, kh), wo=matrix(b.attn.wo, cfg.d_model),
+             mlp_norm=column(b.mlp_norm), w_gate=matrix(b.mlp.w_gate, cfg.d_ff),
+             w_up=matrix(b.mlp.w_up, cfg.d_ff), w_down=matrix(b.mlp.w_down, cfg.d_model))
+    if cfg.qkv_bias:  # [N * H, 1] columns
+      w.update(bq=matrix(b.attn.bq, nh), bk=matrix(b.attn.bk, kh), bv=matrix(b.attn.bv, kh))
+    if cfg.qk_norm:  # [H, 1] columns: per head, over head_dim (axis 1 of [N, H, B])
+      w.update(q_norm=column(b.attn.q_norm), k_norm=column(b.attn.k_norm))
+    layers.append(w)
   return dict(embed_VD=model.decoder.embed[...], layers=layers,
               final_norm=column(model.decoder.final_norm),
               head_VD=model.head_VD() if head_VD is None else head_VD)
@@ -49,6 +58,19 @@ def _rope(x_NHB, sin_HB, cos_HB):
                          axis=1).astype(x_NHB.dtype)
 
 
+def _project(w: dict, name: str, x_DB, heads: int, cfg: ModelConfig):
+  """Queries, keys or values [heads, H, B]: the projection, its bias and its per-head norm."""
+  out_FB = w["w" + name] @ x_DB
+  if cfg.qkv_bias:
+    out_FB = out_FB + w["b" + name].astype(out_FB.dtype)
+  out_NHB = out_FB.reshape(heads, cfg.head_dim, -1)
+  if cfg.qk_norm and name != "v":
+    x32 = out_NHB.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=1, keepdims=True) + cfg.norm_eps)
+    out_NHB = (x32 * w[name + "_norm"]).astype(out_NHB.dtype)
+  return out_NHB
+
+
 def decode_step(weights: dict, cfg: ModelConfig, tokens_B, rope_HB: tuple[jax.Array, jax.Array],
                 key_valid_BS, kv_cache: KVCache, slot) -> tuple[jax.Array, KVCache]:
   """Logits [B, V] (float32) for `tokens_B` at cache slot `slot`, and the updated cache.
@@ -62,10 +84,10 @@ def decode_step(weights: dict, cfg: ModelConfig, tokens_B, rope_HB: tuple[jax.Ar
   new_cache = []
   for w, (k_BKHS, v_BKSH) in zip(weights["layers"], kv_cache):
     a_DB = _rms_norm(x_DB, w["attn_norm"], cfg.norm_eps)
-    q_KGHB = _rope((w["wq"] @ a_DB).reshape(k * g, h, b), q_sin, q_cos).reshape(k, g, h, b)
+    q_KGHB = _rope(_project(w, "q", a_DB, k * g, cfg), q_sin, q_cos).reshape(k, g, h, b)
     q_BKGH = constrain(q_KGHB.transpose(3, 0, 1, 2), ("batch", "act_kv_heads", None, None))
-    k_KHB = _rope((w["wk"] @ a_DB).reshape(k, h, b), sin_HB, cos_HB)
-    v_KHB = (w["wv"] @ a_DB).reshape(k, h, b)
+    k_KHB = _rope(_project(w, "k", a_DB, k, cfg), sin_HB, cos_HB)
+    v_KHB = _project(w, "v", a_DB, k, cfg)
     k_BKHS = jax.lax.dynamic_update_slice_in_dim(
         k_BKHS, k_KHB.transpose(2, 0, 1)[..., None].astype(k_BKHS.dtype), slot, axis=3)
     v_BKSH = jax.lax.dynamic_update_slice_in_dim(
@@ -87,3 +109,68 @@ def decode_step(weights: dict, cfg: ModelConfig, tokens_B, rope_HB: tuple[jax.Ar
   # The barrier keeps XLA from folding the transpose into the product, which turns it into one
   # XLA:CPU runs several times slower (activations as the left operand, contracted on rows).
   return jax.lax.optimization_barrier(logits_VB).T, tuple(new_cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class LMDecoding:
+  """A `LanguageModel` as the sampler decodes it (the `DecodeModel` protocol of
+  sampler/engine.py): weights in the compute dtype and the LM head, computed once per call."""
+  model: LanguageModel
+  head_VD: jax.Array
+
+  @classmethod
+  def of(cls, model: LanguageModel) -> LMDecoding:
+    dt = model.cfg.compute_dtype
+    # The head from the float32 embedding, as the trainer's forward computes it; then every
+    # matrix in the compute dtype (norm scales stay float32, as the model uses them).
+    head_VD = model.head_VD().astype(dt)
+    graphdef, params = nnx.split(model)
+    cast = jax.tree.map(lambda x: x.astype(dt) if x.ndim > 1 else x, params)
+    return cls(nnx.merge(graphdef, cast), head_VD)
+
+  @property
+  def compute_dtype(self):
+    return self.model.cfg.compute_dtype
+
+  def init_cache(self, batch: int, slots: int) -> KVCache:
+    return init_kv_cache(self.model.cfg, batch, slots)
+
+  def grow_cache(self, kv_cache: KVCache, slots: int) -> KVCache:
+    """The cache with its slot axis zero-padded to `slots` (keys [B,K,H,S], values [B,K,S,H])."""
+    def grow(x, axis):
+      pad = [(0, 0)] * x.ndim
+      pad[axis] = (0, slots - x.shape[axis])
+      return jnp.pad(x, pad)
+    return tuple((grow(k, 3), grow(v, 2)) for k, v in kv_cache)
+
+  def rope(self, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sin, cos) [B, T, head_dim / 2] for any positions (a decode loop computes them ahead)."""
+    return rope_table(positions_BT, self.model.cfg)
+
+  def prefill(self, tokens_BP, valid_BP) -> tuple[jax.Array, KVCache]:
+    """Next-token logits [B, V] and the prompt's KV cache (exactly its P slots). Only the last
+    position is sampled from, so the final block's queries, attention and MLP (and the LM
+    head) run for it alone."""
+    b, p = tokens_BP.shape
+    h_B1D, kv_cache = self.model.decoder(tokens_BP, positions_from_valid(valid_BP), valid_BP,
+                                         self.init_cache(b, p), last_only=True)
+    return self.model.logits(h_B1D, self.head_VD)[:, 0], kv_cache
+
+  def decode_fn(self, layout: str):
+    """`step(tok_B, (sin_BH, cos_BH), key_valid_BS, kv_cache, slot) -> (logits_BV, kv_cache)`:
+    one new token per row, in `layout` ("rows": the model's own forward; "features": the
+    feature-major step above, faster on XLA:CPU)."""
+    model = self.model
+    if layout == "features":
+      weights = decode_weights(model, self.head_VD)
+
+      def step(tok_B, rope_BH, key_valid_BS, kv_cache, slot):
+        return decode_step(weights, model.cfg, tok_B, (rope_BH[0].T, rope_BH[1].T), key_valid_BS,
+                           kv_cache, slot)
+      return step
+
+    def step(tok_B, rope_BH, key_valid_BS, kv_cache, slot):
+      h_B1D, kv_cache = model.decoder(tok_B[:, None], tuple(a[:, None] for a in rope_BH),
+                                      key_valid_BS, kv_cache, slot)
+      return model.logits(h_B1D, self.head_VD)[:, 0], kv_cache
+    return step

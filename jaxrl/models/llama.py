@@ -12,14 +12,17 @@ a KV cache of S slots and the slot index of the first new token.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from sharding.rules import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ROPE_SCALINGS = ("none", "linear", "llama3")
 
 # One (k_BKHS, v_BKSH) pair per layer: kv heads first; keys transposed (head_dim before slots).
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]
@@ -37,11 +40,29 @@ class ModelConfig:
   rope_theta: float = 10_000.0
   norm_eps: float = 1e-6
   tie_embeddings: bool = True
+  # jaxrl's own init draws N(0, 1) embeddings and reads the tied LM head as embed / sqrt(d_model);
+  # Hugging Face models (Llama 3.2, Qwen2.5) use the embedding itself: False.
+  scale_tied_head: bool = True
+  qkv_bias: bool = False  # Qwen2 / Qwen2.5
+  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys before RoPE
+  rope_scaling: str = "none"  # none | linear | llama3 (Llama 3.1+)
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 8192
   dtype: str = "float32"  # compute dtype; parameters are always stored in float32
+  # A local Hugging Face model directory to start from (config.json, *.safetensors, tokenizer);
+  # its config.json sets the fields above (jaxrl/models/hf.py). Not read by the model itself.
+  hf_path: str = ""
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
       raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
+    if self.rope_scaling not in ROPE_SCALINGS:
+      raise ValueError(f"rope_scaling: expected one of {list(ROPE_SCALINGS)}, "
+                       f"got {self.rope_scaling!r}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim: RoPE rotates pairs, expected an even number, got {self.head_dim}")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"n_heads: {self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
@@ -57,8 +78,8 @@ def _param(rngs: nnx.Rngs, shape, axes, scale: float) -> nnx.Param:
 
 class RMSNorm(nnx.Module):
 
-  def __init__(self, dim: int, eps: float):
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=("embed",))
+  def __init__(self, dim: int, eps: float, axis_name: str = "embed"):
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=(axis_name,))
     self.eps = eps
 
   def __call__(self, x_BTD):
@@ -67,12 +88,29 @@ class RMSNorm(nnx.Module):
     return (x32 * self.scale[...]).astype(x_BTD.dtype)
 
 
-def rope_table(positions_BT: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+  """RoPE's per-pair angular frequencies [head_dim / 2] (float32), with the config's scaling:
+  `linear` divides them all by the factor; `llama3` divides the low ones (wavelengths above
+  original_max_positions / low_freq_factor), keeps the high ones and blends in between."""
+  half = cfg.head_dim // 2
+  freq_H = 1.0 / cfg.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / cfg.head_dim)
+  if cfg.rope_scaling == "linear":
+    freq_H = freq_H / cfg.rope_factor
+  elif cfg.rope_scaling == "llama3":
+    wavelen_H = 2 * math.pi / freq_H
+    old = cfg.rope_original_max_positions
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    smooth_H = (old / wavelen_H - low) / (high - low)
+    blended_H = (1 - smooth_H) * freq_H / cfg.rope_factor + smooth_H * freq_H
+    freq_H = np.where(wavelen_H > old / low, freq_H / cfg.rope_factor,
+                      np.where(wavelen_H < old / high, freq_H, blended_H))
+  return freq_H.astype(np.float32)
+
+
+def rope_table(positions_BT: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
   """(sin, cos) of the RoPE angles, [B, T, head_dim / 2]: computed once per forward pass and
   shared by every layer's queries and keys."""
-  half = head_dim // 2
-  freq_H = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle_BTH = positions_BT[..., None].astype(jnp.float32) * freq_H
+  angle_BTH = positions_BT[..., None].astype(jnp.float32) * inverse_frequencies(cfg)
   return jnp.sin(angle_BTH), jnp.cos(angle_BTH)
 
 
@@ -92,6 +130,23 @@ class Attention(nnx.Module):
     self.wk = _param(rngs, (k, h, d), ("kv_heads", "head_dim", "embed"), d**-0.5)
     self.wv = _param(rngs, (k, h, d), ("kv_heads", "head_dim", "embed"), d**-0.5)
     self.wo = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), (n * h)**-0.5 / cfg.n_layers)
+    if cfg.qkv_bias:
+      zeros = lambda heads, axis: nnx.Param(jnp.zeros((heads, h), jnp.float32),
+                                            logical_axes=(axis, "head_dim"))
+      self.bq, self.bk, self.bv = zeros(n, "heads"), zeros(k, "kv_heads"), zeros(k, "kv_heads")
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(h, cfg.norm_eps, "head_dim")
+      self.k_norm = RMSNorm(h, cfg.norm_eps, "head_dim")
+
+  def project(self, x_BTD, w_NHD, bias_name: str, norm_name: str):
+    """Queries, keys or values [B, T, N, H]: the projection, its bias (Qwen2) and its per-head
+    RMSNorm (Qwen3 queries and keys), before RoPE."""
+    out_BTNH = jnp.einsum("btd,nhd->btnh", x_BTD, w_NHD[...].astype(x_BTD.dtype))
+    if self.cfg.qkv_bias:
+      out_BTNH = out_BTNH + getattr(self, bias_name)[...].astype(x_BTD.dtype)
+    if self.cfg.qk_norm and norm_name:
+      out_BTNH = getattr(self, norm_name)(out_BTNH)
+    return out_BTNH
 
   def __call__(self, x_BTD, rope_BTH, mask_BTS, layer_cache, cache_index, last_only=False):
     """`last_only`: queries (and so the output) for the last position only; keys and values
@@ -102,10 +157,9 @@ class Attention(nnx.Module):
       x_BQD, mask_BQS = x_BTD[:, -1:], mask_BTS[:, -1:]
       rope_BQH = tuple(a[:, -1:] for a in rope_BTH)
     # Queries carry the 1/sqrt(head_dim) of the attention logits from here on.
-    q_BTNH = rope(jnp.einsum("btd,nhd->btnh", x_BQD, self.wq[...].astype(dt)), rope_BQH,
-                  cfg.head_dim**-0.5)
-    k_BTKH = rope(jnp.einsum("btd,khd->btkh", x_BTD, self.wk[...].astype(dt)), rope_BTH)
-    v_BTKH = jnp.einsum("btd,khd->btkh", x_BTD, self.wv[...].astype(dt))
+    q_BTNH = rope(self.project(x_BQD, self.wq, "bq", "q_norm"), rope_BQH, cfg.head_dim**-0.5)
+    k_BTKH = rope(self.project(x_BTD, self.wk, "bk", "k_norm"), rope_BTH)
+    v_BTKH = self.project(x_BTD, self.wv, "bv", "")
     q_BTNH = constrain(q_BTNH, ("batch", None, "act_heads", None))
     # Keys are stored transposed (head_dim before slots) so that both attention products are
     # plain matrix products over a contiguous cache (no per-step transpose of the keys).
@@ -210,7 +264,7 @@ class Decoder(nnx.Module):
     if isinstance(positions_BT, tuple):  # a rope_table the caller computed ahead (decode loops)
       rope_BTH = positions_BT
     else:
-      rope_BTH = rope_table(positions_BT, self.cfg.head_dim, self.cfg.rope_theta)
+      rope_BTH = rope_table(positions_BT, self.cfg)
     new_cache = []
     for i, block in enumerate(self.blocks):
       x_BTD, layer_cache = block(x_BTD, rope_BTH, mask_BTS,
@@ -249,9 +303,17 @@ class LanguageModel(nnx.Module):
 
   def head_VD(self) -> jax.Array:
     """The LM head's weight, [vocab, d_model]."""
-    if self.cfg.tie_embeddings:
+    if not self.cfg.tie_embeddings:
+      return self.lm_head[...]
+    if self.cfg.scale_tied_head:
       return self.decoder.embed[...] * self.cfg.d_model**-0.5
-    return self.lm_head[...]
+    return self.decoder.embed[...]
+
+  def decoding(self):
+    """This model as the sampler decodes it (sampler/engine.py's `DecodeModel` protocol):
+    weights cast to the compute dtype once per call, the LM head computed once."""
+    from jaxrl.models.decode import LMDecoding  # decode.py builds on this module
+    return LMDecoding.of(self)
 
 
 def init_kv_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:

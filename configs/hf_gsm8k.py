@@ -1,0 +1,27 @@
+"""What the real-size GSM8K configs share: GRPO from an instruct checkpoint, math-verify reward.
+
+Not a config itself: `qwen2_5_0_5b_gsm8k.py`, `qwen2_5_7b_gsm8k.py` and `llama3_1_8b_gsm8k.py`
+call `config(...)` with their model's dimensions (those of its config.json, so `--dry_run` can
+check shardings and memory without the weights; `--config.model.hf_path` supplies the weights and
+must agree) and their hardware.
+"""
+from jaxrl.config import ExperimentConfig, config_dict
+
+PROMPT = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+
+
+def config(*, model: dict, placement: dict, rl: dict | None = None):
+  c = config_dict(ExperimentConfig())
+  c.model.update(model)
+  c.placement.update(placement)
+  c.sft.steps = 0  # an instruct model: straight to RL
+  c.data.update(train_path="data/gsm8k/train.jsonl", heldout_path="data/gsm8k/test.jsonl",
+                prompt_field="question", answer_field="answer", answer_format="gsm8k",
+                prompt_template=PROMPT, chat=True, max_prompt_tokens=256)
+  c.rl.update(steps=200, prompts_per_step=16, group_size=8, num_minibatches=8,
+              learning_rate=1e-6, warmup_steps=10, kl_coef=0.001, max_new_tokens=512,
+              verifier="math", temperature=1.0)
+  c.rl.update(rl or {})
+  c.eval.update(every=20, batch_size=64)
+  c.update(checkpoint_every=50, checkpoint_minutes=30.0, run_name="")
+  return c

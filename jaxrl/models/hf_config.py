@@ -1,0 +1,191 @@
+"""Hugging Face config.json <-> ModelConfig, for Llama, Qwen2 and Qwen3 checkpoints.
+
+Only what the model computes exactly is accepted: anything else in a config.json (another
+architecture, sliding-window attention, YaRN, an MLP or output-projection bias) is an `HFError`
+naming the file and the field, never a silent approximation. transformers 4 writes `rope_theta`
+and `rope_scaling`, transformers 5 `rope_parameters`; both are read, and exports write both, so
+either version (and vLLM) loads them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from jaxrl.models.llama import ModelConfig
+
+
+class HFError(ValueError):
+  """A Hugging Face checkpoint or config that jaxrl cannot load (or write) exactly."""
+
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+
+# The ModelConfig fields a checkpoint fixes, and those that stay the user's (a new ModelConfig
+# field must join one of them: tests/test_hf.py checks).
+USER_FIELDS = ("dtype", "hf_path")
+ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+               "rope_theta", "norm_eps", "tie_embeddings", "scale_tied_head", "qkv_bias", "qk_norm",
+               "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+               "rope_original_max_positions")
+
+_LLAMA3_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
+                "rope_high_freq_factor": "high_freq_factor",
+                "rope_original_max_positions": "original_max_position_embeddings"}
+
+
+def read_json(path: str) -> dict:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    raise HFError(f"{path}: not found") from None
+  except json.JSONDecodeError as e:
+    raise HFError(f"{path}: not valid JSON ({e})") from None
+
+
+def _require(raw: dict, key: str, path: str):
+  if raw.get(key) is None:
+    raise HFError(f"{path}: {key} is missing")
+  return raw[key]
+
+
+def _unsupported(path: str, key: str, value, why: str) -> HFError:
+  return HFError(f"{path}: {key}={json.dumps(value)} is not supported ({why})")
+
+
+def _architecture(raw: dict, path: str) -> str:
+  names = raw.get("architectures") or []
+  if len(names) != 1 or names[0] not in ARCHITECTURES:
+    raise _unsupported(path, "architectures", names, f"expected one of {sorted(ARCHITECTURES)}")
+  return ARCHITECTURES[names[0]]
+
+
+def _refuse_unsupported(raw: dict, arch: str, path: str) -> None:
+  """Fields whose non-default values change the computation in ways the model does not."""
+  if raw.get("hidden_act", "silu") != "silu":
+    raise _unsupported(path, "hidden_act", raw["hidden_act"], "the MLP is SwiGLU: silu only")
+  if raw.get("mlp_bias"):
+    raise _unsupported(path, "mlp_bias", True, "the MLP has no biases")
+  if arch != "qwen2" and raw.get("attention_bias"):
+    # Llama's and Qwen3's attention_bias also adds an o_proj bias, which the model lacks.
+    raise _unsupported(path, "attention_bias", True, "no output-projection bias")
+  if raw.get("use_sliding_window"):
+    raise _unsupported(path, "use_sliding_window", True, "full attention only")
+  layer_types = raw.get("layer_types") or []
+  if any(t != "full_attention" for t in layer_types):
+    raise _unsupported(path, "layer_types", sorted(set(layer_types)), "full attention only")
+  if raw.get("partial_rotary_factor", 1.0) != 1.0:
+    raise _unsupported(path, "partial_rotary_factor", raw["partial_rotary_factor"],
+                       "RoPE over the whole head")
+
+
+def _rope_fields(raw: dict, path: str) -> dict:
+  """ModelConfig's rope fields from `rope_parameters` (transformers 5) or `rope_theta` +
+  `rope_scaling` (transformers 4; its older `type` key too)."""
+  rope = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+  kind = rope.get("rope_type", rope.get("type", "default"))
+  fields = dict(rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10_000.0))))
+  if kind == "default":
+    return fields
+  if kind == "linear":
+    return dict(fields, rope_scaling="linear", rope_factor=float(_require(rope, "factor", path)))
+  if kind == "llama3":
+    rope.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings"))
+    for field, key in _LLAMA3_KEYS.items():
+      value = _require(rope, key, path)
+      fields[field] = int(value) if field == "rope_original_max_positions" else float(value)
+    return dict(fields, rope_scaling="llama3")
+  raise _unsupported(path, "rope_type", kind, "default, linear or llama3")
+
+
+def model_config_from_hf(hf_dir: str) -> ModelConfig:
+  """The ModelConfig of a Llama / Qwen2 / Qwen3 checkpoint directory (its config.json);
+  `hf_path` is `hf_dir`, `dtype` float32."""
+  path = os.path.join(hf_dir, "config.json")
+  raw = read_json(path)
+  arch = _architecture(raw, path)
+  _refuse_unsupported(raw, arch, path)
+  d_model = _require(raw, "hidden_size", path)
+  n_heads = _require(raw, "num_attention_heads", path)
+  try:
+    return ModelConfig(
+        vocab_size=_require(raw, "vocab_size", path), d_model=d_model,
+        n_layers=_require(raw, "num_hidden_layers", path), n_heads=n_heads,
+        n_kv_heads=raw.get("num_key_value_heads") or n_heads,
+        head_dim=raw.get("head_dim") or d_model // n_heads,
+        d_ff=_require(raw, "intermediate_size", path),
+        norm_eps=float(_require(raw, "rms_norm_eps", path)),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)), scale_tied_head=False,
+        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", hf_path=str(hf_dir),
+        **_rope_fields(raw, path))
+  except ValueError as e:  # ModelConfig's own checks (e.g. heads vs kv heads)
+    raise HFError(f"{path}: {e}") from None
+
+
+def check_config(user: ModelConfig, hf: ModelConfig,
+                 default: ModelConfig = ModelConfig()) -> ModelConfig:
+  """`hf` with the user's `dtype` and `hf_path`. An architecture field the user set (it differs
+  from the schema's `default`) to something other than the checkpoint's value is an error."""
+  where = os.path.join(hf.hf_path, "config.json")
+  for name in ARCH_FIELDS:
+    mine, theirs = getattr(user, name), getattr(hf, name)
+    if mine != getattr(default, name) and mine != theirs:
+      raise HFError(f"config.model.{name}: {mine!r} contradicts {theirs!r} in {where}")
+  return dataclasses.replace(hf, dtype=user.dtype, hf_path=user.hf_path or hf.hf_path)
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+  """The Hugging Face model type that computes what `cfg` does: Qwen3 for q/k norms, Qwen2 for
+  q/k/v biases, else Llama."""
+  if cfg.qk_norm and cfg.qkv_bias:
+    raise HFError("qk_norm with qkv_bias: Qwen3's attention_bias also biases o_proj, which the "
+                  "model lacks; no Hugging Face architecture matches")
+  return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+
+
+def _rope_scaling(cfg: ModelConfig) -> dict | None:
+  if cfg.rope_scaling == "linear":
+    return {"rope_type": "linear", "factor": cfg.rope_factor}
+  if cfg.rope_scaling == "llama3":
+    return {"rope_type": "llama3",
+            **{key: getattr(cfg, field) for field, key in _LLAMA3_KEYS.items()}}
+  return None
+
+
+def default_max_positions(cfg: ModelConfig) -> int:
+  """max_position_embeddings for an export: the source checkpoint's where there is one, else
+  the scaled RoPE's context."""
+  source = os.path.join(cfg.hf_path, "config.json") if cfg.hf_path else ""
+  if source and os.path.exists(source):
+    if (positions := read_json(source).get("max_position_embeddings")):
+      return int(positions)
+  factor = cfg.rope_factor if cfg.rope_scaling != "none" else 1.0
+  return int(cfg.rope_original_max_positions * factor)
+
+
+def hf_config_dict(cfg: ModelConfig, *, tied: bool, dtype: str, max_positions: int,
+                   token_ids: dict) -> dict:
+  """config.json for an export of `cfg` (`tied`: whether the files share the embedding as the
+  LM head)."""
+  arch = hf_architecture(cfg)
+  scaling = _rope_scaling(cfg)
+  out = dict(
+      architectures=[next(k for k, v in ARCHITECTURES.items() if v == arch)], model_type=arch,
+      vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+      num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+      num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
+      max_position_embeddings=max_positions, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+      rope_scaling=scaling,
+      rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta},
+      tie_word_embeddings=tied, attention_dropout=0.0, initializer_range=0.02, use_cache=True,
+      torch_dtype=dtype, dtype=dtype, **token_ids)
+  if arch == "llama":
+    out.update(attention_bias=False, mlp_bias=False)
+  else:
+    out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
+               layer_types=["full_attention"] * cfg.n_layers)
+  if arch == "qwen3":
+    out.update(attention_bias=False)
+  return out
