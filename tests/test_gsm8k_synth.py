@@ -160,3 +160,18 @@ def test_chat_token_lengths_fit_96(tok_dir):
   print(f"chat tokens, medium: min {lengths.min()} median {np.median(lengths):.0f} "
         f"p90 {np.percentile(lengths, 90):.0f} max {lengths.max()}")
   assert lengths.max() < 96
+
+
+def test_teacher_demos_slip_on_two_step_problems_only():
+  rows = gs.generate(400, seed=5)
+  demos = gs.with_teacher_demos(rows, 1.0, seed=0)
+  assert [{k: r[k] for k in ("question", "answer")} for r in demos] == rows  # references intact
+  slipped = [(r, d) for r, d in zip(rows, demos) if d["demo"] != r["answer"]]
+  assert slipped
+  for row, demo in slipped:
+    first = re.search(r"<<[^=>]+=(\d+)>>\1", row["answer"])
+    assert demo["demo"] == row["answer"][:first.end()] + f".\n#### {first.group(1)}"
+    assert gs.final_answer(demo["demo"]) != gs.final_answer(row["answer"])
+  one_step = [r for r in rows if r["answer"].count("<<") == 1]
+  assert one_step and all(gs.teacher_slip(r["answer"]) is None for r in one_step)
+  assert all(d["demo"] == r["answer"] for r, d in zip(rows, gs.with_teacher_demos(rows, 0.0, 0)))

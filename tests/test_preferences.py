@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 
+from jaxrl.data.pipeline import Encoding
 from jaxrl.data.preferences import (Pair, PreferenceDataError, pair_batch, pair_lengths, read_jsonl,
                                     synthetic_pairs, write_jsonl)
 from jaxrl.data.tasks import make_splits
@@ -53,9 +54,9 @@ def test_bad_rows_are_named(tmp_path, line, message):
 def test_pair_batch_layout():
   tok = ByteTokenizer()
   pairs = [Pair("rev abc=", "cba", "bca"), Pair("rev ab=", "ba", "abx")]
-  p_len, r_len = pair_lengths(pairs, tok)
+  p_len, r_len = pair_lengths(pairs, Encoding(tok))
   assert (p_len, r_len) == (9, 4)
-  b = pair_batch(pairs, tok, p_len, r_len)
+  b = pair_batch(pairs, Encoding(tok), p_len, r_len)
   assert b["tokens"].shape == (4, 13) and b["completion_mask"].shape == (4, 4)
   # Rows: chosen of each pair, then rejected; prompts left-padded, responses right-padded + EOS.
   assert tok.decode(b["tokens"][0, p_len:]) == "cba" and tok.decode(b["tokens"][3, p_len:]) == "abx"

@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.config import RLConfig
+from jaxrl.data.pipeline import Encoding
 from jaxrl.data.preferences import Pair, pair_batch, pair_lengths
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.models import LanguageModel, RewardModel, ValueModel
@@ -20,8 +21,8 @@ PAIRS = [Pair("rev abc=", "cba", "bca"), Pair("rev bad=", "dab", "abd"),
 
 def _pair_batch():
   tok = ByteTokenizer()
-  lengths = pair_lengths(PAIRS, tok)
-  return {k: jnp.asarray(v) for k, v in pair_batch(PAIRS, tok, *lengths).items()}, lengths[0]
+  lengths = pair_lengths(PAIRS, Encoding(tok))
+  return {k: jnp.asarray(v) for k, v in pair_batch(PAIRS, Encoding(tok), *lengths).items()}, lengths[0]
 
 
 def _state(model, lr=3e-3):

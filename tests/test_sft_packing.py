@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.data.pipeline import _sft_row, answer_length, pack_rows, prompt_length, sft_dataset
+from jaxrl.data.pipeline import Encoding, _sft_row, answer_length, pack_rows, prompt_length, sft_dataset
 from jaxrl.data.tasks import make_splits
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.models.llama import LanguageModel, positions_from_segments
@@ -18,8 +18,9 @@ def test_positions_restart_per_segment():
 
 def test_packed_logprobs_equal_unpacked(tiny_cfg):
   tok = ByteTokenizer()
+  enc = Encoding(tok)
   train, _ = make_splits("addition", 2, 40, 4, seed=0)
-  rows = pack_rows(train, tok, row_len=48, seed=0)
+  rows = pack_rows(train, enc, row_len=48, seed=0)
   assert sum(int(r["segment_ids"].max()) for r in rows) == len(train)  # nothing dropped
   assert all(r["loss_mask"].sum() > 0 for r in rows)
   graphdef, params = nnx.split(LanguageModel(tiny_cfg, rngs=nnx.Rngs(0)))
@@ -27,12 +28,12 @@ def test_packed_logprobs_equal_unpacked(tiny_cfg):
   logp_packed, _ = steps.token_logprobs(graphdef, params, jnp.asarray(row["tokens"])[None],
                                         jnp.asarray(row["valid"])[None],
                                         jnp.asarray(row["segment_ids"])[None])
-  seq_len = prompt_length(train, tok) + answer_length(train, tok)
+  seq_len = prompt_length(train, enc) + answer_length(train, enc)
   by_text = {e.prompt + e.target: e for e in train}
   for seg in range(1, int(row["segment_ids"].max()) + 1):
     where = np.flatnonzero(row["segment_ids"] == seg)
     ex = by_text[tok.decode(row["tokens"][where])]
-    alone = _sft_row(ex, tok, seq_len)
+    alone = _sft_row(ex, enc, seq_len)
     logp_alone, _ = steps.token_logprobs(graphdef, params, jnp.asarray(alone["tokens"])[None],
                                          jnp.asarray(alone["valid"])[None])
     n = len(where)
@@ -44,8 +45,9 @@ def test_packed_logprobs_equal_unpacked(tiny_cfg):
 
 def test_packed_dataset_and_length_error():
   tok = ByteTokenizer()
+  enc = Encoding(tok)
   train, _ = make_splits("addition", 2, 64, 4, seed=0)
-  batch = next(iter(sft_dataset(train, tok, batch_size=4, seed=0, pack_length=64)))
+  batch = next(iter(sft_dataset(train, enc, batch_size=4, seq_len=0, seed=0, pack_length=64)))
   assert batch["tokens"].shape == (4, 64) and batch["segment_ids"].max() >= 5
   with pytest.raises(ValueError, match="sft.pack_length: example"):
-    pack_rows(train, tok, row_len=5, seed=0)
+    pack_rows(train, enc, row_len=5, seed=0)

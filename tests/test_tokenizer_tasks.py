@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxrl.data.pipeline import prompt_dataset, prompt_length, sft_dataset
+from jaxrl.data.pipeline import Encoding, prompt_dataset, prompt_length, sft_dataset
 from jaxrl.data.tasks import TASKS, make_splits
 from jaxrl.data.tokenizer import ByteTokenizer
 
@@ -58,15 +58,15 @@ def test_task_space_too_small():
 
 def test_pipelines_shapes_and_masks():
   train, _ = make_splits("addition", 2, 64, 8, seed=0)
-  batch = sft_dataset(train, TOK, batch_size=8, seed=0)[0]
+  batch = sft_dataset(train, Encoding(TOK), batch_size=8, seq_len=16, seed=0)[0]
   assert batch["tokens"].shape == batch["loss_mask"].shape
   for row in range(8):
     learned = batch["tokens"][row][batch["loss_mask"][row]]
     assert learned[-1] == TOK.eos_id  # the answer and its EOS are learned, the prompt is not
     prompt_end = list(batch["tokens"][row]).index(ord("="))
     assert not batch["loss_mask"][row][:prompt_end + 1].any()
-  length = prompt_length(train, TOK)
-  prompts = next(iter(prompt_dataset(train, TOK, batch_size=4, length=length, seed=0)))
+  length = prompt_length(train, Encoding(TOK))
+  prompts = next(iter(prompt_dataset(train, Encoding(TOK), batch_size=4, length=length, seed=0)))
   assert prompts["prompt_tokens"].shape == (4, length)
   assert (prompts["prompt_tokens"][:, -1] == ord("=")).all()  # left padded: prompts end aligned
 

@@ -101,18 +101,21 @@ class RunCheckpointer:
     self._managers.clear()
 
 
-def load_actor_params(directory: str, like: nnx.State) -> tuple[nnx.State, int]:
-  """The actor's parameters of the latest checkpoint under a stage directory (e.g. a run's
-  checkpoints/sft), laid out like `like` (abstract arrays with shardings); ValueError naming
-  the directory when there is none or it does not fit the model."""
+def load_actor_params(directory: str, like: nnx.State, *, step: int | None = None,
+                      what: str = "config.init_checkpoint") -> tuple[nnx.State, int]:
+  """The actor's parameters of a checkpoint under a stage directory (e.g. a run's
+  checkpoints/sft; the latest unless `step`), laid out like `like` (abstract arrays with
+  shardings); ValueError naming `what` and the directory when there is none or it does not fit
+  the model."""
   if not os.path.isdir(directory):
-    raise ValueError(f"config.init_checkpoint: no such directory {directory!r}")
+    raise ValueError(f"{what}: no such directory {directory!r}")
   manager = ocp.CheckpointManager(os.path.abspath(directory))
   try:
-    step = manager.latest_step()
-    if step is None:
-      raise ValueError(f"config.init_checkpoint: no checkpoint under {directory!r}")
-    where = f"config.init_checkpoint: {directory!r} step {step}"
+    step = manager.latest_step() if step is None else step
+    if step is None or step not in manager.all_steps():
+      raise ValueError(f"{what}: no checkpoint{'' if step is None else f' {step}'} under "
+                       f"{directory!r}")
+    where = f"{what}: {directory!r} step {step}"
     pure = nnx.to_pure_dict(like)
     _check_shapes(os.path.join(manager.directory, str(step), "actor"), pure, where)
     try:

@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.models.heads import RewardModel, ValueModel
+from jaxrl.models.hf import HFError, load_params
 from jaxrl.models.llama import LanguageModel
 from sharding.placement import ROLES, PlacementError, host_major_devices, make_placement
 from sharding.reshard import TransferStats, reshard
@@ -62,7 +63,19 @@ class RoleCluster:
     self.copy_shared = False  # an async generator holds the sampler's copy: never free it
     self._pushed_version = -1  # the actor version the sampler's copy holds
     if initialize:
-      self.actor.initialize()  # the sampler's copy follows on first use (fresh_sampler_params)
+      self.initialize_actor()  # the sampler's copy follows on first use (fresh_sampler_params)
+
+  def initialize_actor(self) -> None:
+    """The actor's starting weights: `model.hf_path`'s, read slice by slice straight into the
+    actor's shardings, or random ones born sharded."""
+    if not self.cfg.model.hf_path:
+      self.actor.initialize()
+      return
+    try:
+      self.actor.params = load_params(self.cfg.model.hf_path, self.cfg.model,
+                                      self.actor.abstract())
+    except HFError as e:
+      raise ConfigError(str(e)) from None
 
   def model_factory(self, role: str):
     return lambda: MODEL_CLASSES[role](self.cfg.model, rngs=nnx.Rngs(self.cfg.seed))

@@ -6,50 +6,128 @@ never reaches another stage, only this context.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import grain
 import jax
+import numpy as np
 
 from jaxrl.config import ConfigError, ExperimentConfig
-from jaxrl.data.pipeline import answer_length, prompt_batch, prompt_dataset, prompt_length
+from jaxrl.data.pipeline import Encoding, prompt_batch, prompt_dataset, prompt_length, target_length
+from jaxrl.data.sources import DataError, DataOptions, load_examples
 from jaxrl.data.tasks import Example, make_splits
-from jaxrl.data.tokenizer import ByteTokenizer
+from jaxrl.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from jaxrl.rewards.user import RewardFnError, call_reward_fn, load_reward_fn
 from jaxrl.rewards.verifier import VERIFIERS
 from train.cluster import RoleCluster
-from train.experience import completion_texts, completion_tokens, verify
+from train.experience import completion_texts, completion_tokens
 from train.generator import Generator
 from train.metrics import MetricsWriter
 from train.timeline import Timeline
 from train.transfers import to_host
+
+log = logging.getLogger("jaxrl")
+# (prompts, completions, examples) -> [B] float32 rewards
+Reward = Callable[[list[str], list[str], list[Example]], np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskData:
   train: list[Example]
   heldout: list[Example]
-  prompt_len: int  # every prompt (BOS included) fits; prompts are left-padded to it
-  max_new_tokens: int
-  verifier: Callable[[str, str], float]
+  enc: Encoding  # prompt and target token ids
+  prompt_len: int  # data.max_prompt_tokens: prompts are left-padded to it
+  max_new_tokens: int  # rl.max_new_tokens
+  reward: Reward  # rl.verifier: a verifier, or a user function of the rows' fields
+  verifier: Callable[[str, str], float]  # one completion against one reference answer
   prompts: grain.MapDataset  # RL prompt batches, read by index (the data position)
+  skipped: dict  # bad rows skipped, by reason
 
 
-def load_task(cfg: ExperimentConfig, tok: ByteTokenizer) -> TaskData:
+def make_reward(name: str) -> tuple[Reward, Callable[[str, str], float]]:
+  """(batch reward, per-sample verifier) of `rl.verifier`: a built-in verifier of completions
+  against reference answers, or `package.module:function` called with the batch's prompts,
+  completions and row fields (the reference answer as `answer`)."""
+  if ":" not in name:
+    verifier = VERIFIERS[name]
+    return (lambda prompts, completions, examples: np.array(
+        [verifier(c, ex.answer) for c, ex in zip(completions, examples)], np.float32)), verifier
+  try:
+    fn = load_reward_fn(name)
+  except RewardFnError as e:
+    raise ConfigError(f"config.rl.verifier: {e}") from None
+
+  def reward(prompts, completions, examples):
+    return call_reward_fn(fn, prompts, completions,
+                          [{**ex.fields, "answer": ex.answer} for ex in examples])
+  return reward, lambda text, answer: float(reward([""], [text], [Example("", answer)])[0])
+
+
+def load_tokenizer_for(cfg: ExperimentConfig) -> Tokenizer:
+  path = cfg.data.tokenizer_path or cfg.model.hf_path
+  try:
+    tok = load_tokenizer(path)
+  except (TokenizerError, OSError) as e:
+    raise ConfigError(f"config.data.tokenizer_path: {e}") from None
   if cfg.model.vocab_size < tok.vocab_size:
-    raise ConfigError(f"config.model.vocab_size: expected >= {tok.vocab_size} for the byte "
-                      f"tokenizer, got {cfg.model.vocab_size}")
+    raise ConfigError(f"config.model.vocab_size: expected >= {tok.vocab_size} for the tokenizer "
+                      f"{path or '(bytes)'}, got {cfg.model.vocab_size}")
+  return tok
+
+
+def _synthetic(cfg: ExperimentConfig, enc: Encoding) -> tuple[list, list]:
   t = cfg.task
   try:
     train, heldout = make_splits(t.name, t.num_digits, t.n_train, t.n_heldout, cfg.seed,
                                  t.teacher_error)
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None
-  p_len = prompt_length(train + heldout, tok)
-  return TaskData(train=train, heldout=heldout, prompt_len=p_len,
-                  max_new_tokens=answer_length(train + heldout, tok) + 2,
-                  verifier=VERIFIERS[cfg.rl.verifier],
-                  prompts=prompt_dataset(train, tok, batch_size=cfg.rl.prompts_per_step,
-                                         length=p_len, seed=cfg.seed + 1))
+  for field, limit, need in [
+      ("data.max_prompt_tokens", cfg.data.max_prompt_tokens, prompt_length(train + heldout, enc)),
+      ("rl.max_new_tokens", cfg.rl.max_new_tokens, target_length(train + heldout, enc))]:
+    if need > limit:
+      raise ConfigError(f"config.{field}: the task {t.name!r} needs {need} tokens, got {limit}")
+  return train, heldout
+
+
+def _from_files(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[list, list, dict]:
+  d = cfg.data
+  opts = DataOptions.of(d)
+  opts = dataclasses.replace(opts, max_completion_tokens=cfg.rl.max_new_tokens)
+  sft = cfg.sft.steps > 0
+  try:
+    train, skipped = load_examples(d.train_path, tok, opts, sft=sft)
+    if d.heldout_path:
+      heldout, held_skipped = load_examples(d.heldout_path, tok, opts)
+    else:
+      order = np.random.default_rng(cfg.seed).permutation(len(train))
+      n = min(d.heldout_size, len(train) // 10 or 1)
+      heldout, held_skipped = [train[i] for i in order[:n]], {}
+      train = [train[i] for i in sorted(order[n:])]
+  except DataError as e:
+    raise ConfigError(str(e)) from None
+  skipped = {f"train: {k}": v for k, v in skipped.items()}
+  skipped.update({f"heldout: {k}": v for k, v in held_skipped.items()})
+  return train, heldout[:d.heldout_size], skipped
+
+
+def load_task(cfg: ExperimentConfig, tok: Tokenizer) -> TaskData:
+  """The run's examples (data files, or the synthetic task), their encoding and reward."""
+  enc = Encoding(tok, chat=cfg.data.chat or bool(cfg.data.messages_field))
+  if cfg.data.train_path:
+    train, heldout, skipped = _from_files(cfg, tok)
+    for what, n in skipped.items():
+      log.warning("data: skipped %d rows (%s)", n, what)
+  else:
+    (train, heldout), skipped = _synthetic(cfg, enc), {}
+  reward, verifier = make_reward(cfg.rl.verifier)
+  p_len = cfg.data.max_prompt_tokens
+  return TaskData(train=train, heldout=heldout, enc=enc, prompt_len=p_len,
+                  max_new_tokens=cfg.rl.max_new_tokens, reward=reward, verifier=verifier,
+                  prompts=prompt_dataset(train, enc, batch_size=cfg.rl.prompts_per_step,
+                                         length=p_len, seed=cfg.seed + 1),
+                  skipped=skipped)
 
 
 class RunContext:
@@ -57,28 +135,36 @@ class RunContext:
   def __init__(self, cfg: ExperimentConfig, run_dir: str, *, initialize: bool = True):
     """`initialize=False`: the actor stays abstract (a restore fills it)."""
     self.cfg, self.run_dir = cfg, run_dir
-    self.tok = ByteTokenizer()
+    self.tok = load_tokenizer_for(cfg)
     self.task = load_task(cfg, self.tok)
     self.cluster = RoleCluster(cfg, initialize=initialize)
     self.generator = Generator(self.cluster, max_new_tokens=self.task.max_new_tokens,
-                               eos_id=self.tok.eos_id, pad_id=self.tok.pad_id, rl=cfg.rl)
+                               tok=self.tok, rl=cfg.rl)
     self.timeline = Timeline()
     self.writer = MetricsWriter(run_dir, enabled=jax.process_index() == 0)
     self.summary: dict = {"run_dir": run_dir}
+    if self.task.skipped:
+      self.summary["data_skipped_rows"] = dict(self.task.skipped)
     self.samplers: dict = {}  # Experiment.sample's compiled samplers, by settings
 
   def texts(self, rollout) -> list[str]:
     """The rollout's completions, decoded on the host (their token ids are all it fetches)."""
     return completion_texts(self.tok, to_host(completion_tokens(rollout), "completions"))
 
+  def score(self, texts: list[str], examples) -> np.ndarray:
+    """[B] rewards of completions `texts` of `examples` (rl.verifier)."""
+    examples = list(examples)
+    return self.task.reward([ex.prompt for ex in examples], texts, examples)
+
   def evaluate(self, examples: list[Example] | None = None) -> float:
-    """Held-out greedy accuracy of the newest policy."""
+    """Held-out score of the newest policy's greedy completions (for a 0/1 verifier: the
+    accuracy)."""
     examples = self.task.heldout if examples is None else examples
     params, correct = self.cluster.fresh_sampler_params(), 0.0
     for chunk, n in chunks(examples, self.cfg.eval.batch_size):
-      batch = prompt_batch(chunk, self.tok, self.task.prompt_len)
+      batch = prompt_batch(chunk, self.task.enc, self.task.prompt_len)
       texts = self.texts(self.generator.greedy(params, batch))
-      correct += verify(texts, batch["answers"], self.task.verifier)[:n].sum()
+      correct += self.score(texts[:n], chunk[:n]).sum()
     return float(correct) / len(examples)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from sampler.worker import RolloutWorker, RolloutWorkerError, rollout_key
 from train import steps
 from train.executors import Executor, ExecutorError
-from train.experience import make_experience, verify
+from train.experience import make_experience
 from train.learner import Learner
 from train.transfers import to_device, to_host
 
@@ -67,9 +67,9 @@ class Controller:
     self._experience = actor.role.jit(functools.partial(make_experience, cfg=self.cfg))
 
   # -- one batch ------------------------------------------------------------------------------
-  def _score(self, rollout, answers_B):
+  def _score(self, rollout, examples_B):
     """(rewards on the trainer's mesh, verified_B on the host)."""
-    verified_B = verify(self.ctx.texts(rollout), answers_B, self.ctx.task.verifier)
+    verified_B = self.ctx.score(self.ctx.texts(rollout), examples_B)
     if self.reward_model is None:
       rewards_B = to_device(verified_B, self.actor.role.batch_shardings(verified_B), "rewards")
     else:
@@ -84,9 +84,9 @@ class Controller:
   def experience(self, rollout, prompts):
     """Scores one rollout batch (the reward, reference, critic and old-log-prob calls overlap)
     and assembles its Experience on the trainer's mesh: (experience, metrics, verified_B)."""
-    answers_B = np.repeat(prompts["answers"], self.cfg.group_size)
+    examples_B = np.repeat(prompts["examples"], self.cfg.group_size)
     futures = {
-        "reward": (self.reward, self.reward.submit(self._score, rollout, answers_B,
+        "reward": (self.reward, self.reward.submit(self._score, rollout, examples_B,
                                                    label="score")),
         "ref": (self.ref, self.ref.submit(self._on, self.reference, self._ref_logp, rollout,
                                           label="ref logprobs")),

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxrl.algos import KL_ESTIMATORS
 from jaxrl.config import RLConfig
-from jaxrl.data.tokenizer import ByteTokenizer
+from jaxrl.data.tokenizer import Tokenizer
 from train import steps
 
 
@@ -61,11 +61,6 @@ def completion_tokens(rollout) -> jax.Array:
   return rollout.tokens_BT[:, rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]:]
 
 
-def completion_texts(tok: ByteTokenizer, completions_BN: np.ndarray) -> list[str]:
+def completion_texts(tok: Tokenizer, completions_BN: np.ndarray) -> list[str]:
   """Decoded completions (host); decoding stops at EOS."""
   return [tok.decode(row) for row in completions_BN]
-
-
-def verify(texts: list[str], answers_B, verifier) -> np.ndarray:
-  """[B] in {0, 1}: each completion checked against its reference answer."""
-  return np.array([verifier(text, a) for text, a in zip(texts, answers_B)], np.float32)

@@ -74,7 +74,7 @@ class Experiment:
       if self.cfg.init_checkpoint:
         self._init_actor(self.cfg.init_checkpoint)
       elif self.ctx.cluster.actor.params is None:  # a fresh start after unreadable checkpoints
-        self.ctx.cluster.actor.initialize()
+        self.ctx.cluster.initialize_actor()
 
   @classmethod
   def restore(cls, run_dir: str, **overrides) -> Experiment:

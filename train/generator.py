@@ -22,14 +22,14 @@ from train.transfers import to_device
 
 class Generator:
 
-  def __init__(self, cluster: RoleCluster, *, max_new_tokens: int, eos_id: int, pad_id: int,
-               rl: RLConfig):
+  def __init__(self, cluster: RoleCluster, *, max_new_tokens: int, tok, rl: RLConfig):
+    """`tok`: the run's tokenizer (its EOS, PAD and further stop tokens such as `<|eot_id|>`)."""
     mesh = cluster.meshes["sampler"]
-    self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                                   method="temperature", temperature=rl.temperature,
+    ends = dict(max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                stop_sequences=tuple((i,) for i in tok.stop_ids if i != tok.eos_id))
+    self.sampling = SamplingConfig(**ends, method="temperature", temperature=rl.temperature,
                                    top_k=rl.top_k)
-    self.greedy_sampling = SamplingConfig(max_new_tokens=max_new_tokens, eos_id=eos_id,
-                                          pad_id=pad_id, method="greedy")
+    self.greedy_sampling = SamplingConfig(**ends, method="greedy")
     jit = lambda cfg, n: jit_generate(cluster.actor.graphdef, cfg, n=n, mesh=mesh,
                                       param_shardings=cluster.sampler_shardings)
     self._sample = jit(self.sampling, rl.group_size)

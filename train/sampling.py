@@ -33,12 +33,22 @@ def _sampler(ctx: RunContext, n: int, greedy: bool, max_new_tokens: int) -> Samp
   return cache[key]
 
 
+def as_prompt(ctx: RunContext, text: str) -> str:
+  """`text` as the run's data renders a prompt: through the chat template (with the system
+  prompt) when `data.chat` is set."""
+  d = ctx.cfg.data
+  if not ctx.task.enc.chat:
+    return text
+  system = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
+  return ctx.tok.chat(system + [{"role": "user", "content": text}])
+
+
 def sample(ctx: RunContext, prompts: list[str], *, n: int = 1, greedy: bool = False,
            max_new_tokens: int | None = None, seed: int = 0) -> list[list[Completion]]:
   """`n` completions per prompt (greedy: the same one `n` times)."""
   max_new = max_new_tokens or ctx.task.max_new_tokens
   sampler = _sampler(ctx, n, greedy, max_new)
-  ids = [ctx.tok.encode(p, bos=True) for p in prompts]
+  ids = [ctx.task.enc.prompt(as_prompt(ctx, p)) for p in prompts]
   rollout = sampler(ctx.cluster.fresh_sampler_params(), ids, rollout_key(seed, 0))
   p = rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]
   out = []

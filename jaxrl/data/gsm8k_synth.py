@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -179,6 +180,34 @@ def generate(n: int, seed: int, difficulty: str | Difficulty = "medium",
     if tries > 20 * n + 1000:
       raise ValueError(f"difficulty {d} has fewer than {n} distinct questions; lower n")
   return list(rows.values())
+
+
+_FIRST_STEP = re.compile(r"<<[^=>]+=(\d+)>>\1")
+
+
+def teacher_slip(answer: str) -> str | None:
+  """The worked solution an imperfect teacher writes for a two-step problem: it stops after the
+  first step and answers its intermediate result (None for one-step solutions)."""
+  steps = list(_FIRST_STEP.finditer(answer))
+  if len(steps) < 2:
+    return None
+  first = steps[0]
+  return f"{answer[:first.end()]}.\n#### {first.group(1)}"
+
+
+def with_teacher_demos(rows: Sequence[dict[str, str]], fraction: float,
+                       seed: int) -> list[dict[str, str]]:
+  """`rows`, each with a `demo` field: the worked solution an imperfect teacher demonstrates.
+  For a seeded `fraction` of the two-step problems it is a `teacher_slip`, otherwise the
+  solution itself. SFT on `demo` copies the slips; `answer` (the reference a verifier checks)
+  stays correct, so a verifier's reward can train them away."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for row in rows:
+    slip = teacher_slip(row["answer"])
+    demo = slip if slip is not None and rng.random() < fraction else row["answer"]
+    out.append({**row, "demo": demo})
+  return out
 
 
 def split(rows: Sequence[dict[str, str]], n_heldout: int,

@@ -1,33 +1,55 @@
-"""grain pipelines: SFT batches (prompt-masked) and RL prompt batches (left-padded)."""
+"""grain pipelines: SFT batches (prompt-masked) and RL prompt batches (left-padded).
+
+Every token id goes through an `Encoding`: a plain prompt gets the tokenizer's own special tokens
+(a BOS where it has one), a chat-rendered prompt already holds them in its text (as transformers
+tokenizes `apply_chat_template`'s output), and a target ends with EOS.
+"""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import grain
 import numpy as np
 
 from jaxrl.data.tasks import Example
-from jaxrl.data.tokenizer import ByteTokenizer
+from jaxrl.data.tokenizer import Tokenizer
 
 
-def prompt_length(examples: Sequence[Example], tok: ByteTokenizer) -> int:
-  return max(len(tok.encode(e.prompt, bos=True)) for e in examples)
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+  tok: Tokenizer
+  chat: bool = False  # prompts are chat-rendered text
+
+  def prompt(self, text: str) -> list[int]:
+    return self.tok.encode(text, bos=not self.chat)
+
+  def target(self, text: str) -> list[int]:
+    return self.tok.encode(text, eos=True)
 
 
-def answer_length(examples: Sequence[Example], tok: ByteTokenizer) -> int:
-  return max(len(tok.encode(e.answer, eos=True)) for e in examples)
+def prompt_length(examples: Sequence[Example], enc: Encoding) -> int:
+  return max(len(enc.prompt(e.prompt)) for e in examples)
 
 
-def _sft_row(ex: Example, tok: ByteTokenizer, seq_len: int) -> dict[str, np.ndarray]:
-  prompt = tok.encode(ex.prompt, bos=True)
-  full = prompt + tok.encode(ex.target, eos=True)
-  tokens, valid = tok.pad_right([full], seq_len)
+def answer_length(examples: Sequence[Example], enc: Encoding) -> int:
+  return max(len(enc.target(e.answer)) for e in examples)
+
+
+def target_length(examples: Sequence[Example], enc: Encoding) -> int:
+  return max(len(enc.target(e.target)) for e in examples)
+
+
+def _sft_row(ex: Example, enc: Encoding, seq_len: int) -> dict[str, np.ndarray]:
+  prompt = enc.prompt(ex.prompt)
+  full = prompt + enc.target(ex.target)
+  tokens, valid = enc.tok.pad_right([full], seq_len)
   loss_mask = valid.copy()
   loss_mask[0, :len(prompt)] = False  # only the answer (and EOS) is learned
   return {"tokens": tokens[0], "valid": valid[0], "loss_mask": loss_mask[0]}
 
 
-def pack_rows(examples: Sequence[Example], tok: ByteTokenizer, row_len: int,
+def pack_rows(examples: Sequence[Example], enc: Encoding, row_len: int,
               seed: int) -> list[dict[str, np.ndarray]]:
   """Packs examples (in a seeded random order) greedily into rows of `row_len` tokens.
 
@@ -37,7 +59,7 @@ def pack_rows(examples: Sequence[Example], tok: ByteTokenizer, row_len: int,
   rows, current = [], []
 
   def flush():
-    tokens = np.full(row_len, tok.pad_id, np.int32)
+    tokens = np.full(row_len, enc.tok.pad_id, np.int32)
     loss_mask, segment_ids = np.zeros(row_len, bool), np.zeros(row_len, np.int32)
     at = 0
     for seg, (prompt, answer) in enumerate(current, 1):
@@ -53,7 +75,7 @@ def pack_rows(examples: Sequence[Example], tok: ByteTokenizer, row_len: int,
   used = 0
   for i in order:
     ex = examples[i]
-    pair = (tok.encode(ex.prompt, bos=True), tok.encode(ex.target, eos=True))
+    pair = (enc.prompt(ex.prompt), enc.target(ex.target))
     n = len(pair[0]) + len(pair[1])
     if n > row_len:
       raise ValueError(f"sft.pack_length: example {ex.prompt!r} has {n} tokens, more than "
@@ -68,26 +90,27 @@ def pack_rows(examples: Sequence[Example], tok: ByteTokenizer, row_len: int,
   return rows
 
 
-def sft_dataset(examples: Sequence[Example], tok: ByteTokenizer, *, batch_size: int,
+def sft_dataset(examples: Sequence[Example], enc: Encoding, *, batch_size: int, seq_len: int,
                 seed: int, pack_length: int = 0) -> grain.MapDataset:
-  """Shuffled, repeated SFT batches: one example per row, or with `pack_length > 0` several
-  examples packed per row of that many tokens (fewer pad tokens for mixed lengths)."""
+  """Shuffled, repeated SFT batches (reshuffled every epoch; batch i is read by index, so the
+  data position is one integer): one example per row of `seq_len` tokens, or with
+  `pack_length > 0` several examples packed per row of that many tokens."""
   if pack_length:
-    return (grain.MapDataset.source(pack_rows(examples, tok, pack_length, seed)).seed(seed)
+    return (grain.MapDataset.source(pack_rows(examples, enc, pack_length, seed)).seed(seed)
             .shuffle().repeat().batch(batch_size, drop_remainder=True))
-  seq_len = prompt_length(examples, tok) + answer_length(examples, tok)
   return (grain.MapDataset.source(list(examples)).seed(seed).shuffle().repeat()
-          .map(lambda ex: _sft_row(ex, tok, seq_len)).batch(batch_size, drop_remainder=True))
+          .map(lambda ex: _sft_row(ex, enc, seq_len)).batch(batch_size, drop_remainder=True))
 
 
-def prompt_batch(examples: Sequence[Example], tok: ByteTokenizer, length: int) -> dict[str, np.ndarray]:
-  tokens, valid = tok.pad_left([tok.encode(e.prompt, bos=True) for e in examples], length)
+def prompt_batch(examples: Sequence[Example], enc: Encoding, length: int) -> dict[str, np.ndarray]:
+  """Left-padded prompt ids, and the examples themselves (for the reward: answers and fields)."""
+  tokens, valid = enc.tok.pad_left([enc.prompt(e.prompt) for e in examples], length)
   return {"prompt_tokens": tokens, "prompt_valid": valid,
-          "answers": np.array([e.answer for e in examples], dtype=object)}
+          "examples": np.array(list(examples), dtype=object)}
 
 
-def prompt_dataset(examples: Sequence[Example], tok: ByteTokenizer, *, batch_size: int, length: int,
+def prompt_dataset(examples: Sequence[Example], enc: Encoding, *, batch_size: int, length: int,
                    seed: int) -> grain.MapDataset:
   """Shuffled, repeated batches of `batch_size` prompts, each left-padded to `length`."""
   return (grain.MapDataset.source(list(examples)).seed(seed).shuffle().repeat()
-          .batch(batch_size, drop_remainder=True, batch_fn=lambda exs: prompt_batch(exs, tok, length)))
+          .batch(batch_size, drop_remainder=True, batch_fn=lambda exs: prompt_batch(exs, enc, length)))

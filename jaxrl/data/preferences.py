@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 import grain
 import numpy as np
 
+from jaxrl.data.pipeline import Encoding
 from jaxrl.data.tasks import Example
-from jaxrl.data.tokenizer import ByteTokenizer
 
 FIELDS = ("prompt", "chosen", "rejected")
 
@@ -108,32 +108,32 @@ def read_jsonl(path: str) -> list[Pair]:
   return pairs
 
 
-def pair_lengths(pairs: Sequence[Pair], tok: ByteTokenizer) -> tuple[int, int]:
-  """(prompt_len, response_len) covering every pair: prompts with BOS, responses with EOS."""
-  prompt = max(len(tok.encode(p.prompt, bos=True)) for p in pairs)
-  response = max(len(tok.encode(r, eos=True)) for p in pairs for r in (p.chosen, p.rejected))
+def pair_lengths(pairs: Sequence[Pair], enc: Encoding) -> tuple[int, int]:
+  """(prompt_len, response_len) covering every pair: prompts as `enc` encodes them (a BOS, or a
+  chat template's tokens), responses with EOS."""
+  prompt = max(len(enc.prompt(p.prompt)) for p in pairs)
+  response = max(len(enc.target(r)) for p in pairs for r in (p.chosen, p.rejected))
   return prompt, response
 
 
-def pair_batch(pairs: Sequence[Pair], tok: ByteTokenizer, prompt_len: int,
+def pair_batch(pairs: Sequence[Pair], enc: Encoding, prompt_len: int,
                response_len: int) -> dict[str, np.ndarray]:
   """Chosen rows then rejected rows, [2B, P + R]: left-padded prompt, right-padded response.
 
   `completion_mask` [2B, R] marks the response tokens (incl. EOS), the layout of a rollout.
   """
-  prompts = [tok.encode(p.prompt, bos=True) for p in pairs]
-  responses = [tok.encode(p.chosen, eos=True) for p in pairs] + \
-              [tok.encode(p.rejected, eos=True) for p in pairs]
-  prompt_tokens, prompt_valid = tok.pad_left(prompts + prompts, prompt_len)
-  resp_tokens, resp_valid = tok.pad_right(responses, response_len)
+  prompts = [enc.prompt(p.prompt) for p in pairs]
+  responses = [enc.target(p.chosen) for p in pairs] + [enc.target(p.rejected) for p in pairs]
+  prompt_tokens, prompt_valid = enc.tok.pad_left(prompts + prompts, prompt_len)
+  resp_tokens, resp_valid = enc.tok.pad_right(responses, response_len)
   return {"tokens": np.concatenate([prompt_tokens, resp_tokens], 1),
           "valid": np.concatenate([prompt_valid, resp_valid], 1),
           "completion_mask": resp_valid}
 
 
-def pair_dataset(pairs: Sequence[Pair], tok: ByteTokenizer, *, batch_size: int, prompt_len: int,
+def pair_dataset(pairs: Sequence[Pair], enc: Encoding, *, batch_size: int, prompt_len: int,
                  response_len: int, seed: int) -> grain.MapDataset:
   """Shuffled, repeated batches of `batch_size` pairs (2 * batch_size rows each)."""
-  batch_fn = lambda ps: pair_batch(ps, tok, prompt_len, response_len)
+  batch_fn = lambda ps: pair_batch(ps, enc, prompt_len, response_len)
   return (grain.MapDataset.source(list(pairs)).seed(seed).shuffle().repeat()
           .batch(batch_size, drop_remainder=True, batch_fn=batch_fn))

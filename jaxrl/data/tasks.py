@@ -9,7 +9,8 @@ held-out accuracy always check the true `answer`. Train and held-out sets are di
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -20,6 +21,8 @@ class Example:
   answer: str
   mistake: str = ""
   demo: str = ""  # the SFT target; the teacher's answer (== answer unless it erred)
+  # A dataset row's fields, for user reward functions. Left out of ==/hash: rows hold lists.
+  fields: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   @property
   def target(self) -> str:

@@ -249,7 +249,11 @@ class Decoder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
+    # An untied or scaled head reads N(0, 1) embeddings; a head that IS the embedding (HF style)
+    # needs them at 1 / sqrt(d_model) for unit-scale initial logits.
+    hf_tied = cfg.tie_embeddings and not cfg.scale_tied_head
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+                        cfg.d_model**-0.5 if hf_tied else 1.0)
     self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 

@@ -1,7 +1,11 @@
-"""Rule-based verifiers: extract the answer from a response, compare it exactly."""
+"""Verifiers `(response, answer) -> reward`: exact match on the extracted answer, or
+mathematical equivalence (`math`, see jaxrl/rewards/math.py)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+
+from jaxrl.rewards.math import math_equal
 
 _MARKERS = ("####", "answer:", "answer is")
 
@@ -32,4 +36,5 @@ def exact_match(response: str, answer: str) -> float:
   return float(bool(got) and _normalise(got) == _normalise(answer))
 
 
-VERIFIERS = {"exact_match": exact_match}
+VERIFIERS: dict[str, Callable[[str, str], float]] = {"exact_match": exact_match,
+                                                      "math": math_equal}

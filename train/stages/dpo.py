@@ -12,12 +12,12 @@ import jax
 import numpy as np
 
 from jaxrl.config import ExperimentConfig
-from jaxrl.data.preferences import pair_batch, pair_lengths, read_jsonl
+from jaxrl.data.preferences import pair_batch, pair_lengths
 from train import steps
 from train.learner import Learner
 from train.stages.base import Stage
 from train.context import chunks
-from train.stages.pairs import load_pairs
+from train.stages.pairs import check_pairs_file, load_pairs
 from train.transfers import to_device, to_host
 
 
@@ -27,15 +27,14 @@ class DPOStage(Stage):
 
   @classmethod
   def check(cls, cfg: ExperimentConfig) -> None:
-    if cfg.dpo.pairs_path:
-      read_jsonl(cfg.dpo.pairs_path)
+    check_pairs_file(cfg.dpo.pairs_path)
 
   def start(self, *, restoring: bool = False) -> None:
     d, ctx, actor = self.cfg.dpo, self.ctx, self.ctx.cluster.actor
     self.train_pairs, self.heldout_pairs = load_pairs(
         ctx, "dpo", d.pairs_path, per_prompt=d.pairs_per_prompt,
         policy_negatives=d.policy_negatives)
-    self.lengths = pair_lengths(self.train_pairs + self.heldout_pairs, ctx.tok)
+    self.lengths = pair_lengths(self.train_pairs + self.heldout_pairs, ctx.task.enc)
     self._seq_logp = actor.jit(functools.partial(steps.sequence_logprobs, actor.graphdef,
                                                  prompt_len=self.lengths[0]))
     if not restoring:
@@ -52,7 +51,7 @@ class DPOStage(Stage):
     """[n, 2] summed response log-probs (chosen, rejected) of each pair under the actor."""
     actor, out = self.ctx.cluster.actor, []
     for chunk, n in chunks(pairs, self.cfg.dpo.batch_size):
-      b = pair_batch(chunk, self.ctx.tok, *self.lengths)
+      b = pair_batch(chunk, self.ctx.task.enc, *self.lengths)
       b = to_device(b, actor.batch_shardings(b), "pairs")
       c, r = np.split(to_host(self._seq_logp(actor.params, b["tokens"], b["valid"],
                                              b["completion_mask"]), "logprobs"), 2)
@@ -66,7 +65,7 @@ class DPOStage(Stage):
     return float((pi[:, 0] - pi[:, 1]).mean()), float(implicit.mean())
 
   def _batch(self, items) -> dict:
-    b = pair_batch([p for p, _ in items], self.ctx.tok, *self.lengths)
+    b = pair_batch([p for p, _ in items], self.ctx.task.enc, *self.lengths)
     ref_N2 = np.stack([r for _, r in items])
     b["ref_logprobs"] = np.concatenate([ref_N2[:, 0], ref_N2[:, 1]]).astype(np.float32)
     return b

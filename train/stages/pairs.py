@@ -7,12 +7,17 @@ data a run used is on disk in the format users supply, and a resumed run reads t
 """
 from __future__ import annotations
 
+import dataclasses
+import glob
 import os
 
 import jax
 import numpy as np
 
+from jaxrl.config import ConfigError
+from jaxrl.data import sources
 from jaxrl.data.pipeline import prompt_batch
+from jaxrl.data.sources import DataError, DataOptions
 from jaxrl.data.preferences import Pair, read_jsonl, synthetic_pairs, write_jsonl
 from jaxrl.data.tasks import Example
 from sampler.worker import rollout_key
@@ -26,11 +31,31 @@ def policy_samples(ctx: RunContext, examples: list[Example], seed: int) -> dict[
   out, g, p = {}, ctx.cfg.rl.group_size, ctx.task.prompt_len
   params = ctx.cluster.fresh_sampler_params()
   for i, (chunk, n) in enumerate(chunks(examples, ctx.cfg.rl.prompts_per_step)):
-    texts = ctx.texts(ctx.generator.sample(params, prompt_batch(chunk, ctx.tok, p),
+    texts = ctx.texts(ctx.generator.sample(params, prompt_batch(chunk, ctx.task.enc, p),
                                            rollout_key(seed, i)))
     for j, ex in enumerate(chunk[:n]):
       out[ex.prompt] = texts[j * g:(j + 1) * g]
   return out
+
+
+def check_pairs_file(path: str) -> None:
+  """Fails before anything runs when a configured pairs file does not exist."""
+  if path and not glob.glob(path):
+    raise ConfigError(f"{path}: cannot read pairs file (no such file)")
+
+
+def read_pairs_file(ctx: RunContext, stage: str, path: str) -> list[Pair]:
+  """A user's pairs (jsonl / parquet; text, or chat messages with data.chat), prompts rendered
+  as the RL prompts are; bad rows are skipped and counted, or stop the run (data.on_bad_row)."""
+  opts = dataclasses.replace(DataOptions.of(ctx.cfg.data),
+                             max_completion_tokens=ctx.cfg.rl.max_new_tokens)
+  try:
+    pairs, skipped = sources.load_pairs(path, ctx.tok, opts)
+  except DataError as e:
+    raise ConfigError(str(e)) from None
+  if skipped:
+    ctx.summary[f"{stage}_pairs_skipped_rows"] = skipped
+  return pairs
 
 
 def load_pairs(ctx: RunContext, stage: str, pairs_path: str, *, per_prompt: int,
@@ -39,7 +64,7 @@ def load_pairs(ctx: RunContext, stage: str, pairs_path: str, *, per_prompt: int,
   synthetic pairs come from the train and held-out prompts (disjoint)."""
   seed = ctx.cfg.seed
   if pairs_path:
-    pairs = read_jsonl(pairs_path)
+    pairs = read_pairs_file(ctx, stage, pairs_path)
     order = np.random.default_rng(seed).permutation(len(pairs))
     n_held = max(1, int(len(pairs) * HELDOUT_FRACTION))
     return [pairs[i] for i in order[n_held:]], [pairs[i] for i in order[:n_held]]

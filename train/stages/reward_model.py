@@ -11,12 +11,12 @@ import logging
 import numpy as np
 
 from jaxrl.config import ExperimentConfig
-from jaxrl.data.preferences import pair_batch, pair_dataset, pair_lengths, read_jsonl
+from jaxrl.data.preferences import pair_batch, pair_dataset, pair_lengths
 from train import steps
 from train.learner import Learner
 from train.stages.base import Stage
 from train.context import chunks
-from train.stages.pairs import load_pairs
+from train.stages.pairs import check_pairs_file, load_pairs
 from train.transfers import to_device, to_host
 
 log = logging.getLogger("jaxrl")
@@ -32,22 +32,21 @@ class RewardModelStage(Stage):
 
   @classmethod
   def check(cls, cfg: ExperimentConfig) -> None:
-    if cfg.reward_model.pairs_path:
-      read_jsonl(cfg.reward_model.pairs_path)
+    check_pairs_file(cfg.reward_model.pairs_path)
 
   def start(self, *, restoring: bool = False) -> None:
     rm, ctx, cluster = self.cfg.reward_model, self.ctx, self.ctx.cluster
     self.train_pairs, self.heldout_pairs = load_pairs(
         ctx, "reward_model", rm.pairs_path, per_prompt=rm.pairs_per_prompt,
         policy_negatives=rm.policy_negatives)
-    self.lengths = pair_lengths(self.train_pairs + self.heldout_pairs, ctx.tok)
+    self.lengths = pair_lengths(self.train_pairs + self.heldout_pairs, ctx.task.enc)
     role = cluster.get("reward")
     if role is None:
       role = cluster.add("reward")
       role.load(cluster.actor.params, subtree="decoder")
     self.role = role
     self._scores = role.jit(functools.partial(steps.sequence_scores, role.graphdef))
-    self.data = pair_dataset(self.train_pairs, ctx.tok, batch_size=rm.batch_size,
+    self.data = pair_dataset(self.train_pairs, ctx.task.enc, batch_size=rm.batch_size,
                              prompt_len=self.lengths[0], response_len=self.lengths[1],
                              seed=self.cfg.seed + 2)
     optimizer = steps.make_optimizer(rm.learning_rate, warmup_steps=rm.warmup_steps,
@@ -60,7 +59,7 @@ class RewardModelStage(Stage):
     """Held-out pairwise accuracy (score(chosen) > score(rejected)) and mean score margin."""
     correct = margin = 0.0
     for chunk, n in chunks(self.heldout_pairs, self.cfg.reward_model.batch_size):
-      b = pair_batch(chunk, self.ctx.tok, *self.lengths)
+      b = pair_batch(chunk, self.ctx.task.enc, *self.lengths)
       b = to_device(b, self.role.batch_shardings(b), "pairs")
       scores = to_host(self._scores(self.role.params, b["tokens"], b["valid"]), "scores")
       chosen_B, rejected_B = np.split(scores, 2)

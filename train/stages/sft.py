@@ -16,7 +16,8 @@ class SFTStage(Stage):
   def start(self, *, restoring: bool = False) -> None:
     s, ctx = self.cfg.sft, self.ctx
     try:
-      self.data = sft_dataset(ctx.task.train, ctx.tok, batch_size=s.batch_size,
+      self.data = sft_dataset(ctx.task.train, ctx.task.enc, batch_size=s.batch_size,
+                              seq_len=ctx.task.prompt_len + ctx.task.max_new_tokens,
                               seed=self.cfg.seed, pack_length=s.pack_length)
     except ValueError as e:  # an example longer than sft.pack_length
       raise ConfigError(str(e)) from None

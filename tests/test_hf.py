@@ -1,0 +1,431 @@
+"""Hugging Face import and export against transformers itself (float32 torch as the reference).
+
+One tiny random model per architecture, saved in several files (an index): Llama with llama3 RoPE
+scaling and tied embeddings, Qwen2 with q/k/v biases and an untied head, Qwen3 with q/k norms and
+an explicit head_dim; single files come from exports and from transformers' bfloat16 save. Norm
+scales and biases are randomised so that a dropped or misplaced one changes the logits. Imports
+go into the training layout of an 8-device mesh.
+"""
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from safetensors.torch import load_file, save_file
+
+from jaxrl.models import hf as hf_module
+from jaxrl.models.heads import ValueModel
+from jaxrl.models.hf_config import ARCH_FIELDS, USER_FIELDS
+from jaxrl.models.hf import HFError, check_config, export, load_params, model_config_from_hf
+from jaxrl.models.llama import LanguageModel, ModelConfig, init_kv_cache, positions_from_valid
+from sampler.methods import SamplingConfig
+from sampler.sampler import Sampler
+from sharding.mesh import make_mesh
+from train.roles import ModelRole
+
+COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-5,
+              max_position_embeddings=512, initializer_range=0.2)
+ARCHS = {
+    # transformers 4's keywords, which 5 still takes (and saves as rope_parameters).
+    "llama": lambda: transformers.LlamaConfig(
+        **COMMON, tie_word_embeddings=True, rope_theta=10_000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=64)),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=False, rope_theta=1e6),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
+}
+GENERATION = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+# Rows of one batch, left-padded: valid lengths (every row ends at the last position).
+LENGTHS, T = (12, 9, 5, 12), 12
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+
+
+def _role(cfg: ModelConfig, mesh, make=LanguageModel) -> ModelRole:
+  return ModelRole("actor", lambda: make(cfg, rngs=nnx.Rngs(0)), mesh)
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+  """Norm scales away from 1 and biases away from 0, so their paths are tested."""
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+      elif name.endswith("bias"):
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def hf(request, tmp_path_factory, mesh):
+  """A saved torch model, its import and the role it was imported for."""
+  arch = request.param
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(ARCHS[arch](), attn_implementation="eager")
+  _randomise(model, seed=1)
+  model.eval()
+  path = str(tmp_path_factory.mktemp(arch))
+  model.save_pretrained(path, max_shard_size="100KB")  # several files: the index is read
+  cfg = model_config_from_hf(path)
+  role = _role(cfg, mesh)
+  return types.SimpleNamespace(arch=arch, torch=model, path=path, cfg=cfg, role=role,
+                               params=load_params(path, cfg, role.abstract()))
+
+
+def _batch():
+  rng = np.random.default_rng(0)
+  tokens_BT = rng.integers(3, 256, (len(LENGTHS), T)).astype(np.int32)
+  valid_BT = np.arange(T)[None, :] >= T - np.asarray(LENGTHS)[:, None]
+  tokens_BT[~valid_BT] = 0
+  return tokens_BT, valid_BT, np.array(positions_from_valid(jnp.asarray(valid_BT)))
+
+
+def _torch_logits(model, tokens_BT, valid_BT, positions_BT) -> np.ndarray:
+  with torch.no_grad():
+    out = model(torch.as_tensor(tokens_BT, dtype=torch.long),
+                attention_mask=torch.as_tensor(valid_BT, dtype=torch.long),
+                position_ids=torch.as_tensor(positions_BT, dtype=torch.long))
+  return out.logits.numpy()
+
+
+def _jax_logits(role, params, tokens_BT, valid_BT, positions_BT) -> np.ndarray:
+  fwd = role.jit(lambda p, *a: nnx.merge(role.graphdef, p)(*a)[0])
+  return np.asarray(fwd(params, tokens_BT, positions_BT, valid_BT))
+
+
+def test_config_fields(hf):
+  cfg = hf.cfg
+  assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff) == (64, 2, 4, 2, 128)
+  assert cfg.head_dim == (32 if hf.arch == "qwen3" else 16) and cfg.norm_eps == 1e-5
+  assert cfg.scale_tied_head is False and cfg.tie_embeddings == (hf.arch != "qwen2")
+  assert (cfg.qkv_bias, cfg.qk_norm) == (hf.arch == "qwen2", hf.arch == "qwen3")
+  assert cfg.rope_theta == (1e6 if hf.arch == "qwen2" else 1e4)
+  if hf.arch == "llama":
+    rope = (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_positions)
+    assert rope == ("llama3", 8.0, 64)
+  else:
+    assert cfg.rope_scaling == "none"
+
+
+def test_import_is_born_sharded(hf):
+  """Every array lands in the abstract's sharding, and large ones are really split."""
+  want = jax.tree.leaves(hf.role.shardings)
+  got = jax.tree.leaves(hf.params)
+  assert [a.sharding for a in got] == want
+  embed = hf.params["decoder"]["embed"][...]
+  assert len({str(s.index) for s in embed.addressable_shards}) == 4  # vocab, embed: tensor, fsdp
+  assert all(s.data.shape == (128, 32) for s in embed.addressable_shards)
+  torch_embed = hf.torch.model.embed_tokens.weight.detach().numpy()
+  np.testing.assert_array_equal(np.asarray(embed), torch_embed)
+
+
+def test_logits_match_torch(hf):
+  tokens_BT, valid_BT, positions_BT = _batch()
+  want_BTV = _torch_logits(hf.torch, tokens_BT, valid_BT, positions_BT)
+  got_BTV = _jax_logits(hf.role, hf.params, tokens_BT, valid_BT, positions_BT)
+  np.testing.assert_allclose(got_BTV[valid_BT], want_BTV[valid_BT], atol=1e-4, rtol=0)
+
+
+def test_kv_cache_decode_matches_torch(hf):
+  """Prefill 4 positions, then one token per call at cache slots 4..T-1."""
+  tokens_BT, valid_BT, positions_BT = _batch()
+  want_BTV = _torch_logits(hf.torch, tokens_BT, valid_BT, positions_BT)
+  graphdef, cfg, p = hf.role.graphdef, hf.cfg, 4
+
+  def call(params, tok, pos, cache, index):
+    return nnx.merge(graphdef, params)(tok, pos, valid_BT, cache, index)
+
+  call = hf.role.jit(call)
+  logits_BTV, cache = call(hf.params, tokens_BT[:, :p], positions_BT[:, :p],
+                           init_kv_cache(cfg, len(LENGTHS), T), jnp.int32(0))
+  got = [np.asarray(logits_BTV)]
+  for t in range(p, T):
+    logits_B1V, cache = call(hf.params, tokens_BT[:, t:t + 1], positions_BT[:, t:t + 1], cache,
+                             jnp.int32(t))
+    got.append(np.asarray(logits_B1V))
+  got_BTV = np.concatenate(got, axis=1)
+  np.testing.assert_allclose(got_BTV[valid_BT], want_BTV[valid_BT], atol=1e-4, rtol=0)
+
+
+def test_greedy_generation_matches_torch(hf):
+  """32 greedy tokens from the sampler (its own prefill and decode loop) equal
+  `generate(do_sample=False)`, and the sampler's log-probs equal torch's."""
+  tokens_BT, valid_BT, _ = _batch()
+  prompts = [row[v].tolist() for row, v in zip(tokens_BT, valid_BT)]
+  sampling = SamplingConfig(max_new_tokens=32, eos_id=2, pad_id=0, method="greedy",
+                            ignore_eos=True, decode_segments=1)  # one loop to compile
+  sampler = Sampler(hf.role.graphdef, sampling, length_buckets=(16,), batch_buckets=(4,))
+  out = sampler(hf.params, prompts, jax.random.key(0))
+  model = copy.copy(hf.torch)
+  model.generation_config = transformers.GenerationConfig(eos_token_id=None, pad_token_id=0)
+  with torch.no_grad():
+    ref = model.generate(torch.as_tensor(tokens_BT, dtype=torch.long),
+                         attention_mask=torch.as_tensor(valid_BT, dtype=torch.long),
+                         do_sample=False, max_new_tokens=32, output_logits=True,
+                         return_dict_in_generate=True)
+  want_BN = ref.sequences[:, T:].numpy()
+  np.testing.assert_array_equal(out.tokens_BT[:, 16:], want_BN)
+  logp_BNV = torch.log_softmax(torch.stack(ref.logits, 1), -1).numpy()
+  want_logp_BN = np.take_along_axis(logp_BNV, want_BN[..., None], -1)[..., 0]
+  np.testing.assert_allclose(out.logprobs_BN, want_logp_BN, atol=1e-4, rtol=0)
+  assert len(set(want_BN.ravel().tolist())) > 8  # not a degenerate repetition of one token
+
+
+def _state_dict(model) -> dict:
+  return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_export_reloads_exactly(hf, tmp_path):
+  """Export -> from_pretrained: the same tensors and the same logits as the original."""
+  out = str(tmp_path / "out")
+  shard = 40_000 if hf.arch == "qwen3" else 1 << 30
+  export(hf.params, hf.cfg, out, max_shard_bytes=shard, generation_config=GENERATION)
+  files = sorted(os.listdir(out))
+  if hf.arch == "qwen3":
+    assert "model.safetensors.index.json" in files
+    assert sum(f.endswith(".safetensors") for f in files) > 2
+  else:
+    assert "model.safetensors" in files and "model.safetensors.index.json" not in files
+  assert not os.path.exists(out + ".tmp")
+  back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+  assert type(back) is type(hf.torch)
+  want, got = _state_dict(hf.torch), _state_dict(back)
+  assert sorted(got) == sorted(want)
+  for name in want:
+    assert torch.equal(got[name], want[name]), name
+  tokens_BT, valid_BT, positions_BT = _batch()
+  np.testing.assert_array_equal(_torch_logits(back, tokens_BT, valid_BT, positions_BT),
+                                _torch_logits(hf.torch, tokens_BT, valid_BT, positions_BT))
+  assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == 2
+  # And back into jaxrl: the same parameters.
+  again = load_params(out, model_config_from_hf(out), hf.role.abstract())
+  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(hf.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_value_model_loads_the_decoder(hf, mesh):
+  role = _role(hf.cfg, mesh, ValueModel)
+  loaded = load_params(hf.path, hf.cfg, role.abstract(), subtree="decoder")
+  assert set(loaded.keys()) == {"decoder"}
+  for got, want, sharding in zip(jax.tree.leaves(loaded), jax.tree.leaves(hf.params["decoder"]),
+                                 jax.tree.leaves(role.shardings["decoder"])):
+    assert got.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _tiny_tokenizer(path: str) -> None:
+  import tokenizers  # only here: a WordLevel tokenizer.json transformers can load
+  vocab = {f"t{i}": i for i in range(256)}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  os.makedirs(path)
+  tok.save(os.path.join(path, "tokenizer.json"))
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t2"}, f)
+
+
+def test_export_jaxrl_init_with_scaled_tied_head(tmp_path, mesh):
+  """jaxrl's own tied head (embed / sqrt(d)) goes out as an explicit lm_head; with q/k/v biases
+  and linear RoPE scaling it is a Qwen2 model whose logits are jaxrl's, in float32 and (files
+  cast) in bfloat16."""
+  cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                    d_ff=128, qkv_bias=True, rope_scaling="linear", rope_factor=2.0)
+  role = _role(cfg, mesh)
+  leaves, tree = jax.tree.flatten(role.abstract())
+
+  def draw():  # norm scales near 1, every other weight (biases too) near 0
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    return jax.tree.unflatten(tree, [(x.ndim == 1) + 0.2 * jax.random.normal(k, x.shape)
+                                     for x, k in zip(leaves, keys)])
+
+  params = jax.jit(draw, out_shardings=role.shardings)()
+  _tiny_tokenizer(str(tmp_path / "tok"))
+  out = str(tmp_path / "out")
+  export(params, cfg, out, tokenizer_dir=str(tmp_path / "tok"), generation_config=GENERATION)
+  config = json.load(open(os.path.join(out, "config.json")))
+  assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is False
+  back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+  tokens_BT, valid_BT, positions_BT = _batch()
+  want_BTV = _jax_logits(role, params, tokens_BT, valid_BT, positions_BT)
+  got_BTV = _torch_logits(back, tokens_BT, valid_BT, positions_BT)
+  np.testing.assert_allclose(got_BTV[valid_BT], want_BTV[valid_BT], atol=1e-4, rtol=0)
+  assert transformers.PreTrainedTokenizerFast.from_pretrained(out).encode("t5 t7") == [5, 7]
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    assert open(os.path.join(out, name)).read() == open(tmp_path / "tok" / name).read()
+  out16 = str(tmp_path / "out16")
+  export(params, cfg, out16, dtype="bfloat16", max_shard_bytes=50_000)
+  back16 = transformers.AutoModelForCausalLM.from_pretrained(out16, dtype=torch.bfloat16)
+  assert json.load(open(os.path.join(out16, "config.json")))["torch_dtype"] == "bfloat16"
+  got16 = _state_dict(back16)
+  for name, p in _state_dict(back).items():
+    assert torch.equal(got16[name], p.bfloat16()), name
+
+
+def test_bf16_checkpoint_loads(hf, tmp_path):
+  """A checkpoint transformers saved in bfloat16 loads as its exact values, in float32."""
+  path = str(tmp_path / "bf16")
+  copy.deepcopy(hf.torch).to(torch.bfloat16).save_pretrained(path)
+  params = load_params(path, model_config_from_hf(path), hf.role.abstract())
+  want = hf.torch.model.layers[1].mlp.down_proj.weight.detach().bfloat16().float().numpy()
+  got = params["decoder"]["blocks"][1]["mlp"]["w_down"][...]
+  assert got.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(got), want)
+  wq = hf.torch.model.layers[0].self_attn.q_proj.weight.detach().bfloat16().float().numpy()
+  np.testing.assert_array_equal(np.asarray(params["decoder"]["blocks"][0]["attn"]["wq"][...]),
+                                wq.reshape(hf.cfg.n_heads, hf.cfg.head_dim, -1))
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def _config_dir(tmp_path, arch: str, **changes) -> str:
+  path = str(tmp_path / f"{arch}-config")
+  ARCHS[arch]().save_pretrained(path)
+  with open(os.path.join(path, "config.json")) as f:
+    raw = json.load(f)
+  raw["architectures"] = [ARCHS[arch]().__class__.__name__.replace("Config", "ForCausalLM")]
+  raw.update(changes)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(raw, f)
+  return path
+
+
+def _one_line(excinfo, *words) -> str:
+  msg = str(excinfo.value)
+  assert "\n" not in msg and all(w in msg for w in words), msg
+  return msg
+
+
+@pytest.mark.parametrize("arch, changes, field", [
+    ("llama", {"architectures": ["MistralForCausalLM"]}, "architectures"),
+    ("llama", {"attention_bias": True}, "attention_bias"),
+    ("llama", {"mlp_bias": True}, "mlp_bias"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     "rope_type"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen3", {"attention_bias": True}, "attention_bias"),
+])
+def test_unsupported_configs_are_refused(tmp_path, arch, changes, field):
+  path = _config_dir(tmp_path, arch, **changes)
+  with pytest.raises(HFError) as e:
+    model_config_from_hf(path)
+  _one_line(e, os.path.join(path, "config.json"), field)
+
+
+def test_every_model_field_is_classified():
+  """check_config compares ARCH_FIELDS; a new ModelConfig field must say whether a checkpoint
+  fixes it."""
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  assert fields == set(ARCH_FIELDS) | set(USER_FIELDS)
+
+
+def test_transformers4_spelling_reads_the_same(tmp_path):
+  """rope_theta + rope_scaling (with the old `type` key) as transformers 4 writes them."""
+  v5 = model_config_from_hf(_config_dir(tmp_path, "llama"))
+  legacy = dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=64)
+  path = _config_dir(tmp_path / "v4", "llama", rope_parameters=None, rope_theta=10_000.0,
+                     rope_scaling=legacy)
+  assert model_config_from_hf(path) == dataclasses.replace(v5, hf_path=path)
+
+
+def test_check_config(tmp_path):
+  path = _config_dir(tmp_path, "qwen2")
+  hf = model_config_from_hf(path)
+  with pytest.raises(HFError) as e:
+    check_config(ModelConfig(d_model=256, hf_path=path), hf, ModelConfig())
+  assert str(e.value) == f"config.model.d_model: 256 contradicts 64 in {path}/config.json"
+  # Fields left at the schema default, or set to the checkpoint's value, take the checkpoint's.
+  cfg = check_config(ModelConfig(d_model=64, dtype="bfloat16", hf_path=path), hf, ModelConfig())
+  assert cfg == dataclasses.replace(hf, dtype="bfloat16")
+  assert cfg.scale_tied_head is False and cfg.qkv_bias is True
+
+
+INDEX = "model.safetensors.index.json"
+NAME, EXTRA = "model.layers.1.mlp.up_proj.weight", "model.layers.1.self_attn.o_proj.bias"
+
+
+def _broken_copy(hf, tmp_path, case: str) -> tuple[str, str]:
+  """A copy of the checkpoint with tensor NAME (or its file) broken as `case` says; returns the
+  copy and the file that holds NAME."""
+  path = str(tmp_path / "ckpt")
+  shutil.copytree(hf.path, path)
+  with open(os.path.join(path, INDEX)) as f:
+    index = json.load(f)
+  weight_map = index["weight_map"]
+  file = os.path.join(path, weight_map[NAME])
+  tensors = load_file(file)
+  if case == "tensor":
+    del tensors[NAME]
+  elif case == "index":
+    del weight_map[NAME]
+  elif case == "shape":
+    tensors[NAME] = tensors[NAME][:, :-1].contiguous()
+  elif case == "dtype":
+    tensors[NAME] = tensors[NAME].to(torch.int32)
+  elif case == "extra":  # an o_proj bias: a config misread, never to be dropped silently
+    tensors[EXTRA], weight_map[EXTRA] = torch.zeros(64), weight_map[NAME]
+  save_file(tensors, file, metadata={"format": "pt"})
+  with open(os.path.join(path, INDEX), "w") as f:
+    json.dump(index, f)
+  if case == "shard":
+    os.remove(file)
+  return path, file
+
+
+@pytest.mark.parametrize("case, words", [
+    ("tensor", [NAME, "not in"]),
+    ("index", [NAME, "missing from", INDEX]),
+    ("shape", [NAME, "shape (128, 63)"]),
+    ("dtype", [NAME, "dtype I32"]),
+    ("extra", [EXTRA, "no parameter"]),
+    ("shard", ["missing", INDEX]),
+])
+def test_broken_checkpoints_are_refused(hf, tmp_path, case, words):
+  path, file = _broken_copy(hf, tmp_path, case)
+  with pytest.raises(HFError) as e:
+    load_params(path, hf.cfg, hf.role.abstract())
+  msg = _one_line(e, *words)
+  assert case != "shard" or file in msg
+
+
+def test_model_must_match_the_checkpoint(hf, mesh):
+  cfg = dataclasses.replace(hf.cfg, d_ff=256)
+  with pytest.raises(HFError) as e:
+    load_params(hf.path, cfg, _role(cfg, mesh).abstract())
+  _one_line(e, "d_ff", "256", "128")
+
+
+def test_failed_export_leaves_nothing(hf, tmp_path, monkeypatch):
+  out = str(tmp_path / "out")
+  os.makedirs(tmp_path / "empty")
+  with pytest.raises(HFError) as e:  # refused before any weight is gathered
+    export(hf.params, hf.cfg, out, tokenizer_dir=str(tmp_path / "empty"))
+  _one_line(e, "tokenizer", str(tmp_path / "empty"))
+
+  def disk_full(path, obj):  # config.json is written after every weight
+    raise OSError(f"{path}: no space left on device")
+
+  monkeypatch.setattr(hf_module, "_write_json", disk_full)
+  with pytest.raises(OSError, match="config.json: no space"):
+    export(hf.params, hf.cfg, out)
+  assert not os.path.exists(out) and not os.path.exists(out + ".tmp")
+  monkeypatch.undo()
+  export(hf.params, hf.cfg, out)
+  with pytest.raises(HFError) as e:
+    export(hf.params, hf.cfg, out)
+  _one_line(e, out, "exists")

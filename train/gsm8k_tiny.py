@@ -1,0 +1,85 @@
+"""The assets of `configs/gsm8k_tiny.py`, made by code (nothing is downloaded):
+
+  DIR/train.jsonl, DIR/test.jsonl   procedural grade-school word problems in GSM8K's format
+                                    (jaxrl/data/gsm8k_synth.py: worked solutions ending `#### N`)
+  DIR/model/                        a Hugging Face model directory: a randomly initialised jaxrl
+                                    model written by the exporter (jaxrl/models/hf.py) and a byte-
+                                    level BPE tokenizer trained on the problems, with a ChatML
+                                    chat template (jaxrl/data/tiny_tokenizer.py)
+
+    python -m train.gsm8k_tiny --out data/gsm8k_tiny
+
+`ensure(DIR)` makes them once, in a subprocess (a config file must not start JAX: the CLI sets up
+its devices after reading the config); DIR appears whole or not at all.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
+N_TRAIN, N_HELDOUT, SEED = 20_000, 256, 0
+# SFT learns from an imperfect teacher's demonstrations (train.jsonl's `demo` field): on this
+# fraction of the two-step problems it stops after the first step (gsm8k_synth.teacher_slip).
+# SFT copies the habit; the verifier's reward in GRPO trains it away. Every `answer` (the worked
+# solution whose `#### N` is the reference) is correct, in train.jsonl and test.jsonl.
+TEACHER_ERROR = 0.5
+TOKENIZER_VOCAB = 512
+MODEL = dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384)
+
+
+def make(out: str, *, n_train: int = N_TRAIN, n_heldout: int = N_HELDOUT,
+         model: dict | None = None, teacher_error: float = TEACHER_ERROR) -> None:
+  """Writes the assets to `out` (atomically); `model`: ModelConfig fields over MODEL's."""
+  from flax import nnx
+
+  from jaxrl.data import gsm8k_synth
+  from jaxrl.data.tiny_tokenizer import train_bpe
+  from jaxrl.data.tokenizer import load_tokenizer
+  from jaxrl.models.hf import export
+  from jaxrl.models.llama import LanguageModel, ModelConfig
+
+  tmp = f"{out.rstrip('/')}.tmp{os.getpid()}"  # several processes may make it at once
+  os.makedirs(tmp)
+  rows = gsm8k_synth.generate(n_train + n_heldout, SEED)
+  train, heldout = gsm8k_synth.split(rows, n_heldout, SEED)
+  train = gsm8k_synth.with_teacher_demos(train, teacher_error, SEED)
+  gsm8k_synth.write_jsonl(train, os.path.join(tmp, "train.jsonl"))
+  gsm8k_synth.write_jsonl(heldout, os.path.join(tmp, "test.jsonl"))
+  tok_dir = os.path.join(tmp, "tokenizer")
+  train_bpe([t for r in train for t in (r["question"], r["answer"])], TOKENIZER_VOCAB, tok_dir)
+  tok = load_tokenizer(tok_dir)
+  vocab = -(-tok.vocab_size // 64) * 64  # a multiple of common mesh sizes
+  cfg = ModelConfig(vocab_size=vocab, tie_embeddings=True, scale_tied_head=False,
+                    **{**MODEL, **(model or {})})
+  params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(SEED)))[1]
+  ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+  export(params, cfg, os.path.join(tmp, "model"), dtype="float32", tokenizer_dir=tok_dir,
+         generation_config={k: v for k, v in ids.items() if v is not None})
+  shutil.rmtree(tok_dir)
+  try:
+    os.rename(tmp, out)
+  except OSError:  # another process got there first
+    if not os.path.isdir(out):
+      raise
+    shutil.rmtree(tmp)
+
+
+def ensure(out: str) -> str:
+  """`out`, made first (by a subprocess) if it is not there yet."""
+  if not os.path.isdir(out):
+    subprocess.run([sys.executable, "-m", "train.gsm8k_tiny", "--out", out], check=True,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  return out
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--out", required=True)
+  make(parser.parse_args(argv).out)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,86 @@
+"""A policy from disk, for a look (`jaxrl-sample`) or for export (`jaxrl-export`).
+
+`load_policy(path)` takes a Hugging Face model directory (config.json + safetensors) or a jaxrl
+checkpoint: a run's stage directory `RUN/checkpoints/STAGE` (its latest step) or one step of it
+`RUN/checkpoints/STAGE/STEP`. The model config comes from config.json (HF) or the run's
+config.json (jaxrl), the tokenizer from the HF directory, or from the run's `data.tokenizer_path`
+/ `model.hf_path` (the byte tokenizer when neither is set). Parameters land on this process's
+first device (a `ModelRole` on a one-device mesh), read straight into place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+from flax import nnx
+
+from jaxrl.config import ConfigError, ExperimentConfig, from_mapping
+from jaxrl.data.tokenizer import load_tokenizer
+from jaxrl.models.hf import HFError, load_params, model_config_from_hf
+from jaxrl.models.llama import LanguageModel, ModelConfig
+from sharding.mesh import make_mesh
+from train.checkpoint import load_actor_params
+from train.roles import ModelRole
+
+
+@dataclasses.dataclass
+class Policy:
+  cfg: ModelConfig
+  graphdef: nnx.GraphDef
+  params: nnx.State
+  tok: object  # jaxrl.data.tokenizer.Tokenizer
+  tokenizer_dir: str  # "" for the byte tokenizer
+  source: str  # what was loaded, for messages
+
+
+def _role(cfg: ModelConfig) -> ModelRole:
+  mesh = make_mesh({}, devices=[jax.local_devices()[0]])
+  return ModelRole("actor", lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)), mesh)
+
+
+def split_checkpoint_path(path: str) -> tuple[str, str, int | None]:
+  """(run dir, stage dir, step or None) of `RUN/checkpoints/STAGE[/STEP]`."""
+  path = os.path.abspath(path.rstrip("/"))
+  step = None
+  if os.path.basename(path).isdigit():
+    path, step = os.path.dirname(path), int(os.path.basename(path))
+  run_dir = os.path.dirname(os.path.dirname(path))
+  if os.path.basename(os.path.dirname(path)) != "checkpoints":
+    raise ConfigError(f"--checkpoint: expected RUN/checkpoints/STAGE[/STEP], got {path!r}")
+  return run_dir, path, step
+
+
+def run_config(run_dir: str) -> ExperimentConfig:
+  """The config a run saved (its model section already resolved from any HF config.json)."""
+  path = os.path.join(run_dir, "config.json")
+  try:
+    with open(path, encoding="utf-8") as f:
+      return from_mapping(ExperimentConfig, json.load(f))
+  except OSError:
+    raise ConfigError(f"{path}: not found; is {run_dir!r} a jaxrl run directory?") from None
+
+
+def load_policy(path: str, *, dtype: str | None = None) -> Policy:
+  """A Hugging Face directory or a jaxrl checkpoint (see the module docstring)."""
+  if os.path.isfile(os.path.join(path, "config.json")):
+    try:
+      cfg = model_config_from_hf(path)
+      cfg = dataclasses.replace(cfg, dtype=dtype or cfg.dtype)
+      role = _role(cfg)
+      params = load_params(path, cfg, role.abstract())
+    except HFError as e:
+      raise ConfigError(str(e)) from None
+    return Policy(cfg, role.graphdef, params, load_tokenizer(path), path, path)
+  run_dir, stage_dir, step = split_checkpoint_path(path)
+  run = run_config(run_dir)
+  cfg = dataclasses.replace(run.model, dtype=dtype or run.model.dtype)
+  role = _role(cfg)
+  try:
+    params, step = load_actor_params(stage_dir, role.abstract(), step=step, what="--checkpoint")
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  tokenizer_dir = run.data.tokenizer_path or run.model.hf_path
+  return Policy(cfg, role.graphdef, params, load_tokenizer(tokenizer_dir), tokenizer_dir,
+                f"{stage_dir} step {step}")

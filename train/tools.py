@@ -1,0 +1,102 @@
+"""`jaxrl-export` and `jaxrl-sample`: hand a trained policy on, or look at one.
+
+  jaxrl-export --checkpoint runs/NAME/checkpoints/rl --out exported/NAME [--dtype bfloat16]
+      writes a directory transformers and vLLM load as is (config.json, safetensors split at
+      --max_shard_gb with an index, generation_config.json, the tokenizer's files).
+  jaxrl-sample --model DIR --prompt TEXT [--prompt TEXT ...] [--chat] [--greedy]
+      [--max_new_tokens N] [--n N] [--temperature T] [--seed S]
+      prints completions of a Hugging Face directory or a jaxrl checkpoint (train/model_io.py).
+
+User errors (a missing directory, a checkpoint that does not fit) print one line and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXIT_USER_ERROR = 2
+
+
+def _fail(message: str) -> int:
+  print(f"jaxrl: error: {message}", file=sys.stderr)
+  return EXIT_USER_ERROR
+
+
+def export_main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="jaxrl-export", description=__doc__.split("\n")[0])
+  parser.add_argument("--checkpoint", required=True,
+                      help="RUN/checkpoints/STAGE (its latest step) or RUN/checkpoints/STAGE/STEP")
+  parser.add_argument("--out", required=True, help="the directory to write (must not exist)")
+  parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+  parser.add_argument("--max_shard_gb", type=float, default=4.0)
+  args = parser.parse_args(argv)
+  from jaxrl.config import ConfigError
+  from jaxrl.models.hf import HFError, export
+  from train.model_io import load_policy
+  try:
+    policy = load_policy(args.checkpoint)
+    tok = policy.tok
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    export(policy.params, policy.cfg, args.out, dtype=args.dtype,
+           max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
+           tokenizer_dir=policy.tokenizer_dir or None,
+           generation_config={k: v for k, v in ids.items() if v is not None})
+  except (ConfigError, HFError) as e:
+    return _fail(str(e))
+  print(f"jaxrl: exported {policy.source} to {args.out}"
+        + ("" if policy.tokenizer_dir else " (byte tokenizer: no tokenizer files)"))
+  return 0
+
+
+def _prompt_ids(tok, text: str, chat: bool) -> list[int]:
+  if chat:  # the template writes the special tokens itself, as transformers tokenizes it
+    return tok.encode(tok.chat([{"role": "user", "content": text}]), bos=False)
+  return tok.encode(text, bos=True)
+
+
+def sample_main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="jaxrl-sample", description="Print completions.")
+  parser.add_argument("--model", required=True,
+                      help="a Hugging Face directory or RUN/checkpoints/STAGE[/STEP]")
+  parser.add_argument("--prompt", action="append", required=True)
+  parser.add_argument("--chat", action="store_true", help="wrap in the chat template")
+  parser.add_argument("--greedy", action="store_true")
+  parser.add_argument("--max_new_tokens", type=int, default=128)
+  parser.add_argument("--n", type=int, default=1)
+  parser.add_argument("--temperature", type=float, default=1.0)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+  args = parser.parse_args(argv)
+  from jaxrl.config import ConfigError
+  from sampler.methods import SamplingConfig
+  from sampler.sampler import Sampler
+  from sampler.worker import rollout_key
+  from train.model_io import load_policy
+  try:
+    policy = load_policy(args.model, dtype=args.dtype)
+    tok = policy.tok
+    ids = [_prompt_ids(tok, text, args.chat) for text in args.prompt]
+  except (ConfigError, ValueError) as e:
+    return _fail(str(e))
+  cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                       method="greedy" if args.greedy else "temperature",
+                       temperature=args.temperature,
+                       stop_sequences=tuple((i,) for i in tok.stop_ids if i != tok.eos_id))
+  sampler = Sampler(policy.graphdef, cfg, n=args.n)
+  rollout = sampler(policy.params, ids, rollout_key(args.seed, 0))
+  p = rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]
+  for i, text in enumerate(args.prompt):
+    for j in range(args.n):
+      row = i * args.n + j
+      tokens = rollout.tokens_BT[row, p:][rollout.completion_mask_BN[row]].tolist()
+      print(f"--- prompt {i}, sample {j} ({len(tokens)} tokens) from {policy.source}")
+      print(tok.decode(tokens), flush=True)
+  return 0
+
+
+def export_cli() -> None:
+  sys.exit(export_main())
+
+
+def sample_cli() -> None:
+  sys.exit(sample_main())
