@@ -8,6 +8,12 @@ on the problems and a ChatML chat template. The run takes the path a real one do
 `model.hf_path`, prompts from a jsonl through the chat template, answers by GSM8K's `####`
 convention, rewards from math-verify.
 
+SFT learns the `demo` field: an imperfect teacher's worked solutions, which on half of the
+two-step problems stop after the first step (a systematic mistake, like the default
+experiment's). GRPO's reward checks the true `#### N` of `answer` and trains the slip away.
+Measured on 2 CPU cores: held-out accuracy 0.680 after SFT, 0.852 after 40 GRPO steps, 6 min 55 s
+in all (README).
+
 Run:  .venv/bin/python -m train.main --config=configs/gsm8k_tiny.py
 """
 import os
@@ -27,9 +33,9 @@ def get_config():
                 heldout_path=os.path.join(assets, "test.jsonl"), prompt_field="question",
                 answer_field="answer", answer_format="gsm8k", completion_field="demo", chat=True,
                 max_prompt_tokens=48)
-  c.sft.update(steps=300, batch_size=64, learning_rate=1e-3, warmup_steps=20)
+  c.sft.update(steps=400, batch_size=64, learning_rate=1e-3, warmup_steps=20)
   c.rl.update(steps=40, prompts_per_step=32, group_size=8, num_minibatches=2, max_new_tokens=64,
-              learning_rate=2e-4, warmup_steps=5, kl_coef=0.01, verifier="math")
+              learning_rate=1e-4, warmup_steps=5, kl_coef=0.01, verifier="math")
   c.eval.update(every=10, batch_size=256)
   c.update(checkpoint_every=100)
   return c

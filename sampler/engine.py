@@ -65,8 +65,6 @@ class DecodeModel(Protocol):
   """What the engine needs of a model (`LanguageModel.decoding()` returns one): a KV cache, RoPE
   tables, a prefill and a one-token step, nothing of the model's internals."""
 
-  compute_dtype: Any
-
   def init_cache(self, batch: int, slots: int) -> KVCache: ...
 
   def grow_cache(self, kv_cache: KVCache, slots: int) -> KVCache: ...

@@ -24,26 +24,15 @@ from safetensors.torch import load_file, save_file
 
 from jaxrl.models import hf as hf_module
 from jaxrl.models.heads import ValueModel
-from jaxrl.models.hf_config import ARCH_FIELDS, USER_FIELDS
-from jaxrl.models.hf import HFError, check_config, export, load_params, model_config_from_hf
+from jaxrl.models.hf import HFError, export, load_params, model_config_from_hf
 from jaxrl.models.llama import LanguageModel, ModelConfig, init_kv_cache, positions_from_valid
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
 from sharding.mesh import make_mesh
 from train.roles import ModelRole
 
-COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-5,
-              max_position_embeddings=512, initializer_range=0.2)
-ARCHS = {
-    # transformers 4's keywords, which 5 still takes (and saves as rope_parameters).
-    "llama": lambda: transformers.LlamaConfig(
-        **COMMON, tie_word_embeddings=True, rope_theta=10_000.0,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                          high_freq_factor=4.0, original_max_position_embeddings=64)),
-    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=False, rope_theta=1e6),
-    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
-}
+from hf_models import ARCHS, one_line
+
 GENERATION = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 # Rows of one batch, left-padded: valid lengths (every row ends at the last position).
 LENGTHS, T = (12, 9, 5, 12), 12
@@ -291,70 +280,6 @@ def test_bf16_checkpoint_loads(hf, tmp_path):
 # ------------------------------------------------------------------------------------ errors
 
 
-def _config_dir(tmp_path, arch: str, **changes) -> str:
-  path = str(tmp_path / f"{arch}-config")
-  ARCHS[arch]().save_pretrained(path)
-  with open(os.path.join(path, "config.json")) as f:
-    raw = json.load(f)
-  raw["architectures"] = [ARCHS[arch]().__class__.__name__.replace("Config", "ForCausalLM")]
-  raw.update(changes)
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(raw, f)
-  return path
-
-
-def _one_line(excinfo, *words) -> str:
-  msg = str(excinfo.value)
-  assert "\n" not in msg and all(w in msg for w in words), msg
-  return msg
-
-
-@pytest.mark.parametrize("arch, changes, field", [
-    ("llama", {"architectures": ["MistralForCausalLM"]}, "architectures"),
-    ("llama", {"attention_bias": True}, "attention_bias"),
-    ("llama", {"mlp_bias": True}, "mlp_bias"),
-    ("llama", {"hidden_act": "gelu"}, "hidden_act"),
-    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-     "rope_type"),
-    ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
-    ("qwen3", {"attention_bias": True}, "attention_bias"),
-])
-def test_unsupported_configs_are_refused(tmp_path, arch, changes, field):
-  path = _config_dir(tmp_path, arch, **changes)
-  with pytest.raises(HFError) as e:
-    model_config_from_hf(path)
-  _one_line(e, os.path.join(path, "config.json"), field)
-
-
-def test_every_model_field_is_classified():
-  """check_config compares ARCH_FIELDS; a new ModelConfig field must say whether a checkpoint
-  fixes it."""
-  fields = {f.name for f in dataclasses.fields(ModelConfig)}
-  assert fields == set(ARCH_FIELDS) | set(USER_FIELDS)
-
-
-def test_transformers4_spelling_reads_the_same(tmp_path):
-  """rope_theta + rope_scaling (with the old `type` key) as transformers 4 writes them."""
-  v5 = model_config_from_hf(_config_dir(tmp_path, "llama"))
-  legacy = dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                original_max_position_embeddings=64)
-  path = _config_dir(tmp_path / "v4", "llama", rope_parameters=None, rope_theta=10_000.0,
-                     rope_scaling=legacy)
-  assert model_config_from_hf(path) == dataclasses.replace(v5, hf_path=path)
-
-
-def test_check_config(tmp_path):
-  path = _config_dir(tmp_path, "qwen2")
-  hf = model_config_from_hf(path)
-  with pytest.raises(HFError) as e:
-    check_config(ModelConfig(d_model=256, hf_path=path), hf, ModelConfig())
-  assert str(e.value) == f"config.model.d_model: 256 contradicts 64 in {path}/config.json"
-  # Fields left at the schema default, or set to the checkpoint's value, take the checkpoint's.
-  cfg = check_config(ModelConfig(d_model=64, dtype="bfloat16", hf_path=path), hf, ModelConfig())
-  assert cfg == dataclasses.replace(hf, dtype="bfloat16")
-  assert cfg.scale_tied_head is False and cfg.qkv_bias is True
-
-
 INDEX = "model.safetensors.index.json"
 NAME, EXTRA = "model.layers.1.mlp.up_proj.weight", "model.layers.1.self_attn.o_proj.bias"
 
@@ -399,7 +324,7 @@ def test_broken_checkpoints_are_refused(hf, tmp_path, case, words):
   path, file = _broken_copy(hf, tmp_path, case)
   with pytest.raises(HFError) as e:
     load_params(path, hf.cfg, hf.role.abstract())
-  msg = _one_line(e, *words)
+  msg = one_line(e, *words)
   assert case != "shard" or file in msg
 
 
@@ -407,7 +332,7 @@ def test_model_must_match_the_checkpoint(hf, mesh):
   cfg = dataclasses.replace(hf.cfg, d_ff=256)
   with pytest.raises(HFError) as e:
     load_params(hf.path, cfg, _role(cfg, mesh).abstract())
-  _one_line(e, "d_ff", "256", "128")
+  one_line(e, "d_ff", "256", "128")
 
 
 def test_failed_export_leaves_nothing(hf, tmp_path, monkeypatch):
@@ -415,7 +340,7 @@ def test_failed_export_leaves_nothing(hf, tmp_path, monkeypatch):
   os.makedirs(tmp_path / "empty")
   with pytest.raises(HFError) as e:  # refused before any weight is gathered
     export(hf.params, hf.cfg, out, tokenizer_dir=str(tmp_path / "empty"))
-  _one_line(e, "tokenizer", str(tmp_path / "empty"))
+  one_line(e, "tokenizer", str(tmp_path / "empty"))
 
   def disk_full(path, obj):  # config.json is written after every weight
     raise OSError(f"{path}: no space left on device")
@@ -428,4 +353,4 @@ def test_failed_export_leaves_nothing(hf, tmp_path, monkeypatch):
   export(hf.params, hf.cfg, out)
   with pytest.raises(HFError) as e:
     export(hf.params, hf.cfg, out)
-  _one_line(e, out, "exists")
+  one_line(e, out, "exists")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.data.pipeline import Encoding, _sft_row, answer_length, pack_rows, prompt_length, sft_dataset
+from jaxrl.data.pipeline import Encoding, _sft_row, pack_rows, prompt_length, sft_dataset, target_length
 from jaxrl.data.tasks import make_splits
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.models.llama import LanguageModel, positions_from_segments
@@ -28,7 +28,7 @@ def test_packed_logprobs_equal_unpacked(tiny_cfg):
   logp_packed, _ = steps.token_logprobs(graphdef, params, jnp.asarray(row["tokens"])[None],
                                         jnp.asarray(row["valid"])[None],
                                         jnp.asarray(row["segment_ids"])[None])
-  seq_len = prompt_length(train, enc) + answer_length(train, enc)
+  seq_len = prompt_length(train, enc) + target_length(train, enc)
   by_text = {e.prompt + e.target: e for e in train}
   for seg in range(1, int(row["segment_ids"].max()) + 1):
     where = np.flatnonzero(row["segment_ids"] == seg)

@@ -110,7 +110,7 @@ def test_bad_rows_are_counted(tmp_path):
   assert counts == {"field 'question': empty": 1, "field 'question': missing": 1,
                     "field 'question': not a string": 1, "answer: no '#### ANSWER'": 1,
                     "prompt longer than data.max_prompt_tokens": 1,
-                    "completion longer than data.max_completion_tokens": 1,
+                    "completion longer than rl.max_new_tokens": 1,
                     "not valid JSON": 1, "not a JSON object": 1}
   # Without sft, completions are not limited.
   assert len(load_examples(_bad_rows(tmp_path), BYTES, opts)[0]) == 2
@@ -194,7 +194,7 @@ def test_preference_pairs(tmp_path, hf_tok):
   pairs, counts = load_pairs(_jsonl(tmp_path / "c.jsonl", conversational), hf_tok,
                              DataOptions(chat=True))
   assert counts == {} and pairs == [Pair(hf_tok.chat([user]), "Hello", "Go away")] * 3
-  with pytest.raises(DataError, match=r"c.jsonl:1: response longer than data.max_completion_"
+  with pytest.raises(DataError, match=r"c.jsonl:1: response longer than rl.max_new_"
                                       r"tokens \(8 > 5\)$"):
     load_pairs(str(tmp_path / "c.jsonl"), hf_tok,
                DataOptions(chat=True, max_completion_tokens=5, on_bad_row="error"))

@@ -25,16 +25,17 @@ TOP_LEVEL = "experiment"
 _registered = False
 
 
-def resolve(config) -> ExperimentConfig:
+def resolve(config, *, hf: bool = True) -> ExperimentConfig:
   """An ExperimentConfig from an ExperimentConfig, a ConfigDict or a mapping (validated), its
-  model section completed from `model.hf_path`'s config.json when one is given."""
+  model section completed from `model.hf_path`'s config.json when one is given (unless `hf` is
+  False: a base that overrides still change)."""
   if hasattr(config, "to_dict"):  # ml_collections.ConfigDict
     config = config.to_dict()
   if isinstance(config, Mapping):
     config = from_mapping(ExperimentConfig, config)
   if not isinstance(config, ExperimentConfig):
     raise TypeError(f"expected an ExperimentConfig, a ConfigDict or a mapping, got {type(config)}")
-  return with_hf_model(config)
+  return with_hf_model(config) if hf else config
 
 
 def with_hf_model(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -50,7 +51,8 @@ def with_hf_model(cfg: ExperimentConfig) -> ExperimentConfig:
     model = check_config(cfg.model, model_config_from_hf(path), ModelConfig())
   except HFError as e:
     raise ConfigError(str(e)) from None
-  return dataclasses.replace(cfg, model=model)
+  # Absolute, so that a restore from another working directory finds the weights again.
+  return dataclasses.replace(cfg, model=dataclasses.replace(model, hf_path=os.path.abspath(path)))
 
 
 def _register() -> None:
@@ -97,4 +99,4 @@ def merge(base: Mapping, overrides: Mapping) -> dict:
 
 def with_gin(base, files: Sequence[str] = (), bindings: Sequence[str] = ()) -> ExperimentConfig:
   """`base` (anything `resolve` takes) with gin files and bindings on top."""
-  return resolve(merge(to_dict(resolve(base)), gin_overrides(files, bindings)))
+  return resolve(merge(to_dict(resolve(base, hf=False)), gin_overrides(files, bindings)))

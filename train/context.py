@@ -17,7 +17,7 @@ from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.pipeline import Encoding, prompt_batch, prompt_dataset, prompt_length, target_length
 from jaxrl.data.sources import DataError, DataOptions, load_examples
 from jaxrl.data.tasks import Example, make_splits
-from jaxrl.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from jaxrl.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
 from jaxrl.rewards.user import RewardFnError, call_reward_fn, load_reward_fn
 from jaxrl.rewards.verifier import VERIFIERS
 from train.cluster import RoleCluster
@@ -66,10 +66,14 @@ def make_reward(name: str) -> tuple[Reward, Callable[[str, str], float]]:
 
 def load_tokenizer_for(cfg: ExperimentConfig) -> Tokenizer:
   path = cfg.data.tokenizer_path or cfg.model.hf_path
+  field = "data.tokenizer_path" if cfg.data.tokenizer_path else "model.hf_path"
   try:
     tok = load_tokenizer(path)
   except (TokenizerError, OSError) as e:
-    raise ConfigError(f"config.data.tokenizer_path: {e}") from None
+    raise ConfigError(f"config.{field}: {e}") from None
+  if (cfg.data.chat or cfg.data.messages_field) and isinstance(tok, ByteTokenizer):
+    raise ConfigError("config.data.chat: the byte tokenizer has no chat template; set "
+                      "model.hf_path or data.tokenizer_path to a Hugging Face directory")
   if cfg.model.vocab_size < tok.vocab_size:
     raise ConfigError(f"config.model.vocab_size: expected >= {tok.vocab_size} for the tokenizer "
                       f"{path or '(bytes)'}, got {cfg.model.vocab_size}")
@@ -93,16 +97,17 @@ def _synthetic(cfg: ExperimentConfig, enc: Encoding) -> tuple[list, list]:
 
 def _from_files(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[list, list, dict]:
   d = cfg.data
-  opts = DataOptions.of(d)
-  opts = dataclasses.replace(opts, max_completion_tokens=cfg.rl.max_new_tokens)
-  sft = cfg.sft.steps > 0
   try:
-    train, skipped = load_examples(d.train_path, tok, opts, sft=sft)
+    opts = dataclasses.replace(DataOptions.of(d), max_completion_tokens=cfg.rl.max_new_tokens)
+    train, skipped = load_examples(d.train_path, tok, opts, sft=cfg.sft.steps > 0)
     if d.heldout_path:
       heldout, held_skipped = load_examples(d.heldout_path, tok, opts)
-    else:
+    else:  # a tenth of the file at most, so most of it still trains
+      if len(train) < 10:
+        raise ConfigError(f"config.data.heldout_path: {d.train_path} has {len(train)} usable "
+                          f"rows, too few to split a held-out set off; give a heldout_path")
       order = np.random.default_rng(cfg.seed).permutation(len(train))
-      n = min(d.heldout_size, len(train) // 10 or 1)
+      n = min(d.heldout_size, len(train) // 10)
       heldout, held_skipped = [train[i] for i in order[:n]], {}
       train = [train[i] for i in sorted(order[n:])]
   except DataError as e:
@@ -115,6 +120,9 @@ def _from_files(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[list, list, dict
 def load_task(cfg: ExperimentConfig, tok: Tokenizer) -> TaskData:
   """The run's examples (data files, or the synthetic task), their encoding and reward."""
   enc = Encoding(tok, chat=cfg.data.chat or bool(cfg.data.messages_field))
+  if enc.chat and not cfg.data.train_path:
+    raise ConfigError("config.data.chat: the synthetic task's prompts are plain text; chat "
+                      "templates apply to data files (set data.train_path)")
   if cfg.data.train_path:
     train, heldout, skipped = _from_files(cfg, tok)
     for what, n in skipped.items():
@@ -154,7 +162,10 @@ class RunContext:
   def score(self, texts: list[str], examples) -> np.ndarray:
     """[B] rewards of completions `texts` of `examples` (rl.verifier)."""
     examples = list(examples)
-    return self.task.reward([ex.prompt for ex in examples], texts, examples)
+    try:
+      return self.task.reward([ex.prompt for ex in examples], texts, examples)
+    except RewardFnError as e:  # the user's function misbehaved: a user error, named
+      raise ConfigError(f"config.rl.verifier: {e}") from None
 
   def evaluate(self, examples: list[Example] | None = None) -> float:
     """Held-out score of the newest policy's greedy completions (for a 0/1 verifier: the

@@ -26,6 +26,9 @@ N_TRAIN, N_HELDOUT, SEED = 20_000, 256, 0
 # SFT copies the habit; the verifier's reward in GRPO trains it away. Every `answer` (the worked
 # solution whose `#### N` is the reference) is correct, in train.jsonl and test.jsonl.
 TEACHER_ERROR = 0.5
+# Small numbers keep the tiny model's arithmetic mostly right after SFT, so the teacher's slips
+# are its main mistake; half the problems take two steps.
+DIFFICULTY = dict(max_operand=10, max_factor=5, two_step=0.5)
 TOKENIZER_VOCAB = 512
 MODEL = dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384)
 
@@ -43,7 +46,7 @@ def make(out: str, *, n_train: int = N_TRAIN, n_heldout: int = N_HELDOUT,
 
   tmp = f"{out.rstrip('/')}.tmp{os.getpid()}"  # several processes may make it at once
   os.makedirs(tmp)
-  rows = gsm8k_synth.generate(n_train + n_heldout, SEED)
+  rows = gsm8k_synth.generate(n_train + n_heldout, SEED, gsm8k_synth.Difficulty(**DIFFICULTY))
   train, heldout = gsm8k_synth.split(rows, n_heldout, SEED)
   train = gsm8k_synth.with_teacher_demos(train, teacher_error, SEED)
   gsm8k_synth.write_jsonl(train, os.path.join(tmp, "train.jsonl"))

@@ -164,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
   except KeyboardInterrupt:
     print("jaxrl: interrupted; the last saved checkpoint is intact", file=sys.stderr)
     return 130
-  except ExecutorError as e:  # a bug or a crash, not a user error: keep the traceback
+  except ExecutorError as e:
+    if isinstance(e.__cause__, ConfigError):  # e.g. a user reward function that misbehaved
+      return _fail(f"{e.__cause__}; stopped, saved checkpoints are intact")
+    # A bug or a crash, not a user error: keep the traceback.
     traceback.print_exception(e.__cause__ or e)
     print(f"jaxrl: error: {e}; stopped, saved checkpoints are intact", file=sys.stderr)
     return 1

@@ -37,6 +37,11 @@ def as_prompt(ctx: RunContext, text: str) -> str:
   """`text` as the run's data renders a prompt: through the chat template (with the system
   prompt) when `data.chat` is set."""
   d = ctx.cfg.data
+  if d.train_path:  # the data's template; a template of other row fields cannot apply here
+    try:
+      text = d.prompt_template.format(prompt=text)
+    except (KeyError, IndexError):
+      pass
   if not ctx.task.enc.chat:
     return text
   system = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []

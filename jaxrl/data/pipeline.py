@@ -32,10 +32,6 @@ def prompt_length(examples: Sequence[Example], enc: Encoding) -> int:
   return max(len(enc.prompt(e.prompt)) for e in examples)
 
 
-def answer_length(examples: Sequence[Example], enc: Encoding) -> int:
-  return max(len(enc.target(e.answer)) for e in examples)
-
-
 def target_length(examples: Sequence[Example], enc: Encoding) -> int:
   return max(len(enc.target(e.target)) for e in examples)
 

@@ -320,7 +320,7 @@ def load_examples(path: str, tok: Tokenizer, opts: DataOptions = DataOptions(), 
       tally.bad(where, "prompt longer than data.max_prompt_tokens",
                 f" ({prompt_over[n]} > {opts.max_prompt_tokens})")
     elif sft and demo_over[n]:
-      tally.bad(where, "completion longer than data.max_completion_tokens",
+      tally.bad(where, "completion longer than rl.max_new_tokens",
                 f" ({demo_over[n]} > {opts.max_completion_tokens})")
     else:
       kept.append(ex)
@@ -393,7 +393,7 @@ def load_pairs(path: str, tok: Tokenizer,
       tally.bad(where, "prompt longer than data.max_prompt_tokens",
                 f" ({prompt_over[n]} > {opts.max_prompt_tokens})")
     elif longest:
-      tally.bad(where, "response longer than data.max_completion_tokens",
+      tally.bad(where, "response longer than rl.max_new_tokens",
                 f" ({longest} > {opts.max_completion_tokens})")
     else:
       kept.append(pair)

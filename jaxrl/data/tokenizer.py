@@ -101,7 +101,7 @@ class ByteTokenizer:
   def chat(self, messages: Messages, *, add_generation_prompt: bool = True,
            **template_kwargs: Any) -> str:
     raise TokenizerError("the byte tokenizer has no chat template; set data.chat=False or "
-                         "point model.tokenizer at a directory with one")
+                         "point data.tokenizer_path at a directory with one")
 
 
 def _read_json(path: str) -> dict:
@@ -197,8 +197,9 @@ class HFTokenizer:
 
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(path):
-      raise TokenizerError(f"{directory}: no tokenizer.json (model.tokenizer must be a Hugging Face "
-                           "tokenizer directory, or empty for the byte tokenizer)")
+      raise TokenizerError(f"{directory}: no tokenizer.json (data.tokenizer_path or "
+                           "model.hf_path must be a Hugging Face tokenizer directory, or empty "
+                           "for the byte tokenizer)")
     try:
       backend = tokenizers.Tokenizer.from_file(path)
     except Exception as e:  # the Rust loader raises plain Exception subclasses

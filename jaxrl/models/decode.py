@@ -128,10 +128,6 @@ class LMDecoding:
     cast = jax.tree.map(lambda x: x.astype(dt) if x.ndim > 1 else x, params)
     return cls(nnx.merge(graphdef, cast), head_VD)
 
-  @property
-  def compute_dtype(self):
-    return self.model.cfg.compute_dtype
-
   def init_cache(self, batch: int, slots: int) -> KVCache:
     return init_kv_cache(self.model.cfg, batch, slots)
 

@@ -92,13 +92,24 @@ def _weight_map(hf_dir: str) -> tuple[dict[str, str], str]:
   """{tensor name: file name}, and the file that says so."""
   index = os.path.join(hf_dir, INDEX_FILE)
   if os.path.exists(index):
-    with open(index) as f:
-      return json.load(f)["weight_map"], index
+    try:
+      with open(index) as f:
+        return dict(json.load(f)["weight_map"]), index
+    except (ValueError, KeyError, TypeError) as e:
+      raise HFError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
   single = os.path.join(hf_dir, SINGLE_FILE)
   if not os.path.exists(single):
     raise HFError(f"{hf_dir}: neither {SINGLE_FILE} nor {INDEX_FILE}")
-  with safe_open(single, framework="flax") as f:
+  with _open(single) as f:
     return {name: SINGLE_FILE for name in f.keys()}, single
+
+
+def _open(path: str):
+  """safe_open, with an unreadable file (a corrupt or truncated header) an HFError."""
+  try:
+    return safe_open(path, framework="flax")
+  except Exception as e:  # safetensors raises its own SafetensorError (an Exception)
+    raise HFError(f"{path}: cannot read ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 
 @functools.cache
@@ -139,7 +150,7 @@ def _plan(hf_dir: str, leaves, handles: dict, weights: dict, where: str) -> list
     if file not in handles:
       if not os.path.exists(file):
         raise HFError(f"{name}: its file {file} (named in {where}) is missing")
-      handles[file] = safe_open(file, framework="flax")
+      handles[file] = _open(file)
     if name not in handles[file].keys():
       raise HFError(f"{name}: not in {file} (where {where} puts it)")
     info = handles[file].get_slice(name)
@@ -311,7 +322,10 @@ def export(params: nnx.State, cfg: ModelConfig, out_dir: str, *, dtype: str = "f
   if dtype not in ("float32", "bfloat16"):
     raise HFError(f"export dtype: expected float32 or bfloat16, got {dtype!r}")
   writer = jax.process_index() == 0
-  if writer and os.path.exists(out_dir):
+  exists = os.path.exists(out_dir)
+  if jax.process_count() > 1:  # process 0 decides for all, so none waits in a gather alone
+    exists = bool(multihost_utils.broadcast_one_to_all(np.asarray(exists)))
+  if exists:
     raise HFError(f"{out_dir}: already exists (export never overwrites)")
   # Everything that can be refused is, before any weight is gathered.
   tensors, tied = _hf_tensors(params, cfg)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import os
 
 import jax
@@ -23,6 +24,7 @@ from jaxrl.data.tasks import Example
 from sampler.worker import rollout_key
 from train.context import RunContext, chunks
 
+log = logging.getLogger("jaxrl")
 HELDOUT_FRACTION = 0.1  # of a user's pairs file, held out for the accuracy / margin metric
 
 
@@ -47,12 +49,14 @@ def check_pairs_file(path: str) -> None:
 def read_pairs_file(ctx: RunContext, stage: str, path: str) -> list[Pair]:
   """A user's pairs (jsonl / parquet; text, or chat messages with data.chat), prompts rendered
   as the RL prompts are; bad rows are skipped and counted, or stop the run (data.on_bad_row)."""
-  opts = dataclasses.replace(DataOptions.of(ctx.cfg.data),
-                             max_completion_tokens=ctx.cfg.rl.max_new_tokens)
-  try:
+  try:  # no token limits: the pair batches are sized from the pairs themselves
+    opts = dataclasses.replace(DataOptions.of(ctx.cfg.data), max_prompt_tokens=0,
+                               max_completion_tokens=0)
     pairs, skipped = sources.load_pairs(path, ctx.tok, opts)
   except DataError as e:
     raise ConfigError(str(e)) from None
+  for reason, n in skipped.items():
+    log.warning("%s: skipped %d rows of %s (%s)", stage, n, path, reason)
   if skipped:
     ctx.summary[f"{stage}_pairs_skipped_rows"] = skipped
   return pairs

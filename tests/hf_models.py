@@ -1,0 +1,36 @@
+"""Tiny random Hugging Face model configs shared by the transformers parity tests."""
+import json
+import os
+
+import transformers
+
+COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-5,
+              max_position_embeddings=512, initializer_range=0.2)
+ARCHS = {
+    # transformers 4's keywords, which 5 still takes (and saves as rope_parameters).
+    "llama": lambda: transformers.LlamaConfig(
+        **COMMON, tie_word_embeddings=True, rope_theta=10_000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=64)),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=False, rope_theta=1e6),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
+}
+
+
+def config_dir(tmp_path, arch: str, **changes) -> str:
+  path = str(tmp_path / f"{arch}-config")
+  ARCHS[arch]().save_pretrained(path)
+  with open(os.path.join(path, "config.json")) as f:
+    raw = json.load(f)
+  raw["architectures"] = [ARCHS[arch]().__class__.__name__.replace("Config", "ForCausalLM")]
+  raw.update(changes)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(raw, f)
+  return path
+
+
+def one_line(excinfo, *words) -> str:
+  msg = str(excinfo.value)
+  assert "\n" not in msg and all(w in msg for w in words), msg
+  return msg

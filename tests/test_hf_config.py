@@ -1,0 +1,56 @@
+"""Reading and checking Hugging Face config.json files: refusals name the file and the field."""
+import dataclasses
+import os
+
+import pytest
+
+from hf_models import config_dir, one_line
+from jaxrl.models.hf import HFError, check_config, model_config_from_hf
+from jaxrl.models.hf_config import ARCH_FIELDS, USER_FIELDS
+from jaxrl.models.llama import ModelConfig
+
+
+@pytest.mark.parametrize("arch, changes, field", [
+    ("llama", {"architectures": ["MistralForCausalLM"]}, "architectures"),
+    ("llama", {"attention_bias": True}, "attention_bias"),
+    ("llama", {"mlp_bias": True}, "mlp_bias"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     "rope_type"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen3", {"attention_bias": True}, "attention_bias"),
+])
+def test_unsupported_configs_are_refused(tmp_path, arch, changes, field):
+  path = config_dir(tmp_path, arch, **changes)
+  with pytest.raises(HFError) as e:
+    model_config_from_hf(path)
+  one_line(e, os.path.join(path, "config.json"), field)
+
+
+def test_every_model_field_is_classified():
+  """check_config compares ARCH_FIELDS; a new ModelConfig field must say whether a checkpoint
+  fixes it."""
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  assert fields == set(ARCH_FIELDS) | set(USER_FIELDS)
+
+
+def test_transformers4_spelling_reads_the_same(tmp_path):
+  """rope_theta + rope_scaling (with the old `type` key) as transformers 4 writes them."""
+  v5 = model_config_from_hf(config_dir(tmp_path, "llama"))
+  legacy = dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=64)
+  path = config_dir(tmp_path / "v4", "llama", rope_parameters=None, rope_theta=10_000.0,
+                     rope_scaling=legacy)
+  assert model_config_from_hf(path) == dataclasses.replace(v5, hf_path=path)
+
+
+def test_check_config(tmp_path):
+  path = config_dir(tmp_path, "qwen2")
+  hf = model_config_from_hf(path)
+  with pytest.raises(HFError) as e:
+    check_config(ModelConfig(d_model=256, hf_path=path), hf, ModelConfig())
+  assert str(e.value) == f"config.model.d_model: 256 contradicts 64 in {path}/config.json"
+  # Fields left at the schema default, or set to the checkpoint's value, take the checkpoint's.
+  cfg = check_config(ModelConfig(d_model=64, dtype="bfloat16", hf_path=path), hf, ModelConfig())
+  assert cfg == dataclasses.replace(hf, dtype="bfloat16")
+  assert cfg.scale_tied_head is False and cfg.qkv_bias is True
