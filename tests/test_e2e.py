@@ -17,9 +17,11 @@ ROOT = __file__.rsplit("/tests/", 1)[0]
 
 @pytest.mark.slow
 def test_tiny_run_through_main(tmp_path):
+  # An entropy bonus: a 3-step SFT policy earns no reward yet, and RL must still move it.
   proc = subprocess.run(
       [sys.executable, "-m", "train.main", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
-       "--config.run_name=smoke"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+       "--config.run_name=smoke", "--config.rl.entropy_coef=0.01"], cwd=ROOT,
+      capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   run_dir = tmp_path / "smoke"
   rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]

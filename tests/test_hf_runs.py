@@ -55,7 +55,7 @@ def test_run_from_hf_dir_then_export_and_sample(assets, tmp_path, capsys):
     np.testing.assert_array_equal(np.asarray(exp.params["decoder"]["embed"]), want)
     summary = exp.run()
     assert 0.0 <= summary["heldout_acc_rl"] <= 1.0 and summary["rl_steps_done"] == 2
-    completion = exp.sample(["Tom has 3 apples and buys 4 more. How many apples?"], greedy=True)
+    completion = exp.sample(["Tom has 3 apples."], greedy=True, max_new_tokens=64)
     params = exp.params
   out = str(tmp_path / "exported")
   checkpoint = os.path.join(exp.run_dir, "checkpoints", "rl")
@@ -105,11 +105,11 @@ def test_bad_rows_skip_or_stop(assets, tmp_path):
 
 
 def test_user_reward_function(tmp_path, monkeypatch):
-  (tmp_path / "my_rewards.py").write_text(
+  (tmp_path / "hf_run_rewards.py").write_text(
       "def length_match(prompts, completions, answer, **fields):\n"
       "  return [float(len(c) == int(a)) for c, a in zip(completions, answer)]\n")
   monkeypatch.syspath_prepend(str(tmp_path))
-  reward, verifier = make_reward("my_rewards:length_match")
+  reward, verifier = make_reward("hf_run_rewards:length_match")
   from jaxrl.data.tasks import Example
   got = reward(["p", "q"], ["abc", "ab"], [Example("p", "3"), Example("q", "3")])
   np.testing.assert_array_equal(got, [1.0, 0.0])
