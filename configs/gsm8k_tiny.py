@@ -11,8 +11,8 @@ convention, rewards from math-verify.
 SFT learns the `demo` field: an imperfect teacher's worked solutions, which on half of the
 two-step problems stop after the first step (a systematic mistake, like the default
 experiment's). GRPO's reward checks the true `#### N` of `answer` and trains the slip away.
-Measured on 2 CPU cores: held-out accuracy 0.680 after SFT, 0.852 after 40 GRPO steps, 6 min 55 s
-in all (README).
+Measured on 2 CPU cores: held-out accuracy 0.680 after SFT, 0.852 after 40 GRPO steps, about
+7 min in all (README).
 
 Run:  .venv/bin/python -m train.main --config=configs/gsm8k_tiny.py
 """
