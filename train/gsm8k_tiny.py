@@ -43,6 +43,7 @@ def make(out: str, *, n_train: int = N_TRAIN, n_heldout: int = N_HELDOUT,
   from jaxrl.data.tokenizer import load_tokenizer
   from jaxrl.models.hf import export
   from jaxrl.models.llama import LanguageModel, ModelConfig
+  from train.model_io import generation_config
 
   tmp = f"{out.rstrip('/')}.tmp{os.getpid()}"  # several processes may make it at once
   os.makedirs(tmp)
@@ -58,9 +59,8 @@ def make(out: str, *, n_train: int = N_TRAIN, n_heldout: int = N_HELDOUT,
   cfg = ModelConfig(vocab_size=vocab, tie_embeddings=True, scale_tied_head=False,
                     **{**MODEL, **(model or {})})
   params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(SEED)))[1]
-  ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
   export(params, cfg, os.path.join(tmp, "model"), dtype="float32", tokenizer_dir=tok_dir,
-         generation_config={k: v for k, v in ids.items() if v is not None})
+         generation_config=generation_config(tok))
   shutil.rmtree(tok_dir)
   try:
     os.rename(tmp, out)

@@ -93,7 +93,8 @@ def parse_args(argv: list[str]):
   return holder.value, fv.gin_file, fv.gin_param, {"resume": fv.resume, "dry_run": fv.dry_run}
 
 
-def _fail(message: str) -> int:
+def fail(message: str) -> int:
+  """A user error: one line on stderr, exit code 2."""
   print(f"jaxrl: error: {message}", file=sys.stderr)
   return EXIT_USER_ERROR
 
@@ -115,7 +116,7 @@ def _start(argv: list[str]):
   try:
     raw, gin_files, gin_params, opts = parse_args(argv)
   except UsageError as e:
-    return _fail(str(e))
+    return fail(str(e))
   cpu_devices = raw.get("placement", {}).get("cpu_devices", 8)
   force_cpu_devices(cpu_devices if isinstance(cpu_devices, int) else 8)
   retain_freed_memory()
@@ -123,7 +124,7 @@ def _start(argv: list[str]):
   try:
     distributed.initialize()  # before anything touches a device
   except ValueError as e:
-    return _fail(str(e))
+    return fail(str(e))
   import jax
   _setup_logging(jax.process_index() == 0)
   from jaxrl.config import ConfigError
@@ -136,7 +137,7 @@ def _start(argv: list[str]):
       return _dry_run(cfg)
     return Experiment(cfg, resume_run=opts["resume"])
   except (ConfigError, PreferenceDataError) as e:
-    return _fail(str(e))
+    return fail(str(e))
 
 
 def _dry_run(cfg) -> int:
@@ -160,13 +161,13 @@ def main(argv: list[str] | None = None) -> int:
   try:
     summary = exp.run()
   except (ConfigError, PreferenceDataError) as e:
-    return _fail(str(e))
+    return fail(str(e))
   except KeyboardInterrupt:
     print("jaxrl: interrupted; the last saved checkpoint is intact", file=sys.stderr)
     return 130
   except ExecutorError as e:
     if isinstance(e.__cause__, ConfigError):  # e.g. a user reward function that misbehaved
-      return _fail(f"{e.__cause__}; stopped, saved checkpoints are intact")
+      return fail(f"{e.__cause__}; stopped, saved checkpoints are intact")
     # A bug or a crash, not a user error: keep the traceback.
     traceback.print_exception(e.__cause__ or e)
     print(f"jaxrl: error: {e}; stopped, saved checkpoints are intact", file=sys.stderr)

@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 
+from jaxrl.data.sources import DataError, DataOptions, render_prompt
 from sampler.sampler import Sampler
 from sampler.worker import rollout_key
 from train.context import RunContext
@@ -36,16 +37,12 @@ def _sampler(ctx: RunContext, n: int, greedy: bool, max_new_tokens: int) -> Samp
 def as_prompt(ctx: RunContext, text: str) -> str:
   """`text` as the run's data renders a prompt: through the chat template (with the system
   prompt) when `data.chat` is set."""
-  d = ctx.cfg.data
-  if d.train_path:  # the data's template; a template of other row fields cannot apply here
-    try:
-      text = d.prompt_template.format(prompt=text)
-    except (KeyError, IndexError):
-      pass
-  if not ctx.task.enc.chat:
-    return text
-  system = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
-  return ctx.tok.chat(system + [{"role": "user", "content": text}])
+  plain = dataclasses.replace(DataOptions.of(ctx.cfg.data), prompt_template="{prompt}")
+  opts = DataOptions.of(ctx.cfg.data) if ctx.cfg.data.train_path else plain
+  try:
+    return render_prompt(text, ctx.tok, opts)
+  except DataError:  # the template names other row fields, which a bare prompt lacks
+    return render_prompt(text, ctx.tok, plain)
 
 
 def sample(ctx: RunContext, prompts: list[str], *, n: int = 1, greedy: bool = False,

@@ -14,12 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-EXIT_USER_ERROR = 2
-
-
-def _fail(message: str) -> int:
-  print(f"jaxrl: error: {message}", file=sys.stderr)
-  return EXIT_USER_ERROR
+from train.main import fail
 
 
 def export_main(argv: list[str] | None = None) -> int:
@@ -32,36 +27,18 @@ def export_main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   from jaxrl.config import ConfigError
   from jaxrl.models.hf import HFError, export
-  from train.model_io import load_policy
+  from train.model_io import generation_config, load_policy
   try:
     policy = load_policy(args.checkpoint)
     export(policy.params, policy.cfg, args.out, dtype=args.dtype,
            max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
            tokenizer_dir=policy.tokenizer_dir or None,
-           generation_config=generation_config(policy))
+           generation_config=generation_config(policy.tok, policy.tokenizer_dir))
   except (ConfigError, HFError, ValueError) as e:  # TokenizerError is a ValueError
-    return _fail(str(e))
+    return fail(str(e))
   print(f"jaxrl: exported {policy.source} to {args.out}"
         + ("" if policy.tokenizer_dir else " (byte tokenizer: no tokenizer files)"))
   return 0
-
-
-def generation_config(policy) -> dict:
-  """The source directory's generation_config.json (sampling defaults), with the tokenizer's
-  ids: every stop id is an `eos_token_id` (e.g. Llama 3.1's <|eot_id|> and <|end_of_text|>)."""
-  import json
-  import os
-  out = {}
-  path = os.path.join(policy.tokenizer_dir, "generation_config.json")
-  if policy.tokenizer_dir and os.path.isfile(path):
-    with open(path, encoding="utf-8") as f:
-      out = json.load(f)
-  tok = policy.tok
-  stops = list(tok.stop_ids)
-  out.update(eos_token_id=stops[0] if len(stops) == 1 else stops, pad_token_id=tok.pad_id)
-  if tok.bos_id is not None:
-    out["bos_token_id"] = tok.bos_id
-  return out
 
 
 def _prompt_ids(tok, text: str, chat: bool) -> list[int]:
@@ -99,7 +76,7 @@ def sample_main(argv: list[str] | None = None) -> int:
     if args.n < 1:
       raise ValueError(f"--n: expected >= 1, got {args.n}")
   except (ConfigError, ValueError) as e:
-    return _fail(str(e))
+    return fail(str(e))
   sampler = Sampler(policy.graphdef, cfg, n=args.n)
   rollout = sampler(policy.params, ids, rollout_key(args.seed, 0))
   p = rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]

@@ -239,6 +239,14 @@ def _prompt(row: Mapping, prompt: Any, tok: Tokenizer, opts: DataOptions) -> str
   return _render(tok, _with_system([{"role": "user", "content": text}], opts))
 
 
+def render_prompt(text: str, tok: Tokenizer, opts: DataOptions) -> str:
+  """A prompt given as text, outside any dataset row, rendered as a row's prompt field is."""
+  try:
+    return _prompt({}, text, tok, opts)
+  except _BadRow as e:
+    raise DataError(f"prompt: {e}{e.detail}") from None
+
+
 # --- examples -----------------------------------------------------------------------------------
 
 def _example(row: Mapping, tok: Tokenizer, opts: DataOptions, sft: bool) -> Example:
