@@ -224,6 +224,13 @@ class RLConfig:
   def rollouts(self) -> int:
     return self.prompts_per_step * self.group_size
 
+  @property
+  def needs_old_logprobs(self) -> bool:
+    """Whether a step needs the trainer's log-probs before its update as a separate pass.
+    With one minibatch the update starts from exactly those weights, so they are its own
+    log-probs, detached (as TRL and verl do); a KL folded into the rewards needs them first."""
+    return self.num_minibatches > 1 or self.kl_mode == "reward"
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:

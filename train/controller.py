@@ -90,16 +90,17 @@ class Controller:
                                                    label="score")),
         "ref": (self.ref, self.ref.submit(self._on, self.reference, self._ref_logp, rollout,
                                           label="ref logprobs")),
-        "old": (self.train, self.train.submit(self._on, self.actor.role, self._old_logp,
-                                              rollout, label="old logprobs")),
     }
+    if self.cfg.needs_old_logprobs:
+      futures["old"] = (self.train, self.train.submit(self._on, self.actor.role, self._old_logp,
+                                                      rollout, label="old logprobs"))
     if self.critic is not None:
       futures["values"] = (self.values, self.values.submit(
           self._on, self.critic.role, self._values_fn, rollout, label="values"))
     out = {k: ex.result(f) for k, (ex, f) in futures.items()}
     (rewards_B, verified_B), on_actor = out["reward"], self.actor.role.put
     values_BN = on_actor(out["values"]) if "values" in out else None
-    exp, metrics = self._experience(on_actor(rollout), rewards_B, out["old"],
+    exp, metrics = self._experience(on_actor(rollout), rewards_B, out.get("old"),
                                     on_actor(out["ref"]), values_BN)
     return exp, metrics, verified_B
 

@@ -24,9 +24,11 @@ class Experience:
   valid_BT: jax.Array  # prompt validity, then the completion mask
   completion_mask_BN: jax.Array
   sampler_logprobs_BN: jax.Array  # mu: what the sampler drew with
-  old_logprobs_BN: jax.Array  # the trainer's policy before this update
   ref_logprobs_BN: jax.Array
   advantages_BN: jax.Array
+  # The trainer's policy before this update; None when the update's own (detached) log-probs
+  # are these (one minibatch: RLConfig.needs_old_logprobs).
+  old_logprobs_BN: jax.Array | None = None
   old_values_BN: jax.Array | None = None  # critic (gae) only
   returns_BN: jax.Array | None = None
 
@@ -36,11 +38,14 @@ class Experience:
 
 
 def make_experience(rollout, rewards_B, old_BN, ref_BN, values_BN, *, cfg: RLConfig):
-  """Per-token KL to the reference and advantages from the sequence rewards; (Experience,
-  metrics). `rollout` is the sampler's `Rollout`, already moved onto this mesh."""
+  """Per-token KL to the reference (when the rewards carry it) and advantages from the
+  sequence rewards; (Experience, metrics). `rollout` is the sampler's `Rollout`, already moved
+  onto this mesh; `old_BN` is None when the update computes it itself."""
   mask_BN = rollout.completion_mask_BN
   maskf_BN = mask_BN.astype(jnp.float32)
-  kl_BN = KL_ESTIMATORS[cfg.kl_estimator](old_BN, ref_BN) * maskf_BN
+  kl_BN = None
+  if cfg.kl_mode == "reward":
+    kl_BN = KL_ESTIMATORS[cfg.kl_estimator](old_BN, ref_BN) * maskf_BN
   if values_BN is not None:
     values_BN = values_BN * maskf_BN
   adv_BN, raw_BN = steps.advantages(rewards_B, mask_BN, kl_BN, values_BN, cfg=cfg)

@@ -9,6 +9,7 @@ from flax import nnx
 
 from jaxrl.algos import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES,
                          bradley_terry_loss, dpo_loss)
+from jaxrl.algos.logprobs import chunked_logprobs
 from jaxrl.algos.losses import truncated_is_weight, value_loss
 from jaxrl.config import RLConfig
 from jaxrl.models.llama import positions_from_segments, positions_from_valid
@@ -30,26 +31,24 @@ def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, total_steps: 
                      optax.adamw(schedule, b2=0.98, weight_decay=weight_decay))
 
 
-def token_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT=None):
-  """log pi(tokens[t+1] | tokens[:t+1]) and the entropy of that distribution, shapes [B, T-1].
+def token_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT=None, start: int = 0):
+  """log pi(tokens[t+1] | tokens[:t+1]) and the entropy of that distribution for positions
+  t = start .. T-2, shapes [B, T-1-start]. The LM head and softmax run only at those positions
+  and in chunks (jaxrl/algos/logprobs.py): no [B, T, V] logits tensor, forward or backward.
 
   With `segment_ids_BT` (packed rows) positions restart and attention stays in each segment."""
   model = nnx.merge(graphdef, params)
   if segment_ids_BT is None:
-    logits_BTV, _ = model(tokens_BT, positions_from_valid(valid_BT), valid_BT)
+    h_BTD, _ = model.decoder(tokens_BT, positions_from_valid(valid_BT), valid_BT)
   else:
-    logits_BTV, _ = model(tokens_BT, positions_from_segments(segment_ids_BT), valid_BT,
-                          segment_ids_BT=segment_ids_BT)
-  logp_all_BTV = jax.nn.log_softmax(logits_BTV[:, :-1], axis=-1)
-  logp_BT = jnp.take_along_axis(logp_all_BTV, tokens_BT[:, 1:, None], axis=-1)[..., 0]
-  entropy_BT = -(jnp.exp(logp_all_BTV) * logp_all_BTV).sum(-1)
-  return logp_BT, entropy_BT
+    h_BTD, _ = model.decoder(tokens_BT, positions_from_segments(segment_ids_BT), valid_BT,
+                             segment_ids_BT=segment_ids_BT)
+  return chunked_logprobs(h_BTD[:, start:-1], model.head_VD(), tokens_BT[:, start + 1:])
 
 
 def completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int):
   """Log-probs and entropies of the completion slots (the last T - prompt_len tokens)."""
-  logp_BT, entropy_BT = token_logprobs(graphdef, params, tokens_BT, valid_BT)
-  return logp_BT[:, prompt_len - 1:], entropy_BT[:, prompt_len - 1:]
+  return token_logprobs(graphdef, params, tokens_BT, valid_BT, start=prompt_len - 1)
 
 
 def _apply(state: TrainState, grads, optimizer) -> TrainState:
@@ -123,22 +122,24 @@ def policy_loss(params, exp, *, graphdef, cfg: RLConfig):
   logp_BN, entropy_BN = completion_logprobs(graphdef, params, exp.tokens_BT, exp.valid_BT,
                                             exp.prompt_len)
   mask_BN = exp.completion_mask_BN.astype(jnp.float32)
+  old_BN = exp.old_logprobs_BN
+  if old_BN is None:  # one minibatch: these weights are the ones before the update
+    old_BN = jax.lax.stop_gradient(logp_BN)
   if cfg.policy_loss == "aipo":
     pg_BN = POLICY_LOSSES["aipo"](logp_BN, exp.sampler_logprobs_BN, exp.advantages_BN,
                                   rho=cfg.aipo_rho)
   else:
-    pg_BN = POLICY_LOSSES["ppo_clip"](logp_BN, exp.old_logprobs_BN, exp.advantages_BN,
+    pg_BN = POLICY_LOSSES["ppo_clip"](logp_BN, old_BN, exp.advantages_BN,
                                       eps_low=cfg.clip_eps_low, eps_high=cfg.clip_eps_high)
     if cfg.tis_cap > 0:
-      pg_BN = pg_BN * truncated_is_weight(exp.old_logprobs_BN, exp.sampler_logprobs_BN,
-                                          cfg.tis_cap)
+      pg_BN = pg_BN * truncated_is_weight(old_BN, exp.sampler_logprobs_BN, cfg.tis_cap)
   kl_BN = KL_ESTIMATORS[cfg.kl_estimator](logp_BN, exp.ref_logprobs_BN)
   loss_BN = pg_BN - cfg.entropy_coef * entropy_BN
   if cfg.kl_mode == "loss":
     loss_BN = loss_BN + cfg.kl_coef * kl_BN
   aggregate = AGGREGATIONS[cfg.loss_aggregation]
   loss = aggregate(loss_BN, mask_BN)
-  ratio_BN = jnp.exp(logp_BN - exp.old_logprobs_BN)
+  ratio_BN = jnp.exp(logp_BN - old_BN)
   clipped_BN = (ratio_BN < 1 - cfg.clip_eps_low) | (ratio_BN > 1 + cfg.clip_eps_high)
   metrics = {"kl": aggregate(kl_BN, mask_BN), "entropy": aggregate(entropy_BN, mask_BN),
              "clip_frac": aggregate(clipped_BN.astype(jnp.float32), mask_BN)}

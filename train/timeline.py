@@ -49,6 +49,16 @@ class Timeline:
         out[executor] += max(0.0, min(end, until) - max(start, since))
     return out
 
+  def durations(self, since: float | None = None) -> dict[str, list[float]]:
+    """Seconds of each call that started at or after `since`, by label."""
+    since = self.t0 if since is None else since
+    out: dict[str, list[float]] = {}
+    with self._lock:
+      for _, label, start, end, _ in self._events:
+        if start >= since:
+          out.setdefault(label, []).append(end - start)
+    return out
+
   def _device_busy_seconds(self, since: float, until: float) -> dict[int, float]:
     """Per device, the length of the union of the busy intervals of the executors on it."""
     with self._lock:

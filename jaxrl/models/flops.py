@@ -1,0 +1,60 @@
+"""Model FLOPs of the work an RL step needs: forward, train and decode passes of `ModelConfig`.
+
+Counted as 2 FLOPs per multiply-add of every matrix product the pass must do:
+  - the projections and MLP (2 x the non-embedding parameters) per token processed;
+  - attention: queries x keys and probabilities x values over the keys a query may see (causal:
+    query t sees t + 1 positions; a decode step sees its prompt and everything generated);
+  - the LM head (2 x d_model x vocab) only where a token's distribution is needed: log-probs of
+    completion tokens, one sampled token per decode step.
+Embedding lookups, norms and softmaxes are not counted (they are not matrix products). A
+backward pass counts twice its forward. Work a step can skip is never counted: the benchmarks
+divide these by measured seconds, so a skipped pass cannot earn credit.
+"""
+from __future__ import annotations
+
+from jaxrl.models.llama import ModelConfig
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+  """Parameters of the per-token matrix products (projections and MLP, every layer)."""
+  d, h = cfg.d_model, cfg.head_dim
+  attn = d * h * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+  return cfg.n_layers * (attn + 3 * d * cfg.d_ff)
+
+
+def attention_flops(cfg: ModelConfig, queries: int, keys_per_query: float) -> float:
+  """QK^T and PV over all layers for `queries` queries, each seeing `keys_per_query` keys."""
+  return 4.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * queries * keys_per_query
+
+
+def head_flops(cfg: ModelConfig, positions: int) -> float:
+  return 2.0 * cfg.d_model * cfg.vocab_size * positions
+
+
+def forward_flops(cfg: ModelConfig, rows: int, seq_len: int, scored: int) -> float:
+  """One causal forward over `rows` x `seq_len` tokens, with the LM head at `scored` positions
+  per row (the completion tokens whose log-probs are needed)."""
+  tokens = rows * seq_len
+  return (2.0 * matmul_params(cfg) * tokens
+          + attention_flops(cfg, tokens, (seq_len + 1) / 2)
+          + head_flops(cfg, rows * scored))
+
+
+def train_flops(cfg: ModelConfig, rows: int, seq_len: int, scored: int) -> float:
+  """Forward + backward (twice the forward)."""
+  return 3.0 * forward_flops(cfg, rows, seq_len, scored)
+
+
+def generate_flops(cfg: ModelConfig, prompts: int, prompt_len: int, samples: int,
+                   new_tokens: float) -> float:
+  """Prefill of each prompt once (its KV cache shared by its `samples` rows; the LM head at the
+  last position only), then `new_tokens` - 1 decode steps per row on average (the last sampled
+  token needs no forward pass), each attending to the prompt and the tokens so far."""
+  prefill = (2.0 * matmul_params(cfg) * prompts * prompt_len
+             + attention_flops(cfg, prompts * prompt_len, (prompt_len + 1) / 2)
+             + head_flops(cfg, prompts))
+  rows, steps = prompts * samples, max(new_tokens - 1, 0)
+  decode = (2.0 * matmul_params(cfg) * rows * steps
+            + attention_flops(cfg, rows * steps, prompt_len + (steps + 1) / 2)
+            + head_flops(cfg, rows * steps))
+  return prefill + decode

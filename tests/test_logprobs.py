@@ -1,0 +1,115 @@
+"""Chunked log-probs (jaxrl/algos/logprobs.py) against the full-logits version, and the on-policy
+update that takes its old log-probs from its own forward pass."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrl.algos.logprobs import chunk_length, chunked_logprobs, dense_logprobs
+from jaxrl.config import RLConfig
+from jaxrl.models.llama import LanguageModel
+from train import steps
+from train.experience import Experience
+
+
+def _inputs(b=3, n=10, d=16, v=50, seed=0):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(k1, (b, n, d)) * 0.5, jax.random.normal(k2, (v, d)) * 0.5,
+          jax.random.randint(k3, (b, n), 0, v))
+
+
+def _loss(fn):
+  """A loss that weighs every position's log-prob and entropy differently."""
+  def loss(h, w, t):
+    logp, ent = fn(h, w, t)
+    weights = jnp.arange(1, logp.shape[1] + 1) / logp.shape[1]
+    return (logp * weights).sum() + (ent * weights[::-1]).sum()
+  return loss
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 3, 4, 10])
+def test_chunked_equals_dense_values_and_gradients(chunk):
+  h, w, t = _inputs()
+  chunked = lambda h, w, t: chunked_logprobs(h, w, t, chunk=chunk)
+  for got, want in zip(chunked(h, w, t), dense_logprobs(h, w, t)):
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  got = jax.grad(_loss(chunked), argnums=(0, 1))(h, w, t)
+  want = jax.grad(_loss(dense_logprobs), argnums=(0, 1))(h, w, t)
+  for g, e in zip(got, want):
+    assert float(jnp.abs(e).max()) > 1e-2  # a real gradient, not zeros on both sides
+    np.testing.assert_allclose(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_chunk_length_keeps_logits_within_budget():
+  assert chunk_length(64, 32, 264) == 32  # a small vocabulary: one chunk
+  n = chunk_length(8, 1024, 151_936)
+  assert 1 <= n < 1024 and 8 * n * 151_936 <= 1 << 25
+  assert chunk_length(1024, 8, 10**7) == 1  # never below one position
+
+
+def test_bfloat16_states_give_float32_results():
+  h, w, t = _inputs()
+  logp, ent = chunked_logprobs(h.astype(jnp.bfloat16), w, t, chunk=4)
+  assert logp.dtype == ent.dtype == jnp.float32
+  np.testing.assert_allclose(logp, dense_logprobs(h, w, t)[0], atol=0.1)
+  dh = jax.grad(_loss(lambda h, w, t: chunked_logprobs(h, w, t, chunk=4)))(
+      h.astype(jnp.bfloat16), w, t)
+  assert dh.dtype == jnp.bfloat16
+
+
+def test_model_logprobs_match_its_full_logits(tiny_cfg):
+  model = LanguageModel(dataclasses.replace(tiny_cfg, tie_embeddings=False), rngs=nnx.Rngs(2))
+  graphdef, params = nnx.split(model)
+  tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, tiny_cfg.vocab_size)
+  valid = jnp.ones_like(tokens, bool)
+  logp, ent = steps.token_logprobs(graphdef, params, tokens, valid, start=3)
+  logits = model(tokens, jnp.broadcast_to(jnp.arange(9), (2, 9)), valid)[0]
+  logp_all = jax.nn.log_softmax(logits[:, 3:-1], axis=-1)
+  np.testing.assert_allclose(
+      logp, jnp.take_along_axis(logp_all, tokens[:, 4:, None], -1)[..., 0], atol=1e-5)
+  np.testing.assert_allclose(ent, -(jnp.exp(logp_all) * logp_all).sum(-1), atol=1e-5)
+
+
+def _experience(graphdef, params, *, with_old: bool, p=3, n=5, b=4):
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, 256, (b, p + n)), jnp.int32)
+  mask = np.ones((b, n), bool)
+  mask[2, 3:] = False
+  valid = jnp.asarray(np.concatenate([np.ones((b, p), bool), mask], 1))
+  logp, _ = steps.completion_logprobs(graphdef, params, tokens, valid, p)
+  ref = logp + jnp.asarray(rng.normal(size=(b, n)) * 0.3, jnp.float32)
+  return Experience(tokens_BT=tokens, valid_BT=valid, completion_mask_BN=jnp.asarray(mask),
+                    sampler_logprobs_BN=logp - 0.1, ref_logprobs_BN=ref,
+                    advantages_BN=jnp.asarray(rng.normal(size=(b, n)), jnp.float32) * mask,
+                    old_logprobs_BN=logp if with_old else None)
+
+
+@pytest.mark.parametrize("policy_loss,tis_cap", [("ppo_clip", 0.0), ("ppo_clip", 2.0),
+                                                 ("aipo", 0.0)])
+def test_on_policy_update_needs_no_old_logprob_pass(tiny_cfg, policy_loss, tis_cap):
+  cfg = RLConfig(num_minibatches=1, kl_coef=0.05, entropy_coef=0.01, policy_loss=policy_loss,
+                 tis_cap=tis_cap)
+  assert not cfg.needs_old_logprobs
+  assert RLConfig(num_minibatches=2).needs_old_logprobs
+  assert RLConfig(num_minibatches=1, advantage="reinforce_pp", kl_mode="reward").needs_old_logprobs
+  graphdef, params = nnx.split(LanguageModel(tiny_cfg, rngs=nnx.Rngs(4)))
+  optimizer = optax.sgd(1.0)  # Adam would blow rounding-level gradient differences up to lr
+  results = []
+  for with_old in (True, False):
+    state = steps.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                             opt_state=optimizer.init(params))
+    exp = _experience(graphdef, params, with_old=with_old)
+    state, metrics = jax.jit(lambda s, e: steps.rl_update(
+        s, e, graphdef=graphdef, optimizer=optimizer, cfg=cfg))(state, exp)
+    results.append((state.params, metrics))
+  (with_pass, m1), (without, m2) = results
+  moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(with_pass),
+                                                          jax.tree.leaves(params)))
+  assert moved > 1e-4  # the update did change the weights
+  for a, b in zip(jax.tree.leaves(with_pass), jax.tree.leaves(without)):
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+  np.testing.assert_allclose(m1["loss"], m2["loss"], atol=1e-6)
