@@ -117,17 +117,9 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
   return freq_H.astype(np.float32)
 
 
-def rope_table(positions_BT: jax.Array, cfg: ModelConfig,
-               max_position: int | None = None) -> tuple[jax.Array, jax.Array]:
-  """(sin, cos) of the RoPE angles, [B, T, head_dim / 2], shared by every layer's queries and
-  keys. With `max_position` (a bound on the positions: a training forward's T - 1) they are
-  looked up in a constant table instead: XLA fuses the table's lookup into each layer's
-  rotation, where it would otherwise recompute the sines and cosines per head, forward and
-  backward (~5% of a CPU train step)."""
-  if max_position is not None:
-    angle_PH = np.arange(max_position + 1)[:, None] * inverse_frequencies(cfg).astype(np.float64)
-    table = lambda fn: jnp.take(jnp.asarray(fn(angle_PH), jnp.float32), positions_BT, axis=0)
-    return table(np.sin), table(np.cos)
+def rope_table(positions_BT: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+  """(sin, cos) of the RoPE angles, [B, T, head_dim / 2]: computed once per forward pass and
+  shared by every layer's queries and keys."""
   angle_BTH = positions_BT[..., None].astype(jnp.float32) * inverse_frequencies(cfg)
   return jnp.sin(angle_BTH), jnp.cos(angle_BTH)
 
@@ -284,8 +276,7 @@ class Decoder(nnx.Module):
     if isinstance(positions_BT, tuple):  # a rope_table the caller computed ahead (decode loops)
       rope_BTH = positions_BT
     else:
-      rope_BTH = rope_table(positions_BT, self.cfg, max_position=tokens_BT.shape[1] - 1
-                            if kv_cache is None else None)
+      rope_BTH = rope_table(positions_BT, self.cfg)
     new_cache = []
     for i, block in enumerate(self.blocks):
       x_BTD, layer_cache = block(x_BTD, rope_BTH, mask_BTS,
