@@ -14,6 +14,7 @@ import collections
 import jax
 import numpy as np
 
+from jaxrl.algos.logprobs import chunk_length
 from jaxrl.config import ConfigError, ExperimentConfig
 from sharding.placement import PlacementError
 from sharding.rules import SAMPLER_RULES
@@ -43,28 +44,36 @@ def _kv_cache(cfg: ExperimentConfig, cluster: RoleCluster) -> dict:
   return {d.id: int(per) for d in mesh.devices.flat}
 
 
+def _logits(cfg: ExperimentConfig, rows: float, rows_global: int, copies: int) -> float:
+  """Bytes of one chunk's float32 logits-sized arrays (jaxrl/algos/logprobs.py: log-probs are
+  computed a chunk of completion positions at a time; `copies` such arrays live at once)."""
+  v = cfg.model.vocab_size
+  return rows * chunk_length(rows_global, cfg.rl.max_new_tokens, v) * v * 4 * copies
+
+
 def _activations(cfg: ExperimentConfig, cluster: RoleCluster) -> dict:
   """Rough bytes the update keeps for its backward pass on one minibatch (no rematerialisation):
   per layer and token the block's inputs, projections and MLP hidden states, per head the
-  attention probabilities (float32), and the float32 logits with their softmax."""
+  attention probabilities (float32), and one chunk's logits, probabilities and their gradient."""
   m, rl = cfg.model, cfg.rl
   mesh = cluster.meshes["actor"]
-  rows = rl.rollouts / rl.num_minibatches / batch_ways(mesh, cluster.actor.rules)
+  rows_global = rl.rollouts // rl.num_minibatches
+  rows = rows_global / batch_ways(mesh, cluster.actor.rules)
   t = cfg.data.max_prompt_tokens + rl.max_new_tokens
   dt = np.dtype(m.compute_dtype).itemsize
   per_token_layer = dt * (4 * m.d_model + (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
                           + 3 * m.d_ff) + 4 * m.n_heads * t
-  total = rows * t * (m.n_layers * per_token_layer + 2 * 4 * m.vocab_size)
+  total = rows * t * m.n_layers * per_token_layer + _logits(cfg, rows, rows_global, 3)
   return {d.id: int(total) for d in mesh.devices.flat}
 
 
 def _scoring(cfg: ExperimentConfig, cluster: RoleCluster) -> dict:
-  """A scoring pass (old or reference log-probs) on one minibatch: its float32 logits and their
-  log-softmax (the passes run minibatch by minibatch, train/steps.map_minibatches)."""
-  m, rl, mesh = cfg.model, cfg.rl, cluster.meshes["reference"]
-  rows = rl.rollouts / rl.num_minibatches / batch_ways(mesh, cluster.actor.rules)
-  t = cfg.data.max_prompt_tokens + rl.max_new_tokens
-  return {d.id: int(rows * t * m.vocab_size * 4 * 2) for d in mesh.devices.flat}
+  """A scoring pass (old or reference log-probs) on one minibatch: one chunk's float32 logits
+  and their exponent (the passes run minibatch by minibatch, train/steps.map_minibatches)."""
+  rl, mesh = cfg.rl, cluster.meshes["reference"]
+  rows_global = rl.rollouts // rl.num_minibatches
+  rows = rows_global / batch_ways(mesh, cluster.actor.rules)
+  return {d.id: int(_logits(cfg, rows, rows_global, 2)) for d in mesh.devices.flat}
 
 
 def memory_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict]:
@@ -85,7 +94,7 @@ def memory_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict]
   table[f"sampler copy ({cfg.model.dtype})"] = shard_bytes(sampler, itemsize)
   table["sampler KV cache"] = _kv_cache(cfg, cluster)
   table["update activations (estimate)"] = _activations(cfg, cluster)
-  table["scoring pass logits"] = _scoring(cfg, cluster)
+  table["scoring pass logits (one chunk)"] = _scoring(cfg, cluster)
   return table
 
 
