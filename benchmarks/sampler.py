@@ -4,6 +4,7 @@
   python -m benchmarks.sampler --json --batch 8
   python -m benchmarks.sampler --json --devices 1  # one device only
   python -m benchmarks.sampler --json --model 2048,16,16,8,8192,32000 --dtype bfloat16  # on a GPU
+  python -m benchmarks.sampler --json --lengths longtail  # in-flight vs static batching
 
 Reference config: vocab 256, d_model 256, 4 layers, 4 heads, 2 KV heads, MLP 1024, prompt 16,
 64 new tokens, fp32, temperature 1, EOS ignored. FLOPs are counted as 2 x non-embedding
@@ -11,6 +12,17 @@ parameters per generated token. Decode runs as the sampler role does, data paral
 of `--devices` devices (default on a CPU host: one device per core while each keeps >= 32 rows,
 since below that a core spends its step streaming weights for too few rows; elsewhere 1). The
 matmul peak is measured over the whole host (all cores) either way.
+
+`--lengths longtail` (256 new tokens and 2 repeats unless `--new-tokens` / `--repeats` say
+otherwise): `--prompts` prompts (512: the rollouts of one step of the default RL config, 64
+prompts x 8 samples), each with its own response budget, drawn once with numpy's
+`default_rng(0)` as `round(new_tokens / 4 * exp(normal(0, 1)))` clipped to [1, new_tokens] (a
+lognormal with median new_tokens / 4: most responses short, ~8% at the budget, as reasoning
+traces are). EOS is ignored, so each row's length is exactly its budget. The static engine
+decodes the prompts in consecutive batches of `--batch` rows (each batch runs until its longest
+row ends); the in-flight generator (sampler/inflight.py) decodes all of them in `--batch` row
+slots. Useful tokens are the generated (non-padding) ones, the sum of the budgets; FLOPs count
+those only. `greedy_identical`: both paths' greedy outputs are the same.
 """
 from __future__ import annotations
 
@@ -21,13 +33,16 @@ from benchmarks.common import add_host_flags, setup_host, best_seconds, emit, ma
 from sharding.host import force_cpu_devices
 
 
-def main() -> None:
+def _parse():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", action="store_true", help="print only the JSON line")
-  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--lengths", choices=("fixed", "longtail"), default="fixed",
+                      help="fixed: every row generates --new-tokens; longtail: see the docstring")
+  parser.add_argument("--batch", type=int, default=64, help="rows per batch (longtail: slots)")
+  parser.add_argument("--prompts", type=int, default=512, help="longtail: number of prompts")
   parser.add_argument("--prompt-len", type=int, default=16)
-  parser.add_argument("--new-tokens", type=int, default=64)
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--new-tokens", type=int, default=0, help="0: 64 (fixed), 256 (longtail)")
+  parser.add_argument("--repeats", type=int, default=0, help="0: 5 (fixed), 2 (longtail)")
   parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
   parser.add_argument("--devices", type=int, default=0,
                       help="decode devices (0: one per CPU core with >= 32 rows each on a CPU host)")
@@ -38,12 +53,92 @@ def main() -> None:
                       "features or rows (SamplingConfig.decode_layout)")
   add_host_flags(parser)
   args = parser.parse_args()
+  fixed = args.lengths == "fixed"
+  args.new_tokens = args.new_tokens or (64 if fixed else 256)
+  args.repeats = args.repeats or (5 if fixed else 2)
+  return parser, args
+
+
+def longtail_budgets(prompts: int, new_tokens: int):
+  """Per-prompt response budgets (the docstring's lognormal)."""
+  import numpy as np
+  draw = np.exp(np.random.default_rng(0).normal(0.0, 1.0, prompts))
+  return np.clip(np.round(new_tokens / 4 * draw), 1, new_tokens).astype(np.int32)
+
+
+def _paths(graphdef, cfg, batch: int, mesh, shardings) -> dict:
+  """`fn(params, tokens_BP, valid_BP, key, budget_B)` per path: the static engine over
+  consecutive batches of `batch` rows (concatenated), and in-flight batching in `batch` slots."""
+  import jax
+  import jax.numpy as jnp
+
+  from sampler.inflight import jit_inflight
+  from sampler.sampler import jit_generate
+  static = jit_generate(graphdef, cfg, mesh=mesh, param_shardings=shardings)
+
+  def batches(params, tokens_BP, valid_BP, key, budget_B):
+    parts = [static(params, tokens_BP[i:i + batch], valid_BP[i:i + batch],
+                    jax.random.fold_in(key, i), budget_B[i:i + batch])
+             for i in range(0, tokens_BP.shape[0], batch)]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+  return {"static": batches, "inflight": jit_inflight(graphdef, cfg, slots=batch, mesh=mesh)}
+
+
+def _longtail(args, graphdef, params, sample_cfg, mesh, shardings, vocab: int):
+  """Static batches vs in-flight slots on the long-tailed budgets: timings and greedy parity;
+  returns the result and the useful tokens."""
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  budget_B = longtail_budgets(args.prompts, args.new_tokens)
+  tokens_BP = jax.random.randint(jax.random.key(1), (args.prompts, args.prompt_len), 1, vocab)
+  valid_BP = jnp.ones((args.prompts, args.prompt_len), bool)
+  inputs = (params, tokens_BP, valid_BP, jax.random.key(2), jnp.asarray(budget_B))
+  greedy = {name: jax.device_get(fn(*inputs)) for name, fn in _paths(
+      graphdef, dataclasses.replace(sample_cfg, method="greedy"), args.batch, mesh,
+      shardings).items()}
+  assert all((g.lengths_B == budget_B).all() for g in greedy.values())  # EOS ignored
+  paths = _paths(graphdef, sample_cfg, args.batch, mesh, shardings)
+  runs = {name: lambda fn=fn: jax.block_until_ready(fn(*inputs)) for name, fn in paths.items()}
+  seconds = {name: best_seconds(run, repeats=1) for name, run in runs.items()}  # compiles first
+  for _ in range(args.repeats - 1):  # in turn, so that a change in the machine's load hits both
+    seconds = {name: min(seconds[name], best_seconds(run, repeats=1, warmup=0))
+               for name, run in runs.items()}
+  useful = int(budget_B.sum())
+  same = np.array_equal(greedy["static"].tokens_BT, greedy["inflight"].tokens_BT)
+  return {"useful_tokens_per_s": round(useful / seconds["inflight"], 1),
+          "static_useful_tokens_per_s": round(useful / seconds["static"], 1),
+          "speedup_over_static": round(seconds["static"] / seconds["inflight"], 3),
+          "greedy_identical": bool(same), "prompts": args.prompts, "slots": args.batch,
+          "useful_tokens": useful, "mean_len": round(float(budget_B.mean()), 1),
+          "at_budget": int((budget_B == args.new_tokens).sum()), "seconds": seconds["inflight"],
+          "static_seconds": round(seconds["static"], 4)}, useful
+
+
+def _fixed(args, fn, params, vocab: int):
+  """The static engine on one batch of fixed-length rows; returns the result and the tokens."""
+  import jax
+  import jax.numpy as jnp
+  tokens_BP = jax.random.randint(jax.random.key(1), (args.batch, args.prompt_len), 1, vocab)
+  valid_BP = jnp.ones((args.batch, args.prompt_len), bool)
+  seconds = best_seconds(
+      lambda: jax.block_until_ready(fn(params, tokens_BP, valid_BP, jax.random.key(2))),
+      repeats=args.repeats)
+  tokens = args.batch * args.new_tokens
+  return {"tokens_per_s": round(tokens / seconds, 1), "batch": args.batch,
+          "seconds": seconds}, tokens
+
+
+def main() -> None:
+  parser, args = _parse()
   retained = setup_host(args)
   cpu_devices = args.devices or max(1, min(len(os.sched_getaffinity(0)), args.batch // 32))
   force_cpu_devices(cpu_devices)  # only affects the CPU backend
 
   import jax
-  import jax.numpy as jnp
   from flax import nnx
 
   from jaxrl.models.llama import LanguageModel, ModelConfig
@@ -64,29 +159,27 @@ def main() -> None:
                               method="temperature", temperature=1.0, ignore_eos=True,
                               decode_layout=args.layout)
   devices = args.devices or (cpu_devices if jax.default_backend() == "cpu" else 1)
-  if args.batch % devices or devices % args.tensor:
-    parser.error(f"--devices {devices}: must divide --batch {args.batch} and be a multiple of "
-                 f"--tensor {args.tensor}")
+  rows = args.batch if args.lengths == "fixed" else args.prompts
+  if args.batch % devices or rows % devices or devices % args.tensor:
+    parser.error(f"--devices {devices}: must divide --batch {args.batch} (and --prompts) and be "
+                 f"a multiple of --tensor {args.tensor}")
   mesh = make_mesh({"data": devices // args.tensor, "tensor": args.tensor}, jax.devices()[:devices])
   shardings = param_shardings(params, SAMPLER_RULES, mesh)
   params = jax.device_put(params, shardings)
-  fn = jit_generate(graphdef, sample_cfg, mesh=mesh, param_shardings=shardings)
-  tokens_BP = jax.random.randint(jax.random.key(1), (args.batch, args.prompt_len), 1, vocab)
-  valid_BP = jnp.ones((args.batch, args.prompt_len), bool)
-  seconds = best_seconds(
-      lambda: jax.block_until_ready(fn(params, tokens_BP, valid_BP, jax.random.key(2))),
-      repeats=args.repeats)
+  if args.lengths == "fixed":
+    fn = jit_generate(graphdef, sample_cfg, mesh=mesh, param_shardings=shardings)
+    result, tokens = _fixed(args, fn, params, vocab)
+  else:
+    result, tokens = _longtail(args, graphdef, params, sample_cfg, mesh, shardings, vocab)
   non_embedding = sum(x.size for x in jax.tree.leaves(params)) - cfg.vocab_size * cfg.d_model
-  tokens = args.batch * args.new_tokens
-  flops_per_s = 2 * non_embedding * tokens / seconds
+  flops_per_s = 2 * non_embedding * tokens / result["seconds"]
   peak = matmul_flops_per_s(dtype=args.dtype)
-  emit({"tokens_per_s": round(tokens / seconds, 1), "batch": args.batch, "devices": devices,
-        "retain_freed_memory": retained, "layout": args.layout, "model": args.model,
-        "dtype": args.dtype,
+  emit({**result, "devices": devices, "retain_freed_memory": retained, "layout": args.layout,
+        "model": args.model, "dtype": args.dtype, "lengths": args.lengths,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "flops_per_s": round(flops_per_s), "matmul_flops_per_s": round(peak),
-        "ratio_to_matmul_peak": round(flops_per_s / peak, 3), "seconds": round(seconds, 4),
-        "device": jax.devices()[0].device_kind}, args.json)
+        "ratio_to_matmul_peak": round(flops_per_s / peak, 3),
+        "seconds": round(result["seconds"], 4), "device": jax.devices()[0].device_kind}, args.json)
 
 
 if __name__ == "__main__":

@@ -201,6 +201,11 @@ class RLConfig:
   top_k: int = 0
   max_grad_norm: float = 1.0
   max_new_tokens: int = 8  # generation budget per completion (SFT targets must fit it too)
+  # 0: generation decodes each prompt batch as one static batch until its longest row ends;
+  # > 0: in-flight batching (sampler/inflight.py) in this many row slots, each refilled with the
+  # next row as its row finishes (a multiple of the sampler's data shards). Pays off when
+  # response lengths are uneven (docs/benchmarks.md).
+  inflight_slots: int = 0
   # The reward of `reward="verifier"` and the held-out score: exact_match | math (math-verify
   # equivalence) | package.module:function (called with prompts, completions, row fields).
   verifier: str = "exact_match"
@@ -214,7 +219,8 @@ class RLConfig:
               "aipo_rho", "max_grad_norm", "max_new_tokens")
     if ":" not in self.verifier:
       _choice(self, "verifier", VERIFIERS)
-    _at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap")
+    _at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap",
+                   "inflight_slots")
     _unit(self, "gamma", "lam")
     if self.advantage == "reinforce_pp" and self.kl_mode != "reward":
       raise ValueError(f"kl_mode: reinforce_pp folds the KL into the rewards; expected 'reward', "

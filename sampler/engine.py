@@ -42,7 +42,7 @@ class DecodeState:
   done_B: jax.Array
 
 
-def _hit_stop(recent_BK: jax.Array, cfg: SamplingConfig) -> jax.Array:
+def hit_stop(recent_BK: jax.Array, cfg: SamplingConfig) -> jax.Array:
   hit_B = jnp.zeros(recent_BK.shape[:1], bool)
   for seq in cfg.stop_sequences:
     hit_B |= jnp.all(recent_BK[:, -len(seq):] == jnp.asarray(seq, jnp.int32), axis=1)
@@ -63,7 +63,9 @@ def segment_ends(forwards: int, segments: int) -> list[int]:
 
 class DecodeModel(Protocol):
   """What the engine needs of a model (`LanguageModel.decoding()` returns one): a KV cache, RoPE
-  tables, a prefill and a one-token step, nothing of the model's internals."""
+  tables, a prefill and a one-token step, nothing of the model's internals. It is a pytree, so
+  the in-flight generator (sampler/inflight.py) builds it (casts the weights) once per call and
+  passes it to each of its jitted pieces."""
 
   def init_cache(self, batch: int, slots: int) -> KVCache: ...
 
@@ -74,6 +76,14 @@ class DecodeModel(Protocol):
   def prefill(self, tokens_BP: jax.Array, valid_BP: jax.Array) -> tuple[jax.Array, KVCache]: ...
 
   def decode_fn(self, layout: str) -> Callable: ...
+
+
+def resolve_layout(cfg: SamplingConfig) -> str:
+  """The decode step's activation layout: `cfg.decode_layout`, with "auto" picking "features" on
+  a CPU and "rows" elsewhere."""
+  if cfg.decode_layout != "auto":
+    return cfg.decode_layout
+  return "features" if jax.default_backend() == "cpu" else "rows"
 
 
 def _decode_forward(model: DecodeModel, layout: str, key_valid_BS, next_pos_B, steps: int,
@@ -99,7 +109,7 @@ def _emitter(cfg: SamplingConfig, uniforms_NB, max_new_B):
     tok_B = jnp.where(done_B, cfg.pad_id, tok_B)
     write = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(buf, col[:, None], s.step, axis=1)
     recent_BK = jnp.concatenate([s.recent_BK[:, 1:], tok_B[:, None]], axis=1)
-    finished_B = _hit_stop(recent_BK, cfg)
+    finished_B = hit_stop(recent_BK, cfg)
     if not cfg.ignore_eos:
       finished_B |= tok_B == cfg.eos_id
     return s.replace(step=s.step + 1, tokens_BN=write(s.tokens_BN, tok_B),
@@ -134,10 +144,7 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
         repeat, (prompt_tokens_BP, prompt_valid_BP, key_valid_BS, logits_BV))
   b = prompt_tokens_BP.shape[0]
   max_new_B = jnp.full((b,), steps, jnp.int32) if max_new_B is None else max_new_B
-  layout = cfg.decode_layout
-  if layout == "auto":
-    layout = "features" if jax.default_backend() == "cpu" else "rows"
-  forward = _decode_forward(model, layout, key_valid_BS,
+  forward = _decode_forward(model, resolve_layout(cfg), key_valid_BS,
                             prompt_valid_BP.sum(axis=1).astype(jnp.int32), steps, p)
   # All of the call's randomness, drawn once.
   emit = _emitter(cfg, jax.random.uniform(key, (steps, b)), max_new_B)

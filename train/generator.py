@@ -2,15 +2,18 @@
 
 `sample` draws `group_size` completions per prompt at the RL temperature and `greedy` decodes
 for evaluation; each is jitted once, with the sampler layout's shardings, and its rollouts stay
-on the sampler's devices. In async mode the RL controller runs `sample` inside a
-`sampler.worker.RolloutWorker`; either way prompt batch i is drawn with `rollout_key(seed, i)`.
+on the sampler's devices. With `rl.inflight_slots > 0` both decode through in-flight batching
+(sampler/inflight.py: row slots refilled as rows finish), which returns the same rollouts. In
+async mode the RL controller runs `sample` inside a `sampler.worker.RolloutWorker`; either way
+prompt batch i is drawn with `rollout_key(seed, i)`.
 """
 from __future__ import annotations
 
 import jax
 
-from jaxrl.config import RLConfig
+from jaxrl.config import ConfigError, RLConfig
 from sampler.engine import Rollout
+from sampler.inflight import jit_inflight
 from sampler.methods import SamplingConfig
 from sampler.sampler import jit_generate
 from sampler.worker import rollout_key
@@ -18,6 +21,21 @@ from sharding.mesh import batch_sharding
 from sharding.rules import SAMPLER_RULES
 from train.cluster import RoleCluster
 from train.transfers import to_device
+
+
+def _jit(cluster: RoleCluster, cfg: SamplingConfig, n: int, inflight_slots: int):
+  """The static engine (`jit_generate`), or in-flight batching in `inflight_slots` row slots."""
+  mesh = cluster.meshes["sampler"]
+  if not inflight_slots:
+    return jit_generate(cluster.actor.graphdef, cfg, n=n, mesh=mesh,
+                        param_shardings=cluster.sampler_shardings)
+  if jax.process_count() > 1:
+    raise ConfigError("config.rl.inflight_slots: in-flight batching runs in one process; set 0 "
+                      "for multi-host runs")
+  try:
+    return jit_inflight(cluster.actor.graphdef, cfg, slots=inflight_slots, n=n, mesh=mesh)
+  except ValueError as e:
+    raise ConfigError(f"config.rl.inflight_slots: {e}") from None
 
 
 class Generator:
@@ -30,10 +48,8 @@ class Generator:
     self.sampling = SamplingConfig(**ends, method="temperature", temperature=rl.temperature,
                                    top_k=rl.top_k)
     self.greedy_sampling = SamplingConfig(**ends, method="greedy")
-    jit = lambda cfg, n: jit_generate(cluster.actor.graphdef, cfg, n=n, mesh=mesh,
-                                      param_shardings=cluster.sampler_shardings)
-    self._sample = jit(self.sampling, rl.group_size)
-    self._greedy = jit(self.greedy_sampling, 1)
+    self._sample = _jit(cluster, self.sampling, rl.group_size, rl.inflight_slots)
+    self._greedy = _jit(cluster, self.greedy_sampling, 1, rl.inflight_slots)
     self._rows = batch_sharding(mesh, SAMPLER_RULES)
 
   def put_prompts(self, prompts: dict):

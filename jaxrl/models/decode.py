@@ -111,6 +111,7 @@ def decode_step(weights: dict, cfg: ModelConfig, tokens_B, rope_HB: tuple[jax.Ar
   return jax.lax.optimization_barrier(logits_VB).T, tuple(new_cache)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LMDecoding:
   """A `LanguageModel` as the sampler decodes it (the `DecodeModel` protocol of

@@ -1,0 +1,311 @@
+"""In-flight (continuous) batching: R row slots decode together, and a slot whose row has finished
+(EOS, a stop sequence or its own budget) takes the next pending row, so rows of uneven lengths do
+not keep finished rows computing until the longest one ends. `jit_inflight` returns the same
+`Rollout` as `sampler.sampler.jit_generate`, so callers can swap one for the other.
+
+Host loop: decode runs in segments of `CHECK_EVERY` steps (a `lax.while_loop` that also stops
+once every slot is done). Between segments the host reads the R done flags and one jitted call
+moves the finished rows into the output buffers and refills the free slots with a prefill of
+just the new rows (their count bucketed to powers of two: a handful of programs). Once no row
+is pending, the tail keeps only its live rows, in a batch of R / 4, R / 16, .. slots as soon as
+they fit one (a few more decode programs), so the last long rows do not run at R rows' cost.
+
+Cache: per slot a ring of S = P + N - 1 KV slots and one scratch slot (index S). At global step
+g every row's decode step writes its key and value to the scratch slot (so the step's causal
+mask, slots <= S, admits the whole ring), and step g + 1 first copies them to ring slot g mod S.
+A row refilled before step g has its left-padded prompt at ring slots g - P .. g - 1 (mod S), so
+the ring slots its tokens go to are never its own live keys; `key_valid_RS` is reset at the
+refill and set as slots are written, so attention sees exactly the row's own past (in another
+slot order than the static engine's). RoPE positions and step counters are per row.
+
+Randomness: row r draws its uniforms from `fold_in(key, r)`, indexed by its own token index, so
+a sample does not depend on the slot or the time it ran in. Greedy results equal the static
+engine's row by row. Rows are group-major (row i * n + s is sample s of prompt i); each sample
+is its own row (its own prefill). On a mesh the slot batch is split over the data axes by
+automatic partitioning, with one queue of pending rows; other axes follow `rules`.
+"""
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sampler.engine import KVCache, DecodeModel, Rollout, hit_stop, resolve_layout
+from sampler.methods import SAMPLERS, SamplingConfig
+from sampler.sampler import bucket
+from sharding.rules import SAMPLER_RULES, Rules, activation_rules, logical_to_spec
+
+CHECK_EVERY = 8  # decode steps between the host's looks at the done flags
+
+
+@flax.struct.dataclass
+class Slots:
+  """Decode state per row slot; every leaf is batch-first, so a refill is one `where` per leaf."""
+  row_R: jax.Array  # the output row decoded in the slot; -1: none yet
+  prompt_len_R: jax.Array  # valid prompt tokens: the RoPE position of the first new token
+  budget_R: jax.Array
+  uniforms_RN: jax.Array  # one draw per token index of the row
+  logits_RV: jax.Array  # next-token logits
+  kv_cache: KVCache
+  key_valid_RS: jax.Array  # S ring slots, then the scratch slot (always valid)
+  tokens_RN: jax.Array
+  mask_RN: jax.Array
+  logprobs_RN: jax.Array
+  recent_RK: jax.Array  # the last K tokens, K = longest stop sequence (at least 1)
+  step_R: jax.Array  # tokens emitted so far
+  done_R: jax.Array
+
+
+@flax.struct.dataclass
+class Outputs:
+  tokens_BN: jax.Array
+  mask_BN: jax.Array
+  logprobs_BN: jax.Array
+
+
+def _slot_axes(model: DecodeModel):
+  """The slot axis of each KV-cache leaf: the one that grows with the number of slots."""
+  one, two = (jax.eval_shape(lambda s=s: model.init_cache(1, s)) for s in (1, 2))
+  return jax.tree.map(lambda a, b: [x != y for x, y in zip(a.shape, b.shape)].index(True), one, two)
+
+
+def _ring_cache(model: DecodeModel, cache_KP: KVCache, ring: int, g) -> KVCache:
+  """A prefill cache (P slots) in the ring layout for rows starting at global step `g`: the
+  prompt at ring slots g - P .. g - 1 (mod S), and its last key and value in the scratch slot
+  too, where the next step expects the key and value it commits to ring slot g - 1."""
+  def place(grown, prompt, axis):
+    p = prompt.shape[axis]
+    return jnp.concatenate([jnp.roll(grown, (g - p) % ring, axis=axis),
+                            jax.lax.slice_in_dim(prompt, p - 1, p, axis=axis)], axis=axis)
+  return jax.tree.map(place, model.grow_cache(cache_KP, ring), cache_KP, _slot_axes(model))
+
+
+def _row_state(model: DecodeModel, cfg: SamplingConfig, tokens_KP, valid_KP, rows_K, budget_K,
+               key, g) -> Slots:
+  """Fresh state for K rows whose decoding starts at global step `g`: their prefill in the ring
+  layout, their own random draws, nothing generated yet."""
+  (k, p), n = tokens_KP.shape, cfg.max_new_tokens
+  ring = p + n - 1
+  logits_KV, cache_KP = model.prefill(tokens_KP, valid_KP)
+  key_valid_KS = jnp.roll(jnp.pad(valid_KP, ((0, 0), (0, ring - p))), (g - p) % ring, axis=1)
+  uniform = lambda row: jax.random.uniform(jax.random.fold_in(key, row), (n,))
+  return Slots(row_R=rows_K, prompt_len_R=valid_KP.sum(axis=1, dtype=jnp.int32),
+               budget_R=budget_K, uniforms_RN=jax.vmap(uniform)(rows_K), logits_RV=logits_KV,
+               kv_cache=_ring_cache(model, cache_KP, ring, g),
+               key_valid_RS=jnp.pad(key_valid_KS, ((0, 0), (0, 1)), constant_values=True),
+               tokens_RN=jnp.full((k, n), cfg.pad_id, jnp.int32),
+               mask_RN=jnp.zeros((k, n), bool), logprobs_RN=jnp.zeros((k, n)),
+               recent_RK=jnp.full((k, max([len(s) for s in cfg.stop_sequences], default=1)), -1,
+                                  jnp.int32),
+               step_R=jnp.zeros((k,), jnp.int32), done_R=budget_K <= 0)
+
+
+def _put_rows(old, new_K, src_R):
+  """`old` with row r replaced by new_K[src_R[r]] where src_R[r] >= 0 (a select, which keeps
+  the slot batch split over the data axes)."""
+  picked = jnp.take(new_K, jnp.maximum(src_R, 0), axis=0)
+  return jnp.where((src_R >= 0).reshape((-1,) + (1,) * (old.ndim - 1)), picked, old)
+
+
+def _harvest(slots: Slots, out: Outputs) -> Outputs:
+  """Finished rows copied to their output rows (again and again until refilled: idempotent)."""
+  rows_R = jnp.where(slots.done_R & (slots.row_R >= 0), slots.row_R, out.tokens_BN.shape[0])
+  put = lambda buf, val: buf.at[rows_R].set(val, mode="drop")
+  return Outputs(put(out.tokens_BN, slots.tokens_RN), put(out.mask_BN, slots.mask_RN),
+                 put(out.logprobs_BN, slots.logprobs_RN))
+
+
+def init(model: DecodeModel, tokens_BP, *, cfg: SamplingConfig, slots: int, n: int):
+  """Every slot free (done, no row), the output buffers empty, global step 0."""
+  b, p = tokens_BP.shape[0] * n, tokens_BP.shape[1]
+  zeros_R = jnp.zeros((slots,), jnp.int32)
+  shapes = jax.eval_shape(lambda: _row_state(
+      model, cfg, jnp.zeros((slots, p), jnp.int32), jnp.ones((slots, p), bool), zeros_R, zeros_R,
+      jax.random.key(0), 0))
+  state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+  state = state.replace(row_R=zeros_R - 1, done_R=jnp.ones((slots,), bool))
+  out = Outputs(jnp.full((b, cfg.max_new_tokens), cfg.pad_id, jnp.int32),
+                jnp.zeros((b, cfg.max_new_tokens), bool), jnp.zeros((b, cfg.max_new_tokens)))
+  return state, out, jnp.int32(0)
+
+
+def refill(model: DecodeModel, state: Slots, out: Outputs, g, tokens_BP, valid_BP, key,
+           max_new_B, rows_K, src_R, *, cfg: SamplingConfig, n: int):
+  """Harvests the finished rows, then starts rows `rows_K` in the slots r with src_R[r] >= 0
+  (row rows_K[src_R[r]]); entries of rows_K that no slot names are bucket padding."""
+  out = _harvest(state, out)
+  budget_K = jnp.full(rows_K.shape, cfg.max_new_tokens, jnp.int32)
+  if max_new_B is not None:
+    budget_K = jnp.minimum(max_new_B[rows_K], cfg.max_new_tokens)
+  new = _row_state(model, cfg, tokens_BP[rows_K // n], valid_BP[rows_K // n], rows_K, budget_K,
+                   key, g)
+  return jax.tree.map(functools.partial(_put_rows, src_R=src_R), state, new), out
+
+
+def shrink(state: Slots, out: Outputs, keep_K) -> tuple[Slots, Outputs]:
+  """Harvests the finished rows, then keeps only slots `keep_K` (the live ones, padded with
+  finished ones): once no row is pending, the tail decodes in a smaller batch."""
+  return jax.tree.map(lambda x: x[keep_K], state), _harvest(state, out)
+
+
+def _emit(s: Slots, cfg: SamplingConfig) -> tuple[Slots, jax.Array]:
+  """Samples each live row's next token (its token index `step_R`) and records it; done rows
+  emit PAD and record nothing."""
+  n = s.tokens_RN.shape[1]
+  u_R = jnp.take_along_axis(s.uniforms_RN, jnp.minimum(s.step_R, n - 1)[:, None], 1)[:, 0]
+  tok_R, logp_R = SAMPLERS[cfg.method](s.logits_RV, u_R, cfg)
+  live_R = ~s.done_R
+  tok_R = jnp.where(live_R, tok_R, cfg.pad_id)
+  at_RN = live_R[:, None] & (jnp.arange(n) == s.step_R[:, None])
+  recent_RK = jnp.concatenate([s.recent_RK[:, 1:], tok_R[:, None]], axis=1)
+  finished_R = hit_stop(recent_RK, cfg)
+  if not cfg.ignore_eos:
+    finished_R |= tok_R == cfg.eos_id
+  step_R = s.step_R + live_R
+  return s.replace(tokens_RN=jnp.where(at_RN, tok_R[:, None], s.tokens_RN),
+                   mask_RN=s.mask_RN | at_RN,
+                   logprobs_RN=jnp.where(at_RN, logp_R[:, None], s.logprobs_RN),
+                   recent_RK=recent_RK, step_R=step_R,
+                   done_R=s.done_R | (live_R & (finished_R | (step_R >= s.budget_R)))), tok_R
+
+
+def _commit(s: Slots, g, axes) -> Slots:
+  """The scratch slot's key and value (the previous step's token) copied to ring slot g - 1.
+  Done before the step rather than after it: reading the scratch slot right after the step's
+  own write made XLA copy the whole cache every step."""
+  ring = s.key_valid_RS.shape[1] - 1
+  j = (g - 1) % ring
+  move = lambda x, axis: jax.lax.dynamic_update_slice_in_dim(
+      x, jax.lax.slice_in_dim(x, ring, ring + 1, axis=axis), j, axis=axis)
+  return s.replace(kv_cache=jax.tree.map(move, s.kv_cache, axes),
+                   key_valid_RS=s.key_valid_RS.at[:, j].set(True))
+
+
+def decode(model: DecodeModel, state: Slots, g, limit, *, cfg: SamplingConfig):
+  """Up to `limit` decode steps (fewer once every slot is done); returns the state and the new
+  global step."""
+  ring = state.key_valid_RS.shape[1] - 1
+  forward, axes = model.decode_fn(resolve_layout(cfg)), _slot_axes(model)
+
+  def body(carry):
+    s, g, i = carry
+    s, tok_R = _emit(_commit(s, g, axes), cfg)
+    sin_R1H, cos_R1H = model.rope((s.prompt_len_R + s.step_R - 1)[:, None])
+    logits_RV, cache = forward(tok_R, (sin_R1H[:, 0], cos_R1H[:, 0]), s.key_valid_RS,
+                               s.kv_cache, ring)  # writes the scratch slot
+    return s.replace(logits_RV=logits_RV, kv_cache=cache), g + 1, i + 1
+
+  state, g, _ = jax.lax.while_loop(lambda c: (c[2] < limit) & ~jnp.all(c[0].done_R), body,
+                                   (state, g, jnp.int32(0)))
+  return state, g
+
+
+def finish(state: Slots, out: Outputs, tokens_BP, valid_BP, *, n: int) -> Rollout:
+  out = _harvest(state, out)
+  prompt_tokens_BP, prompt_valid_BP = (jnp.repeat(x, n, axis=0) for x in (tokens_BP, valid_BP))
+  return Rollout(tokens_BT=jnp.concatenate([prompt_tokens_BP, out.tokens_BN], axis=1),
+                 valid_BT=jnp.concatenate([prompt_valid_BP, out.mask_BN], axis=1),
+                 completion_mask_BN=out.mask_BN, logprobs_BN=out.logprobs_BN,
+                 lengths_B=out.mask_BN.sum(axis=1))
+
+
+def _plan(done_R: np.ndarray, queued: int, total: int, buckets: tuple[int, ...]):
+  """(rows_K, src_R) that start rows queued, queued + 1, .. in the free slots: rows_K padded to a
+  bucket size, src_R[r] the index into rows_K of the row slot r takes (-1: it keeps its row)."""
+  free = np.flatnonzero(done_R)[:total - queued]
+  rows_K = np.full(bucket(len(free), buckets), queued, np.int32)
+  rows_K[:len(free)] = np.arange(queued, queued + len(free))
+  src_R = np.full(done_R.shape, -1, np.int32)
+  src_R[free] = np.arange(len(free))
+  return rows_K, src_R
+
+
+def _keep(done_R: np.ndarray, sizes: tuple[int, ...]) -> np.ndarray | None:
+  """The slots a smaller batch keeps (the live ones, padded to one of `sizes` with finished
+  ones), or None where no smaller size holds the live rows."""
+  live_K = np.flatnonzero(~done_R)
+  size = bucket(max(len(live_K), 1), sizes)
+  if size >= len(done_R):
+    return None
+  return np.concatenate([live_K, np.flatnonzero(done_R)[:size - len(live_K)]]).astype(np.int32)
+
+
+def _fetch(x) -> np.ndarray:
+  with jax.transfer_guard("allow"):  # the host loop's own few bytes (done flags)
+    return np.asarray(jax.device_get(x))
+
+
+def _send(x: np.ndarray) -> jax.Array:
+  with jax.transfer_guard("allow"):  # the host loop's own few bytes (slot plans, step limits)
+    return jax.device_put(x)
+
+
+def _data_axes(mesh: Mesh | None, rules: Rules) -> tuple[str, ...]:
+  data = None if mesh is None else logical_to_spec(("batch",), rules, mesh)[0]
+  return () if data is None else (data,) if isinstance(data, str) else tuple(data)
+
+
+def _jitter(mesh: Mesh | None, rules: Rules):
+  """`jit(fn, donate, **static)`: `fn` jitted under the activation rules, the slot state it
+  returns split over the mesh's data axes (its other axes left to the compiler)."""
+  data = _data_axes(mesh, rules)
+
+  def split(x):
+    if not data or not isinstance(x, Slots):
+      return x
+    spec = lambda a: PartitionSpec(data, *[PartitionSpec.UNCONSTRAINED] * (a.ndim - 1))
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
+        a, NamedSharding(mesh, spec(a))), x)
+
+  def jit(fn, donate=(), **static):
+    @functools.wraps(fn)
+    def traced(*args):
+      with activation_rules(mesh, rules):
+        return jax.tree.map(split, fn(*args, **static), is_leaf=lambda x: isinstance(x, Slots))
+    return jax.jit(traced, donate_argnums=donate)
+  return jit
+
+
+def jit_inflight(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, slots: int, n: int = 1,
+                 mesh: Mesh | None = None, rules: Rules = SAMPLER_RULES):
+  """`fn(params, tokens_BP, valid_BP, key, max_new_B=None) -> Rollout` as `jit_generate`'s,
+  decoding in `slots` row slots that are refilled as their rows finish."""
+  shards = int(np.prod([mesh.shape[a] for a in _data_axes(mesh, rules)]))
+  if slots < 1 or slots % shards:
+    raise ValueError(f"expected a positive multiple of the mesh's {shards} data shards, "
+                     f"got {slots}")
+  # Refills: powers of two (a prefill's padding is waste); the tail: a quarter at a time (each
+  # batch size is another decode program to compile).
+  buckets = tuple(shards * 2**i for i in range(slots.bit_length()) if shards * 2**i < slots)
+  buckets += (slots,)
+  tails = tuple(sorted(slots // 4**i for i in range(slots.bit_length())
+                       if slots % 4**i == 0 and (slots // 4**i) % shards == 0))
+  jit = _jitter(mesh, rules)
+  cast = jax.jit(lambda params: nnx.merge(graphdef, params).decoding())
+  start, stop = jit(init, cfg=cfg, slots=slots, n=n), jit(finish, n=n)
+  refill_fn, decode_fn = jit(refill, (1, 2), cfg=cfg, n=n), jit(decode, (1,), cfg=cfg)
+  shrink_fn = jit(shrink, (1,))
+
+  def run(params, tokens_BP, valid_BP, key, max_new_B=None) -> Rollout:
+    model = cast(params)  # weights in the compute dtype once per call
+    state, out, g = start(model, tokens_BP)
+    segment, total, queued = _send(np.int32(CHECK_EVERY)), tokens_BP.shape[0] * n, 0
+    while True:
+      done_R = _fetch(state.done_R)  # the host's look, every CHECK_EVERY steps
+      if queued == total and done_R.all():
+        break
+      if queued < total and done_R.any():
+        rows_K, src_R = _plan(done_R, queued, total, buckets)
+        state, out = refill_fn(model, state, out, g, tokens_BP, valid_BP, key, max_new_B,
+                               _send(rows_K), _send(src_R))
+        queued += int((src_R >= 0).sum())
+      elif queued == total and (keep_K := _keep(done_R, tails)) is not None:
+        state, out = shrink_fn(state, out, _send(keep_K))
+      state, g = decode_fn(model, state, g, segment)
+    return stop(state, out, tokens_BP, valid_BP)
+  return run
