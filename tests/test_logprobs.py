@@ -1,6 +1,7 @@
 """Chunked log-probs (jaxrl/algos/logprobs.py) against the full-logits version, and the on-policy
 update that takes its old log-probs from its own forward pass."""
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxrl.algos import logprobs
 from jaxrl.algos.logprobs import chunk_length, chunked_logprobs, dense_logprobs
 from jaxrl.config import RLConfig
 from jaxrl.models.llama import LanguageModel
@@ -113,3 +115,38 @@ def test_on_policy_update_needs_no_old_logprob_pass(tiny_cfg, policy_loss, tis_c
   for a, b in zip(jax.tree.leaves(with_pass), jax.tree.leaves(without)):
     np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
   np.testing.assert_allclose(m1["loss"], m2["loss"], atol=1e-6)
+
+
+def _largest_buffer(fn, *args) -> int:
+  """Elements of the largest array in the compiled program of `fn` (every instruction's
+  result, fusions' insides included)."""
+  hlo = jax.jit(fn).lower(*args).compile().as_text()
+  sizes = [np.prod([int(d) for d in dims.split(",") if d]) if dims else 1
+           for dims in re.findall(r"= [a-z]+\d*\[([\d,]*)\]", hlo)]
+  return int(max(sizes))
+
+
+def test_train_step_never_holds_the_batch_logits(tiny_cfg, monkeypatch):
+  """Peak memory, not only values: the compiled gradient of a loss on every position's log-prob
+  and entropy has no array anywhere near [B, T, V], while the full-logits version does."""
+  cfg = dataclasses.replace(tiny_cfg, vocab_size=2048)
+  b, t = 4, 64
+  monkeypatch.setattr(logprobs, "LOGITS_BUDGET", b * 8 * cfg.vocab_size)  # 8 positions a chunk
+  graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
+  tokens = jax.random.randint(jax.random.key(0), (b, t), 0, cfg.vocab_size)
+  valid = jnp.ones_like(tokens, bool)
+
+  def grad(token_logprobs):
+    def loss(params):
+      logp, ent = token_logprobs(graphdef, params, tokens, valid)
+      return -logp.mean() - 0.01 * ent.mean()
+    return jax.grad(loss)
+
+  def full(graphdef, params, tokens, valid):
+    h = nnx.merge(graphdef, params).decoder(tokens, jnp.broadcast_to(jnp.arange(t), (b, t)),
+                                            valid)[0]
+    return dense_logprobs(h[:, :-1], nnx.merge(graphdef, params).head_VD(), tokens[:, 1:])
+
+  batch_logits = b * (t - 1) * cfg.vocab_size
+  assert _largest_buffer(grad(full), params) >= batch_logits  # the check can see them
+  assert _largest_buffer(grad(steps.token_logprobs), params) <= b * 8 * cfg.vocab_size

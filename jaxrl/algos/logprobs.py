@@ -21,8 +21,10 @@ import jax.numpy as jnp
 LOGITS_BUDGET = 1 << 25  # floats of one chunk's logits over the whole batch (128 MB in float32)
 
 
-def chunk_length(batch: int, length: int, vocab: int, budget: int = LOGITS_BUDGET) -> int:
-  """Positions per chunk: as many as keep [batch, chunk, vocab] within `budget` floats."""
+def chunk_length(batch: int, length: int, vocab: int, budget: int | None = None) -> int:
+  """Positions per chunk: as many as keep [batch, chunk, vocab] within `budget` floats
+  (default `LOGITS_BUDGET`)."""
+  budget = LOGITS_BUDGET if budget is None else budget
   return max(1, min(length, budget // max(batch * vocab, 1)))
 
 
