@@ -72,16 +72,18 @@ class ModelConfig:
     return DTYPES[self.dtype]
 
 
-def dense(x_BTD: jax.Array, w_OD: jax.Array) -> jax.Array:
+def dense(x_BTD: jax.Array, w_OD: jax.Array, *, trained: bool = True) -> jax.Array:
   """x @ w.T over the last axis, [B, T, O], as one 2-D matrix product over the flattened rows:
   XLA:CPU runs the backward's weight gradient (a contraction over rows) ~1.6x faster that way
-  than as a contraction over both B and T. On a CPU a weight with more outputs than inputs
-  (the MLP's gate and up) is multiplied as an explicit [in, out] transpose, kept by a barrier:
-  its gradient is then computed [in, out] too, which XLA:CPU runs at ~0.88 of its matmul peak
-  instead of ~0.62 for [out, in] (the update: -5%; docs/benchmarks.md)."""
+  than as a contraction over both B and T. On a CPU a `trained` weight with more outputs than
+  inputs (the MLP's gate and up) is multiplied as an explicit [in, out] transpose, kept by a
+  barrier: its gradient is then computed [in, out] too, which XLA:CPU runs at ~0.88 of its
+  matmul peak instead of ~0.62 for [out, in] (the update: -5%; docs/benchmarks.md). Where no
+  gradient reaches `w` (the LM head of `LanguageModel.logits`: sampling, evaluation) the
+  transpose would be a copy for nothing: `trained=False`."""
   b, t, d = x_BTD.shape
   x_RD, w_OD = x_BTD.reshape(b * t, d), w_OD.astype(x_BTD.dtype)
-  if w_OD.shape[0] > w_OD.shape[1] and jax.default_backend() == "cpu":
+  if trained and w_OD.shape[0] > w_OD.shape[1] and jax.default_backend() == "cpu":
     out = x_RD @ jax.lax.optimization_barrier(w_OD.T)
   else:
     out = jax.lax.dot_general(x_RD, w_OD, (((1,), (1,)), ((), ())))
@@ -316,7 +318,7 @@ class LanguageModel(nnx.Module):
     """The LM head over decoder states (float32 logits); `head_VD`: `self.head_VD()` computed
     ahead (a decode loop does, once per call)."""
     head_VD = self.head_VD() if head_VD is None else head_VD
-    logits_BTV = dense(h_BTD, head_VD)
+    logits_BTV = dense(h_BTD, head_VD, trained=False)
     return constrain(logits_BTV.astype(jnp.float32), ("batch", None, "act_vocab"))
 
   def head_VD(self) -> jax.Array:
