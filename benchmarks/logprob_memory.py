@@ -48,6 +48,7 @@ def main() -> None:
   import jax.numpy as jnp
   from flax import nnx
 
+  from jaxrl.algos.logprobs import dense_logprobs
   from jaxrl.models.llama import LanguageModel, ModelConfig, positions_from_valid
   from train import steps
 
@@ -63,10 +64,8 @@ def main() -> None:
 
   def full(params):
     model = nnx.merge(graphdef, params)
-    logits_BTV, _ = model(tokens_BT, positions_from_valid(valid_BT), valid_BT)
-    logp_all_BTV = jax.nn.log_softmax(logits_BTV[:, :-1], axis=-1)
-    logp_BT = jnp.take_along_axis(logp_all_BTV, tokens_BT[:, 1:, None], axis=-1)[..., 0]
-    return logp_BT, -(jnp.exp(logp_all_BTV) * logp_all_BTV).sum(-1)
+    h_BTD, _ = model.decoder(tokens_BT, positions_from_valid(valid_BT), valid_BT)
+    return dense_logprobs(h_BTD[:, :-1], model.head_VD(), tokens_BT[:, 1:])
 
   def train_step(logprobs):
     def loss(params):
