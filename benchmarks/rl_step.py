@@ -51,7 +51,7 @@ WORKLOADS = {
     "w1": Workload(1, {"model": W1_MODEL, "task": {"num_digits": 30},
                        "data": {"max_prompt_tokens": 36},
                        "rl": {"prompts_per_step": 8, "group_size": 8, "max_new_tokens": 32,
-                              "num_minibatches": 1, "kl_coef": 0.02},
+                              "num_minibatches": 1, "kl_coef": 0.02, "micro_batch_size": 8},
                        "placement": {"strategy": "colocate", "cpu_devices": 1,
                                      "sampler_tensor": 1}}, modes=False),
 }

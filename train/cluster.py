@@ -125,6 +125,7 @@ def check_batch_sizes(cfg: ExperimentConfig, cluster: RoleCluster) -> None:
         f"config.rl.num_minibatches: prompts_per_step*group_size={rl.rollouts} must split into "
         f"{rl.num_minibatches} minibatches divisible by the trainer's {train}-way batch split")
   checks = [("config.sft.batch_size", cfg.sft.batch_size, train),
+            ("config.rl.micro_batch_size", rl.micro_batch_size, train),
             ("config.rl.prompts_per_step", rl.prompts_per_step, sampler),
             ("config.eval.batch_size", cfg.eval.batch_size, sampler)]
   if cfg.dpo.steps:
@@ -132,8 +133,9 @@ def check_batch_sizes(cfg: ExperimentConfig, cluster: RoleCluster) -> None:
   if rl.reward == "reward_model":
     checks.append(("config.reward_model.batch_size", 2 * cfg.reward_model.batch_size, train))
   for role in ("reference", "reward", "critic"):  # trained-model meshes: the train rules
-    checks.append(("config.rl.group_size", rl.rollouts,
-                   batch_ways(cluster.meshes[role], cluster.actor.rules)))
+    ways = batch_ways(cluster.meshes[role], cluster.actor.rules)
+    checks += [("config.rl.group_size", rl.rollouts, ways),
+               ("config.rl.micro_batch_size", rl.micro_batch_size, ways)]
   for path, value, ways in checks:
     if value % ways:
       what = "prompts_per_step*group_size=" if path == "config.rl.group_size" else ""

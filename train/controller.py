@@ -52,7 +52,7 @@ class Controller:
     self.values = ex("critic", critic.role.mesh) if critic is not None else None
     self.train = ex("trainer", actor.role.mesh)
     p_len = ctx.task.prompt_len
-    n = self.cfg.num_minibatches  # scoring passes run minibatch by minibatch, as the update
+    n = self.cfg.rollouts // self.cfg.pass_rows  # scoring passes run in the update's pieces
 
     def scorer(role, fn):
       return role.jit(lambda params, tokens_BT, valid_BT: steps.map_minibatches(

@@ -52,12 +52,13 @@ def _logits(cfg: ExperimentConfig, rows: float, rows_global: int, copies: int) -
 
 
 def _activations(cfg: ExperimentConfig, cluster: RoleCluster) -> dict:
-  """Rough bytes the update keeps for its backward pass on one minibatch (no rematerialisation):
-  per layer and token the block's inputs, projections and MLP hidden states, per head the
-  attention probabilities (float32), and one chunk's logits, probabilities and their gradient."""
+  """Rough bytes the update keeps for its backward pass on one micro-batch (`rl.pass_rows`, no
+  rematerialisation): per layer and token the block's inputs, projections and MLP hidden
+  states, per head the attention probabilities (float32), and one chunk's logits, probabilities
+  and their gradient."""
   m, rl = cfg.model, cfg.rl
   mesh = cluster.meshes["actor"]
-  rows_global = rl.rollouts // rl.num_minibatches
+  rows_global = rl.pass_rows
   rows = rows_global / batch_ways(mesh, cluster.actor.rules)
   t = cfg.data.max_prompt_tokens + rl.max_new_tokens
   dt = np.dtype(m.compute_dtype).itemsize
@@ -68,10 +69,10 @@ def _activations(cfg: ExperimentConfig, cluster: RoleCluster) -> dict:
 
 
 def _scoring(cfg: ExperimentConfig, cluster: RoleCluster) -> dict:
-  """A scoring pass (old or reference log-probs) on one minibatch: one chunk's float32 logits
-  and their exponent (the passes run minibatch by minibatch, train/steps.map_minibatches)."""
+  """A scoring pass (old or reference log-probs) on `rl.pass_rows` rows: one chunk's float32
+  logits and their exponent (the passes run piece by piece, train/steps.map_minibatches)."""
   rl, mesh = cfg.rl, cluster.meshes["reference"]
-  rows_global = rl.rollouts // rl.num_minibatches
+  rows_global = rl.pass_rows
   rows = rows_global / batch_ways(mesh, cluster.actor.rules)
   return {d.id: int(_logits(cfg, rows, rows_global, 2)) for d in mesh.devices.flat}
 
@@ -87,7 +88,8 @@ def memory_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict]
   for name in trained:
     params = table[f"{name} parameters (float32)"]
     table[f"{name} Adam moments"] = {d: 2 * b for d, b in params.items()}
-    table[f"{name} gradients"] = dict(params)
+    copies = 2 if cfg.rl.micro_batch_size else 1  # accumulated + the micro-batch's
+    table[f"{name} gradients"] = {d: copies * b for d, b in params.items()}
   itemsize = np.dtype(cfg.model.compute_dtype).itemsize
   sampler = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          cluster.actor.abstract(), cluster.sampler_shardings)

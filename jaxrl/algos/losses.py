@@ -83,4 +83,17 @@ AGGREGATIONS = {
     "seq_mean_token_sum": seq_mean_token_sum,
     "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
 }
+
+
+def aggregation_weights(name: str, mask_BN) -> jax.Array:
+  """Per-token weights w_BN with `AGGREGATIONS[name](loss_BN, mask_BN) == sum(loss_BN * w_BN)`.
+
+  Every aggregation is linear in the per-token loss, so these weights (the aggregation's
+  gradient) depend on the mask alone. A minibatch split into micro-batches sums each one's
+  `sum(loss * w)` and gets exactly the minibatch's loss and gradient: the normaliser stays the
+  whole minibatch's, not each micro-batch's token count."""
+  mask_BN = mask_BN.astype(jnp.float32)
+  return jax.grad(AGGREGATIONS[name])(jnp.zeros_like(mask_BN), mask_BN)
+
+
 POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "aipo": aipo_loss}
