@@ -93,10 +93,10 @@ def peak_memory_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_stages(workload: Workload, *, steps: int, warmup: int, peak: float) -> dict:
+def run_stages(workload: Workload, *, steps: int, warmup: int, peak: float, **rl) -> dict:
   """Per-stage seconds, FLOPs and utilization of the workload's sync RL step."""
   from train.experiment import Experiment
-  with Experiment(build_config(workload, steps + warmup)) as exp:
+  with Experiment(build_config(workload, steps + warmup, **rl)) as exp:
     for _ in range(warmup):
       exp.rl.step()
     t0 = time.perf_counter()
@@ -117,10 +117,12 @@ def run_stages(workload: Workload, *, steps: int, warmup: int, peak: float) -> d
           "response_len": sum(r["response_len"] for r in rows) / steps}
 
 
-def run_mode(strategy: str, mode: str, *, steps: int, warmup: int, max_staleness: int) -> dict:
+def run_mode(strategy: str, mode: str, *, steps: int, warmup: int, max_staleness: int,
+             **rl) -> dict:
   """The default experiment's RL stage in one placement and mode."""
   from train.experiment import Experiment
-  raw = build_config(WORKLOADS["default"], steps + warmup, mode=mode, max_staleness=max_staleness)
+  raw = build_config(WORKLOADS["default"], steps + warmup, mode=mode, max_staleness=max_staleness,
+                     **rl)
   raw["placement"]["strategy"] = strategy
   with Experiment(raw) as exp:
     for _ in range(warmup):
@@ -143,6 +145,8 @@ def main() -> None:
   parser.add_argument("--modes", action=argparse.BooleanOptionalAction, default=None,
                       help="also compare placements and modes (default: on for `default`)")
   parser.add_argument("--max-staleness", type=int, default=1)
+  parser.add_argument("--micro-batch-size", type=int, default=None,
+                      help="rl.micro_batch_size (default: the workload's)")
   add_host_flags(parser)
   args = parser.parse_args()
   retained = setup_host(args)
@@ -151,11 +155,12 @@ def main() -> None:
   import jax
 
   peak = matmul_flops_per_s()
+  rl = {} if args.micro_batch_size is None else {"micro_batch_size": args.micro_batch_size}
   result = {"workload": args.workload,
-            **run_stages(workload, steps=args.steps, warmup=args.warmup, peak=peak)}
+            **run_stages(workload, steps=args.steps, warmup=args.warmup, peak=peak, **rl)}
   if workload.modes if args.modes is None else args.modes:
     modes = {name: run_mode(strategy, mode, steps=args.steps, warmup=args.warmup,
-                            max_staleness=args.max_staleness)
+                            max_staleness=args.max_staleness, **rl)
              for name, (strategy, mode) in MODES.items()}
     result.update(modes=modes, max_staleness=args.max_staleness,
                   async_over_sync=modes["async-separate"]["samples_per_s"]
