@@ -11,7 +11,8 @@ almost every response runs to max_new_tokens):
            bubble of each (`async_over_sync` = async-separate / sync-separate samples/s).
   w1       vocab 264, d_model 256, 4 layers, 4 heads / 2 KV heads, head_dim 64, MLP 1024, untied
            embeddings; reverse task with 30 letters (36-token prompts with BOS), 8 prompts x 8 samples,
-           32 new tokens, KL to the reference, one minibatch; colocated on one CPU device.
+           32 new tokens, KL to the reference, one minibatch accumulated over 8-row micro-batches
+           (`--micro-batch-size` overrides); colocated on one CPU device.
 Per stage (generate, reward, reference, old_logprobs, update, weight_push): the mean seconds of
 its calls on the timeline, its model FLOPs (jaxrl/models/flops.py: only the work the step needs;
 a skipped pass counts zero) and `flops_utilization` = FLOPs / (seconds x matmul peak). The

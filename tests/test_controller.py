@@ -89,7 +89,9 @@ def test_chrome_trace(tmp_path):
 
 
 def test_async_staleness_bound(tmp_path):
-  cfg, run_dir = _cfg(tmp_path, "stale", steps=6, mode="async", max_staleness=2)
+  """Also runs the update and scoring passes in 4-row micro-batches on the 4-device trainer."""
+  cfg, run_dir = _cfg(tmp_path, "stale", steps=6, mode="async", max_staleness=2,
+                      micro_batch_size=4)
   summary = run(cfg, run_dir)
   rows = _rows(run_dir)
   lags = [r["policy_lag"] for r in rows]
