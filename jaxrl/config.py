@@ -105,15 +105,18 @@ class PlacementConfig:
   """Roles on devices (sharding/placement.py). Default: the trainer fsdp-shards the actor over
   devices 0-3, the sampler decodes on devices 4-7 ({data: 2, tensor: 2}) from a shadow copy
   resharded after every update."""
-  strategy: str = "separate"  # colocate | interleave | separate
+  strategy: str = "separate"  # colocate | interleave | separate | plan (the planner chooses)
   train_devices: int = 4  # devices (over all hosts) for the trainer roles; ignored by colocate
   sampler_tensor: int = 2  # tensor-parallel degree of the sampler mesh
   reshard_bucket_mb: int = 256  # cap on the extra memory of one train -> sampler transfer
   cpu_devices: int = 8  # fake host devices when running on the CPU (XLA_FLAGS)
   device_memory_gb: float = 0.0  # the target accelerator's memory, checked by --dry_run (0: none)
+  # strategy="plan": a calibration JSON (`jaxrl-plan --calibrate FILE`); empty: the built-in
+  # factors of the device kind (sharding/planner/devices.py)
+  calibration: str = ""
 
   def __post_init__(self):
-    _choice(self, "strategy", STRATEGIES)
+    _choice(self, "strategy", STRATEGIES + ("plan",))
     _positive(self, "train_devices", "sampler_tensor", "reshard_bucket_mb", "cpu_devices")
     _at_least_zero(self, "device_memory_gb")
 
@@ -288,7 +291,7 @@ class ExperimentConfig:
   def __post_init__(self):
     _positive(self, "checkpoint_every", "keep_checkpoints")
     _at_least_zero(self, "checkpoint_minutes")
-    if self.rl.mode == "async" and self.placement.strategy != "separate":
+    if self.rl.mode == "async" and self.placement.strategy not in ("separate", "plan"):
       raise ValueError(
           f"rl.mode: async needs the sampler on devices of its own "
           f"(placement.strategy='separate'); with {self.placement.strategy!r} generation and "

@@ -102,6 +102,9 @@ def memory_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict]
 
 def report(cfg: ExperimentConfig) -> tuple[list[str], bool]:
   """The dry run's lines, and whether the busiest device fits `placement.device_memory_gb`."""
+  if cfg.placement.strategy == "plan":  # the plan depends on the target's devices, not these
+    raise ConfigError("config.placement.strategy: --dry_run checks a fixed placement; "
+                      "`jaxrl-plan --config FILE --device KIND --devices N` prints the plan to set")
   cluster = RoleCluster(cfg, initialize=False)
   try:
     table = memory_table(cfg, cluster)

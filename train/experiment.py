@@ -22,6 +22,7 @@ import jax
 from flax import nnx
 
 from jaxrl.config import ConfigError, ExperimentConfig, to_dict
+from sharding.placement import host_major_devices
 from train import resume, rundir
 from train.checkpoint import RunCheckpointer, load_actor_params, params_fingerprint
 from train.config_files import merge, resolve
@@ -54,6 +55,10 @@ class Experiment:
   def __init__(self, config, *, run_dir: str | None = None, resume_run: bool = False):
     """`resume_run`: continue from the run dir's newest good checkpoint, if it has one."""
     self.cfg: ExperimentConfig = resolve(config)
+    self.plan = None  # placement.strategy="plan": the planner's choice (sharding/planner)
+    if self.cfg.placement.strategy == "plan":
+      from sharding.planner.plan import choose
+      self.cfg, self.plan = choose(self.cfg, host_major_devices(), jax.process_count())
     names = [name for name, cls in STAGES.items() if cls.enabled(self.cfg)]
     for name in names:
       STAGES[name].check(self.cfg)

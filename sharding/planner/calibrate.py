@@ -1,0 +1,143 @@
+"""Calibration: fit the cost model's efficiency factors to what this machine does.
+
+`profile()` measures the device (matmul peak, memory and transfer bandwidth); `samples_from_run`
+reads a finished run directory (config.json, trace.json, metrics.jsonl) into measured stage and
+step times; `fit` moves the factors (matmul efficiencies per kind of call, fixed costs) to match
+them, in log space, pulled towards the prior so a factor the runs say nothing about stays put.
+A calibration is saved as JSON and read back by `jaxrl-plan --calibration` and
+`placement.calibration`; every run's own trace can be fed back in, so predictions improve with use.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from jaxrl.config import ExperimentConfig, from_mapping
+from sharding.planner.cost import Mesh, Plan, Workload, stage_times, step_time
+from sharding.planner.devices import DeviceSpec, Efficiency
+
+# Timeline labels (train/controller.py) -> the cost model's stages they time.
+TRACE_STAGES = {"generate": ("generate",), "score": ("reward",), "ref logprobs": ("reference",),
+                "old logprobs": ("old_logprobs",), "values": ("values",),
+                "update": ("update", "critic_update"), "reshard": ("weight_push",),
+                "push": ("weight_push",)}
+FIT_FIELDS = ("train_mfu", "forward_mfu", "prefill_mfu", "decode_mfu", "call_overhead_s",
+              "layer_overhead_s", "decode_step_overhead_s", "step_overhead_s", "matmul_half_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  workload: Workload
+  plan: Plan
+  label: str  # a TRACE_STAGES label, or "step" (a whole step, from metrics.jsonl)
+  seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  device: DeviceSpec
+  efficiency: Efficiency
+
+  def save(self, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump({"device": dataclasses.asdict(self.device),
+                 "efficiency": dataclasses.asdict(self.efficiency)}, f, indent=1)
+
+  @classmethod
+  def load(cls, path: str) -> Calibration:
+    with open(path, encoding="utf-8") as f:
+      raw = json.load(f)
+    return cls(DeviceSpec(**raw["device"]), Efficiency(**raw["efficiency"]))
+
+
+def profile(dev: DeviceSpec, dtype: str = "float32") -> DeviceSpec:
+  """`dev` with its matmul peak, memory and link bandwidth measured on this machine now."""
+  from sharding.planner import measure
+  link = measure.transfer_bytes_per_s()
+  return dataclasses.replace(dev, matmul_flops=measure.matmul_flops_per_s(dtype=dtype),
+                             hbm_bytes_per_s=measure.memory_bytes_per_s(),
+                             link_bytes_per_s=link, network_bytes_per_s=link)
+
+
+def preset_plan(cfg: ExperimentConfig, n_devices: int, dev: DeviceSpec) -> Plan:
+  """The plan a config's fixed placement preset runs (sharding/placement.py), single host."""
+  pl, rl = cfg.placement, cfg.rl
+  k = n_devices if pl.strategy == "colocate" else pl.train_devices
+  trainer = Mesh(fsdp=k)
+  ns = n_devices - k if pl.strategy == "separate" else k
+  sampler = Mesh(data=ns // pl.sampler_tensor, tensor=pl.sampler_tensor)
+  scorer = Mesh(fsdp=(n_devices - k) // 2) if pl.strategy == "interleave" else trainer
+  return Plan(pl.strategy, trainer, sampler, scorer, rl.mode, rl.micro_batch_size)
+
+
+def predict(sample: Sample, dev: DeviceSpec, eff: Efficiency) -> float:
+  times = stage_times(sample.workload, dev, eff, sample.plan)
+  if sample.label == "step":
+    return step_time(times, sample.plan, dev)
+  return sum(times[s] for s in TRACE_STAGES[sample.label])
+
+
+def _mean_after(values: list[float], skip: int) -> float | None:
+  kept = values[skip:]
+  return float(np.median(kept)) if kept else None
+
+
+def samples_from_run(run_dir: str, dev: DeviceSpec, n_devices: int | None = None,
+                     skip: int = 2) -> list[Sample]:
+  """Measured stage times (the median of each label's calls after the first `skip`, which
+  compile) and the median RL step time of a finished run. Async runs give only the step: their
+  stages share the devices with each other and are not what one stage costs alone."""
+  with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+    cfg = from_mapping(ExperimentConfig, json.load(f))
+  n = n_devices or cfg.placement.cpu_devices
+  workload, plan = Workload.from_config(cfg), preset_plan(cfg, n, dev)
+  out = []
+  with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  steps = _mean_after([r["step_time"] for r in rows if "step_time" in r], skip)
+  if steps is not None:
+    out.append(Sample(workload, plan, "step", steps))
+  if cfg.rl.mode == "async":
+    return out
+  with open(os.path.join(run_dir, "trace.json"), encoding="utf-8") as f:
+    events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+  by_label: dict[str, list[float]] = {}
+  for e in events:
+    by_label.setdefault(e["name"], []).append(e["dur"] / 1e6)
+  for label, durations in by_label.items():
+    seconds = _mean_after(durations, skip)
+    if label in TRACE_STAGES and seconds and predict(Sample(workload, plan, label, 0), dev,
+                                                     Efficiency()) > 0:
+      out.append(Sample(workload, plan, label, seconds))
+  return out
+
+
+def fit(samples: list[Sample], dev: DeviceSpec, prior: Efficiency, *,
+        fields=FIT_FIELDS, ridge: float = 0.05) -> Efficiency:
+  """The factors that best predict `samples` (least squares on log seconds), each kept near
+  `prior` by a ridge term: factors the samples do not exercise stay at the prior."""
+  from scipy.optimize import least_squares
+  theta0 = np.log([getattr(prior, f) for f in fields])
+
+  def efficiency(theta):
+    return dataclasses.replace(prior, **dict(zip(fields, np.exp(theta).tolist())))
+
+  def residuals(theta):
+    eff = efficiency(theta)
+    errors = [np.log(predict(s, dev, eff) / s.seconds) for s in samples]
+    return np.concatenate([errors, ridge * (theta - theta0)])
+
+  # Efficiencies are fractions of the peak: at most 1 (an overhead or width has no such bound).
+  upper = np.array([0.0 if f.endswith(("_mfu", "_hbm")) or f == "link" else np.inf
+                    for f in fields])
+  result = least_squares(residuals, np.minimum(theta0, upper - 1e-9), bounds=(-np.inf, upper),
+                         method="trf")
+  return efficiency(result.x)
+
+
+def errors(samples: list[Sample], dev: DeviceSpec, eff: Efficiency) -> list[float]:
+  """Relative error of each prediction: predicted / measured - 1."""
+  return [predict(s, dev, eff) / s.seconds - 1 for s in samples]

@@ -1,0 +1,73 @@
+"""`placement.strategy = "plan"`: the planner picks the placement a run uses.
+
+The search runs over what `sharding/placement.make_placement` builds, in the config's RL mode
+(async changes the algorithm's data, so the planner never switches it), keeping a micro-batch
+size the user set. The device's factors come from `placement.calibration` (a JSON file written
+by `jaxrl-plan --calibrate`) or else the built-in table for the device kind.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from jaxrl.config import ConfigError, ExperimentConfig
+from sharding.planner.calibrate import Calibration
+from sharding.planner.cost import Workload
+from sharding.planner.devices import CPU_EFFICIENCY, DEVICES, Efficiency
+from sharding.planner.search import Ranked, search
+
+log = logging.getLogger("jaxrl")
+
+# Substrings of `jax.Device.device_kind` -> DEVICES keys, most specific first.
+DEVICE_KINDS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("v6", "tpu_v6e"),
+                ("v5 lite", "tpu_v5e"), ("v5e", "tpu_v5e"), ("v5", "tpu_v5p"), ("v4", "tpu_v4"))
+
+
+def device_key(device) -> str:
+  """The DEVICES entry for a jax device ('' when there is none)."""
+  if device.platform == "cpu":
+    return "cpu"
+  kind = device.device_kind.lower()
+  return next((key for sub, key in DEVICE_KINDS if sub in kind), "")
+
+
+def calibration_for(cfg: ExperimentConfig, device, local_devices: int) -> Calibration:
+  path = cfg.placement.calibration
+  if path:
+    try:
+      cal = Calibration.load(path)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+      raise ConfigError(f"config.placement.calibration: cannot read {path!r} ({e})") from None
+  else:
+    key = device_key(device)
+    if not key:
+      raise ConfigError(
+          f"config.placement.strategy: 'plan' has no device table for {device.device_kind!r}; "
+          f"write one with `jaxrl-plan --calibrate FILE` and set placement.calibration=FILE")
+    cal = Calibration(DEVICES[key], CPU_EFFICIENCY if key == "cpu" else Efficiency())
+  return dataclasses.replace(cal, device=dataclasses.replace(cal.device,
+                                                             devices_per_node=local_devices))
+
+
+def choose(cfg: ExperimentConfig, devices, hosts: int = 1) -> tuple[ExperimentConfig, Ranked]:
+  """`cfg` with the best plan's placement (and micro-batch size) filled in, and that plan."""
+  cal = calibration_for(cfg, devices[0], len(devices) // hosts)
+  workload = Workload.from_config(cfg)
+  ranked = search(workload, len(devices), cal.device, cal.efficiency, modes=(cfg.rl.mode,),
+                  top=None)
+  if cfg.rl.micro_batch_size:
+    ranked = [r for r in ranked if r.plan.micro_batch_size == cfg.rl.micro_batch_size]
+  if not ranked:
+    raise ConfigError(f"config.placement.strategy: 'plan' found no placement of this model on "
+                      f"{len(devices)} {cal.device.name} devices that fits in memory and splits "
+                      f"the batches; choose colocate, interleave or separate")
+  best = ranked[0]
+  plan = best.plan
+  placement = dataclasses.replace(cfg.placement, strategy=plan.strategy,
+                                  train_devices=plan.trainer.size if plan.strategy != "colocate"
+                                  else cfg.placement.train_devices,
+                                  sampler_tensor=plan.sampler.tensor)
+  rl = dataclasses.replace(cfg.rl, micro_batch_size=plan.micro_batch_size)
+  log.info("placement plan: %s, predicted %.3g s per RL step (%s)", plan.describe(), best.step_s,
+           best.reason)
+  return dataclasses.replace(cfg, placement=placement, rl=rl), best

@@ -1,0 +1,132 @@
+"""Search over execution plans: placements, the device split between roles, mesh shapes per role,
+micro-batch sizes and sync / async, under the memory limit, ranked by predicted step time.
+
+`presets_only=True` searches what `sharding/placement.make_placement` builds (the trainer
+fsdp-shards inside each host and is data-parallel across hosts; the sampler is {data, tensor});
+that is what `placement.strategy = "plan"` runs. Without it the search also takes trainer meshes
+with a tensor axis and fsdp across nodes, which the simulator needs for 70B and larger models.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from sharding.placement import PlacementError, make_placement
+from sharding.planner.cost import (Mesh, Plan, Workload, memory, stage_times, step_time,
+                                   total_bytes)
+from sharding.planner.devices import DeviceSpec, Efficiency
+
+MEMORY_HEADROOM = 0.9  # of a device's memory a plan may fill (allocator slack, XLA temporaries)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranked:
+  plan: Plan
+  step_s: float
+  stages: dict
+  memory: dict  # bytes per device of each device group
+  reason: str
+
+
+def _powers_of_two(limit: int) -> list[int]:
+  return [2 ** i for i in range(limit.bit_length()) if 2 ** i <= limit]
+
+
+def _divides_model(w: Workload, tensor: int, fsdp: int = 1) -> bool:
+  m = w.model
+  dims = (m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size)
+  return all(d % tensor == 0 for d in dims) and m.d_model % fsdp == 0
+
+
+def _trainer_meshes(w: Workload, devices: int, nodes: int, dev: DeviceSpec,
+                    presets_only: bool):
+  if presets_only:
+    yield Mesh(data=nodes, fsdp=devices // nodes, nodes=nodes)
+    return
+  for tensor in _powers_of_two(min(devices, dev.devices_per_node)):
+    for fsdp in _powers_of_two(devices // tensor):
+      data = devices // (tensor * fsdp)
+      if data * fsdp * tensor == devices:
+        yield Mesh(data=data, fsdp=fsdp, tensor=tensor, nodes=nodes)
+
+
+def _sampler_meshes(devices: int, nodes: int, dev: DeviceSpec):
+  for tensor in _powers_of_two(min(devices, dev.devices_per_node)):
+    if devices % tensor == 0:
+      yield Mesh(data=devices // tensor, tensor=tensor, nodes=nodes)
+
+
+def _splits(n: int, nodes: int) -> list[int]:
+  """Trainer device counts for separate / interleave: eighths of the devices, whole per host."""
+  return sorted({n * i // 8 for i in range(1, 8) if (n * i // 8) % nodes == 0 and n * i % 8 == 0})
+
+
+def candidates(w: Workload, n: int, dev: DeviceSpec, *, modes=("sync", "async"),
+               presets_only: bool = True):
+  """Every plan for `n` devices of kind `dev` (not yet checked against memory or batch sizes)."""
+  nodes = max(1, -(-n // dev.devices_per_node))
+  per_node = lambda k: max(1, -(-k // dev.devices_per_node))
+  layouts = [("colocate", n, n)]
+  for k in _splits(n, nodes):
+    layouts += [("separate", k, n - k), ("interleave", k, k)]
+  for (strategy, k, ns), mode in itertools.product(layouts, modes):
+    if mode == "async" and strategy != "separate":
+      continue
+    rest = n - k
+    scorer_size = rest // 2 if strategy == "interleave" else k
+    for trainer in _trainer_meshes(w, k, per_node(k), dev, presets_only):
+      scorer = (Mesh(fsdp=scorer_size, nodes=per_node(scorer_size)) if strategy == "interleave"
+                else trainer)
+      for sampler in _sampler_meshes(ns, per_node(ns), dev):
+        for micro in _micro_batches(w, trainer):
+          yield Plan(strategy, trainer, sampler, scorer, mode, micro)
+
+
+def _micro_batches(w: Workload, trainer: Mesh) -> list[int]:
+  minibatch, ways = w.rows // w.num_minibatches, trainer.data * trainer.fsdp
+  sizes = [minibatch // 2 ** i for i in range(1, 6)]
+  return [0] + [s for s in sizes if s >= ways and s % ways == 0 and minibatch % s == 0]
+
+
+def problem(w: Workload, plan: Plan, n: int, dev: DeviceSpec, presets_only: bool) -> str:
+  """Why a plan cannot run ('' when it can): batch splits, model dimensions, the presets."""
+  t, s, r = plan.trainer, plan.sampler, plan.scorer
+  if w.rows % (w.num_minibatches * t.data * t.fsdp):
+    return "the minibatch does not split over the trainer's batch axes"
+  if w.prompts % s.data or w.rows % (r.data * r.fsdp):
+    return "the prompts do not split over the sampler's (or scorers') batch axes"
+  if not (_divides_model(w, t.tensor, t.fsdp) and _divides_model(w, s.tensor)
+          and _divides_model(w, r.tensor, r.fsdp)):
+    return "a mesh axis does not divide the model's dimensions"
+  if presets_only:
+    try:
+      make_placement(plan.strategy, n, train_devices=t.size if plan.strategy != "colocate"
+                     else 1, sampler_tensor=s.tensor, n_hosts=t.nodes)
+    except PlacementError as e:
+      return str(e)
+  return ""
+
+
+def _reason(ranked_stages: dict, step: float, peak: float, dev: DeviceSpec) -> str:
+  top = sorted(((v, k) for k, v in ranked_stages.items() if v > 0), reverse=True)[:2]
+  parts = ", ".join(f"{k} {v:.3g} s" for v, k in top)
+  return (f"{parts}; peak {peak / 2**30:.1f} GiB per device "
+          f"({peak / dev.memory_bytes:.0%} of {dev.name})")
+
+
+def search(w: Workload, n: int, dev: DeviceSpec, eff: Efficiency, *, modes=("sync", "async"),
+           presets_only: bool = True, top: int | None = 10) -> list[Ranked]:
+  """The `top` (None: all) fastest plans that fit in memory, fastest first."""
+  ranked = []
+  for plan in candidates(w, n, dev, modes=modes, presets_only=presets_only):
+    if problem(w, plan, n, dev, presets_only):
+      continue
+    mem = memory(w, plan)
+    peak = total_bytes(mem, plan) if dev.shared_compute else max(mem.values())
+    if peak > MEMORY_HEADROOM * dev.memory_bytes:
+      continue
+    stages = stage_times(w, dev, eff, plan)
+    step = step_time(stages, plan, dev)
+    ranked.append(Ranked(plan, step, stages, mem, _reason(stages, step, peak, dev)))
+  ranked.sort(key=lambda r: (r.step_s, r.plan.trainer.size))
+  return ranked if top is None else ranked[:top]

@@ -1,0 +1,143 @@
+"""The planner: cost-model pieces against hand-computed cases, the search's limits, calibration."""
+import dataclasses
+import json
+import os
+
+import pytest
+
+from configs import tiny
+from jaxrl.config import ExperimentConfig
+from jaxrl.models.llama import ModelConfig
+from sharding.placement import host_major_devices, make_placement
+from sharding.planner import calibrate as cal
+from sharding.planner.cost import (Mesh, Plan, Workload, forward_s, generate_s, memory,
+                                   step_time, total_bytes, update_s)
+from sharding.planner.devices import CPU_EFFICIENCY, DEVICES, DeviceSpec, Efficiency
+from sharding.planner.plan import choose
+from sharding.planner.search import MEMORY_HEADROOM, problem, search
+from train.plan_cli import main as plan_main
+
+MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=64,
+                    d_ff=128)
+# A device that is pure arithmetic: 1 GFLOP/s, 1 GB/s memory and links, no fixed costs.
+UNIT = DeviceSpec("unit", 1e9, 1e9, 1e9, 1e9, 1e9, 8)
+IDEAL = Efficiency(train_mfu=1, forward_mfu=1, prefill_mfu=1, decode_mfu=1, decode_hbm=1, link=1,
+                   call_overhead_s=0, layer_overhead_s=0, decode_step_overhead_s=0,
+                   step_overhead_s=0, matmul_half_dim=0)
+
+
+def _workload(**kw) -> Workload:
+  return Workload(**{**dict(model=MODEL, prompts=1, group_size=2, prompt_len=2, new_tokens=2),
+                     **kw})
+
+
+def test_forward_and_update_are_flops_over_the_peak():
+  # Projections and MLP: 64*64*4 + 3*64*128 = 40,960 parameters; 2 rows x 4 tokens.
+  # 2 * 40960 * 8 = 655,360; attention 4 * 64 * 8 tokens * 2.5 keys = 5,120; head at 2 scored
+  # positions of 2 rows: 2 * 64 * 256 * 4 = 131,072. Total 791,552 FLOPs.
+  w = _workload()
+  assert forward_s(w, UNIT, IDEAL, Mesh()) == pytest.approx(791_552e-9)
+  # The update: 3x the forward, plus the optimizer's 2 x 16 bytes per parameter (57,344 with
+  # the tied 256 x 64 embedding) through memory.
+  assert update_s(w, UNIT, IDEAL, Mesh()) == pytest.approx(3 * 791_552e-9 + 32 * 57_344e-9)
+  # Four devices (not a shared pool) divide the compute.
+  assert forward_s(w, UNIT, IDEAL, Mesh(data=4)) == pytest.approx(791_552e-9 / 4)
+
+
+def test_fsdp_gathers_and_tensor_all_reduces():
+  w = _workload()
+  # fsdp 8: one all-gather of 7/8 of the float32 weights (57,344 x 4 x 7/8 = 200,704 bytes)
+  # overlapped with an 8-device compute of 791,552 / 8 FLOPs: the gather is the longer.
+  assert forward_s(w, UNIT, IDEAL, Mesh(fsdp=8)) == pytest.approx(200_704e-9)
+  # tensor 2: + 2 all-reduces per layer of [8 tokens, 64] float32, ring: 2 * 1/2 * 2048 bytes.
+  assert forward_s(w, UNIT, IDEAL, Mesh(tensor=2)) == pytest.approx(791_552e-9 / 2 + 2 * 2048e-9)
+
+
+def test_decode_is_bound_by_reading_the_weights():
+  big = dataclasses.replace(DEVICES["h100"], matmul_flops=1e18)
+  w = _workload(model=dataclasses.replace(MODEL, d_model=4096, d_ff=16384, n_heads=32,
+                                          n_kv_heads=8, head_dim=128, n_layers=4))
+  eff = dataclasses.replace(IDEAL, decode_hbm=0.5)
+  weights = w.params * 4  # float32 model
+  decode = generate_s(w, big, eff, Mesh()) - generate_s(dataclasses.replace(w, new_tokens=0),
+                                                        big, eff, Mesh())
+  assert decode == pytest.approx(2 * weights / (0.5 * big.hbm_bytes_per_s), rel=0.01)
+
+
+def test_step_critical_path_and_memory():
+  times = dict.fromkeys(["generate", "reward", "reference", "old_logprobs", "values", "update",
+                         "critic_update", "weight_push", "host"], 0.0)
+  times.update(generate=5.0, reference=1.0, old_logprobs=2.0, update=3.0, weight_push=0.5)
+  m = Mesh(fsdp=4)
+  sync = Plan("separate", m, m, m)
+  assert step_time(times, sync, UNIT) == pytest.approx(11.5)
+  assert step_time(times, dataclasses.replace(sync, mode="async"), UNIT) == pytest.approx(6.5)
+  assert step_time(times, dataclasses.replace(sync, strategy="interleave"), UNIT) == 10.5
+  cpu = DEVICES["cpu"]  # shared cores: nothing overlaps
+  assert step_time(times, dataclasses.replace(sync, mode="async"), cpu) == pytest.approx(11.5)
+  w = _workload()
+  mem = memory(w, Plan("separate", Mesh(fsdp=4), Mesh(data=2), Mesh(fsdp=4)))
+  # Trainer: 16 bytes per parameter (weights, gradient, two Adam moments) + the reference's 4,
+  # sharded 4 ways, plus activations; sampler: float32 weights + the KV cache of 1 row x 4 slots.
+  assert mem["trainer"] >= 20 * 57_344 / 4
+  assert mem["sampler"] == pytest.approx(57_344 * 4 + 1 * 4 * 1 * 2 * 1 * 64 * 4)
+
+
+def test_search_respects_memory_and_returns_valid_placements():
+  cfg = ExperimentConfig()
+  w = Workload.from_config(cfg)
+  everything = search(w, 8, DEVICES["cpu"], CPU_EFFICIENCY, top=None)
+  assert everything and all(not problem(w, r.plan, 8, DEVICES["cpu"], True) for r in everything)
+  for r in everything:  # each one is a placement the presets build
+    make_placement(r.plan.strategy, 8, train_devices=r.plan.trainer.size if r.plan.strategy !=
+                   "colocate" else 1, sampler_tensor=r.plan.sampler.tensor)
+  steps = [r.step_s for r in everything]
+  assert steps == sorted(steps)
+  peaks = sorted(total_bytes(r.memory, r.plan) for r in everything)
+  limit = (peaks[0] + peaks[-1]) / 2 / MEMORY_HEADROOM
+  small = dataclasses.replace(DEVICES["cpu"], memory_bytes=limit)
+  kept = search(w, 8, small, CPU_EFFICIENCY, top=None)
+  assert 0 < len(kept) < len(everything)
+  assert all(total_bytes(r.memory, r.plan) <= MEMORY_HEADROOM * limit for r in kept)
+  assert not search(w, 8, dataclasses.replace(small, memory_bytes=1.0), CPU_EFFICIENCY)
+
+
+def test_plan_strategy_resolves_to_a_runnable_config():
+  from train.cluster import RoleCluster
+  cfg = ExperimentConfig()
+  cfg = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, strategy="plan"))
+  resolved, best = choose(cfg, host_major_devices())
+  assert resolved.placement.strategy == best.plan.strategy != "plan"
+  RoleCluster(resolved, initialize=False)  # the real placement and batch checks pass
+
+
+def test_a_runs_trace_fed_back_changes_the_factors(tmp_path):
+  from train.experiment import Experiment
+  raw = tiny.get_config().to_dict()
+  raw.update(run_dir=str(tmp_path), run_name="fit", checkpoint_every=100)
+  raw["sft"]["steps"] = 0
+  raw["rl"]["steps"] = 6
+  raw["placement"]["strategy"] = "plan"
+  with Experiment(raw) as exp:
+    exp.run()
+    n = len(exp.ctx.cluster.devices)
+  run_dir = os.path.join(str(tmp_path), "fit")
+  with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+    assert json.load(f)["placement"]["strategy"] in ("colocate", "interleave", "separate")
+  samples = cal.samples_from_run(run_dir, DEVICES["cpu"], n, skip=2)
+  labels = {s.label for s in samples}
+  assert {"step", "generate", "update"} <= labels
+  fitted = cal.fit(samples, DEVICES["cpu"], CPU_EFFICIENCY)
+  assert fitted != CPU_EFFICIENCY
+  before = sum(abs(e) for e in cal.errors(samples, DEVICES["cpu"], CPU_EFFICIENCY))
+  after = sum(abs(e) for e in cal.errors(samples, DEVICES["cpu"], fitted))
+  assert after < before
+
+
+def test_plan_cli_simulates_and_names_bad_devices(capsys):
+  assert plan_main(["jaxrl-plan", "--device", "h100", "--devices", "16", "--top", "3",
+                    "--all_meshes"]) == 0
+  out = capsys.readouterr().out
+  assert "16 x H100" in out and out.count(" s  ") == 3
+  assert plan_main(["jaxrl-plan", "--device", "h101"]) == 2
+  assert "--device: expected one of" in capsys.readouterr().err

@@ -1,0 +1,150 @@
+"""`jaxrl-plan`: the planner's table of execution plans for a config, and its calibration.
+
+  jaxrl-plan --config=configs/default.py                 # plans for this machine's devices
+  jaxrl-plan --config=FILE --device=h100 --devices=256   # a cluster we do not have (simulated)
+  jaxrl-plan --calibrate=cal.json                        # measure this machine, short runs, fit
+  jaxrl-plan --calibration=cal.json --fit=runs/NAME      # re-fit from a finished run's trace
+  --all_meshes   also trainer meshes the presets do not build (tensor axis, fsdp across nodes)
+  --top=N        rows of the table (default 10); --config.a.b=V overrides as for jaxrl-train
+
+`placement.strategy=plan` runs the first row of the presets-only table in the config's mode.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+
+from train.main import fail, parse_args, UsageError
+
+# Short runs the calibration fits to: the default model and a 4-layer d_model-256 one, in the
+# two placements whose stages run one at a time (so each stage's time is its own).
+CALIBRATION_RUNS = (
+    {"rl": {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 16, "num_minibatches": 1},
+     "placement": {"strategy": "colocate"}},
+    {"model": dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024),
+     "rl": {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 16, "num_minibatches": 1},
+     "placement": {"strategy": "separate"}},
+)
+
+
+def run_steps(raw: dict, steps: int) -> tuple[str, list[float], object]:
+  """(run dir with its trace.json and metrics.jsonl, RL step seconds, ExperimentConfig) of
+  `steps` RL steps from a fresh policy (responses run to max_new_tokens)."""
+  from train.experiment import Experiment
+  with Experiment(raw) as exp:
+    times = [exp.rl.step()["step_time"] for _ in range(steps)]
+    exp.ctx.timeline.write_chrome_trace(f"{exp.run_dir}/trace.json")
+    return exp.run_dir, times, exp.cfg
+
+
+def bench_config(overrides: dict, steps: int) -> dict:
+  """The default experiment with `overrides`, set up for timing `steps` RL steps."""
+  from jaxrl.config import ExperimentConfig, to_dict
+  raw = to_dict(ExperimentConfig())
+  for section, fields in overrides.items():
+    raw[section].update(fields)
+  raw.update(run_dir=tempfile.mkdtemp(prefix="jaxrl-plan-"), progress=False,
+             checkpoint_every=10**6, checkpoint_minutes=0.0)
+  raw["eval"]["every"] = 10**6
+  raw["task"]["n_heldout"] = 32
+  raw["rl"]["steps"] = steps + 1  # the timed steps end before the stage's final evaluation
+  return raw
+
+
+def calibrate_here(steps: int = 6, warmup: int = 2):
+  """Measures this machine and fits the factors to CALIBRATION_RUNS: (Calibration, samples)."""
+  import jax
+  from sharding.planner import calibrate as cal
+  from sharding.planner.plan import calibration_for
+  from jaxrl.config import ExperimentConfig
+  base = calibration_for(ExperimentConfig(), jax.devices()[0], jax.local_device_count())
+  dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+  dev = cal.profile(base.device, dtype)
+  samples = []
+  for overrides in CALIBRATION_RUNS:
+    run_dir, _, _ = run_steps(bench_config(overrides, steps + warmup), steps + warmup)
+    samples += cal.samples_from_run(run_dir, dev, jax.device_count(), skip=warmup)
+  return cal.Calibration(dev, cal.fit(samples, dev, base.efficiency)), samples
+
+
+def _table(cfg, args) -> list[str]:
+  import jax
+  from sharding.planner.calibrate import Calibration
+  from sharding.planner.cost import Workload
+  from sharding.planner.devices import DEVICES, Efficiency
+  from sharding.planner.plan import calibration_for
+  from sharding.planner.search import search
+  if args.device:
+    cal = Calibration(DEVICES[args.device], Efficiency())
+  else:
+    cal = calibration_for(cfg, jax.devices()[0], jax.local_device_count())
+  if args.calibration:
+    cal = Calibration.load(args.calibration)
+  n = args.devices or jax.device_count()
+  ranked = search(Workload.from_config(cfg), n, cal.device, cal.efficiency,
+                  presets_only=not args.all_meshes, top=args.top)
+  lines = [f"{n} x {cal.device.name}, model d_model {cfg.model.d_model} x {cfg.model.n_layers} "
+           f"layers, {cfg.rl.rollouts} rollouts per step:"]
+  lines += [f"{i + 1:>3}. {r.step_s:10.4g} s  {r.plan.describe()}  [{r.reason}]"
+            for i, r in enumerate(ranked)]
+  return lines if ranked else lines + ["no plan fits in memory and splits the batches"]
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv if argv is None else argv
+  parser = argparse.ArgumentParser(prog="jaxrl-plan", description=__doc__.splitlines()[0])
+  parser.add_argument("--device", default="", help="simulate this DEVICES kind (h100, tpu_v5p..)")
+  parser.add_argument("--devices", type=int, default=0, help="how many (default: this machine's)")
+  parser.add_argument("--calibration", default="", help="a calibration JSON to plan with")
+  parser.add_argument("--calibrate", default="", help="measure and fit, write this JSON")
+  parser.add_argument("--fit", action="append", default=[], help="run dir to re-fit from")
+  parser.add_argument("--top", type=int, default=10)
+  parser.add_argument("--all_meshes", action="store_true")
+  args, rest = parser.parse_known_args(argv[1:])
+  from sharding.host import force_cpu_devices
+  force_cpu_devices(8)
+  try:
+    raw, gin_files, gin_params, _ = parse_args([argv[0], *rest])
+    from jaxrl.config import ConfigError
+    from train.config_files import with_gin
+    cfg = with_gin(raw, gin_files, gin_params)
+    if args.device and args.device not in _devices():
+      raise UsageError(f"--device: expected one of {sorted(_devices())}, got {args.device!r}")
+    if args.calibrate:
+      cal, samples = calibrate_here()
+      cal.save(args.calibrate)
+      args.calibration = args.calibration or args.calibrate
+      print(f"jaxrl-plan: calibrated on {len(samples)} measurements -> {args.calibrate}")
+    if args.fit:
+      _refit(args)
+    print("\n".join(_table(cfg, args)))
+  except (UsageError, ConfigError, OSError) as e:
+    return fail(str(e))
+  return 0
+
+
+def _devices() -> dict:
+  from sharding.planner.devices import DEVICES
+  return DEVICES
+
+
+def _refit(args) -> None:
+  from sharding.planner import calibrate as cal
+  if not args.calibration:
+    raise UsageError("--fit: give --calibration=FILE, the calibration to re-fit (updated in place)")
+  old = cal.Calibration.load(args.calibration)
+  samples = [s for run in args.fit for s in cal.samples_from_run(run, old.device)]
+  new = dataclasses.replace(old, efficiency=cal.fit(samples, old.device, old.efficiency))
+  new.save(args.calibration)
+  print(f"jaxrl-plan: re-fitted {args.calibration} on {len(samples)} measurements from "
+        f"{len(args.fit)} run(s)")
+
+
+def cli() -> None:
+  sys.exit(main())
+
+
+if __name__ == "__main__":
+  cli()
