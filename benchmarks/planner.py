@@ -30,7 +30,7 @@ def _config(model: dict, strategy: str, mode: str = "sync") -> dict:
 
 
 # Other sizes, placements and modes than train/plan_cli.CALIBRATION_RUNS (small colocate sync,
-# medium separate sync), which the factors are fitted to.
+# medium separate and interleave sync), which the factors are fitted to.
 CONFIGS = {"small interleave sync": _config(SMALL, "interleave"),
            "small separate async": _config(SMALL, "separate", "async"),
            "medium colocate sync": _config(MEDIUM, "colocate"),

@@ -18,14 +18,14 @@ import tempfile
 
 from train.main import fail, parse_args, UsageError
 
-# Short runs the calibration fits to: the default model and a 4-layer d_model-256 one, in the
-# two placements whose stages run one at a time (so each stage's time is its own).
+# Short runs the calibration fits to: the default model and a 4-layer d_model-256 one, in sync
+# mode (each stage's time is its own), on 8 and on 4 devices per role.
+_RL = {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 16, "num_minibatches": 1}
+_MEDIUM = dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024)
 CALIBRATION_RUNS = (
-    {"rl": {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 16, "num_minibatches": 1},
-     "placement": {"strategy": "colocate"}},
-    {"model": dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024),
-     "rl": {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 16, "num_minibatches": 1},
-     "placement": {"strategy": "separate"}},
+    {"rl": _RL, "placement": {"strategy": "colocate"}},
+    {"model": _MEDIUM, "rl": _RL, "placement": {"strategy": "separate"}},
+    {"model": _MEDIUM, "rl": _RL, "placement": {"strategy": "interleave"}},
 )
 
 

@@ -1,9 +1,16 @@
 """Device tables and efficiency factors of the cost model (sharding/planner/cost.py).
 
-`DeviceSpec` holds a device's datasheet numbers; `Efficiency` the fractions of them an RL step's
-calls achieve, and their fixed costs. The defaults come from public sources (cited per field),
-never from the results they are compared with in docs/scaling.md; `jaxrl-plan --calibrate`
-replaces them with factors fitted on the machine at hand (sharding/planner/calibrate.py).
+`DeviceSpec` holds one accelerator's datasheet numbers: dense bf16 matmul peak, HBM bandwidth and
+size, and per-device one-way bandwidth inside a node (`link`) and across nodes (`network`).
+`Efficiency` holds the fractions of them an RL step's calls achieve, and their fixed costs. The
+defaults come from public sources (cited per entry and field), never from the results they are
+compared with in docs/scaling.md; `jaxrl-plan --calibrate` replaces them with factors fitted on
+the machine at hand (sharding/planner/calibrate.py).
+
+TPU links: `link` is what a ring over one torus axis gets inside a host (two ICI links, one way
+each, the scaling book's "bidi per link"); `network` is every ICI port of the chip one way (half
+of Google's bidirectional per-chip ICI figure), what a collective spanning a multi-host slice
+can use. Multislice DCN (e.g. v5p 50 Gb/s per chip) is not modelled.
 """
 from __future__ import annotations
 
@@ -11,6 +18,8 @@ import dataclasses
 
 GB = 1e9
 GIB = 2**30
+_TPU = "https://cloud.google.com/tpu/docs/"
+_BOOK = "ICI per link one way: https://jax-ml.github.io/scaling-book/tpus/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,39 +27,43 @@ class DeviceSpec:
   name: str
   matmul_flops: float  # dense bf16 matmul peak per device, FLOP/s (no sparsity)
   hbm_bytes_per_s: float  # memory bandwidth per device
-  memory_bytes: float  # device memory
+  memory_bytes: float  # device memory (HBM) capacity
   link_bytes_per_s: float  # per device, one direction, inside a node (NVLink) or over ICI
   network_bytes_per_s: float  # per device, one direction, across nodes (NIC per GPU; TPU: ICI)
   devices_per_node: int  # GPUs per node, chips per TPU host
   shared_compute: bool = False  # fake CPU devices: one pool of cores for all of them
-  source: str = ""
+  source: str = ""  # where each number comes from
 
 
 DEVICES: dict[str, DeviceSpec] = {
-    "h100": DeviceSpec("H100 SXM 80GB", 989e12, 3.35e12, 80 * GB, 450 * GB, 50 * GB, 8,
-                       source="NVIDIA H100 datasheet (bf16 dense 989 TFLOP/s, 3.35 TB/s, NVLink "
-                              "900 GB/s both ways); 400 Gb/s NDR InfiniBand per GPU"),
+    "h100": DeviceSpec("H100 SXM5 80GB", 989e12, 3.35e12, 80 * GB, 450 * GB, 50 * GB, 8,
+                       source="https://www.nvidia.com/en-us/data-center/h100/ (bf16 989 TFLOP/s "
+                              "dense, 3.35 TB/s, NVLink 900 GB/s both ways); NDR IB 400 Gb/s/GPU"),
     "h200": DeviceSpec("H200 SXM 141GB", 989e12, 4.8e12, 141 * GB, 450 * GB, 50 * GB, 8,
-                       source="NVIDIA H200 datasheet (same compute as H100, 4.8 TB/s, 141 GB); "
-                              "400 Gb/s NDR InfiniBand per GPU"),
-    "a100": DeviceSpec("A100 SXM 80GB", 312e12, 2.04e12, 80 * GB, 300 * GB, 25 * GB, 8,
-                       source="NVIDIA A100 datasheet (bf16 312 TFLOP/s, 2.04 TB/s, NVLink 600 "
-                              "GB/s both ways); 200 Gb/s HDR InfiniBand per GPU"),
-    "tpu_v4": DeviceSpec("TPU v4", 275e12, 1.2e12, 32 * GB, 150 * GB, 150 * GB, 4,
-                         source="Google Cloud TPU v4 docs (275 TFLOP/s bf16, 1.2 TB/s, 32 GiB); "
-                                "ICI 6 links x 50 GB/s, half counted one way"),
-    "tpu_v5e": DeviceSpec("TPU v5e", 197e12, 0.819e12, 16 * GB, 100 * GB, 100 * GB, 8,
-                          source="Google Cloud TPU v5e docs (197 TFLOP/s bf16, 819 GB/s, 16 GB, "
-                                 "ICI 1600 Gbps)"),
-    "tpu_v5p": DeviceSpec("TPU v5p", 459e12, 2.765e12, 95 * GB, 300 * GB, 300 * GB, 4,
-                          source="Google Cloud TPU v5p docs (459 TFLOP/s bf16, 2,765 GB/s, 95 GB, "
-                                 "ICI 4800 Gbps)"),
-    "tpu_v6e": DeviceSpec("TPU v6e", 918e12, 1.64e12, 32 * GB, 200 * GB, 200 * GB, 8,
-                          source="Google Cloud TPU v6e (Trillium) docs (918 TFLOP/s bf16, 1,640 "
-                                 "GB/s, 32 GB, ICI 3,200 Gbps)"),
+                       source="https://www.nvidia.com/en-us/data-center/h200/ (H100 compute, "
+                              "4.8 TB/s, 141 GB, NVLink 900 GB/s); NDR IB 400 Gb/s per GPU"),
+    "a100": DeviceSpec("A100 SXM4 80GB", 312e12, 2.039e12, 80 * GB, 300 * GB, 25 * GB, 8,
+                       source="NVIDIA A100 datasheet nvidia-a100-datasheet-us-nvidia-1758950-r4 "
+                              "(bf16 312 dense, 2,039 GB/s, NVLink 600 GB/s); HDR IB 200 Gb/s/GPU "
+                              "(usual DGX A100 NIC, not confirmed here)"),
+    "tpu_v4": DeviceSpec("TPU v4", 275e12, 1.2e12, 32 * GIB, 90 * GB, 270 * GB, 4,
+                         source=_TPU + "v4 (275 TFLOP/s bf16, 32 GiB, 1200 GBps; 2x2x1 host); "
+                                + _BOOK + " 45 GB/s x 2 in host, x 6 ports"),
+    "tpu_v5e": DeviceSpec("TPU v5e", 197e12, 0.819e12, 16 * GB, 100 * GB, 200 * GB, 8,
+                          source=_TPU + "v5e (197 TFLOP/s, 16 GB, 819 GBps, ICI 400 GBps "
+                                 "bidirectional per chip, 8 chips per host); "
+                                 + _BOOK + " 50 GB/s"),
+    "tpu_v5p": DeviceSpec("TPU v5p", 459e12, 2.765e12, 95 * GB, 200 * GB, 600 * GB, 4,
+                          source=_TPU + "v5p (459 TFLOP/s, 95 GB, 2765 GBps, ICI 1200 GBps "
+                                 "bidirectional per chip, 4 chips per VM); "
+                                 + _BOOK + " 100 GB/s"),
+    "tpu_v6e": DeviceSpec("TPU v6e", 918e12, 1.638e12, 32 * GB, 200 * GB, 400 * GB, 8,
+                          source=_TPU + "v6e (918 TFLOP/s, 32 GB, 1638 GBps, ICI 800 GBps "
+                                 "bidirectional per chip, 8 chips per host); "
+                                 + _BOOK + " 100 GB/s"),
     "cpu": DeviceSpec("CPU (fake devices)", 2.2e11, 1.0e10, 24 * GIB, 1.0e10, 1.0e10, 8,
                       shared_compute=True,
-                      source="the 2-core dev machine, float32, measured; `profile` re-measures"),
+                      source="measured on the 2-core dev machine; calibration replaces these"),
 }
 
 
@@ -58,21 +71,26 @@ DEVICES: dict[str, DeviceSpec] = {
 class Efficiency:
   """Fractions of the datasheet a call achieves, and fixed costs, for large models on GPUs and
   TPUs (the defaults); a calibration fits them to a machine."""
-  # Llama 3 405B pre-training: 38-43% BF16 MFU on 16k H100s (Llama 3 paper, Table 4).
+  # Llama 3 405B pre-training: 38-43% BF16 MFU on 8-16K H100s (arXiv 2407.21783, Table 4);
+  # MegaScale reaches 55.2% for 175B on 12,288 GPUs (arXiv 2402.15627).
   train_mfu: float = 0.40
-  # Forward-only passes have no backward's weight-gradient products to overlap: same order.
+  # Estimate: a forward pass is the same GEMMs with no backward to overlap (no direct figure).
   forward_mfu: float = 0.45
-  prefill_mfu: float = 0.45  # prefill is a forward pass over the prompts
-  # Decode steps are bandwidth-bound at these batch sizes; the compute term rarely binds.
+  prefill_mfu: float = 0.45  # estimate: prefill is a compute-bound forward over the prompts
+  # Estimate: decode steps are bandwidth-bound at RL batch sizes; the compute term rarely binds.
   decode_mfu: float = 0.30
-  # vLLM / TensorRT-LLM decode reaches ~60-70% of HBM bandwidth at batch (public benchmarks).
+  # Model bandwidth utilization of vLLM / TensorRT-LLM decode: ~60-85% of HBM peak (rule of
+  # thumb; databricks.com/blog/llm-inference-performance-engineering-best-practices).
   decode_hbm: float = 0.65
-  # NCCL all-gather / reduce-scatter bus bandwidth: ~70-80% of the link (nccl-tests on HGX H100).
+  # NCCL bus bandwidth, large messages: ~360-480 GB/s of NVLink's 450 on 8xH100, 400-450 GB/s
+  # with 8x400G NDR across nodes (docs.alayanew.com, saturncloud.io nccl-tests guides).
   link: float = 0.75
-  call_overhead_s: float = 2e-3  # dispatch of one jitted program and its host sync
-  layer_overhead_s: float = 2e-5  # kernel launches of one layer in one pass (~10 x 2 us)
-  decode_step_overhead_s: float = 1e-3  # a decode step's sampling and loop control
-  step_overhead_s: float = 0.5  # host work per RL step: reward, experience, metrics, logging
+  call_overhead_s: float = 2e-3  # estimate: dispatch of one jitted program and its host sync
+  layer_overhead_s: float = 2e-5  # kernel launches of one layer in one pass (~10 x 2 us each)
+  # Estimate: per-step host work (scheduling, sampling, loop); vLLM's v0.6 perf blog
+  # (blog.vllm.ai/2024/09/05/perf-update.html) shows it is a large share of a decode step.
+  decode_step_overhead_s: float = 1e-3
+  step_overhead_s: float = 0.5  # estimate: host work per RL step: reward, experience, metrics
   # Products of width d run at d / (d + this) of the large-product efficiency; GPUs and TPUs
   # reach it from d of a few thousand, the widths of the models simulated here.
   matmul_half_dim: float = 1.0
