@@ -10,11 +10,12 @@ from jaxrl.config import ExperimentConfig
 from jaxrl.models.llama import ModelConfig
 from sharding.placement import host_major_devices, make_placement
 from sharding.planner import calibrate as cal
-from sharding.planner.cost import (Mesh, Plan, Workload, forward_s, generate_s, memory,
-                                   step_time, total_bytes, update_s)
+from sharding.planner.cost import (Mesh, Plan, Workload, decode_steps, forward_s, generate_s,
+                                   step_time, update_s)
 from sharding.planner.devices import CPU_EFFICIENCY, DEVICES, DeviceSpec, Efficiency
+from sharding.planner.memory import HEADROOM, kv_row_bytes, kv_rows, memory, total_bytes
 from sharding.planner.plan import choose
-from sharding.planner.search import MEMORY_HEADROOM, problem, search
+from sharding.planner.search import problem, search
 from train.plan_cli import main as plan_main
 
 MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=64,
@@ -23,7 +24,8 @@ MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=1, n_kv_head
 UNIT = DeviceSpec("unit", 1e9, 1e9, 1e9, 1e9, 1e9, 8)
 IDEAL = Efficiency(train_mfu=1, forward_mfu=1, prefill_mfu=1, decode_mfu=1, decode_hbm=1, link=1,
                    call_overhead_s=0, layer_overhead_s=0, decode_step_overhead_s=0,
-                   step_overhead_s=0, matmul_half_dim=0)
+                   step_overhead_s=0, matmul_half_dim=0, matmul_half_rows=0,
+                   collective_latency_s=0)
 
 
 def _workload(**kw) -> Workload:
@@ -64,17 +66,70 @@ def test_decode_is_bound_by_reading_the_weights():
   assert decode == pytest.approx(2 * weights / (0.5 * big.hbm_bytes_per_s), rel=0.01)
 
 
+def test_decode_runs_in_waves_or_slots_as_the_kv_cache_allows():
+  w = _workload(prompts=4, group_size=4, new_tokens=10)  # 16 rows
+  assert decode_steps(w, rows=16, concurrent=16) == 10
+  assert decode_steps(w, rows=16, concurrent=5) == 40  # four static waves, each to the budget
+  uneven = dataclasses.replace(w, mean_new_tokens=2.5, inflight=True)
+  assert decode_steps(uneven, rows=16, concurrent=4) == 10  # the longest row bounds it
+  assert decode_steps(uneven, rows=64, concurrent=4) == 40  # 64 x 2.5 row-steps in 4 slots
+  # Bound by HBM (compute is free here), each wave re-reads the weights every step: 10 steps of
+  # the 229,376 weight bytes and 16 rows x (2 prompt + 10 / 2) x 512 KV bytes, or 40 of 4 rows.
+  memory_bound = dataclasses.replace(UNIT, matmul_flops=1e30)
+  assert generate_s(w, memory_bound, IDEAL, Mesh(), kv_rows=16) == pytest.approx(
+      10 * (229_376 + 16 * 7 * 512) / 1e9)
+  assert generate_s(w, memory_bound, IDEAL, Mesh(), kv_rows=4) == pytest.approx(
+      40 * (229_376 + 4 * 7 * 512) / 1e9)
+
+
+def test_the_kv_cache_gets_what_the_rest_leaves():
+  w = _workload(prompts=4, group_size=4)  # 16 rows, 4 slots each: 2048 bytes a row
+  row = kv_row_bytes(w, Mesh())
+  assert row == 4 * 512
+  weights = w.params * 4
+  separate = Plan("separate", Mesh(fsdp=4), Mesh(), Mesh(fsdp=4))
+  room = (weights + 5.5 * row) / HEADROOM  # the weights and five and a half rows
+  assert kv_rows(w, separate, room) == pytest.approx(5.5)
+  assert kv_rows(w, separate, 1e12) == 16  # never more than the replica's rows
+  # Colocated, the trainer's resident state (12 bytes per parameter, + 4 for the reference,
+  # sharded over fsdp 4) comes first.
+  colocate = Plan("colocate", Mesh(fsdp=4), Mesh(), Mesh(fsdp=4))
+  resident = 16 * w.params / 4
+  assert kv_rows(w, colocate, room + resident / HEADROOM) == pytest.approx(5.5)
+
+
+def test_collectives_cross_the_network_once_their_group_leaves_the_node():
+  w = _workload()
+  node = dataclasses.replace(UNIT, devices_per_node=2, network_bytes_per_s=1e8)
+  # tensor 2 fits a node: the links; tensor 4 spans two: the network, 10x slower here.
+  inside = forward_s(w, node, IDEAL, Mesh(tensor=2)) - forward_s(w, UNIT, IDEAL, Mesh(tensor=2))
+  assert inside == pytest.approx(0.0, abs=1e-12)
+  across = forward_s(w, node, IDEAL, Mesh(tensor=4)) - 791_552e-9 / 4
+  assert across == pytest.approx(2 * 2 * 3 / 4 * 8 * 64 * 4 / 1e8)
+
+
+def test_calibration_times_a_stage_only_from_calls_that_ran_alone():
+  events = [{"name": "generate", "ts": 0, "dur": 10}, {"name": "ref logprobs", "ts": 10, "dur": 5},
+            {"name": "old logprobs", "ts": 12, "dur": 6}, {"name": "score", "ts": 11, "dur": 2},
+            {"name": "update", "ts": 20, "dur": 8}]
+  assert [e["name"] for e in cal.alone(events)] == ["generate", "score", "update"]
+
+
 def test_step_critical_path_and_memory():
   times = dict.fromkeys(["generate", "reward", "reference", "old_logprobs", "values", "update",
                          "critic_update", "weight_push", "host"], 0.0)
   times.update(generate=5.0, reference=1.0, old_logprobs=2.0, update=3.0, weight_push=0.5)
   m = Mesh(fsdp=4)
   sync = Plan("separate", m, m, m)
-  assert step_time(times, sync, UNIT) == pytest.approx(11.5)
-  assert step_time(times, dataclasses.replace(sync, mode="async"), UNIT) == pytest.approx(6.5)
-  assert step_time(times, dataclasses.replace(sync, strategy="interleave"), UNIT) == 10.5
-  cpu = DEVICES["cpu"]  # shared cores: nothing overlaps
-  assert step_time(times, dataclasses.replace(sync, mode="async"), cpu) == pytest.approx(11.5)
+  assert step_time(times, sync, UNIT, IDEAL) == pytest.approx(11.5)
+  assert step_time(times, dataclasses.replace(sync, mode="async"), UNIT, IDEAL) == 6.5
+  assert step_time(times, dataclasses.replace(sync, strategy="interleave"), UNIT, IDEAL) == 10.5
+  cpu = DEVICES["cpu"]  # shared cores: async does not overlap generation with training
+  assert step_time(times, dataclasses.replace(sync, mode="async"), cpu, IDEAL) == 11.5
+  # ... but concurrent scoring passes hide a fitted fraction of the shorter ones: 2 + 0.25 x 1.
+  quarter = dataclasses.replace(IDEAL, shared_overlap=0.25)
+  assert step_time(times, sync, cpu, quarter) == pytest.approx(11.25)
+  assert step_time(times, sync, UNIT, quarter) == pytest.approx(11.5)  # accelerators: in turn
   w = _workload()
   mem = memory(w, Plan("separate", Mesh(fsdp=4), Mesh(data=2), Mesh(fsdp=4)))
   # Trainer: 16 bytes per parameter (weights, gradient, two Adam moments) + the reference's 4,
@@ -94,11 +149,11 @@ def test_search_respects_memory_and_returns_valid_placements():
   steps = [r.step_s for r in everything]
   assert steps == sorted(steps)
   peaks = sorted(total_bytes(r.memory, r.plan) for r in everything)
-  limit = (peaks[0] + peaks[-1]) / 2 / MEMORY_HEADROOM
+  limit = (peaks[0] + peaks[-1]) / 2 / HEADROOM
   small = dataclasses.replace(DEVICES["cpu"], memory_bytes=limit)
   kept = search(w, 8, small, CPU_EFFICIENCY, top=None)
   assert 0 < len(kept) < len(everything)
-  assert all(total_bytes(r.memory, r.plan) <= MEMORY_HEADROOM * limit for r in kept)
+  assert all(total_bytes(r.memory, r.plan) <= HEADROOM * limit for r in kept)
   assert not search(w, 8, dataclasses.replace(small, memory_bytes=1.0), CPU_EFFICIENCY)
 
 

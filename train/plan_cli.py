@@ -18,14 +18,16 @@ import tempfile
 
 from train.main import fail, parse_args, UsageError
 
-# Short runs the calibration fits to: the default model and a 4-layer d_model-256 one, in sync
-# mode (each stage's time is its own), on 8 and on 4 devices per role.
+# Short runs the calibration fits to, in sync mode (each stage's time is its own): the default
+# model and a 4-layer d_model-256 one on 64 rows, in each placement, and the default experiment
+# itself (512 rows in 2 minibatches: the old-log-prob pass runs beside the reference's).
 _RL = {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 16, "num_minibatches": 1}
 _MEDIUM = dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024)
 CALIBRATION_RUNS = (
     {"rl": _RL, "placement": {"strategy": "colocate"}},
     {"model": _MEDIUM, "rl": _RL, "placement": {"strategy": "separate"}},
     {"model": _MEDIUM, "rl": _RL, "placement": {"strategy": "interleave"}},
+    {"placement": {"strategy": "separate"}},
 )
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from jaxrl.config import ExperimentConfig, from_mapping
 from sharding.planner.cost import Mesh, Plan, Workload, stage_times, step_time
 from sharding.planner.devices import DeviceSpec, Efficiency
+from sharding.planner.memory import kv_rows
 
 # Timeline labels (train/controller.py) -> the cost model's stages they time.
 TRACE_STAGES = {"generate": ("generate",), "score": ("reward",), "ref logprobs": ("reference",),
@@ -25,7 +26,9 @@ TRACE_STAGES = {"generate": ("generate",), "score": ("reward",), "ref logprobs":
                 "update": ("update", "critic_update"), "reshard": ("weight_push",),
                 "push": ("weight_push",)}
 FIT_FIELDS = ("train_mfu", "forward_mfu", "prefill_mfu", "decode_mfu", "call_overhead_s",
-              "layer_overhead_s", "decode_step_overhead_s", "step_overhead_s", "matmul_half_dim")
+              "layer_overhead_s", "decode_step_overhead_s", "step_overhead_s", "matmul_half_dim",
+              "matmul_half_rows", "collective_latency_s", "shared_overlap", "link")
+BOUNDED = ("shared_overlap", "link")  # fractions: at most 1, as the *_mfu and *_hbm fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,7 @@ class Sample:
   plan: Plan
   label: str  # a TRACE_STAGES label, or "step" (a whole step, from metrics.jsonl)
   seconds: float
+  devices: int = 8  # how many devices the run had
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +70,7 @@ def preset_plan(cfg: ExperimentConfig, n_devices: int, dev: DeviceSpec) -> Plan:
   """The plan a config's fixed placement preset runs (sharding/placement.py), single host."""
   pl, rl = cfg.placement, cfg.rl
   k = n_devices if pl.strategy == "colocate" else pl.train_devices
-  trainer = Mesh(fsdp=k)
+  trainer = Mesh(fsdp=k)  # one host: fsdp over all the trainer's devices
   ns = n_devices - k if pl.strategy == "separate" else k
   sampler = Mesh(data=ns // pl.sampler_tensor, tensor=pl.sampler_tensor)
   scorer = Mesh(fsdp=(n_devices - k) // 2) if pl.strategy == "interleave" else trainer
@@ -74,22 +78,36 @@ def preset_plan(cfg: ExperimentConfig, n_devices: int, dev: DeviceSpec) -> Plan:
 
 
 def predict(sample: Sample, dev: DeviceSpec, eff: Efficiency) -> float:
-  times = stage_times(sample.workload, dev, eff, sample.plan)
+  """The model's seconds for a sample's label on the sample's devices of kind `dev`."""
+  per_device = dev.memory_bytes / sample.devices if dev.shared_compute else dev.memory_bytes
+  rows = kv_rows(sample.workload, sample.plan, per_device)
+  times = stage_times(sample.workload, dev, eff, sample.plan, rows)
   if sample.label == "step":
-    return step_time(times, sample.plan, dev)
+    return step_time(times, sample.plan, dev, eff)
   return sum(times[s] for s in TRACE_STAGES[sample.label])
 
 
-def _mean_after(values: list[float], skip: int) -> float | None:
-  kept = values[skip:]
+def alone(events: list[dict]) -> list[dict]:
+  """The calls no other device call overlapped in time (the host's reward scoring aside): what
+  one stage costs by itself, on devices that may be shared."""
+  device = [e for e in events if e["name"] != "score"]
+  def overlapped(e):
+    start, end = e["ts"], e["ts"] + e["dur"]
+    return any(o is not e and o["ts"] < end and start < o["ts"] + o["dur"] for o in device)
+  return [e for e in events if e["name"] == "score" or not overlapped(e)]
+
+
+def _mean_after(values: list[float | None], skip: int) -> float | None:
+  """The median of `values` after the first `skip` (None: not measured)."""
+  kept = [v for v in values[skip:] if v is not None]
   return float(np.median(kept)) if kept else None
 
 
 def samples_from_run(run_dir: str, dev: DeviceSpec, n_devices: int | None = None,
                      skip: int = 2) -> list[Sample]:
   """Measured stage times (the median of each label's calls after the first `skip`, which
-  compile) and the median RL step time of a finished run. Async runs give only the step: their
-  stages share the devices with each other and are not what one stage costs alone."""
+  compile, among the calls that ran alone) and the median RL step time of a finished run. Async
+  runs give only the step: their stages run at the same time as each other."""
   with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
     cfg = from_mapping(ExperimentConfig, json.load(f))
   n = n_devices or cfg.placement.cpu_devices
@@ -99,19 +117,20 @@ def samples_from_run(run_dir: str, dev: DeviceSpec, n_devices: int | None = None
     rows = [json.loads(line) for line in f if line.strip()]
   steps = _mean_after([r["step_time"] for r in rows if "step_time" in r], skip)
   if steps is not None:
-    out.append(Sample(workload, plan, "step", steps))
+    out.append(Sample(workload, plan, "step", steps, n))
   if cfg.rl.mode == "async":
     return out
   with open(os.path.join(run_dir, "trace.json"), encoding="utf-8") as f:
     events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-  by_label: dict[str, list[float]] = {}
+  solo = {id(e) for e in alone(events)}
+  by_label: dict[str, list[dict]] = {}
   for e in events:
-    by_label.setdefault(e["name"], []).append(e["dur"] / 1e6)
-  for label, durations in by_label.items():
-    seconds = _mean_after(durations, skip)
-    if label in TRACE_STAGES and seconds and predict(Sample(workload, plan, label, 0), dev,
-                                                     Efficiency()) > 0:
-      out.append(Sample(workload, plan, label, seconds))
+    by_label.setdefault(e["name"], []).append(e)
+  for label, calls in by_label.items():
+    seconds = _mean_after([e["dur"] / 1e6 if id(e) in solo else None for e in calls], skip)
+    sample = Sample(workload, plan, label, seconds, n)
+    if label in TRACE_STAGES and seconds and predict(sample, dev, Efficiency()) > 0:
+      out.append(sample)
   return out
 
 
@@ -131,7 +150,7 @@ def fit(samples: list[Sample], dev: DeviceSpec, prior: Efficiency, *,
     return np.concatenate([errors, ridge * (theta - theta0)])
 
   # Efficiencies are fractions of the peak: at most 1 (an overhead or width has no such bound).
-  upper = np.array([0.0 if f.endswith(("_mfu", "_hbm")) or f == "link" else np.inf
+  upper = np.array([0.0 if f.endswith(("_mfu", "_hbm")) or f in BOUNDED else np.inf
                     for f in fields])
   result = least_squares(residuals, np.minimum(theta0, upper - 1e-9), bounds=(-np.inf, upper),
                          method="trf")

@@ -94,11 +94,23 @@ class Efficiency:
   # Products of width d run at d / (d + this) of the large-product efficiency; GPUs and TPUs
   # reach it from d of a few thousand, the widths of the models simulated here.
   matmul_half_dim: float = 1.0
+  # Products of m rows per device run at m / (m + this): on a CPU short products lose to packing
+  # and threading; on accelerators the simulated passes have thousands of rows per device, and
+  # decode steps with few rows are bound by HBM, which the decode term models, so 1 (no effect).
+  matmul_half_rows: float = 1.0
+  # Estimate: the latency of one small all-reduce inside a node (NCCL's ring/tree at a few KB
+  # is ~10 us on NVLink); it is what tensor-parallel decode pays twice per layer per step.
+  collective_latency_s: float = 1e-5
+  # Fraction of the shorter scoring passes hidden behind the longest when they run at the same
+  # time on the same devices: 0 on accelerators (one program at a time); fake CPU devices run
+  # them on threads that fill each other's idle cores (fitted there).
+  shared_overlap: float = 0.0
 
 
 # The 2-core dev machine (fake CPU devices), fitted by `jaxrl-plan --calibrate` there; the prior
 # of a CPU calibration and the factors `strategy=plan` uses on a CPU without one.
 CPU_EFFICIENCY = Efficiency(train_mfu=0.5, forward_mfu=0.5, prefill_mfu=0.4, decode_mfu=0.3,
-                            decode_hbm=0.5, link=0.5, call_overhead_s=2e-3, layer_overhead_s=2e-4,
+                            decode_hbm=0.7, link=0.5, call_overhead_s=2e-3, layer_overhead_s=2e-4,
                             decode_step_overhead_s=1e-3, step_overhead_s=0.01,
-                            matmul_half_dim=128.0)
+                            matmul_half_dim=128.0, matmul_half_rows=64.0,
+                            collective_latency_s=1e-5, shared_overlap=0.5)

@@ -31,13 +31,18 @@ def matmul_flops_per_s(n: int | None = None, repeats: int = 20, dtype: str = "fl
   return 2 * n**3 / seconds
 
 
-def memory_bytes_per_s(nbytes: int = 1 << 27, repeats: int = 5) -> float:
-  """Copy bandwidth of the default device: bytes read plus bytes written per second."""
+def memory_bytes_per_s(nbytes: int | None = None, repeats: int = 5) -> float:
+  """Read bandwidth of the default device as a decode step sees it: a float32 matrix of
+  `nbytes` (128 MiB on a CPU, 1 GiB on an accelerator) times 8 vectors, which streams the
+  matrix from memory once; bytes of the matrix per second. (An elementwise copy is the wrong
+  probe on a CPU: XLA runs it on one thread, at a quarter of this.)"""
   import jax
   import jax.numpy as jnp
-  x = jnp.ones((nbytes // 4,), jnp.float32)
-  f = jax.jit(lambda a: a * 1.0001)
-  return 2 * nbytes / best_seconds(lambda: f(x).block_until_ready(), repeats=repeats, warmup=2)
+  nbytes = nbytes or (1 << 27 if jax.default_backend() == "cpu" else 1 << 30)
+  w = jnp.ones((nbytes // 4 // 4096, 4096), jnp.float32)
+  v = jnp.ones((4096, 8), jnp.float32)
+  f = jax.jit(lambda a, b: a @ b)
+  return nbytes / best_seconds(lambda: f(w, v).block_until_ready(), repeats=repeats, warmup=2)
 
 
 def transfer_bytes_per_s(nbytes: int = 1 << 26, repeats: int = 5) -> float:

@@ -12,11 +12,9 @@ import dataclasses
 import itertools
 
 from sharding.placement import PlacementError, make_placement
-from sharding.planner.cost import (Mesh, Plan, Workload, memory, stage_times, step_time,
-                                   total_bytes)
+from sharding.planner.cost import Mesh, Plan, Workload, stage_times, step_time
 from sharding.planner.devices import DeviceSpec, Efficiency
-
-MEMORY_HEADROOM = 0.9  # of a device's memory a plan may fill (allocator slack, XLA temporaries)
+from sharding.planner.memory import HEADROOM, kv_rows, memory, total_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,46 +36,44 @@ def _divides_model(w: Workload, tensor: int, fsdp: int = 1) -> bool:
   return all(d % tensor == 0 for d in dims) and m.d_model % fsdp == 0
 
 
-def _trainer_meshes(w: Workload, devices: int, nodes: int, dev: DeviceSpec,
-                    presets_only: bool):
-  if presets_only:
-    yield Mesh(data=nodes, fsdp=devices // nodes, nodes=nodes)
+def _hosts(k: int, dev: DeviceSpec) -> int:
+  return max(1, -(-k // dev.devices_per_node))
+
+
+def _trainer_meshes(devices: int, dev: DeviceSpec, presets_only: bool):
+  if presets_only:  # fsdp inside each host, data parallel across hosts
+    hosts = _hosts(devices, dev)
+    yield Mesh(data=hosts, fsdp=devices // hosts)
     return
   for tensor in _powers_of_two(min(devices, dev.devices_per_node)):
     for fsdp in _powers_of_two(devices // tensor):
-      data = devices // (tensor * fsdp)
-      if data * fsdp * tensor == devices:
-        yield Mesh(data=data, fsdp=fsdp, tensor=tensor, nodes=nodes)
+      yield Mesh(data=devices // (tensor * fsdp), fsdp=fsdp, tensor=tensor)
 
 
-def _sampler_meshes(devices: int, nodes: int, dev: DeviceSpec):
+def _sampler_meshes(devices: int, dev: DeviceSpec):
   for tensor in _powers_of_two(min(devices, dev.devices_per_node)):
-    if devices % tensor == 0:
-      yield Mesh(data=devices // tensor, tensor=tensor, nodes=nodes)
+    yield Mesh(data=devices // tensor, tensor=tensor)
 
 
-def _splits(n: int, nodes: int) -> list[int]:
+def _splits(n: int, dev: DeviceSpec) -> list[int]:
   """Trainer device counts for separate / interleave: eighths of the devices, whole per host."""
-  return sorted({n * i // 8 for i in range(1, 8) if (n * i // 8) % nodes == 0 and n * i % 8 == 0})
+  hosts = _hosts(n, dev)
+  return sorted({n * i // 8 for i in range(1, 8) if (n * i // 8) % hosts == 0 and n * i % 8 == 0})
 
 
 def candidates(w: Workload, n: int, dev: DeviceSpec, *, modes=("sync", "async"),
                presets_only: bool = True):
   """Every plan for `n` devices of kind `dev` (not yet checked against memory or batch sizes)."""
-  nodes = max(1, -(-n // dev.devices_per_node))
-  per_node = lambda k: max(1, -(-k // dev.devices_per_node))
   layouts = [("colocate", n, n)]
-  for k in _splits(n, nodes):
+  for k in _splits(n, dev):
     layouts += [("separate", k, n - k), ("interleave", k, k)]
   for (strategy, k, ns), mode in itertools.product(layouts, modes):
     if mode == "async" and strategy != "separate":
       continue
-    rest = n - k
-    scorer_size = rest // 2 if strategy == "interleave" else k
-    for trainer in _trainer_meshes(w, k, per_node(k), dev, presets_only):
-      scorer = (Mesh(fsdp=scorer_size, nodes=per_node(scorer_size)) if strategy == "interleave"
-                else trainer)
-      for sampler in _sampler_meshes(ns, per_node(ns), dev):
+    scorer_size = (n - k) // 2 if strategy == "interleave" else k
+    for trainer in _trainer_meshes(k, dev, presets_only):
+      scorer = Mesh(fsdp=scorer_size) if strategy == "interleave" else trainer
+      for sampler in _sampler_meshes(ns, dev):
         for micro in _micro_batches(w, trainer):
           yield Plan(strategy, trainer, sampler, scorer, mode, micro)
 
@@ -101,32 +97,40 @@ def problem(w: Workload, plan: Plan, n: int, dev: DeviceSpec, presets_only: bool
   if presets_only:
     try:
       make_placement(plan.strategy, n, train_devices=t.size if plan.strategy != "colocate"
-                     else 1, sampler_tensor=s.tensor, n_hosts=t.nodes)
+                     else 1, sampler_tensor=s.tensor, n_hosts=_hosts(n, dev))
     except PlacementError as e:
       return str(e)
   return ""
 
 
-def _reason(ranked_stages: dict, step: float, peak: float, dev: DeviceSpec) -> str:
-  top = sorted(((v, k) for k, v in ranked_stages.items() if v > 0), reverse=True)[:2]
+def _reason(stages: dict, peak: float, rows: float, w: Workload, plan: Plan,
+            dev: DeviceSpec) -> str:
+  top = sorted(((v, k) for k, v in stages.items() if v > 0), reverse=True)[:2]
   parts = ", ".join(f"{k} {v:.3g} s" for v, k in top)
-  return (f"{parts}; peak {peak / 2**30:.1f} GiB per device "
-          f"({peak / dev.memory_bytes:.0%} of {dev.name})")
+  waves = ""
+  if rows < w.rows / plan.sampler.data:
+    waves = f"; KV cache holds {rows:.0f} of {w.rows / plan.sampler.data:.0f} rows per replica"
+  where = "in all" if dev.shared_compute else "per device"
+  return (f"{parts}; peak {peak / 2**30:.1f} GiB {where} "
+          f"({peak / dev.memory_bytes:.0%} of {dev.name}){waves}")
 
 
 def search(w: Workload, n: int, dev: DeviceSpec, eff: Efficiency, *, modes=("sync", "async"),
            presets_only: bool = True, top: int | None = 10) -> list[Ranked]:
-  """The `top` (None: all) fastest plans that fit in memory, fastest first."""
+  """The `top` (None: all) fastest plans that fit in memory, fastest first. On fake CPU devices
+  memory is one pool: all devices' bytes together must fit it."""
   ranked = []
+  per_device = dev.memory_bytes / n if dev.shared_compute else dev.memory_bytes
   for plan in candidates(w, n, dev, modes=modes, presets_only=presets_only):
     if problem(w, plan, n, dev, presets_only):
       continue
-    mem = memory(w, plan)
+    rows = kv_rows(w, plan, per_device)
+    mem = memory(w, plan, per_device)
     peak = total_bytes(mem, plan) if dev.shared_compute else max(mem.values())
-    if peak > MEMORY_HEADROOM * dev.memory_bytes:
+    if rows < 1 or peak > HEADROOM * dev.memory_bytes:
       continue
-    stages = stage_times(w, dev, eff, plan)
-    step = step_time(stages, plan, dev)
-    ranked.append(Ranked(plan, step, stages, mem, _reason(stages, step, peak, dev)))
+    stages = stage_times(w, dev, eff, plan, rows)
+    step = step_time(stages, plan, dev, eff)
+    ranked.append(Ranked(plan, step, stages, mem, _reason(stages, peak, rows, w, plan, dev)))
   ranked.sort(key=lambda r: (r.step_s, r.plan.trainer.size))
   return ranked if top is None else ranked[:top]
