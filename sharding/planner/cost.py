@@ -55,6 +55,9 @@ class Workload:
   mean_new_tokens: float = 0.0  # mean response length; 0: every row runs to the budget
   inflight: bool = False  # generation refills finished rows' slots (rl.inflight_slots)
   packed: bool = False  # passes over prompt + response tokens only (jaxrl pads to the budget)
+  paged: bool = False  # KV cache by the token (vLLM's pages): a row holds its mean length, not
+  #                      its budget, as jaxrl's slots do
+  sampler_bytes: int = 0  # bytes per weight of the sampler's copy (1: fp8); 0: compute dtype
 
   @classmethod
   def from_config(cls, cfg: ExperimentConfig) -> Workload:
@@ -94,6 +97,10 @@ class Workload:
     m = self.model
     heads = 1 if m.tie_embeddings else 2
     return flops.matmul_params(m) + heads * m.vocab_size * m.d_model
+
+  @property
+  def sampler_weight_bytes(self) -> int:
+    return self.sampler_bytes or self.compute_bytes
 
   @property
   def kv_bytes_per_token(self) -> int:
@@ -225,7 +232,7 @@ def generate_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh,
   step_compute = _compute_s(dev, eff, token_flop * concurrent * mesh.data, mesh, eff.decode_mfu,
                             m.d_model, concurrent)
   kv_bytes = concurrent * (p + w.mean_response / 2) * w.kv_bytes_per_token
-  step_bytes = (w.params * w.compute_bytes + kv_bytes) / mesh.tensor
+  step_bytes = (w.params * w.sampler_weight_bytes + kv_bytes) / mesh.tensor
   if dev.shared_compute:
     step_bytes *= mesh.data  # every replica reads through the same memory
   step_memory = step_bytes / (dev.hbm_bytes_per_s * eff.decode_hbm)
@@ -238,7 +245,7 @@ def generate_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh,
 def push_s(w: Workload, dev: DeviceSpec, eff: Efficiency, plan: Plan) -> float:
   """The trainer -> sampler weight copy: in place (colocate) at memory speed, else each trainer
   device sends its shard over the links (fake CPU devices: memory copies in one process)."""
-  nbytes = w.params * w.compute_bytes
+  nbytes = w.params * w.sampler_weight_bytes
   if dev.shared_compute:  # fake devices: one process's copies, at the measured transfer rate
     return nbytes / (dev.link_bytes_per_s * eff.link) + eff.call_overhead_s
   if plan.strategy == "colocate":

@@ -42,13 +42,15 @@ def trainer_bytes(w: Workload, plan: Plan) -> tuple[float, float]:
 
 
 def kv_row_bytes(w: Workload, sampler: Mesh) -> float:
-  """One row's KV cache at its longest (prompt + budget), per device of its tensor group."""
+  """One row's KV cache, per device of its tensor group: at its longest (prompt + budget), or
+  paged, at its mean length."""
   heads = min(sampler.tensor, w.model.n_kv_heads)  # KV heads are replicated beyond that
-  return (w.prompt_len + w.new_tokens) * w.kv_bytes_per_token / heads
+  tokens = w.prompt_len + (w.mean_response if w.paged else w.new_tokens)
+  return tokens * w.kv_bytes_per_token / heads
 
 
 def sampler_weight_bytes(w: Workload, sampler: Mesh) -> float:
-  return w.params * w.compute_bytes / sampler.tensor
+  return w.params * w.sampler_weight_bytes / sampler.tensor
 
 
 def kv_rows(w: Workload, plan: Plan, device_bytes: float) -> float:

@@ -30,10 +30,13 @@ def _powers_of_two(limit: int) -> list[int]:
   return [2 ** i for i in range(limit.bit_length()) if 2 ** i <= limit]
 
 
-def _divides_model(w: Workload, tensor: int, fsdp: int = 1) -> bool:
+def _divides_model(w: Workload, tensor: int, fsdp: int = 1, replicate_kv: bool = False) -> bool:
+  """jaxrl's rules shard heads, KV heads, MLP and vocabulary over `tensor`; `replicate_kv`
+  (simulation only, as vLLM does) copies KV heads to a tensor group larger than their count."""
   m = w.model
-  dims = (m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size)
-  return all(d % tensor == 0 for d in dims) and m.d_model % fsdp == 0
+  kv = m.n_kv_heads % tensor == 0 or (replicate_kv and tensor % m.n_kv_heads == 0)
+  dims = (m.n_heads, m.d_ff, m.vocab_size)
+  return kv and all(d % tensor == 0 for d in dims) and m.d_model % fsdp == 0
 
 
 def _hosts(k: int, dev: DeviceSpec) -> int:
@@ -50,8 +53,11 @@ def _trainer_meshes(devices: int, dev: DeviceSpec, presets_only: bool):
       yield Mesh(data=devices // (tensor * fsdp), fsdp=fsdp, tensor=tensor)
 
 
-def _sampler_meshes(devices: int, dev: DeviceSpec):
-  for tensor in _powers_of_two(min(devices, dev.devices_per_node)):
+def _sampler_meshes(devices: int, dev: DeviceSpec, presets_only: bool):
+  """Tensor parallel inside a host; beyond the presets also over two (a model too large for
+  one host's memory in the compute dtype)."""
+  widest = dev.devices_per_node * (1 if presets_only else 2)
+  for tensor in _powers_of_two(min(devices, widest)):
     yield Mesh(data=devices // tensor, tensor=tensor)
 
 
@@ -73,7 +79,7 @@ def candidates(w: Workload, n: int, dev: DeviceSpec, *, modes=("sync", "async"),
     scorer_size = (n - k) // 2 if strategy == "interleave" else k
     for trainer in _trainer_meshes(k, dev, presets_only):
       scorer = Mesh(fsdp=scorer_size) if strategy == "interleave" else trainer
-      for sampler in _sampler_meshes(ns, dev):
+      for sampler in _sampler_meshes(ns, dev, presets_only):
         for micro in _micro_batches(w, trainer):
           yield Plan(strategy, trainer, sampler, scorer, mode, micro)
 
@@ -91,8 +97,8 @@ def problem(w: Workload, plan: Plan, n: int, dev: DeviceSpec, presets_only: bool
     return "the minibatch does not split over the trainer's batch axes"
   if w.prompts % s.data or w.rows % (r.data * r.fsdp):
     return "the prompts do not split over the sampler's (or scorers') batch axes"
-  if not (_divides_model(w, t.tensor, t.fsdp) and _divides_model(w, s.tensor)
-          and _divides_model(w, r.tensor, r.fsdp)):
+  if not (_divides_model(w, t.tensor, t.fsdp) and _divides_model(w, r.tensor, r.fsdp)
+          and _divides_model(w, s.tensor, replicate_kv=not presets_only)):
     return "a mesh axis does not divide the model's dimensions"
   if presets_only:
     try:
