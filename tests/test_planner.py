@@ -196,3 +196,10 @@ def test_plan_cli_simulates_and_names_bad_devices(capsys):
   assert "16 x H100" in out and out.count(" s  ") == 3
   assert plan_main(["jaxrl-plan", "--device", "h101"]) == 2
   assert "--device: expected one of" in capsys.readouterr().err
+
+
+def test_docs_scaling_tables_are_what_the_simulator_computes():
+  from sharding.planner import scaling
+  with open(scaling.DOC, encoding="utf-8") as f:
+    text = f.read()
+  assert scaling.render(text) == text, "run `python -m sharding.planner.scaling --write`"

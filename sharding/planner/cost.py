@@ -58,6 +58,7 @@ class Workload:
   paged: bool = False  # KV cache by the token (vLLM's pages): a row holds its mean length, not
   #                      its budget, as jaxrl's slots do
   sampler_bytes: int = 0  # bytes per weight of the sampler's copy (1: fp8); 0: compute dtype
+  flash_attention: bool = False  # attention never holds [T, T] probabilities (jaxrl does)
 
   @classmethod
   def from_config(cls, cfg: ExperimentConfig) -> Workload:
@@ -129,10 +130,12 @@ class Plan:
   scorer: Mesh  # reference and reward model (interleave: each on a group of this shape)
   mode: str = "sync"
   micro_batch_size: int = 0
+  remat: bool = False  # the update recomputes each layer in the backward (not in jaxrl yet)
 
   def describe(self) -> str:
     t, s = self.trainer, self.sampler
     mb = f", micro-batch {self.micro_batch_size}" if self.micro_batch_size else ""
+    mb += ", remat" if self.remat else ""
     return (f"{self.strategy} {self.mode}: trainer {t.size} (data {t.data} x fsdp {t.fsdp} x "
             f"tensor {t.tensor}), sampler {s.size} (data {s.data} x tensor {s.tensor}){mb}")
 
@@ -185,7 +188,7 @@ def _piece_rows(w: Workload, mesh: Mesh) -> float:
 
 def forward_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh) -> float:
   """A scoring pass (reference, old log-probs, values) over the step's rows."""
-  flop = flops.forward_flops(w.model, w.rows, w.seq_len, w.mean_response)
+  flop = flops.forward_flops(w.model, w.rows, w.seq_len, w.seq_len - w.prompt_len)
   compute = _compute_s(dev, eff, flop, mesh, eff.forward_mfu, w.model.d_model,
                        _piece_rows(w, mesh))
   comm = _fsdp_s(w, dev, eff, mesh, 1, scatter=False)
@@ -193,10 +196,12 @@ def forward_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh) -> floa
           + _fixed_s(dev, eff, mesh, w.model.n_layers, w.pieces, 1))
 
 
-def update_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh) -> float:
-  """Forward + backward of every piece, then the optimizer reading and writing float32 weights,
-  gradients and two Adam moments (from HBM)."""
-  flop = flops.train_flops(w.model, w.rows, w.seq_len, w.mean_response)
+def update_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh,
+             remat: bool = False) -> float:
+  """Forward + backward of every piece (with `remat`, a second forward), then the optimizer
+  reading and writing float32 weights, gradients and two Adam moments (from HBM)."""
+  flop = (flops.train_flops(w.model, w.rows, w.seq_len, w.seq_len - w.prompt_len)
+          * (4 / 3 if remat else 1))
   compute = _compute_s(dev, eff, flop, mesh, eff.train_mfu, w.model.d_model,
                        _piece_rows(w, mesh))
   comm = _fsdp_s(w, dev, eff, mesh, 2, scatter=True)
@@ -266,8 +271,8 @@ def stage_times(w: Workload, dev: DeviceSpec, eff: Efficiency, plan: Plan,
           "reference": forward_s(w, dev, eff, r) if w.reference else 0.0,
           "old_logprobs": forward_s(w, dev, eff, t) if w.old_pass else 0.0,
           "values": forward_s(w, dev, eff, t) if w.critic else 0.0,
-          "update": update_s(w, dev, eff, t),
-          "critic_update": update_s(w, dev, eff, t) if w.critic else 0.0,
+          "update": update_s(w, dev, eff, t, plan.remat),
+          "critic_update": update_s(w, dev, eff, t, plan.remat) if w.critic else 0.0,
           "weight_push": push_s(w, dev, eff, plan),
           "host": eff.step_overhead_s}
 

@@ -19,15 +19,19 @@ def _shard(w: Workload, mesh: Mesh) -> float:
   return w.params / (mesh.fsdp * mesh.tensor)
 
 
-def activation_bytes(w: Workload, mesh: Mesh, micro_batch_size: int = 0) -> float:
-  """What the update keeps for its backward on one device (no rematerialisation): per layer and
-  token the block's inputs, projections and MLP hidden states, per head the float32 attention
-  probabilities."""
+def activation_bytes(w: Workload, mesh: Mesh, micro_batch_size: int = 0,
+                     remat: bool = False) -> float:
+  """What the update keeps for its backward on one device: per layer and token the block's
+  inputs, projections and MLP hidden states, and (without flash attention) per head the float32
+  attention probabilities; with `remat` only each layer's input, and one layer's worth."""
   m = w.model
   rows = (micro_batch_size or w.rows // w.num_minibatches) / (mesh.data * mesh.fsdp)
-  per_token_layer = (w.compute_bytes * (4 * m.d_model + (m.n_heads + 2 * m.n_kv_heads)
-                                        * m.head_dim / mesh.tensor + 3 * m.d_ff / mesh.tensor)
-                     + 4 * m.n_heads / mesh.tensor * w.seq_len)
+  per_token_layer = w.compute_bytes * (4 * m.d_model + (m.n_heads + 2 * m.n_kv_heads)
+                                       * m.head_dim / mesh.tensor + 3 * m.d_ff / mesh.tensor)
+  if not w.flash_attention:
+    per_token_layer += 4 * m.n_heads / mesh.tensor * w.seq_len
+  if remat:
+    return rows * w.seq_len * (m.n_layers * w.compute_bytes * m.d_model + per_token_layer)
   return rows * w.seq_len * m.n_layers * per_token_layer
 
 
@@ -38,7 +42,8 @@ def trainer_bytes(w: Workload, plan: Plan) -> tuple[float, float]:
   frozen = 0 if plan.strategy == "interleave" else int(w.reference) + int(w.reward_model)
   resident = (12 * trained + 4 * frozen) * _shard(w, t)
   gradients = (8 if plan.micro_batch_size else 4) * trained * _shard(w, t)
-  return resident, resident + gradients + activation_bytes(w, t, plan.micro_batch_size)
+  return resident, resident + gradients + activation_bytes(w, t, plan.micro_batch_size,
+                                                          plan.remat)
 
 
 def kv_row_bytes(w: Workload, sampler: Mesh) -> float:

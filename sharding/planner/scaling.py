@@ -17,8 +17,9 @@ import os
 import re
 
 from jaxrl.models.llama import ModelConfig
-from sharding.planner.cost import Workload
+from sharding.planner.cost import Workload, stage_times, step_time
 from sharding.planner.devices import DEVICES, Efficiency
+from sharding.planner.memory import kv_rows
 from sharding.planner.search import Ranked, search
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "scaling.md")
@@ -44,8 +45,10 @@ LLAMARL = "LlamaRL (Meta, arXiv 2505.24034), as quoted in this project's issue 1
 # 512 per optimizer step (4 minibatches, so old log-probs need their own pass), a KL reference,
 # sequences of 1,060 tokens on average and at most 4,096. The prompt length is not published:
 # 128 tokens is our assumption. A modern engine: in-flight (continuous) batching with a paged
-# KV cache, and training on packed sequences (no padding).
-ENGINE = dict(inflight=True, paged=True, packed=True)
+# KV cache, training on packed sequences (no padding) with flash attention (both systems
+# compared here run on such kernels; added after the first run of this file found that, at
+# 3,000-token sequences, [T, T] attention probabilities leave no plan that fits).
+ENGINE = dict(inflight=True, paged=True, packed=True, flash_attention=True)
 MATH_8B = dict(prompts=64, group_size=32, prompt_len=128, new_tokens=4096 - 128,
                mean_new_tokens=1060 - 128, num_minibatches=4, old_pass=True, reference=True,
                **ENGINE)
@@ -101,3 +104,115 @@ def best(setting: Setting, column: str) -> Ranked | None:
                   top=None)
   ranked = [r for r in ranked if strategy is None or r.plan.strategy == strategy]
   return ranked[0] if ranked else None
+
+
+def _md(header: list[str], rows: list[list]) -> list[str]:
+  out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def inputs_block() -> list[str]:
+  """Devices, efficiency factors, models and workloads: every number the predictions use."""
+  devices = sorted({s.device for s in SETTINGS})
+  out = _md(["device", "bf16 TFLOP/s", "HBM TB/s", "memory GB", "link GB/s (one way)",
+             "network GB/s", "per node", "source"],
+            [[DEVICES[d].name, f"{DEVICES[d].matmul_flops / 1e12:.0f}",
+              f"{DEVICES[d].hbm_bytes_per_s / 1e12:.2f}", f"{DEVICES[d].memory_bytes / 1e9:.0f}",
+              f"{DEVICES[d].link_bytes_per_s / 1e9:.0f}",
+              f"{DEVICES[d].network_bytes_per_s / 1e9:.0f}", DEVICES[d].devices_per_node,
+              DEVICES[d].source] for d in devices])
+  eff = dataclasses.asdict(Efficiency())
+  out += [""] + _md(["efficiency factor", "value"], [[k, f"{v:g}"] for k, v in eff.items()])
+  out += [""] + _md(["model", "parameters", "layers", "d_model", "heads / KV heads", "MLP",
+                     "vocabulary"],
+                    [[name, f"{Workload(m, 1, 1, 1, 1).params / 1e9:.2f}B", m.n_layers,
+                      m.d_model, f"{m.n_heads} / {m.n_kv_heads}", m.d_ff, m.vocab_size]
+                     for name, m in MODELS.items() if any(s.model == name for s in SETTINGS)])
+  rows = []
+  for s in SETTINGS:
+    w = s.build()
+    engine = ", ".join(k for k in ("inflight", "paged", "packed", "flash_attention")
+                       if getattr(w, k)) or "static"
+    rows.append([s.name, f"{w.prompts} x {w.group_size}", w.prompt_len, w.new_tokens,
+                 f"{w.mean_response:g}", w.num_minibatches, engine, s.source])
+  out += [""] + _md(["setting", "prompts x samples", "prompt tokens", "response budget",
+                     "mean response", "minibatches", "engine", "source"], rows)
+  return out
+
+
+def _cell(r: Ranked | None) -> str:
+  return "does not fit" if r is None else f"{r.step_s:.1f}"
+
+
+def implied_scale(setting: Setting, column: str, plan) -> float | None:
+  """The factor on both response lengths (budget and mean) at which `plan` would take the
+  published time: what the published number implies about the workload, under this model."""
+  target, dev = setting.published[column], DEVICES[setting.device]
+
+  def predicted(f: float) -> float:
+    w = setting.build()
+    w = dataclasses.replace(w, new_tokens=max(1, round(w.new_tokens * f)),
+                            mean_new_tokens=w.mean_response * f)
+    rows = kv_rows(w, plan, dev.memory_bytes)
+    return step_time(stage_times(w, dev, Efficiency(), plan, rows), plan, dev, Efficiency())
+
+  lo, hi = 1 / 64, 8.0
+  if not predicted(lo) <= target <= predicted(hi):
+    return None
+  for _ in range(40):
+    mid = (lo * hi) ** 0.5
+    lo, hi = (mid, hi) if predicted(mid) < target else (lo, mid)
+  return lo
+
+
+def results_block() -> list[str]:
+  """Predicted against published step times, with the plan behind each prediction, and the
+  response lengths at which that plan would take the published time."""
+  rows, plans = [], []
+  for s in SETTINGS:
+    for column in ("sync", "async"):
+      r = best(s, column)
+      published = s.published.get(column)
+      error = implied = ""
+      if r is not None and published is not None:
+        error = f"{r.step_s / published - 1:+.0%}"
+        f = implied_scale(s, column, r.plan)
+        implied = "out of range" if f is None else f"x{f:.2f}"
+      rows.append([s.name, column, published or "-", _cell(r), error, implied,
+                   "" if r is None else r.plan.describe()])
+    r = best(s, "plan")
+    plans.append([s.name, _cell(r), "" if r is None else r.plan.describe(),
+                  "" if r is None else r.reason])
+  out = _md(["setting", "column", "published s", "predicted s", "error",
+             "responses that match", "plan"], rows)
+  return out + [""] + _md(["setting", "planner's choice: s", "plan", "why"], plans)
+
+
+BLOCKS = {"inputs": inputs_block, "results": results_block}
+
+
+def render(text: str) -> str:
+  """`text` with every generated block replaced by what the code computes now."""
+  for name, fn in BLOCKS.items():
+    pattern = re.compile(rf"(<!-- BEGIN {name} -->\n).*?(<!-- END {name} -->)", re.S)
+    if not pattern.search(text):
+      raise ValueError(f"{DOC}: no '<!-- BEGIN {name} -->' ... '<!-- END {name} -->' block")
+    text = pattern.sub(lambda m, fn=fn: m.group(1) + "\n".join(fn()) + "\n" + m.group(2), text)
+  return text
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--write", action="store_true", help=f"rewrite the blocks of {DOC}")
+  args = parser.parse_args(argv)
+  for name, fn in BLOCKS.items():
+    print(f"## {name}\n" + "\n".join(fn()) + "\n")
+  if args.write:
+    with open(DOC, encoding="utf-8") as f:
+      text = f.read()
+    with open(DOC, "w", encoding="utf-8") as f:
+      f.write(render(text))
+
+
+if __name__ == "__main__":
+  main()

@@ -71,6 +71,7 @@ def candidates(w: Workload, n: int, dev: DeviceSpec, *, modes=("sync", "async"),
                presets_only: bool = True):
   """Every plan for `n` devices of kind `dev` (not yet checked against memory or batch sizes)."""
   layouts = [("colocate", n, n)]
+  remats = (False,) if presets_only else (False, True)  # jaxrl's update does not remat yet
   for k in _splits(n, dev):
     layouts += [("separate", k, n - k), ("interleave", k, k)]
   for (strategy, k, ns), mode in itertools.product(layouts, modes):
@@ -80,8 +81,8 @@ def candidates(w: Workload, n: int, dev: DeviceSpec, *, modes=("sync", "async"),
     for trainer in _trainer_meshes(k, dev, presets_only):
       scorer = Mesh(fsdp=scorer_size) if strategy == "interleave" else trainer
       for sampler in _sampler_meshes(ns, dev, presets_only):
-        for micro in _micro_batches(w, trainer):
-          yield Plan(strategy, trainer, sampler, scorer, mode, micro)
+        for micro, remat in itertools.product(_micro_batches(w, trainer), remats):
+          yield Plan(strategy, trainer, sampler, scorer, mode, micro, remat)
 
 
 def _micro_batches(w: Workload, trainer: Mesh) -> list[int]:
