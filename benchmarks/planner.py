@@ -105,7 +105,7 @@ def _resolved(strategy: str, cal_path: str):
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", action="store_true")
-  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--steps", type=int, default=8)
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--rounds", type=int, default=3, help="turns of the default-plan runs")
   add_host_flags(parser)

@@ -24,7 +24,7 @@ from sharding.planner.memory import kv_rows
 TRACE_STAGES = {"generate": ("generate",), "score": ("reward",), "ref logprobs": ("reference",),
                 "old logprobs": ("old_logprobs",), "values": ("values",),
                 "update": ("update", "critic_update"), "reshard": ("weight_push",),
-                "push": ("weight_push",)}
+                "push": ("weight_push",), "host": ("host",)}
 FIT_FIELDS = ("train_mfu", "forward_mfu", "prefill_mfu", "decode_mfu", "call_overhead_s",
               "layer_overhead_s", "decode_step_overhead_s", "step_overhead_s", "matmul_half_dim",
               "matmul_half_rows", "collective_latency_s", "shared_overlap", "link")
@@ -97,6 +97,23 @@ def alone(events: list[dict]) -> list[dict]:
   return [e for e in events if e["name"] == "score" or not overlapped(e)]
 
 
+def host_seconds(events: list[dict], step_times: list[float]) -> list[float]:
+  """Per step of a sync run, the time no executor was busy: the step's wall time minus the
+  union of its calls (a step starts with its `generate` call)."""
+  events = sorted(events, key=lambda e: e["ts"])
+  starts = [i for i, e in enumerate(events) if e["name"] == "generate"] + [len(events)]
+  out = []
+  for step, (a, b) in enumerate(zip(starts, starts[1:])):
+    busy, end = 0.0, -float("inf")
+    for e in events[a:b]:
+      start, stop = max(e["ts"], end), e["ts"] + e["dur"]
+      busy += max(0.0, stop - start)
+      end = max(end, stop)
+    if step < len(step_times):
+      out.append(step_times[step] - busy / 1e6)
+  return out
+
+
 def _mean_after(values: list[float | None], skip: int) -> float | None:
   """The median of `values` after the first `skip` (None: not measured)."""
   kept = [v for v in values[skip:] if v is not None]
@@ -122,6 +139,10 @@ def samples_from_run(run_dir: str, dev: DeviceSpec, n_devices: int | None = None
     return out
   with open(os.path.join(run_dir, "trace.json"), encoding="utf-8") as f:
     events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+  host = _mean_after(host_seconds(events, [r["step_time"] for r in rows if "step_time" in r]),
+                     skip)
+  if host is not None and host > 0:
+    out.append(Sample(workload, plan, "host", host, n))
   solo = {id(e) for e in alone(events)}
   by_label: dict[str, list[dict]] = {}
   for e in events:

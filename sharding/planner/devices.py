@@ -107,10 +107,11 @@ class Efficiency:
   shared_overlap: float = 0.0
 
 
-# The 2-core dev machine (fake CPU devices), fitted by `jaxrl-plan --calibrate` there; the prior
-# of a CPU calibration and the factors `strategy=plan` uses on a CPU without one.
-CPU_EFFICIENCY = Efficiency(train_mfu=0.5, forward_mfu=0.5, prefill_mfu=0.4, decode_mfu=0.3,
-                            decode_hbm=0.7, link=0.5, call_overhead_s=2e-3, layer_overhead_s=2e-4,
-                            decode_step_overhead_s=1e-3, step_overhead_s=0.01,
-                            matmul_half_dim=128.0, matmul_half_rows=64.0,
-                            collective_latency_s=1e-5, shared_overlap=0.5)
+# The 2-core dev machine (fake CPU devices), fitted by `jaxrl-plan --calibrate` there (rounded;
+# docs/planner.md); the prior of a CPU calibration and the factors `strategy=plan` uses on a CPU
+# without one.
+CPU_EFFICIENCY = Efficiency(train_mfu=0.7, forward_mfu=0.8, prefill_mfu=0.9, decode_mfu=0.9,
+                            decode_hbm=0.7, link=0.5, call_overhead_s=2.5e-3,
+                            layer_overhead_s=1e-4, decode_step_overhead_s=2e-4,
+                            step_overhead_s=7e-3, matmul_half_dim=80.0, matmul_half_rows=13.0,
+                            collective_latency_s=1e-5, shared_overlap=0.9)
