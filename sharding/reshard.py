@@ -66,25 +66,34 @@ def put(x: jax.Array, target, may_alias: bool = False) -> jax.Array:
 
 
 def reshard(tree, target_shardings, *, bucket_bytes: int = 256 << 20, donate: bool = False,
-            on_bucket: Callable[[int], None] | None = None):
+            on_bucket: Callable[[int], None] | None = None, dtypes=None):
   """Returns (tree in the target layout, TransferStats). `target_shardings` mirrors `tree`
   (or is a prefix of it); `on_bucket(i)` runs when bucket i has landed, before its sources are
-  freed (the moment of peak memory)."""
+  freed (the moment of peak memory). `dtypes` (a tree like `target_shardings`; None leaves:
+  unchanged) casts leaves on their source devices before they move, a bucket at a time: the
+  sampler's compute-dtype copy of float32 weights moves and holds half the bytes in bf16."""
   leaves, treedef = jax.tree.flatten(tree)
   targets = treedef.flatten_up_to(target_shardings)
-  sizes = [x.nbytes for x in leaves]
+  casts = ([None] * len(leaves) if dtypes is None else
+           treedef.flatten_up_to(dtypes))
+  sizes = [x.size * np.dtype(c or x.dtype).itemsize for x, c in zip(leaves, casts)]
   buckets = plan_buckets(sizes, bucket_bytes)
   out = [None] * len(leaves)
   t0 = time.perf_counter()
   for b, idx in enumerate(buckets):
+    sources = [leaves[i] if casts[i] in (None, leaves[i].dtype) else leaves[i].astype(casts[i])
+               for i in idx]
     # Without donation the result never aliases the source, even where the layouts match (one
     # device): the caller keeps the source, and the trainer donates it to its next update.
-    moved = [put(leaves[i], targets[i], may_alias=donate) for i in idx]
+    moved = [put(x, targets[i], may_alias=donate or x is not leaves[i])
+             for i, x in zip(idx, sources)]
     jax.block_until_ready(moved)
     if on_bucket is not None:
       on_bucket(b)
-    for i, x in zip(idx, moved):
+    for i, x, src in zip(idx, moved, sources):
       out[i] = x
+      if src is not leaves[i] and x is not src:
+        src.delete()  # the cast's temporary
       if donate and x is not leaves[i] and not leaves[i].is_deleted():
         leaves[i].delete()
   seconds = time.perf_counter() - t0

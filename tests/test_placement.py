@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +101,34 @@ def test_bucket_cap_bounds_live_memory_when_donating():
   assert max(extra) <= r * cap < total
   assert all(x.is_deleted() for x in jax.tree.leaves(state))
   assert all(not x.is_deleted() for x in jax.tree.leaves(moved))
+
+
+@pytest.mark.parametrize("tie,scale", [(True, True), (True, False), (False, True)])
+def test_the_samplers_compute_dtype_copy_decodes_as_the_float32_weights(tie, scale):
+  """A bf16 model's sampler copy holds its matrices in bf16 (half the bytes moved and held),
+  and decodes to the same tokens and log-probs, bit for bit, as its float32 weights."""
+  from jaxrl.models.decode import LMDecoding
+  from sampler.engine import generate
+  from sampler.methods import SamplingConfig
+  cfg = dataclasses.replace(CFG, d_model=80, dtype="bfloat16", tie_embeddings=tie,
+                            scale_tied_head=scale)  # 80**-0.5 rounds in bf16
+  placement = make_placement("separate", 8, train_devices=4, sampler_tensor=2)
+  graphdef, state, _ = init_sharded(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)), TRAIN_RULES,
+                                    placement.mesh("actor"))
+  target = param_shardings(state, SAMPLER_RULES, placement.mesh("sampler"))
+  plain, plain_stats = reshard(state, target)
+  cast, cast_stats = reshard(state, target, dtypes=LMDecoding.stored_dtypes(cfg, state))
+  kept = {x.dtype for x in jax.tree.leaves(cast) if x.ndim == 1}
+  assert kept == {np.dtype("float32")}  # norm scales (and biases) stay float32
+  assert np.dtype(jnp.bfloat16) in {x.dtype for x in jax.tree.leaves(cast)}
+  assert cast_stats.bytes < 0.65 * plain_stats.bytes
+  sampling = SamplingConfig(max_new_tokens=6, eos_id=-1, pad_id=0, method="temperature")
+  fn = jax.jit(lambda p, t, v, k: generate(graphdef, p, t, v, k, cfg=sampling, n=2))
+  tokens = jnp.tile(jnp.arange(1, 9, dtype=jnp.int32), (4, 1))
+  valid = jnp.ones((4, 8), bool)
+  a, b = fn(plain, tokens, valid, jax.random.key(1)), fn(cast, tokens, valid, jax.random.key(1))
+  np.testing.assert_array_equal(a.tokens_BT, b.tokens_BT)
+  np.testing.assert_array_equal(a.logprobs_BN, b.logprobs_BN)
 
 
 def test_reshard_into_the_same_layout_copies_unless_donating():

@@ -14,6 +14,7 @@ from flax import nnx
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.models.heads import RewardModel, ValueModel
 from jaxrl.models.hf import HFError, load_params
+from jaxrl.models.decode import LMDecoding
 from jaxrl.models.llama import LanguageModel
 from sharding.placement import ROLES, PlacementError, host_major_devices, make_placement
 from sharding.reshard import TransferStats, reshard
@@ -93,9 +94,12 @@ class RoleCluster:
     return self.roles.get(name)
 
   def sampler_copy(self) -> tuple[nnx.State, TransferStats]:
-    """The actor's current weights resharded into the sampler's layout (bucketed, timed)."""
-    with allowed("weights", self.actor.params):  # see train/transfers.py
-      return reshard(self.actor.params, self.sampler_shardings,
+    """The actor's current weights resharded into the sampler's layout (bucketed, timed), its
+    matrices already in the compute dtype the sampler decodes in."""
+    params = self.actor.params
+    dtypes = LMDecoding.stored_dtypes(self.cfg.model, params)
+    with allowed("weights", params):  # see train/transfers.py
+      return reshard(params, self.sampler_shardings, dtypes=dtypes,
                      bucket_bytes=self.cfg.placement.reshard_bucket_mb << 20)
 
   def push(self) -> TransferStats:
