@@ -123,6 +123,8 @@ def test_step_critical_path_and_memory():
   sync = Plan("separate", m, m, m)
   assert step_time(times, sync, UNIT, IDEAL) == pytest.approx(11.5)
   assert step_time(times, dataclasses.replace(sync, mode="async"), UNIT, IDEAL) == 6.5
+  no_lag = dataclasses.replace(sync, mode="async", staleness=0)  # waits for every update
+  assert step_time(times, no_lag, UNIT, IDEAL) == pytest.approx(11.5)
   assert step_time(times, dataclasses.replace(sync, strategy="interleave"), UNIT, IDEAL) == 10.5
   cpu = DEVICES["cpu"]  # shared cores: async does not overlap generation with training
   assert step_time(times, dataclasses.replace(sync, mode="async"), cpu, IDEAL) == 11.5

@@ -131,6 +131,7 @@ class Plan:
   mode: str = "sync"
   micro_batch_size: int = 0
   remat: bool = False  # the update recomputes each layer in the backward (not in jaxrl yet)
+  staleness: int = 1  # async: versions a batch may lag (rl.max_staleness); 0 overlaps nothing
 
   def describe(self) -> str:
     t, s = self.trainer, self.sampler
@@ -292,9 +293,10 @@ def scoring_s(times: dict[str, float], plan: Plan, dev: DeviceSpec, eff: Efficie
 
 def step_time(times: dict[str, float], plan: Plan, dev: DeviceSpec, eff: Efficiency) -> float:
   """The critical path: generate, score, update, push, in turn; async overlaps generating the
-  next batch with the rest (LlamaRL), except on a CPU, where every fake device shares the cores."""
+  next batch with the rest (LlamaRL: one version of staleness is enough for that), except on a
+  CPU, where every fake device shares the cores."""
   train = (scoring_s(times, plan, dev, eff) + times["update"] + times["critic_update"]
            + times["weight_push"])
-  if plan.mode == "async" and not dev.shared_compute:
+  if plan.mode == "async" and plan.staleness > 0 and not dev.shared_compute:
     return max(times["generate"], train) + times["host"]
   return times["generate"] + train + times["host"]

@@ -54,7 +54,7 @@ def choose(cfg: ExperimentConfig, devices, hosts: int = 1) -> tuple[ExperimentCo
   cal = calibration_for(cfg, devices[0], len(devices) // hosts)
   workload = Workload.from_config(cfg)
   ranked = search(workload, len(devices), cal.device, cal.efficiency, modes=(cfg.rl.mode,),
-                  top=None)
+                  top=None, staleness=cfg.rl.max_staleness)
   if cfg.rl.micro_batch_size:
     ranked = [r for r in ranked if r.plan.micro_batch_size == cfg.rl.micro_batch_size]
   if not ranked:

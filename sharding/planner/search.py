@@ -68,7 +68,7 @@ def _splits(n: int, dev: DeviceSpec) -> list[int]:
 
 
 def candidates(w: Workload, n: int, dev: DeviceSpec, *, modes=("sync", "async"),
-               presets_only: bool = True):
+               presets_only: bool = True, staleness: int = 1):
   """Every plan for `n` devices of kind `dev` (not yet checked against memory or batch sizes)."""
   layouts = [("colocate", n, n)]
   remats = (False,) if presets_only else (False, True)  # jaxrl's update does not remat yet
@@ -82,7 +82,7 @@ def candidates(w: Workload, n: int, dev: DeviceSpec, *, modes=("sync", "async"),
       scorer = Mesh(fsdp=scorer_size) if strategy == "interleave" else trainer
       for sampler in _sampler_meshes(ns, dev, presets_only):
         for micro, remat in itertools.product(_micro_batches(w, trainer), remats):
-          yield Plan(strategy, trainer, sampler, scorer, mode, micro, remat)
+          yield Plan(strategy, trainer, sampler, scorer, mode, micro, remat, staleness)
 
 
 def _micro_batches(w: Workload, trainer: Mesh) -> list[int]:
@@ -123,12 +123,14 @@ def _reason(stages: dict, peak: float, rows: float, w: Workload, plan: Plan,
 
 
 def search(w: Workload, n: int, dev: DeviceSpec, eff: Efficiency, *, modes=("sync", "async"),
-           presets_only: bool = True, top: int | None = 10) -> list[Ranked]:
-  """The `top` (None: all) fastest plans that fit in memory, fastest first. On fake CPU devices
-  memory is one pool: all devices' bytes together must fit it."""
+           presets_only: bool = True, top: int | None = 10, staleness: int = 1) -> list[Ranked]:
+  """The `top` (None: all) fastest plans that fit in memory, fastest first; async plans lag
+  by up to `staleness` versions. On fake CPU devices memory is one pool: all devices' bytes
+  together must fit it."""
   ranked = []
   per_device = dev.memory_bytes / n if dev.shared_compute else dev.memory_bytes
-  for plan in candidates(w, n, dev, modes=modes, presets_only=presets_only):
+  for plan in candidates(w, n, dev, modes=modes, presets_only=presets_only,
+                         staleness=staleness):
     if problem(w, plan, n, dev, presets_only):
       continue
     rows = kv_rows(w, plan, per_device)
