@@ -75,11 +75,12 @@ def _table(cfg, args) -> list[str]:
   import jax
   from sharding.planner.calibrate import Calibration
   from sharding.planner.cost import Workload
-  from sharding.planner.devices import DEVICES, Efficiency
+  from sharding.planner.devices import CPU_EFFICIENCY, DEVICES, Efficiency
   from sharding.planner.plan import calibration_for
   from sharding.planner.search import search
   if args.device:
-    cal = Calibration(DEVICES[args.device], Efficiency())
+    cal = Calibration(DEVICES[args.device],
+                      CPU_EFFICIENCY if args.device == "cpu" else Efficiency())
   else:
     cal = calibration_for(cfg, jax.devices()[0], jax.local_device_count())
   if args.calibration:
