@@ -23,10 +23,10 @@ import numpy as np
 from benchmarks.common import add_host_flags, emit, setup_host
 from sharding.host import force_cpu_devices
 
+from train.plan_cli import MEDIUM_MODEL as MEDIUM, SHORT_RL as BATCH
+
 SMALL = {}  # the default experiment's model: d_model 128, 2 layers
-MEDIUM = dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024)
 LARGE = dict(d_model=384, n_layers=6, n_heads=6, n_kv_heads=2, head_dim=64, d_ff=1536)
-BATCH = {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 16, "num_minibatches": 1}
 
 
 def _config(model: dict, strategy: str, mode: str = "sync") -> dict:
@@ -34,7 +34,8 @@ def _config(model: dict, strategy: str, mode: str = "sync") -> dict:
 
 
 # Other sizes, placements and modes than train/plan_cli.CALIBRATION_RUNS (small colocate sync,
-# medium separate and interleave sync), which the factors are fitted to.
+# medium separate and interleave sync, the default experiment separate), which the factors are
+# fitted to.
 CONFIGS = {"small interleave sync": _config(SMALL, "interleave"),
            "small separate async": _config(SMALL, "separate", "async"),
            "medium colocate sync": _config(MEDIUM, "colocate"),

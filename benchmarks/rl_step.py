@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import resource
-import tempfile
 import time
 
 from benchmarks.common import add_host_flags, emit, matmul_flops_per_s, setup_host
@@ -59,16 +58,9 @@ WORKLOADS = {
 
 
 def build_config(workload: Workload, steps: int, **rl) -> dict:
-  from jaxrl.config import ExperimentConfig, to_dict
-  raw = to_dict(ExperimentConfig())
-  for section, fields in workload.overrides.items():
-    raw[section].update(fields)
-  raw.update(run_dir=tempfile.mkdtemp(prefix="jaxrl-bench-"), progress=False,
-             checkpoint_every=10**6, checkpoint_minutes=0.0)
-  raw["eval"]["every"] = 10**6
-  raw["task"]["n_heldout"] = 32
-  # One step more than timed, so the timed ones end before the stage's final evaluation.
-  raw["rl"].update(steps=steps + 1, **rl)
+  from train.plan_cli import bench_config
+  raw = bench_config(workload.overrides, steps)
+  raw["rl"].update(rl)
   return raw
 
 

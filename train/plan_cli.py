@@ -21,12 +21,12 @@ from train.main import fail, parse_args, UsageError
 # Short runs the calibration fits to, in sync mode (each stage's time is its own): the default
 # model and a 4-layer d_model-256 one on 64 rows, in each placement, and the default experiment
 # itself (512 rows in 2 minibatches: the old-log-prob pass runs beside the reference's).
-_RL = {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 16, "num_minibatches": 1}
-_MEDIUM = dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024)
+SHORT_RL = {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 16, "num_minibatches": 1}
+MEDIUM_MODEL = dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024)
 CALIBRATION_RUNS = (
-    {"rl": _RL, "placement": {"strategy": "colocate"}},
-    {"model": _MEDIUM, "rl": _RL, "placement": {"strategy": "separate"}},
-    {"model": _MEDIUM, "rl": _RL, "placement": {"strategy": "interleave"}},
+    {"rl": SHORT_RL, "placement": {"strategy": "colocate"}},
+    {"model": MEDIUM_MODEL, "rl": SHORT_RL, "placement": {"strategy": "separate"}},
+    {"model": MEDIUM_MODEL, "rl": SHORT_RL, "placement": {"strategy": "interleave"}},
     {"placement": {"strategy": "separate"}},
 )
 
@@ -47,7 +47,7 @@ def bench_config(overrides: dict, steps: int) -> dict:
   raw = to_dict(ExperimentConfig())
   for section, fields in overrides.items():
     raw[section].update(fields)
-  raw.update(run_dir=tempfile.mkdtemp(prefix="jaxrl-plan-"), progress=False,
+  raw.update(run_dir=tempfile.mkdtemp(prefix="jaxrl-bench-"), progress=False,
              checkpoint_every=10**6, checkpoint_minutes=0.0)
   raw["eval"]["every"] = 10**6
   raw["task"]["n_heldout"] = 32
@@ -75,12 +75,10 @@ def _table(cfg, args) -> list[str]:
   import jax
   from sharding.planner.calibrate import Calibration
   from sharding.planner.cost import Workload
-  from sharding.planner.devices import CPU_EFFICIENCY, DEVICES, Efficiency
-  from sharding.planner.plan import calibration_for
+  from sharding.planner.plan import builtin_calibration, calibration_for
   from sharding.planner.search import search
   if args.device:
-    cal = Calibration(DEVICES[args.device],
-                      CPU_EFFICIENCY if args.device == "cpu" else Efficiency())
+    cal = builtin_calibration(args.device)
   else:
     cal = calibration_for(cfg, jax.devices()[0], jax.local_device_count())
   if args.calibration:

@@ -31,6 +31,12 @@ def device_key(device) -> str:
   return next((key for sub, key in DEVICE_KINDS if sub in kind), "")
 
 
+def builtin_calibration(key: str) -> Calibration:
+  """A DEVICES entry with its default factors: fitted on this project's CPU, public figures
+  for accelerators (sharding/planner/devices.py)."""
+  return Calibration(DEVICES[key], CPU_EFFICIENCY if key == "cpu" else Efficiency())
+
+
 def calibration_for(cfg: ExperimentConfig, device, local_devices: int) -> Calibration:
   path = cfg.placement.calibration
   if path:
@@ -44,7 +50,7 @@ def calibration_for(cfg: ExperimentConfig, device, local_devices: int) -> Calibr
       raise ConfigError(
           f"config.placement.strategy: 'plan' has no device table for {device.device_kind!r}; "
           f"write one with `jaxrl-plan --calibrate FILE` and set placement.calibration=FILE")
-    cal = Calibration(DEVICES[key], CPU_EFFICIENCY if key == "cpu" else Efficiency())
+    cal = builtin_calibration(key)
   return dataclasses.replace(cal, device=dataclasses.replace(cal.device,
                                                              devices_per_node=local_devices))
 

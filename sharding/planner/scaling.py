@@ -95,15 +95,17 @@ SETTINGS = (
 COLUMNS = {"sync": ("colocate", "sync"), "async": ("separate", "async"), "plan": (None, None)}
 
 
-def best(setting: Setting, column: str) -> Ranked | None:
-  """The fastest plan of a column (None when nothing fits)."""
+def ranked(setting: Setting) -> list[Ranked]:
+  """Every plan that fits, fastest first, beyond what the presets build."""
+  return search(setting.build(), setting.devices, DEVICES[setting.device], Efficiency(),
+                presets_only=False, top=None)
+
+
+def best(plans: list[Ranked], column: str) -> Ranked | None:
+  """The fastest of `plans` in a column (None when nothing fits)."""
   strategy, mode = COLUMNS[column]
-  w, dev = setting.build(), DEVICES[setting.device]
-  modes = (mode,) if mode else ("sync", "async")
-  ranked = search(w, setting.devices, dev, Efficiency(), modes=modes, presets_only=False,
-                  top=None)
-  ranked = [r for r in ranked if strategy is None or r.plan.strategy == strategy]
-  return ranked[0] if ranked else None
+  return next((r for r in plans if strategy in (None, r.plan.strategy)
+               and mode in (None, r.plan.mode)), None)
 
 
 def _md(header: list[str], rows: list[list]) -> list[str]:
@@ -170,8 +172,9 @@ def results_block() -> list[str]:
   response lengths at which that plan would take the published time."""
   rows, plans = [], []
   for s in SETTINGS:
+    options = ranked(s)
     for column in ("sync", "async"):
-      r = best(s, column)
+      r = best(options, column)
       published = s.published.get(column)
       error = implied = ""
       if r is not None and published is not None:
@@ -180,7 +183,7 @@ def results_block() -> list[str]:
         implied = "out of range" if f is None else f"x{f:.2f}"
       rows.append([s.name, column, published or "-", _cell(r), error, implied,
                    "" if r is None else r.plan.describe()])
-    r = best(s, "plan")
+    r = best(options, "plan")
     plans.append([s.name, _cell(r), "" if r is None else r.plan.describe(),
                   "" if r is None else r.reason])
   out = _md(["setting", "column", "published s", "predicted s", "error",
