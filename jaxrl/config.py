@@ -91,7 +91,8 @@ class DataConfig:
   chat: bool = False  # render prompts with the tokenizer's chat template
   system_prompt: str = ""  # with chat: a system message first
   tokenizer_path: str = ""  # empty: model.hf_path's tokenizer when set, else the byte tokenizer
-  max_prompt_tokens: int = 12  # prompts are left-padded to this; longer ones are bad rows
+  # Longer prompts are bad rows; RL batches are padded to their bucket (rl.length_buckets).
+  max_prompt_tokens: int = 12
   on_bad_row: str = "skip"  # skip (and count in the metrics) | error (stop, naming file and row)
 
   def __post_init__(self):
@@ -209,6 +210,11 @@ class RLConfig:
   top_k: int = 0
   max_grad_norm: float = 1.0
   max_new_tokens: int = 8  # generation budget per completion (SFT targets must fit it too)
+  # Prompt batches are left-padded only to the bucket of their longest prompt, and a rollout's
+  # completion slots trimmed to the bucket of its longest response, before scoring and the
+  # update: at most this many lengths each (multiples of max(8, maximum / length_buckets)), so
+  # each program compiles for a few shapes. 0: always pad to max_prompt_tokens/max_new_tokens.
+  length_buckets: int = 8
   # 0: generation decodes each prompt batch as one static batch until its longest row ends;
   # > 0: in-flight batching (sampler/inflight.py) in this many row slots, each refilled with the
   # next row as its row finishes (a multiple of the sampler's data shards). Pays off when
@@ -228,7 +234,7 @@ class RLConfig:
     if ":" not in self.verifier:
       _choice(self, "verifier", VERIFIERS)
     _at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap",
-                   "inflight_slots", "micro_batch_size")
+                   "inflight_slots", "micro_batch_size", "length_buckets")
     _unit(self, "gamma", "lam")
     minibatch = self.rollouts // self.num_minibatches
     if self.micro_batch_size and minibatch % self.micro_batch_size:

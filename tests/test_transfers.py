@@ -29,6 +29,6 @@ def test_rl_step_has_no_hidden_host_round_trip(tmp_path):
         jax.config.update(name, value)
     rollouts, new_tokens = 8 * 2, exp.ctx.task.max_new_tokens
   assert row["step"] == 2 and np.isfinite(row["loss"])
-  assert set(RECORD) == {"prompts", "completions", "rewards", "metrics", "weights"}
+  assert set(RECORD) == {"prompts", "lengths", "completions", "rewards", "metrics", "weights"}
   assert RECORD["completions"] == rollouts * new_tokens * 4  # int32 token ids, nothing else
-  assert RECORD["rewards"] == rollouts * 4
+  assert RECORD["lengths"] == RECORD["rewards"] == rollouts * 4  # one int32 / float32 per row

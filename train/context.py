@@ -37,7 +37,8 @@ class TaskData:
   train: list[Example]
   heldout: list[Example]
   enc: Encoding  # prompt and target token ids
-  prompt_len: int  # data.max_prompt_tokens: prompts are left-padded to it
+  prompt_len: int  # data.max_prompt_tokens: prompt batches are left-padded to a bucket of it
+  buckets: int  # rl.length_buckets
   max_new_tokens: int  # rl.max_new_tokens
   reward: Reward  # rl.verifier: a verifier, or a user function of the rows' fields
   verifier: Callable[[str, str], float]  # one completion against one reference answer
@@ -131,10 +132,11 @@ def load_task(cfg: ExperimentConfig, tok: Tokenizer) -> TaskData:
     (train, heldout), skipped = _synthetic(cfg, enc), {}
   reward, verifier = make_reward(cfg.rl.verifier)
   p_len = cfg.data.max_prompt_tokens
-  return TaskData(train=train, heldout=heldout, enc=enc, prompt_len=p_len,
+  buckets = cfg.rl.length_buckets
+  return TaskData(train=train, heldout=heldout, enc=enc, prompt_len=p_len, buckets=buckets,
                   max_new_tokens=cfg.rl.max_new_tokens, reward=reward, verifier=verifier,
                   prompts=prompt_dataset(train, enc, batch_size=cfg.rl.prompts_per_step,
-                                         length=p_len, seed=cfg.seed + 1),
+                                         length=p_len, seed=cfg.seed + 1, buckets=buckets),
                   skipped=skipped)
 
 
@@ -173,7 +175,7 @@ class RunContext:
     examples = self.task.heldout if examples is None else examples
     params, correct = self.cluster.fresh_sampler_params(), 0.0
     for chunk, n in chunks(examples, self.cfg.eval.batch_size):
-      batch = prompt_batch(chunk, self.task.enc, self.task.prompt_len)
+      batch = prompt_batch(chunk, self.task.enc, self.task.prompt_len, self.task.buckets)
       texts = self.texts(self.generator.greedy(params, batch))
       correct += self.score(texts[:n], chunk[:n]).sum()
     return float(correct) / len(examples)

@@ -28,7 +28,8 @@ import numpy as np
 from sampler.worker import RolloutWorker, RolloutWorkerError, rollout_key
 from train import steps
 from train.executors import Executor, ExecutorError
-from train.experience import make_experience
+from jaxrl.data.pipeline import bucket_length
+from train.experience import make_experience, trim_rollout
 from train.learner import Learner
 from train.transfers import to_device, to_host
 
@@ -51,12 +52,14 @@ class Controller:
     self.ref = ex("reference", self.reference.mesh)
     self.values = ex("critic", critic.role.mesh) if critic is not None else None
     self.train = ex("trainer", actor.role.mesh)
-    p_len = ctx.task.prompt_len
     n = self.cfg.rollouts // self.cfg.pass_rows  # scoring passes run in the update's pieces
 
     def scorer(role, fn):
-      return role.jit(lambda params, tokens_BT, valid_BT: steps.map_minibatches(
-          lambda mb: fn(role.graphdef, params, *mb, prompt_len=p_len), (tokens_BT, valid_BT), n))
+      def score(params, tokens_BT, valid_BT, mask_BN):  # the prompt length: from the shapes
+        p_len = tokens_BT.shape[1] - mask_BN.shape[1]
+        return steps.map_minibatches(lambda mb: fn(role.graphdef, params, *mb, prompt_len=p_len),
+                                     (tokens_BT, valid_BT), n)
+      return role.jit(score)
     logp = lambda *args, **kw: steps.completion_logprobs(*args, **kw)[0]
     self._ref_logp, self._old_logp = scorer(self.reference, logp), scorer(actor.role, logp)
     if critic is not None:
@@ -73,18 +76,30 @@ class Controller:
     if self.reward_model is None:
       rewards_B = to_device(verified_B, self.actor.role.batch_shardings(verified_B), "rewards")
     else:
-      rewards_B = self.actor.role.put(self._on(self.reward_model, self._scores_fn, rollout))
+      rewards_B = self.actor.role.put(self._on(self.reward_model, self._scores_fn, rollout,
+                                               mask=False))
     return rewards_B, verified_B
 
   @staticmethod
-  def _on(role, fn, rollout):
-    """`fn(params, tokens, valid)` on `role`'s mesh, the rollout moved there device to device."""
-    return fn(role.params, *role.put((rollout.tokens_BT, rollout.valid_BT)))
+  def _on(role, fn, rollout, *, mask: bool = True):
+    """`fn(params, tokens, valid[, completion mask])` on `role`'s mesh, the rollout moved there
+    device to device."""
+    arrays = (rollout.tokens_BT, rollout.valid_BT) + ((rollout.completion_mask_BN,) if mask else ())
+    return fn(role.params, *role.put(arrays))
+
+  def trimmed(self, rollout):
+    """The rollout with its completion slots cut to the bucket (`rl.length_buckets`) of its
+    longest response: scoring and the update then skip the slots no row reached."""
+    budget = rollout.completion_mask_BN.shape[1]
+    longest = int(to_host(rollout.lengths_B, "lengths").max(initial=0))
+    n = bucket_length(longest, budget, self.cfg.length_buckets)
+    return rollout if n == budget else trim_rollout(rollout, n)
 
   def experience(self, rollout, prompts):
     """Scores one rollout batch (the reward, reference, critic and old-log-prob calls overlap)
     and assembles its Experience on the trainer's mesh: (experience, metrics, verified_B)."""
     examples_B = np.repeat(prompts["examples"], self.cfg.group_size)
+    rollout = self.trimmed(rollout)
     futures = {
         "reward": (self.reward, self.reward.submit(self._score, rollout, examples_B,
                                                    label="score")),

@@ -7,6 +7,8 @@ for the host verifier (`completion_texts`), and its rewards come back as one [B]
 """
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -55,9 +57,21 @@ def make_experience(rollout, rewards_B, old_BN, ref_BN, values_BN, *, cfg: RLCon
       advantages_BN=adv_BN, old_values_BN=values_BN,
       returns_BN=None if values_BN is None else raw_BN + values_BN)
   lengths_B = maskf_BN.sum(axis=1)
+  # The share of the scored and trained [B, T] slots that hold no token (prompt padding and
+  # completion slots after a row ended), after trimming to the batch's buckets.
   metrics = {"reward_mean": rewards_B.mean(), "response_len": lengths_B.mean(),
-             "response_tokens": lengths_B.sum()}
+             "response_tokens": lengths_B.sum(),
+             "padding_fraction": 1.0 - rollout.valid_BT.astype(jnp.float32).mean()}
   return experience, metrics
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def trim_rollout(rollout, n: int):
+  """The rollout's first `n` completion slots (every row has ended by then), where it lives."""
+  p = rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]
+  return rollout.replace(tokens_BT=rollout.tokens_BT[:, :p + n], valid_BT=rollout.valid_BT[:, :p + n],
+                         completion_mask_BN=rollout.completion_mask_BN[:, :n],
+                         logprobs_BN=rollout.logprobs_BN[:, :n])
 
 
 @jax.jit

@@ -177,7 +177,8 @@ def rl_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig):
   gradient over `cfg.micro_batch_size`-row micro-batches."""
 
   def one(state, mb):
-    weights_BN = aggregation_weights(cfg.loss_aggregation, mb.completion_mask_BN)
+    weights_BN = aggregation_weights(cfg.loss_aggregation, mb.completion_mask_BN,
+                                     horizon=cfg.max_new_tokens)
     loss_fn = functools.partial(policy_loss, graphdef=graphdef, cfg=cfg)
     loss, metrics, grads = accumulate_grads(loss_fn, state.params, (mb, weights_BN),
                                             micro_batches(mb, cfg))

@@ -85,15 +85,18 @@ AGGREGATIONS = {
 }
 
 
-def aggregation_weights(name: str, mask_BN) -> jax.Array:
+def aggregation_weights(name: str, mask_BN, horizon: int | None = None) -> jax.Array:
   """Per-token weights w_BN with `AGGREGATIONS[name](loss_BN, mask_BN) == sum(loss_BN * w_BN)`.
 
   Every aggregation is linear in the per-token loss, so these weights (the aggregation's
   gradient) depend on the mask alone. A minibatch split into micro-batches sums each one's
   `sum(loss * w)` and gets exactly the minibatch's loss and gradient: the normaliser stays the
-  whole minibatch's, not each micro-batch's token count."""
-  mask_BN = mask_BN.astype(jnp.float32)
-  return jax.grad(AGGREGATIONS[name])(jnp.zeros_like(mask_BN), mask_BN)
+  whole minibatch's, not each micro-batch's token count. `horizon`: the generation budget, when
+  the completion slots were trimmed below it (the weights are those of the untrimmed mask, so
+  Dr. GRPO still divides by the budget)."""
+  n = mask_BN.shape[1]
+  mask_BH = jnp.pad(mask_BN.astype(jnp.float32), ((0, 0), (0, max(0, (horizon or n) - n))))
+  return jax.grad(AGGREGATIONS[name])(jnp.zeros_like(mask_BH), mask_BH)[:, :n]
 
 
 POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "aipo": aipo_loss}

@@ -1,4 +1,5 @@
-"""grain pipelines: SFT batches (prompt-masked) and RL prompt batches (left-padded).
+"""grain pipelines: SFT batches (prompt-masked) and RL prompt batches (left-padded, to a bucket of
+the batch's longest prompt).
 
 Every token id goes through an `Encoding`: a plain prompt gets the tokenizer's own special tokens
 (a BOS where it has one), a chat-rendered prompt already holds them in its text (as transformers
@@ -98,15 +99,36 @@ def sft_dataset(examples: Sequence[Example], enc: Encoding, *, batch_size: int, 
           .map(lambda ex: _sft_row(ex, enc, seq_len)).batch(batch_size, drop_remainder=True))
 
 
-def prompt_batch(examples: Sequence[Example], enc: Encoding, length: int) -> dict[str, np.ndarray]:
-  """Left-padded prompt ids, and the examples themselves (for the reward: answers and fields)."""
-  tokens, valid = enc.tok.pad_left([enc.prompt(e.prompt) for e in examples], length)
+BUCKET_STEP = 8  # the finest length granularity: padded lengths stay multiples of 8
+
+
+def bucket_length(n: int, maximum: int, buckets: int) -> int:
+  """`n` rounded up to one of at most `buckets` lengths in (0, maximum]: multiples of
+  max(8, maximum / buckets) (rounded up to a multiple of 8), capped at `maximum`. A batch padded
+  to its longest row's bucket wastes little, and each jitted program compiles for at most
+  `buckets` lengths. `buckets=0`: always `maximum` (one shape)."""
+  if buckets <= 0 or n >= maximum:
+    return maximum
+  step = -(-max(BUCKET_STEP, -(-maximum // buckets)) // BUCKET_STEP) * BUCKET_STEP
+  return min(maximum, max(step, -(-n // step) * step))
+
+
+def prompt_batch(examples: Sequence[Example], enc: Encoding, length: int,
+                 buckets: int = 0) -> dict[str, np.ndarray]:
+  """Prompt ids left-padded to `length` or, with `buckets`, only to the bucket of the batch's
+  longest prompt (`bucket_length`), and the examples themselves (for the reward: answers and
+  fields)."""
+  ids = [enc.prompt(e.prompt) for e in examples]
+  length = bucket_length(max(map(len, ids)), length, buckets)
+  tokens, valid = enc.tok.pad_left(ids, length)
   return {"prompt_tokens": tokens, "prompt_valid": valid,
           "examples": np.array(list(examples), dtype=object)}
 
 
 def prompt_dataset(examples: Sequence[Example], enc: Encoding, *, batch_size: int, length: int,
-                   seed: int) -> grain.MapDataset:
-  """Shuffled, repeated batches of `batch_size` prompts, each left-padded to `length`."""
+                   seed: int, buckets: int = 0) -> grain.MapDataset:
+  """Shuffled, repeated batches of `batch_size` prompts, each left-padded to `length` (with
+  `buckets`: to the batch's bucket, see `prompt_batch`)."""
+  batch_fn = lambda exs: prompt_batch(exs, enc, length, buckets)
   return (grain.MapDataset.source(list(examples)).seed(seed).shuffle().repeat()
-          .batch(batch_size, drop_remainder=True, batch_fn=lambda exs: prompt_batch(exs, enc, length)))
+          .batch(batch_size, drop_remainder=True, batch_fn=batch_fn))
