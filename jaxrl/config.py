@@ -210,6 +210,9 @@ class RLConfig:
   top_k: int = 0
   max_grad_norm: float = 1.0
   max_new_tokens: int = 8  # generation budget per completion (SFT targets must fit it too)
+  # For benchmarks: every rollout runs to max_new_tokens (EOS and stop tokens do not end it), so
+  # a step's work is the same whatever a random policy samples. Evaluation still stops at EOS.
+  ignore_eos: bool = False
   # Prompt batches are left-padded only to the bucket of their longest prompt, and a rollout's
   # completion slots trimmed to the bucket of its longest response, before scoring and the
   # update: at most this many lengths each (multiples of max(8, maximum / length_buckets)), so

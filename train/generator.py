@@ -45,8 +45,10 @@ class Generator:
     mesh = cluster.meshes["sampler"]
     ends = dict(max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
                 stop_sequences=tuple((i,) for i in tok.stop_ids if i != tok.eos_id))
-    self.sampling = SamplingConfig(**ends, method="temperature", temperature=rl.temperature,
-                                   top_k=rl.top_k)
+    rollout_ends = dict(ends, stop_sequences=()) if rl.ignore_eos else ends
+    self.sampling = SamplingConfig(**rollout_ends, method="temperature",
+                                   temperature=rl.temperature, top_k=rl.top_k,
+                                   ignore_eos=rl.ignore_eos)
     self.greedy_sampling = SamplingConfig(**ends, method="greedy")
     self._sample = _jit(cluster, self.sampling, rl.group_size, rl.inflight_slots)
     self._greedy = _jit(cluster, self.greedy_sampling, 1, rl.inflight_slots)
