@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.models.llama import LanguageModel, ModelConfig, positions_from_valid
+from jaxrl.models.llama import LanguageModel, ModelConfig, compute_dtypes, positions_from_valid
 from sharding.mesh import init_sharded, param_shardings
 from sharding.placement import PlacementError, make_placement
 from sharding.reshard import plan_buckets, reshard
@@ -108,7 +108,6 @@ def test_bucket_cap_bounds_live_memory_when_donating():
 def test_the_samplers_compute_dtype_copy_decodes_as_the_float32_weights(tie, scale):
   """A bf16 model's sampler copy holds its matrices in bf16 (half the bytes moved and held),
   and decodes to the same tokens and log-probs, bit for bit, as its float32 weights."""
-  from jaxrl.models.decode import LMDecoding
   from sampler.engine import generate
   from sampler.methods import SamplingConfig
   cfg = dataclasses.replace(CFG, d_model=80, dtype="bfloat16", tie_embeddings=tie,
@@ -118,7 +117,7 @@ def test_the_samplers_compute_dtype_copy_decodes_as_the_float32_weights(tie, sca
                                     placement.mesh("actor"))
   target = param_shardings(state, SAMPLER_RULES, placement.mesh("sampler"))
   plain, plain_stats = reshard(state, target)
-  cast, cast_stats = reshard(state, target, dtypes=LMDecoding.stored_dtypes(cfg, state))
+  cast, cast_stats = reshard(state, target, dtypes=compute_dtypes(cfg, state))
   kept = {x.dtype for x in jax.tree.leaves(cast) if x.ndim == 1}
   assert kept == {np.dtype("float32")}  # norm scales (and biases) stay float32
   assert np.dtype(jnp.bfloat16) in {x.dtype for x in jax.tree.leaves(cast)}

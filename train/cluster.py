@@ -8,14 +8,15 @@ checked here, once, against the real meshes on the real devices.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 from flax import nnx
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.models.heads import RewardModel, ValueModel
 from jaxrl.models.hf import HFError, load_params
-from jaxrl.models.decode import LMDecoding
-from jaxrl.models.llama import LanguageModel
+from jaxrl.models.llama import LanguageModel, compute_dtypes
 from sharding.placement import ROLES, PlacementError, host_major_devices, make_placement
 from sharding.reshard import TransferStats, reshard
 from sharding.rules import SAMPLER_RULES, logical_to_spec
@@ -84,7 +85,10 @@ class RoleCluster:
   def add(self, name: str, *, initialize: bool = True) -> ModelRole:
     """The `name` role (reference | reward | critic) on its mesh: random weights, or abstract
     when a restore or a `load` fills it."""
-    role = ModelRole(name, self.model_factory(name), self.meshes[name])
+    stored = None  # the frozen reference in the compute dtype, unless kept float32
+    if name == "reference" and not self.cfg.model.frozen_float32:
+      stored = functools.partial(compute_dtypes, self.cfg.model)
+    role = ModelRole(name, self.model_factory(name), self.meshes[name], stored_dtypes=stored)
     if initialize:
       role.initialize()
     self.roles[name] = role
@@ -97,7 +101,7 @@ class RoleCluster:
     """The actor's current weights resharded into the sampler's layout (bucketed, timed), its
     matrices already in the compute dtype the sampler decodes in."""
     params = self.actor.params
-    dtypes = LMDecoding.stored_dtypes(self.cfg.model, params)
+    dtypes = compute_dtypes(self.cfg.model, params)
     with allowed("weights", params):  # see train/transfers.py
       return reshard(params, self.sampler_shardings, dtypes=dtypes,
                      bucket_bytes=self.cfg.placement.reshard_bucket_mb << 20)

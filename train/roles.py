@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl.models.llama import cast_to
 from sharding.mesh import batch_sharding, param_shardings
 from sharding.placement import PlacementError
 from sharding.reshard import reshard
@@ -40,9 +41,10 @@ def role_shardings(name: str, abstract: nnx.State, rules, mesh: Mesh) -> nnx.Sta
     raise PlacementError(f"{name}: {e}") from None
 
 
-def copy_into(params: nnx.State, shardings: nnx.State) -> nnx.State:
-  """`params` (from any mesh) in the layout `shardings`, never aliasing the source."""
-  moved, _ = reshard(params, shardings, donate=False)
+def copy_into(params: nnx.State, shardings: nnx.State, dtypes=None) -> nnx.State:
+  """`params` (from any mesh) in the layout `shardings` (cast to `dtypes` where not None),
+  never aliasing the source."""
+  moved, _ = reshard(params, shardings, donate=False, dtypes=dtypes)
   # Where the layouts already match, device_put returns the source itself: copy, so that
   # donating the source (an update step) cannot free these weights.
   return jax.tree.map(lambda a, b: jnp.copy(b) if a is b else b, params, moved)
@@ -55,11 +57,19 @@ def abstract_like(tree, shardings):
 
 
 class ModelRole:
-  """`make_model()` builds the module (only traced here: `nnx.eval_shape`)."""
+  """`make_model()` builds the module (only traced here: `nnx.eval_shape`). `stored_dtypes`
+  (a frozen role): a function of the abstract parameters giving the dtypes to hold them in
+  (a tree, None: as initialised), e.g. `llama.compute_dtypes`: a bf16 reference holds half the
+  bytes and scores exactly as its float32 weights would."""
 
-  def __init__(self, name: str, make_model, mesh: Mesh, rules=TRAIN_RULES):
+  def __init__(self, name: str, make_model, mesh: Mesh, rules=TRAIN_RULES, stored_dtypes=None):
     self.name, self.mesh, self.rules, self._make_model = name, mesh, rules, make_model
-    self.graphdef, self._abstract = nnx.split(nnx.eval_shape(make_model))
+    self.graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
+    self.dtypes = None if stored_dtypes is None else stored_dtypes(abstract)
+    if self.dtypes is not None:
+      abstract = jax.tree.map(lambda x, d: x if d is None else jax.ShapeDtypeStruct(x.shape, d),
+                              abstract, self.dtypes)
+    self._abstract = abstract
     self.shardings = role_shardings(name, self._abstract, rules, mesh)
     self._params: nnx.State | None = None
     self.version = 0  # bumped whenever the parameters change (copies can tell they are stale)
@@ -74,7 +84,8 @@ class ModelRole:
 
   def initialize(self) -> ModelRole:
     """Random weights, born sharded (eval_shape -> shardings -> jit(init, out_shardings))."""
-    self.params = jax.jit(lambda: nnx.split(self._make_model())[1],
+    cast = lambda params: params if self.dtypes is None else cast_to(params, self.dtypes)
+    self.params = jax.jit(lambda: cast(nnx.split(self._make_model())[1]),
                           out_shardings=self.shardings)()
     return self
 
@@ -101,8 +112,9 @@ class ModelRole:
     """Copies `params` (from any mesh) into this role's layout, whole or into one `subtree`
     (e.g. an actor's `decoder` into a reward model or critic, which must be initialized)."""
     if subtree is None:
-      self.params = copy_into(params, self.shardings)
+      self.params = copy_into(params, self.shardings, self.dtypes)
       return
     new = jax.tree.map(lambda x: x, self.params)
-    new[subtree] = copy_into(params[subtree], self.shardings[subtree])
+    new[subtree] = copy_into(params[subtree], self.shardings[subtree],
+                             None if self.dtypes is None else self.dtypes[subtree])
     self.params = new

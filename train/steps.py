@@ -13,7 +13,8 @@ from jaxrl.algos import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, bradley_terry_
 from jaxrl.algos.logprobs import chunked_logprobs
 from jaxrl.algos.losses import aggregation_weights, truncated_is_weight, value_loss
 from jaxrl.config import RLConfig
-from jaxrl.models.llama import positions_from_segments, positions_from_valid
+from jaxrl.models.llama import (cast_to, compute_dtypes, positions_from_segments,
+                                positions_from_valid)
 
 
 @flax.struct.dataclass
@@ -113,18 +114,29 @@ def scan_minibatches(update_one, state: TrainState, batch, n: int):
   return state, jax.tree.map(jnp.mean, metrics)
 
 
+def compute_copy(graphdef, params):
+  """The trained weights as the forward multiplies them: matrices cast to the model's compute
+  dtype once per update, not once per micro-batch, layer call or log-prob chunk (a no-op for a
+  float32 model). Differentiating through this copy gives the gradient the float32 weights
+  would get: the model casts to the compute dtype where it multiplies anyway."""
+  cfg = nnx.merge(graphdef, params).decoder.cfg  # traced: merging copies nothing
+  return cast_to(params, compute_dtypes(cfg, params))
+
+
 def accumulate_grads(loss_fn, params, batch, n: int):
   """`loss_fn(params, micro) -> (loss, metrics)` over `n` strided micro-batches of `batch`, one
-  after another in one program: (loss, metrics, grads), each summed over the micro-batches.
+  after another in one program: (loss, metrics, grads), each summed over the micro-batches, the
+  gradients in float32 whatever `params`' dtypes (a compute-dtype copy: `compute_copy`).
   `loss_fn` must return sums over its rows with minibatch-wide weights (`aggregation_weights`),
   so the sum is exactly the minibatch's. Smaller products that stay in cache run faster on the
   CPU (docs/benchmarks.md) and hold 1/n of the activations; the FLOPs are the same."""
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  as_f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
   if n == 1:
     (loss, metrics), grads = grad_fn(params, batch)
-    return loss, metrics, grads
+    return loss, metrics, as_f32(grads)
   micro = split_minibatches(batch, n)
-  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
                        jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro)))
   body = lambda acc, mb: (jax.tree.map(jnp.add, acc, grad_fn(params, mb)), None)
   ((loss, metrics), grads), _ = jax.lax.scan(body, zeros, micro)
@@ -180,8 +192,8 @@ def rl_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig):
     weights_BN = aggregation_weights(cfg.loss_aggregation, mb.completion_mask_BN,
                                      horizon=cfg.max_new_tokens)
     loss_fn = functools.partial(policy_loss, graphdef=graphdef, cfg=cfg)
-    loss, metrics, grads = accumulate_grads(loss_fn, state.params, (mb, weights_BN),
-                                            micro_batches(mb, cfg))
+    loss, metrics, grads = accumulate_grads(loss_fn, compute_copy(graphdef, state.params),
+                                            (mb, weights_BN), micro_batches(mb, cfg))
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     return _apply(state, grads, optimizer), metrics
 
@@ -209,8 +221,8 @@ def critic_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig)
 
   def one(state, mb):
     weights_BN = aggregation_weights("token_mean", mb.completion_mask_BN)
-    loss, _, grads = accumulate_grads(loss_fn, state.params, (mb, weights_BN),
-                                      micro_batches(mb, cfg))
+    loss, _, grads = accumulate_grads(loss_fn, compute_copy(graphdef, state.params),
+                                      (mb, weights_BN), micro_batches(mb, cfg))
     return _apply(state, grads, optimizer), {"value_loss": loss,
                                              "critic_grad_norm": optax.tree.norm(grads)}
 

@@ -56,6 +56,7 @@ def _join(x_CBn, length: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _chunked(h_BND, head_VD, targets_BN, n: int):
+  head_VD = head_VD.astype(h_BND.dtype)  # once, not in every chunk's step
   step = lambda xs: _chunk_stats(xs[0], head_VD, xs[1])[4:]
   logp_CBn, entropy_CBn = jax.lax.map(step, (_split(h_BND, n), _split(targets_BN, n)))
   return _join(logp_CBn, h_BND.shape[1]), _join(entropy_CBn, h_BND.shape[1])
@@ -70,16 +71,24 @@ def _bwd(n: int, res, grads):
   chunk's hidden-state gradient and its share of the head's."""
   h_BND, head_VD, targets_BN = res
   g_logp_BN, g_entropy_BN = grads
+  head_dt_VD = head_VD.astype(h_BND.dtype)  # once, not in every chunk's step
 
   def step(dhead_VD, xs):
     h_BnD, targets_Bn, g_logp_Bn, g_ent_Bn = xs
-    logits_BnV, lse_Bn, p_BnV, hit_BnV, _, entropy_Bn = _chunk_stats(h_BnD, head_VD, targets_Bn)
+    logits_BnV, lse_Bn, p_BnV, hit_BnV, _, entropy_Bn = _chunk_stats(h_BnD, head_dt_VD,
+                                                                      targets_Bn)
     logp_BnV = logits_BnV - lse_Bn[..., None]
     dz_BnV = (g_logp_Bn[..., None] * (hit_BnV - p_BnV)
               - g_ent_Bn[..., None] * p_BnV * (logp_BnV + entropy_Bn[..., None]))
-    dh_BnD = jnp.einsum("bnv,vd->bnd", dz_BnV, head_VD.astype(jnp.float32))
-    dhead_VD = dhead_VD + jnp.einsum("bnv,bnd->vd", dz_BnV, h_BnD.astype(jnp.float32))
-    return dhead_VD, dh_BnD.astype(h_BnD.dtype)
+    # Both products in the compute dtype with float32 accumulation, as the forward's (a bf16
+    # model's backward would otherwise run float32 matrix products: TF32 at best on a GPU).
+    dt = h_BnD.dtype
+    dz_BnV = dz_BnV.astype(dt)
+    dh_BnD = jnp.einsum("bnv,vd->bnd", dz_BnV, head_dt_VD,
+                        preferred_element_type=jnp.float32)
+    dhead_VD = dhead_VD + jnp.einsum("bnv,bnd->vd", dz_BnV, h_BnD,
+                                     preferred_element_type=jnp.float32)
+    return dhead_VD, dh_BnD.astype(dt)
 
   xs = (_split(h_BND, n), _split(targets_BN, n), _split(g_logp_BN, n), _split(g_entropy_BN, n))
   dhead_VD, dh_CBnD = jax.lax.scan(step, jnp.zeros(head_VD.shape, jnp.float32), xs)

@@ -129,19 +129,6 @@ class LMDecoding:
     cast = jax.tree.map(lambda x: x.astype(dt) if x.ndim > 1 else x, params)
     return cls(nnx.merge(graphdef, cast), head_VD)
 
-  @staticmethod
-  def stored_dtypes(cfg, params):
-    """What the sampler's copy of `params` can hold already cast (a tree of dtypes, None: as
-    is): the matrices `of` casts anyway, except a scaled tied embedding, whose head `of`
-    computes from the float32 values. Decoding such a copy gives the same results."""
-    dt = jnp.dtype(cfg.compute_dtype)
-    keep = cfg.tie_embeddings and cfg.scale_tied_head
-
-    def rule(path, x):
-      embed = any(getattr(k, "key", None) == "embed" for k in path)
-      return dt if x.ndim > 1 and x.dtype != dt and not (keep and embed) else None
-    return jax.tree_util.tree_map_with_path(rule, params)
-
   def init_cache(self, batch: int, slots: int) -> KVCache:
     return init_kv_cache(self.model.cfg, batch, slots)
 

@@ -24,7 +24,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
 
 # The ModelConfig fields a checkpoint fixes, and those that stay the user's (a new ModelConfig
 # field must join one of them: tests/test_hf.py checks).
-USER_FIELDS = ("dtype", "hf_path")
+USER_FIELDS = ("dtype", "hf_path", "frozen_float32", "remat")
 ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
                "rope_theta", "norm_eps", "tie_embeddings", "scale_tied_head", "qkv_bias", "qk_norm",
                "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
@@ -126,14 +126,15 @@ def model_config_from_hf(hf_dir: str) -> ModelConfig:
 
 def check_config(user: ModelConfig, hf: ModelConfig,
                  default: ModelConfig = ModelConfig()) -> ModelConfig:
-  """`hf` with the user's `dtype` and `hf_path`. An architecture field the user set (it differs
+  """`hf` with the user's fields (`USER_FIELDS`). An architecture field the user set (it differs
   from the schema's `default`) to something other than the checkpoint's value is an error."""
   where = os.path.join(hf.hf_path, "config.json")
   for name in ARCH_FIELDS:
     mine, theirs = getattr(user, name), getattr(hf, name)
     if mine != getattr(default, name) and mine != theirs:
       raise HFError(f"config.model.{name}: {mine!r} contradicts {theirs!r} in {where}")
-  return dataclasses.replace(hf, dtype=user.dtype, hf_path=user.hf_path or hf.hf_path)
+  mine = {name: getattr(user, name) for name in USER_FIELDS}
+  return dataclasses.replace(hf, **{**mine, "hf_path": user.hf_path or hf.hf_path})
 
 
 def hf_architecture(cfg: ModelConfig) -> str:

@@ -23,6 +23,13 @@ from sharding.rules import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ROPE_SCALINGS = ("none", "linear", "llama3")
+# What a decoder block saves for the backward under `model.remat` (the rest is recomputed):
+# "dots" keeps the projections' and MLP's matrix products (`dense` multiplies flat 2-D rows, no
+# batch dimension) and recomputes attention's batched [T, S] products, norms and activations;
+# "full" keeps only each block's input.
+REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "full": jax.checkpoint_policies.nothing_saveable}
+REMATS = ("none", *REMAT_POLICIES)
 
 # One (k_BKHS, v_BKSH) pair per layer: kv heads first; keys transposed (head_dim before slots).
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]
@@ -50,7 +57,13 @@ class ModelConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_positions: int = 8192
-  dtype: str = "float32"  # compute dtype; parameters are always stored in float32
+  dtype: str = "float32"  # compute dtype; trained parameters are always stored in float32
+  # The frozen reference (and, always, the sampler's copy) holds its matrices in the compute
+  # dtype, which scores exactly as float32 weights would (`compute_dtypes`); True keeps float32.
+  frozen_float32: bool = False
+  # none | dots | full: recompute the decoder blocks' activations in the backward instead of
+  # keeping them (REMAT_POLICIES); training only: the sampler's cached passes never remat.
+  remat: str = "none"
   # A local Hugging Face model directory to start from (config.json, *.safetensors, tokenizer);
   # its config.json sets the fields above (jaxrl/models/hf.py). Not read by the model itself.
   hf_path: str = ""
@@ -61,6 +74,8 @@ class ModelConfig:
     if self.rope_scaling not in ROPE_SCALINGS:
       raise ValueError(f"rope_scaling: expected one of {list(ROPE_SCALINGS)}, "
                        f"got {self.rope_scaling!r}")
+    if self.remat not in REMATS:
+      raise ValueError(f"remat: expected one of {list(REMATS)}, got {self.remat!r}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim: RoPE rotates pairs, expected an even number, got {self.head_dim}")
     if self.n_heads % self.n_kv_heads:
@@ -287,12 +302,26 @@ class Decoder(nnx.Module):
       rope_BTH = rope_table(positions_BT, self.cfg)
     new_cache = []
     for i, block in enumerate(self.blocks):
-      x_BTD, layer_cache = block(x_BTD, rope_BTH, mask_BTS,
-                                 None if kv_cache is None else kv_cache[i], cache_index,
-                                 last_only and i == len(self.blocks) - 1)
+      last = last_only and i == len(self.blocks) - 1
+      if kv_cache is None and self.cfg.remat != "none":  # a cached pass is never differentiated
+        x_BTD, layer_cache = self.remat_block(block, x_BTD, rope_BTH, mask_BTS, last), None
+      else:
+        x_BTD, layer_cache = block(x_BTD, rope_BTH, mask_BTS,
+                                   None if kv_cache is None else kv_cache[i], cache_index, last)
       new_cache.append(layer_cache)
     h_BTD = self.final_norm(x_BTD)
     return h_BTD, (None if kv_cache is None else tuple(new_cache))
+
+  def remat_block(self, block: Block, x_BTD, rope_BTH, mask_BTS, last_only: bool):
+    """`block` on a cacheless pass under `jax.checkpoint`: its backward recomputes what the
+    `model.remat` policy does not save. The block is split into its pure state, so the
+    checkpointed function closes over no traced module."""
+    graphdef, state = nnx.split(block)
+
+    def run(state, x_BTD, rope_BTH, mask_BTS):
+      return nnx.merge(graphdef, state)(x_BTD, rope_BTH, mask_BTS, None, 0, last_only)[0]
+    policy = REMAT_POLICIES[self.cfg.remat]
+    return jax.checkpoint(run, policy=policy)(state, x_BTD, rope_BTH, mask_BTS)
 
 
 class LanguageModel(nnx.Module):
@@ -334,6 +363,26 @@ class LanguageModel(nnx.Module):
     weights cast to the compute dtype once per call, the LM head computed once."""
     from jaxrl.models.decode import LMDecoding  # decode.py builds on this module
     return LMDecoding.of(self)
+
+
+def compute_dtypes(cfg: ModelConfig, params):
+  """What a copy of `params` can hold already in the compute dtype (a tree of dtypes; None: as
+  is): every matrix, except a scaled tied embedding, whose LM head the model computes from the
+  float32 values. The model casts its matrices to the compute dtype where it multiplies, so
+  such a copy (the sampler's, a frozen role's, an update's once-per-step cast) gives the same
+  results as the float32 parameters."""
+  dt = jnp.dtype(cfg.compute_dtype)
+  keep = cfg.tie_embeddings and cfg.scale_tied_head
+
+  def rule(path, x):
+    embed = any(getattr(k, "key", None) == "embed" for k in path)
+    return dt if x.ndim > 1 and x.dtype != dt and not (keep and embed) else None
+  return jax.tree_util.tree_map_with_path(rule, params)
+
+
+def cast_to(params, dtypes):
+  """`params` with the leaves `dtypes` names cast (see `compute_dtypes`)."""
+  return jax.tree.map(lambda x, d: x if d is None else x.astype(d), params, dtypes)
 
 
 def init_kv_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
