@@ -24,7 +24,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
 
 # The ModelConfig fields a checkpoint fixes, and those that stay the user's (a new ModelConfig
 # field must join one of them: tests/test_hf.py checks).
-USER_FIELDS = ("dtype", "hf_path", "frozen_float32", "remat")
+USER_FIELDS = ("dtype", "hf_path", "frozen_float32", "remat", "attention")
 ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
                "rope_theta", "norm_eps", "tie_embeddings", "scale_tied_head", "qkv_bias", "qk_norm",
                "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",

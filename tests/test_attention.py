@@ -1,0 +1,56 @@
+"""`jax.nn.dot_product_attention` (the fused path: XLA's on a CPU, cuDNN's flash attention on a
+GPU) computes what the explicit einsum attention does, with left padding and packed segments."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.models import LanguageModel, ModelConfig
+from jaxrl.models.llama import attention_impl, positions_from_segments, positions_from_valid
+
+CFG = ModelConfig(vocab_size=64, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8,
+                  d_ff=96, qkv_bias=True)
+
+
+def _forward(cfg, params, tokens_BT, valid_BT, segments_BT):
+  graphdef, _ = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
+  model = nnx.merge(graphdef, params)
+  positions = (positions_from_valid(valid_BT) if segments_BT is None
+               else positions_from_segments(segments_BT))
+  logits_BTV, _ = model(tokens_BT, positions, valid_BT, segment_ids_BT=segments_BT)
+  return jnp.where(valid_BT[..., None], logits_BTV, 0.0)  # padded queries' outputs are unused
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_attention_equals_the_einsum_form(packed):
+  rng = np.random.default_rng(0)
+  b, t = 4, 16
+  tokens = jnp.asarray(rng.integers(0, 64, (b, t)), jnp.int32)
+  if packed:  # three segments, then right padding
+    segments = np.zeros((b, t), np.int32)
+    segments[:, :5], segments[:, 5:9], segments[:, 9:14] = 1, 2, 3
+    segments, valid = jnp.asarray(segments), jnp.asarray(segments > 0)
+  else:  # left padding of 0..6 tokens
+    segments, valid = None, jnp.asarray(np.arange(t)[None] >= np.array([[0], [3], [6], [1]]))
+  _, params = nnx.split(LanguageModel(CFG, rngs=nnx.Rngs(0)))
+  outs = {}
+  for impl in ("einsum", "xla"):
+    cfg = dataclasses.replace(CFG, attention=impl)
+    loss = lambda p: (_forward(cfg, p, tokens, valid, segments)**2).mean()
+    outs[impl] = jax.jit(lambda p: (_forward(cfg, p, tokens, valid, segments),
+                                    jax.grad(loss)(p)))(params)
+  np.testing.assert_allclose(outs["xla"][0], outs["einsum"][0], atol=1e-5, rtol=1e-5)
+  for a, e in zip(jax.tree.leaves(outs["xla"][1]), jax.tree.leaves(outs["einsum"][1])):
+    np.testing.assert_allclose(a, e, atol=1e-5, rtol=1e-4)
+
+
+def test_auto_picks_cudnn_only_on_a_gpu_in_half_precision():
+  gpu = jax.default_backend() == "gpu"
+  assert attention_impl(CFG) == "xla"  # float32: cuDNN's kernel takes bf16 / fp16 only
+  assert attention_impl(dataclasses.replace(CFG, dtype="bfloat16")) == ("cudnn" if gpu else "xla")
+  assert attention_impl(dataclasses.replace(CFG, attention="einsum")) == "einsum"
+  with pytest.raises(ValueError, match="attention"):
+    dataclasses.replace(CFG, attention="flash")
