@@ -2,8 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# A fake 8-device CPU mesh; harmless on accelerators (it only affects the host platform).
-export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+# When JAX runs on the CPU, train.main fakes placement.cpu_devices (8) host devices for its
+# mesh (sharding/host.py); the tests always run on 8 fake CPU devices (tests/conftest.py).
 
 .PHONY: run test clean
 

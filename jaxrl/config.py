@@ -112,6 +112,11 @@ class PlacementConfig:
   reshard_bucket_mb: int = 256  # cap on the extra memory of one train -> sampler transfer
   cpu_devices: int = 8  # fake host devices when running on the CPU (XLA_FLAGS)
   device_memory_gb: float = 0.0  # the target accelerator's memory, checked by --dry_run (0: none)
+  # Share of each accelerator's memory JAX takes at start and uses (XLA_PYTHON_CLIENT_MEM_FRACTION;
+  # JAX's own default is 0.75). 0: no preallocation, allocated on demand up to all of it
+  # (XLA_PYTHON_CLIENT_PREALLOCATE=false; more fragmentation). Set by train.main before JAX
+  # starts, unless those variables are set; ignored on the CPU.
+  device_memory_fraction: float = 0.9
   # strategy="plan": a calibration JSON (`jaxrl-plan --calibrate FILE`); empty: the built-in
   # factors of the device kind (sharding/planner/devices.py)
   calibration: str = ""
@@ -120,6 +125,14 @@ class PlacementConfig:
     _choice(self, "strategy", STRATEGIES + ("plan",))
     _positive(self, "train_devices", "sampler_tensor", "reshard_bucket_mb", "cpu_devices")
     _at_least_zero(self, "device_memory_gb")
+    _unit(self, "device_memory_fraction")
+
+
+def usable_memory_gb(placement: PlacementConfig) -> float:
+  """Memory of one device the run may use: `device_memory_fraction` of `device_memory_gb`, or
+  all of it when allocated on demand (fraction 0)."""
+  fraction = placement.device_memory_fraction
+  return placement.device_memory_gb * (fraction if fraction > 0 else 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +298,9 @@ class ExperimentConfig:
   checkpoint_minutes: float = 30.0  # and at least this often (0: off)
   keep_checkpoints: int = 3  # per stage: the last K, plus the best by held-out accuracy
   progress: bool = True
+  # JAX's persistent compilation cache (train/compilation.py): empty: JAXRL_COMPILATION_CACHE,
+  # else $XDG_CACHE_HOME/jaxrl/xla (~/.cache/jaxrl/xla); a directory; "off"
+  compilation_cache_dir: str = ""
   # A run's stage checkpoints (e.g. runs/NAME/checkpoints/sft) to start the actor from.
   init_checkpoint: str = ""
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)

@@ -3,17 +3,44 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
 import os
 import sys
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+# Installed by `pip install -e ".[cuda]"` / `".[tpu]"` (or a ROCm build): JAX then picks them.
+_ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
+                        "jax_rocm7_plugin", "libtpu")
+
+
+def cpu_backend() -> bool:
+  """Whether JAX will run on the CPU: JAX_PLATFORMS names only "cpu", or, unset, no GPU / TPU
+  plugin is installed (JAX prefers one when it is)."""
+  platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+  if platforms:
+    return all(p == "cpu" for p in platforms)
+  return not any(importlib.util.find_spec(name) for name in _ACCELERATOR_PLUGINS)
 
 
 def force_cpu_devices(n: int) -> None:
-  """Fake `n` host devices for a CPU mesh, unless XLA_FLAGS already sets a count."""
+  """Fake `n` host devices for a CPU mesh, unless XLA_FLAGS already sets a count or JAX will
+  run on an accelerator (where the flag would only add idle host devices)."""
   xla_flags = os.environ.get("XLA_FLAGS", "")
-  if n > 1 and "xla_force_host_platform_device_count" not in xla_flags:
+  if n > 1 and "xla_force_host_platform_device_count" not in xla_flags and cpu_backend():
     os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def reserve_device_memory(fraction: float) -> None:
+  """The share of each accelerator's memory JAX may use (placement.device_memory_fraction),
+  taken at start; 0: allocated on demand, up to all of it. Variables the user set win."""
+  fraction_vars = {"XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+  if fraction <= 0:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    fraction = 1.0  # without preallocation JAX still caps its pool at the fraction (0.75)
+  # The old name, which every jaxlib we support reads; newer ones also read the new name and
+  # refuse both at once (the GPU backend then fails to start).
+  if not fraction_vars & set(os.environ):
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:g}"
 
 
 def retain_freed_memory(threshold_bytes: int = 1 << 30) -> bool:

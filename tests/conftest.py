@@ -4,6 +4,10 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "").replace(
     "--xla_force_host_platform_device_count=8", "") + " --xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No persistent compilation cache (train/compilation.py) for the tests or the runs they start:
+# nothing written to the user's cache, and every test compiles as it always has. The test of
+# the cache (tests/test_startup.py) gives its runs a directory of their own.
+os.environ["JAXRL_COMPILATION_CACHE"] = "off"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

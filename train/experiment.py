@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxrl.config import ConfigError, ExperimentConfig, to_dict
 from sharding.placement import host_major_devices
-from train import resume, rundir
+from train import compilation, resume, rundir
 from train.checkpoint import RunCheckpointer, load_actor_params, params_fingerprint
 from train.config_files import merge, resolve
 from train.context import RunContext
@@ -55,6 +55,9 @@ class Experiment:
   def __init__(self, config, *, run_dir: str | None = None, resume_run: bool = False):
     """`resume_run`: continue from the run dir's newest good checkpoint, if it has one."""
     self.cfg: ExperimentConfig = resolve(config)
+    compilation.enable_cache(self.cfg.compilation_cache_dir)
+    compilation.watch()
+    self._compiles_before = compilation.totals()  # this process's earlier experiments' compiles
     self.plan = None  # placement.strategy="plan": the planner's choice (sharding/planner)
     if self.cfg.placement.strategy == "plan":
       from sharding.planner.plan import choose
@@ -143,6 +146,7 @@ class Experiment:
     self.checkpointer.wait()
     summary = self.ctx.summary
     summary["params_fingerprint"] = params_fingerprint(self.ctx.cluster.actor.params)
+    summary.update(compilation.summary(since=self._compiles_before))
     if jax.process_index() == 0:
       self.ctx.writer.close()
       plot_metrics(self.ctx.writer.rows, os.path.join(self.run_dir, "metrics.png"))

@@ -14,7 +14,10 @@
 Several hosts: the same command on every host; it joins `jax.distributed` first (auto-detected
 on TPU pods and Slurm, else JAXRL_COORDINATOR / JAXRL_NUM_PROCESSES / JAXRL_PROCESS_ID).
 User errors (unknown or ill-typed fields, impossible meshes, bad data files) print one line and
-exit 2.
+exit 2. Before JAX starts: fake CPU devices only when JAX will run on the CPU, and
+placement.device_memory_fraction of each accelerator's memory (sharding/host.py). Compiled
+programs are cached in ~/.cache/jaxrl/xla (config.compilation_cache_dir, or
+JAXRL_COMPILATION_CACHE=DIR|off; train/compilation.py).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import traceback
 from absl import flags
 from ml_collections import config_flags
 
-from sharding.host import force_cpu_devices, retain_freed_memory
+from sharding.host import force_cpu_devices, reserve_device_memory, retain_freed_memory
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "configs", "default.py")
@@ -117,8 +120,13 @@ def _start(argv: list[str]):
     raw, gin_files, gin_params, opts = parse_args(argv)
   except UsageError as e:
     return fail(str(e))
-  cpu_devices = raw.get("placement", {}).get("cpu_devices", 8)
+  # Read before JAX starts its backend (the config is validated later, after gin).
+  placement = raw.get("placement", {})
+  cpu_devices = placement.get("cpu_devices", 8)
   force_cpu_devices(cpu_devices if isinstance(cpu_devices, int) else 8)
+  fraction = placement.get("device_memory_fraction", 0.9)
+  reserve_device_memory(fraction if isinstance(fraction, (int, float)) and 0 <= fraction <= 1
+                        else 0.9)
   retain_freed_memory()
   from sharding import distributed
   try:

@@ -13,6 +13,8 @@ import json
 import threading
 import time
 
+from train import compilation
+
 
 class Timeline:
 
@@ -34,9 +36,11 @@ class Timeline:
 
   @contextlib.contextmanager
   def span(self, executor: str, label: str, **args):
+    """A busy interval; what compiles in it on this thread counts as `label`'s compiles."""
     start = time.perf_counter()
     try:
-      yield
+      with compilation.labelled(label):
+        yield
     finally:
       self.add(executor, label, start, time.perf_counter(), **args)
 
