@@ -40,7 +40,7 @@ def _loop_casts(jaxpr, shapes, in_loop=False) -> int:
   return count
 
 
-@pytest.mark.parametrize("tie,scale", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("tie,scale", [(True, True), (True, False)])  # jaxrl's head, HF's
 def test_compute_copy_casts_once_and_keeps_the_gradient(tie, scale):
   """The micro-batch loop reads weights cast before it (no per-micro-batch convert); the
   gradient is float32, each micro-batch's rounded as a bf16 product's gradient is (as
