@@ -168,6 +168,25 @@ def test_plan_strategy_resolves_to_a_runnable_config():
   RoleCluster(resolved, initialize=False)  # the real placement and batch checks pass
 
 
+def test_remat_is_searched_and_the_plan_sets_it(monkeypatch):
+  """Where no plan that keeps every activation fits, remat plans do; `choose` then writes the
+  plan's remat into the config it runs."""
+  from sharding.planner import plan as plan_module
+  cfg = ExperimentConfig()
+  w = Workload.from_config(cfg)
+  everything = search(w, 8, DEVICES["cpu"], CPU_EFFICIENCY, top=None)
+  assert {r.plan.remat for r in everything} == {"none", "dots", "full"}
+  need = min(total_bytes(r.memory, r.plan) for r in everything if r.plan.remat == "none")
+  small = dataclasses.replace(DEVICES["cpu"], memory_bytes=0.99 * need / HEADROOM)
+  kept = search(w, 8, small, CPU_EFFICIENCY, top=None)
+  assert kept and all(r.plan.remat != "none" for r in kept)
+  monkeypatch.setattr(plan_module, "search", lambda *a, **k: kept)
+  cfg = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, strategy="plan"))
+  resolved, best = choose(cfg, host_major_devices())
+  assert resolved.model.remat == best.plan.remat != "none"
+  assert resolved.rl.micro_batch_size == best.plan.micro_batch_size
+
+
 def test_a_runs_trace_fed_back_changes_the_factors(tmp_path):
   from train.experiment import Experiment
   raw = tiny.get_config().to_dict()

@@ -2,21 +2,27 @@
 
 The cluster is built abstractly (`RoleCluster(initialize=False)`: `nnx.eval_shape`, every
 parameter sharding resolved on a fake mesh of `placement.cpu_devices` devices, batch sizes checked
-against the meshes), and per-device memory is tallied from the shardings themselves: each
-parameter's shard on each device, times what the role keeps of it (optimizer moments and gradients
-for the trained roles, a compute-dtype copy for the sampler), plus the sampler's KV cache and an
-estimate of the update's activations. The verdict is against `placement.device_memory_gb`.
+against the meshes). Per-device memory is tallied from the shardings themselves: what stays
+through a step (each role's parameter shard, the trained roles' Adam moments, the sampler's
+compute-dtype copy), plus the largest of the step's phases, which never overlap on one device:
+generation (the KV cache), the scoring passes, each update (gradients, activations, log-prob
+logits: sharding/planner/footprint.py, the planner's memory model too). The verdict is against
+the memory the runtime really gets (`usable_memory_gb`); a config that does not fit is told the
+largest micro-batch, or the remat, that would.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
+import math
 
 import jax
 import numpy as np
 
 from jaxrl.algos.logprobs import chunk_length
-from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.config import ConfigError, ExperimentConfig, usable_memory_gb
 from sharding.placement import PlacementError
+from sharding.planner import footprint
 from sharding.rules import SAMPLER_RULES
 from train.cluster import RoleCluster, batch_ways
 
@@ -34,104 +40,203 @@ def shard_bytes(abstract, itemsize: int | None = None) -> dict:
   return out
 
 
-def _kv_cache(cfg: ExperimentConfig, cluster: RoleCluster) -> dict:
-  """The sampler's KV cache at its largest (every rollout at prompt + completion slots)."""
-  m, mesh = cfg.model, cluster.meshes["sampler"]
-  rows = cfg.rl.rollouts / batch_ways(mesh, SAMPLER_RULES)
-  slots = cfg.data.max_prompt_tokens + cfg.rl.max_new_tokens
-  kv_heads = m.n_kv_heads / min(mesh.shape.get("tensor", 1), m.n_kv_heads)
-  per = rows * slots * m.n_layers * 2 * kv_heads * m.head_dim * np.dtype(m.compute_dtype).itemsize
-  return {d.id: int(per) for d in mesh.devices.flat}
+def _dtype_name(abstract) -> str:
+  """The dtype holding most of a state's bytes (a bf16 copy keeps its norms in float32)."""
+  sizes = collections.Counter()
+  for leaf in jax.tree.leaves(abstract):
+    sizes[np.dtype(leaf.dtype).name] += int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+  return sizes.most_common(1)[0][0]
 
 
-def _logits(cfg: ExperimentConfig, rows: float, rows_global: int, copies: int) -> float:
-  """Bytes of one chunk's float32 logits-sized arrays (jaxrl/algos/logprobs.py: log-probs are
-  computed a chunk of completion positions at a time; `copies` such arrays live at once)."""
-  v = cfg.model.vocab_size
-  return rows * chunk_length(rows_global, cfg.rl.max_new_tokens, v) * v * 4 * copies
-
-
-def _activations(cfg: ExperimentConfig, cluster: RoleCluster) -> dict:
-  """Rough bytes the update keeps for its backward pass on one micro-batch (`rl.pass_rows`, no
-  rematerialisation): per layer and token the block's inputs, projections and MLP hidden
-  states, per head the attention probabilities (float32), and one chunk's logits, probabilities
-  and their gradient."""
-  m, rl = cfg.model, cfg.rl
-  mesh = cluster.meshes["actor"]
-  rows_global = rl.pass_rows
-  rows = rows_global / batch_ways(mesh, cluster.actor.rules)
-  t = cfg.data.max_prompt_tokens + rl.max_new_tokens
-  dt = np.dtype(m.compute_dtype).itemsize
-  per_token_layer = dt * (4 * m.d_model + (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
-                          + 3 * m.d_ff) + 4 * m.n_heads * t
-  total = rows * t * m.n_layers * per_token_layer + _logits(cfg, rows, rows_global, 3)
-  return {d.id: int(total) for d in mesh.devices.flat}
-
-
-def _scoring(cfg: ExperimentConfig, cluster: RoleCluster) -> dict:
-  """A scoring pass (old or reference log-probs) on `rl.pass_rows` rows: one chunk's float32
-  logits and their exponent (the passes run piece by piece, train/steps.map_minibatches)."""
-  rl, mesh = cfg.rl, cluster.meshes["reference"]
-  rows_global = rl.pass_rows
-  rows = rows_global / batch_ways(mesh, cluster.actor.rules)
-  return {d.id: int(_logits(cfg, rows, rows_global, 2)) for d in mesh.devices.flat}
-
-
-def memory_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict]:
-  """{item: {device id: bytes}} for everything an RL step holds at its peak."""
+def _roles(cfg: ExperimentConfig) -> tuple[list[str], list[str]]:
   trained = ["actor"] + (["critic"] if cfg.rl.advantage == "gae" else [])
-  frozen = ["reference"] + (["reward"] if cfg.rl.reward == "reward_model" else [])
+  return trained, ["reference"] + (["reward"] if cfg.rl.reward == "reward_model" else [])
+
+
+def resident_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict]:
+  """{item: {device id: bytes}} of what stays on the devices through a whole RL step."""
+  trained, frozen = _roles(cfg)
   table = {}
   for name in trained + frozen:
     role = cluster.get(name) or cluster.add(name, initialize=False)
-    table[f"{name} parameters (float32)"] = shard_bytes(role.abstract())
-  for name in trained:
-    params = table[f"{name} parameters (float32)"]
-    table[f"{name} Adam moments"] = {d: 2 * b for d, b in params.items()}
-    copies = 2 if cfg.rl.micro_batch_size else 1  # accumulated + the micro-batch's
-    table[f"{name} gradients"] = {d: copies * b for d, b in params.items()}
+    params = shard_bytes(role.abstract())
+    table[f"{name} parameters ({_dtype_name(role.abstract())})"] = params
+    if name in trained:
+      table[f"{name} Adam moments"] = {d: 2 * b for d, b in params.items()}
   itemsize = np.dtype(cfg.model.compute_dtype).itemsize
   sampler = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          cluster.actor.abstract(), cluster.sampler_shardings)
   table[f"sampler copy ({cfg.model.dtype})"] = shard_bytes(sampler, itemsize)
-  table["sampler KV cache"] = _kv_cache(cfg, cluster)
-  table["update activations (estimate)"] = _activations(cfg, cluster)
-  table["scoring pass logits (one chunk)"] = _scoring(cfg, cluster)
   return table
 
 
+def _per_device(mesh, value: float) -> dict:
+  return {d.id: int(value) for d in mesh.devices.flat}
+
+
+def _pass(cfg: ExperimentConfig, mesh, rules, lm_head: bool = True) -> dict:
+  """What the memory model needs of an update or scoring pass on `mesh`: rows per device,
+  tokens per row, log-prob chunk (0: a value or reward head, no logits), tensor degree, and
+  whether attention is a flash kernel on the target (footprint.flash_attention)."""
+  rl, m = cfg.rl, cfg.model
+  return dict(rows=rl.pass_rows / batch_ways(mesh, rules),
+              seq_len=cfg.data.max_prompt_tokens + rl.max_new_tokens,
+              logit_chunk=chunk_length(rl.pass_rows, rl.max_new_tokens, m.vocab_size) * lm_head,
+              tensor=mesh.shape.get("tensor", 1), flash_attention=footprint.flash_attention(m))
+
+
+def update_footprint(cfg: ExperimentConfig, mesh, rules, param_bytes: float, params: int,
+                     lm_head: bool = True) -> dict[str, float]:
+  """One device's peak during an RL update beyond its resident state (footprint.update_peak):
+  `param_bytes` of float32 parameters on it, `params` in the whole model."""
+  m = cfg.model
+  fsdp, tensor = mesh.shape.get("fsdp", 1), mesh.shape.get("tensor", 1)
+  gathered = params * np.dtype(m.compute_dtype).itemsize / tensor if fsdp > 1 else 0.0
+  return footprint.update_peak(m, **_pass(cfg, mesh, rules, lm_head), param_bytes=param_bytes,
+                               gathered_bytes=gathered, remat=m.remat,
+                               accumulate=bool(cfg.rl.micro_batch_size))
+
+
+def _update_items(cfg: ExperimentConfig, role, lm_head: bool) -> dict[str, dict]:
+  """{item: {device id: bytes}} of `role`'s update at its peak, on each device of its mesh."""
+  params = shard_bytes(role.abstract(), 4)
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(role.abstract()))
+  peaks = {d: update_footprint(cfg, role.mesh, role.rules, b, n, lm_head)
+           for d, b in params.items()}
+  scores = "flash attention" if footprint.flash_attention(cfg.model) else "[T, T] scores"
+  names = {"activations": f"activations (remat={cfg.model.remat}, {scores})"}
+  return {names.get(item, item): {d: int(p[item]) for d, p in peaks.items()}
+          for item in footprint.UPDATE_ITEMS}
+
+
+def phase_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict[str, dict]]:
+  """{phase: {item: {device id: bytes}}}: what each phase of a step adds at its peak."""
+  trained, _ = _roles(cfg)
+  m, rl = cfg.model, cfg.rl
+  smesh = cluster.meshes["sampler"]
+  rows = rl.rollouts / batch_ways(smesh, SAMPLER_RULES)
+  slots = cfg.data.max_prompt_tokens + rl.max_new_tokens
+  kv = footprint.kv_cache_bytes(m, rows, slots, smesh.shape.get("tensor", 1))
+  phases = {"generation": {"KV cache": _per_device(smesh, kv)}}
+  for name in trained:
+    phases[f"{name} update"] = _update_items(cfg, cluster.get(name), lm_head=name == "actor")
+  scoring = [("reference", "reference")] + [("reward", "reward")] * (rl.reward == "reward_model")
+  scoring += [("actor", "old log-probs")] * rl.needs_old_logprobs
+  scoring += [("critic", "values")] * (rl.advantage == "gae")
+  phases["scoring"] = {}
+  for name, what in scoring:  # started together: on shared devices they add up
+    mesh = cluster.meshes[name]
+    lm_head = name in ("actor", "reference")
+    peak = footprint.scoring_peak(m, **_pass(cfg, mesh, cluster.actor.rules, lm_head))
+    phases["scoring"][what] = _per_device(cluster.meshes[name], sum(peak.values()))
+  return phases
+
+
+def _summed(table: dict) -> collections.Counter:
+  """{device id: bytes} of all of a table's items together."""
+  out = collections.Counter()
+  for per_device in table.values():
+    out.update(per_device)
+  return out
+
+
+def _totals(resident: dict, phases: dict) -> tuple[dict, dict]:
+  """Per device: its resident bytes plus its largest phase, and that phase's name."""
+  base = _summed(resident)
+  sums = {phase: _summed(items) for phase, items in phases.items()}
+  devices = set(base).union(*sums.values())
+  largest = {d: max(phases, key=lambda p: sums[p].get(d, 0)) for d in devices}
+  return {d: base.get(d, 0) + sums[largest[d]].get(d, 0) for d in devices}, largest
+
+
+def _micro_batches(cfg: ExperimentConfig, cluster: RoleCluster) -> list[int]:
+  """Micro-batch sizes smaller than today's pass that split a minibatch and every mesh's batch
+  split, largest first."""
+  rl = cfg.rl
+  ways = math.lcm(*(batch_ways(cluster.meshes[r], cluster.actor.rules)
+                    for r in ("actor", "reference", "reward", "critic")))
+  minibatch = rl.rollouts // rl.num_minibatches
+  return [m for m in range(rl.pass_rows - 1, 0, -1) if minibatch % m == 0 and m % ways == 0]
+
+
+def remedy(cfg: ExperimentConfig, cluster: RoleCluster, resident: dict, usable: float) -> str:
+  """The cheapest change that makes `cfg` fit in `usable` bytes per device: the largest
+  micro-batch that fits, else the lightest remat (with the largest micro-batch it then needs),
+  else more devices. A change shrinks only the update and scoring passes; what stays does not."""
+  stays = max(_summed(resident).values())
+  if stays > usable:
+    return f"more devices: what stays through a step alone takes {stays / GIB:.2f} GiB"
+  remats = footprint.REMATS[footprint.REMATS.index(cfg.model.remat):]
+  smallest = cfg.rl.pass_rows
+  for remat in remats:
+    for micro in [0] + _micro_batches(cfg, cluster):
+      if not micro and remat == cfg.model.remat:
+        continue
+      try:
+        trial = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, remat=remat),
+            rl=dataclasses.replace(cfg.rl, micro_batch_size=micro or cfg.rl.micro_batch_size))
+      except ValueError:
+        continue
+      smallest = min(smallest, trial.rl.pass_rows)
+      if max(_totals(resident, phase_table(trial, cluster))[0].values()) <= usable:
+        changes = ([f"rl.micro_batch_size={micro}"] * bool(micro)
+                   + [f"model.remat={remat}"] * (remat != cfg.model.remat))
+        return "try " + " and ".join(changes)
+  return (f"more devices (or shorter sequences): not even model.remat=full with "
+          f"{smallest}-row micro-batches fits")
+
+
 def report(cfg: ExperimentConfig) -> tuple[list[str], bool]:
-  """The dry run's lines, and whether the busiest device fits `placement.device_memory_gb`."""
+  """The dry run's lines, and whether the busiest device fits the memory the runtime gets."""
   if cfg.placement.strategy == "plan":  # the plan depends on the target's devices, not these
     raise ConfigError("config.placement.strategy: --dry_run checks a fixed placement; "
                       "`jaxrl-plan --config FILE --device KIND --devices N` prints the plan to set")
   cluster = RoleCluster(cfg, initialize=False)
   try:
-    table = memory_table(cfg, cluster)
+    resident, phases = resident_table(cfg, cluster), phase_table(cfg, cluster)
   except PlacementError as e:  # a role's mesh axis does not divide a parameter
     raise ConfigError(str(e)) from None
-  totals = collections.Counter()
-  for per_device in table.values():
-    totals.update(per_device)
+  totals, largest = _totals(resident, phases)
   groups = {"trainer": cluster.meshes["actor"], "sampler": cluster.meshes["sampler"]}
   busiest = {name: max((d.id for d in mesh.devices.flat), key=totals.get)
              for name, mesh in groups.items()}
   if busiest["trainer"] == busiest["sampler"]:
     busiest = {"trainer and sampler": busiest["trainer"]}
-  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(cluster.actor.abstract()))
-  meshes = ", ".join(f"{role} {dict(mesh.shape)}" for role, mesh in cluster.meshes.items())
-  lines = [f"model: {n_params / 1e9:.3f} B parameters, {cfg.model.n_layers} layers, "
-           f"d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}",
-           f"placement {cfg.placement.strategy} on {len(cluster.devices)} devices: {meshes}",
-           "every parameter sharding resolved; batch sizes divide their meshes",
-           "GiB per device, on the busiest " + " and ".join(
-               f"{name} device ({d})" for name, d in busiest.items()) + ":"]
+  lines = _header(cfg, cluster, busiest)
   cells = lambda per_device: "".join(f"{per_device.get(d, 0) / GIB:10.2f}"
                                      for d in busiest.values())
-  for item, per_device in table.items():
-    lines.append(f"  {item:<34}{cells(per_device)}")
-  need, have = max(totals[d] for d in busiest.values()) / GIB, cfg.placement.device_memory_gb
-  fits = not have or need <= have
-  verdict = ("fits" if fits else "DOES NOT FIT") if have else "no device_memory_gb to check"
-  lines.append(f"  {'total':<34}{cells(totals)}   (device memory {have:g} GiB: {verdict})")
-  return lines, fits
+  rows = list(resident.items()) + [(f"{phase}: {item}", per_device)
+                                   for phase, items in phases.items()
+                                   for item, per_device in items.items()]
+  for item, per_device in rows:
+    if any(per_device.get(d, 0) for d in busiest.values()):
+      lines.append(f"  {item:<56}{cells(per_device)}")
+  at = ", ".join(f"{largest[d]} on {d}" for d in busiest.values())
+  lines.append(f"  {'total (what stays + the largest phase)':<56}{cells(totals)}   ({at})")
+  lines.append(_verdict(cfg, cluster, resident, max(totals[d] for d in busiest.values())))
+  return lines, not lines[-1].startswith("verdict: DOES NOT FIT")
+
+
+def _header(cfg: ExperimentConfig, cluster: RoleCluster, busiest: dict) -> list[str]:
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(cluster.actor.abstract()))
+  meshes = ", ".join(f"{role} {dict(mesh.shape)}" for role, mesh in cluster.meshes.items())
+  return [f"model: {n_params / 1e9:.3f} B parameters, {cfg.model.n_layers} layers, "
+          f"d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}",
+          f"placement {cfg.placement.strategy} on {len(cluster.devices)} devices: {meshes}",
+          "every parameter sharding resolved; batch sizes divide their meshes",
+          "GiB per device, on the busiest " + " and ".join(
+              f"{name} device ({d})" for name, d in busiest.items()) + ":"]
+
+
+def _verdict(cfg: ExperimentConfig, cluster: RoleCluster, resident: dict, need: float) -> str:
+  """fits | DOES NOT FIT: the remedy, against `usable_memory_gb` (JAX's share of a device)."""
+  pl = cfg.placement
+  if not pl.device_memory_gb:
+    return "verdict: no placement.device_memory_gb to check against"
+  usable = usable_memory_gb(pl)
+  where = (f"{need / GIB:.2f} GiB of the {usable:g} GiB JAX gets of each "
+           f"{pl.device_memory_gb:g} GiB device (placement.device_memory_fraction)")
+  if need <= usable * GIB:
+    return f"verdict: fits: {where}"
+  return f"verdict: DOES NOT FIT: {remedy(cfg, cluster, resident, usable * GIB)}; {where}"

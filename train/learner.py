@@ -12,9 +12,22 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from train.roles import ModelRole, abstract_like
 from train.steps import TrainState
+
+
+def compiler_options(role: ModelRole) -> dict | None:
+  """XLA options of `role`'s update. XLA:CPU drops optimization barriers (`jax.checkpoint`'s
+  guard against common-subexpression elimination) before its last CSE pass, which then merges
+  each block's recomputation in the backward with its forward: `model.remat` would keep every
+  activation and save nothing. With a remat model, a CPU update keeps its barriers to the end,
+  as GPU and TPU compilers do (tests/test_remat.py measures the saving)."""
+  cfg = nnx.merge(role.graphdef, role.abstract()).decoder.cfg  # abstract: allocates nothing
+  if cfg.remat == "none" or jax.default_backend() != "cpu":
+    return None
+  return {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
 class Learner:
@@ -33,7 +46,7 @@ class Learner:
                            opt_state=self._opt_shardings)
     step = functools.partial(update_fn, graphdef=role.graphdef, optimizer=optimizer)
     self._update = role.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None),
-                            donate_argnums=0)
+                            donate_argnums=0, compiler_options=compiler_options(role))
     self.step = self.opt_state = None
     if initialize:
       self.step = jax.device_put(jnp.zeros((), jnp.int32), role.replicated)
@@ -48,6 +61,14 @@ class Learner:
     state, metrics = self._update(self.state, batch)
     self.role.params, self.opt_state, self.step = state.params, state.opt_state, state.step
     return metrics
+
+  def lower(self, batch):
+    """The update lowered for `batch` (arrays or ShapeDtypeStructs) and this learner's state,
+    abstract: `.compile().memory_analysis()` is what one update needs, allocating nothing."""
+    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=self.role.replicated),
+                       params=self.role.abstract(),
+                       opt_state=abstract_like(self._abstract_opt, self._opt_shardings))
+    return self._update.lower(state, batch)
 
   def checkpoint_state(self) -> dict:
     """What a run-state checkpoint keeps of this learner (the parameters are the role's)."""

@@ -75,7 +75,7 @@ def preset_plan(cfg: ExperimentConfig, n_devices: int, dev: DeviceSpec) -> Plan:
   sampler = Mesh(data=ns // pl.sampler_tensor, tensor=pl.sampler_tensor)
   scorer = Mesh(fsdp=(n_devices - k) // 2) if pl.strategy == "interleave" else trainer
   return Plan(pl.strategy, trainer, sampler, scorer, rl.mode, rl.micro_batch_size,
-              staleness=rl.max_staleness)
+              cfg.model.remat, staleness=rl.max_staleness)
 
 
 def predict(sample: Sample, dev: DeviceSpec, eff: Efficiency) -> float:

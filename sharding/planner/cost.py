@@ -28,9 +28,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxrl.algos.logprobs import chunk_length
 from jaxrl.config import ExperimentConfig
 from jaxrl.models import flops
 from jaxrl.models.llama import ModelConfig
+from sharding.planner import footprint
 from sharding.planner.devices import DeviceSpec, Efficiency
 
 STAGES = ("generate", "reward", "reference", "old_logprobs", "values", "update", "critic_update",
@@ -58,7 +60,7 @@ class Workload:
   paged: bool = False  # KV cache by the token (vLLM's pages): a row holds its mean length, not
   #                      its budget, as jaxrl's slots do
   sampler_bytes: int = 0  # bytes per weight of the sampler's copy (1: fp8); 0: compute dtype
-  flash_attention: bool = False  # attention never holds [T, T] probabilities (jaxrl does)
+  flash_attention: bool = False  # attention never holds [T, T] scores (jaxrl's cuDNN kernel)
 
   @classmethod
   def from_config(cls, cfg: ExperimentConfig) -> Workload:
@@ -68,7 +70,8 @@ class Workload:
                num_minibatches=rl.num_minibatches, micro_batch_size=rl.micro_batch_size,
                old_pass=rl.needs_old_logprobs, reference=rl.kl_coef > 0,
                critic=rl.advantage == "gae", reward_model=rl.reward == "reward_model",
-               inflight=rl.inflight_slots > 0)
+               inflight=rl.inflight_slots > 0,
+               flash_attention=footprint.flash_attention(cfg.model))
 
   @property
   def rows(self) -> int:
@@ -88,6 +91,10 @@ class Workload:
     """Passes an update (and a scoring pass) runs one after another: micro-batches."""
     rows = self.micro_batch_size or self.rows // self.num_minibatches
     return self.rows // rows
+
+  def logit_chunk(self, rows: int) -> int:
+    """Positions per log-prob chunk of a pass over `rows` rows (jaxrl/algos/logprobs.py)."""
+    return chunk_length(rows, self.new_tokens, self.model.vocab_size)
 
   @property
   def compute_bytes(self) -> int:
@@ -130,13 +137,13 @@ class Plan:
   scorer: Mesh  # reference and reward model (interleave: each on a group of this shape)
   mode: str = "sync"
   micro_batch_size: int = 0
-  remat: bool = False  # the update recomputes each layer in the backward (not in jaxrl yet)
+  remat: str = "none"  # none | dots | full: what the update recomputes (model.remat)
   staleness: int = 1  # async: versions a batch may lag (rl.max_staleness); 0 overlaps nothing
 
   def describe(self) -> str:
     t, s = self.trainer, self.sampler
     mb = f", micro-batch {self.micro_batch_size}" if self.micro_batch_size else ""
-    mb += ", remat" if self.remat else ""
+    mb += f", remat {self.remat}" if self.remat != "none" else ""
     return (f"{self.strategy} {self.mode}: trainer {t.size} (data {t.data} x fsdp {t.fsdp} x "
             f"tensor {t.tensor}), sampler {s.size} (data {s.data} x tensor {s.tensor}){mb}")
 
@@ -198,11 +205,15 @@ def forward_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh) -> floa
 
 
 def update_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh,
-             remat: bool = False) -> float:
-  """Forward + backward of every piece (with `remat`, a second forward), then the optimizer
-  reading and writing float32 weights, gradients and two Adam moments (from HBM)."""
-  flop = (flops.train_flops(w.model, w.rows, w.seq_len, w.seq_len - w.prompt_len)
-          * (4 / 3 if remat else 1))
+             remat: str = "none") -> float:
+  """Forward + backward of every piece, plus what `remat` recomputes (full: the blocks'
+  forward; dots: attention's products), then the optimizer reading and writing float32
+  weights, gradients and two Adam moments (from HBM)."""
+  flop = flops.train_flops(w.model, w.rows, w.seq_len, w.seq_len - w.prompt_len)
+  if remat == "full":
+    flop += flops.forward_flops(w.model, w.rows, w.seq_len, 0)
+  elif remat == "dots":
+    flop += flops.attention_flops(w.model, w.rows * w.seq_len, (w.seq_len + 1) / 2)
   compute = _compute_s(dev, eff, flop, mesh, eff.train_mfu, w.model.d_model,
                        _piece_rows(w, mesh))
   comm = _fsdp_s(w, dev, eff, mesh, 2, scatter=True)

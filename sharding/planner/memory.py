@@ -1,15 +1,18 @@
 """Memory per device of a plan, and how many rows the sampler's KV cache holds at once.
 
-Trainer devices hold the trained models' float32 weights and Adam moments for the whole run,
-gradients (two copies with micro-batches: the accumulator and the micro-batch's) and the
-activations the backward needs during the update, and the frozen models they host (float32).
-Sampler devices hold the compute-dtype copy of the actor and the KV cache. Colocated, both live
-on the same devices: the KV cache gets what the trainer's resident state leaves.
+Trainer devices hold the trained models' float32 weights and Adam moments for the whole run and
+the frozen models they host (the reference in the compute dtype unless `frozen_float32`, as
+train/cluster.py stores it; a reward model in float32), and during an update what footprint.py
+counts (the one memory model, the dry run's too): gradients, activations by `remat`, log-prob
+logits, fsdp's gathered weights. Sampler devices hold the compute-dtype copy of the actor and the
+KV cache. Colocated, both live on the same devices: the KV cache gets what the trainer's resident
+state leaves.
 """
 from __future__ import annotations
 
 import math
 
+from sharding.planner import footprint
 from sharding.planner.cost import Mesh, Plan, Workload
 
 HEADROOM = 0.9  # of a device's memory a plan may fill (allocator slack, XLA temporaries)
@@ -19,39 +22,38 @@ def _shard(w: Workload, mesh: Mesh) -> float:
   return w.params / (mesh.fsdp * mesh.tensor)
 
 
-def activation_bytes(w: Workload, mesh: Mesh, micro_batch_size: int = 0,
-                     remat: bool = False) -> float:
-  """What the update keeps for its backward on one device: per layer and token the block's
-  inputs, projections and MLP hidden states, and (without flash attention) per head the float32
-  attention probabilities; with `remat` only each layer's input, and one layer's worth."""
-  m = w.model
-  rows = (micro_batch_size or w.rows // w.num_minibatches) / (mesh.data * mesh.fsdp)
-  per_token_layer = w.compute_bytes * (4 * m.d_model + (m.n_heads + 2 * m.n_kv_heads)
-                                       * m.head_dim / mesh.tensor + 3 * m.d_ff / mesh.tensor)
-  if not w.flash_attention:
-    per_token_layer += 4 * m.n_heads / mesh.tensor * w.seq_len
-  if remat:
-    return rows * w.seq_len * (m.n_layers * w.compute_bytes * m.d_model + per_token_layer)
-  return rows * w.seq_len * m.n_layers * per_token_layer
+def update_bytes(w: Workload, plan: Plan) -> float:
+  """What an update adds on one trainer device at its peak (footprint.update_peak): one
+  micro-batch (or minibatch) of rows, the plan's remat."""
+  t = plan.trainer
+  rows = plan.micro_batch_size or w.rows // w.num_minibatches
+  gathered = w.compute_bytes * w.params / t.tensor if t.fsdp > 1 else 0.0
+  peak = footprint.update_peak(
+      w.model, rows=rows / (t.data * t.fsdp), seq_len=w.seq_len, logit_chunk=w.logit_chunk(rows),
+      param_bytes=4 * _shard(w, t), gathered_bytes=gathered, tensor=t.tensor, remat=plan.remat,
+      flash_attention=w.flash_attention, accumulate=bool(plan.micro_batch_size))
+  return sum(peak.values())
 
 
 def trainer_bytes(w: Workload, plan: Plan) -> tuple[float, float]:
   """(resident, peak) bytes per trainer device: resident between updates, peak during one."""
-  t = plan.trainer
   trained = 2 if w.critic else 1
-  frozen = 0 if plan.strategy == "interleave" else int(w.reference) + int(w.reward_model)
-  resident = (12 * trained + 4 * frozen) * _shard(w, t)
-  gradients = (8 if plan.micro_batch_size else 4) * trained * _shard(w, t)
-  return resident, resident + gradients + activation_bytes(w, t, plan.micro_batch_size,
-                                                          plan.remat)
+  frozen = 0.0 if plan.strategy == "interleave" else sum(frozen_bytes(w))
+  resident = (12 * trained + frozen) * _shard(w, plan.trainer)
+  return resident, resident + update_bytes(w, plan)
+
+
+def frozen_bytes(w: Workload) -> tuple[int, int]:
+  """Bytes per parameter of the frozen models the step runs: the reference, the reward model."""
+  reference = 4 if w.model.frozen_float32 else w.compute_bytes
+  return reference * int(w.reference), 4 * int(w.reward_model)
 
 
 def kv_row_bytes(w: Workload, sampler: Mesh) -> float:
   """One row's KV cache, per device of its tensor group: at its longest (prompt + budget), or
   paged, at its mean length."""
-  heads = min(sampler.tensor, w.model.n_kv_heads)  # KV heads are replicated beyond that
   tokens = w.prompt_len + (w.mean_response if w.paged else w.new_tokens)
-  return tokens * w.kv_bytes_per_token / heads
+  return footprint.kv_cache_bytes(w.model, 1, tokens, sampler.tensor)
 
 
 def sampler_weight_bytes(w: Workload, sampler: Mesh) -> float:
@@ -75,7 +77,7 @@ def memory(w: Workload, plan: Plan, device_bytes: float = math.inf) -> dict[str,
   sampler = sampler_weight_bytes(w, plan.sampler) + rows * kv_row_bytes(w, plan.sampler)
   out = {"trainer": peak, "sampler": sampler}
   if plan.strategy == "interleave":  # reference and reward model: a group each
-    out["scorer"] = 4 * _shard(w, plan.scorer)
+    out["scorer"] = max(frozen_bytes(w)) * _shard(w, plan.scorer)
   if plan.strategy in ("colocate", "interleave"):  # the sampler shares the trainer's devices
     # Its weights stay through the update; the KV cache lives only while generating.
     both = max(peak + sampler_weight_bytes(w, plan.sampler), resident + sampler)

@@ -2,8 +2,9 @@
 
 The search runs over what `sharding/placement.make_placement` builds, in the config's RL mode
 (async changes the algorithm's data, so the planner never switches it), keeping a micro-batch
-size the user set. The device's factors come from `placement.calibration` (a JSON file written
-by `jaxrl-plan --calibrate`) or else the built-in table for the device kind.
+size and a remat (`model.remat` other than "none") the user set; otherwise the plan sets both.
+The device's factors come from `placement.calibration` (a JSON file written by `jaxrl-plan
+--calibrate`) or else the built-in table for the device kind.
 """
 from __future__ import annotations
 
@@ -56,13 +57,16 @@ def calibration_for(cfg: ExperimentConfig, device, local_devices: int) -> Calibr
 
 
 def choose(cfg: ExperimentConfig, devices, hosts: int = 1) -> tuple[ExperimentConfig, Ranked]:
-  """`cfg` with the best plan's placement (and micro-batch size) filled in, and that plan."""
+  """`cfg` with the best plan's placement, micro-batch size and remat filled in, and that
+  plan."""
   cal = calibration_for(cfg, devices[0], len(devices) // hosts)
   workload = Workload.from_config(cfg)
   ranked = search(workload, len(devices), cal.device, cal.efficiency, modes=(cfg.rl.mode,),
                   top=None, staleness=cfg.rl.max_staleness)
   if cfg.rl.micro_batch_size:
     ranked = [r for r in ranked if r.plan.micro_batch_size == cfg.rl.micro_batch_size]
+  if cfg.model.remat != "none":
+    ranked = [r for r in ranked if r.plan.remat == cfg.model.remat]
   if not ranked:
     raise ConfigError(f"config.placement.strategy: 'plan' found no placement of this model on "
                       f"{len(devices)} {cal.device.name} devices that fits in memory and splits "
@@ -74,6 +78,7 @@ def choose(cfg: ExperimentConfig, devices, hosts: int = 1) -> tuple[ExperimentCo
                                   else cfg.placement.train_devices,
                                   sampler_tensor=plan.sampler.tensor)
   rl = dataclasses.replace(cfg.rl, micro_batch_size=plan.micro_batch_size)
+  model = dataclasses.replace(cfg.model, remat=plan.remat)
   log.info("placement plan: %s, predicted %.3g s per RL step (%s)", plan.describe(), best.step_s,
            best.reason)
-  return dataclasses.replace(cfg, placement=placement, rl=rl), best
+  return dataclasses.replace(cfg, placement=placement, rl=rl, model=model), best

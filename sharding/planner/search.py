@@ -1,5 +1,6 @@
 """Search over execution plans: placements, the device split between roles, mesh shapes per role,
-micro-batch sizes and sync / async, under the memory limit, ranked by predicted step time.
+micro-batch sizes, rematerialisation (model.remat) and sync / async, under the memory limit,
+ranked by predicted step time.
 
 `presets_only=True` searches what `sharding/placement.make_placement` builds (the trainer
 fsdp-shards inside each host and is data-parallel across hosts; the sampler is {data, tensor});
@@ -14,6 +15,7 @@ import itertools
 from sharding.placement import PlacementError, make_placement
 from sharding.planner.cost import Mesh, Plan, Workload, stage_times, step_time
 from sharding.planner.devices import DeviceSpec, Efficiency
+from sharding.planner.footprint import REMATS
 from sharding.planner.memory import HEADROOM, kv_rows, memory, total_bytes
 
 
@@ -71,7 +73,6 @@ def candidates(w: Workload, n: int, dev: DeviceSpec, *, modes=("sync", "async"),
                presets_only: bool = True, staleness: int = 1):
   """Every plan for `n` devices of kind `dev` (not yet checked against memory or batch sizes)."""
   layouts = [("colocate", n, n)]
-  remats = (False,) if presets_only else (False, True)  # jaxrl's update does not remat yet
   for k in _splits(n, dev):
     layouts += [("separate", k, n - k), ("interleave", k, k)]
   for (strategy, k, ns), mode in itertools.product(layouts, modes):
@@ -81,7 +82,7 @@ def candidates(w: Workload, n: int, dev: DeviceSpec, *, modes=("sync", "async"),
     for trainer in _trainer_meshes(k, dev, presets_only):
       scorer = Mesh(fsdp=scorer_size) if strategy == "interleave" else trainer
       for sampler in _sampler_meshes(ns, dev, presets_only):
-        for micro, remat in itertools.product(_micro_batches(w, trainer), remats):
+        for micro, remat in itertools.product(_micro_batches(w, trainer), REMATS):
           yield Plan(strategy, trainer, sampler, scorer, mode, micro, remat, staleness)
 
 

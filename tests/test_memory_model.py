@@ -1,0 +1,92 @@
+"""The memory model (sharding/planner/footprint.py, through the dry run's `update_footprint`)
+against XLA's own count: the temporary bytes of the real RL update, compiled by its Learner for
+three small configs, allocating nothing.
+
+XLA's `temp_size_in_bytes` is everything the update allocates beyond its arguments and outputs
+(the donated state aliases them): gradients, the optimizer's update, activations, log-prob
+logits, gathered weights; the estimate counts the same things. The tolerance stays at 25%: when
+a model change moves the measured bytes, re-fit footprint.py's per-token counts (the
+coefficients at its top), not this bound.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxrl.config import DataConfig, ExperimentConfig, RLConfig
+from jaxrl.models.llama import LanguageModel, ModelConfig
+from sharding.rules import MESH_AXES
+from train import steps
+from train.dry_run import shard_bytes, update_footprint
+from train.experience import Experience
+from train.learner import Learner
+from train.roles import ModelRole
+
+
+def _config(model: dict, *, prompt: int, new: int, rollouts: int, **rl) -> ExperimentConfig:
+  heads = dict(n_heads=4, n_kv_heads=2, head_dim=model["d_model"] // 4, d_ff=4 * model["d_model"])
+  return ExperimentConfig(
+      model=ModelConfig(**{**heads, **model}), data=DataConfig(max_prompt_tokens=prompt),
+      rl=RLConfig(prompts_per_step=rollouts // 2, group_size=2, max_new_tokens=new, kl_coef=0.05,
+                  **rl))
+
+
+CONFIGS = {  # the per-device rows of one pass, the remat and the fsdp degree all differ
+    "d128x4, 128 tokens, fsdp 2, no remat": (
+        _config(dict(d_model=128, n_layers=4), prompt=64, new=64, rollouts=16,
+                num_minibatches=2), 2),
+    "d256x2, 96 tokens, micro-batches, dots": (
+        _config(dict(d_model=256, n_layers=2, remat="dots"), prompt=32, new=64, rollouts=16,
+                num_minibatches=1, micro_batch_size=4), 1),
+    "d64x6, 256 tokens, 2048 vocab, full": (
+        _config(dict(d_model=64, n_layers=6, vocab_size=2048, remat="full"), prompt=128,
+                new=128, rollouts=8, num_minibatches=1), 1),
+}
+
+
+def _experience(cfg: ExperimentConfig, role: ModelRole) -> Experience:
+  """The abstract batch an RL update gets, split over the mesh's batch axes as the stage puts it."""
+  b, n = cfg.rl.rollouts, cfg.rl.max_new_tokens
+  t = cfg.data.max_prompt_tokens + n
+  f32 = jax.ShapeDtypeStruct((b, n), jnp.float32)
+  exp = Experience(tokens_BT=jax.ShapeDtypeStruct((b, t), jnp.int32),
+                   valid_BT=jax.ShapeDtypeStruct((b, t), bool),
+                   completion_mask_BN=jax.ShapeDtypeStruct((b, n), bool),
+                   sampler_logprobs_BN=f32, ref_logprobs_BN=f32, advantages_BN=f32,
+                   old_logprobs_BN=f32 if cfg.rl.needs_old_logprobs else None)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), exp,
+                      role.batch_shardings(exp))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_update_estimate_is_within_a_quarter_of_xla(name):
+  cfg, fsdp = CONFIGS[name]
+  mesh = Mesh(np.array(jax.devices()[:fsdp]).reshape(1, fsdp, 1), MESH_AXES)
+  role = ModelRole("actor", lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0)), mesh)
+  learner = Learner(role, functools.partial(steps.rl_update, cfg=cfg.rl),
+                    steps.make_optimizer(1e-5), initialize=False)
+  xla = learner.lower(_experience(cfg, role)).compile().memory_analysis().temp_size_in_bytes
+  params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(role.abstract()))
+  on_device0 = shard_bytes(role.abstract(), 4)[mesh.devices.flat[0].id]
+  estimate = sum(update_footprint(cfg, mesh, role.rules, on_device0, params).values())
+  print(f"{name}: estimate {estimate / 1e6:.1f} MB, XLA {xla / 1e6:.1f} MB")
+  assert estimate == pytest.approx(xla, rel=0.25)
+
+
+def test_remat_and_micro_batches_shrink_the_estimate():
+  """The model's direction, without XLA: every remat saves, and a micro-batch saves more than
+  its gradient accumulator costs on an activation-bound update."""
+  cfg, _ = CONFIGS["d128x4, 128 tokens, fsdp 2, no remat"]
+  mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), MESH_AXES)
+  role = ModelRole("actor", lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0)), mesh)
+  params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(role.abstract()))
+  peak = lambda c: sum(update_footprint(c, mesh, role.rules, 4 * params, params).values())
+  with_remat = lambda r: dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=r))
+  assert peak(with_remat("full")) < peak(with_remat("dots")) < peak(cfg)
+  micro = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, micro_batch_size=2))
+  assert peak(micro) < peak(cfg)
