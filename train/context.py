@@ -37,7 +37,8 @@ class TaskData:
   train: list[Example]
   heldout: list[Example]
   enc: Encoding  # prompt and target token ids
-  prompt_len: int  # data.max_prompt_tokens: prompt batches are left-padded to a bucket of it
+  # The longest prompt (at most data.max_prompt_tokens): batches are left-padded to a bucket of it
+  prompt_len: int
   buckets: int  # rl.length_buckets
   max_new_tokens: int  # rl.max_new_tokens
   reward: Reward  # rl.verifier: a verifier, or a user function of the rows' fields
@@ -131,8 +132,11 @@ def load_task(cfg: ExperimentConfig, tok: Tokenizer) -> TaskData:
   else:
     (train, heldout), skipped = _synthetic(cfg, enc), {}
   reward, verifier = make_reward(cfg.rl.verifier)
-  p_len = cfg.data.max_prompt_tokens
-  buckets = cfg.rl.length_buckets
+  p_len, buckets = cfg.data.max_prompt_tokens, cfg.rl.length_buckets
+  if buckets:  # the buckets split the lengths that occur: up to the data's longest prompt
+    lengths = map(len, tok.encode_batch([e.prompt for e in train + heldout], bos=not enc.chat,
+                                        eos=False))
+    p_len = min(p_len, max(lengths, default=1))
   return TaskData(train=train, heldout=heldout, enc=enc, prompt_len=p_len, buckets=buckets,
                   max_new_tokens=cfg.rl.max_new_tokens, reward=reward, verifier=verifier,
                   prompts=prompt_dataset(train, enc, batch_size=cfg.rl.prompts_per_step,
