@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     return 128 + signal.Signals[name].value if name in signal.Signals.__members__ else 1
   if primary:
     print("jaxrl: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                                for k, v in summary.items()), flush=True)
+                                for k, v in summary.items() if not isinstance(v, dict)),
+          flush=True)  # nested entries (compile seconds per label) are in summary.json
   return 0
 
 
