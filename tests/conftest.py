@@ -1,13 +1,22 @@
 """Tests run on a fake 8-device CPU mesh; XLA_FLAGS must be set before JAX starts its backend."""
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "").replace(
     "--xla_force_host_platform_device_count=8", "") + " --xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# No persistent compilation cache (train/compilation.py) for the tests or the runs they start:
-# nothing written to the user's cache, and every test compiles as it always has. The test of
-# the cache (tests/test_startup.py) gives its runs a directory of their own.
-os.environ["JAXRL_COMPILATION_CACHE"] = "off"
+# One persistent compilation cache for the session, in a fresh temporary directory (never the
+# user's): tests that build the same programs (the tiny runs, in this process and in the CLI
+# runs it starts) load them instead of compiling them again. JAX reads this variable itself,
+# so every jit in this process uses it; the test of the cache (tests/test_startup.py) gives its
+# runs a directory of their own.
+_CACHE = tempfile.mkdtemp(prefix="jaxrl-tests-xla-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ.pop("JAXRL_COMPILATION_CACHE", None)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
