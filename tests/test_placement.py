@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.models.llama import LanguageModel, ModelConfig, compute_dtypes, positions_from_valid
+from jaxrl.models.dtypes import compute_dtypes
+from jaxrl.models.llama import LanguageModel, ModelConfig, positions_from_valid
 from sharding.mesh import init_sharded, param_shardings
 from sharding.placement import PlacementError, make_placement
 from sharding.reshard import plan_buckets, reshard

@@ -12,7 +12,7 @@ from jax.extend.core import jaxprs_in_params
 from jax.sharding import Mesh
 
 from jaxrl.models import LanguageModel, ModelConfig
-from jaxrl.models.llama import compute_dtypes
+from jaxrl.models.dtypes import compute_dtypes
 from train import steps
 from train.roles import ModelRole
 

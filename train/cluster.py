@@ -16,7 +16,8 @@ from flax import nnx
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.models.heads import RewardModel, ValueModel
 from jaxrl.models.hf import HFError, load_params
-from jaxrl.models.llama import LanguageModel, compute_dtypes
+from jaxrl.models.dtypes import compute_dtypes
+from jaxrl.models.llama import LanguageModel
 from sharding.placement import ROLES, PlacementError, host_major_devices, make_placement
 from sharding.reshard import TransferStats, reshard
 from sharding.rules import SAMPLER_RULES, logical_to_spec

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl.models.llama import cast_to
+from jaxrl.models.dtypes import cast_to
 from sharding.mesh import batch_sharding, param_shardings
 from sharding.placement import PlacementError
 from sharding.reshard import reshard
@@ -59,7 +59,7 @@ def abstract_like(tree, shardings):
 class ModelRole:
   """`make_model()` builds the module (only traced here: `nnx.eval_shape`). `stored_dtypes`
   (a frozen role): a function of the abstract parameters giving the dtypes to hold them in
-  (a tree, None: as initialised), e.g. `llama.compute_dtypes`: a bf16 reference holds half the
+  (a tree, None: as initialised), e.g. `dtypes.compute_dtypes`: a bf16 reference holds half the
   bytes and scores exactly as its float32 weights would."""
 
   def __init__(self, name: str, make_model, mesh: Mesh, rules=TRAIN_RULES, stored_dtypes=None):

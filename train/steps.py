@@ -13,8 +13,8 @@ from jaxrl.algos import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, bradley_terry_
 from jaxrl.algos.logprobs import chunked_logprobs
 from jaxrl.algos.losses import aggregation_weights, truncated_is_weight, value_loss
 from jaxrl.config import RLConfig
-from jaxrl.models.llama import (cast_to, compute_dtypes, positions_from_segments,
-                                positions_from_valid)
+from jaxrl.models.dtypes import cast_to, compute_dtypes
+from jaxrl.models.llama import positions_from_segments, positions_from_valid
 
 
 @flax.struct.dataclass

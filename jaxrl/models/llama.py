@@ -60,7 +60,7 @@ class ModelConfig:
   rope_original_max_positions: int = 8192
   dtype: str = "float32"  # compute dtype; trained parameters are always stored in float32
   # The frozen reference (and, always, the sampler's copy) holds its matrices in the compute
-  # dtype, which scores exactly as float32 weights would (`compute_dtypes`); True keeps float32.
+  # dtype, which scores exactly as float32 weights would (models/dtypes.py); True keeps float32.
   frozen_float32: bool = False
   # none | dots | full: recompute the decoder blocks' activations in the backward instead of
   # keeping them (REMAT_POLICIES); training only: the sampler's cached passes never remat.
@@ -387,26 +387,6 @@ class LanguageModel(nnx.Module):
     weights cast to the compute dtype once per call, the LM head computed once."""
     from jaxrl.models.decode import LMDecoding  # decode.py builds on this module
     return LMDecoding.of(self)
-
-
-def compute_dtypes(cfg: ModelConfig, params):
-  """What a copy of `params` can hold already in the compute dtype (a tree of dtypes; None: as
-  is): every matrix, except a scaled tied embedding, whose LM head the model computes from the
-  float32 values. The model casts its matrices to the compute dtype where it multiplies, so
-  such a copy (the sampler's, a frozen role's, an update's once-per-step cast) gives the same
-  results as the float32 parameters."""
-  dt = jnp.dtype(cfg.compute_dtype)
-  keep = cfg.tie_embeddings and cfg.scale_tied_head
-
-  def rule(path, x):
-    embed = any(getattr(k, "key", None) == "embed" for k in path)
-    return dt if x.ndim > 1 and x.dtype != dt and not (keep and embed) else None
-  return jax.tree_util.tree_map_with_path(rule, params)
-
-
-def cast_to(params, dtypes):
-  """`params` with the leaves `dtypes` names cast (see `compute_dtypes`)."""
-  return jax.tree.map(lambda x, d: x if d is None else x.astype(d), params, dtypes)
 
 
 def init_kv_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
