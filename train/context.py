@@ -134,9 +134,7 @@ def load_task(cfg: ExperimentConfig, tok: Tokenizer) -> TaskData:
   reward, verifier = make_reward(cfg.rl.verifier)
   p_len, buckets = cfg.data.max_prompt_tokens, cfg.rl.length_buckets
   if buckets:  # the buckets split the lengths that occur: up to the data's longest prompt
-    lengths = map(len, tok.encode_batch([e.prompt for e in train + heldout], bos=not enc.chat,
-                                        eos=False))
-    p_len = min(p_len, max(lengths, default=1))
+    p_len = min(p_len, prompt_length(train + heldout, enc))
   return TaskData(train=train, heldout=heldout, enc=enc, prompt_len=p_len, buckets=buckets,
                   max_new_tokens=cfg.rl.max_new_tokens, reward=reward, verifier=verifier,
                   prompts=prompt_dataset(train, enc, batch_size=cfg.rl.prompts_per_step,

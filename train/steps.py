@@ -115,12 +115,17 @@ def scan_minibatches(update_one, state: TrainState, batch, n: int):
 
 
 def compute_copy(graphdef, params):
-  """The trained weights as the forward multiplies them: matrices cast to the model's compute
-  dtype once per update, not once per micro-batch, layer call or log-prob chunk (a no-op for a
-  float32 model). Differentiating through this copy gives the gradient the float32 weights
-  would get: the model casts to the compute dtype where it multiplies anyway."""
+  """The trained weights as the forward multiplies them: the decoder layers' matrices cast to the
+  model's compute dtype once per minibatch, not once per micro-batch and layer call (a no-op for
+  a float32 model). Their gradients are those of the bf16 products, as before (the model casts
+  where it multiplies); the embedding and an untied head stay float32, so the gradients the
+  log-prob head and the token lookup give them add up in float32."""
   cfg = nnx.merge(graphdef, params).decoder.cfg  # traced: merging copies nothing
-  return cast_to(params, compute_dtypes(cfg, params))
+  edges = ("embed", "lm_head")
+  dtypes = jax.tree_util.tree_map_with_path(
+      lambda path, d: None if any(getattr(k, "key", None) in edges for k in path) else d,
+      compute_dtypes(cfg, params))
+  return cast_to(params, dtypes)
 
 
 def accumulate_grads(loss_fn, params, batch, n: int):

@@ -1,5 +1,5 @@
 """Copies of a model's parameters in its compute dtype (the sampler's, a frozen role's, the
-update's once-per-minibatch cast): which leaves to cast, and the cast."""
+update's once-per-minibatch cast of its layers): which leaves to cast, and the cast."""
 from __future__ import annotations
 
 import jax
@@ -12,8 +12,8 @@ def compute_dtypes(cfg: ModelConfig, params):
   """What a copy of `params` can hold already in the compute dtype (a tree of dtypes; None: as
   is): every matrix, except a scaled tied embedding, whose LM head the model computes from the
   float32 values. The model casts its matrices to the compute dtype where it multiplies, so
-  such a copy (the sampler's, a frozen role's, an update's once-per-step cast) gives the same
-  results as the float32 parameters."""
+  such a copy (the sampler's, a frozen role's) gives the same results as the float32
+  parameters."""
   dt = jnp.dtype(cfg.compute_dtype)
   keep = cfg.tie_embeddings and cfg.scale_tied_head
 
