@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# When JAX runs on the CPU, train.main fakes placement.cpu_devices (8) host devices for its
+# When JAX runs on the CPU, cli.train fakes placement.cpu_devices (8) host devices for its
 # mesh (sharding/host.py); the tests always run on 8 fake CPU devices (tests/conftest.py).
 
 .PHONY: run test clean
@@ -18,7 +18,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	touch $@
 
 run: $(VENV)/.installed
-	$(PY) -m train.main --config=configs/default.py $(ARGS)
+	$(PY) -m cli.train --config=configs/default.py $(ARGS)
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,10 +1,10 @@
-"""Shared benchmark plumbing: timing and the matmul peak (sharding/planner/measure.py), the JSON
+"""Shared benchmark plumbing: timing and the matmul peak (planner/measure.py), the JSON
 last line."""
 from __future__ import annotations
 
 import json
 
-from sharding.planner.measure import best_seconds, matmul_flops_per_s  # noqa: F401 (re-exported)
+from planner.measure import best_seconds, matmul_flops_per_s  # noqa: F401 (re-exported)
 
 
 def add_host_flags(parser) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 from benchmarks.common import add_host_flags, emit, setup_host
 from sharding.host import force_cpu_devices
 
-from train.plan_cli import MEDIUM_MODEL as MEDIUM, SHORT_RL as BATCH
+from cli.plan import MEDIUM_MODEL as MEDIUM, SHORT_RL as BATCH
 
 SMALL = {}  # the default experiment's model: d_model 128, 2 layers
 LARGE = dict(d_model=384, n_layers=6, n_heads=6, n_kv_heads=2, head_dim=64, d_ff=1536)
@@ -47,7 +47,7 @@ CONFIGS = {"small interleave sync": _config(SMALL, "interleave"),
 
 def step_times(overrides: dict, steps: int, warmup: int) -> tuple[list[float], object]:
   """The step seconds of `steps` RL steps after `warmup` ones, and the resolved config."""
-  from train.plan_cli import bench_config, run_steps
+  from cli.plan import bench_config, run_steps
   _, times, cfg = run_steps(bench_config(overrides, steps + warmup), steps + warmup)
   return times[warmup:], cfg
 
@@ -58,8 +58,8 @@ def median_step_s(overrides: dict, steps: int, warmup: int) -> tuple[float, obje
 
 
 def predicted_s(cfg, cal) -> float:
-  from sharding.planner.calibrate import Sample, predict, preset_plan
-  from sharding.planner.cost import Workload
+  from planner.calibrate import Sample, predict, preset_plan
+  from planner.cost import Workload
   n = cfg.placement.cpu_devices
   sample = Sample(Workload.from_config(cfg), preset_plan(cfg, n, cal.device), "step", 0.0, n)
   return predict(sample, cal.device, cal.efficiency)
@@ -81,7 +81,7 @@ def default_plan(cal, cal_path: str, steps: int, warmup: int, rounds: int) -> di
   out = {f"{n}_measured_s": round(float(np.median(times[n])), 4) for n in names}
   for n in names[:3]:
     out[f"{n}_predicted_s"] = round(predicted_s(_resolved(n, cal_path), cal), 4)
-  from sharding.planner.plan import choose
+  from planner.plan import choose
   from sharding.placement import host_major_devices
   _, best = choose(_resolved("plan", cal_path), host_major_devices())
   out["plan"] = best.plan.describe()
@@ -98,7 +98,7 @@ def default_plan(cal, cal_path: str, steps: int, warmup: int, rounds: int) -> di
 
 def _resolved(strategy: str, cal_path: str):
   from jaxrl.config import ExperimentConfig, from_mapping
-  from train.plan_cli import bench_config
+  from cli.plan import bench_config
   raw = bench_config({"placement": {"strategy": strategy, "calibration": cal_path}}, 1)
   return from_mapping(ExperimentConfig, raw)
 
@@ -113,7 +113,7 @@ def main() -> None:
   args = parser.parse_args()
   setup_host(args)
   force_cpu_devices(8)
-  from train.plan_cli import calibrate_here
+  from cli.plan import calibrate_here
 
   cal, samples = calibrate_here(args.steps, args.warmup)
   cal_path = tempfile.mktemp(prefix="jaxrl-calibration-", suffix=".json")

@@ -28,16 +28,17 @@ def main() -> None:
   from flax import nnx
 
   from jaxrl.models.llama import LanguageModel, ModelConfig
-  from sharding.mesh import init_sharded, param_shardings
+  from sharding.mesh import param_shardings
   from sharding.placement import make_placement
   from sharding.reshard import reshard
   from sharding.rules import SAMPLER_RULES, TRAIN_RULES
+  from train.roles import ModelRole
 
   cfg = ModelConfig(vocab_size=32768, d_model=1024, n_layers=4, n_heads=16, n_kv_heads=8,
                     head_dim=64, d_ff=2816, tie_embeddings=False)
   placement = make_placement("separate", 8, train_devices=4, sampler_tensor=2)
-  _, state, _ = init_sharded(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)), TRAIN_RULES,
-                             placement.mesh("actor"))
+  state = ModelRole("actor", lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)),
+                    placement.mesh("actor"), TRAIN_RULES).initialize().params
   target = param_shardings(state, SAMPLER_RULES, placement.mesh("sampler"))
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   results = []

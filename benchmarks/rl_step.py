@@ -126,7 +126,7 @@ def find_workload(name: str) -> Workload:
 
 
 def build_config(workload: Workload, steps: int, reduced: bool = False, **rl) -> dict:
-  from train.plan_cli import bench_config
+  from cli.plan import bench_config
   raw = bench_config(workload.sections(reduced), steps)
   raw["rl"].update(rl)
   return raw

@@ -2,8 +2,8 @@
 and the decode roofline (bytes a decode step must read / bandwidth).
 
 On an accelerator both ceilings come from the planner's device table
-(sharding/planner/devices.py: datasheet dense bf16 peak and HBM bandwidth); on a CPU, or a device
-the table lacks, they are measured in this process (sharding/planner/measure.py), the matmul
+(planner/devices.py: datasheet dense bf16 peak and HBM bandwidth); on a CPU, or a device
+the table lacks, they are measured in this process (planner/measure.py), the matmul
 peak in the model's compute dtype.
 """
 from __future__ import annotations
@@ -27,9 +27,9 @@ class Ceilings:
 def device_ceilings(dtype: str) -> Ceilings:
   import jax
 
-  from sharding.planner import measure
-  from sharding.planner.devices import DEVICES
-  from sharding.planner.plan import device_key
+  from planner import measure
+  from planner.devices import DEVICES
+  from planner.plan import device_key
   device = jax.devices()[0]
   key = device_key(device)
   if key and key != "cpu":

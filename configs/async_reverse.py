@@ -3,7 +3,7 @@ while the trainer (devices 0-3) updates on the previous one, at most one policy 
 (`max_staleness=1`). The lag is corrected by a token-level truncated importance weight
 min(pi_old / mu, 2) on the PPO loss (`tis_cap`), mu being the sampler's own log-prob.
 
-Run:  .venv/bin/python -m train.main --config=configs/async_reverse.py
+Run:  .venv/bin/python -m cli.train --config=configs/async_reverse.py
 """
 from configs import default
 

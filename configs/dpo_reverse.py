@@ -1,7 +1,7 @@
 """SFT, then DPO on verifier pairs (chosen: the answer; rejected: the SFT policy's own mistakes
 and near misses), then GRPO from the DPO policy.
 
-Run:  .venv/bin/python -m train.main --config=configs/dpo_reverse.py
+Run:  .venv/bin/python -m cli.train --config=configs/dpo_reverse.py
 """
 from configs import default
 

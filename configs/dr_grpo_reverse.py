@@ -1,6 +1,6 @@
 """Dr. GRPO on the default task: advantages r - group mean (no std), length-free aggregation.
 
-Run:  .venv/bin/python -m train.main --config=configs/dr_grpo_reverse.py
+Run:  .venv/bin/python -m cli.train --config=configs/dr_grpo_reverse.py
 """
 from configs import default
 

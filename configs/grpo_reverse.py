@@ -3,7 +3,7 @@
 This is `configs/default.py` (what `make run` runs), named for the algorithm; see
 docs/algorithms.md for its measured numbers next to the other algorithms'.
 
-Run:  .venv/bin/python -m train.main --config=configs/grpo_reverse.py
+Run:  .venv/bin/python -m cli.train --config=configs/grpo_reverse.py
 """
 from configs import default
 

@@ -6,7 +6,7 @@ reference. The policy is optimised against the reward model's score, not the ver
 verifier only measures held-out accuracy. KL(pi || ref) is folded into per-token rewards
 (k1, as OpenRLHF), advantages by GAE, whitened over the batch.
 
-Run:  .venv/bin/python -m train.main --config=configs/ppo_rlhf_tiny.py
+Run:  .venv/bin/python -m cli.train --config=configs/ppo_rlhf_tiny.py
 """
 from configs import default
 

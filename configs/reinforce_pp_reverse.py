@@ -1,7 +1,7 @@
 """REINFORCE++ on the default task: the KL to the reference folded into per-token rewards (k1),
 returns-to-go normalised over the whole batch (no per-prompt baseline, no critic).
 
-Run:  .venv/bin/python -m train.main --config=configs/reinforce_pp_reverse.py
+Run:  .venv/bin/python -m cli.train --config=configs/reinforce_pp_reverse.py
 """
 from configs import default
 

@@ -1,7 +1,7 @@
 """RLOO on the default task: each sample's baseline is the mean reward of the other samples of
 its prompt (group of 8), with the PPO clipped loss and k3 KL to the reference.
 
-Run:  .venv/bin/python -m train.main --config=configs/rloo_reverse.py
+Run:  .venv/bin/python -m cli.train --config=configs/rloo_reverse.py
 """
 from configs import default
 

@@ -9,7 +9,7 @@ at the start and the end only, on 8 held-out prompts, outside the step times.
 Assets (a SmolLM2-135M-shaped model with random weights, a ChatML tokenizer, jsonl problems):
   .venv/bin/python benchmarks/trl_compare.py make-assets /tmp/trl_cmp
 Run:
-  .venv/bin/python -m train.main --config=configs/smollm2_135m_gsm8k_cpu.py \
+  .venv/bin/python -m cli.train --config=configs/smollm2_135m_gsm8k_cpu.py \
       --config.model.hf_path=/tmp/trl_cmp/model --config.data.train_path=/tmp/trl_cmp/train.jsonl \
       --config.data.heldout_path=/tmp/trl_cmp/test.jsonl --config.rl.steps=4
 """

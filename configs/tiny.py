@@ -1,6 +1,6 @@
 """A seconds-long smoke config (used by the tests): tiny model, a few SFT and GRPO steps.
 
-Run:  .venv/bin/python -m train.main --config=configs/tiny.py --config.run_dir=/tmp/jaxrl
+Run:  .venv/bin/python -m cli.train --config=configs/tiny.py --config.run_dir=/tmp/jaxrl
 """
 from configs import default
 

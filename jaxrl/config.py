@@ -19,8 +19,9 @@ from jaxrl.algos import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from jaxrl.data.tasks import TASKS
 from jaxrl.models.llama import ModelConfig
 from jaxrl.rewards.verifier import VERIFIERS
-from sharding.placement import STRATEGIES
 
+# Placement presets (sharding/placement.py builds them); "plan" asks the planner for one.
+STRATEGIES = ("colocate", "interleave", "separate")
 REWARDS = ("verifier", "reward_model")
 ANSWER_FORMATS = ("gsm8k", "boxed", "plain")
 MODES = ("sync", "async")
@@ -114,11 +115,11 @@ class PlacementConfig:
   device_memory_gb: float = 0.0  # the target accelerator's memory, checked by --dry_run (0: none)
   # Share of each accelerator's memory JAX takes at start and uses (XLA_PYTHON_CLIENT_MEM_FRACTION;
   # JAX's own default is 0.75). 0: no preallocation, allocated on demand up to all of it
-  # (XLA_PYTHON_CLIENT_PREALLOCATE=false; more fragmentation). Set by train.main before JAX
+  # (XLA_PYTHON_CLIENT_PREALLOCATE=false; more fragmentation). Set by cli.train before JAX
   # starts, unless those variables are set; ignored on the CPU.
   device_memory_fraction: float = 0.9
   # strategy="plan": a calibration JSON (`jaxrl-plan --calibrate FILE`); empty: the built-in
-  # factors of the device kind (sharding/planner/devices.py)
+  # factors of the device kind (planner/devices.py)
   calibration: str = ""
 
   def __post_init__(self):

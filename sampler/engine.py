@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.models.decode import LMDecoding
 from sampler.methods import SAMPLERS, SamplingConfig
 
 KVCache = Any  # the model's own cache pytree (batch first in every leaf)
@@ -62,7 +63,7 @@ def segment_ends(forwards: int, segments: int) -> list[int]:
 
 
 class DecodeModel(Protocol):
-  """What the engine needs of a model (`LanguageModel.decoding()` returns one): a KV cache, RoPE
+  """What the engine needs of a model (`jaxrl.models.decode.LMDecoding` is one): a KV cache, RoPE
   tables, a prefill and a one-token step, nothing of the model's internals. It is a pytree, so
   the in-flight generator (sampler/inflight.py) builds it (casts the weights) once per call and
   passes it to each of its jitted pieces."""
@@ -132,7 +133,7 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   """
   # Weights in the compute dtype once per call, not once per forward (a bf16 model keeps
   # float32 parameters).
-  model: DecodeModel = nnx.merge(graphdef, params).decoding()
+  model: DecodeModel = LMDecoding.of(nnx.merge(graphdef, params))
   p, steps = prompt_tokens_BP.shape[1], cfg.max_new_tokens
   logits_BV, kv_cache = model.prefill(prompt_tokens_BP, prompt_valid_BP)
   key_valid_BS = jnp.concatenate(

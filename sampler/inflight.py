@@ -35,10 +35,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl.models.decode import LMDecoding
 from sampler.engine import KVCache, DecodeModel, Rollout, hit_stop, resolve_layout
 from sampler.methods import SAMPLERS, SamplingConfig
 from sampler.sampler import bucket
-from sharding.rules import SAMPLER_RULES, Rules, activation_rules, logical_to_spec
+from jaxrl.partitioning import Rules, activation_rules, logical_to_spec
+from sharding.rules import SAMPLER_RULES
 
 CHECK_EVERY = 8  # decode steps between the host's looks at the done flags
 
@@ -286,7 +288,7 @@ def jit_inflight(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, slots: int, n: 
   tails = tuple(sorted(slots // 4**i for i in range(slots.bit_length())
                        if slots % 4**i == 0 and (slots // 4**i) % shards == 0))
   jit = _jitter(mesh, rules)
-  cast = jax.jit(lambda params: nnx.merge(graphdef, params).decoding())
+  cast = jax.jit(lambda params: LMDecoding.of(nnx.merge(graphdef, params)))
   start, stop = jit(init, cfg=cfg, slots=slots, n=n), jit(finish, n=n)
   refill_fn, decode_fn = jit(refill, (1, 2), cfg=cfg, n=n), jit(decode, (1,), cfg=cfg)
   shrink_fn = jit(shrink, (1,))

@@ -19,7 +19,8 @@ from jax.sharding import Mesh, PartitionSpec
 from sampler.engine import Rollout, generate
 from sampler.methods import SamplingConfig
 from sharding.mesh import batch_sharding
-from sharding.rules import SAMPLER_RULES, Rules, activation_rules, logical_to_spec
+from jaxrl.partitioning import Rules, activation_rules, logical_to_spec
+from sharding.rules import SAMPLER_RULES
 
 LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 BATCH_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)

@@ -6,7 +6,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.rules import MESH_AXES, Rules, check_divisible, logical_to_spec
+from jaxrl.partitioning import Rules, logical_to_spec
+from sharding.rules import MESH_AXES, check_divisible
 
 
 def make_mesh(shape: dict[str, int], devices=None) -> Mesh:
@@ -49,12 +50,3 @@ def param_shardings(state: nnx.State, rules: Rules, mesh: Mesh) -> nnx.State:
 
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh))
-
-
-def init_sharded(make_model, rules: Rules, mesh: Mesh):
-  """eval_shape -> shardings -> jit(init, out_shardings): parameters are born sharded."""
-  abstract = nnx.eval_shape(make_model)
-  graphdef, abs_state = nnx.split(abstract)
-  shardings = param_shardings(abs_state, rules, mesh)
-  state = jax.jit(lambda: nnx.split(make_model())[1], out_shardings=shardings)()
-  return graphdef, state, shardings

@@ -18,10 +18,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl.config import STRATEGIES
 from sharding.rules import MESH_AXES
 
 ROLES = ("actor", "critic", "reference", "reward", "sampler")
-STRATEGIES = ("colocate", "interleave", "separate")
 
 
 class PlacementError(ValueError):
@@ -42,10 +42,6 @@ class RoleSpec:
 class Placement:
   strategy: str
   roles: dict[str, RoleSpec]
-
-  def shares_weights(self, a: str, b: str) -> bool:
-    """Roles with identical devices and mesh layout hold one copy of the weights."""
-    return self.roles[a] == self.roles[b]
 
   def mesh(self, role: str, devices=None) -> Mesh:
     devices = host_major_devices() if devices is None else list(devices)

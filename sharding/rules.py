@@ -1,22 +1,20 @@
-"""Logical-axis rules: one small table per layout, mapping model axis names to mesh axes.
+"""Rules tables: one small table per layout, mapping the models' logical axis names
+(jaxrl/partitioning.py) to mesh axes, and `jit_on`, the one way a step is jitted under a layout.
 
-Model code only names logical axes (`embed`, `mlp`, `heads`, ...). Parameters use the bare names,
-activations the `act_*` names, so that fsdp can shard a weight's `embed` dimension while the
-activations stay sharded over the batch. Changing the parallel layout means choosing another
-table here, never touching model code.
+Parameters use the bare names, activations the `act_*` names, so that fsdp can shard a weight's
+`embed` dimension while the activations stay sharded over the batch. Changing the parallel layout
+means choosing another table here, never touching model code.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxrl.partitioning import Rules, activation_rules
 
 MESH_AXES = ("data", "fsdp", "tensor")
-
-Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 # Tensor parallelism over heads / mlp / vocab, for weights and activations alike.
 _TENSOR: Rules = (
@@ -36,22 +34,6 @@ TRAIN_RULES: Rules = (("batch", ("data", "fsdp")), ("embed", "fsdp")) + _TENSOR
 # Sampling layout: tensor parallel, weights replicated over data (no per-token all-gathers).
 SAMPLER_RULES: Rules = (("batch", ("data", "fsdp")),) + _TENSOR
 
-RULES = {"train": TRAIN_RULES, "sampler": SAMPLER_RULES}
-
-
-def logical_to_spec(axes: Sequence[str | None], rules: Rules, mesh: Mesh) -> PartitionSpec:
-  """PartitionSpec for one array; mesh axes absent from `mesh` (or already used) are dropped."""
-  table = dict(rules)
-  used: set[str] = set()
-  spec = []
-  for name in axes:
-    target = table.get(name) if name is not None else None
-    names = (target,) if isinstance(target, str) else tuple(target or ())
-    names = tuple(n for n in names if n in mesh.shape and mesh.shape[n] > 1 and n not in used)
-    used.update(names)
-    spec.append(None if not names else names[0] if len(names) == 1 else names)
-  return PartitionSpec(*spec)
-
 
 def _axis_size(mesh: Mesh, entry) -> int:
   names = (entry,) if isinstance(entry, str) else tuple(entry or ())
@@ -68,24 +50,11 @@ def check_divisible(path: str, shape: Sequence[int], spec: PartitionSpec, mesh: 
       raise ValueError(f"{path}: dimension {dim} is not divisible by mesh axis {entry}={size}")
 
 
-# Activation constraints are applied only while a layout is active (set by whoever jits the step),
-# so the same model code runs unsharded in a notebook and sharded under a mesh.
-_ACTIVE = threading.local()
+def jit_on(mesh: Mesh | None, rules: Rules, fn, **kwargs):
+  """jit whose trace runs under `mesh`'s activation rules (jaxrl.partitioning.constrain)."""
 
+  def traced(*args):
+    with activation_rules(mesh, rules):
+      return fn(*args)
 
-@contextlib.contextmanager
-def activation_rules(mesh: Mesh | None, rules: Rules) -> Iterator[None]:
-  prev = getattr(_ACTIVE, "value", None)
-  _ACTIVE.value = None if mesh is None else (mesh, rules)
-  try:
-    yield
-  finally:
-    _ACTIVE.value = prev
-
-
-def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-  active = getattr(_ACTIVE, "value", None)
-  if active is None:
-    return x
-  mesh, rules = active
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, rules, mesh)))
+  return jax.jit(traced, **kwargs)

@@ -22,7 +22,8 @@ from flax import nnx  # noqa: E402
 
 from jaxrl.models.llama import LanguageModel, ModelConfig  # noqa: E402
 from sharding.distributed import DistributedConfig, initialize  # noqa: E402
-from sharding.mesh import batch_sharding, init_sharded, param_shardings  # noqa: E402
+from sharding.mesh import batch_sharding, param_shardings  # noqa: E402
+from sharded_init import init_sharded  # noqa: E402
 from sharding.placement import host_major_devices, make_placement  # noqa: E402
 from sharding.reshard import reshard  # noqa: E402
 from sharding.rules import SAMPLER_RULES, TRAIN_RULES  # noqa: E402

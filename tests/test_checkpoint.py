@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from jaxrl.models.llama import LanguageModel, ModelConfig
-from sharding.mesh import init_sharded, make_mesh
+from sharding.mesh import make_mesh
+from sharded_init import init_sharded
 from sharding.rules import SAMPLER_RULES, TRAIN_RULES
 from train.checkpoint import RunCheckpointer, load_actor_params, params_fingerprint
 

@@ -8,8 +8,8 @@ import pytest
 
 from configs import default
 from jaxrl.config import ConfigError, ExperimentConfig, from_mapping
-from train.config_files import with_gin
-from train.main import parse_args
+from jaxrl.config_files import with_gin
+from cli.train import parse_args
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -119,7 +119,7 @@ def test_int_is_accepted_for_float():
 ])
 def test_cli_user_error_exits_2_with_one_line(arg, message, tmp_path):
   proc = subprocess.run(
-      [sys.executable, "-m", "train.main", "--config=configs/tiny.py", *arg.split(),
+      [sys.executable, "-m", "cli.train", "--config=configs/tiny.py", *arg.split(),
        f"--config.run_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2, proc.stderr
   lines = proc.stderr.strip().splitlines()

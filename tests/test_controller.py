@@ -123,7 +123,7 @@ def test_failing_executor_is_named_and_checkpoints_survive(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_sigterm_stops_cleanly_with_a_checkpoint(tmp_path):
   proc = subprocess.Popen(
-      [sys.executable, "-m", "train.main", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
+      [sys.executable, "-m", "cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
        "--config.run_name=stop", "--config.rl.steps=100000", "--config.checkpoint_every=100000"],
       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   metrics = tmp_path / "stop" / "metrics.jsonl"

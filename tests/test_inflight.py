@@ -102,7 +102,7 @@ def test_rl_step_generates_in_flight_without_hidden_host_transfers(tmp_path, mon
   from configs import tiny
   from train import generator
   from train.experiment import Experiment
-  from train.transfers import RECORD
+  from train.host_transfers import RECORD
   built = []
 
   def counted(*args, **kw):

@@ -1,4 +1,4 @@
-"""The memory model (sharding/planner/footprint.py, through the dry run's `update_footprint`)
+"""The memory model (planner/footprint.py, through the dry run's `update_footprint`)
 against XLA's own count: the temporary bytes of the real RL update, compiled by its Learner for
 three small configs, allocating nothing.
 
@@ -22,7 +22,7 @@ from jaxrl.config import DataConfig, ExperimentConfig, RLConfig
 from jaxrl.models.llama import LanguageModel, ModelConfig
 from sharding.rules import MESH_AXES
 from train import steps
-from train.dry_run import shard_bytes, update_footprint
+from cli.dry_run import shard_bytes, update_footprint
 from train.experience import Experience
 from train.learner import Learner
 from train.roles import ModelRole

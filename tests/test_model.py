@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import LanguageModel, ModelConfig, RewardModel, ValueModel, init_kv_cache
-from jaxrl.models.decode import decode_step, decode_weights
+from jaxrl.models.decode import LMDecoding, decode_step, decode_weights
 from jaxrl.models.llama import positions_from_valid, rope_table
 
 
@@ -121,7 +121,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_decoding_protocol_matches_forward(tiny_cfg, variant):
-  """The sampler's `decoding()` view (prefill + one-token steps, both layouts) against the full
+  """The sampler's decoding view (`LMDecoding`) (prefill + one-token steps, both layouts) against the full
   forward, for each architecture variant, with biases and norm scales made non-trivial."""
   cfg = ModelConfig(**{**tiny_cfg.__dict__, **VARIANTS[variant]})
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
@@ -134,7 +134,7 @@ def test_decoding_protocol_matches_forward(tiny_cfg, variant):
   valid_BT = jnp.ones((b, p + n), bool).at[0, :2].set(False)
   pos_BT = positions_from_valid(valid_BT)
   full_BTV = model(tokens_BT, pos_BT, valid_BT)[0]
-  dec = model.decoding()
+  dec = LMDecoding.of(model)
   logits_BV, cache = dec.prefill(tokens_BT[:, :p], valid_BT[:, :p])
   np.testing.assert_allclose(logits_BV, full_BTV[:, p - 1], atol=1e-4)
   sin_BTH, cos_BTH = dec.rope(pos_BT)

@@ -53,7 +53,7 @@ def _cli(port, pid, run_dir, *extra):
   env.update(JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES="2",
              JAXRL_PROCESS_ID=str(pid))
   return subprocess.Popen(
-      [sys.executable, "-m", "train.main", "--config=configs/tiny.py", f"--config.run_dir={run_dir}",
+      [sys.executable, "-m", "cli.train", "--config=configs/tiny.py", f"--config.run_dir={run_dir}",
        "--config.run_name=mh", "--config.placement.cpu_devices=4", *extra],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

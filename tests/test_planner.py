@@ -9,14 +9,14 @@ from configs import tiny
 from jaxrl.config import ExperimentConfig
 from jaxrl.models.llama import ModelConfig
 from sharding.placement import host_major_devices, make_placement
-from sharding.planner import calibrate as cal
-from sharding.planner.cost import (Mesh, Plan, Workload, decode_steps, forward_s, generate_s,
+from planner import calibrate as cal
+from planner.cost import (Mesh, Plan, Workload, decode_steps, forward_s, generate_s,
                                    step_time, update_s)
-from sharding.planner.devices import CPU_EFFICIENCY, DEVICES, DeviceSpec, Efficiency
-from sharding.planner.memory import HEADROOM, kv_row_bytes, kv_rows, memory, total_bytes
-from sharding.planner.plan import choose
-from sharding.planner.search import problem, search
-from train.plan_cli import main as plan_main
+from planner.devices import CPU_EFFICIENCY, DEVICES, DeviceSpec, Efficiency
+from planner.memory import HEADROOM, kv_row_bytes, kv_rows, memory, total_bytes
+from planner.plan import choose
+from planner.search import problem, search
+from cli.plan import main as plan_main
 
 MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=64,
                     d_ff=128)
@@ -171,7 +171,7 @@ def test_plan_strategy_resolves_to_a_runnable_config():
 def test_remat_is_searched_and_the_plan_sets_it(monkeypatch):
   """Where no plan that keeps every activation fits, remat plans do; `choose` then writes the
   plan's remat into the config it runs."""
-  from sharding.planner import plan as plan_module
+  from planner import plan as plan_module
   cfg = ExperimentConfig()
   w = Workload.from_config(cfg)
   everything = search(w, 8, DEVICES["cpu"], CPU_EFFICIENCY, top=None)
@@ -220,7 +220,7 @@ def test_plan_cli_simulates_and_names_bad_devices(capsys):
 
 
 def test_docs_scaling_tables_are_what_the_simulator_computes():
-  from sharding.planner import scaling
+  from planner import scaling
   with open(scaling.DOC, encoding="utf-8") as f:
     text = f.read()
-  assert scaling.render(text) == text, "run `python -m sharding.planner.scaling --write`"
+  assert scaling.render(text) == text, "run `python -m planner.scaling --write`"

@@ -20,7 +20,7 @@ TIMING = ("step_time", "tokens_per_s", "reshard_gbps")  # wall-clock values diff
 
 def _launch(tmp_path, name, *extra, resume=True):
   return subprocess.Popen(
-      [sys.executable, "-m", "train.main", *ARGS, f"--config.run_dir={tmp_path}",
+      [sys.executable, "-m", "cli.train", *ARGS, f"--config.run_dir={tmp_path}",
        f"--config.run_name={name}", *extra, *(["--resume"] if resume else [])],
       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

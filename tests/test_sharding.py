@@ -6,8 +6,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.models.llama import LanguageModel, ModelConfig, positions_from_valid
-from sharding.mesh import init_sharded, make_mesh, param_specs
-from sharding.rules import SAMPLER_RULES, TRAIN_RULES, activation_rules, logical_to_spec
+from sharding.mesh import make_mesh, param_specs
+from sharded_init import init_sharded
+from jaxrl.partitioning import activation_rules, logical_to_spec
+from sharding.rules import SAMPLER_RULES, TRAIN_RULES
 
 CFG = ModelConfig(vocab_size=264, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                   d_ff=128)

@@ -1,13 +1,13 @@
 """An RL step keeps rollouts on devices: with every host transfer but the named ones disallowed
 (JAX's transfer guard, implicit and explicit), a step runs, and the host sees only the prompts,
 the completions' token ids (for the verifier), the rewards and the metrics; plus the weight
-push, whose layout change jax.device_put routes through the host (train/transfers.py)."""
+push, whose layout change jax.device_put routes through the host (train/host_transfers.py)."""
 import jax
 import numpy as np
 
 from configs import tiny
 from train.experiment import Experiment
-from train.transfers import RECORD
+from train.host_transfers import RECORD
 
 
 def test_rl_step_has_no_hidden_host_round_trip(tmp_path):

@@ -20,9 +20,10 @@ from jaxrl.models.dtypes import compute_dtypes
 from jaxrl.models.llama import LanguageModel
 from sharding.placement import ROLES, PlacementError, host_major_devices, make_placement
 from sharding.reshard import TransferStats, reshard
-from sharding.rules import SAMPLER_RULES, logical_to_spec
+from jaxrl.partitioning import logical_to_spec
+from sharding.rules import SAMPLER_RULES
 from train.roles import ModelRole, role_shardings
-from train.transfers import allowed
+from train.host_transfers import allowed
 
 MODEL_CLASSES = {"actor": LanguageModel, "reference": LanguageModel, "reward": RewardModel,
                  "critic": ValueModel}
@@ -103,7 +104,7 @@ class RoleCluster:
     matrices already in the compute dtype the sampler decodes in."""
     params = self.actor.params
     dtypes = compute_dtypes(self.cfg.model, params)
-    with allowed("weights", params):  # see train/transfers.py
+    with allowed("weights", params):  # see train/host_transfers.py
       return reshard(params, self.sampler_shardings, dtypes=dtypes,
                      bucket_bytes=self.cfg.placement.reshard_bucket_mb << 20)
 

@@ -25,7 +25,7 @@ from train.experience import completion_texts, completion_tokens
 from train.generator import Generator
 from train.metrics import MetricsWriter
 from train.timeline import Timeline
-from train.transfers import to_host
+from train.host_transfers import to_host
 
 log = logging.getLogger("jaxrl")
 # (prompts, completions, examples) -> [B] float32 rewards

@@ -31,7 +31,7 @@ from train.executors import Executor, ExecutorError
 from jaxrl.data.pipeline import bucket_length
 from train.experience import make_experience, trim_rollout
 from train.learner import Learner
-from train.transfers import to_device, to_host
+from train.host_transfers import to_device, to_host
 
 
 class Controller:

@@ -25,13 +25,13 @@ from jaxrl.config import ConfigError, ExperimentConfig, to_dict
 from sharding.placement import host_major_devices
 from train import compilation, resume, rundir
 from train.checkpoint import RunCheckpointer, load_actor_params, params_fingerprint
-from train.config_files import merge, resolve
+from jaxrl.config_files import merge, resolve
 from train.context import RunContext
 from train.hooks import Checkpoint, Evaluate, Log, Progress, StopRequest
 from train.metrics import plain_row, plot_metrics
 from train.sampling import Completion, sample
 from train.stages import STAGES, Stopped, run_stage
-from train.transfers import to_host
+from train.host_transfers import to_host
 
 log = logging.getLogger("jaxrl")
 
@@ -60,7 +60,7 @@ class Experiment:
     self._compiles_before = compilation.totals()  # this process's earlier experiments' compiles
     self.plan = None  # placement.strategy="plan": the planner's choice (sharding/planner)
     if self.cfg.placement.strategy == "plan":
-      from sharding.planner.plan import choose
+      from planner.plan import choose
       self.cfg, self.plan = choose(self.cfg, host_major_devices(), jax.process_count())
     names = [name for name, cls in STAGES.items() if cls.enabled(self.cfg)]
     for name in names:

@@ -20,7 +20,7 @@ from sampler.worker import rollout_key
 from sharding.mesh import batch_sharding
 from sharding.rules import SAMPLER_RULES
 from train.cluster import RoleCluster
-from train.transfers import to_device
+from train.host_transfers import to_device
 
 
 def _jit(cluster: RoleCluster, cfg: SamplingConfig, n: int, inflight_slots: int):

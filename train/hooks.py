@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from train.stages.base import Stage, Stopped
-from train.transfers import to_host
+from train.host_transfers import to_host
 
 log = logging.getLogger("jaxrl")
 

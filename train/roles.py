@@ -18,18 +18,8 @@ from jaxrl.models.dtypes import cast_to
 from sharding.mesh import batch_sharding, param_shardings
 from sharding.placement import PlacementError
 from sharding.reshard import reshard
-from sharding.transfer import move
-from sharding.rules import TRAIN_RULES, activation_rules
-
-
-def jit_on(mesh: Mesh, rules, fn, **kwargs):
-  """jit whose trace runs under `mesh`'s activation rules (see sharding.rules.constrain)."""
-
-  def traced(*args):
-    with activation_rules(mesh, rules):
-      return fn(*args)
-
-  return jax.jit(traced, **kwargs)
+from sharding.reshard import move
+from sharding.rules import TRAIN_RULES, jit_on
 
 
 def role_shardings(name: str, abstract: nnx.State, rules, mesh: Mesh) -> nnx.State:

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxrl.models.llama import (KVCache, LanguageModel, ModelConfig, attention_mask,
                                 init_kv_cache, positions_from_valid, rope_table)
-from sharding.rules import constrain
+from jaxrl.partitioning import constrain
 
 
 def decode_weights(model: LanguageModel, head_VD: jax.Array | None = None) -> dict:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sharding.rules import constrain
+from jaxrl.partitioning import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ROPE_SCALINGS = ("none", "linear", "llama3")
@@ -380,12 +380,6 @@ class LanguageModel(nnx.Module):
     if self.cfg.scale_tied_head:
       return self.decoder.embed[...] * self.cfg.d_model**-0.5
     return self.decoder.embed[...]
-
-  def decoding(self):
-    """This model as the sampler decodes it (sampler/engine.py's `DecodeModel` protocol):
-    weights cast to the compute dtype once per call, the LM head computed once."""
-    from jaxrl.models.decode import LMDecoding  # decode.py builds on this module
-    return LMDecoding.of(self)
 
 
 def init_kv_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:

@@ -17,7 +17,7 @@ from train.learner import Learner
 from train.stages.base import Stage
 from train.context import chunks
 from train.stages.pairs import check_pairs_file, load_pairs
-from train.transfers import to_device, to_host
+from train.host_transfers import to_device, to_host
 
 log = logging.getLogger("jaxrl")
 

@@ -6,7 +6,7 @@ from jaxrl.data.pipeline import sft_dataset
 from train import steps
 from train.learner import Learner
 from train.stages.base import Stage
-from train.transfers import to_device
+from train.host_transfers import to_device
 
 
 class SFTStage(Stage):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 
-from sharding.planner import footprint
-from sharding.planner.cost import Mesh, Plan, Workload
+from planner import footprint
+from planner.cost import Mesh, Plan, Workload
 
 HEADROOM = 0.9  # of a device's memory a plan may fill (allocator slack, XLA temporaries)
 

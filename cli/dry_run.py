@@ -6,7 +6,7 @@ against the meshes). Per-device memory is tallied from the shardings themselves:
 through a step (each role's parameter shard, the trained roles' Adam moments, the sampler's
 compute-dtype copy), plus the largest of the step's phases, which never overlap on one device:
 generation (the KV cache), the scoring passes, each update (gradients, activations, log-prob
-logits: sharding/planner/footprint.py, the planner's memory model too). The verdict is against
+logits: planner/footprint.py, the planner's memory model too). The verdict is against
 the memory the runtime really gets (`usable_memory_gb`); a config that does not fit is told the
 largest micro-batch, or the remat, that would.
 """
@@ -22,7 +22,7 @@ import numpy as np
 from jaxrl.algos.logprobs import chunk_length
 from jaxrl.config import ConfigError, ExperimentConfig, usable_memory_gb
 from sharding.placement import PlacementError
-from sharding.planner import footprint
+from planner import footprint
 from sharding.rules import SAMPLER_RULES
 from train.cluster import RoleCluster, batch_ways
 

@@ -7,7 +7,7 @@
                                     level BPE tokenizer trained on the problems, with a ChatML
                                     chat template (jaxrl/data/tiny_tokenizer.py)
 
-    python -m train.gsm8k_tiny --out data/gsm8k_tiny
+    python -m cli.gsm8k_tiny --out data/gsm8k_tiny
 
 `ensure(DIR)` makes them once, in a subprocess (a config file must not start JAX: the CLI sets up
 its devices after reading the config); DIR appears whole or not at all.
@@ -43,7 +43,7 @@ def make(out: str, *, n_train: int = N_TRAIN, n_heldout: int = N_HELDOUT,
   from jaxrl.data.tokenizer import load_tokenizer
   from jaxrl.models.hf import export
   from jaxrl.models.llama import LanguageModel, ModelConfig
-  from train.model_io import generation_config
+  from cli.model_io import generation_config
 
   tmp = f"{out.rstrip('/')}.tmp{os.getpid()}"  # several processes may make it at once
   os.makedirs(tmp)
@@ -73,7 +73,7 @@ def make(out: str, *, n_train: int = N_TRAIN, n_heldout: int = N_HELDOUT,
 def ensure(out: str) -> str:
   """`out`, made first (by a subprocess) if it is not there yet."""
   if not os.path.isdir(out):
-    subprocess.run([sys.executable, "-m", "train.gsm8k_tiny", "--out", out], check=True,
+    subprocess.run([sys.executable, "-m", "cli.gsm8k_tiny", "--out", out], check=True,
                    env={**os.environ, "JAX_PLATFORMS": "cpu"})
   return out
 

@@ -16,7 +16,7 @@ import dataclasses
 import sys
 import tempfile
 
-from train.main import fail, parse_args, UsageError
+from cli.train import fail, parse_args, UsageError
 
 # Short runs the calibration fits to, in sync mode (each stage's time is its own): the default
 # model and a 4-layer d_model-256 one on 64 rows, in each placement, and the default experiment
@@ -58,8 +58,8 @@ def bench_config(overrides: dict, steps: int) -> dict:
 def calibrate_here(steps: int = 6, warmup: int = 2):
   """Measures this machine and fits the factors to CALIBRATION_RUNS: (Calibration, samples)."""
   import jax
-  from sharding.planner import calibrate as cal
-  from sharding.planner.plan import calibration_for
+  from planner import calibrate as cal
+  from planner.plan import calibration_for
   from jaxrl.config import ExperimentConfig
   base = calibration_for(ExperimentConfig(), jax.devices()[0], jax.local_device_count())
   dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -73,10 +73,10 @@ def calibrate_here(steps: int = 6, warmup: int = 2):
 
 def _table(cfg, args) -> list[str]:
   import jax
-  from sharding.planner.calibrate import Calibration
-  from sharding.planner.cost import Workload
-  from sharding.planner.plan import builtin_calibration, calibration_for
-  from sharding.planner.search import search
+  from planner.calibrate import Calibration
+  from planner.cost import Workload
+  from planner.plan import builtin_calibration, calibration_for
+  from planner.search import search
   if args.device:
     cal = builtin_calibration(args.device)
   else:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     raw, gin_files, gin_params, _ = parse_args([argv[0], *rest])
     from jaxrl.config import ConfigError
-    from train.config_files import with_gin
+    from jaxrl.config_files import with_gin
     cfg = with_gin(raw, gin_files, gin_params)
     if args.device and args.device not in _devices():
       raise UsageError(f"--device: expected one of {sorted(_devices())}, got {args.device!r}")
@@ -127,12 +127,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _devices() -> dict:
-  from sharding.planner.devices import DEVICES
+  from planner.devices import DEVICES
   return DEVICES
 
 
 def _refit(args) -> None:
-  from sharding.planner import calibrate as cal
+  from planner import calibrate as cal
   if not args.calibration:
     raise UsageError("--fit: give --calibration=FILE, the calibration to re-fit (updated in place)")
   old = cal.Calibration.load(args.calibration)

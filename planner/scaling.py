@@ -1,7 +1,7 @@
 """The simulator: the cost model on clusters we do not have, written into docs/scaling.md.
 
-  python -m sharding.planner.scaling            # prints the generated blocks
-  python -m sharding.planner.scaling --write    # and replaces them in docs/scaling.md
+  python -m planner.scaling            # prints the generated blocks
+  python -m planner.scaling --write    # and replaces them in docs/scaling.md
 
 Every input is fixed here, before any prediction is made, and printed in the document ahead of
 the comparison: the device tables and the default efficiency factors of devices.py (public
@@ -17,12 +17,12 @@ import os
 import re
 
 from jaxrl.models.llama import ModelConfig
-from sharding.planner.cost import Workload, stage_times, step_time
-from sharding.planner.devices import DEVICES, Efficiency
-from sharding.planner.memory import kv_rows
-from sharding.planner.search import Ranked, search
+from planner.cost import Workload, stage_times, step_time
+from planner.devices import DEVICES, Efficiency
+from planner.memory import kv_rows
+from planner.search import Ranked, search
 
-DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "scaling.md")
+DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "scaling.md")
 _LLAMA = dict(vocab_size=128256, n_kv_heads=8, head_dim=128, tie_embeddings=False,
               dtype="bfloat16")
 MODELS = {  # shapes from each model's config.json

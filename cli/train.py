@@ -1,4 +1,4 @@
-"""The CLI: `python -m train.main --config=configs/default.py --config.rl.steps=50`.
+"""The CLI: `python -m cli.train --config=configs/default.py --config.rl.steps=50`.
 
   --config=FILE          an experiment file with get_config() (default: configs/default.py)
   --config.a.b=VALUE     override any field (the config is locked: a typo is an error)
@@ -137,7 +137,7 @@ def _start(argv: list[str]):
   _setup_logging(jax.process_index() == 0)
   from jaxrl.config import ConfigError
   from jaxrl.data.preferences import PreferenceDataError
-  from train.config_files import with_gin
+  from jaxrl.config_files import with_gin
   from train.experiment import Experiment
   try:
     cfg = with_gin(raw, gin_files, gin_params)
@@ -149,7 +149,7 @@ def _start(argv: list[str]):
 
 
 def _dry_run(cfg) -> int:
-  from train.dry_run import report
+  from cli.dry_run import report
   lines, fits = report(cfg)
   print("\n".join(f"jaxrl: dry run: {line}" for line in lines), flush=True)
   return 0 if fits else 1

@@ -13,10 +13,10 @@ import dataclasses
 import itertools
 
 from sharding.placement import PlacementError, make_placement
-from sharding.planner.cost import Mesh, Plan, Workload, stage_times, step_time
-from sharding.planner.devices import DeviceSpec, Efficiency
-from sharding.planner.footprint import REMATS
-from sharding.planner.memory import HEADROOM, kv_rows, memory, total_bytes
+from planner.cost import Mesh, Plan, Workload, stage_times, step_time
+from planner.devices import DeviceSpec, Efficiency
+from planner.footprint import REMATS
+from planner.memory import HEADROOM, kv_rows, memory, total_bytes
 
 
 @dataclasses.dataclass(frozen=True)

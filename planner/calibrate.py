@@ -16,9 +16,9 @@ import os
 import numpy as np
 
 from jaxrl.config import ExperimentConfig, from_mapping
-from sharding.planner.cost import Mesh, Plan, Workload, stage_times, step_time
-from sharding.planner.devices import DeviceSpec, Efficiency
-from sharding.planner.memory import kv_rows
+from planner.cost import Mesh, Plan, Workload, stage_times, step_time
+from planner.devices import DeviceSpec, Efficiency
+from planner.memory import kv_rows
 
 # Timeline labels (train/controller.py) -> the cost model's stages they time.
 TRACE_STAGES = {"generate": ("generate",), "score": ("reward",), "ref logprobs": ("reference",),
@@ -59,7 +59,7 @@ class Calibration:
 
 def profile(dev: DeviceSpec, dtype: str = "float32") -> DeviceSpec:
   """`dev` with its matmul peak, memory and link bandwidth measured on this machine now."""
-  from sharding.planner import measure
+  from planner import measure
   link = measure.transfer_bytes_per_s()
   return dataclasses.replace(dev, matmul_flops=measure.matmul_flops_per_s(dtype=dtype),
                              hbm_bytes_per_s=measure.memory_bytes_per_s(),

@@ -12,10 +12,10 @@ import dataclasses
 import logging
 
 from jaxrl.config import ConfigError, ExperimentConfig
-from sharding.planner.calibrate import Calibration
-from sharding.planner.cost import Workload
-from sharding.planner.devices import CPU_EFFICIENCY, DEVICES, Efficiency
-from sharding.planner.search import Ranked, search
+from planner.calibrate import Calibration
+from planner.cost import Workload
+from planner.devices import CPU_EFFICIENCY, DEVICES, Efficiency
+from planner.search import Ranked, search
 
 log = logging.getLogger("jaxrl")
 
@@ -34,7 +34,7 @@ def device_key(device) -> str:
 
 def builtin_calibration(key: str) -> Calibration:
   """A DEVICES entry with its default factors: fitted on this project's CPU, public figures
-  for accelerators (sharding/planner/devices.py)."""
+  for accelerators (planner/devices.py)."""
   return Calibration(DEVICES[key], CPU_EFFICIENCY if key == "cpu" else Efficiency())
 
 

@@ -4,7 +4,7 @@ An RL step moves prompts up, completion token ids down (for the host verifier), 
 the step's metrics down. Each goes through `to_device` / `to_host`, which allow host transfers
 for their own thread and call only, so a test can disallow every other host transfer globally
 (`jax.transfer_guard_*("disallow_explicit")`) and any hidden round trip of rollout tokens or
-log-probs fails loudly. Rollouts move between meshes device to device (sharding/transfer.py).
+log-probs fails loudly. Rollouts move between meshes device to device (sharding/reshard.py).
 The weight push is named too (`allowed("weights", ...)`): where the sampler's layout cuts the
 weights differently from the trainer's, `jax.device_put` routes the copy through the host.
 `RECORD` counts the named transfers and their bytes.

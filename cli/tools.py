@@ -5,7 +5,7 @@
       --max_shard_gb with an index, generation_config.json, the tokenizer's files).
   jaxrl-sample --model DIR --prompt TEXT [--prompt TEXT ...] [--chat] [--greedy]
       [--max_new_tokens N] [--n N] [--temperature T] [--seed S]
-      prints completions of a Hugging Face directory or a jaxrl checkpoint (train/model_io.py).
+      prints completions of a Hugging Face directory or a jaxrl checkpoint (cli/model_io.py).
 
 User errors (a missing directory, a checkpoint that does not fit) print one line and exit 2.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from train.main import fail
+from cli.train import fail
 
 
 def export_main(argv: list[str] | None = None) -> int:
@@ -27,7 +27,7 @@ def export_main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   from jaxrl.config import ConfigError
   from jaxrl.models.hf import HFError, export
-  from train.model_io import generation_config, load_policy
+  from cli.model_io import generation_config, load_policy
   try:
     policy = load_policy(args.checkpoint)
     export(policy.params, policy.cfg, args.out, dtype=args.dtype,
@@ -64,7 +64,7 @@ def sample_main(argv: list[str] | None = None) -> int:
   from sampler.methods import SamplingConfig
   from sampler.sampler import Sampler
   from sampler.worker import rollout_key
-  from train.model_io import load_policy
+  from cli.model_io import load_policy
   try:
     policy = load_policy(args.model, dtype=args.dtype)
     tok = policy.tok

@@ -32,8 +32,8 @@ from jaxrl.algos.logprobs import chunk_length
 from jaxrl.config import ExperimentConfig
 from jaxrl.models import flops
 from jaxrl.models.llama import ModelConfig
-from sharding.planner import footprint
-from sharding.planner.devices import DeviceSpec, Efficiency
+from planner import footprint
+from planner.devices import DeviceSpec, Efficiency
 
 STAGES = ("generate", "reward", "reference", "old_logprobs", "values", "update", "critic_update",
           "weight_push", "host")

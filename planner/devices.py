@@ -1,11 +1,11 @@
-"""Device tables and efficiency factors of the cost model (sharding/planner/cost.py).
+"""Device tables and efficiency factors of the cost model (planner/cost.py).
 
 `DeviceSpec` holds one accelerator's datasheet numbers: dense bf16 matmul peak, HBM bandwidth and
 size, and per-device one-way bandwidth inside a node (`link`) and across nodes (`network`).
 `Efficiency` holds the fractions of them an RL step's calls achieve, and their fixed costs. The
 defaults come from public sources (cited per entry and field), never from the results they are
 compared with in docs/scaling.md; `jaxrl-plan --calibrate` replaces them with factors fitted on
-the machine at hand (sharding/planner/calibrate.py).
+the machine at hand (planner/calibrate.py).
 
 TPU links: `link` is what a ring over one torus axis gets inside a host (two ICI links, one way
 each, the scaling book's "bidi per link"); `network` is every ICI port of the chip one way (half

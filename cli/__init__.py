@@ -1,0 +1,1 @@
+"""Command-line entry points: training, sampling and export, planning, dry runs."""
