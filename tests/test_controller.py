@@ -116,7 +116,7 @@ def test_failing_executor_is_named_and_checkpoints_survive(tmp_path, monkeypatch
     run(cfg, run_dir)
   assert max(_rl_steps(run_dir)) == 1
   with Experiment.restore(run_dir) as exp:  # the step before the crash, whole
-    assert exp.stages["rl"].done == 1
+    assert exp.stages["rl"].progress.done == 1
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(exp.params))
 
 

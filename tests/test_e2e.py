@@ -40,7 +40,7 @@ def test_tiny_run_through_main(tmp_path):
   assert ckpt.saved()[0] == ("rl", 3) and ckpt.read_meta("rl", 3)["finished"]
   ckpt.close()
   with Experiment.restore(str(run_dir)) as exp:
-    assert exp.stages["rl"].finished and exp.position == 2
+    assert exp.stages["rl"].progress.finished and exp.position == 2
     params = exp.params
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
     sft_params, step = load_actor_params(str(run_dir / "checkpoints" / "sft"),

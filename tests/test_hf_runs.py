@@ -100,7 +100,7 @@ def test_bad_rows_skip_or_stop(assets, tmp_path):
   with pytest.raises(ConfigError, match=r"train\.jsonl:3: field 'question'"):
     Experiment(_config(assets, tmp_path, train_path=str(path), on_bad_row="error"))
   with Experiment(_config(assets, tmp_path / "skip", train_path=str(path))) as exp:
-    skipped = exp.ctx.summary["data_skipped_rows"]
+    skipped = exp.summary["data_skipped_rows"]
   assert sum(skipped.values()) == 2 and len(exp.ctx.task.train) == 62
 
 

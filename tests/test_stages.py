@@ -7,7 +7,7 @@ import pytest
 from configs import tiny
 from train.experiment import Experiment
 from train.hooks import Checkpoint, Hook
-from train.stages import Stopped
+from train.stages import StageProgress, Stopped
 
 
 class _RequestStopAt(Hook):
@@ -15,7 +15,7 @@ class _RequestStopAt(Hook):
     self.exp, self.step = exp, step
 
   def after_step(self, stage, row):
-    if stage.done == self.step:
+    if stage.progress.done == self.step:
       self.exp.stop.event.set()  # what SIGTERM's handler does
 
 
@@ -33,13 +33,13 @@ def test_stop_request_ends_every_stage_with_a_checkpoint(tmp_path, stage, over):
     exp.hooks.insert(-1, _RequestStopAt(exp, 3))  # just before the stop hook
     with pytest.raises(Stopped):
       exp.stage(stage).run()
-    assert exp.stages[stage].done == 3 and not exp.stages[stage].finished
+    assert exp.stages[stage].progress.done == 3 and not exp.stages[stage].progress.finished
     exp.checkpointer.wait()
     assert exp.checkpointer.saved()[0] == (stage, 3)
   with Experiment.restore(str(tmp_path / stage)) as again:  # and it continues from there
-    assert again.stages[stage].done == 3
+    assert again.stages[stage].progress.done == 3
     again.stage(stage).run(steps=2)
-    assert again.stages[stage].done == 5
+    assert again.stages[stage].progress.done == 5
 
 
 @pytest.mark.slow
@@ -50,12 +50,12 @@ def test_stop_during_a_stages_last_step_ends_the_run_after_that_stage(tmp_path):
   with Experiment(raw) as exp:
     exp.hooks.insert(-1, _OnStage(exp, "dpo", 4))
     summary = exp.run()
-    assert summary["stopped"] == "stop request" and exp.stages["dpo"].finished
-    assert not exp.stages["rl"].started
+    assert summary["stopped"] == "stop request" and exp.stages["dpo"].progress.finished
+    assert not exp.stages["rl"].progress.started
   with Experiment.restore(str(tmp_path / "last")) as again:
     assert again.stage_names[again.position] == "rl"  # DPO is done: RL is next
-    assert again.stages["dpo"].finished
-    assert "stopped" not in again.ctx.summary  # the checkpoint holds the summary as saved
+    assert again.stages["dpo"].progress.finished
+    assert "stopped" not in again.summary  # the checkpoint holds the summary as saved
 
 
 class _OnStage(_RequestStopAt):
@@ -72,12 +72,12 @@ def test_checkpoint_hook_saves_by_steps_by_minutes_and_at_the_end():
   saved = []
 
   class FakeStage:
-    total, done = 10, 0
+    total, progress = 10, StageProgress()
 
-  hook = Checkpoint(lambda s: saved.append(s.done), every=4, minutes=0.01)  # 0.6 s
+  hook = Checkpoint(lambda s: saved.append(s.progress.done), every=4, minutes=0.01)  # 0.6 s
   stage = FakeStage()
   for done in range(1, 11):
-    stage.done = done
+    stage.progress = StageProgress(started=True, done=done)
     if done == 6:
       time.sleep(0.7)
     hook.after_step(stage, {})

@@ -1,4 +1,4 @@
-"""What every stage shares: config, tokenizer, task data, cluster, generator, logs, summary.
+"""What every stage shares: config, tokenizer, task data, cluster, generator, timeline.
 
 `RunContext` is built once per experiment (train/experiment.py) and handed to each stage; a stage
 never reaches another stage, only this context.
@@ -10,7 +10,6 @@ import logging
 from collections.abc import Callable
 
 import grain
-import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, ExperimentConfig
@@ -23,7 +22,6 @@ from jaxrl.rewards.verifier import VERIFIERS
 from train.cluster import RoleCluster
 from train.experience import completion_texts, completion_tokens
 from train.generator import Generator
-from train.metrics import MetricsWriter
 from train.timeline import Timeline
 from train.host_transfers import to_host
 
@@ -44,7 +42,7 @@ class TaskData:
   reward: Reward  # rl.verifier: a verifier, or a user function of the rows' fields
   verifier: Callable[[str, str], float]  # one completion against one reference answer
   prompts: grain.MapDataset  # RL prompt batches, read by index (the data position)
-  skipped: dict  # bad rows skipped, by reason
+  skipped: dict  # bad rows skipped, by reason (the summary's data_skipped_rows)
 
 
 def make_reward(name: str) -> tuple[Reward, Callable[[str, str], float]]:
@@ -153,10 +151,6 @@ class RunContext:
     self.generator = Generator(self.cluster, max_new_tokens=self.task.max_new_tokens,
                                tok=self.tok, rl=cfg.rl)
     self.timeline = Timeline()
-    self.writer = MetricsWriter(run_dir, enabled=jax.process_index() == 0)
-    self.summary: dict = {"run_dir": run_dir}
-    if self.task.skipped:
-      self.summary["data_skipped_rows"] = dict(self.task.skipped)
     self.samplers: dict = {}  # Experiment.sample's compiled samplers, by settings
 
   def texts(self, rollout) -> list[str]:

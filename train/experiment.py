@@ -8,9 +8,10 @@
     exp.evaluate(); exp.metrics       # held-out accuracy; the logged rows (a DataFrame w/ pandas)
     exp.save(); Experiment.restore("runs/NAME")   # the whole run state, and back
 
-It owns the run state: the `RunContext` (models on their meshes, generator, task data, logs),
-the stages (train/stages/) with their shared hooks (train/hooks.py), and the run-state
-checkpoints (train/checkpoint.py, restored by train/resume.py).
+It owns the run state: the `RunContext` (models on their meshes, generator, task data), the
+stages (train/stages/: each with its progress and its summary entries) with their shared hooks
+(train/hooks.py), the metrics log, and the run-state checkpoints (train/checkpoint.py, restored
+by train/resume.py into a value it takes). The run summary is put together here, in `summary`.
 """
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ from train.checkpoint import RunCheckpointer, load_actor_params, params_fingerpr
 from jaxrl.config_files import merge, resolve
 from train.context import RunContext
 from train.hooks import Checkpoint, Evaluate, Log, Progress, StopRequest
-from train.metrics import plain_row, plot_metrics
+from train.metrics import MetricsWriter, plain_row, plot_metrics
 from train.sampling import Completion, sample
-from train.stages import STAGES, Stopped, run_stage
+from train.stages import STAGES, Stage, Stopped, run_stage
 from train.host_transfers import to_host
 
 log = logging.getLogger("jaxrl")
@@ -70,25 +71,41 @@ class Experiment:
     saved = self.checkpointer.saved() if resume_run else []
     fresh = not saved and not self.cfg.init_checkpoint
     self.ctx = RunContext(self.cfg, self.run_dir, initialize=fresh)
-    self.stages = {name: STAGES[name](self.ctx) for name in names}
-    self.position, self._last_save = 0, None
+    self.writer = MetricsWriter(self.run_dir, enabled=jax.process_index() == 0)
+    kinds = {name: STAGES[name] for name in names}
+    resumed = resume.latest_good(self.checkpointer, self.ctx, kinds, saved) if saved else None
+    if resumed:
+      self._take(resumed)
+    else:
+      self._start_afresh(kinds)
     self.stop = StopRequest(self._save)
     self.progress = Progress(self.cfg.progress and jax.process_index() == 0)
-    self.hooks = [Evaluate(), Log(self.ctx.writer),
+    self.hooks = [Evaluate(initial=resumed is None), Log(self.writer, lambda: self.summary),
                   Checkpoint(self._save, self.cfg.checkpoint_every, self.cfg.checkpoint_minutes),
                   self.progress, self.stop]
-    if not (saved and resume.latest_good(self, saved)):
-      self.ctx.writer.resume(0)
-      if self.cfg.init_checkpoint:
-        self._init_actor(self.cfg.init_checkpoint)
-      elif self.ctx.cluster.actor.params is None:  # a fresh start after unreadable checkpoints
-        self.ctx.cluster.initialize_actor()
 
   @classmethod
   def restore(cls, run_dir: str, **overrides) -> Experiment:
     """The run in `run_dir` (its config.json), continued from its newest good checkpoint."""
     with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
       return cls(merge(json.load(f), overrides), run_dir=run_dir, resume_run=True)
+
+  def _take(self, resumed: resume.Resumed) -> None:
+    """A checkpoint's run state: its stages, the next one, its summary and metrics rows."""
+    self.stages, self.position = resumed.stages, resumed.position
+    self._summary_base = resumed.summary  # the run's own entries and the earlier stages'
+    self.writer.resume(resumed.metrics_rows)
+
+  def _start_afresh(self, kinds: dict[str, type[Stage]]) -> None:
+    self.stages, self.position = {name: kind(self.ctx) for name, kind in kinds.items()}, 0
+    skipped = self.ctx.task.skipped
+    self._summary_base = {"run_dir": self.run_dir,
+                          **({"data_skipped_rows": dict(skipped)} if skipped else {})}
+    self.writer.resume(0)
+    if self.cfg.init_checkpoint:
+      self._init_actor(self.cfg.init_checkpoint)
+    elif self.ctx.cluster.actor.params is None:  # a fresh start after unreadable checkpoints
+      self.ctx.cluster.initialize_actor()
 
   def _init_actor(self, directory: str) -> None:
     actor = self.ctx.cluster.actor
@@ -118,13 +135,11 @@ class Experiment:
     stage = self.stages[name]
     with self.stop:
       try:
-        if "heldout_acc_init" not in self.ctx.summary:
-          self.ctx.summary["heldout_acc_init"] = self.ctx.evaluate()
         row = run_stage(stage, self.hooks, steps)
       finally:
-        if stage.finished or self.stop.event.is_set():
+        if stage.progress.finished or self.stop.event.is_set():
           self.progress.close()
-      if stage.finished:
+      if stage.progress.finished:
         self.position = max(self.position, at + 1)
         self.stop.check()  # a request during the stage's last step ends the run here
     return plain_row(to_host(row, "metrics"))
@@ -136,31 +151,43 @@ class Experiment:
         for name in self.stage_names[self.position:]:
           self._run_stage(name, None)
     except Stopped as e:
-      self.ctx.summary["stopped"] = str(e)
+      return self.finish(stopped=str(e))
     return self.finish()
 
-  def finish(self) -> dict:
-    """Waits for checkpoints, writes summary.json, metrics.png and trace.json."""
+  @property
+  def summary(self) -> dict:
+    """The run summary so far: the run's own entries (its dir, the data rows it skipped) and
+    each stage's (train/stages/base.py: start evaluations, checkpoint step, final results), on
+    top of the summary a resumed checkpoint held. What checkpoints save; `finish` adds the
+    end-of-run entries."""
+    out = dict(self._summary_base)
+    for stage in self.stages.values():
+      out.update(stage.summary())
+    return out
+
+  def finish(self, *, stopped: str | None = None) -> dict:
+    """Waits for checkpoints, writes summary.json (the summary, what stopped the run, the
+    actor's fingerprint, the compile seconds), metrics.png and trace.json."""
     for stage in self.stages.values():
       stage.close()
     self.checkpointer.wait()
-    summary = self.ctx.summary
-    summary["params_fingerprint"] = params_fingerprint(self.ctx.cluster.actor.params)
-    summary.update(compilation.summary(since=self._compiles_before))
+    summary = {**self.summary, **({"stopped": stopped} if stopped else {}),
+               "params_fingerprint": params_fingerprint(self.ctx.cluster.actor.params),
+               **compilation.summary(since=self._compiles_before)}
     if jax.process_index() == 0:
-      self.ctx.writer.close()
-      plot_metrics(self.ctx.writer.rows, os.path.join(self.run_dir, "metrics.png"))
+      self.writer.close()
+      plot_metrics(self.writer.rows, os.path.join(self.run_dir, "metrics.png"))
       self.ctx.timeline.write_chrome_trace(os.path.join(self.run_dir, "trace.json"))
       with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
-    return dict(summary)
+    return summary
 
   def close(self) -> None:
     for stage in self.stages.values():
       stage.close()
     self.progress.close()
     self.checkpointer.close()
-    self.ctx.writer.close()
+    self.writer.close()
 
   def __enter__(self) -> Experiment:
     return self
@@ -170,7 +197,7 @@ class Experiment:
 
   # -- run state ----------------------------------------------------------------------------
   def _current(self):
-    started = [s for s in self.stages.values() if s.started]
+    started = [s for s in self.stages.values() if s.progress.started]
     if not started:
       raise ValueError("nothing to save yet: no stage has run")
     return started[-1]
@@ -180,11 +207,11 @@ class Experiment:
     self._save(self._current())
 
   def _save(self, stage) -> None:
-    if self._last_save == (stage.name, stage.done):
+    if stage.progress.saved == stage.progress.done:  # already saved (or restored) at this step
       return
-    self._last_save = (stage.name, stage.done)
-    items, meta, metrics = resume.snapshot(self, stage)
-    self.checkpointer.save(stage.name, stage.done, items, meta, metrics)
+    stage.mark_saved()
+    items, meta, metrics = resume.snapshot(self.ctx, stage, self.summary, len(self.writer.rows))
+    self.checkpointer.save(stage.name, stage.progress.done, items, meta, metrics)
 
   # -- looking at the model -----------------------------------------------------------------
   def evaluate(self) -> dict:
@@ -200,7 +227,7 @@ class Experiment:
   @property
   def metrics(self):
     """The logged rows: a pandas DataFrame when pandas is installed, else a list of dicts."""
-    rows = list(self.ctx.writer.rows)
+    rows = list(self.writer.rows)
     try:
       import pandas
     except ImportError:

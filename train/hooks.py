@@ -1,9 +1,10 @@
 """The hooks every stage shares: evaluation, logging, checkpoints, the progress bar, stop requests.
 
-`run_stage` (train/stages/base.py) calls `on_start` when a stage starts, `after_step` after each
-step with its metrics row (hooks run in list order and may add to the row: evaluation first,
-so the row that is logged and the checkpoint that follows carry its results) and `after_stage`
-when the stage is done.
+`run_stage` (train/stages/base.py) calls `on_start` when a stage starts afresh (with its step-0
+row), `after_step` after each step with its metrics row (hooks run in list order and may add to
+the row: evaluation first, so the row that is logged and the checkpoint that follows carry its
+results) and `after_stage` when the stage is done. Hooks move a stage only through its methods
+(`evaluate_now`, `evaluate_start`); the Log hook is the one writer of metrics rows.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -25,7 +27,7 @@ log = logging.getLogger("jaxrl")
 
 class Hook:
 
-  def on_start(self, stage: Stage) -> None:
+  def on_start(self, stage: Stage, row: dict) -> None:
     pass
 
   def after_step(self, stage: Stage, row: dict) -> None:
@@ -36,29 +38,45 @@ class Hook:
 
 
 class Evaluate(Hook):
-  """Runs the stage's held-out evaluation when it is due and adds it to the row."""
+  """Held-out evaluation, the one place a run starts it: as a stage starts (the policy before
+  the run's first stage, `heldout_acc_init`; and, for a stage that `evaluates_at_start`, its
+  step-0 row and `heldout_acc_NAME_start`) and after each step it is due (added to the row)."""
+
+  def __init__(self, *, initial: bool):
+    self.initial = initial  # the run's starting policy is not evaluated yet
+
+  def on_start(self, stage, row):
+    if self.initial:
+      stage.evaluate_start("heldout_acc_init")
+      self.initial = False
+    if stage.evaluates_at_start:
+      row.update(stage.evaluate_start(f"heldout_acc_{stage.name}_start"))
 
   def after_step(self, stage, row):
-    if stage.eval_due(stage.done):
-      stage.last_eval, stage.last_eval_step = stage.evaluate(), stage.done
-      row.update(stage.last_eval)
+    if stage.eval_due(stage.progress.done):
+      row.update(stage.evaluate_now())
 
 
 class Log(Hook):
-  """Every `log_every`-th row, each evaluated row and the last row go to metrics.jsonl (their
-  device values fetched then, not every step)."""
+  """Every `log_every`-th row, each evaluated row (a stage's step-0 row too) and the last row go
+  to metrics.jsonl (their device values fetched then, not every step); a finished stage logs the
+  numbers of the run's `summary()` so far."""
 
-  def __init__(self, writer):
-    self.writer = writer
+  def __init__(self, writer, summary: Callable[[], dict[str, Any]]):
+    self.writer, self.summary = writer, summary
+
+  def on_start(self, stage, row):
+    if row.keys() - {"phase", "step"}:  # evaluated: host numbers already, in the row's order
+      self.writer.write(row)
 
   def after_step(self, stage, row):
-    if stage.done % stage.log_every == 0 or stage.done == stage.total or \
-        stage.last_eval_step == stage.done:
+    p = stage.progress
+    if p.done % stage.log_every == 0 or p.done == stage.total or p.last_eval_step == p.done:
       row.update(self.writer.write(to_host(row, "metrics")))
 
   def after_stage(self, stage):
-    shown = {k: v for k, v in stage.ctx.summary.items() if isinstance(v, float)}
-    log.info("%s done after %d steps: %s", stage.name, stage.done,
+    shown = {k: v for k, v in self.summary().items() if isinstance(v, float)}
+    log.info("%s done after %d steps: %s", stage.name, stage.progress.done,
              ", ".join(f"{k} {v:.3f}" for k, v in shown.items()))
 
 
@@ -71,13 +89,16 @@ class Progress(Hook):
   def __init__(self, enabled: bool):
     self.enabled, self.bar = enabled, None
 
-  def on_start(self, stage):
-    self.bar = tqdm(total=stage.total, initial=stage.done, disable=not self.enabled,
+  def on_start(self, stage, row):
+    self._open(stage)
+
+  def _open(self, stage):
+    self.bar = tqdm(total=stage.total, initial=stage.progress.done, disable=not self.enabled,
                     desc=stage.name.replace("_", " "), dynamic_ncols=True)
 
   def after_step(self, stage, row):
-    if self.bar is None:
-      self.on_start(stage)
+    if self.bar is None:  # a stage that started earlier (restored, or run piecewise)
+      self._open(stage)
     self.bar.update(1)
     shown = {short: row[k] for k, short in self.SHOWN.items()
              if isinstance(row.get(k), (int, float))}
@@ -111,10 +132,11 @@ class Checkpoint(Hook):
     self.last = time.monotonic()
 
   def after_step(self, stage, row):
-    if stage.done == stage.total:  # the last step is saved by after_stage
+    done = stage.progress.done
+    if done == stage.total:  # the last step is saved by after_stage
       return
     late = self.seconds > 0 and time.monotonic() - self.last >= self.seconds
-    if stage.done % self.every == 0 or agreed(late):
+    if done % self.every == 0 or agreed(late):
       self.save(stage)
       self.last = time.monotonic()
 
@@ -168,6 +190,6 @@ class StopRequest(Hook):
     self._old.clear()
 
   def after_step(self, stage, row):
-    if stage.done < stage.total and self.requested():  # the last step: see `check`
+    if stage.progress.done < stage.total and self.requested():  # the last step: see `check`
       self.save(stage)
       raise Stopped(self.signal or "stop request")

@@ -31,9 +31,10 @@ class DPOStage(Stage):
 
   def start(self, *, restoring: bool = False) -> None:
     d, ctx, actor = self.cfg.dpo, self.ctx, self.ctx.cluster.actor
-    self.train_pairs, self.heldout_pairs = load_pairs(
+    self.train_pairs, self.heldout_pairs, skipped = load_pairs(
         ctx, "dpo", d.pairs_path, per_prompt=d.pairs_per_prompt,
         policy_negatives=d.policy_negatives)
+    self.note(skipped)  # a pairs file's bad rows, for the summary
     self.lengths = pair_lengths(self.train_pairs + self.heldout_pairs, ctx.task.enc)
     self._seq_logp = actor.jit(functools.partial(steps.sequence_logprobs, actor.graphdef,
                                                  prompt_len=self.lengths[0]))
@@ -75,7 +76,7 @@ class DPOStage(Stage):
       self._data = (grain.MapDataset.source(list(zip(self.train_pairs, self.ref_train)))
                     .seed(self.cfg.seed + 3).shuffle().repeat()
                     .batch(self.cfg.dpo.batch_size, drop_remainder=True, batch_fn=self._batch))
-    batch = self._data[self.done]
+    batch = self._data[self.progress.done]
     return self.learner.update(to_device(batch, self.ctx.cluster.actor.batch_shardings(batch),
                                          "batch"))
 
@@ -85,7 +86,7 @@ class DPOStage(Stage):
             "heldout_acc": self.ctx.evaluate()}
 
   def finish(self) -> dict:
-    e = self.last_eval
+    e = self.progress.last_eval
     return {"dpo_heldout_logp_margin_init": self.margin0,
             "dpo_heldout_logp_margin": e["heldout_logp_margin"],
             "dpo_heldout_implicit_margin": e["heldout_implicit_margin"],

@@ -46,9 +46,10 @@ def check_pairs_file(path: str) -> None:
     raise ConfigError(f"{path}: cannot read pairs file (no such file)")
 
 
-def read_pairs_file(ctx: RunContext, stage: str, path: str) -> list[Pair]:
+def read_pairs_file(ctx: RunContext, stage: str, path: str) -> tuple[list[Pair], dict]:
   """A user's pairs (jsonl / parquet; text, or chat messages with data.chat), prompts rendered
-  as the RL prompts are; bad rows are skipped and counted, or stop the run (data.on_bad_row)."""
+  as the RL prompts are, and the bad rows skipped, counted by reason (or they stop the run:
+  data.on_bad_row)."""
   try:  # no token limits: the pair batches are sized from the pairs themselves
     opts = dataclasses.replace(DataOptions.of(ctx.cfg.data), max_prompt_tokens=0,
                                max_completion_tokens=0)
@@ -57,21 +58,21 @@ def read_pairs_file(ctx: RunContext, stage: str, path: str) -> list[Pair]:
     raise ConfigError(str(e)) from None
   for reason, n in skipped.items():
     log.warning("%s: skipped %d rows of %s (%s)", stage, n, path, reason)
-  if skipped:
-    ctx.summary[f"{stage}_pairs_skipped_rows"] = skipped
-  return pairs
+  return pairs, skipped
 
 
 def load_pairs(ctx: RunContext, stage: str, pairs_path: str, *, per_prompt: int,
-               policy_negatives: bool) -> tuple[list[Pair], list[Pair]]:
-  """(train pairs, held-out pairs). A user's file is split 90/10 after a seeded shuffle;
-  synthetic pairs come from the train and held-out prompts (disjoint)."""
+               policy_negatives: bool) -> tuple[list[Pair], list[Pair], dict]:
+  """(train pairs, held-out pairs, the summary entry of a user file's skipped rows: the stage
+  keeps it). A user's file is split 90/10 after a seeded shuffle; synthetic pairs come from the
+  train and held-out prompts (disjoint)."""
   seed = ctx.cfg.seed
   if pairs_path:
-    pairs = read_pairs_file(ctx, stage, pairs_path)
+    pairs, skipped = read_pairs_file(ctx, stage, pairs_path)
     order = np.random.default_rng(seed).permutation(len(pairs))
     n_held = max(1, int(len(pairs) * HELDOUT_FRACTION))
-    return [pairs[i] for i in order[n_held:]], [pairs[i] for i in order[:n_held]]
+    return ([pairs[i] for i in order[n_held:]], [pairs[i] for i in order[:n_held]],
+            {f"{stage}_pairs_skipped_rows": skipped} if skipped else {})
   out = []
   for name, examples, s in [("train", ctx.task.train, seed), ("heldout", ctx.task.heldout, seed + 1)]:
     path = os.path.join(ctx.run_dir, f"{stage}_pairs_{name}.jsonl")
@@ -85,4 +86,4 @@ def load_pairs(ctx: RunContext, stage: str, pairs_path: str, *, per_prompt: int,
       write_jsonl(pairs, path + ".tmp")
       os.replace(path + ".tmp", path)
     out.append(pairs)
-  return out[0], out[1]
+  return out[0], out[1], {}

@@ -36,9 +36,10 @@ class RewardModelStage(Stage):
 
   def start(self, *, restoring: bool = False) -> None:
     rm, ctx, cluster = self.cfg.reward_model, self.ctx, self.ctx.cluster
-    self.train_pairs, self.heldout_pairs = load_pairs(
+    self.train_pairs, self.heldout_pairs, skipped = load_pairs(
         ctx, "reward_model", rm.pairs_path, per_prompt=rm.pairs_per_prompt,
         policy_negatives=rm.policy_negatives)
+    self.note(skipped)  # a pairs file's bad rows, for the summary
     self.lengths = pair_lengths(self.train_pairs + self.heldout_pairs, ctx.task.enc)
     role = cluster.get("reward")
     if role is None:
@@ -68,7 +69,7 @@ class RewardModelStage(Stage):
     return correct / len(self.heldout_pairs), margin / len(self.heldout_pairs)
 
   def step(self) -> dict:
-    batch = self.data[self.done]
+    batch = self.data[self.progress.done]
     return self.learner.update(to_device(batch, self.role.batch_shardings(batch), "batch"))
 
   def evaluate(self) -> dict:
@@ -76,7 +77,7 @@ class RewardModelStage(Stage):
     return {"heldout_pair_acc": accuracy, "heldout_margin": margin}
 
   def finish(self) -> dict:
-    accuracy = self.last_eval["heldout_pair_acc"]
+    accuracy = self.progress.last_eval["heldout_pair_acc"]
     log.info("reward model: held-out pairwise accuracy %.3f -> %.3f (%d pairs)",
              self.accuracy0, accuracy, len(self.heldout_pairs))
     return {"rm_heldout_pair_acc_init": self.accuracy0, "rm_heldout_pair_acc": accuracy,

@@ -22,6 +22,7 @@ log = logging.getLogger("jaxrl")
 
 class RLStage(Stage):
   name = "rl"
+  evaluates_at_start = True  # the policy as RL starts: heldout_acc_rl_start, the step-0 row
 
   def __init__(self, ctx):
     super().__init__(ctx)
@@ -47,10 +48,6 @@ class RLStage(Stage):
       critic = cluster.get("critic") or self._new_critic()
       self.critic = Learner(critic, functools.partial(steps.critic_update, cfg=rl),
                             optimizer(rl.critic_learning_rate), initialize=not restoring)
-    if not restoring:
-      acc = self.ctx.evaluate()
-      self.ctx.summary["heldout_acc_rl_start"] = acc
-      self.ctx.writer.write({"phase": "rl", "step": 0, "heldout_acc": acc})
 
   def _new_critic(self):
     """The critic starts from the reward model when there is one (as OpenRLHF does), else from
@@ -66,21 +63,22 @@ class RLStage(Stage):
   def step(self) -> dict:
     if self.controller is None:
       self.wall0 = time.perf_counter()
-      self.controller = Controller(self.ctx, self.actor, self.critic,
-                                   next_index=self.next_index, version=self.done)
+      self.controller = Controller(self.ctx, self.actor, self.critic, next_index=self.next_index,
+                                   version=self.progress.done)
       self.controller.start()
     row = self.controller.step()
     self.next_index = self.controller.next_index
-    return {**row, "samples": (self.done + 1) * self.cfg.rl.rollouts}
+    return {**row, "samples": (self.progress.done + 1) * self.cfg.rl.rollouts}
 
   def finish(self) -> dict:
     self.close()
     t = self.ctx.timeline.summary(self.wall0)
     log.info("RL timeline (trace.json): %s; bubble %.2f",
              ", ".join(f"{k} busy {v:.0%}" for k, v in t["busy"].items()), t["bubble"])
-    return {"rl_steps_done": self.done, "rl_wall_s": t["wall_s"], "bubble": t["bubble"],
+    return {"rl_steps_done": self.progress.done, "rl_wall_s": t["wall_s"],
+            "bubble": t["bubble"],
             **{f"busy_{k}": v for k, v in t["busy"].items()},
-            "heldout_acc_rl": self.last_eval["heldout_acc"]}
+            "heldout_acc_rl": self.progress.last_eval["heldout_acc"]}
 
   def learners(self) -> dict[str, Learner]:
     out = {"actor": self.actor}

@@ -28,11 +28,11 @@ class SFTStage(Stage):
 
   def step(self) -> dict:
     actor = self.ctx.cluster.actor
-    batch = self.data[self.done]
+    batch = self.data[self.progress.done]
     return self.learner.update(to_device(batch, actor.batch_shardings(batch), "batch"))
 
   def finish(self) -> dict:
-    return {"heldout_acc_sft": self.last_eval["heldout_acc"]}
+    return {"heldout_acc_sft": self.progress.last_eval["heldout_acc"]}
 
   def learners(self) -> dict[str, Learner]:
     return {"actor": self.learner}
