@@ -72,16 +72,16 @@ def _paths(graphdef, cfg, batch: int, mesh, shardings) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from sampler.inflight import jit_inflight
-  from sampler.sampler import jit_generate
-  static = jit_generate(graphdef, cfg, mesh=mesh, param_shardings=shardings)
+  from sampler.sampler import Sampler
+  static = Sampler(graphdef, cfg, mesh=mesh, param_shardings=shardings)
 
   def batches(params, tokens_BP, valid_BP, key, budget_B):
-    parts = [static(params, tokens_BP[i:i + batch], valid_BP[i:i + batch],
-                    jax.random.fold_in(key, i), budget_B[i:i + batch])
+    parts = [static.generate(params, tokens_BP[i:i + batch], valid_BP[i:i + batch],
+                             jax.random.fold_in(key, i), budget_B[i:i + batch])
              for i in range(0, tokens_BP.shape[0], batch)]
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
-  return {"static": batches, "inflight": jit_inflight(graphdef, cfg, slots=batch, mesh=mesh)}
+  inflight = Sampler(graphdef, cfg, mesh=mesh, param_shardings=shardings, inflight_slots=batch)
+  return {"static": batches, "inflight": inflight.generate}
 
 
 def _longtail(args, graphdef, params, sample_cfg, mesh, shardings, vocab: int):
@@ -143,7 +143,7 @@ def main() -> None:
 
   from jaxrl.models.llama import LanguageModel, ModelConfig
   from sampler.methods import SamplingConfig
-  from sampler.sampler import jit_generate
+  from sampler.sampler import Sampler
   from sharding.mesh import make_mesh, param_shardings
   from sharding.rules import SAMPLER_RULES
 
@@ -167,8 +167,8 @@ def main() -> None:
   shardings = param_shardings(params, SAMPLER_RULES, mesh)
   params = jax.device_put(params, shardings)
   if args.lengths == "fixed":
-    fn = jit_generate(graphdef, sample_cfg, mesh=mesh, param_shardings=shardings)
-    result, tokens = _fixed(args, fn, params, vocab)
+    sampler = Sampler(graphdef, sample_cfg, mesh=mesh, param_shardings=shardings)
+    result, tokens = _fixed(args, sampler.generate, params, vocab)
   else:
     result, tokens = _longtail(args, graphdef, params, sample_cfg, mesh, shardings, vocab)
   non_embedding = sum(x.size for x in jax.tree.leaves(params)) - cfg.vocab_size * cfg.d_model

@@ -23,8 +23,8 @@ from jaxrl.algos.logprobs import chunk_length
 from jaxrl.config import ConfigError, ExperimentConfig, usable_memory_gb
 from sharding.placement import PlacementError
 from planner import footprint
-from sharding.rules import SAMPLER_RULES
-from train.cluster import RoleCluster, batch_ways
+from sharding.rules import SAMPLER_RULES, batch_ways
+from train.cluster import RoleCluster
 
 GIB = 1 << 30
 

@@ -7,8 +7,9 @@ prompt is prefilled once and its KV cache repeated (group-major rows: prompt i -
 """
 from __future__ import annotations
 
+import bisect
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import flax.struct
@@ -48,6 +49,29 @@ def hit_stop(recent_BK: jax.Array, cfg: SamplingConfig) -> jax.Array:
   for seq in cfg.stop_sequences:
     hit_B |= jnp.all(recent_BK[:, -len(seq):] == jnp.asarray(seq, jnp.int32), axis=1)
   return hit_B
+
+
+def emit_tokens(logits_BV, u_B, done_B, recent_BK, cfg: SamplingConfig):
+  """The token-emit step of both engines (this one and sampler/inflight.py): each row's next
+  token drawn with its uniform (PAD for rows already done), the row's last K tokens moved on,
+  and whether the token ends the row (a stop sequence or, unless ignored, EOS). Returns
+  (tok_B, logp_B, recent_BK, finished_B)."""
+  tok_B, logp_B = SAMPLERS[cfg.method](logits_BV, u_B, cfg)
+  tok_B = jnp.where(done_B, cfg.pad_id, tok_B)
+  recent_BK = jnp.concatenate([recent_BK[:, 1:], tok_B[:, None]], axis=1)
+  finished_B = hit_stop(recent_BK, cfg)
+  if not cfg.ignore_eos:
+    finished_B |= tok_B == cfg.eos_id
+  return tok_B, logp_B, recent_BK, finished_B
+
+
+def bucket(size: int, buckets: Sequence[int]) -> int:
+  """The smallest of `buckets` (sorted) that holds `size`: shapes padded to a few sizes reuse a
+  few compiled programs."""
+  at = bisect.bisect_left(buckets, size)
+  if at == len(buckets):
+    raise ValueError(f"size {size} is larger than the largest bucket {buckets[-1]}")
+  return buckets[at]
 
 
 MIN_SEGMENT = 8  # decode steps
@@ -102,17 +126,12 @@ def _decode_forward(model: DecodeModel, layout: str, key_valid_BS, next_pos_B, s
 def _emitter(cfg: SamplingConfig, uniforms_NB, max_new_B):
   """`emit(state) -> (state, tok_B)`: samples token `state.step` from `state.logits_BV` and
   records it (PAD, masked out, for rows that are done)."""
-  sample = SAMPLERS[cfg.method]
 
   def emit(s: DecodeState) -> tuple[DecodeState, jax.Array]:
     done_B = s.done_B | (s.step >= max_new_B)
-    tok_B, logp_B = sample(s.logits_BV, uniforms_NB[s.step], cfg)
-    tok_B = jnp.where(done_B, cfg.pad_id, tok_B)
+    tok_B, logp_B, recent_BK, finished_B = emit_tokens(s.logits_BV, uniforms_NB[s.step], done_B,
+                                                       s.recent_BK, cfg)
     write = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(buf, col[:, None], s.step, axis=1)
-    recent_BK = jnp.concatenate([s.recent_BK[:, 1:], tok_B[:, None]], axis=1)
-    finished_B = hit_stop(recent_BK, cfg)
-    if not cfg.ignore_eos:
-      finished_B |= tok_B == cfg.eos_id
     return s.replace(step=s.step + 1, tokens_BN=write(s.tokens_BN, tok_B),
                      mask_BN=write(s.mask_BN, ~done_B),
                      logprobs_BN=write(s.logprobs_BN, jnp.where(done_B, 0.0, logp_B)),

@@ -1,7 +1,8 @@
 """In-flight (continuous) batching: R row slots decode together, and a slot whose row has finished
 (EOS, a stop sequence or its own budget) takes the next pending row, so rows of uneven lengths do
-not keep finished rows computing until the longest one ends. `jit_inflight` returns the same
-`Rollout` as `sampler.sampler.jit_generate`, so callers can swap one for the other.
+not keep finished rows computing until the longest one ends. `sampler.sampler.Sampler` decodes
+through `jit_inflight` when given `inflight_slots`: it returns the same `Rollout` as the static
+engine, so callers need not know which one ran.
 
 Host loop: decode runs in segments of `CHECK_EVERY` steps (a `lax.while_loop` that also stops
 once every slot is done). Between segments the host reads the R done flags and one jitted call
@@ -36,11 +37,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.models.decode import LMDecoding
-from sampler.engine import KVCache, DecodeModel, Rollout, hit_stop, resolve_layout
-from sampler.methods import SAMPLERS, SamplingConfig
-from sampler.sampler import bucket
-from jaxrl.partitioning import Rules, activation_rules, logical_to_spec
-from sharding.rules import SAMPLER_RULES
+from jaxrl.partitioning import Rules
+from sampler.engine import KVCache, DecodeModel, Rollout, bucket, emit_tokens, resolve_layout
+from sampler.methods import SamplingConfig
+from sharding.reshard import fetch, send
+from sharding.rules import SAMPLER_RULES, batch_ways, data_axes, jit_on
 
 CHECK_EVERY = 8  # decode steps between the host's looks at the done flags
 
@@ -160,14 +161,10 @@ def _emit(s: Slots, cfg: SamplingConfig) -> tuple[Slots, jax.Array]:
   emit PAD and record nothing."""
   n = s.tokens_RN.shape[1]
   u_R = jnp.take_along_axis(s.uniforms_RN, jnp.minimum(s.step_R, n - 1)[:, None], 1)[:, 0]
-  tok_R, logp_R = SAMPLERS[cfg.method](s.logits_RV, u_R, cfg)
+  tok_R, logp_R, recent_RK, finished_R = emit_tokens(s.logits_RV, u_R, s.done_R, s.recent_RK,
+                                                     cfg)
   live_R = ~s.done_R
-  tok_R = jnp.where(live_R, tok_R, cfg.pad_id)
   at_RN = live_R[:, None] & (jnp.arange(n) == s.step_R[:, None])
-  recent_RK = jnp.concatenate([s.recent_RK[:, 1:], tok_R[:, None]], axis=1)
-  finished_R = hit_stop(recent_RK, cfg)
-  if not cfg.ignore_eos:
-    finished_R |= tok_R == cfg.eos_id
   step_R = s.step_R + live_R
   return s.replace(tokens_RN=jnp.where(at_RN, tok_R[:, None], s.tokens_RN),
                    mask_RN=s.mask_RN | at_RN,
@@ -237,25 +234,10 @@ def _keep(done_R: np.ndarray, sizes: tuple[int, ...]) -> np.ndarray | None:
   return np.concatenate([live_K, np.flatnonzero(done_R)[:size - len(live_K)]]).astype(np.int32)
 
 
-def _fetch(x) -> np.ndarray:
-  with jax.transfer_guard("allow"):  # the host loop's own few bytes (done flags)
-    return np.asarray(jax.device_get(x))
-
-
-def _send(x: np.ndarray) -> jax.Array:
-  with jax.transfer_guard("allow"):  # the host loop's own few bytes (slot plans, step limits)
-    return jax.device_put(x)
-
-
-def _data_axes(mesh: Mesh | None, rules: Rules) -> tuple[str, ...]:
-  data = None if mesh is None else logical_to_spec(("batch",), rules, mesh)[0]
-  return () if data is None else (data,) if isinstance(data, str) else tuple(data)
-
-
 def _jitter(mesh: Mesh | None, rules: Rules):
   """`jit(fn, donate, **static)`: `fn` jitted under the activation rules, the slot state it
   returns split over the mesh's data axes (its other axes left to the compiler)."""
-  data = _data_axes(mesh, rules)
+  data = data_axes(mesh, rules)
 
   def split(x):
     if not data or not isinstance(x, Slots):
@@ -266,18 +248,17 @@ def _jitter(mesh: Mesh | None, rules: Rules):
 
   def jit(fn, donate=(), **static):
     @functools.wraps(fn)
-    def traced(*args):
-      with activation_rules(mesh, rules):
-        return jax.tree.map(split, fn(*args, **static), is_leaf=lambda x: isinstance(x, Slots))
-    return jax.jit(traced, donate_argnums=donate)
+    def split_slots(*args):
+      return jax.tree.map(split, fn(*args, **static), is_leaf=lambda x: isinstance(x, Slots))
+    return jit_on(mesh, rules, split_slots, donate_argnums=donate)
   return jit
 
 
 def jit_inflight(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, slots: int, n: int = 1,
                  mesh: Mesh | None = None, rules: Rules = SAMPLER_RULES):
-  """`fn(params, tokens_BP, valid_BP, key, max_new_B=None) -> Rollout` as `jit_generate`'s,
+  """`fn(params, tokens_BP, valid_BP, key, max_new_B=None) -> Rollout` as the static engine's,
   decoding in `slots` row slots that are refilled as their rows finish."""
-  shards = int(np.prod([mesh.shape[a] for a in _data_axes(mesh, rules)]))
+  shards = batch_ways(mesh, rules)
   if slots < 1 or slots % shards:
     raise ValueError(f"expected a positive multiple of the mesh's {shards} data shards, "
                      f"got {slots}")
@@ -296,18 +277,18 @@ def jit_inflight(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, slots: int, n: 
   def run(params, tokens_BP, valid_BP, key, max_new_B=None) -> Rollout:
     model = cast(params)  # weights in the compute dtype once per call
     state, out, g = start(model, tokens_BP)
-    segment, total, queued = _send(np.int32(CHECK_EVERY)), tokens_BP.shape[0] * n, 0
+    segment, total, queued = send(np.int32(CHECK_EVERY)), tokens_BP.shape[0] * n, 0
     while True:
-      done_R = _fetch(state.done_R)  # the host's look, every CHECK_EVERY steps
+      done_R = fetch(state.done_R)  # the host's look, every CHECK_EVERY steps
       if queued == total and done_R.all():
         break
       if queued < total and done_R.any():
         rows_K, src_R = _plan(done_R, queued, total, buckets)
         state, out = refill_fn(model, state, out, g, tokens_BP, valid_BP, key, max_new_B,
-                               _send(rows_K), _send(src_R))
+                               send(rows_K), send(src_R))
         queued += int((src_R >= 0).sum())
       elif queued == total and (keep_K := _keep(done_R, tails)) is not None:
-        state, out = shrink_fn(state, out, _send(keep_K))
+        state, out = shrink_fn(state, out, send(keep_K))
       state, g = decode_fn(model, state, g, segment)
     return stop(state, out, tokens_BP, valid_BP)
   return run

@@ -1,114 +1,117 @@
-"""Host-side front end of the engine: buckets, padding, sharded decode on the sampler mesh.
+"""The one entrance to decoding: `Sampler`, a frozen description of how to decode that picks the
+static engine (sampler/engine.py) or in-flight batching (sampler/inflight.py).
 
-A list of prompts (token ids) is left-padded into a (batch, length) bucket so that new batches of
-similar size reuse the compiled program instead of recompiling; padding rows are dropped from the
-result. With a mesh, decode runs under the sampling rules (tensor parallel over heads / mlp,
-data parallel over the batch).
+Two doors into the same program: `generate` takes prompts already left-padded on the mesh (the
+RL's batches), `__call__` a list of prompts (token ids), which it left-pads into a (batch,
+length) bucket so that new batches of similar size reuse the compiled program instead of
+recompiling; padding rows are dropped from the result. With a mesh, decode runs under the
+sampling rules (tensor parallel over heads / mlp, data parallel over the batch).
 """
 from __future__ import annotations
 
-import bisect
+import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
-from sampler.engine import Rollout, generate
+from jaxrl.partitioning import Rules
+from sampler.engine import Rollout, bucket, generate
+from sampler.inflight import jit_inflight
 from sampler.methods import SamplingConfig
 from sharding.mesh import batch_sharding
-from jaxrl.partitioning import Rules, activation_rules, logical_to_spec
-from sharding.rules import SAMPLER_RULES
+from sharding.rules import SAMPLER_RULES, data_axes, jit_per_shard
 
 LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 BATCH_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
-def bucket(size: int, buckets: Sequence[int]) -> int:
-  at = bisect.bisect_left(buckets, size)
-  if at == len(buckets):
-    raise ValueError(f"size {size} is larger than the largest bucket {buckets[-1]}")
-  return buckets[at]
+def _jit_static(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, n: int, mesh: Mesh | None,
+                rules: Rules, param_shardings, on_trace: Callable[[], None]):
+  """`generate` jitted for a mesh: `fn(params, tokens_BP, valid_BP, key, max_new_B)`.
 
-
-def jit_generate(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, n: int = 1,
-                 mesh: Mesh | None = None, rules: Rules = SAMPLER_RULES, param_shardings=None,
-                 on_trace: Callable[[], None] | None = None):
-  """`generate` jitted for a mesh: `fn(params, tokens_BP, valid_BP, key, max_new_B=None)`.
-
-  Data parallelism is manual (shard_map over the mesh axes `batch` maps to): every data shard
-  runs its own decode loop on its rows with its own random stream (the key folded with the shard
-  index). Without other mesh axes a shard stops when its own rows are done, with no per-token
-  collective; with tensor parallelism inside the shards, whose collectives span every device of
-  the program, all shards stop together (one all-reduce of the done flags per step). Inside a
-  shard the remaining axes stay automatic, following `rules`.
+  Data parallelism is manual (`jit_per_shard`): every data shard runs its own decode loop on its
+  rows with its own random stream (the key folded with the shard index). Without other mesh axes
+  a shard stops when its own rows are done, with no per-token collective; with tensor
+  parallelism inside the shards, whose collectives span every device of the program, all shards
+  stop together (one all-reduce of the done flags per step). Inside a shard the remaining axes
+  stay automatic, following `rules`.
   """
+  axes = data_axes(mesh, rules)
+  lockstep = bool(axes) and any(size > 1 for name, size in mesh.shape.items() if name not in axes)
 
-  def run(params, tokens_BP, valid_BP, key, max_new_B, inner_rules=rules, all_done=jnp.all):
-    if on_trace is not None:
-      on_trace()
-    with activation_rules(mesh, inner_rules):
-      return generate(graphdef, params, tokens_BP, valid_BP, key, max_new_B, cfg=cfg, n=n,
-                      all_done=all_done)
+  def all_done(done_B):
+    local = jnp.all(done_B).astype(jnp.int32)
+    return (jax.lax.pmin(local, axes) if lockstep else local) > 0
 
-  if mesh is None:
-    fn = jax.jit(run)
-  else:
-    fn = _jit_on_mesh(run, mesh, rules, param_shardings)
-  return lambda params, tokens_BP, valid_BP, key, max_new_B=None: fn(
-      params, tokens_BP, valid_BP, key, max_new_B)
+  def run(params, tokens_BP, valid_BP, key, max_new_B):
+    on_trace()
+    if axes:
+      key = jax.random.fold_in(key, jax.lax.axis_index(axes))
+    return generate(graphdef, params, tokens_BP, valid_BP, key, max_new_B, cfg=cfg, n=n,
+                    all_done=all_done if axes else jnp.all)
 
-
-def _jit_on_mesh(run, mesh: Mesh, rules: Rules, param_shardings):
-  """`run` jitted on `mesh`: manual over the data axes, automatic over the rest."""
-  rows, grid = batch_sharding(mesh, rules, 1), batch_sharding(mesh, rules, 2)
-  data = logical_to_spec(("batch",), rules, mesh)[0]
-  data_axes = () if data is None else (data,) if isinstance(data, str) else tuple(data)
-  if not data_axes:
-    fn = jax.jit(run, in_shardings=(param_shardings, grid, grid, None, rows))
-  else:
-    no_batch = tuple(rule for rule in rules if rule[0] != "batch")
-    lockstep = any(size > 1 for name, size in mesh.shape.items() if name not in data_axes)
-
-    def all_done(done_B):
-      local = jnp.all(done_B).astype(jnp.int32)
-      return (jax.lax.pmin(local, data_axes) if lockstep else local) > 0
-
-    def shard(params, tokens_BP, valid_BP, key, max_new_B):
-      key = jax.random.fold_in(key, jax.lax.axis_index(data_axes))
-      return run(params, tokens_BP, valid_BP, key, max_new_B, inner_rules=no_batch,
-                 all_done=all_done)
-
-    split = PartitionSpec(data_axes)
-    fn = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=(PartitionSpec(), split, split,
-                                                           PartitionSpec(), split),
-                               out_specs=split, axis_names=set(data_axes), check_vma=False),
-                 in_shardings=(param_shardings, grid, grid, None, rows))
-  return fn
+  shardings = {}
+  if mesh is not None:
+    rows, grid = batch_sharding(mesh, rules, 1), batch_sharding(mesh, rules, 2)
+    shardings = dict(in_shardings=(param_shardings, grid, grid, None, rows))
+  return jit_per_shard(mesh, rules, run, (False, True, True, False, True), **shardings)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class Sampler:
+  """`n` samples per prompt (rows group-major) under `cfg`, on `mesh` (None: one device) in the
+  layout `rules` (the weights arrive in `param_shardings`). `inflight_slots` = 0: the static
+  engine, each batch decoding until its longest row ends; > 0: in-flight batching in that many
+  row slots, refilled as rows finish (one process only). Either returns the same `Rollout`.
+  Frozen, because it is compiled for its settings: other settings are another sampler
+  (`dataclasses.replace`)."""
+  graphdef: nnx.GraphDef
+  cfg: SamplingConfig
+  n: int = 1
+  mesh: Mesh | None = None
+  rules: Rules = SAMPLER_RULES
+  param_shardings: Any = None
+  inflight_slots: int = 0
+  length_buckets: Sequence[int] = LENGTH_BUCKETS
+  batch_buckets: Sequence[int] = BATCH_BUCKETS
+  _traced: list = dataclasses.field(default_factory=list, init=False, repr=False)
+  _decode: Callable = dataclasses.field(init=False, repr=False)  # built by __post_init__
 
-  def __init__(self, graphdef: nnx.GraphDef, cfg: SamplingConfig, *, n: int = 1,
-               mesh: Mesh | None = None, rules: Rules = SAMPLER_RULES, param_shardings=None,
-               length_buckets: Sequence[int] = LENGTH_BUCKETS,
-               batch_buckets: Sequence[int] = BATCH_BUCKETS):
-    self.cfg, self.n, self.mesh, self.rules = cfg, n, mesh, rules
-    self.length_buckets, self.batch_buckets = tuple(length_buckets), tuple(batch_buckets)
-    self.traces = 0  # how many times the engine was traced (a retrace means a new bucket)
+  def __post_init__(self):
+    """Builds the decode program; a ValueError names what cannot run (the caller knows which
+    setting of its own to blame)."""
+    if not self.inflight_slots:
+      fn = _jit_static(self.graphdef, self.cfg, n=self.n, mesh=self.mesh, rules=self.rules,
+                       param_shardings=self.param_shardings,
+                       on_trace=lambda: self._traced.append(None))
+    elif jax.process_count() > 1:
+      raise ValueError("in-flight batching runs in one process; set 0 for multi-host runs")
+    else:
+      fn = jit_inflight(self.graphdef, self.cfg, slots=self.inflight_slots, n=self.n,
+                        mesh=self.mesh, rules=self.rules)
+    object.__setattr__(self, "_decode", fn)
 
-    self._fn = jit_generate(graphdef, cfg, n=n, mesh=mesh, rules=rules,
-                            param_shardings=param_shardings, on_trace=self._count_trace)
+  @property
+  def traces(self) -> int:
+    """How many times the static engine was traced (a retrace means a new bucket)."""
+    return len(self._traced)
 
-  def _count_trace(self):
-    self.traces += 1
+  def generate(self, params, tokens_BP: jax.Array, valid_BP: jax.Array, key: jax.Array,
+               max_new_B: jax.Array | None = None) -> Rollout:
+    """`n` samples per prompt of a left-padded batch (on the mesh, split over its data axes);
+    `max_new_B` (per output row) caps each row's length. The rollout stays on the devices."""
+    return self._decode(params, tokens_BP, valid_BP, key, max_new_B)
 
   def __call__(self, params, prompts: Sequence[Sequence[int]], key: jax.Array,
                max_new_tokens: Sequence[int] | None = None) -> Rollout:
-    """Generates `n` samples per prompt (rows group-major), as host numpy arrays."""
-    b, p = bucket(len(prompts), self.batch_buckets), bucket(max(map(len, prompts)), self.length_buckets)
+    """`n` samples per prompt of a list of token ids, bucketed, as host numpy arrays."""
+    b = bucket(len(prompts), self.batch_buckets)
+    p = bucket(max(map(len, prompts)), self.length_buckets)
     tokens_BP = np.full((b, p), self.cfg.pad_id, np.int32)
     valid_BP = np.zeros((b, p), bool)
     for row, ids in enumerate(prompts):
@@ -120,6 +123,6 @@ class Sampler:
       budget[:len(prompts)] = np.minimum(np.asarray(max_new_tokens, np.int32),
                                          self.cfg.max_new_tokens)
     budget_B = np.repeat(budget, self.n)
-    out = jax.device_get(self._fn(params, tokens_BP, valid_BP, key, budget_B))
+    out = jax.device_get(self.generate(params, tokens_BP, valid_BP, key, budget_B))
     keep = len(prompts) * self.n
     return jax.tree.map(lambda x: x[:keep], out)

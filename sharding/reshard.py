@@ -14,6 +14,10 @@ copies those pieces device to device: no byte of a rollout visits the host. It h
 split along their first (batch) dimension, as every batch and per-sample result is, on one
 process or on several as long as each process already holds the rows its target shards need
 (placements give every host its own slice of both meshes); anything else goes through `put`.
+
+Host (`fetch`, `send`): the deliberate host transfers, each let through JAX's transfer guard for
+its own call only, so that a test disallowing every other host transfer lets exactly these pass
+(train/host_transfers.py names and counts the run's; in-flight batching moves its control bytes).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,3 +184,25 @@ def move_array(x, target: jax.sharding.Sharding):
 def move(tree, target_shardings):
   """Every leaf of `tree` laid out as the sharding at its place in `target_shardings`."""
   return jax.tree.map(move_array, tree, target_shardings)
+
+
+def _host_value(x):
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return multihost_utils.process_allgather(x, tiled=True)  # every process sees all rows
+  return np.asarray(jax.device_get(x))
+
+
+def fetch(tree):
+  """Device arrays -> numpy (on every process, whole); host transfers allowed for this call."""
+  with jax.transfer_guard_device_to_host("allow"):
+    return jax.tree.map(_host_value, tree)
+
+
+def send(tree, shardings=None):
+  """Host arrays -> device arrays laid out as `shardings` (a tree mirroring `tree`; None: on the
+  default device); host transfers allowed for this call."""
+  upload = lambda x, s=None: jax.device_put(np.asarray(x), s)
+  with jax.transfer_guard_host_to_device("allow"):
+    if shardings is None:
+      return jax.tree.map(upload, tree)
+    return jax.tree.map(upload, tree, shardings)

@@ -1,4 +1,5 @@
-"""In-flight batching (sampler/inflight.py) against the static engine and the model's forward."""
+"""In-flight batching (sampler/inflight.py, a `Sampler` with `inflight_slots`) against the static
+engine and the model's forward."""
 import functools
 
 import jax
@@ -10,8 +11,8 @@ from flax import nnx
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.models.llama import positions_from_valid
 from sampler.engine import generate
-from sampler.inflight import jit_inflight
 from sampler.methods import SamplingConfig
+from sampler.sampler import Sampler
 
 TOK = ByteTokenizer()
 PROMPTS = ["12+34=", "7+5=", "rev ab=", "1=", "hello", "x", "99-1=", "abc"]
@@ -47,14 +48,14 @@ def test_greedy_equals_the_static_engine_with_uneven_budgets_and_eos_on_a_mesh(t
   want = _static(graphdef, params, cfg, budget_B)
   lengths_B = np.asarray(want.lengths_B)
   assert (lengths_B < BUDGETS).any() and (lengths_B == BUDGETS).sum() > 1  # EOS and budgets
-  _assert_same(jit_inflight(graphdef, cfg, slots=3)(params, *_prompts(), jax.random.key(0),
-                                                    budget_B), want)
+  _assert_same(Sampler(graphdef, cfg, inflight_slots=3).generate(
+      params, *_prompts(), jax.random.key(0), budget_B), want)
   mesh = make_mesh({"data": 4, "tensor": 2})  # 4 slots, one per data shard
   params = jax.device_put(params, param_shardings(params, SAMPLER_RULES, mesh))
-  _assert_same(jit_inflight(graphdef, cfg, slots=4, mesh=mesh)(
+  _assert_same(Sampler(graphdef, cfg, mesh=mesh, inflight_slots=4).generate(
       params, *_prompts(), jax.random.key(0), budget_B), want)
   with pytest.raises(ValueError, match="multiple of the mesh's 4 data shards, got 6"):
-    jit_inflight(graphdef, cfg, slots=6, mesh=mesh)
+    Sampler(graphdef, cfg, mesh=mesh, inflight_slots=6)
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -71,8 +72,8 @@ def test_samples_every_prompt_once_in_order_with_the_models_logprobs(tiny_model)
   cfg = SamplingConfig(max_new_tokens=10, eos_id=TOK.eos_id, pad_id=TOK.pad_id,
                        method="temperature", temperature=1.0)
   tokens_BP, valid_BP = _prompts()
-  runs = [jit_inflight(graphdef, cfg, slots=slots, n=2)(params, tokens_BP, valid_BP,
-                                                        jax.random.key(7))
+  runs = [Sampler(graphdef, cfg, n=2, inflight_slots=slots).generate(params, tokens_BP,
+                                                                     valid_BP, jax.random.key(7))
           for slots in (5, 8)]
   got = runs[0]
   np.testing.assert_array_equal(got.tokens_BT[:, :8], np.repeat(tokens_BP, 2, axis=0))
@@ -100,7 +101,8 @@ def test_rl_step_generates_in_flight_without_hidden_host_transfers(tmp_path, mon
   """`rl.inflight_slots` in a run: sampling and the greedy evaluation go through the in-flight
   generator, whose host loop moves only its own control bytes (as tests/test_transfers.py)."""
   from configs import tiny
-  from train import generator
+  from sampler import sampler
+  from sampler.inflight import jit_inflight
   from train.experiment import Experiment
   from train.host_transfers import RECORD
   built = []
@@ -108,7 +110,7 @@ def test_rl_step_generates_in_flight_without_hidden_host_transfers(tmp_path, mon
   def counted(*args, **kw):
     built.append(kw["slots"])
     return jit_inflight(*args, **kw)
-  monkeypatch.setattr(generator, "jit_inflight", counted)
+  monkeypatch.setattr(sampler, "jit_inflight", counted)
   raw = tiny.get_config().to_dict()
   raw.update(run_dir=str(tmp_path), run_name="inflight", checkpoint_every=1000)
   raw["eval"]["every"] = 1000

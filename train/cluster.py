@@ -20,23 +20,12 @@ from jaxrl.models.dtypes import compute_dtypes
 from jaxrl.models.llama import LanguageModel
 from sharding.placement import ROLES, PlacementError, host_major_devices, make_placement
 from sharding.reshard import TransferStats, reshard
-from jaxrl.partitioning import logical_to_spec
-from sharding.rules import SAMPLER_RULES
+from sharding.rules import SAMPLER_RULES, batch_ways
 from train.roles import ModelRole, role_shardings
 from train.host_transfers import allowed
 
 MODEL_CLASSES = {"actor": LanguageModel, "reference": LanguageModel, "reward": RewardModel,
                  "critic": ValueModel}
-
-
-def batch_ways(mesh, rules) -> int:
-  """How many ways a mesh splits the batch (the product of the axes `batch` maps to)."""
-  spec = logical_to_spec(("batch",), rules, mesh)[0]
-  axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
-  ways = 1
-  for axis in axes:
-    ways *= mesh.shape[axis]
-  return ways
 
 
 class RoleCluster:

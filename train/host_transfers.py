@@ -1,8 +1,9 @@
 """The run's deliberate host transfers, each one named; everything else stays on devices.
 
 An RL step moves prompts up, completion token ids down (for the host verifier), rewards up and
-the step's metrics down. Each goes through `to_device` / `to_host`, which allow host transfers
-for their own thread and call only, so a test can disallow every other host transfer globally
+the step's metrics down. Each goes through `to_device` / `to_host` (sharding.reshard's `send` /
+`fetch`, named and counted), which allow host transfers for their own thread and call only, so
+a test can disallow every other host transfer globally
 (`jax.transfer_guard_*("disallow_explicit")`) and any hidden round trip of rollout tokens or
 log-probs fails loudly. Rollouts move between meshes device to device (sharding/reshard.py).
 The weight push is named too (`allowed("weights", ...)`): where the sampler's layout cuts the
@@ -16,29 +17,22 @@ import contextlib
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+
+from sharding.reshard import fetch, send
 
 RECORD: collections.Counter = collections.Counter()  # name -> bytes moved
 
 
-def _host_value(x):
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    return multihost_utils.process_allgather(x, tiled=True)  # every process sees all rows
-  return np.asarray(jax.device_get(x))
-
-
 def to_host(tree, what: str):
   """Device arrays -> numpy (on every process, whole)."""
-  with jax.transfer_guard_device_to_host("allow"):
-    out = jax.tree.map(_host_value, tree)
+  out = fetch(tree)
   RECORD[what] += sum(x.nbytes for x in jax.tree.leaves(out))
   return out
 
 
 def to_device(tree, shardings, what: str):
   """Host arrays -> device arrays laid out as `shardings` (a tree mirroring `tree`)."""
-  with jax.transfer_guard_host_to_device("allow"):
-    out = jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), tree, shardings)
+  out = send(tree, shardings)
   RECORD[what] += sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
   return out
 

@@ -1,8 +1,9 @@
 """`Experiment.sample`: completions of text prompts from the current policy, for a look at it.
 
 Prompts are encoded with the run's tokenizer and decoded on the sampler mesh from the sampler's
-copy of the actor, through the bucketed front end (sampler/sampler.py), so prompt lists of
-similar size reuse one compiled program.
+copy of the actor, by the RL's samplers (train/generator.py) with other settings, through their
+bucketed front end (sampler/sampler.py), so prompt lists of similar size reuse one compiled
+program.
 """
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ class Completion:
 
 
 def _sampler(ctx: RunContext, n: int, greedy: bool, max_new_tokens: int) -> Sampler:
+  """The RL's sampler (greedy or not) for `n` samples of up to `max_new_tokens`, always the
+  static engine (compiled once per settings)."""
   cache, key = ctx.samplers, (n, greedy, max_new_tokens)
   if key not in cache:
-    g = ctx.generator.greedy_sampling if greedy else ctx.generator.sampling
-    cfg = dataclasses.replace(g, max_new_tokens=max_new_tokens)
-    cluster = ctx.cluster
-    cache[key] = Sampler(cluster.actor.graphdef, cfg, n=n, mesh=cluster.meshes["sampler"],
-                         param_shardings=cluster.sampler_shardings)
+    rl = ctx.generator.greedy_sampler if greedy else ctx.generator.sampler
+    cfg = dataclasses.replace(rl.cfg, max_new_tokens=max_new_tokens)
+    cache[key] = dataclasses.replace(rl, cfg=cfg, n=n, inflight_slots=0)
   return cache[key]
 
 
