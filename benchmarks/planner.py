@@ -3,7 +3,7 @@
   python -m benchmarks.planner --json
 
 1. Calibrate as `jaxrl-plan --calibrate` does: measure the matmul peak, memory and transfer
-   bandwidth, run train/plan_cli.CALIBRATION_RUNS for a few steps, fit the factors to them.
+   bandwidth, run cli/plan.CALIBRATION_RUNS for a few steps, fit the factors to them.
 2. Predict, then measure, the CONFIGS (other model sizes, placements and modes than the
    calibration runs): `pairs` of predicted vs measured median step seconds, `worst_error`.
 3. The default experiment's RL step under each fixed preset and under the plan the planner
@@ -33,7 +33,7 @@ def _config(model: dict, strategy: str, mode: str = "sync") -> dict:
   return {"model": model, "rl": {**BATCH, "mode": mode}, "placement": {"strategy": strategy}}
 
 
-# Other sizes, placements and modes than train/plan_cli.CALIBRATION_RUNS (small colocate sync,
+# Other sizes, placements and modes than cli/plan.CALIBRATION_RUNS (small colocate sync,
 # medium separate and interleave sync, the default experiment separate), which the factors are
 # fitted to.
 CONFIGS = {"small interleave sync": _config(SMALL, "interleave"),

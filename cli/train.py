@@ -136,7 +136,6 @@ def _start(argv: list[str]):
   import jax
   _setup_logging(jax.process_index() == 0)
   from jaxrl.config import ConfigError
-  from jaxrl.data.preferences import PreferenceDataError
   from jaxrl.config_files import with_gin
   from train.experiment import Experiment
   try:
@@ -144,7 +143,7 @@ def _start(argv: list[str]):
     if opts["dry_run"]:
       return _dry_run(cfg)
     return Experiment(cfg, resume_run=opts["resume"])
-  except (ConfigError, PreferenceDataError) as e:
+  except ConfigError as e:
     return fail(str(e))
 
 
@@ -161,14 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     return exp
   import jax
   from jaxrl.config import ConfigError
-  from jaxrl.data.preferences import PreferenceDataError
   from train.executors import ExecutorError
   primary = jax.process_index() == 0
   if primary:
     print(f"jaxrl: run dir {exp.run_dir}", flush=True)
   try:
     summary = exp.run()
-  except (ConfigError, PreferenceDataError) as e:
+  except ConfigError as e:
     return fail(str(e))
   except KeyboardInterrupt:
     print("jaxrl: interrupted; the last saved checkpoint is intact", file=sys.stderr)

@@ -6,7 +6,8 @@ from flax import nnx
 
 from jaxrl.models import LanguageModel, ModelConfig, RewardModel, ValueModel, init_kv_cache
 from jaxrl.models.decode import LMDecoding, decode_step, decode_weights
-from jaxrl.models.llama import positions_from_valid, rope_table
+from jaxrl.models.llama import positions_from_valid
+from jaxrl.models.rope import rope_table
 
 
 def _forward(model, tokens_BT, valid_BT=None):

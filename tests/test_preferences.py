@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from jaxrl.data.pipeline import Encoding
-from jaxrl.data.preferences import (Pair, PreferenceDataError, pair_batch, pair_lengths, read_jsonl,
-                                    synthetic_pairs, write_jsonl)
+from jaxrl.data.files import DataError
+from jaxrl.data.preferences import Pair, pair_batch, pair_lengths, synthetic_pairs, write_jsonl
+from jaxrl.data.sources import DataOptions, load_pairs
 from jaxrl.data.tasks import make_splits
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.rewards.verifier import exact_match
@@ -33,21 +34,22 @@ def test_jsonl_round_trip(tmp_path):
   pairs = [Pair("rev ab=", "ba", "ab"), Pair("1+1=", "2", "3")]
   path = str(tmp_path / "p.jsonl")
   write_jsonl(pairs, path)
-  assert read_jsonl(path) == pairs
+  assert load_pairs(path, ByteTokenizer(), DataOptions(on_bad_row="error")) == (pairs, {})
 
 
 @pytest.mark.parametrize("line,message", [
-    ('{"prompt": "a", "chosen": "b"}', ":2: field 'rejected' must be a non-empty string"),
-    ('{"prompt": "a", "chosen": 3, "rejected": "c"}', ":2: field 'chosen' must be"),
+    ('{"prompt": "a", "chosen": "b"}', ":2: field 'rejected': missing"),
+    ('{"prompt": "a", "chosen": 3, "rejected": "c"}', ":2: field 'chosen': not a string (got int)"),
+    ('{"prompt": "a", "chosen": "b", "rejected": " "}', ":2: field 'rejected': empty"),
     ('{"prompt": "a", "chosen": "b", "rejected": "b"}', ":2: 'chosen' and 'rejected' are identical"),
-    ('[1, 2]', ":2: expected an object"),
+    ('[1, 2]', ":2: not a JSON object"),
     ('{"prompt": "a",', ":2: not valid JSON"),
 ])
 def test_bad_rows_are_named(tmp_path, line, message):
   path = tmp_path / "bad.jsonl"
   path.write_text(json.dumps({"prompt": "x", "chosen": "y", "rejected": "z"}) + "\n" + line + "\n")
-  with pytest.raises(PreferenceDataError) as e:
-    read_jsonl(str(path))
+  with pytest.raises(DataError) as e:
+    load_pairs(str(path), ByteTokenizer(), DataOptions(on_bad_row="error"))
   assert str(path) + message in str(e.value) and "\n" not in str(e.value)
 
 

@@ -8,7 +8,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 
 from jaxrl.data.preferences import Pair
-from jaxrl.data.sources import DataError, DataOptions, last_boxed, load_examples, load_pairs
+from jaxrl.data.files import DataError
+from jaxrl.data.sources import DataOptions, last_boxed, load_examples, load_pairs
 from jaxrl.data.tokenizer import ByteTokenizer, HFTokenizer
 
 BYTES = ByteTokenizer()

@@ -14,7 +14,8 @@ import numpy as np
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.pipeline import Encoding, prompt_batch, prompt_dataset, prompt_length, target_length
-from jaxrl.data.sources import DataError, DataOptions, load_examples
+from jaxrl.data.files import DataError
+from jaxrl.data.sources import DataOptions, load_examples
 from jaxrl.data.tasks import Example, make_splits
 from jaxrl.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
 from jaxrl.rewards.user import RewardFnError, call_reward_fn, load_reward_fn

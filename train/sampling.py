@@ -11,7 +11,8 @@ import dataclasses
 
 import numpy as np
 
-from jaxrl.data.sources import DataError, DataOptions, render_prompt
+from jaxrl.data.files import DataError
+from jaxrl.data.sources import DataOptions, render_prompt
 from sampler.sampler import Sampler
 from sampler.worker import rollout_key
 from train.context import RunContext

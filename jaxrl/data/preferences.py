@@ -1,6 +1,7 @@
 """Preference pairs for reward-model training and DPO: jsonl in, padded token batches out.
 
-A pairs file has one JSON object per line: `{"prompt": str, "chosen": str, "rejected": str}`.
+A pairs file has one JSON object per line: `{"prompt": str, "chosen": str, "rejected": str}`
+(`write_jsonl`; sources.load_pairs reads it, as it reads users' pairs files).
 `synthetic_pairs` builds such a set offline from a verifiable task: `chosen` is the verified
 answer, `rejected` a wrong one (the teacher's systematic mistake or a small corruption of the
 answer), so the verifier prefers chosen over rejected on every pair.
@@ -16,12 +17,6 @@ import numpy as np
 
 from jaxrl.data.pipeline import Encoding
 from jaxrl.data.tasks import Example
-
-FIELDS = ("prompt", "chosen", "rejected")
-
-
-class PreferenceDataError(ValueError):
-  """A malformed pairs file; the message names the file, the line and the field."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +57,7 @@ def synthetic_pairs(examples: Sequence[Example], verifier: Callable[[str, str], 
   for ex in examples:
     sampled = list((samples or {}).get(ex.prompt, ()))
     wrong = ([ex.mistake] if ex.mistake else []) + sampled + _corruptions(ex.answer, rng)
-    wrong = [w for w in dict.fromkeys(wrong) if w and not verifier(w, ex.answer)]
+    wrong = [w for w in dict.fromkeys(wrong) if w.strip() and not verifier(w, ex.answer)]
     if not wrong:
       continue
     picks = rng.permutation(len(wrong))[:per_prompt]
@@ -77,35 +72,6 @@ def write_jsonl(pairs: Sequence[Pair], path: str) -> None:
   with open(path, "w", encoding="utf-8") as f:
     for p in pairs:
       f.write(json.dumps(dataclasses.asdict(p)) + "\n")
-
-
-def read_jsonl(path: str) -> list[Pair]:
-  """Reads and checks a pairs file; raises PreferenceDataError naming the line and field."""
-  try:
-    f = open(path, encoding="utf-8")
-  except OSError as e:
-    raise PreferenceDataError(f"{path}: cannot read pairs file ({e.strerror})") from None
-  pairs = []
-  with f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise PreferenceDataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-      if not isinstance(row, dict):
-        raise PreferenceDataError(f"{path}:{n}: expected an object with {list(FIELDS)}")
-      for field in FIELDS:
-        if not isinstance(row.get(field), str) or (field != "prompt" and not row[field]):
-          raise PreferenceDataError(
-              f"{path}:{n}: field {field!r} must be a non-empty string, got {row.get(field)!r}")
-      if row["chosen"] == row["rejected"]:
-        raise PreferenceDataError(f"{path}:{n}: 'chosen' and 'rejected' are identical")
-      pairs.append(Pair(row["prompt"], row["chosen"], row["rejected"]))
-  if not pairs:
-    raise PreferenceDataError(f"{path}: no pairs")
-  return pairs
 
 
 def pair_lengths(pairs: Sequence[Pair], enc: Encoding) -> tuple[int, int]:

@@ -1,8 +1,7 @@
 """Dataset files -> `Example`s (SFT, RL) and `Pair`s (reward model, DPO).
 
-Files are JSON lines (`.jsonl`, or `.json` as `datasets.Dataset.to_json` writes them; a `.json`
-array also works) or parquet; a path may be a glob (`data/train-*.parquet`). Rows are numbered
-from 1 (the line number for JSON lines), and every problem is reported as `FILE:ROW: reason`.
+Rows come from files.py (JSON lines or parquet, globs), and every problem is reported as
+`FILE:ROW: reason`.
 
 A row that cannot be used (a missing, empty or non-string field, a reference answer that cannot
 be extracted, a prompt or completion over its token limit) is skipped and counted by reason, or
@@ -13,25 +12,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import glob
-import json
-import os
 import string
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jinja2
 
+from jaxrl.data.files import BadRow, DataError, read_rows
 from jaxrl.data.preferences import Pair
 from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import Tokenizer
 
 ANSWER_FORMATS = ("gsm8k", "boxed", "plain")
 BAD_ROW_POLICIES = ("skip", "error")
-
-
-class DataError(ValueError):
-  """A dataset problem; the message is one line naming the file and row, or the option."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +66,6 @@ class DataOptions:
     return self.chat or bool(self.messages_field)
 
 
-class _BadRow(Exception):
-  def __init__(self, reason: str, detail: str = ""):
-    super().__init__(reason)
-    self.reason, self.detail = reason, detail
-
-
 class _Tally:
   """Counts bad rows by reason, or raises on the first one."""
 
@@ -91,93 +78,32 @@ class _Tally:
     self.counts[reason] += 1
 
 
-# --- reading ------------------------------------------------------------------------------------
-
-def _paths(path: str) -> list[str]:
-  paths = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
-  if not paths or not all(os.path.isfile(p) for p in paths):
-    raise DataError(f"{path}: no such file")
-  return paths
-
-
-def _json_rows(path: str) -> Iterator[tuple[str, Any]]:
-  with open(path, encoding="utf-8") as f:
-    try:
-      if path.endswith(".json") and f.read(4096).lstrip().startswith("["):
-        f.seek(0)
-        try:
-          rows = json.load(f)
-        except json.JSONDecodeError as e:
-          raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-        yield from ((f"{path}:{n}", row) for n, row in enumerate(rows, 1))
-        return
-      f.seek(0)
-      for n, line in enumerate(f, 1):  # splits at \n only, not at U+2028 inside strings
-        if line.strip():
-          try:
-            yield f"{path}:{n}", json.loads(line)
-          except json.JSONDecodeError as e:
-            yield f"{path}:{n}", _BadRow("not valid JSON", f" ({e.msg})")
-    except UnicodeDecodeError:
-      raise DataError(f"{path}: not UTF-8 text") from None
-
-
-def _parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
-  import pyarrow.parquet as pq  # only parquet datasets need it
-
-  try:
-    batches = pq.ParquetFile(path).iter_batches(batch_size=8192)
-    n = 0
-    for batch in batches:
-      for row in batch.to_pylist():
-        n += 1
-        yield f"{path}:{n}", row
-  except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError) for a damaged file
-    raise DataError(f"{path}: cannot read parquet ({str(e).splitlines()[0]})") from None
-
-
-def read_rows(path: str) -> Iterator[tuple[str, dict | _BadRow]]:
-  """('FILE:ROW', row) for every row of every file `path` names; unreadable rows come as a
-  `_BadRow` so that the caller's bad-row policy decides."""
-  for p in _paths(path):
-    if p.endswith((".jsonl", ".json")):
-      rows = _json_rows(p)
-    elif p.endswith(".parquet"):
-      rows = _parquet_rows(p)
-    else:
-      raise DataError(f"{p}: unknown file type; expected .jsonl, .json or .parquet")
-    for where, row in rows:
-      if not isinstance(row, (dict, _BadRow)):
-        row = _BadRow("not a JSON object", f" (got {type(row).__name__})")
-      yield where, row
-
-
 # --- fields -------------------------------------------------------------------------------------
 
 def _text(row: Mapping, field: str, *, numbers: bool = False) -> str:
   """The non-empty string in `row[field]`; `numbers` also takes ints and floats (answers)."""
   if field not in row or row[field] is None:
-    raise _BadRow(f"field {field!r}: missing")
+    raise BadRow(f"field {field!r}: missing")
   value = row[field]
   if numbers and isinstance(value, (int, float)) and not isinstance(value, bool):
     value = str(value)
   if not isinstance(value, str):
-    raise _BadRow(f"field {field!r}: not a string", f" (got {type(value).__name__})")
+    raise BadRow(f"field {field!r}: not a string", f" (got {type(value).__name__})")
   if not value.strip():
-    raise _BadRow(f"field {field!r}: empty")
+    raise BadRow(f"field {field!r}: empty")
   return value
 
 
 def _messages(row: Mapping, field: str) -> list[dict]:
   value = row.get(field)
   if value is None:
-    raise _BadRow(f"field {field!r}: missing")
+    raise BadRow(f"field {field!r}: missing")
   if not isinstance(value, list) or not all(
       isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
       for m in value):
-    raise _BadRow(f"field {field!r}: not a list of {{'role', 'content'}} messages")
+    raise BadRow(f"field {field!r}: not a list of {{'role', 'content'}} messages")
   if not value:
-    raise _BadRow(f"field {field!r}: empty")
+    raise BadRow(f"field {field!r}: empty")
   return [dict(m) for m in value]
 
 
@@ -196,17 +122,17 @@ def last_boxed(text: str) -> str | None:
 
 
 def reference_answer(text: str, answer_format: str) -> str:
-  """The reference answer in an answer field; raises _BadRow if the format finds none."""
+  """The reference answer in an answer field; raises BadRow if the format finds none."""
   if answer_format == "gsm8k":
     at = text.rfind("####")
     answer = text[at + 4:].strip().replace(",", "") if at >= 0 else ""
     if not answer:
-      raise _BadRow("answer: no '#### ANSWER'")
+      raise BadRow("answer: no '#### ANSWER'")
     return answer
   if answer_format == "boxed":
     answer = last_boxed(text)
     if not answer:
-      raise _BadRow("answer: no \\boxed{ANSWER}")
+      raise BadRow("answer: no \\boxed{ANSWER}")
     return answer
   return text.strip()
 
@@ -221,7 +147,7 @@ def _render(tok: Tokenizer, messages: list[dict]) -> str:
   try:
     return tok.chat(messages, add_generation_prompt=True)
   except jinja2.TemplateError as e:  # e.g. the template's raise_exception on alternating roles
-    raise _BadRow("chat template failed", f" ({e})") from None
+    raise BadRow("chat template failed", f" ({e})") from None
 
 
 def _prompt(row: Mapping, prompt: Any, tok: Tokenizer, opts: DataOptions) -> str:
@@ -231,9 +157,9 @@ def _prompt(row: Mapping, prompt: Any, tok: Tokenizer, opts: DataOptions) -> str
   try:
     text = opts.prompt_template.format_map({**row, "prompt": prompt})
   except KeyError as e:
-    raise _BadRow(f"prompt_template: no field {e}") from None
+    raise BadRow(f"prompt_template: no field {e}") from None
   except (AttributeError, IndexError, TypeError, ValueError) as e:
-    raise _BadRow("prompt_template failed", f" ({e})") from None
+    raise BadRow("prompt_template failed", f" ({e})") from None
   if not opts.renders_chat:
     return text
   return _render(tok, _with_system([{"role": "user", "content": text}], opts))
@@ -243,7 +169,7 @@ def render_prompt(text: str, tok: Tokenizer, opts: DataOptions) -> str:
   """A prompt given as text, outside any dataset row, rendered as a row's prompt field is."""
   try:
     return _prompt({}, text, tok, opts)
-  except _BadRow as e:
+  except BadRow as e:
     raise DataError(f"prompt: {e}{e.detail}") from None
 
 
@@ -256,7 +182,7 @@ def _example(row: Mapping, tok: Tokenizer, opts: DataOptions, sft: bool) -> Exam
     if messages[-1]["role"] == "assistant":
       assistant, messages = messages[-1]["content"], messages[:-1]
     if not messages:
-      raise _BadRow(f"field {opts.messages_field!r}: no message before the assistant's")
+      raise BadRow(f"field {opts.messages_field!r}: no message before the assistant's")
     prompt = _prompt(row, messages, tok, opts)
   else:
     prompt = _prompt(row, _text(row, opts.prompt_field), tok, opts)
@@ -264,7 +190,7 @@ def _example(row: Mapping, tok: Tokenizer, opts: DataOptions, sft: bool) -> Exam
   answer = reference_answer(raw_answer, opts.answer_format) if raw_answer is not None else ""
   try:
     demo = _completion(row, opts, assistant, raw_answer)
-  except _BadRow:
+  except BadRow:
     if sft:
       raise
     demo = ""  # RL needs no completion
@@ -279,11 +205,11 @@ def _completion(row: Mapping, opts: DataOptions, assistant: str | None,
     return _text(row, opts.completion_field)
   if assistant is not None:
     if not assistant.strip():
-      raise _BadRow(f"field {opts.messages_field!r}: empty assistant message")
+      raise BadRow(f"field {opts.messages_field!r}: empty assistant message")
     return assistant
   if raw_answer is not None:
     return raw_answer
-  raise _BadRow("no completion (set data.completion_field, or use a messages field that ends "
+  raise BadRow("no completion (set data.completion_field, or use a messages field that ends "
                 "with an assistant message)")
 
 
@@ -292,11 +218,11 @@ def _parse_rows(path: str, tally: _Tally, parse: Callable[[dict], Any]) -> tuple
   items, wheres = [], []
   for where, row in read_rows(path):
     try:
-      if isinstance(row, _BadRow):
+      if isinstance(row, BadRow):
         raise row
       items.append(parse(row))
       wheres.append(where)
-    except _BadRow as e:
+    except BadRow as e:
       tally.bad(where, e.reason, e.detail)
   return items, wheres
 
@@ -346,9 +272,9 @@ def _nonempty(path: str, items: list, tally: _Tally) -> list:
 
 def _response(messages: list[dict], field: str) -> str:
   if len(messages) != 1 or messages[0]["role"] != "assistant":
-    raise _BadRow(f"field {field!r}: expected one assistant message after the prompt")
+    raise BadRow(f"field {field!r}: expected one assistant message after the prompt")
   if not messages[0]["content"].strip():
-    raise _BadRow(f"field {field!r}: empty")
+    raise BadRow(f"field {field!r}: empty")
   return messages[0]["content"]
 
 
@@ -358,7 +284,7 @@ def _pair(row: Mapping, tok: Tokenizer, opts: DataOptions) -> Pair:
   prompt = row.get("prompt")
   if any(isinstance(row.get(f), list) for f in ("prompt", "chosen", "rejected")) \
       and not opts.renders_chat:
-    raise _BadRow("chat messages need data.chat=True")
+    raise BadRow("chat messages need data.chat=True")
   if isinstance(row.get("chosen"), list) or isinstance(row.get("rejected"), list):
     chosen, rejected = _messages(row, "chosen"), _messages(row, "rejected")
     if prompt is None:
@@ -366,7 +292,7 @@ def _pair(row: Mapping, tok: Tokenizer, opts: DataOptions) -> Pair:
       while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
         n += 1
       if not n:
-        raise _BadRow("'chosen' and 'rejected' share no prompt messages")
+        raise BadRow("'chosen' and 'rejected' share no prompt messages")
       prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
     elif isinstance(prompt, str):
       prompt = _text(row, "prompt")
@@ -375,12 +301,12 @@ def _pair(row: Mapping, tok: Tokenizer, opts: DataOptions) -> Pair:
     texts = _response(chosen, "chosen"), _response(rejected, "rejected")
   else:
     if not isinstance(prompt, (str, list)):
-      raise _BadRow("field 'prompt': missing" if prompt is None else "field 'prompt': not a string")
+      raise BadRow("field 'prompt': missing" if prompt is None else "field 'prompt': not a string")
     if isinstance(prompt, list):
       prompt = _messages(row, "prompt")
     texts = _text(row, "chosen"), _text(row, "rejected")
   if texts[0] == texts[1]:
-    raise _BadRow("'chosen' and 'rejected' are identical")
+    raise BadRow("'chosen' and 'rejected' are identical")
   return Pair(_prompt(row, prompt, tok, opts), *texts)
 
 

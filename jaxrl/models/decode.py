@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.llama import (KVCache, LanguageModel, ModelConfig, attention_mask,
-                                init_kv_cache, positions_from_valid, rope_table)
+                                init_kv_cache, positions_from_valid)
+from jaxrl.models.rope import rope_table
 from jaxrl.partitioning import constrain
 
 
@@ -52,7 +53,7 @@ def _rms_norm(x_DB, scale_D1, eps: float):
 
 
 def _rope(x_NHB, sin_HB, cos_HB):
-  """`llama.rope` on feature-major heads (pairs (i, i + head_dim / 2) of axis 1)."""
+  """`rope.rope` on feature-major heads (pairs (i, i + head_dim / 2) of axis 1)."""
   x1, x2 = jnp.split(x_NHB.astype(jnp.float32), 2, axis=1)
   return jnp.concatenate([x1 * cos_HB - x2 * sin_HB, x2 * cos_HB + x1 * sin_HB],
                          axis=1).astype(x_NHB.dtype)
@@ -74,7 +75,7 @@ def _project(w: dict, name: str, x_DB, heads: int, cfg: ModelConfig):
 def decode_step(weights: dict, cfg: ModelConfig, tokens_B, rope_HB: tuple[jax.Array, jax.Array],
                 key_valid_BS, kv_cache: KVCache, slot) -> tuple[jax.Array, KVCache]:
   """Logits [B, V] (float32) for `tokens_B` at cache slot `slot`, and the updated cache.
-  `rope_HB`: the (sin, cos) of `llama.rope_table` for the rows' positions, as [head_dim / 2, B]."""
+  `rope_HB`: the (sin, cos) of `rope.rope_table` for the rows' positions, as [head_dim / 2, B]."""
   dt, b = cfg.compute_dtype, tokens_B.shape[0]
   k, g, h = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
   sin_HB, cos_HB = rope_HB

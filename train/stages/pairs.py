@@ -18,8 +18,9 @@ import numpy as np
 from jaxrl.config import ConfigError
 from jaxrl.data import sources
 from jaxrl.data.pipeline import prompt_batch
-from jaxrl.data.sources import DataError, DataOptions
-from jaxrl.data.preferences import Pair, read_jsonl, synthetic_pairs, write_jsonl
+from jaxrl.data.files import DataError
+from jaxrl.data.sources import DataOptions
+from jaxrl.data.preferences import Pair, synthetic_pairs, write_jsonl
 from jaxrl.data.tasks import Example
 from sampler.worker import rollout_key
 from train.context import RunContext, chunks
@@ -77,7 +78,10 @@ def load_pairs(ctx: RunContext, stage: str, pairs_path: str, *, per_prompt: int,
   for name, examples, s in [("train", ctx.task.train, seed), ("heldout", ctx.task.heldout, seed + 1)]:
     path = os.path.join(ctx.run_dir, f"{stage}_pairs_{name}.jsonl")
     if os.path.exists(path):
-      out.append(read_jsonl(path))
+      try:  # as written: whole, by this run, in the users' format
+        out.append(sources.load_pairs(path, ctx.tok, DataOptions(on_bad_row="error"))[0])
+      except DataError as e:
+        raise ConfigError(f"{e} (remove the file to generate the pairs again)") from None
       continue
     samples = policy_samples(ctx, examples, s) if policy_negatives else None
     pairs = synthetic_pairs(examples, ctx.task.verifier, per_prompt=per_prompt, seed=s,

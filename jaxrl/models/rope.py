@@ -1,0 +1,46 @@
+"""Rotary position embeddings (RoPE): the per-pair frequencies with the config's scaling
+(none, linear, Llama 3's), the (sin, cos) table of a batch's positions, and the rotation."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+if TYPE_CHECKING:
+  from jaxrl.models.llama import ModelConfig
+
+
+def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+  """RoPE's per-pair angular frequencies [head_dim / 2] (float32), with the config's scaling:
+  `linear` divides them all by the factor; `llama3` divides the low ones (wavelengths above
+  original_max_positions / low_freq_factor), keeps the high ones and blends in between."""
+  half = cfg.head_dim // 2
+  freq_H = 1.0 / cfg.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / cfg.head_dim)
+  if cfg.rope_scaling == "linear":
+    freq_H = freq_H / cfg.rope_factor
+  elif cfg.rope_scaling == "llama3":
+    wavelen_H = 2 * math.pi / freq_H
+    old = cfg.rope_original_max_positions
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    smooth_H = (old / wavelen_H - low) / (high - low)
+    blended_H = (1 - smooth_H) * freq_H / cfg.rope_factor + smooth_H * freq_H
+    freq_H = np.where(wavelen_H > old / low, freq_H / cfg.rope_factor,
+                      np.where(wavelen_H < old / high, freq_H, blended_H))
+  return freq_H.astype(np.float32)
+
+
+def rope_table(positions_BT: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+  """(sin, cos) of the RoPE angles, [B, T, head_dim / 2]: computed once per forward pass and
+  shared by every layer's queries and keys."""
+  angle_BTH = positions_BT[..., None].astype(jnp.float32) * inverse_frequencies(cfg)
+  return jnp.sin(angle_BTH), jnp.cos(angle_BTH)
+
+
+def rope(x_BTNH: jax.Array, table: tuple[jax.Array, jax.Array], scale: float = 1.0) -> jax.Array:
+  """Rotates pairs (i, i + head_dim / 2) by the table's angles; `scale` multiplies the result."""
+  sin, cos = (a[:, :, None, :] * scale for a in table)
+  x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BTNH.dtype)
