@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxrl.algos import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from jaxrl.algos.correction import ROLLOUT_MASKS
 from jaxrl.data.tasks import TASKS
 from jaxrl.models.llama import ModelConfig
 from jaxrl.rewards.verifier import VERIFIERS
@@ -205,9 +206,23 @@ class RLConfig:
   warmup_steps: int = 10  # optimizer updates (num_minibatches per RL step) of linear warm-up
   advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (gae trains a critic)
   reward: str = "verifier"  # verifier | reward_model
-  policy_loss: str = "ppo_clip"  # ppo_clip | aipo
+  policy_loss: str = "ppo_clip"  # ppo_clip | aipo | gspo | cispo | decoupled_ppo
   aipo_rho: float = 4.0
-  tis_cap: float = 0.0  # > 0: truncated IS weight min(pi_old / mu, cap) on the PPO loss
+  # Rollout correction on any policy loss (jaxrl/algos/correction.py): a truncated IS weight
+  tis_cap: float = 0.0  # > 0: min(pi_old / mu, tis_cap)
+  rollout_mask: str = "none"  # none | token | sequence | geometric | icepop: drop ratios outside
+  rollout_mask_low: float = 0.5  # ... the band [rollout_mask_low, rollout_mask_high]
+  rollout_mask_high: float = 2.0
+  # DAPO: groups whose rewards are all equal are dropped and more prompt batches generated until
+  # the step's batch is full, at most `dynamic_sampling_rounds` extra rounds a step (then the
+  # batch is filled with dropped groups); needs reward="verifier".
+  dynamic_sampling: bool = False
+  dynamic_sampling_rounds: int = 3
+  overlong_filter: bool = False  # responses that use the whole budget get no loss (DAPO)
+  # > 0: DAPO's soft overlong penalty, falling linearly from 0 to -overlong_penalty over the last
+  # `overlong_buffer` tokens of the budget, added to the reward.
+  overlong_buffer: int = 0
+  overlong_penalty: float = 1.0
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.2
   kl_coef: float = 0.02
@@ -244,14 +259,24 @@ class RLConfig:
   def __post_init__(self):
     for name, options in [("mode", MODES), ("advantage", ADVANTAGES), ("reward", REWARDS),
                           ("policy_loss", POLICY_LOSSES), ("kl_estimator", KL_ESTIMATORS),
-                          ("kl_mode", KL_MODES), ("loss_aggregation", AGGREGATIONS)]:
+                          ("kl_mode", KL_MODES), ("loss_aggregation", AGGREGATIONS),
+                          ("rollout_mask", ROLLOUT_MASKS)]:
       _choice(self, name, options)
     _positive(self, "prompts_per_step", "group_size", "num_minibatches", "temperature",
               "aipo_rho", "max_grad_norm", "max_new_tokens")
     if ":" not in self.verifier:
       _choice(self, "verifier", VERIFIERS)
     _at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap",
-                   "inflight_slots", "micro_batch_size", "length_buckets")
+                   "inflight_slots", "micro_batch_size", "length_buckets", "rollout_mask_low",
+                   "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty")
+    _positive(self, "rollout_mask_high")
+    for low, high in [("rollout_mask_low", "rollout_mask_high"),
+                      ("overlong_buffer", "max_new_tokens")]:
+      if getattr(self, low) > getattr(self, high):
+        raise ValueError(f"{low}: at most {high} ({getattr(self, high)}), got {getattr(self, low)}")
+    if self.dynamic_sampling and self.reward != "verifier":
+      raise ValueError("dynamic_sampling: needs reward='verifier' (groups of equal verified "
+                       f"rewards are dropped), got reward={self.reward!r}")
     _unit(self, "gamma", "lam")
     minibatch = self.rollouts // self.num_minibatches
     if self.micro_batch_size and minibatch % self.micro_batch_size:

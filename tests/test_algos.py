@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from jaxrl.algos.advantages import ADVANTAGES, gae, grpo, reinforce_pp
+from jaxrl.algos.correction import rollout_weights
 from jaxrl.algos.losses import (AGGREGATIONS, aipo_loss, bradley_terry_loss, dpo_loss, kl_k1, kl_k2,
-                                kl_k3, ppo_clip_loss, truncated_is_weight, value_loss)
+                                kl_k3, ppo_clip_loss, value_loss)
 
 
 def np_grpo(rewards, group_size, eps=1e-6):
@@ -48,15 +49,15 @@ def test_ppo_clip_loss_matches_numpy():
   logp = rng.normal(size=(6, 5)) * 0.3 - 1
   old = logp + rng.normal(size=(6, 5)) * 0.3
   adv = rng.normal(size=6)
-  got = ppo_clip_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv)[:, None], eps_low=0.2,
-                      eps_high=0.28)
+  got = ppo_clip_loss(jnp.asarray(logp), jnp.asarray(adv)[:, None], old_BN=jnp.asarray(old),
+                      eps_low=0.2, eps_high=0.28)
   np.testing.assert_allclose(got, np_ppo(logp, old, adv, 0.2, 0.28), rtol=1e-5)
 
 
 def test_ppo_clip_blocks_gradient_outside_trust_region():
   old = jnp.zeros((1, 1))
   adv = jnp.ones((1, 1))
-  grad = jax.grad(lambda lp: ppo_clip_loss(lp, old, adv, eps_low=0.2, eps_high=0.2).sum())
+  grad = jax.grad(lambda lp: ppo_clip_loss(lp, adv, old_BN=old, eps_low=0.2, eps_high=0.2).sum())
   assert grad(jnp.full((1, 1), 0.5))[0, 0] == 0.0  # ratio e^0.5 > 1.2 with A > 0: clipped
   assert grad(jnp.full((1, 1), 0.05))[0, 0] < 0.0  # inside: pushes logp up
 
@@ -152,17 +153,18 @@ def test_aipo_gradient_truncation_and_on_policy_limit():
   mu = logp + jnp.asarray(rng.normal(size=(3, 4)) * 2.0)
   adv = jnp.asarray(rng.normal(size=(3, 4)))
   rho = 2.0
-  grad = jax.grad(lambda lp: aipo_loss(lp, mu, adv, rho=rho).sum())(logp)
+  grad = jax.grad(lambda lp: aipo_loss(lp, adv, mu_BN=mu, rho=rho).sum())(logp)
   weight = np.minimum(np.exp(np.asarray(logp - mu)), rho)
   np.testing.assert_allclose(grad, -weight * np.asarray(adv), rtol=1e-5)  # d/dlogp, w held fixed
   assert weight.max() <= rho and (weight == rho).any()  # truncated at rho
-  on_policy = jax.grad(lambda lp: aipo_loss(lp, lp, adv, rho=rho).sum())(logp)
+  on_policy = jax.grad(lambda lp: aipo_loss(lp, adv, mu_BN=lp, rho=rho).sum())(logp)
   np.testing.assert_allclose(on_policy, -np.asarray(adv), rtol=1e-6)  # REINFORCE when pi == mu
 
 
 def test_truncated_is_weight_and_value_loss():
   old, mu = jnp.asarray([[0.0, -1.0]]), jnp.asarray([[-2.0, -1.0]])
-  np.testing.assert_allclose(truncated_is_weight(old, mu, 3.0), [[3.0, 1.0]], rtol=1e-6)
+  weight, _ = rollout_weights(old, mu, jnp.ones((1, 2)), tis_cap=3.0)
+  np.testing.assert_allclose(weight, [[3.0, 1.0]], rtol=1e-6)
   v, v_old, ret = jnp.asarray([[1.0, 0.0]]), jnp.asarray([[0.0, 0.0]]), jnp.asarray([[0.0, 1.0]])
   # token 0: unclipped 0.5, clipped (0.2 - 0)^2/2 = 0.02 -> max 0.5; token 1: both 0.5
   np.testing.assert_allclose(value_loss(v, v_old, ret, clip_eps=0.2), [[0.5, 0.5]], rtol=1e-6)

@@ -28,8 +28,9 @@ import numpy as np
 from sampler.worker import RolloutWorker, RolloutWorkerError, rollout_key
 from train import steps
 from train.executors import Executor, ExecutorError
+from jaxrl.algos.advantages import informative_groups
 from jaxrl.data.pipeline import bucket_length
-from train.experience import make_experience, trim_rollout
+from train.experience import combine_rollouts, make_experience, trim_rollout
 from train.learner import Learner
 from train.host_transfers import to_device, to_host
 
@@ -70,9 +71,10 @@ class Controller:
     self._experience = actor.role.jit(functools.partial(make_experience, cfg=self.cfg))
 
   # -- one batch ------------------------------------------------------------------------------
-  def _score(self, rollout, examples_B):
-    """(rewards on the trainer's mesh, verified_B on the host)."""
-    verified_B = self.ctx.score(self.ctx.texts(rollout), examples_B)
+  def _score(self, rollout, examples_B, verified_B=None):
+    """(rewards on the trainer's mesh, verified_B on the host; given: already verified)."""
+    if verified_B is None:
+      verified_B = self.ctx.score(self.ctx.texts(rollout), examples_B)
     if self.reward_model is None:
       rewards_B = to_device(verified_B, self.actor.role.batch_shardings(verified_B), "rewards")
     else:
@@ -95,13 +97,13 @@ class Controller:
     n = bucket_length(longest, budget, self.cfg.length_buckets)
     return rollout if n == budget else trim_rollout(rollout, n)
 
-  def experience(self, rollout, prompts):
+  def experience(self, rollout, prompts, verified_B=None):
     """Scores one rollout batch (the reward, reference, critic and old-log-prob calls overlap)
     and assembles its Experience on the trainer's mesh: (experience, metrics, verified_B)."""
     examples_B = np.repeat(prompts["examples"], self.cfg.group_size)
     rollout = self.trimmed(rollout)
     futures = {
-        "reward": (self.reward, self.reward.submit(self._score, rollout, examples_B,
+        "reward": (self.reward, self.reward.submit(self._score, rollout, examples_B, verified_B,
                                                    label="score")),
         "ref": (self.ref, self.ref.submit(self._on, self.reference, self._ref_logp, rollout,
                                           label="ref logprobs")),
@@ -179,20 +181,55 @@ class Controller:
       raise ExecutorError("generator", e.__cause__ or e) from (e.__cause__ or e)
     return batch.rollout, batch.prompts, batch.index, batch.version, time.perf_counter() - t0
 
+  def fill_batch(self, rollout, prompts, version):
+    """DAPO's dynamic sampling: while fewer than `prompts_per_step` groups have rewards that
+    differ, the next prompt batch is generated too (at most `dynamic_sampling_rounds` more); the
+    step's batch is the informative groups in order, filled up with the others when the rounds
+    run out. Returns (rollout, prompts, verified_B, oldest policy version, seconds spent
+    generating the extra rounds, metrics)."""
+    g, want, parts, rounds, waited = self.cfg.group_size, self.cfg.prompts_per_step, [], 0, 0.0
+    while True:
+      examples_B = np.repeat(prompts["examples"], g)
+      verified_B = self.ctx.score(self.ctx.texts(rollout), examples_B)
+      parts.append((rollout, prompts["examples"], verified_B,
+                    np.asarray(informative_groups(verified_B, g))))
+      kept = sum(int(p[3].sum()) for p in parts)
+      if kept >= want or rounds == self.cfg.dynamic_sampling_rounds:
+        break
+      rounds += 1
+      rollout, prompts, index, v, w = self.next_rollout()
+      self.next_index, version, waited = index + 1, min(version, v), waited + w
+    metrics = {"dynamic_rounds": rounds, "informative_frac": min(kept, want) / want}
+    if len(parts) == 1:
+      return rollout, prompts, verified_B, version, waited, metrics
+    order = [(i, j) for keep in (True, False) for i, p in enumerate(parts)
+             for j in np.flatnonzero(p[3] == keep)][:want]
+    first = np.cumsum([0] + [len(p[1]) for p in parts])
+    rows = np.concatenate([(first[i] + j) * g + np.arange(g) for i, j in order])
+    rollout = combine_rollouts(tuple(p[0] for p in parts), rows, parts[0][0].lengths_B.sharding)
+    examples = np.array([parts[i][1][j] for i, j in order], dtype=object)
+    verified_B = np.concatenate([parts[i][2][j * g:(j + 1) * g] for i, j in order])
+    return rollout, {"examples": examples}, verified_B, version, waited, metrics
+
   def step(self) -> dict:
     """One RL step; returns its metrics row (host values)."""
     t0 = time.perf_counter()
     rollout, prompts, index, version, waited = self.next_rollout()
     self.next_index = index + 1
+    verified_B, extra = None, {}
+    if self.cfg.dynamic_sampling:  # verifying the rounds counts as scoring
+      rollout, prompts, verified_B, version, more, extra = self.fill_batch(rollout, prompts,
+                                                                           version)
+      waited += more
     lag = self.version - version
-    exp, exp_metrics, verified_B = self.experience(rollout, prompts)
+    exp, exp_metrics, verified_B = self.experience(rollout, prompts, verified_B)
     t_score = time.perf_counter() - t0 - waited
     metrics, times = self.update(exp)
     row = to_host({**exp_metrics, **metrics}, "metrics")
     step_time = time.perf_counter() - t0
-    return {**row, "verified_mean": float(verified_B.mean()), **times, "time_generate": waited,
-            "time_score": t_score, "policy_version": self.version, "rollout_version": version,
-            "policy_lag": lag, "step_time": step_time,
+    return {**row, **extra, "verified_mean": float(verified_B.mean()), **times,
+            "time_generate": waited, "time_score": t_score, "policy_version": self.version,
+            "rollout_version": version, "policy_lag": lag, "step_time": step_time,
             "tokens_per_s": float(row["response_tokens"]) / step_time}
 
   def close(self) -> None:

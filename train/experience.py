@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.algos import KL_ESTIMATORS
+from jaxrl.algos.advantages import overlong_penalty
 from jaxrl.config import RLConfig
 from jaxrl.data.tokenizer import Tokenizer
 from train import steps
@@ -33,6 +34,12 @@ class Experience:
   old_logprobs_BN: jax.Array | None = None
   old_values_BN: jax.Array | None = None  # critic (gae) only
   returns_BN: jax.Array | None = None
+  # The completion mask less the rows the policy loss skips (overlong_filter); None: all of it.
+  loss_mask_BN: jax.Array | None = None
+
+  @property
+  def policy_mask_BN(self) -> jax.Array:
+    return self.completion_mask_BN if self.loss_mask_BN is None else self.loss_mask_BN
 
   @property
   def prompt_len(self) -> int:
@@ -41,26 +48,37 @@ class Experience:
 
 def make_experience(rollout, rewards_B, old_BN, ref_BN, values_BN, *, cfg: RLConfig):
   """Per-token KL to the reference (when the rewards carry it) and advantages from the
-  sequence rewards; (Experience, metrics). `rollout` is the sampler's `Rollout`, already moved
-  onto this mesh; `old_BN` is None when the update computes it itself."""
+  sequence rewards (with DAPO's soft overlong penalty when `cfg.overlong_buffer`);
+  (Experience, metrics). `rollout` is the sampler's `Rollout`, already moved onto this mesh;
+  `old_BN` is None when the update computes it itself. A response that used the whole budget
+  (`cfg.max_new_tokens`: truncated, or ending on its last slot) is overlong; with
+  `cfg.overlong_filter` the policy loss skips it."""
   mask_BN = rollout.completion_mask_BN
   maskf_BN = mask_BN.astype(jnp.float32)
+  overlong_B = rollout.lengths_B >= cfg.max_new_tokens
+  scored_B = rewards_B
+  if cfg.overlong_buffer:
+    scored_B = rewards_B + overlong_penalty(rollout.lengths_B, budget=cfg.max_new_tokens,
+                                            buffer=cfg.overlong_buffer,
+                                            factor=cfg.overlong_penalty)
   kl_BN = None
   if cfg.kl_mode == "reward":
     kl_BN = KL_ESTIMATORS[cfg.kl_estimator](old_BN, ref_BN) * maskf_BN
   if values_BN is not None:
     values_BN = values_BN * maskf_BN
-  adv_BN, raw_BN = steps.advantages(rewards_B, mask_BN, kl_BN, values_BN, cfg=cfg)
+  adv_BN, raw_BN = steps.advantages(scored_B, mask_BN, kl_BN, values_BN, cfg=cfg)
+  loss_mask_BN = mask_BN & ~overlong_B[:, None] if cfg.overlong_filter else None
   experience = Experience(
       tokens_BT=rollout.tokens_BT, valid_BT=rollout.valid_BT, completion_mask_BN=mask_BN,
       sampler_logprobs_BN=rollout.logprobs_BN, old_logprobs_BN=old_BN, ref_logprobs_BN=ref_BN,
-      advantages_BN=adv_BN, old_values_BN=values_BN,
+      advantages_BN=adv_BN, loss_mask_BN=loss_mask_BN, old_values_BN=values_BN,
       returns_BN=None if values_BN is None else raw_BN + values_BN)
   lengths_B = maskf_BN.sum(axis=1)
   # The share of the scored and trained [B, T] slots that hold no token (prompt padding and
   # completion slots after a row ended), after trimming to the batch's buckets.
-  metrics = {"reward_mean": rewards_B.mean(), "response_len": lengths_B.mean(),
+  metrics = {"reward_mean": scored_B.mean(), "response_len": lengths_B.mean(),
              "response_tokens": lengths_B.sum(),
+             "overlong_frac": overlong_B.astype(jnp.float32).mean(),
              "padding_fraction": 1.0 - rollout.valid_BT.astype(jnp.float32).mean()}
   return experience, metrics
 
@@ -72,6 +90,22 @@ def trim_rollout(rollout, n: int):
   return rollout.replace(tokens_BT=rollout.tokens_BT[:, :p + n], valid_BT=rollout.valid_BT[:, :p + n],
                          completion_mask_BN=rollout.completion_mask_BN[:, :n],
                          logprobs_BN=rollout.logprobs_BN[:, :n])
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def combine_rollouts(rollouts: tuple, rows_K, rows_sharding):
+  """Rows `rows_K` of the rollouts stacked in order (DAPO's dynamic sampling keeps the groups of
+  several prompt batches): prompts left-padded to the longest one, laid out as `rows_sharding`
+  (the sampler's batch split) where the rollouts live."""
+  p = max(r.tokens_BT.shape[1] - r.completion_mask_BN.shape[1] for r in rollouts)
+
+  def widen(r):
+    pad = ((0, 0), (p - (r.tokens_BT.shape[1] - r.completion_mask_BN.shape[1]), 0))
+    return r.replace(tokens_BT=jnp.pad(r.tokens_BT, pad), valid_BT=jnp.pad(r.valid_BT, pad))
+
+  whole = jax.tree.map(lambda *xs: jnp.concatenate(xs), *map(widen, rollouts))
+  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(jnp.take(x, rows_K, axis=0),
+                                                                 rows_sharding), whole)
 
 
 @jax.jit

@@ -11,7 +11,8 @@ from flax import nnx
 
 from jaxrl.algos import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, bradley_terry_loss, dpo_loss
 from jaxrl.algos.logprobs import chunked_logprobs
-from jaxrl.algos.losses import aggregation_weights, truncated_is_weight, value_loss
+from jaxrl.algos.correction import mismatch, rollout_weights
+from jaxrl.algos.losses import aggregation_weights, sequence_log_ratio, value_loss
 from jaxrl.config import RLConfig
 from jaxrl.models.dtypes import cast_to, compute_dtypes
 from jaxrl.models.llama import positions_from_segments, positions_from_valid
@@ -111,7 +112,12 @@ def scan_minibatches(update_one, state: TrainState, batch, n: int):
   """`update_one(state, minibatch) -> (state, metrics)` over `n` minibatches of `batch`, in
   one program; metrics are averaged over the minibatches."""
   state, metrics = jax.lax.scan(update_one, state, split_minibatches(batch, n))
-  return state, jax.tree.map(jnp.mean, metrics)
+  return state, {k: (jnp.max if k.endswith("_max") else jnp.mean)(v) for k, v in metrics.items()}
+
+
+def add_metrics(a: dict, b: dict) -> dict:
+  """Two micro-batches' metrics together: sums, except the maxima (keys ending in `_max`)."""
+  return {k: (jnp.maximum if k.endswith("_max") else jnp.add)(a[k], b[k]) for k in a}
 
 
 def compute_copy(graphdef, params):
@@ -143,7 +149,12 @@ def accumulate_grads(loss_fn, params, batch, n: int):
   micro = split_minibatches(batch, n)
   zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
                        jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro)))
-  body = lambda acc, mb: (jax.tree.map(jnp.add, acc, grad_fn(params, mb)), None)
+  def body(acc, mb):
+    (loss, metrics), grads = grad_fn(params, mb)
+    ((acc_loss, acc_metrics), acc_grads) = acc
+    return ((acc_loss + loss, add_metrics(acc_metrics, metrics)),
+            jax.tree.map(jnp.add, acc_grads, grads)), None
+
   ((loss, metrics), grads), _ = jax.lax.scan(body, zeros, micro)
   return loss, metrics, grads
 
@@ -155,37 +166,48 @@ def micro_batches(exp, cfg: RLConfig) -> int:
 
 
 def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
-  """`cfg.policy_loss` (PPO clip or AIPO) plus, with `kl_mode == "loss"`, `kl_coef` * KL(pi ||
-  ref), minus `entropy_coef` * entropy, summed over completion tokens with `weights_BN`
-  (`cfg.loss_aggregation` over the whole minibatch: `aggregation_weights`).
+  """`cfg.policy_loss` (jaxrl/algos/losses.py) times the rollout correction
+  (jaxrl/algos/correction.py) plus, with `kl_mode == "loss"`, `kl_coef` * KL(pi || ref), minus
+  `entropy_coef` * entropy, summed over completion tokens with `weights_BN`
+  (`cfg.loss_aggregation` over the whole minibatch's `policy_mask_BN`: `aggregation_weights`).
 
-  `micro` = (exp, weights_BN). `exp` (train/experience.py) holds per-token [B, N] advantages,
-  the trainer's log-probs before the update (`old`), the reference's, and the sampler's (mu,
-  what it drew with: AIPO's behaviour policy and the denominator of the truncated-IS correction
-  `tis_cap`)."""
-  exp, weights_BN = micro
+  `micro` = (exp, weights_BN, token_weights_BN). `exp` (train/experience.py) holds per-token
+  [B, N] advantages, the trainer's log-probs before the update (`old`), the reference's, and the
+  sampler's (mu, what it drew with). The metrics include the sampler/trainer mismatch
+  (|log mu - log pi_old|, KL(mu || pi_old)) over every valid token (`token_weights_BN`: a token
+  mean over the minibatch)."""
+  exp, weights_BN, token_weights_BN = micro
   logp_BN, entropy_BN = completion_logprobs(graphdef, params, exp.tokens_BT, exp.valid_BT,
                                             exp.prompt_len)
   old_BN = exp.old_logprobs_BN
   if old_BN is None:  # one minibatch: these weights are the ones before the update
     old_BN = jax.lax.stop_gradient(logp_BN)
-  if cfg.policy_loss == "aipo":
-    pg_BN = POLICY_LOSSES["aipo"](logp_BN, exp.sampler_logprobs_BN, exp.advantages_BN,
-                                  rho=cfg.aipo_rho)
-  else:
-    pg_BN = POLICY_LOSSES["ppo_clip"](logp_BN, old_BN, exp.advantages_BN,
-                                      eps_low=cfg.clip_eps_low, eps_high=cfg.clip_eps_high)
-    if cfg.tis_cap > 0:
-      pg_BN = pg_BN * truncated_is_weight(old_BN, exp.sampler_logprobs_BN, cfg.tis_cap)
+  mu_BN, mask_BN = exp.sampler_logprobs_BN, exp.completion_mask_BN
+  pg_BN = POLICY_LOSSES[cfg.policy_loss](
+      logp_BN, exp.advantages_BN, old_BN=old_BN, mu_BN=mu_BN, mask_BN=mask_BN,
+      eps_low=cfg.clip_eps_low, eps_high=cfg.clip_eps_high, rho=cfg.aipo_rho)
+  correction_BN, kept_BN = rollout_weights(old_BN, mu_BN, mask_BN, mask=cfg.rollout_mask,
+                                           low=cfg.rollout_mask_low,
+                                           high=cfg.rollout_mask_high, tis_cap=cfg.tis_cap)
+  if cfg.tis_cap > 0 or cfg.rollout_mask != "none":
+    pg_BN = pg_BN * correction_BN
   kl_BN = KL_ESTIMATORS[cfg.kl_estimator](logp_BN, exp.ref_logprobs_BN)
   loss_BN = pg_BN - cfg.entropy_coef * entropy_BN
   if cfg.kl_mode == "loss":
     loss_BN = loss_BN + cfg.kl_coef * kl_BN
-  ratio_BN = jnp.exp(logp_BN - old_BN)
+  if cfg.policy_loss == "gspo":  # clipped per sequence
+    ratio_BN = jnp.exp(sequence_log_ratio(logp_BN, old_BN, mask_BN))[:, None]
+  else:
+    ratio_BN = jnp.exp(logp_BN - old_BN)
   clipped_BN = (ratio_BN < 1 - cfg.clip_eps_low) | (ratio_BN > 1 + cfg.clip_eps_high)
   total = lambda x_BN: (x_BN * weights_BN).sum()
+  per_token = lambda x_BN: (x_BN * token_weights_BN).sum()
+  is_capped_BN = (old_BN - mu_BN > jnp.log(cfg.tis_cap)) if cfg.tis_cap > 0 else mask_BN < 0
   metrics = {"kl": total(kl_BN), "entropy": total(entropy_BN),
-             "clip_frac": total(clipped_BN.astype(jnp.float32))}
+             "clip_frac": total(clipped_BN.astype(jnp.float32)),
+             "rollout_masked_frac": per_token(1.0 - kept_BN),
+             "tis_capped_frac": per_token(is_capped_BN.astype(jnp.float32)),
+             **mismatch(old_BN, mu_BN, mask_BN, token_weights_BN)}
   return total(loss_BN), metrics
 
 
@@ -194,11 +216,13 @@ def rl_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig):
   gradient over `cfg.micro_batch_size`-row micro-batches."""
 
   def one(state, mb):
-    weights_BN = aggregation_weights(cfg.loss_aggregation, mb.completion_mask_BN,
+    weights_BN = aggregation_weights(cfg.loss_aggregation, mb.policy_mask_BN,
                                      horizon=cfg.max_new_tokens)
+    token_weights_BN = aggregation_weights("token_mean", mb.completion_mask_BN)
     loss_fn = functools.partial(policy_loss, graphdef=graphdef, cfg=cfg)
     loss, metrics, grads = accumulate_grads(loss_fn, compute_copy(graphdef, state.params),
-                                            (mb, weights_BN), micro_batches(mb, cfg))
+                                            (mb, weights_BN, token_weights_BN),
+                                            micro_batches(mb, cfg))
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     return _apply(state, grads, optimizer), metrics
 

@@ -87,3 +87,19 @@ def gae(rewards_B, mask_BN, *, values_BN, kl_BN=None, kl_coef=0.0, gamma=1.0, la
 
 ADVANTAGES = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
               "gae": gae}
+
+
+# -- DAPO's reward and batch shaping -----------------------------------------------------------
+def overlong_penalty(lengths_B, *, budget: int, buffer: int, factor: float = 1.0):
+  """DAPO's soft overlong punishment, [B]: 0 up to `budget - buffer` tokens, then falling
+  linearly to -factor at the budget ((budget - buffer - length) / buffer * factor)."""
+  free = budget - buffer
+  over_B = jnp.maximum(lengths_B.astype(jnp.float32) - free, 0.0)
+  return -factor * jnp.minimum(over_B / max(buffer, 1), 1.0)
+
+
+def informative_groups(rewards_B, group_size: int):
+  """[G] whether a prompt's group of rewards differs at all: DAPO's dynamic sampling keeps only
+  those (a group of equal rewards has zero advantage under every group baseline)."""
+  r_GN = jnp.asarray(rewards_B).reshape(-1, group_size)
+  return jnp.any(r_GN != r_GN[:, :1], axis=1)

@@ -5,23 +5,55 @@ import jax
 import jax.numpy as jnp
 
 
-def ppo_clip_loss(logp_BN, old_logp_BN, adv_BN, *, eps_low: float, eps_high: float) -> jax.Array:
-  """Clipped surrogate, per token: -min(ratio * A, clip(ratio, 1-eps_low, 1+eps_high) * A)."""
-  ratio_BN = jnp.exp(logp_BN - old_logp_BN)
+def ppo_clip_loss(logp_BN, adv_BN, *, old_BN, eps_low: float, eps_high: float, **_):
+  """Clipped surrogate, per token: -min(r * A, clip(r, 1-eps_low, 1+eps_high) * A), r = pi/pi_old.
+  eps_high > eps_low is DAPO's clip-higher."""
+  ratio_BN = jnp.exp(logp_BN - old_BN)
   clipped_BN = jnp.clip(ratio_BN, 1.0 - eps_low, 1.0 + eps_high)
   return -jnp.minimum(ratio_BN * adv_BN, clipped_BN * adv_BN)
 
 
-def aipo_loss(logp_BN, mu_logp_BN, adv_BN, *, rho: float = 4.0) -> jax.Array:
+def aipo_loss(logp_BN, adv_BN, *, mu_BN, rho: float, **_):
   """AIPO (LlamaRL): -min(pi/mu, rho) * A * log pi, the weight a stop-gradient constant."""
-  weight_BN = jax.lax.stop_gradient(jnp.minimum(jnp.exp(logp_BN - mu_logp_BN), rho))
+  weight_BN = jax.lax.stop_gradient(jnp.minimum(jnp.exp(logp_BN - mu_BN), rho))
   return -weight_BN * adv_BN * logp_BN
 
 
-def truncated_is_weight(old_logp_BN, mu_logp_BN, cap: float) -> jax.Array:
-  """Token-level truncated importance weight min(pi_old / mu, cap) for samplers whose numerics
-  differ from the trainer's; multiplies the PPO loss per token."""
-  return jax.lax.stop_gradient(jnp.minimum(jnp.exp(old_logp_BN - mu_logp_BN), cap))
+def sequence_log_ratio(logp_BN, old_BN, mask_BN):
+  """GSPO's length-normalised sequence log-ratio, [B]: mean over the row's tokens of
+  log pi - log pi_old (0 for an empty row)."""
+  mask_BN = mask_BN.astype(jnp.float32)
+  return ((logp_BN - old_BN) * mask_BN).sum(1) / jnp.maximum(mask_BN.sum(1), 1.0)
+
+
+def gspo_loss(logp_BN, adv_BN, *, old_BN, mask_BN, eps_low: float, eps_high: float, **_):
+  """GSPO (Qwen, 2025): one importance ratio per sequence, s = exp(mean_t log pi/pi_old), clipped
+  at the sequence level: -min(s * A, clip(s, 1-eps_low, 1+eps_high) * A), the row's value on
+  each of its tokens (aggregate with `seq_mean_token_mean` for the paper's per-sequence mean).
+  A is the row's mean token advantage (a sequence advantage for GRPO-style estimators)."""
+  maskf_BN = mask_BN.astype(jnp.float32)
+  adv_B = (adv_BN * maskf_BN).sum(1) / jnp.maximum(maskf_BN.sum(1), 1.0)
+  ratio_B = jnp.exp(sequence_log_ratio(logp_BN, old_BN, mask_BN))
+  clipped_B = jnp.clip(ratio_B, 1.0 - eps_low, 1.0 + eps_high)
+  return -jnp.minimum(ratio_B * adv_B, clipped_B * adv_B)[:, None] * maskf_BN
+
+
+def cispo_loss(logp_BN, adv_BN, *, old_BN, eps_low: float, eps_high: float, **_):
+  """CISPO (MiniMax-M1): -sg(clip(r, 1-eps_low, 1+eps_high)) * A * log pi. The importance
+  weight is clipped, never the gradient: every token keeps its log-prob gradient."""
+  weight_BN = jax.lax.stop_gradient(
+      jnp.clip(jnp.exp(logp_BN - old_BN), 1.0 - eps_low, 1.0 + eps_high))
+  return -weight_BN * adv_BN * logp_BN
+
+
+def decoupled_ppo_loss(logp_BN, adv_BN, *, old_BN, mu_BN, eps_low: float, eps_high: float, **_):
+  """Decoupled PPO (AReaL): the clip is around the proximal policy pi_old (the trainer's weights
+  before this update) and the behaviour policy mu (the sampler's, possibly several versions
+  older) enters only as the stop-gradient weight pi_old / mu:
+  -(pi_old / mu) * min(r * A, clip(r, 1-eps_low, 1+eps_high) * A), r = pi / pi_old."""
+  behaviour_BN = jax.lax.stop_gradient(jnp.exp(old_BN - mu_BN))
+  return behaviour_BN * ppo_clip_loss(logp_BN, adv_BN, old_BN=old_BN, eps_low=eps_low,
+                                      eps_high=eps_high)
 
 
 def value_loss(values_BN, old_values_BN, returns_BN, *, clip_eps: float) -> jax.Array:
@@ -99,4 +131,8 @@ def aggregation_weights(name: str, mask_BN, horizon: int | None = None) -> jax.A
   return jax.grad(AGGREGATIONS[name])(jnp.zeros_like(mask_BH), mask_BH)[:, :n]
 
 
-POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "aipo": aipo_loss}
+# One signature: fn(logp_BN, adv_BN, *, old_BN, mu_BN, mask_BN, eps_low, eps_high, rho) -> the
+# per-token loss [B, N]; each takes what it needs. old: the trainer's policy before the update;
+# mu: the sampler's (behaviour) policy.
+POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "aipo": aipo_loss, "gspo": gspo_loss,
+                 "cispo": cispo_loss, "decoupled_ppo": decoupled_ppo_loss}

@@ -3,7 +3,8 @@
 On a fresh start the stage freezes the reference (a copy of the actor on the reference mesh)
 and, for `gae`, adds the critic (from the reward model when there is one, else from the actor's
 trunk). Its run state: the policy version (= steps done), the first prompt batch not yet trained
-on, and the learners. In async mode, batches generated ahead but not yet consumed at a
+on (with dynamic sampling a step may generate several: `samples_generated` counts them), the
+run's largest sampler/trainer mismatch so far, and the learners. In async mode, batches generated ahead but not yet consumed at a
 checkpoint are generated again after a resume, from the checkpoint's weights.
 """
 from __future__ import annotations
@@ -18,6 +19,8 @@ from train.learner import Learner
 from train.stages.base import Stage
 
 log = logging.getLogger("jaxrl")
+# summary.json entry -> the metrics row's value whose maximum over the run it keeps
+MAXIMA = {"mismatch_max": "mismatch_max", "mismatch_kl_max": "mismatch_kl"}
 
 
 class RLStage(Stage):
@@ -27,6 +30,7 @@ class RLStage(Stage):
   def __init__(self, ctx):
     super().__init__(ctx)
     self.next_index = 0  # the first prompt batch not yet trained on
+    self.maxima = dict.fromkeys(MAXIMA, 0.0)  # the run's worst sampler/trainer mismatch so far
     self.controller: Controller | None = None
     self.wall0: float | None = None  # when this process's first RL step began
 
@@ -68,7 +72,11 @@ class RLStage(Stage):
       self.controller.start()
     row = self.controller.step()
     self.next_index = self.controller.next_index
-    return {**row, "samples": (self.progress.done + 1) * self.cfg.rl.rollouts}
+    for key, name in MAXIMA.items():
+      self.maxima[key] = max(self.maxima[key], float(row[name]))
+    rollouts = self.cfg.rl.rollouts
+    return {**row, "samples": (self.progress.done + 1) * rollouts,
+            "samples_generated": self.next_index * rollouts}
 
   def finish(self) -> dict:
     self.close()
@@ -78,7 +86,7 @@ class RLStage(Stage):
     return {"rl_steps_done": self.progress.done, "rl_wall_s": t["wall_s"],
             "bubble": t["bubble"],
             **{f"busy_{k}": v for k, v in t["busy"].items()},
-            "heldout_acc_rl": self.progress.last_eval["heldout_acc"]}
+            "heldout_acc_rl": self.progress.last_eval["heldout_acc"], **self.maxima}
 
   def learners(self) -> dict[str, Learner]:
     out = {"actor": self.actor}
@@ -87,10 +95,11 @@ class RLStage(Stage):
     return out
 
   def state(self) -> dict:
-    return {"next_index": self.next_index}
+    return {"next_index": self.next_index, "maxima": self.maxima}
 
   def restore(self, state: dict, arrays: dict) -> None:
     self.next_index = state["next_index"]
+    self.maxima.update(state.get("maxima", {}))
 
   def close(self) -> None:
     if self.controller is not None:

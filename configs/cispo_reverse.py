@@ -1,0 +1,13 @@
+"""CISPO on the default task: every token's log-prob gradient weighted by its importance ratio
+pi / pi_old, clipped to at most 3 (eps_high 2; no lower clip) and held constant, so no token loses
+its gradient to clipping.
+
+Run:  .venv/bin/python -m cli.train --config=configs/cispo_reverse.py
+"""
+from configs import default
+
+
+def get_config():
+  c = default.get_config()
+  c.rl.update(policy_loss="cispo", clip_eps_low=1.0, clip_eps_high=2.0)
+  return c

@@ -1,0 +1,16 @@
+"""Decoupled PPO (AReaL) with asynchronous generation two policy versions ahead: the clip is
+around the proximal policy (the trainer's weights before each update) and the behaviour policy
+(the sampler's, up to 2 versions older) enters as the weight pi_old / mu, with tokens whose weight
+exceeds 5 dropped (the token rejection mask, band [0, 5]).
+
+Run:  .venv/bin/python -m cli.train --config=configs/decoupled_ppo_async_reverse.py
+Against AIPO at the same staleness: add --config.rl.policy_loss=aipo --config.rl.rollout_mask=none
+"""
+from configs import default
+
+
+def get_config():
+  c = default.get_config()
+  c.rl.update(mode="async", max_staleness=2, policy_loss="decoupled_ppo", rollout_mask="token",
+              rollout_mask_low=0.0, rollout_mask_high=5.0)
+  return c

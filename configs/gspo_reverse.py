@@ -1,0 +1,14 @@
+"""GSPO on the default task: one length-normalised importance ratio per sequence, clipped at the
+sequence level (eps 3e-4 / 4e-4, as the GSPO paper), each sequence's loss averaged over its
+tokens and then over the sequences.
+
+Run:  .venv/bin/python -m cli.train --config=configs/gspo_reverse.py
+"""
+from configs import default
+
+
+def get_config():
+  c = default.get_config()
+  c.rl.update(policy_loss="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4,
+              loss_aggregation="seq_mean_token_mean")
+  return c

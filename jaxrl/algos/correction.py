@@ -1,0 +1,67 @@
+"""Rollout correction: per-token weights and masks for the gap between the sampler's policy mu
+(what drew the tokens) and the trainer's pi_old (the same weights as the trainer computes them,
+or newer ones in async mode), and the diagnostics of that gap.
+
+Every piece works on the token log-ratio d = log pi_old - log mu, a constant for the gradient,
+and multiplies the per-token policy loss, whichever loss it is (`POLICY_LOSSES`):
+
+  tis_cap > 0   truncated importance sampling: weight min(pi_old / mu, cap)
+  mask "token"      drop the tokens whose ratio pi_old / mu lies outside [low, high]
+       "sequence"   drop the rows whose sequence ratio prod_t pi_old / mu lies outside it
+       "geometric"  drop the rows whose geometric-mean ratio exp(mean_t d) lies outside it
+       "icepop"     IcePop's two-sided token mask, with the kept tokens weighted by their
+                    ratio: k(r) = r inside [low, high], 0 outside
+
+Dropped tokens keep their place in the loss's normaliser (they add 0), so a batch's other
+tokens weigh the same whatever the mask removes.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+ROLLOUT_MASKS = ("none", "token", "sequence", "geometric", "icepop")
+
+
+def _inside(log_ratio, low: float, high: float):
+  """low <= exp(log_ratio) <= high, compared in log space (a sequence ratio can overflow)."""
+  return (log_ratio >= jnp.log(low)) & (log_ratio <= jnp.log(high))
+
+
+def rollout_weights(old_BN, mu_BN, mask_BN, *, mask: str = "none", low: float = 0.5,
+                    high: float = 2.0, tis_cap: float = 0.0):
+  """(weight_BN, kept_BN): the stop-gradient factor on each token's policy loss, and which
+  valid tokens the mask kept (for the masked fraction)."""
+  maskf_BN = mask_BN.astype(jnp.float32)
+  d_BN = jax.lax.stop_gradient((old_BN - mu_BN) * maskf_BN)
+  weight_BN = jnp.ones_like(d_BN)
+  if tis_cap > 0:
+    weight_BN = jnp.minimum(jnp.exp(d_BN), tis_cap)
+  if mask in ("token", "icepop"):
+    kept_BN = _inside(d_BN, low, high)
+  elif mask == "sequence":
+    kept_BN = jnp.broadcast_to(_inside(d_BN.sum(1), low, high)[:, None], d_BN.shape)
+  elif mask == "geometric":
+    mean_B = d_BN.sum(1) / jnp.maximum(maskf_BN.sum(1), 1.0)
+    kept_BN = jnp.broadcast_to(_inside(mean_B, low, high)[:, None], d_BN.shape)
+  elif mask == "none":
+    kept_BN = jnp.ones(d_BN.shape, bool)
+  else:
+    raise ValueError(f"rollout mask: expected one of {list(ROLLOUT_MASKS)}, got {mask!r}")
+  if mask == "icepop":
+    weight_BN = weight_BN * jnp.exp(d_BN)
+  kept_BN = kept_BN & mask_BN.astype(bool)
+  return weight_BN * kept_BN, kept_BN
+
+
+def mismatch(old_BN, mu_BN, mask_BN, token_weights_BN):
+  """The sampler/trainer gap over the valid tokens: |log mu - log pi_old| summed with
+  `token_weights_BN` (a token mean when they are 1 / valid tokens), its maximum, and
+  KL(mu || pi_old) estimated from mu's own samples with k3 (r - 1 - log r, r = pi_old / mu;
+  unbiased, never negative)."""
+  valid_BN = mask_BN.astype(bool)
+  d_BN = jnp.where(valid_BN, jax.lax.stop_gradient(old_BN - mu_BN), 0.0)
+  kl_BN = jnp.maximum(jnp.expm1(d_BN) - d_BN, 0.0)  # >= 0, also after rounding
+  return {"mismatch_mean": (jnp.abs(d_BN) * token_weights_BN).sum(),
+          "mismatch_max": jnp.abs(d_BN).max(initial=0.0),
+          "mismatch_kl": (kl_BN * token_weights_BN).sum()}

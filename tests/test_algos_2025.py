@@ -1,0 +1,166 @@
+"""GSPO, CISPO, decoupled PPO, the rollout-correction masks and weights, the mismatch metrics and
+DAPO's reward shaping against plain numpy, with the degenerate cases: all-equal groups,
+zero-length responses, ratios at the clip edges."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.algos.advantages import informative_groups, overlong_penalty
+from jaxrl.algos.correction import mismatch, rollout_weights
+from jaxrl.algos.losses import cispo_loss, decoupled_ppo_loss, gspo_loss, ppo_clip_loss
+
+RNG = np.random.default_rng(7)
+LOGP = RNG.normal(size=(4, 5)) * 0.3 - 1.0
+OLD = LOGP + RNG.normal(size=(4, 5)) * 0.2
+MU = OLD + RNG.normal(size=(4, 5)) * 0.3
+ADV = np.repeat(RNG.normal(size=(4, 1)), 5, axis=1)
+MASK = np.array([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 0]], bool)
+
+
+def np_gspo(logp, old, adv, mask, lo, hi):
+  out = np.zeros_like(logp)
+  for b in range(len(logp)):
+    n = mask[b].sum()
+    if n == 0:
+      continue  # a zero-length response adds nothing
+    s = np.exp((logp[b] - old[b])[mask[b]].mean())
+    a = adv[b][mask[b]].mean()
+    out[b, mask[b]] = -min(s * a, np.clip(s, 1 - lo, 1 + hi) * a)
+  return out
+
+
+def test_gspo_matches_numpy_and_clips_whole_sequences():
+  got = gspo_loss(jnp.asarray(LOGP), jnp.asarray(ADV), old_BN=jnp.asarray(OLD),
+                  mask_BN=jnp.asarray(MASK), eps_low=0.05, eps_high=0.1)
+  np.testing.assert_allclose(got, np_gspo(LOGP, OLD, ADV, MASK, 0.05, 0.1), rtol=1e-5, atol=1e-7)
+  # The gradient of a sequence's mean loss reaches every token equally (1 / |y| of s * A), and
+  # none once the sequence ratio leaves the band on the side that the advantage pushes.
+  logp, old = jnp.zeros((1, 4)), jnp.zeros((1, 4))
+  adv, mask = jnp.ones((1, 4)), jnp.ones((1, 4), bool)
+  seq_mean = lambda lp: gspo_loss(lp, adv, old_BN=old, mask_BN=mask, eps_low=0.2,
+                                  eps_high=0.2).mean()
+  np.testing.assert_allclose(jax.grad(seq_mean)(logp), np.full((1, 4), -1 / 4), rtol=1e-6)
+  assert not jax.grad(seq_mean)(jnp.full((1, 4), 0.19)).any()  # s = e^0.19 > 1.2, A > 0
+  assert jax.grad(seq_mean)(jnp.full((1, 4), 0.18)).all()  # s = e^0.18 < 1.2: inside
+
+
+def test_gspo_at_the_clip_edge_and_on_policy_equals_the_sequence_advantage():
+  adv, mask = jnp.asarray([[2.0, 2.0]]), jnp.ones((1, 2), bool)
+  edge = jnp.full((1, 2), np.log(1.2))  # s exactly 1 + eps_high
+  got = gspo_loss(edge, adv, old_BN=jnp.zeros((1, 2)), mask_BN=mask, eps_low=0.2, eps_high=0.2)
+  np.testing.assert_allclose(got, [[-2.4, -2.4]], rtol=1e-6)
+  on = gspo_loss(jnp.zeros((1, 2)), adv, old_BN=jnp.zeros((1, 2)), mask_BN=mask, eps_low=0.2,
+                 eps_high=0.2)
+  np.testing.assert_allclose(on, [[-2.0, -2.0]])
+
+
+def test_cispo_keeps_every_tokens_gradient_with_a_clipped_weight():
+  lo, hi = 0.1, 0.28
+  got = cispo_loss(jnp.asarray(LOGP), jnp.asarray(ADV), old_BN=jnp.asarray(OLD), eps_low=lo,
+                   eps_high=hi)
+  w = np.clip(np.exp(LOGP - OLD), 1 - lo, 1 + hi)
+  np.testing.assert_allclose(got, -w * ADV * LOGP, rtol=1e-5)
+  grad = jax.grad(lambda lp: cispo_loss(lp, jnp.asarray(ADV), old_BN=jnp.asarray(OLD),
+                                        eps_low=lo, eps_high=hi).sum())(jnp.asarray(LOGP))
+  np.testing.assert_allclose(grad, -w * ADV, rtol=1e-5)  # the weight is a constant
+  assert (np.asarray(grad) != 0).all()  # no token loses its gradient, clipped or not
+  assert (w == 1 + hi).any() and (w == 1 - lo).any()  # both edges were hit
+  # PPO's clip zeroes the gradient of the tokens CISPO keeps
+  ppo = jax.grad(lambda lp: ppo_clip_loss(lp, jnp.asarray(ADV), old_BN=jnp.asarray(OLD),
+                                          eps_low=lo, eps_high=hi).sum())(jnp.asarray(LOGP))
+  assert (np.asarray(ppo) == 0).any()
+
+
+def test_decoupled_ppo_is_the_behaviour_weight_times_ppo_around_the_proximal_policy():
+  got = decoupled_ppo_loss(jnp.asarray(LOGP), jnp.asarray(ADV), old_BN=jnp.asarray(OLD),
+                           mu_BN=jnp.asarray(MU), eps_low=0.2, eps_high=0.2)
+  ratio = np.exp(LOGP - OLD)
+  ppo = -np.minimum(ratio * ADV, np.clip(ratio, 0.8, 1.2) * ADV)
+  np.testing.assert_allclose(got, np.exp(OLD - MU) * ppo, rtol=1e-5)
+  # behaviour == proximal: plain PPO
+  same = decoupled_ppo_loss(jnp.asarray(LOGP), jnp.asarray(ADV), old_BN=jnp.asarray(OLD),
+                            mu_BN=jnp.asarray(OLD), eps_low=0.2, eps_high=0.2)
+  np.testing.assert_allclose(same, ppo, rtol=1e-5)
+
+
+def np_weights(old, mu, mask, mode, low, high, cap):
+  d = (old - mu) * mask
+  w = np.minimum(np.exp(d), cap) if cap > 0 else np.ones_like(d)
+  inside = lambda x: (x >= low) & (x <= high)
+  if mode in ("token", "icepop"):
+    kept = inside(np.exp(d))
+  elif mode == "sequence":
+    kept = np.repeat(inside(np.exp(d.sum(1)))[:, None], d.shape[1], 1)
+  elif mode == "geometric":
+    mean = d.sum(1) / np.maximum(mask.sum(1), 1)
+    kept = np.repeat(inside(np.exp(mean))[:, None], d.shape[1], 1)
+  else:
+    kept = np.ones(d.shape, bool)
+  if mode == "icepop":
+    w = w * np.exp(d)
+  kept &= mask
+  return w * kept, kept
+
+
+@pytest.mark.parametrize("mode", ["none", "token", "sequence", "geometric", "icepop"])
+@pytest.mark.parametrize("cap", [0.0, 1.5])
+def test_rollout_weights_match_numpy(mode, cap):
+  low, high = (0.5, 1.3) if mode == "sequence" else (0.9, 1.1)  # each cuts this data somewhere
+  got_w, got_kept = rollout_weights(jnp.asarray(OLD), jnp.asarray(MU), jnp.asarray(MASK),
+                                    mask=mode, low=low, high=high, tis_cap=cap)
+  want_w, want_kept = np_weights(OLD, MU, MASK, mode, low, high, cap)
+  np.testing.assert_array_equal(got_kept, want_kept)
+  np.testing.assert_allclose(got_w, want_w, rtol=1e-5)
+  assert not np.asarray(got_w)[2].any()  # the zero-length row keeps nothing
+  if mode != "none":
+    assert 0 < np.asarray(got_kept)[MASK].mean() < 1  # this data has tokens on both sides
+
+
+def test_rollout_masks_hand_computed():
+  # ratios e^0.5, e^-0.5, 1 in row 0; e^0.1, e^0.1 in row 1 (third slot empty)
+  old = jnp.asarray([[0.5, -0.5, 0.0], [0.1, 0.1, 0.0]])
+  mu = jnp.zeros((2, 3))
+  mask = jnp.asarray([[True, True, True], [True, True, False]])
+  band = dict(low=0.8, high=1.25)
+  _, kept = rollout_weights(old, mu, mask, mask="token", **band)
+  np.testing.assert_array_equal(kept, [[False, False, True], [True, True, False]])
+  _, kept = rollout_weights(old, mu, mask, mask="sequence", **band)  # e^0 and e^0.2 (> 1.25? no)
+  np.testing.assert_array_equal(kept, [[True, True, True], [True, True, False]])
+  _, kept = rollout_weights(old, mu, mask, mask="sequence", low=0.8, high=1.2)  # e^0.2 > 1.2
+  np.testing.assert_array_equal(kept, [[True, True, True], [False, False, False]])
+  _, kept = rollout_weights(old, mu, mask, mask="geometric", low=0.8, high=1.2)  # e^0.1 inside
+  np.testing.assert_array_equal(kept, [[True, True, True], [True, True, False]])
+  w, _ = rollout_weights(old, mu, mask, mask="icepop", **band)
+  np.testing.assert_allclose(w, [[0, 0, 1], [np.exp(0.1), np.exp(0.1), 0]], rtol=1e-6)
+  # at the band's edges a ratio is kept
+  edge = jnp.log(jnp.asarray([[0.8, 1.25]]))
+  _, kept = rollout_weights(edge, jnp.zeros((1, 2)), jnp.ones((1, 2), bool), mask="token", **band)
+  assert np.asarray(kept).all()
+
+
+def test_mismatch_metrics_match_numpy():
+  tokens = MASK.sum()
+  weights = MASK / tokens
+  got = mismatch(jnp.asarray(OLD), jnp.asarray(MU), jnp.asarray(MASK), jnp.asarray(weights))
+  d = (OLD - MU)[MASK]
+  np.testing.assert_allclose(got["mismatch_mean"], np.abs(d).mean(), rtol=1e-5)
+  np.testing.assert_allclose(got["mismatch_max"], np.abs(d).max(), rtol=1e-6)
+  np.testing.assert_allclose(got["mismatch_kl"], (np.exp(d) - d - 1).mean(), rtol=1e-5)
+  zero = mismatch(jnp.asarray(OLD), jnp.asarray(OLD), jnp.asarray(MASK), jnp.asarray(weights))
+  assert all(float(v) == 0.0 for v in zero.values())
+  empty = mismatch(jnp.asarray(OLD), jnp.asarray(MU), jnp.zeros((4, 5), bool), jnp.zeros((4, 5)))
+  assert all(float(v) == 0.0 for v in empty.values())  # masked tokens never count
+
+
+def test_overlong_penalty_hand_computed():
+  lengths = jnp.asarray([0, 5, 6, 7, 8])
+  got = overlong_penalty(lengths, budget=8, buffer=3, factor=2.0)
+  np.testing.assert_allclose(got, [0, 0, -2 / 3, -4 / 3, -2.0], rtol=1e-6)
+  np.testing.assert_allclose(overlong_penalty(lengths, budget=8, buffer=0), [0, 0, 0, 0, 0])
+
+
+def test_informative_groups():
+  rewards = np.array([1, 1, 1, 0, 0, 0, 0, 0, 0.5, 0.5, 0.5, 0.5])
+  np.testing.assert_array_equal(informative_groups(rewards, 4), [True, False, False])
+  np.testing.assert_array_equal(informative_groups(rewards, 1), [False] * 12)

@@ -1,0 +1,114 @@
+"""DAPO's dynamic sampling refills a batch whose groups are mostly uniform, counts its extra
+rounds and keeps the data position exact across a resume; the sampler/trainer mismatch is
+logged every step, at rounding level in float32, and a perturbed sampler raises it."""
+import json
+import os
+
+import numpy as np
+
+from configs import tiny
+from jaxrl.algos.advantages import informative_groups
+from train.controller import Controller
+from train.experiment import Experiment
+from train.hooks import Hook
+from train.generator import Generator
+
+GROUP, PROMPTS = 4, 8
+
+
+def reward(prompts, completions, **_):
+  """Half the prompts (first letter a-m) score the completion's length parity, so their groups
+  mostly differ; the others always score 0: uniform groups."""
+  return [float(p[4] <= "m" and len(c) % 2 == 0) for p, c in zip(prompts, completions)]
+
+
+def _raw(tmp_path, name, **rl):
+  raw = tiny.get_config().to_dict()
+  raw.update(run_dir=str(tmp_path), run_name=name, checkpoint_every=1)
+  raw["rl"].update(group_size=GROUP, prompts_per_step=PROMPTS, dynamic_sampling=True,
+                   dynamic_sampling_rounds=6, verifier="test_dynamic_sampling:reward", **rl)
+  return raw
+
+
+def test_uniform_groups_are_refilled_and_the_rounds_counted(tmp_path):
+  with Experiment(_raw(tmp_path, "fill", steps=1)) as exp:
+    exp.run()
+    ctl = Controller(exp.ctx, exp.stages["rl"].actor, None, next_index=5, version=1)
+    rollout, prompts, index, version, _ = ctl.next_rollout()
+    ctl.next_index = index + 1
+    first = exp.ctx.score(exp.ctx.texts(rollout), np.repeat(prompts["examples"], GROUP))
+    assert informative_groups(first, GROUP).sum() < PROMPTS  # this batch needs a refill
+    out, out_prompts, verified_B, _, _, metrics = ctl.fill_batch(rollout, prompts, version)
+    ctl.close()
+  assert out.tokens_BT.shape[0] == PROMPTS * GROUP == len(verified_B)
+  assert metrics["dynamic_rounds"] >= 1 and ctl.next_index == 6 + metrics["dynamic_rounds"]
+  informative = np.asarray(informative_groups(verified_B, GROUP))
+  if metrics["dynamic_rounds"] < 6:
+    assert informative.all() and metrics["informative_frac"] == 1.0
+  else:  # out of rounds: the informative groups first, then the others
+    assert not np.any(np.diff(informative.astype(int)) > 0)
+  # rows, prompts and rewards still belong together after the batches were stacked and cut
+  again = exp.ctx.score(exp.ctx.texts(out), np.repeat(out_prompts["examples"], GROUP))
+  np.testing.assert_array_equal(again, verified_B)
+  lengths = np.asarray(out.completion_mask_BN).sum(1)
+  np.testing.assert_array_equal(np.asarray(out.lengths_B), lengths)
+  assert (np.asarray(out.logprobs_BN)[np.asarray(out.completion_mask_BN)] < 0).all()
+
+
+class _StopAt(Hook):
+  def __init__(self, exp, step):
+    self.exp, self.step = exp, step
+
+  def after_step(self, stage, row):
+    if stage.name == "rl" and stage.progress.done == self.step:
+      self.exp.stop.event.set()
+
+
+def _rl_rows(run_dir):
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    return [r for r in map(json.loads, f) if r["phase"] == "rl" and "dynamic_rounds" in r]
+
+
+def test_dynamic_sampling_resumes_exactly_and_float32_mismatch_is_rounding(tmp_path):
+  with Experiment(_raw(tmp_path, "whole")) as exp:
+    whole = exp.run()
+  with Experiment(_raw(tmp_path, "stopped")) as exp:
+    exp.hooks.insert(-1, _StopAt(exp, 2))
+    assert exp.run()["stopped"] == "stop request"
+  with Experiment.restore(str(tmp_path / "stopped")) as again:
+    resumed = again.run()
+  assert resumed["params_fingerprint"] == whole["params_fingerprint"]
+  rows, rows_resumed = _rl_rows(tmp_path / "whole"), _rl_rows(tmp_path / "stopped")
+  key = lambda rs: [(r["step"], r["samples_generated"], r["dynamic_rounds"]) for r in rs]
+  assert key(rows) == key(rows_resumed) and len(rows) == 3
+  assert rows[-1]["samples_generated"] > rows[-1]["samples"]  # extra rounds were generated
+  # float32: the sampler's log-probs are the trainer's up to rounding
+  assert all(0.0 <= r["mismatch_max"] <= 1e-5 for r in rows)
+  assert whole["mismatch_max"] == max(r["mismatch_max"] for r in rows)
+  assert resumed["mismatch_max"] == whole["mismatch_max"]
+
+
+def _one_step(tmp_path, name, **model):
+  raw = tiny.get_config().to_dict()
+  raw.update(run_dir=str(tmp_path), run_name=name)
+  raw["rl"]["steps"] = 1
+  raw["model"].update(model)
+  with Experiment(raw) as exp:
+    exp.run()
+    return [r for r in exp.writer.rows if r["phase"] == "rl" and "mismatch_max" in r][-1]
+
+
+def test_bf16_mismatch_is_reported_and_a_perturbed_sampler_raises_it(tmp_path, monkeypatch):
+  bf16 = _one_step(tmp_path, "bf16", dtype="bfloat16")
+  assert 0.0 < bf16["mismatch_max"] < 1.0 and 0.0 < bf16["mismatch_mean"] <= bf16["mismatch_max"]
+  assert bf16["mismatch_kl"] >= 0.0
+  sample = Generator.sample
+
+  def perturbed(self, params, prompts, key):  # a sampler whose log-probs are off by 0.05
+    rollout = sample(self, params, prompts, key)
+    return rollout.replace(logprobs_BN=rollout.logprobs_BN - 0.05 * rollout.completion_mask_BN)
+
+  monkeypatch.setattr(Generator, "sample", perturbed)
+  off = _one_step(tmp_path, "perturbed")
+  assert 0.049 < off["mismatch_max"] < 0.051 and 0.049 < off["mismatch_mean"] < 0.051
+  assert off["mismatch_kl"] > 1e-3  # e^0.05 - 1.05 = 1.27e-3 per token
