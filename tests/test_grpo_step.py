@@ -12,7 +12,9 @@ from train.experience import Experience
 
 
 def _weights(exp, cfg):
-  return aggregation_weights(cfg.loss_aggregation, exp.completion_mask_BN)
+  """The loss's token weights and the token mean's (for the mismatch metrics)."""
+  return (aggregation_weights(cfg.loss_aggregation, exp.completion_mask_BN),
+          aggregation_weights("token_mean", exp.completion_mask_BN))
 
 
 def test_policy_loss_matches_numpy(tiny_cfg):
@@ -37,7 +39,7 @@ def test_policy_loss_matches_numpy(tiny_cfg):
                    ref_logprobs_BN=jnp.asarray(ref, jnp.float32), advantages_BN=jnp.asarray(adv),
                    sampler_logprobs_BN=jnp.asarray(old, jnp.float32))
   assert exp.prompt_len == p
-  loss, metrics = steps.policy_loss(params, (exp, _weights(exp, cfg)), graphdef=graphdef, cfg=cfg)
+  loss, metrics = steps.policy_loss(params, (exp, *_weights(exp, cfg)), graphdef=graphdef, cfg=cfg)
 
   ratio = np.exp(logp - old)
   pg = -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.3) * adv)

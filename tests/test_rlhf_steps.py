@@ -21,7 +21,9 @@ PAIRS = [Pair("rev abc=", "cba", "bca"), Pair("rev bad=", "dab", "abd"),
 
 
 def _weights(exp, cfg):
-  return aggregation_weights(cfg.loss_aggregation, exp.completion_mask_BN)
+  """The loss's token weights and the token mean's (for the mismatch metrics)."""
+  return (aggregation_weights(cfg.loss_aggregation, exp.completion_mask_BN),
+          aggregation_weights("token_mean", exp.completion_mask_BN))
 
 
 def _pair_batch():
@@ -138,7 +140,7 @@ def test_policy_loss_aipo_and_kl_in_reward(tiny_cfg):
   m = np.asarray(exp.completion_mask_BN, np.float64)
   adv, mu = np.asarray(exp.advantages_BN), np.asarray(exp.sampler_logprobs_BN)
   cfg = RLConfig(policy_loss="aipo", aipo_rho=1.5, kl_mode="reward", kl_coef=0.5)
-  loss, _ = steps.policy_loss(params, (exp, _weights(exp, cfg)), graphdef=graphdef, cfg=cfg)
+  loss, _ = steps.policy_loss(params, (exp, *_weights(exp, cfg)), graphdef=graphdef, cfg=cfg)
   want = -np.minimum(np.exp(logp - mu), 1.5) * adv * logp  # no KL term: it is in the rewards
   np.testing.assert_allclose(loss, (want * m).sum() / m.sum(), rtol=1e-4, atol=1e-6)
 
@@ -149,7 +151,7 @@ def test_policy_loss_truncated_is_and_entropy(tiny_cfg):
   adv = np.asarray(exp.advantages_BN)
   old, mu = np.asarray(exp.old_logprobs_BN), np.asarray(exp.sampler_logprobs_BN)
   cfg = RLConfig(tis_cap=1.2, kl_coef=0.0, entropy_coef=0.01)
-  loss, metrics = steps.policy_loss(params, (exp, _weights(exp, cfg)), graphdef=graphdef, cfg=cfg)
+  loss, metrics = steps.policy_loss(params, (exp, *_weights(exp, cfg)), graphdef=graphdef, cfg=cfg)
   ratio = np.exp(logp - old)
   pg = -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv) * np.minimum(np.exp(old - mu), 1.2)
   want = (pg * m).sum() / m.sum() - 0.01 * float(metrics["entropy"])

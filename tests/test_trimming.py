@@ -72,7 +72,8 @@ def test_trimmed_batch_same_loss_and_gradients(aggregation):
   def loss_and_grads(exp):
     from jaxrl.algos.losses import aggregation_weights
     weights = aggregation_weights(aggregation, exp.completion_mask_BN, horizon=n_max)
-    fn = lambda p: steps.policy_loss(p, (exp, weights), graphdef=graphdef, cfg=rl)[0]
+    tokens = aggregation_weights("token_mean", exp.completion_mask_BN)
+    fn = lambda p: steps.policy_loss(p, (exp, weights, tokens), graphdef=graphdef, cfg=rl)[0]
     return jax.jit(jax.value_and_grad(fn))(params)
 
   (loss_full, g_full), (loss_trim, g_trim) = loss_and_grads(full), loss_and_grads(trimmed)
