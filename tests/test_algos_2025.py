@@ -164,3 +164,25 @@ def test_informative_groups():
   rewards = np.array([1, 1, 1, 0, 0, 0, 0, 0, 0.5, 0.5, 0.5, 0.5])
   np.testing.assert_array_equal(informative_groups(rewards, 4), [True, False, False])
   np.testing.assert_array_equal(informative_groups(rewards, 1), [False] * 12)
+
+
+def test_make_experience_applies_dapos_overlong_penalty_and_filter():
+  from jaxrl.config import RLConfig
+  from sampler.engine import Rollout
+  from train.experience import make_experience
+  cfg = RLConfig(prompts_per_step=2, group_size=2, num_minibatches=1, max_new_tokens=4,
+                 overlong_filter=True, overlong_buffer=2, overlong_penalty=1.0)
+  mask = jnp.asarray([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]], bool)
+  rollout = Rollout(tokens_BT=jnp.zeros((4, 6), jnp.int32),
+                    valid_BT=jnp.concatenate([jnp.ones((4, 2), bool), mask], 1),
+                    completion_mask_BN=mask, logprobs_BN=jnp.zeros((4, 4)),
+                    lengths_B=mask.sum(1))
+  zeros = jnp.zeros((4, 4))
+  exp, metrics = make_experience(rollout, jnp.ones(4), zeros, zeros, None, cfg=cfg)
+  # lengths 4, 2, 3, 0 of a budget of 4 with a 2-token buffer: penalties -1, 0, -0.5, 0
+  np.testing.assert_allclose(metrics["reward_mean"], (0 + 1 + 0.5 + 1) / 4)
+  np.testing.assert_allclose(metrics["overlong_frac"], 0.25)
+  np.testing.assert_array_equal(exp.policy_mask_BN, mask.at[0].set(False))  # row 0 is filtered
+  adv = np.asarray(exp.advantages_BN)[:, 0]
+  assert adv[0] < 0 < adv[1] and adv[2] < 0  # groups (0, 1) and (2, 3): penalised rows lose
+  assert not np.asarray(exp.advantages_BN)[3].any()  # a zero-length response has no advantage

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import flax.struct
 import jax
@@ -202,11 +203,12 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
   clipped_BN = (ratio_BN < 1 - cfg.clip_eps_low) | (ratio_BN > 1 + cfg.clip_eps_high)
   total = lambda x_BN: (x_BN * weights_BN).sum()
   per_token = lambda x_BN: (x_BN * token_weights_BN).sum()
-  is_capped_BN = (old_BN - mu_BN > jnp.log(cfg.tis_cap)) if cfg.tis_cap > 0 else mask_BN < 0
+  capped_BN = (old_BN - mu_BN > math.log(cfg.tis_cap)) if cfg.tis_cap > 0 else jnp.zeros_like(
+      logp_BN, bool)
   metrics = {"kl": total(kl_BN), "entropy": total(entropy_BN),
              "clip_frac": total(clipped_BN.astype(jnp.float32)),
              "rollout_masked_frac": per_token(1.0 - kept_BN),
-             "tis_capped_frac": per_token(is_capped_BN.astype(jnp.float32)),
+             "tis_capped_frac": per_token(capped_BN.astype(jnp.float32)),
              **mismatch(old_BN, mu_BN, mask_BN, token_weights_BN)}
   return total(loss_BN), metrics
 
