@@ -32,7 +32,7 @@ from jaxrl.algos.advantages import informative_groups
 from jaxrl.data.pipeline import bucket_length
 from train.experience import combine_rollouts, make_experience, trim_rollout
 from train.learner import Learner
-from train.host_transfers import to_device, to_host
+from train.host_transfers import allowed, to_device, to_host
 
 
 class Controller:
@@ -192,7 +192,7 @@ class Controller:
       examples_B = np.repeat(prompts["examples"], g)
       verified_B = self.ctx.score(self.ctx.texts(rollout), examples_B)
       parts.append((rollout, prompts["examples"], verified_B,
-                    np.asarray(informative_groups(verified_B, g))))
+                    informative_groups(verified_B, g)))
       kept = sum(int(p[3].sum()) for p in parts)
       if kept >= want or rounds == self.cfg.dynamic_sampling_rounds:
         break
@@ -206,7 +206,8 @@ class Controller:
              for j in np.flatnonzero(p[3] == keep)][:want]
     first = np.cumsum([0] + [len(p[1]) for p in parts])
     rows = np.concatenate([(first[i] + j) * g + np.arange(g) for i, j in order])
-    rollout = combine_rollouts(tuple(p[0] for p in parts), rows, parts[0][0].lengths_B.sharding)
+    with allowed("kept rows", rows):  # the row indices go up; the rollouts stay where they are
+      rollout = combine_rollouts(tuple(p[0] for p in parts), rows, parts[0][0].lengths_B.sharding)
     examples = np.array([parts[i][1][j] for i, j in order], dtype=object)
     verified_B = np.concatenate([parts[i][2][j * g:(j + 1) * g] for i, j in order])
     return rollout, {"examples": examples}, verified_B, version, waited, metrics

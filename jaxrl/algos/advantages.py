@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _per_token(adv_B, mask_BN):
@@ -98,8 +99,9 @@ def overlong_penalty(lengths_B, *, budget: int, buffer: int, factor: float = 1.0
   return -factor * jnp.minimum(over_B / max(buffer, 1), 1.0)
 
 
-def informative_groups(rewards_B, group_size: int):
+def informative_groups(rewards_B, group_size: int) -> np.ndarray:
   """[G] whether a prompt's group of rewards differs at all: DAPO's dynamic sampling keeps only
-  those (a group of equal rewards has zero advantage under every group baseline)."""
-  r_GN = jnp.asarray(rewards_B).reshape(-1, group_size)
-  return jnp.any(r_GN != r_GN[:, :1], axis=1)
+  those (a group of equal rewards has zero advantage under every group baseline). On the host,
+  where the verifier's rewards are."""
+  r_GN = np.asarray(rewards_B).reshape(-1, group_size)
+  return np.any(r_GN != r_GN[:, :1], axis=1)
