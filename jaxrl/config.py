@@ -17,6 +17,7 @@ from typing import Any
 
 from jaxrl.algos import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from jaxrl.algos.correction import ROLLOUT_MASKS
+from jaxrl.data.sources import ANSWER_FORMATS
 from jaxrl.data.tasks import TASKS
 from jaxrl.models.llama import ModelConfig
 from jaxrl.rewards.verifier import VERIFIERS
@@ -24,7 +25,6 @@ from jaxrl.rewards.verifier import VERIFIERS
 # Placement presets (sharding/placement.py builds them); "plan" asks the planner for one.
 STRATEGIES = ("colocate", "interleave", "separate")
 REWARDS = ("verifier", "reward_model")
-ANSWER_FORMATS = ("gsm8k", "boxed", "plain")
 MODES = ("sync", "async")
 KL_MODES = ("loss", "reward")  # KL(pi || ref) as a loss term, or folded into per-token rewards
 
@@ -197,10 +197,8 @@ class RLConfig:
   prompts_per_step: int = 64
   group_size: int = 8
   num_minibatches: int = 2
-  # Rows of one gradient micro-batch (whole mesh): each minibatch's gradient is accumulated over
-  # micro-batches of this many rows, exactly (the loss keeps the minibatch's normaliser), and
-  # the scoring passes run in pieces of the same size. 0: the whole minibatch at once. On a CPU
-  # pieces that stay in cache run faster; anywhere they hold less activation memory.
+  # Rows of one gradient micro-batch (whole mesh), accumulated exactly; the scoring passes run
+  # in pieces of the same size (less activation memory). 0: the whole minibatch at once.
   micro_batch_size: int = 0
   learning_rate: float = 3e-4
   warmup_steps: int = 10  # optimizer updates (num_minibatches per RL step) of linear warm-up
@@ -242,15 +240,11 @@ class RLConfig:
   # For benchmarks: every rollout runs to max_new_tokens (EOS and stop tokens do not end it), so
   # a step's work is the same whatever a random policy samples. Evaluation still stops at EOS.
   ignore_eos: bool = False
-  # Prompt batches are left-padded only to the bucket of their longest prompt, and a rollout's
-  # completion slots trimmed to the bucket of its longest response, before scoring and the
-  # update: at most this many lengths each (multiples of max(8, maximum / length_buckets)), so
-  # each program compiles for a few shapes. 0: always pad to max_prompt_tokens/max_new_tokens.
+  # Prompt batches padded, rollouts trimmed to the bucket of their longest prompt / response: at
+  # most this many lengths each (few compiled shapes). 0: pad to max_prompt_/max_new_tokens.
   length_buckets: int = 8
-  # 0: generation decodes each prompt batch as one static batch until its longest row ends;
-  # > 0: in-flight batching (sampler/inflight.py) in this many row slots, each refilled with the
-  # next row as its row finishes (a multiple of the sampler's data shards). Pays off when
-  # response lengths are uneven (docs/benchmarks.md).
+  # 0: each prompt batch decodes as one static batch; > 0: in-flight batching in this many row
+  # slots, refilled as rows finish (a multiple of the sampler's data shards; uneven lengths).
   inflight_slots: int = 0
   # The reward of `reward="verifier"` and the held-out score: exact_match | math (math-verify
   # equivalence) | package.module:function (called with prompts, completions, row fields).
@@ -277,6 +271,10 @@ class RLConfig:
     if self.dynamic_sampling and self.reward != "verifier":
       raise ValueError("dynamic_sampling: needs reward='verifier' (groups of equal verified "
                        f"rewards are dropped), got reward={self.reward!r}")
+    if self.dynamic_sampling and self.mode == "async" and (
+        self.dynamic_sampling_rounds > self.max_staleness):  # the worker runs no further ahead
+      raise ValueError(f"dynamic_sampling_rounds: async mode generates at most max_staleness "
+                       f"({self.max_staleness}) batches ahead, got {self.dynamic_sampling_rounds}")
     _unit(self, "gamma", "lam")
     minibatch = self.rollouts // self.num_minibatches
     if self.micro_batch_size and minibatch % self.micro_batch_size:

@@ -86,7 +86,8 @@ def test_decoupled_ppo_is_the_behaviour_weight_times_ppo_around_the_proximal_pol
 
 def np_weights(old, mu, mask, mode, low, high, cap):
   d = (old - mu) * mask
-  w = np.minimum(np.exp(d), cap) if cap > 0 else np.ones_like(d)
+  w = np.exp(d) if cap > 0 or mode == "icepop" else np.ones_like(d)
+  w = np.minimum(w, cap) if cap > 0 else w
   inside = lambda x: (x >= low) & (x <= high)
   if mode in ("token", "icepop"):
     kept = inside(np.exp(d))
@@ -97,8 +98,6 @@ def np_weights(old, mu, mask, mode, low, high, cap):
     kept = np.repeat(inside(np.exp(mean))[:, None], d.shape[1], 1)
   else:
     kept = np.ones(d.shape, bool)
-  if mode == "icepop":
-    w = w * np.exp(d)
   kept &= mask
   return w * kept, kept
 
@@ -133,6 +132,10 @@ def test_rollout_masks_hand_computed():
   np.testing.assert_array_equal(kept, [[True, True, True], [True, True, False]])
   w, _ = rollout_weights(old, mu, mask, mask="icepop", **band)
   np.testing.assert_allclose(w, [[0, 0, 1], [np.exp(0.1), np.exp(0.1), 0]], rtol=1e-6)
+  w, _ = rollout_weights(old, mu, mask, mask="icepop", tis_cap=1.05, **band)  # the ratio, capped
+  np.testing.assert_allclose(w, [[0, 0, 1], [1.05, 1.05, 0]], rtol=1e-6)
+  w, _ = rollout_weights(old, mu, mask, tis_cap=1.05)  # TIS alone: min(r, cap) everywhere
+  np.testing.assert_allclose(w, [[1.05, np.exp(-0.5), 1], [1.05, 1.05, 0]], rtol=1e-6)
   # at the band's edges a ratio is kept
   edge = jnp.log(jnp.asarray([[0.8, 1.25]]))
   _, kept = rollout_weights(edge, jnp.zeros((1, 2)), jnp.ones((1, 2), bool), mask="token", **band)

@@ -83,6 +83,8 @@ def test_bad_gin_bindings_are_named(binding, message):
     ({"rl__overlong_buffer": 9}, "config.rl.overlong_buffer: at most max_new_tokens (8), got 9"),
     ({"rl__dynamic_sampling": True, "rl__reward": "reward_model", "reward_model__steps": 5},
      "config.rl.dynamic_sampling: needs reward='verifier'"),
+    ({"rl__dynamic_sampling": True, "rl__mode": "async"},
+     "config.rl.dynamic_sampling_rounds: async mode generates at most max_staleness (1)"),
     ({"rl__lam": 1.5}, "config.rl.lam: expected in [0, 1]"),
     ({"rl__reward": "reward_model", "reward_model__steps": 0}, "config.reward_model.steps"),
     ({"dpo__beta": 0.0}, "config.dpo.beta: expected > 0"),

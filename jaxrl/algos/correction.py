@@ -10,7 +10,7 @@ and multiplies the per-token policy loss, whichever loss it is (`POLICY_LOSSES`)
        "sequence"   drop the rows whose sequence ratio prod_t pi_old / mu lies outside it
        "geometric"  drop the rows whose geometric-mean ratio exp(mean_t d) lies outside it
        "icepop"     IcePop's two-sided token mask, with the kept tokens weighted by their
-                    ratio: k(r) = r inside [low, high], 0 outside
+                    ratio: k(r) = r inside [low, high], 0 outside (min(r, cap) with tis_cap)
 
 Dropped tokens keep their place in the loss's normaliser (they add 0), so a batch's other
 tokens weigh the same whatever the mask removes.
@@ -34,9 +34,9 @@ def rollout_weights(old_BN, mu_BN, mask_BN, *, mask: str = "none", low: float = 
   valid tokens the mask kept (for the masked fraction)."""
   maskf_BN = mask_BN.astype(jnp.float32)
   d_BN = jax.lax.stop_gradient((old_BN - mu_BN) * maskf_BN)
-  weight_BN = jnp.ones_like(d_BN)
+  weight_BN = jnp.exp(d_BN) if tis_cap > 0 or mask == "icepop" else jnp.ones_like(d_BN)
   if tis_cap > 0:
-    weight_BN = jnp.minimum(jnp.exp(d_BN), tis_cap)
+    weight_BN = jnp.minimum(weight_BN, tis_cap)
   if mask in ("token", "icepop"):
     kept_BN = _inside(d_BN, low, high)
   elif mask == "sequence":
@@ -48,8 +48,6 @@ def rollout_weights(old_BN, mu_BN, mask_BN, *, mask: str = "none", low: float = 
     kept_BN = jnp.ones(d_BN.shape, bool)
   else:
     raise ValueError(f"rollout mask: expected one of {list(ROLLOUT_MASKS)}, got {mask!r}")
-  if mask == "icepop":
-    weight_BN = weight_BN * jnp.exp(d_BN)
   kept_BN = kept_BN & mask_BN.astype(bool)
   return weight_BN * kept_BN, kept_BN
 
