@@ -25,26 +25,31 @@ class RewardFnError(ValueError):
 
 def load_reward_fn(spec: str) -> Callable[..., Any]:
   """Imports `module:attribute` (the attribute may be dotted, e.g. `mod:Class.method`)."""
+  return load_callable(spec, "reward function", "package.module:function", RewardFnError)
+
+
+def load_callable(spec: str, what: str, form: str, error: type[Exception]) -> Callable[..., Any]:
+  """The callable `spec` names as "module:attribute"; anything wrong is an `error` whose one
+  line names `what` and `spec`."""
   module_name, sep, attr = spec.partition(":")
   if not sep or not module_name or not attr:
-    raise RewardFnError(f"reward function {spec!r}: expected 'package.module:function'")
+    raise error(f"{what} {spec!r}: expected {form!r}")
   try:
     obj = importlib.import_module(module_name)
   except ModuleNotFoundError as e:
     if e.name and module_name.startswith(e.name):
-      raise RewardFnError(f"reward function {spec!r}: no module named {e.name!r}") from None
-    raise RewardFnError(f"reward function {spec!r}: importing {module_name!r} failed "
-                        f"({type(e).__name__}: {e})") from None
+      raise error(f"{what} {spec!r}: no module named {e.name!r}") from None
+    raise error(f"{what} {spec!r}: importing {module_name!r} failed "
+                f"({type(e).__name__}: {e})") from None
   except Exception as e:  # the module's own code failed at import
-    raise RewardFnError(f"reward function {spec!r}: importing {module_name!r} failed "
-                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    raise error(f"{what} {spec!r}: importing {module_name!r} failed "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
   for part in attr.split("."):
     if not hasattr(obj, part):
-      raise RewardFnError(f"reward function {spec!r}: {module_name!r} has no attribute {attr!r}")
+      raise error(f"{what} {spec!r}: {module_name!r} has no attribute {attr!r}")
     obj = getattr(obj, part)
   if not callable(obj):
-    raise RewardFnError(f"reward function {spec!r}: {attr!r} is a {type(obj).__name__}, "
-                        "not callable")
+    raise error(f"{what} {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
   return obj
 
 

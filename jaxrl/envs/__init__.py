@@ -1,0 +1,28 @@
+"""Environments for multi-turn rollouts: the protocol (base.py), a calculator and a Python
+sandbox (tools.py), chosen by name from `ENVIRONMENTS`, or a user's class "package.module:Class"
+(constructed with the tokenizer and the run's verifier)."""
+from __future__ import annotations
+
+from jaxrl.envs.base import Environment, EnvironmentFactory, Step, ToolEnvironment
+from jaxrl.envs.tools import Calculator, PythonSandbox
+from jaxrl.rewards.user import load_callable
+
+ENVIRONMENTS: dict[str, EnvironmentFactory] = {"calculator": Calculator, "python": PythonSandbox}
+
+
+class EnvError(ValueError):
+  """An environment that cannot be found or loaded; one line naming it."""
+
+
+def environment_factory(spec: str) -> EnvironmentFactory:
+  """`ENVIRONMENTS[spec]`, or the class `spec` names as "package.module:Class"."""
+  if spec in ENVIRONMENTS:
+    return ENVIRONMENTS[spec]
+  if ":" not in spec:
+    raise EnvError(f"environment {spec!r}: expected one of {sorted(ENVIRONMENTS)} or "
+                   "'package.module:Class'")
+  return load_callable(spec, "environment", "package.module:Class", EnvError)
+
+
+__all__ = ["ENVIRONMENTS", "Calculator", "Environment", "EnvError", "EnvironmentFactory",
+           "PythonSandbox", "Step", "ToolEnvironment", "environment_factory"]

@@ -1,0 +1,73 @@
+"""The environment protocol of multi-turn rollouts: token ids in, token ids out.
+
+An environment holds one conversation. `reset(example)` starts it on a dataset row and returns
+the token ids to append before the model's first turn ([] for none). `step(turn_ids)` takes the
+ids the model emitted in its turn (ending at EOS or at one of `stop_strings`, e.g. a tool call's
+closing tag) and returns a `Step`: the observation ids appended after the turn (trained with
+loss mask 0), a reward and whether the conversation is over. The ids the trainer sees are
+exactly the ones the sampler emitted and the environment returned, never a re-tokenisation of
+decoded text: an environment reads the model's turn as text if it likes, but what it appends it
+encodes once, itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from jaxrl.data.tasks import Example
+from jaxrl.data.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  observation: list[int]  # token ids appended after the model's turn (loss mask 0)
+  reward: float
+  done: bool
+
+
+class Environment(Protocol):
+  stop_strings: Sequence[str]  # besides EOS, what ends a model turn
+
+  def reset(self, example: Example) -> list[int]:
+    ...
+
+  def step(self, turn_ids: list[int]) -> Step:
+    ...
+
+
+# (tokenizer, verifier(completion_text, answer) -> reward) -> a new environment
+EnvironmentFactory = Callable[[Tokenizer, Callable[[str, str], float]], Environment]
+
+
+class ToolEnvironment:
+  """A model that calls one tool: `<TAG>input</TAG>` at the end of a turn is run by `run(input)`
+  and answered with `<RESULT>output</RESULT>` (errors too, as text the model can read); a turn
+  without a call ends the conversation, scored by the verifier on the whole transcript (the
+  model's turns and the tool's replies) against the row's answer."""
+  tag = result_tag = ""
+
+  def __init__(self, tok: Tokenizer, verifier: Callable[[str, str], float]):
+    self.tok, self.verifier = tok, verifier
+    self.stop_strings = (f"</{self.tag}>",)
+    self.example: Example | None = None
+    self.transcript: list[str] = []
+
+  def run(self, text: str) -> str:
+    raise NotImplementedError
+
+  def reset(self, example: Example) -> list[int]:
+    self.example, self.transcript = example, []
+    return []
+
+  def step(self, turn_ids: list[int]) -> Step:
+    text = self.tok.decode(turn_ids)
+    self.transcript.append(text)
+    opening, closing = f"<{self.tag}>", f"</{self.tag}>"
+    start = text.rfind(opening)
+    if not text.rstrip().endswith(closing) or start < 0:
+      return Step([], float(self.verifier("".join(self.transcript), self.example.answer)), True)
+    reply = f"<{self.result_tag}>{self.run(text[start + len(opening):text.rfind(closing)])}" \
+            f"</{self.result_tag}>"
+    self.transcript.append(reply)
+    return Step(self.tok.encode(reply, bos=False, eos=False), 0.0, False)

@@ -1,0 +1,188 @@
+"""A restricted evaluator of Python expressions, for the tool environments.
+
+Why not a subprocess with resource limits: a tool call happens per turn per row, thousands per
+RL step, and a process per call costs milliseconds where this costs microseconds; and a
+subprocess runs arbitrary Python, so its safety rests on the OS limits being right everywhere.
+Here nothing outside a small whitelist can run: the expression is parsed with `ast` and walked
+node by node; there are no attribute lookups, imports, assignments, lambdas or loops (only
+comprehensions over bounded `range`s), names resolve only to the whitelisted functions, and no
+file, network or interpreter state is reachable. Work is bounded: every node checks a deadline
+(`time_limit_s`), integers stay below `MAX_DIGITS` digits (a power is refused before it is
+computed), and sequences below `MAX_ITEMS` items. Any violation is an `EvalError` with a short
+reason, which the environment returns to the model as the tool's output.
+"""
+from __future__ import annotations
+
+import ast
+import math
+import operator
+import time
+
+MAX_DIGITS = 300
+MAX_ITEMS = 10_000
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+           ast.Pow: operator.pow}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg, ast.Not: operator.not_}
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt,
+            ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge}
+FUNCTIONS = {"abs": abs, "min": min, "max": max, "round": round, "sum": sum, "len": len,
+             "int": int, "float": float, "sorted": sorted, "range": range, "sqrt": math.sqrt,
+             "floor": math.floor, "ceil": math.ceil, "gcd": math.gcd, "log": math.log,
+             "exp": math.exp, "factorial": lambda n: math.factorial(_small(n)), "pi": math.pi,
+             "e": math.e}
+
+
+def _small(n):
+  """An argument whose result would be too large to compute in time is refused up front."""
+  if isinstance(n, int) and n > 150:
+    raise EvalError("number too large")
+  return n
+
+
+class EvalError(ValueError):
+  """The expression cannot be evaluated here; the message is what the model gets back."""
+
+
+class _Walker:
+
+  def __init__(self, functions: dict, deadline: float):
+    self.functions, self.deadline, self.scopes = functions, deadline, [{}]
+
+  def __call__(self, node):
+    if time.monotonic() > self.deadline:
+      raise EvalError("time limit exceeded")
+    method = getattr(self, "_" + type(node).__name__, None)
+    if method is None:
+      raise EvalError(f"{type(node).__name__} is not allowed")
+    return _checked(method(node))
+
+  def _Expression(self, node):
+    return self(node.body)
+
+  def _Constant(self, node):
+    if not isinstance(node.value, (int, float, bool, str)) or node.value is None:
+      raise EvalError(f"constant {node.value!r} is not allowed")
+    return node.value
+
+  def _Name(self, node):
+    for scope in reversed(self.scopes):
+      if node.id in scope:
+        return scope[node.id]
+    if node.id in self.functions:
+      return self.functions[node.id]
+    raise EvalError(f"name {node.id!r} is not defined")
+
+  def _BinOp(self, node):
+    left, right = self(node.left), self(node.right)
+    if type(node.op) not in _BINARY:
+      raise EvalError(f"operator {type(node.op).__name__} is not allowed")
+    if isinstance(node.op, ast.Pow) and isinstance(left, int) and isinstance(right, int):
+      if right > 0 and abs(left) > 1 and right * math.log10(abs(left)) > MAX_DIGITS:
+        raise EvalError("number too large")
+    if isinstance(node.op, ast.Mult):  # refused before "x" * 10**9 is built
+      seq, count = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+      if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and (
+          count * len(seq) > MAX_ITEMS):
+        raise EvalError("sequence too long")
+    try:
+      return _BINARY[type(node.op)](left, right)
+    except (ArithmeticError, TypeError, ValueError) as e:
+      raise EvalError(f"{type(e).__name__}: {e}") from None
+
+  def _UnaryOp(self, node):
+    if type(node.op) not in _UNARY:
+      raise EvalError(f"operator {type(node.op).__name__} is not allowed")
+    try:
+      return _UNARY[type(node.op)](self(node.operand))
+    except TypeError as e:
+      raise EvalError(f"TypeError: {e}") from None
+
+  def _BoolOp(self, node):
+    value = self(node.values[0])
+    for item in node.values[1:]:
+      if isinstance(node.op, ast.And) != bool(value):
+        return value
+      value = self(item)
+    return value
+
+  def _Compare(self, node):
+    left = self(node.left)
+    for op, right_node in zip(node.ops, node.comparators):
+      right = self(right_node)
+      if type(op) not in _COMPARE:
+        raise EvalError(f"comparison {type(op).__name__} is not allowed")
+      try:
+        if not _COMPARE[type(op)](left, right):
+          return False
+      except TypeError as e:
+        raise EvalError(f"TypeError: {e}") from None
+      left = right
+    return True
+
+  def _IfExp(self, node):
+    return self(node.body) if self(node.test) else self(node.orelse)
+
+  def _List(self, node):
+    return [self(x) for x in node.elts]
+
+  def _Tuple(self, node):
+    return tuple(self(x) for x in node.elts)
+
+  def _Subscript(self, node):
+    value, index = self(node.value), self(node.slice)
+    try:
+      return value[index]
+    except (IndexError, KeyError, TypeError) as e:
+      raise EvalError(f"{type(e).__name__}: {e}") from None
+
+  def _Slice(self, node):
+    part = lambda x: None if x is None else self(x)
+    return slice(part(node.lower), part(node.upper), part(node.step))
+
+  def _Call(self, node):
+    fn = self(node.func)
+    if node.keywords or not any(fn is f for f in self.functions.values()):
+      raise EvalError("only calls of the allowed functions, without keywords")
+    args = [self(a) for a in node.args]
+    try:
+      return fn(*args)
+    except (ArithmeticError, TypeError, ValueError) as e:
+      raise EvalError(f"{type(e).__name__}: {e}") from None
+
+  def _ListComp(self, node):
+    if len(node.generators) != 1 or node.generators[0].is_async:
+      raise EvalError("one 'for' per comprehension")
+    gen = node.generators[0]
+    if not isinstance(gen.target, ast.Name):
+      raise EvalError("comprehension targets are plain names")
+    out = []
+    for item in self(gen.iter):
+      self.scopes.append({gen.target.id: item})
+      try:
+        if all(self(cond) for cond in gen.ifs):
+          out.append(self(node.elt))
+      finally:
+        self.scopes.pop()
+    return out
+
+  _GeneratorExp = _ListComp
+
+
+def _checked(value):
+  if isinstance(value, int) and value.bit_length() > 3.33 * MAX_DIGITS:
+    raise EvalError("number too large")
+  if isinstance(value, (str, list, tuple, range)) and len(value) > MAX_ITEMS:
+    raise EvalError("sequence too long")
+  return value
+
+
+def evaluate(expression: str, *, functions: dict | None = None, time_limit_s: float = 1.0):
+  """The value of `expression` under the whitelist (`functions`: the names it may call; none:
+  arithmetic only)."""
+  try:
+    tree = ast.parse(expression.strip(), mode="eval")
+  except SyntaxError as e:
+    raise EvalError(f"syntax error: {e.msg}") from None
+  return _Walker(functions or {}, time.monotonic() + time_limit_s)(tree)

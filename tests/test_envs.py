@@ -1,0 +1,107 @@
+"""The tool environments: the restricted evaluator (what it computes, what it refuses, its time
+limit), the calculator and Python conversations token ids in and out, and loading by name."""
+import time
+
+import pytest
+
+from jaxrl.data.tasks import Example
+from jaxrl.data.tokenizer import ByteTokenizer
+from jaxrl.envs import Calculator, EnvError, PythonSandbox, environment_factory
+from jaxrl.envs.evaluate import FUNCTIONS, EvalError, evaluate
+from jaxrl.rewards.math import math_equal
+
+TOK = ByteTokenizer()
+
+
+@pytest.mark.parametrize("expression,value", [
+    ("12*7+3", 87), ("(1234 + 5678) * 3", 20736), ("7/2", 3.5), ("7//2", 3), ("-2**3", -8),
+    ("2**10 % 1000", 24), ("1 < 2 <= 2", True), ("3 if 1 > 2 else 4", 4),
+])
+def test_arithmetic(expression, value):
+  assert evaluate(expression) == value
+
+
+def test_python_expressions_with_the_whitelist():
+  assert evaluate("sum(i * i for i in range(10))", functions=FUNCTIONS) == 285
+  assert evaluate("sorted([3, 1, 2])[::-1]", functions=FUNCTIONS) == [3, 2, 1]
+  assert evaluate("max(gcd(12, 18), round(sqrt(2), 3))", functions=FUNCTIONS) == 6
+  assert evaluate("[x for x in range(6) if x % 2]", functions=FUNCTIONS) == [1, 3, 5]
+
+
+@pytest.mark.parametrize("expression,reason", [
+    ("__import__('os')", "name '__import__' is not defined"),
+    ("open('/etc/passwd').read()", "Attribute is not allowed"),
+    ("(1).__class__", "Attribute is not allowed"),
+    ("(lambda: 1)()", "Lambda is not allowed"),
+    ("sum", "name 'sum' is not defined"),  # arithmetic only without the whitelist
+    ("x = 1", "syntax error"),
+    ("9 ** 9 ** 9", "number too large"),
+    ("'x' * 10 ** 9", "sequence too long"),
+    ("factorial(100000)", "number too large"),
+    ("1 / 0", "ZeroDivisionError"),
+    ("[1, 2][5]", "IndexError"),
+])
+def test_what_the_evaluator_refuses(expression, reason):
+  with pytest.raises(EvalError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+    evaluate(expression, functions=FUNCTIONS if "sum" != expression else None)
+
+
+def test_time_limit():
+  t0 = time.monotonic()
+  with pytest.raises(EvalError, match="time limit exceeded"):
+    evaluate("[sum([j for j in range(9000)]) for i in range(9000)]", functions=FUNCTIONS,
+             time_limit_s=0.2)
+  assert time.monotonic() - t0 < 2.0
+
+
+def test_calculator_conversation_is_token_ids_in_and_out():
+  env = Calculator(TOK, math_equal)
+  assert env.stop_strings == ("</calc>",)
+  assert env.reset(Example("What is 123*45?", "5535")) == []
+  step = env.step(TOK.encode("123*45 = <calc>123*45</calc>"))
+  assert step == type(step)(TOK.encode("<result>5535</result>"), 0.0, False)
+  step = env.step(TOK.encode(" so the answer is #### 5535"))
+  assert step.done and step.reward == 1.0 and step.observation == []
+  env.reset(Example("What is 2/0?", "0"))
+  assert TOK.decode(env.step(TOK.encode("<calc>2/0</calc>")).observation) == \
+      "<result>error: ZeroDivisionError: division by zero</result>"
+  wrong = env.step(TOK.encode("#### 7"))
+  assert wrong.done and wrong.reward == 0.0
+
+
+def test_python_sandbox_conversation():
+  env = PythonSandbox(TOK, math_equal)
+  env.reset(Example("Sum of squares below 10?", "285"))
+  step = env.step(TOK.encode("<python>sum(i*i for i in range(10))</python>"))
+  assert TOK.decode(step.observation) == "<output>285</output>" and not step.done
+  step = env.step(TOK.encode("<python>open('x')</python>"))
+  assert TOK.decode(step.observation) == "<output>error: name 'open' is not defined</output>"
+  assert env.step(TOK.encode("#### 285")).reward == 1.0
+
+
+class Echo:
+  """A user environment: replies with the model's turn once, then ends with reward 0.5."""
+
+  def __init__(self, tok, verifier):
+    self.stop_strings, self.turns = ("?",), 0
+
+  def reset(self, example):
+    self.turns = 0
+    return [1, 2]
+
+  def step(self, turn_ids):
+    self.turns += 1
+    from jaxrl.envs import Step
+    return Step(list(turn_ids), 0.5, self.turns > 1)
+
+
+def test_environments_load_by_name_or_from_a_module():
+  assert environment_factory("calculator") is Calculator
+  assert environment_factory("python") is PythonSandbox
+  assert environment_factory("test_envs:Echo") is Echo
+  for spec, message in [("chess", "environment 'chess': expected one of ['calculator', 'python']"),
+                        ("no_such_module_xyz:Env", "no module named 'no_such_module_xyz'"),
+                        ("test_envs:Missing", "has no attribute 'Missing'"),
+                        ("test_envs:TOK", "is a ByteTokenizer, not callable")]:
+    with pytest.raises(EnvError, match=message.replace("[", r"\[").replace("]", r"\]")):
+      environment_factory(spec)
