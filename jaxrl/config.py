@@ -221,6 +221,8 @@ class RLConfig:
   # `overlong_buffer` tokens of the budget, added to the reward.
   overlong_buffer: int = 0
   overlong_penalty: float = 1.0
+  environment: str = ""  # multi-turn rollouts: calculator | python | package.module:Class
+  max_turns: int = 4  # model turns of a multi-turn rollout, all within max_new_tokens
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.2
   kl_coef: float = 0.02
@@ -263,7 +265,7 @@ class RLConfig:
     _at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap",
                    "inflight_slots", "micro_batch_size", "length_buckets", "rollout_mask_low",
                    "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty")
-    _positive(self, "rollout_mask_high")
+    _positive(self, "rollout_mask_high", "max_turns")
     for low, high in [("rollout_mask_low", "rollout_mask_high"),
                       ("overlong_buffer", "max_new_tokens")]:
       if getattr(self, low) > getattr(self, high):

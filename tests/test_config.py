@@ -118,6 +118,7 @@ def test_int_is_accepted_for_float():
     ("--config.model.n_kv_heads=1",
      "sampler: decoder/blocks/0/attn/wk: dimension 1 is not divisible by mesh axis tensor=2"),
     ("--config.placement.strategy=pipeline", "config.placement.strategy: expected one of"),
+    ("--config.rl.environment=chess", "config.rl.environment: environment 'chess': expected one"),
     ("--config.dpo.steps=2 --config.dpo.pairs_path=/nonexistent/pairs.jsonl",
      "/nonexistent/pairs.jsonl: cannot read pairs file"),
     ("--config.init_checkpoint=/nonexistent/ckpt", "config.init_checkpoint: no such directory"),

@@ -15,6 +15,7 @@ import numpy as np
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.pipeline import Encoding, prompt_batch, prompt_dataset, prompt_length, target_length
 from jaxrl.data.files import DataError
+from jaxrl.envs import EnvError, environment_factory
 from jaxrl.data.sources import DataOptions, load_examples
 from jaxrl.data.tasks import Example, make_splits
 from jaxrl.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
@@ -150,9 +151,25 @@ class RunContext:
     self.task = load_task(cfg, self.tok)
     self.cluster = RoleCluster(cfg, initialize=initialize)
     self.generator = Generator(self.cluster, max_new_tokens=self.task.max_new_tokens,
-                               tok=self.tok, rl=cfg.rl)
+                               tok=self.tok, rl=cfg.rl, environment=self._environment())
     self.timeline = Timeline()
     self.samplers: dict = {}  # Experiment.sample's compiled samplers, by settings
+
+  def _environment(self):
+    """A zero-argument factory of the run's environment (`rl.environment`), or None."""
+    if not self.cfg.rl.environment:
+      return None
+    try:
+      factory = environment_factory(self.cfg.rl.environment)
+    except EnvError as e:
+      raise ConfigError(f"config.rl.environment: {e}") from None
+    return lambda: factory(self.tok, self.task.verifier)
+
+  def rewards(self, rollout, examples) -> np.ndarray:
+    """[B] rewards of a rollout: its environments' (multi-turn) or the verifier's."""
+    if rollout.rewards_B is not None:
+      return to_host(rollout.rewards_B, "rewards")
+    return self.score(self.texts(rollout), examples)
 
   def texts(self, rollout) -> list[str]:
     """The rollout's completions, decoded on the host (their token ids are all it fetches)."""
@@ -173,8 +190,7 @@ class RunContext:
     params, correct = self.cluster.fresh_sampler_params(), 0.0
     for chunk, n in chunks(examples, self.cfg.eval.batch_size):
       batch = prompt_batch(chunk, self.task.enc, self.task.prompt_len, self.task.buckets)
-      texts = self.texts(self.generator.greedy(params, batch))
-      correct += self.score(texts[:n], chunk[:n]).sum()
+      correct += self.rewards(self.generator.greedy(params, batch), chunk)[:n].sum()
     return float(correct) / len(examples)
 
 

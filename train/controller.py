@@ -74,7 +74,7 @@ class Controller:
   def _score(self, rollout, examples_B, verified_B=None):
     """(rewards on the trainer's mesh, verified_B on the host; given: already verified)."""
     if verified_B is None:
-      verified_B = self.ctx.score(self.ctx.texts(rollout), examples_B)
+      verified_B = self.ctx.rewards(rollout, examples_B)
     if self.reward_model is None:
       rewards_B = to_device(verified_B, self.actor.role.batch_shardings(verified_B), "rewards")
     else:
@@ -190,7 +190,7 @@ class Controller:
     g, want, parts, rounds, waited = self.cfg.group_size, self.cfg.prompts_per_step, [], 0, 0.0
     while True:
       examples_B = np.repeat(prompts["examples"], g)
-      verified_B = self.ctx.score(self.ctx.texts(rollout), examples_B)
+      verified_B = self.ctx.rewards(rollout, examples_B)
       parts.append((rollout, prompts["examples"], verified_B,
                     informative_groups(verified_B, g)))
       kept = sum(int(p[3].sum()) for p in parts)

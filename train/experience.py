@@ -67,7 +67,9 @@ def make_experience(rollout, rewards_B, old_BN, ref_BN, values_BN, *, cfg: RLCon
   if values_BN is not None:
     values_BN = values_BN * maskf_BN
   adv_BN, raw_BN = steps.advantages(scored_B, mask_BN, kl_BN, values_BN, cfg=cfg)
-  loss_mask_BN = mask_BN & ~overlong_B[:, None] if cfg.overlong_filter else None
+  loss_mask_BN = rollout.loss_mask_BN  # None: every completion token (a single turn)
+  if cfg.overlong_filter:
+    loss_mask_BN = (mask_BN if loss_mask_BN is None else loss_mask_BN) & ~overlong_B[:, None]
   experience = Experience(
       tokens_BT=rollout.tokens_BT, valid_BT=rollout.valid_BT, completion_mask_BN=mask_BN,
       sampler_logprobs_BN=rollout.logprobs_BN, old_logprobs_BN=old_BN, ref_logprobs_BN=ref_BN,
@@ -87,9 +89,10 @@ def make_experience(rollout, rewards_B, old_BN, ref_BN, values_BN, *, cfg: RLCon
 def trim_rollout(rollout, n: int):
   """The rollout's first `n` completion slots (every row has ended by then), where it lives."""
   p = rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]
+  loss_mask = None if rollout.loss_mask_BN is None else rollout.loss_mask_BN[:, :n]
   return rollout.replace(tokens_BT=rollout.tokens_BT[:, :p + n], valid_BT=rollout.valid_BT[:, :p + n],
                          completion_mask_BN=rollout.completion_mask_BN[:, :n],
-                         logprobs_BN=rollout.logprobs_BN[:, :n])
+                         logprobs_BN=rollout.logprobs_BN[:, :n], loss_mask_BN=loss_mask)
 
 
 @functools.partial(jax.jit, static_argnums=2)

@@ -9,9 +9,14 @@ either way prompt batch i is drawn with `rollout_key(seed, i)`.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
+import numpy as np
 
 from jaxrl.config import ConfigError, RLConfig
+from jaxrl.envs import Environment
 from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
@@ -20,6 +25,7 @@ from sharding.mesh import batch_sharding
 from sharding.rules import SAMPLER_RULES
 from train.cluster import RoleCluster
 from train.host_transfers import to_device
+from train.multiturn import as_rollout, converse
 
 
 def _sampler(cluster: RoleCluster, cfg: SamplingConfig, n: int, inflight_slots: int) -> Sampler:
@@ -33,8 +39,11 @@ def _sampler(cluster: RoleCluster, cfg: SamplingConfig, n: int, inflight_slots: 
 
 class Generator:
 
-  def __init__(self, cluster: RoleCluster, *, max_new_tokens: int, tok, rl: RLConfig):
-    """`tok`: the run's tokenizer (its EOS, PAD and further stop tokens such as `<|eot_id|>`)."""
+  def __init__(self, cluster: RoleCluster, *, max_new_tokens: int, tok, rl: RLConfig,
+               environment: Callable[[], Environment] | None = None):
+    """`tok`: the run's tokenizer (its EOS, PAD and further stop tokens such as `<|eot_id|>`).
+    `environment`: a new environment per row makes every rollout a multi-turn conversation
+    (train/multiturn.py) of up to `rl.max_turns` turns."""
     ends = dict(max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
                 stop_sequences=tuple((i,) for i in tok.stop_ids if i != tok.eos_id))
     rollout_ends = dict(ends, stop_sequences=()) if rl.ignore_eos else ends
@@ -44,6 +53,13 @@ class Generator:
     self.greedy_sampler = _sampler(cluster, SamplingConfig(**ends, method="greedy"), 1,
                                    rl.inflight_slots)
     self._rows = batch_sharding(cluster.meshes["sampler"], SAMPLER_RULES)
+    self.environment, self.max_turns, self.pad_id = environment, rl.max_turns, tok.pad_id
+    if environment is not None:  # a turn also ends at the environment's stop strings
+      stops = tuple(tuple(tok.encode(s)) for s in environment().stop_strings)
+      self.turn_samplers = {
+          greedy: dataclasses.replace(sampler, n=1, cfg=dataclasses.replace(
+              sampler.cfg, stop_sequences=sampler.cfg.stop_sequences + stops))
+          for greedy, sampler in ((False, self.sampler), (True, self.greedy_sampler))}
 
   def put_prompts(self, prompts: dict):
     """A host prompt batch -> (tokens_BP, valid_BP) split over the sampler's data axes."""
@@ -53,7 +69,27 @@ class Generator:
   def sample(self, params, prompts: dict, key: jax.Array) -> Rollout:
     """`group_size` samples per prompt (rows group-major), from `params` in the sampler
     layout; prompt batch i of a run uses `sampler.worker.rollout_key(seed, i)`."""
+    if self.environment is not None:
+      return self._converse(params, prompts, key, greedy=False)
     return self.sampler.generate(params, *self.put_prompts(prompts), key)
 
   def greedy(self, params, prompts: dict) -> Rollout:
+    if self.environment is not None:
+      return self._converse(params, prompts, rollout_key(0, 0), greedy=True)
     return self.greedy_sampler.generate(params, *self.put_prompts(prompts), rollout_key(0, 0))
+
+  def _converse(self, params, prompts: dict, key: jax.Array, *, greedy: bool) -> Rollout:
+    """Each row's conversation with its own environment, as a rollout on the sampler's
+    devices (the host had every id anyway: it ran the environments)."""
+    sampler = self.turn_samplers[greedy]
+    tokens_BP, valid_BP = prompts["prompt_tokens"], prompts["prompt_valid"]
+    rows = np.repeat(np.arange(len(tokens_BP)), 1 if greedy else self.sampler.n)
+    talks = converse(sampler, params, [tokens_BP[i][valid_BP[i]].tolist() for i in rows],
+                     [prompts["examples"][i] for i in rows],
+                     [self.environment() for _ in rows], key,
+                     max_new_tokens=sampler.cfg.max_new_tokens, max_turns=self.max_turns)
+    host = as_rollout(talks, tokens_BP[rows], valid_BP[rows], budget=sampler.cfg.max_new_tokens,
+                      pad_id=self.pad_id)
+    mesh = self.sampler.mesh
+    return to_device(host, jax.tree.map(lambda x: batch_sharding(mesh, SAMPLER_RULES, x.ndim),
+                                        host), "conversations")

@@ -183,7 +183,7 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
   old_BN = exp.old_logprobs_BN
   if old_BN is None:  # one minibatch: these weights are the ones before the update
     old_BN = jax.lax.stop_gradient(logp_BN)
-  mu_BN, mask_BN = exp.sampler_logprobs_BN, exp.completion_mask_BN
+  mu_BN, mask_BN = exp.sampler_logprobs_BN, exp.policy_mask_BN  # the policy's own tokens
   pg_BN = POLICY_LOSSES[cfg.policy_loss](
       logp_BN, exp.advantages_BN, old_BN=old_BN, mu_BN=mu_BN, mask_BN=mask_BN,
       eps_low=cfg.clip_eps_low, eps_high=cfg.clip_eps_high, rho=cfg.aipo_rho)
@@ -220,7 +220,7 @@ def rl_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig):
   def one(state, mb):
     weights_BN = aggregation_weights(cfg.loss_aggregation, mb.policy_mask_BN,
                                      horizon=cfg.max_new_tokens)
-    token_weights_BN = aggregation_weights("token_mean", mb.completion_mask_BN)
+    token_weights_BN = aggregation_weights("token_mean", mb.policy_mask_BN)
     loss_fn = functools.partial(policy_loss, graphdef=graphdef, cfg=cfg)
     loss, metrics, grads = accumulate_grads(loss_fn, compute_copy(graphdef, state.params),
                                             (mb, weights_BN, token_weights_BN),

@@ -1,0 +1,86 @@
+"""Multi-turn rollouts: token ids in and out (with a tokenizer whose decode-then-encode does not
+round-trip), the loss mask on the model's own tokens, and an RL run with an environment."""
+import jax
+import numpy as np
+from flax import nnx
+
+from configs import tiny
+from jaxrl.data import tiny_tokenizer
+from jaxrl.data.tasks import Example
+from jaxrl.data.tokenizer import load_tokenizer
+from jaxrl.envs import Step
+from jaxrl.models.llama import LanguageModel, ModelConfig
+from sampler.methods import SamplingConfig
+from sampler.sampler import Sampler
+from train.experiment import Experiment
+from train.multiturn import as_rollout, converse
+
+TEXTS = ["the answer is 42 and the tool said 42", "calc 12*7 then add 3 to get 87"] * 50
+
+
+class Recorder:
+  """Three model turns, each answered with the same reply; records what it was given."""
+  log: list = []
+
+  def __init__(self, tok, verifier):
+    self.tok, self.stop_strings, self.turns = tok, (" then",), []
+
+  def reset(self, example):
+    self.turns = []
+    Recorder.log.append(self.turns)
+    return []
+
+  def step(self, turn_ids):
+    self.turns.append(list(turn_ids))
+    reply = self.tok.encode(" tool says 42.")
+    self.turns.append(reply)
+    return Step(reply, 1.0, len(self.turns) >= 6)  # one point a turn
+
+
+def test_trained_ids_are_the_sampled_and_appended_ids(tmp_path):
+  tiny_tokenizer.train_bpe(TEXTS, 300, tmp_path)
+  tok = load_tokenizer(str(tmp_path))
+  cfg = ModelConfig(vocab_size=304, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16,
+                    d_ff=64)
+  graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
+  stops = (tuple(tok.encode(" then")),)
+  sampler = Sampler(graphdef, SamplingConfig(max_new_tokens=40, eos_id=tok.eos_id,
+                                             pad_id=tok.pad_id, stop_sequences=stops,
+                                             method="temperature", temperature=1.0))
+  Recorder.log = []
+  prompts = [tok.encode("calc 12*7"), tok.encode("the answer")]
+  envs = [Recorder(tok, None) for _ in prompts]
+  talks = converse(sampler, params, prompts, [Example("x", "1")] * 2, envs, jax.random.key(3),
+                   max_new_tokens=40, max_turns=3)
+  round_trips = []
+  for talk, log in zip(talks, Recorder.log):
+    emitted = [ids for k, ids in enumerate(log) if k % 2 == 0]
+    assert talk.ids == sum(log, [])[:40]  # what the sampler emitted and the env appended
+    want_policy = sum([[k % 2 == 0] * len(ids) for k, ids in enumerate(log)], [])[:40]
+    assert talk.policy == want_policy
+    lp = np.asarray(talk.logprobs)
+    assert (lp[np.asarray(talk.policy)] < 0).all() and (lp[~np.asarray(talk.policy)] == 0).all()
+    round_trips += [tok.encode(tok.decode(ids)) == ids for ids in emitted]
+  assert not all(round_trips)  # decoding and encoding again would have changed the ids
+  rollout = as_rollout(talks, np.zeros((2, 4), np.int32), np.ones((2, 4), bool), budget=40,
+                       pad_id=tok.pad_id)
+  for r, talk in enumerate(talks):
+    n = len(talk.ids)
+    assert rollout.tokens_BT[r, 4:4 + n].tolist() == talk.ids
+    assert rollout.loss_mask_BN[r, :n].tolist() == talk.policy and not rollout.loss_mask_BN[r, n:].any()
+    assert rollout.rewards_B[r] == talk.reward == len(Recorder.log[r]) // 2
+
+
+def test_an_rl_run_with_an_environment_trains_on_the_models_tokens_only(tmp_path):
+  raw = tiny.get_config().to_dict()
+  raw.update(run_dir=str(tmp_path), run_name="env")
+  raw["rl"].update(steps=2, environment="test_multiturn:Recorder", max_turns=3, max_new_tokens=16)
+  with Experiment(raw) as exp:
+    summary = exp.run()
+    rows = [r for r in exp.writer.rows if r["phase"] == "rl" and "mismatch_max" in r]
+  assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
+  # the replies' slots hold no sampler log-prob: were they in the loss's mask, the mismatch
+  # |log mu - log pi| would be the whole log-prob there
+  assert summary["mismatch_max"] <= 1e-5
+  assert all(r["reward_mean"] > 0 for r in rows)  # the environment's rewards
+  assert 0.0 <= summary["heldout_acc_rl"] <= 3.0  # evaluation ran the conversations too

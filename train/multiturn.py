@@ -1,0 +1,95 @@
+"""Multi-turn rollouts: the model and an environment (jaxrl/envs) take turns, token ids in and out.
+
+Each row (a prompt's sample) holds its own environment. A turn decodes every unfinished row's
+conversation so far (prompt, then the turns and replies, as ids) with the turn sampler, which
+stops at EOS or at an environment's stop string (a tool call's closing tag); the environment
+reads the turn's ids and returns the ids it appends, a reward and whether it is done. The
+completion the trainer sees is the concatenation of exactly those ids: the model's (loss mask 1,
+with the log-prob each was sampled with) and the environment's (loss mask 0). Nothing is
+decoded and encoded again. A conversation ends when its environment says so, when
+`max_turns` turns have run, or when it fills the `max_new_tokens` budget (replies are cut to
+it). Its reward is the sum of its steps' rewards (the shipped tool environments reward only the
+last step, so a conversation cut short scores 0 there).
+
+Turns decode as static batches of the rows still talking (`Sampler.__call__`: bucketed, so the
+batch shrinks through a few compiled shapes); the row order and every turn's key are fixed by
+the batch (`fold_in(key, turn)`), so a batch's conversations are a function of its key.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jaxrl.envs import Environment
+from sampler.engine import Rollout
+from sampler.sampler import Sampler
+
+
+@dataclasses.dataclass
+class _Conversation:
+  env: Environment
+  ids: list[int] = dataclasses.field(default_factory=list)
+  policy: list[bool] = dataclasses.field(default_factory=list)  # which ids the model emitted
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  reward: float = 0.0  # summed over the steps
+  done: bool = False
+
+  def add(self, ids: Sequence[int], logprobs: Sequence[float] | None, budget: int) -> bool:
+    """Appends up to the budget; False when the budget is full."""
+    room = budget - len(self.ids)
+    ids = list(ids)[:room]
+    self.ids += ids
+    self.policy += [logprobs is not None] * len(ids)
+    self.logprobs += list(logprobs[:len(ids)]) if logprobs is not None else [0.0] * len(ids)
+    return len(self.ids) < budget
+
+
+def converse(sampler: Sampler, params, prompts_B: Sequence[Sequence[int]], examples_B: Sequence,
+             envs_B: Sequence[Environment], key: jax.Array, *, max_new_tokens: int,
+             max_turns: int) -> list[_Conversation]:
+  """Runs each row's conversation (prompt ids `prompts_B[i]`, dataset row `examples_B[i]`) to
+  its end; the sampler's budget per call is what is left of each row's `max_new_tokens`."""
+  talks = [_Conversation(env) for env in envs_B]
+  for talk, example in zip(talks, examples_B):
+    talk.add(talk.env.reset(example), None, max_new_tokens)
+  for turn in range(max_turns):
+    live = [i for i, t in enumerate(talks) if not t.done and len(t.ids) < max_new_tokens]
+    if not live:
+      break
+    out = sampler(params, [list(prompts_B[i]) + talks[i].ids for i in live],
+                  jax.random.fold_in(key, turn),
+                  max_new_tokens=[max_new_tokens - len(talks[i].ids) for i in live])
+    p = out.tokens_BT.shape[1] - out.completion_mask_BN.shape[1]
+    for row, i in enumerate(live):
+      mask = np.asarray(out.completion_mask_BN[row], bool)
+      turn_ids = np.asarray(out.tokens_BT[row, p:])[mask].tolist()
+      talk = talks[i]
+      room = talk.add(turn_ids, np.asarray(out.logprobs_BN[row])[mask].tolist(), max_new_tokens)
+      step = talk.env.step(turn_ids)
+      talk.done, talk.reward = step.done, talk.reward + step.reward
+      if room and not step.done:
+        talk.add(step.observation, None, max_new_tokens)
+  return talks
+
+
+def as_rollout(talks: Sequence[_Conversation], tokens_BP: np.ndarray, valid_BP: np.ndarray, *,
+               budget: int, pad_id: int) -> Rollout:
+  """Host arrays of the conversations after their (left-padded) prompts, `budget` slots each."""
+  b = len(talks)
+  tokens_BN = np.full((b, budget), pad_id, np.int32)
+  mask_BN, policy_BN = np.zeros((b, budget), bool), np.zeros((b, budget), bool)
+  logprobs_BN = np.zeros((b, budget), np.float32)
+  for r, talk in enumerate(talks):
+    n = len(talk.ids)
+    tokens_BN[r, :n], mask_BN[r, :n] = talk.ids, True
+    policy_BN[r, :n], logprobs_BN[r, :n] = talk.policy, talk.logprobs
+  return Rollout(tokens_BT=np.concatenate([tokens_BP, tokens_BN], 1),
+                 valid_BT=np.concatenate([valid_BP, mask_BN], 1), completion_mask_BN=mask_BN,
+                 logprobs_BN=logprobs_BN, lengths_B=mask_BN.sum(1).astype(np.int32),
+                 loss_mask_BN=policy_BN,
+                 rewards_B=np.array([t.reward for t in talks], np.float32))
+
+
