@@ -59,12 +59,12 @@ def test_calculator_conversation_is_token_ids_in_and_out():
   assert env.stop_strings == ("</calc>",)
   assert env.reset(Example("What is 123*45?", "5535")) == []
   step = env.step(TOK.encode("123*45 = <calc>123*45</calc>"))
-  assert step == type(step)(TOK.encode("<result>5535</result>"), 0.0, False)
+  assert step == type(step)(TOK.encode(" <result>5535</result>"), 0.0, False)
   step = env.step(TOK.encode(" so the answer is #### 5535"))
   assert step.done and step.reward == 1.0 and step.observation == []
   env.reset(Example("What is 2/0?", "0"))
   assert TOK.decode(env.step(TOK.encode("<calc>2/0</calc>")).observation) == \
-      "<result>error: ZeroDivisionError: division by zero</result>"
+      " <result>error: ZeroDivisionError: division by zero</result>"
   wrong = env.step(TOK.encode("#### 7"))
   assert wrong.done and wrong.reward == 0.0
 
@@ -73,9 +73,9 @@ def test_python_sandbox_conversation():
   env = PythonSandbox(TOK, math_equal)
   env.reset(Example("Sum of squares below 10?", "285"))
   step = env.step(TOK.encode("<python>sum(i*i for i in range(10))</python>"))
-  assert TOK.decode(step.observation) == "<output>285</output>" and not step.done
+  assert TOK.decode(step.observation) == " <output>285</output>" and not step.done
   step = env.step(TOK.encode("<python>open('x')</python>"))
-  assert TOK.decode(step.observation) == "<output>error: name 'open' is not defined</output>"
+  assert TOK.decode(step.observation) == " <output>error: name 'open' is not defined</output>"
   assert env.step(TOK.encode("#### 285")).reward == 1.0
 
 

@@ -195,6 +195,16 @@ def teacher_slip(answer: str) -> str | None:
   return f"{answer[:first.end()]}.\n#### {first.group(1)}"
 
 
+_CALC = re.compile(r"<<([^=>]+)=(\d+)>>\2")
+
+
+def tool_calls(answer: str) -> str:
+  """`answer` with each `<<a*b=c>>c` annotation written as a calculator call and its reply,
+  `<calc>a*b</calc> <result>c</result>`: the form a model with the calculator environment
+  (jaxrl/envs) writes, the result coming from the tool instead of the model's arithmetic."""
+  return _CALC.sub(r"<calc>\1</calc> <result>\2</result>", answer)
+
+
 def with_teacher_demos(rows: Sequence[dict[str, str]], fraction: float,
                        seed: int) -> list[dict[str, str]]:
   """`rows`, each with a `demo` field: the worked solution an imperfect teacher demonstrates.

@@ -42,7 +42,7 @@ EnvironmentFactory = Callable[[Tokenizer, Callable[[str, str], float]], Environm
 
 class ToolEnvironment:
   """A model that calls one tool: `<TAG>input</TAG>` at the end of a turn is run by `run(input)`
-  and answered with `<RESULT>output</RESULT>` (errors too, as text the model can read); a turn
+  and answered with ` <RESULT>output</RESULT>` (errors too, as text the model can read); a turn
   without a call ends the conversation, scored by the verifier on the whole transcript (the
   model's turns and the tool's replies) against the row's answer."""
   tag = result_tag = ""
@@ -67,7 +67,8 @@ class ToolEnvironment:
     start = text.rfind(opening)
     if not text.rstrip().endswith(closing) or start < 0:
       return Step([], float(self.verifier("".join(self.transcript), self.example.answer)), True)
-    reply = f"<{self.result_tag}>{self.run(text[start + len(opening):text.rfind(closing)])}" \
+    # The leading space keeps the call's closing tag its own tokens (a BPE would merge "><").
+    reply = f" <{self.result_tag}>{self.run(text[start + len(opening):text.rfind(closing)])}" \
             f"</{self.result_tag}>"
     self.transcript.append(reply)
     return Step(self.tok.encode(reply, bos=False, eos=False), 0.0, False)

@@ -16,7 +16,7 @@ def _shown(value) -> str:
 
 
 class Calculator(ToolEnvironment):
-  """`<calc>12*7+3</calc>` -> `<result>87</result>`: arithmetic only (numbers, + - * / // % **,
+  """`<calc>12*7+3</calc>` -> ` <result>87</result>`: arithmetic only (numbers, + - * / // % **,
   parentheses), for GSM8K-style problems whose numbers outgrow a small model's arithmetic."""
   tag, result_tag = "calc", "result"
 
@@ -28,7 +28,7 @@ class Calculator(ToolEnvironment):
 
 
 class PythonSandbox(ToolEnvironment):
-  """`<python>sum(i*i for i in range(10))</python>` -> `<output>285</output>`: one Python
+  """`<python>sum(i*i for i in range(10))</python>` -> ` <output>285</output>`: one Python
   expression with the whitelisted functions (evaluate.FUNCTIONS), comprehensions over bounded
   ranges, no statements, attributes, imports, files or network, 1 s at most."""
   tag, result_tag = "python", "output"

@@ -1,0 +1,30 @@
+"""Tool use on the CPU: GSM8K-style problems whose numbers are too large for a tiny model's
+arithmetic (products up to 99 x 999, sums of 3-digit numbers), solved by calling a calculator.
+
+The assets (cli/gsm8k_tiny.py --tools, made on first use under data/gsm8k_tools/): the worked
+solutions call the calculator, `... = <calc>56*35</calc> <result>1960</result> dollars`, and SFT
+learns that form. RL then runs multi-turn (train/multiturn.py): a model turn ends at `</calc>`,
+the calculator environment (jaxrl/envs) appends ` <result>1960</result>` as token ids (trained
+with loss mask 0), the model goes on; a turn without a call ends the conversation, and
+math-verify scores its `#### N` against the reference. Against: the same config with
+`--config.rl.environment=` (the model writes the results itself). Numbers in docs/algorithms.md.
+
+Run:  .venv/bin/python -m cli.train --config=configs/gsm8k_tools.py
+"""
+import os
+
+from cli.gsm8k_tiny import ensure
+from configs import gsm8k_tiny
+
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                      "gsm8k_tools")
+
+
+def get_config():
+  c = gsm8k_tiny.get_config()
+  assets = ensure(ASSETS, tools=True)
+  c.model.update(hf_path=os.path.join(assets, "model"))
+  c.data.update(train_path=os.path.join(assets, "train.jsonl"),
+                heldout_path=os.path.join(assets, "test.jsonl"), max_prompt_tokens=64)
+  c.rl.update(environment="calculator", max_turns=4, max_new_tokens=96)
+  return c
