@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     name = summary["stopped"]
     return 128 + signal.Signals[name].value if name in signal.Signals.__members__ else 1
   if primary:
-    print("jaxrl: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+    from train.metrics import shown
+    print("jaxrl: " + ", ".join(f"{k}={shown(v)}" if isinstance(v, float) else f"{k}={v}"
                                 for k, v in summary.items() if not isinstance(v, dict)),
           flush=True)  # nested entries (compile seconds per label) are in summary.json
   return 0

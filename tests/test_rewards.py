@@ -21,6 +21,9 @@ NOT_EQUAL = [
     ("12", "1,234"), (r"\boxed{(1,2)}", "(2,1)"), ("The answer is 42.", "4"),
     # Bounded instead of timed out: these would make sympy run for minutes.
     (r"\boxed{10^{10^{10^{10}}}}", "5"), ("2**2**2**2**2**2", "3"), (r"\boxed{(x+y+z)^{1000}}", "5"),
+    # Arithmetic left undone is no answer to an integer question (a policy learned to score so).
+    ("Nina has 967+589 = <calc>967+589</calc> <result>1117", "1556"), ("#### 2*3", "6"),
+    (r"\boxed{3+4}", "7"),
 ]
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from train.stages.base import Stage, Stopped
+from train import metrics
 from train.host_transfers import to_host
 
 log = logging.getLogger("jaxrl")
@@ -77,7 +78,7 @@ class Log(Hook):
   def after_stage(self, stage):
     shown = {k: v for k, v in self.summary().items() if isinstance(v, float)}
     log.info("%s done after %d steps: %s", stage.name, stage.progress.done,
-             ", ".join(f"{k} {v:.3f}" for k, v in shown.items()))
+             ", ".join(f"{k} {metrics.shown(v)}" for k, v in shown.items()))
 
 
 class Progress(Hook):

@@ -23,6 +23,12 @@ def _plain(v):
   return float(v) if isinstance(v, float) else v
 
 
+def shown(v: float) -> str:
+  """A summary number for a log line: 3 decimals, or 3 significant digits below 0.001 (a
+  float32 mismatch of 3e-5 must not read 0.000)."""
+  return f"{v:.3f}" if v == 0 or abs(v) >= 1e-3 else f"{v:.3g}"
+
+
 def plain_row(row: dict) -> dict:
   """A metrics row of host values as plain Python numbers and strings."""
   return {k: _plain(v) for k, v in row.items()}

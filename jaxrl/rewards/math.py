@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 
 _MAX_CHARS = 2000
 _MAX_DIGITS = 100_000
@@ -103,16 +104,30 @@ def _parse_reference(answer: str) -> list:
           or mv.parse(answer, configs, parsing_timeout=None))
 
 
+_ARITHMETIC = re.compile(r"\d\s*(?:[-+*/^×÷]|\\times|\\cdot|\\div)\s*\(?\s*\d")
+
+
+def _unevaluated(gold: list, pred: list) -> bool:
+  """An integer reference against arithmetic left undone (`967+589` for 1556): math_verify
+  evaluates it and calls it equal, so a policy could score by copying the question's numbers
+  into an expression (one did: docs/environments.md). An answer must be stated, not computed by
+  the verifier; fractions, percentages and roots are answers."""
+  g, p = gold[0], pred[0]
+  return (getattr(g, "is_Integer", False) and not getattr(p, "is_Number", False)
+          and bool(_ARITHMETIC.search(str(pred[-1]))))
+
+
 def math_equal(response: str, answer: str) -> float:
   """1.0 when the response's final answer equals the reference mathematically.
 
   The final answer is GSM8K's `#### N`, else (by math_verify's priorities) the last `\\boxed{}`,
   an 'answer is N' / 'final answer is N' phrase, the last LaTeX expression, or the last number.
-  `1,000` = `1000`, `$5` = `5 dollars` = `5`, `0.5` = `\\frac{1}{2}`, `50%` = `50` = `0.5`."""
+  `1,000` = `1000`, `$5` = `5 dollars` = `5`, `0.5` = `\\frac{1}{2}`, `50%` = `50` = `0.5`; but
+  `967+589` is not `1556` (arithmetic left undone is no answer to an integer question)."""
   mv, configs = _math_verify()
   gold = _parse_reference(answer.strip()[:_MAX_CHARS])
   pred = mv.parse(_final_answer(response), configs, parsing_timeout=None)
-  if not gold or not pred:
+  if not gold or not pred or _unevaluated(gold, pred):
     return 0.0
   if _too_large(gold) or _too_large(pred):
     # Too costly to compare: only the same text (parse's last item is the matched string) counts.
