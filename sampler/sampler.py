@@ -119,6 +119,7 @@ class Sampler:
       valid_BP[row, p - len(ids):] = True
     valid_BP[len(prompts):, -1] = True  # padding rows: one dummy token, so attention is defined
     budget = np.full((b,), self.cfg.max_new_tokens, np.int32)
+    budget[len(prompts):] = 1  # padding rows: one token, so they never hold the batch up
     if max_new_tokens is not None:
       budget[:len(prompts)] = np.minimum(np.asarray(max_new_tokens, np.int32),
                                          self.cfg.max_new_tokens)

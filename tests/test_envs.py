@@ -40,6 +40,11 @@ def test_python_expressions_with_the_whitelist():
     ("factorial(100000)", "number too large"),
     ("1 / 0", "ZeroDivisionError"),
     ("[1, 2][5]", "IndexError"),
+    # whatever the model writes comes back as an EvalError, never an exception that ends the run
+    ("[1, 2][::0]", "ValueError"), ("[x for x in 5]", "TypeError"),
+    ("range(10 ** 19)", "OverflowError"), ("+".join(["1"] * 600), "RecursionError"),
+    ("round(1, -10 ** 9)", "number too large"), ("'%0999999999d' % 0", "string formatting"),
+    ("sum([[0] * 10000] * 10000)", "sum takes numbers"), ("1" * 3000, "expression too long"),
 ])
 def test_what_the_evaluator_refuses(expression, reason):
   with pytest.raises(EvalError, match=reason.replace("(", r"\(").replace(")", r"\)")):

@@ -14,6 +14,7 @@ EQUAL = [
     (r"The final answer is $\boxed{\sqrt{2}}$", r"\sqrt{2}"), ("I get 3 then 7", "7"),
     (r"$x = 3$", "3"), ("1234", "1,234"), (r"\boxed{3\sqrt{2}}", r"\sqrt{18}"),
     (r"\boxed{(1,2)}", "(1, 2)"), (r"\boxed{\text{(A)}}", "A"), (r"\boxed{2x+1}", "1+2x"), (r"\boxed{(x+1)^{500}}", "(x+1)^{500}"),
+    (r"$12 \times 5 = 60$", "60"), ("the answer is 48 + 24 = 72", "72"),  # worked, then stated
 ]
 NOT_EQUAL = [
     ("41", "42"), ("1/2", "1/3"), (r"\boxed{\frac{1}{2}}", "0.51"), ("#### 72\nor maybe 5", "5"),
@@ -23,7 +24,7 @@ NOT_EQUAL = [
     (r"\boxed{10^{10^{10^{10}}}}", "5"), ("2**2**2**2**2**2", "3"), (r"\boxed{(x+y+z)^{1000}}", "5"),
     # Arithmetic left undone is no answer to an integer question (a policy learned to score so).
     ("Nina has 967+589 = <calc>967+589</calc> <result>1117", "1556"), ("#### 2*3", "6"),
-    (r"\boxed{3+4}", "7"),
+    (r"\boxed{3+4}", "7"), (r"967\,+\,589", "1556"), ("(967)+(589)", "1556"),
 ]
 
 

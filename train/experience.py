@@ -61,12 +61,14 @@ def make_experience(rollout, rewards_B, old_BN, ref_BN, values_BN, *, cfg: RLCon
     scored_B = rewards_B + overlong_penalty(rollout.lengths_B, budget=cfg.max_new_tokens,
                                             buffer=cfg.overlong_buffer,
                                             factor=cfg.overlong_penalty)
+  # The policy's own tokens (multi-turn: not the environment's replies) carry KL and advantages.
+  own_BN = mask_BN if rollout.loss_mask_BN is None else rollout.loss_mask_BN
   kl_BN = None
   if cfg.kl_mode == "reward":
-    kl_BN = KL_ESTIMATORS[cfg.kl_estimator](old_BN, ref_BN) * maskf_BN
+    kl_BN = KL_ESTIMATORS[cfg.kl_estimator](old_BN, ref_BN) * own_BN.astype(jnp.float32)
   if values_BN is not None:
     values_BN = values_BN * maskf_BN
-  adv_BN, raw_BN = steps.advantages(scored_B, mask_BN, kl_BN, values_BN, cfg=cfg)
+  adv_BN, raw_BN = steps.advantages(scored_B, own_BN, kl_BN, values_BN, cfg=cfg)
   loss_mask_BN = rollout.loss_mask_BN  # None: every completion token (a single turn)
   if cfg.overlong_filter:
     loss_mask_BN = (mask_BN if loss_mask_BN is None else loss_mask_BN) & ~overlong_B[:, None]

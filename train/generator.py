@@ -54,6 +54,8 @@ class Generator:
                                    rl.inflight_slots)
     self._rows = batch_sharding(cluster.meshes["sampler"], SAMPLER_RULES)
     self.environment, self.max_turns, self.pad_id = environment, rl.max_turns, tok.pad_id
+    if environment is not None and jax.process_count() > 1:
+      raise ConfigError("config.rl.environment: multi-turn rollouts run in one process for now")
     if environment is not None:  # a turn also ends at the environment's stop strings
       stops = tuple(tuple(tok.encode(s)) for s in environment().stop_strings)
       self.turn_samplers = {

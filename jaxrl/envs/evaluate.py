@@ -27,11 +27,25 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg, ast.Not: operator.not_}
 _COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt,
             ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge}
-FUNCTIONS = {"abs": abs, "min": min, "max": max, "round": round, "sum": sum, "len": len,
+FUNCTIONS = {"abs": abs, "min": min, "max": max, "round": lambda x, n=None: round(x, _digits(n)),
+             "sum": lambda items: sum(_numbers(items)), "len": len,
              "int": int, "float": float, "sorted": sorted, "range": range, "sqrt": math.sqrt,
              "floor": math.floor, "ceil": math.ceil, "gcd": math.gcd, "log": math.log,
              "exp": math.exp, "factorial": lambda n: math.factorial(_small(n)), "pi": math.pi,
              "e": math.e}
+
+
+def _digits(n):
+  if isinstance(n, int) and abs(n) > 100:  # round(1, -10**9) would build 10**(10**9)
+    raise EvalError("number too large")
+  return n
+
+
+def _numbers(items):
+  items = list(items)
+  if not all(isinstance(x, (int, float)) for x in items):  # summing lists is quadratic
+    raise EvalError("sum takes numbers")
+  return items
 
 
 def _small(n):
@@ -81,6 +95,8 @@ class _Walker:
     if isinstance(node.op, ast.Pow) and isinstance(left, int) and isinstance(right, int):
       if right > 0 and abs(left) > 1 and right * math.log10(abs(left)) > MAX_DIGITS:
         raise EvalError("number too large")
+    if isinstance(node.op, ast.Mod) and isinstance(left, str):
+      raise EvalError("string formatting is not allowed")  # "%0999999999d" % 0
     if isinstance(node.op, ast.Mult):  # refused before "x" * 10**9 is built
       seq, count = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
       if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and (
@@ -148,6 +164,8 @@ class _Walker:
     args = [self(a) for a in node.args]
     try:
       return fn(*args)
+    except EvalError:
+      raise
     except (ArithmeticError, TypeError, ValueError) as e:
       raise EvalError(f"{type(e).__name__}: {e}") from None
 
@@ -181,8 +199,17 @@ def _checked(value):
 def evaluate(expression: str, *, functions: dict | None = None, time_limit_s: float = 1.0):
   """The value of `expression` under the whitelist (`functions`: the names it may call; none:
   arithmetic only)."""
+  if len(expression) > 2000:
+    raise EvalError("expression too long")
   try:
     tree = ast.parse(expression.strip(), mode="eval")
   except SyntaxError as e:
     raise EvalError(f"syntax error: {e.msg}") from None
-  return _Walker(functions or {}, time.monotonic() + time_limit_s)(tree)
+  except (ValueError, RecursionError, MemoryError) as e:  # a NUL byte, deep nesting
+    raise EvalError(f"cannot parse ({type(e).__name__})") from None
+  try:
+    return _Walker(functions or {}, time.monotonic() + time_limit_s)(tree)
+  except EvalError:
+    raise
+  except Exception as e:  # whatever the model wrote, the run goes on: the model reads the error
+    raise EvalError(f"{type(e).__name__}: {str(e)[:80]}") from None

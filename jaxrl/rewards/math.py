@@ -104,7 +104,7 @@ def _parse_reference(answer: str) -> list:
           or mv.parse(answer, configs, parsing_timeout=None))
 
 
-_ARITHMETIC = re.compile(r"\d\s*(?:[-+*/^×÷]|\\times|\\cdot|\\div)\s*\(?\s*\d")
+_ARITHMETIC = re.compile(r"\d[\s\\,{}()]*(?:[-+*/^×÷]|\\times|\\cdot|\\div)[\s\\,{}()]*\d")
 
 
 def _unevaluated(gold: list, pred: list) -> bool:
@@ -114,7 +114,7 @@ def _unevaluated(gold: list, pred: list) -> bool:
   the verifier; fractions, percentages and roots are answers."""
   g, p = gold[0], pred[0]
   return (getattr(g, "is_Integer", False) and not getattr(p, "is_Number", False)
-          and bool(_ARITHMETIC.search(str(pred[-1]))))
+          and bool(_ARITHMETIC.search(str(pred[-1]).rsplit("=", 1)[-1])))  # "12*5 = 60" is 60
 
 
 def math_equal(response: str, answer: str) -> float:
