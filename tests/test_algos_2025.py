@@ -189,3 +189,10 @@ def test_make_experience_applies_dapos_overlong_penalty_and_filter():
   adv = np.asarray(exp.advantages_BN)[:, 0]
   assert adv[0] < 0 < adv[1] and adv[2] < 0  # groups (0, 1) and (2, 3): penalised rows lose
   assert not np.asarray(exp.advantages_BN)[3].any()  # a zero-length response has no advantage
+
+
+def test_tis_capped_marks_the_tokens_at_the_cap():
+  from jaxrl.algos.correction import tis_capped
+  old, mu = jnp.asarray([[0.5, -0.5, 0.0]]), jnp.zeros((1, 3))
+  np.testing.assert_array_equal(tis_capped(old, mu, 1.2), [[True, False, False]])
+  assert not np.asarray(tis_capped(old, mu)).any()  # no cap, nothing capped

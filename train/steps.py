@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import flax.struct
 import jax
@@ -12,7 +11,7 @@ from flax import nnx
 
 from jaxrl.algos import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, bradley_terry_loss, dpo_loss
 from jaxrl.algos.logprobs import chunked_logprobs
-from jaxrl.algos.correction import mismatch, rollout_weights
+from jaxrl.algos.correction import mismatch, rollout_weights, tis_capped
 from jaxrl.algos.losses import aggregation_weights, sequence_log_ratio, value_loss
 from jaxrl.config import RLConfig
 from jaxrl.models.dtypes import cast_to, compute_dtypes
@@ -203,12 +202,11 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
   clipped_BN = (ratio_BN < 1 - cfg.clip_eps_low) | (ratio_BN > 1 + cfg.clip_eps_high)
   total = lambda x_BN: (x_BN * weights_BN).sum()
   per_token = lambda x_BN: (x_BN * token_weights_BN).sum()
-  capped_BN = (old_BN - mu_BN > math.log(cfg.tis_cap)) if cfg.tis_cap > 0 else jnp.zeros_like(
-      logp_BN, bool)
   metrics = {"kl": total(kl_BN), "entropy": total(entropy_BN),
              "clip_frac": total(clipped_BN.astype(jnp.float32)),
              "rollout_masked_frac": per_token(1.0 - kept_BN),
-             "tis_capped_frac": per_token(capped_BN.astype(jnp.float32)),
+             "tis_capped_frac": per_token(tis_capped(old_BN, mu_BN, cfg.tis_cap).astype(
+                 jnp.float32)),
              **mismatch(old_BN, mu_BN, mask_BN, token_weights_BN)}
   return total(loss_BN), metrics
 

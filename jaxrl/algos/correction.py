@@ -17,6 +17,8 @@ tokens weigh the same whatever the mask removes.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -50,6 +52,13 @@ def rollout_weights(old_BN, mu_BN, mask_BN, *, mask: str = "none", low: float = 
     raise ValueError(f"rollout mask: expected one of {list(ROLLOUT_MASKS)}, got {mask!r}")
   kept_BN = kept_BN & mask_BN.astype(bool)
   return weight_BN * kept_BN, kept_BN
+
+
+def tis_capped(old_BN, mu_BN, tis_cap: float = 0.0):
+  """Which tokens' truncated IS weight min(pi_old / mu, tis_cap) is the cap (none without one)."""
+  if tis_cap <= 0:
+    return jnp.zeros(old_BN.shape, bool)
+  return jax.lax.stop_gradient(old_BN - mu_BN) > math.log(tis_cap)
 
 
 def mismatch(old_BN, mu_BN, mask_BN, token_weights_BN):
