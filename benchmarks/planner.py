@@ -97,7 +97,8 @@ def default_plan(cal, cal_path: str, steps: int, warmup: int, rounds: int) -> di
 
 
 def _resolved(strategy: str, cal_path: str):
-  from jaxrl.config import ExperimentConfig, from_mapping
+  from jaxrl.config import ExperimentConfig
+  from jaxrl.config_files import from_mapping
   from cli.plan import bench_config
   raw = bench_config({"placement": {"strategy": strategy, "calibration": cal_path}}, 1)
   return from_mapping(ExperimentConfig, raw)

@@ -16,7 +16,8 @@ import os
 import jax
 from flax import nnx
 
-from jaxrl.config import ConfigError, ExperimentConfig, from_mapping
+from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.config_files import from_mapping
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.models.hf import HFError, load_params, model_config_from_hf
 from jaxrl.models.llama import LanguageModel, ModelConfig

@@ -10,10 +10,6 @@ or out-of-range field as `config.section.field`. Each section checks its own fie
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
-from collections.abc import Mapping
-from typing import Any
 
 from jaxrl.algos import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from jaxrl.algos.correction import ROLLOUT_MASKS
@@ -26,6 +22,7 @@ from jaxrl.rewards.verifier import VERIFIERS
 STRATEGIES = ("colocate", "interleave", "separate")
 REWARDS = ("verifier", "reward_model")
 MODES = ("sync", "async")
+ASYNC_SCHEDULES = ("free", "fixed")  # sampler/worker.py
 KL_MODES = ("loss", "reward")  # KL(pi || ref) as a loss term, or folded into per-token rewards
 
 
@@ -194,6 +191,11 @@ class RLConfig:
   steps: int = 150
   mode: str = "sync"  # sync | async (generation runs ahead; needs placement.strategy="separate")
   max_staleness: int = 1  # async: how many policy versions a consumed batch may lag
+  # async: new weights reach the rows in flight between decode segments (needs inflight_slots)
+  partial_rollouts: bool = False
+  # async: "free" takes the newest weights when it looks; "fixed" starts batch i with version
+  # i - max_staleness exactly (reproducible: a resumed run equals an uninterrupted one)
+  async_schedule: str = "free"
   prompts_per_step: int = 64
   group_size: int = 8
   num_minibatches: int = 2
@@ -256,7 +258,8 @@ class RLConfig:
     for name, options in [("mode", MODES), ("advantage", ADVANTAGES), ("reward", REWARDS),
                           ("policy_loss", POLICY_LOSSES), ("kl_estimator", KL_ESTIMATORS),
                           ("kl_mode", KL_MODES), ("loss_aggregation", AGGREGATIONS),
-                          ("rollout_mask", ROLLOUT_MASKS)]:
+                          ("rollout_mask", ROLLOUT_MASKS),
+                          ("async_schedule", ASYNC_SCHEDULES)]:
       _choice(self, name, options)
     _positive(self, "prompts_per_step", "group_size", "num_minibatches", "temperature",
               "aipo_rho", "max_grad_norm", "max_new_tokens")
@@ -273,10 +276,7 @@ class RLConfig:
     if self.dynamic_sampling and self.reward != "verifier":
       raise ValueError("dynamic_sampling: needs reward='verifier' (groups of equal verified "
                        f"rewards are dropped), got reward={self.reward!r}")
-    if self.dynamic_sampling and self.mode == "async" and (
-        self.dynamic_sampling_rounds > self.max_staleness):  # the worker runs no further ahead
-      raise ValueError(f"dynamic_sampling_rounds: async mode generates at most max_staleness "
-                       f"({self.max_staleness}) batches ahead, got {self.dynamic_sampling_rounds}")
+    self._check_async()
     _unit(self, "gamma", "lam")
     minibatch = self.rollouts // self.num_minibatches
     if self.micro_batch_size and minibatch % self.micro_batch_size:
@@ -285,6 +285,19 @@ class RLConfig:
     if self.advantage == "reinforce_pp" and self.kl_mode != "reward":
       raise ValueError(f"kl_mode: reinforce_pp folds the KL into the rewards; expected 'reward', "
                        f"got {self.kl_mode!r}")
+
+  def _check_async(self) -> None:
+    if self.partial_rollouts and self.mode != "async":
+      raise ValueError(f"partial_rollouts: needs mode='async', got mode={self.mode!r}")
+    if self.partial_rollouts and not self.inflight_slots:
+      raise ValueError("partial_rollouts: rows continue across weight swaps in in-flight slots; "
+                       "set inflight_slots > 0")
+    if self.partial_rollouts and self.environment:
+      raise ValueError("partial_rollouts: multi-turn rollouts (environment) run whole batches; "
+                       "set partial_rollouts=False")
+    if self.async_schedule == "fixed" and self.dynamic_sampling:
+      raise ValueError("async_schedule: 'fixed' ties batch i to version i - max_staleness, one "
+                       "batch per step; dynamic_sampling takes several, use 'free'")
 
   @property
   def rollouts(self) -> int:
@@ -350,44 +363,6 @@ class ExperimentConfig:
     if self.rl.reward == "reward_model" and self.reward_model.steps <= 0:
       raise ValueError("reward_model.steps: rl.reward='reward_model' needs a trained reward "
                        f"model, expected > 0, got {self.reward_model.steps}")
-
-
-SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(ExperimentConfig)
-            if f.default_factory is not dataclasses.MISSING}
-
-
-def _check_type(path: str, value: Any, typ: Any) -> Any:
-  if typ is float and isinstance(value, int) and not isinstance(value, bool):
-    return float(value)
-  if typ in (int, float) and (isinstance(value, bool) or not isinstance(value, typ)):
-    raise ConfigError(f"{path}: expected {typ.__name__}, got {value!r}")
-  if typ in (str, bool) and not isinstance(value, typ):
-    raise ConfigError(f"{path}: expected {typ.__name__}, got {value!r}")
-  return value
-
-
-def from_mapping(cls: type, values: Mapping[str, Any], path: str = "config"):
-  """Builds dataclass `cls` from a (nested) mapping, naming the first bad field in the error."""
-  hints = typing.get_type_hints(cls)
-  fields = {f.name for f in dataclasses.fields(cls)}
-  kwargs = {}
-  for name, value in values.items():
-    where = f"{path}.{name}"
-    if name not in fields:
-      raise ConfigError(f"{where}: unknown field; expected one of {sorted(fields)}")
-    typ = hints[name]
-    if dataclasses.is_dataclass(typ):
-      if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: expected a section (dict), got {value!r}")
-      kwargs[name] = from_mapping(typ, value, where)
-    elif isinstance(typ, types.UnionType):
-      kwargs[name] = value
-    else:
-      kwargs[name] = _check_type(where, value, typ)
-  try:
-    return cls(**kwargs)
-  except ValueError as e:
-    raise ConfigError(f"{path}.{e}") from None
 
 
 def to_dict(cfg) -> dict:

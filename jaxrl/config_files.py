@@ -12,17 +12,56 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
+import typing
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import gin
 
-from jaxrl.config import (SECTIONS, ConfigError, ExperimentConfig, first_line, from_mapping,
-                          to_dict)
+from jaxrl.config import ConfigError, ExperimentConfig, first_line, to_dict
 from jaxrl.models.hf_config import HFError, check_config, model_config_from_hf
 from jaxrl.models.llama import ModelConfig
 
 TOP_LEVEL = "experiment"
 _registered = False
+
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(ExperimentConfig)
+            if f.default_factory is not dataclasses.MISSING}
+
+
+def _check_type(path: str, value: Any, typ: Any) -> Any:
+  if typ is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if typ in (int, float) and (isinstance(value, bool) or not isinstance(value, typ)):
+    raise ConfigError(f"{path}: expected {typ.__name__}, got {value!r}")
+  if typ in (str, bool) and not isinstance(value, typ):
+    raise ConfigError(f"{path}: expected {typ.__name__}, got {value!r}")
+  return value
+
+
+def from_mapping(cls: type, values: Mapping[str, Any], path: str = "config"):
+  """Builds dataclass `cls` from a (nested) mapping, naming the first bad field in the error."""
+  hints = typing.get_type_hints(cls)
+  fields = {f.name for f in dataclasses.fields(cls)}
+  kwargs = {}
+  for name, value in values.items():
+    where = f"{path}.{name}"
+    if name not in fields:
+      raise ConfigError(f"{where}: unknown field; expected one of {sorted(fields)}")
+    typ = hints[name]
+    if dataclasses.is_dataclass(typ):
+      if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected a section (dict), got {value!r}")
+      kwargs[name] = from_mapping(typ, value, where)
+    elif isinstance(typ, types.UnionType):
+      kwargs[name] = value
+    else:
+      kwargs[name] = _check_type(where, value, typ)
+  try:
+    return cls(**kwargs)
+  except ValueError as e:
+    raise ConfigError(f"{path}.{e}") from None
 
 
 def resolve(config, *, hf: bool = True) -> ExperimentConfig:

@@ -15,7 +15,8 @@ import os
 
 import numpy as np
 
-from jaxrl.config import ExperimentConfig, from_mapping
+from jaxrl.config import ExperimentConfig
+from jaxrl.config_files import from_mapping
 from planner.cost import Mesh, Plan, Workload, stage_times, step_time
 from planner.devices import DeviceSpec, Efficiency
 from planner.memory import kv_rows

@@ -88,17 +88,22 @@ def _ring_cache(model: DecodeModel, cache_KP: KVCache, ring: int, g) -> KVCache:
   return jax.tree.map(place, model.grow_cache(cache_KP, ring), cache_KP, _slot_axes(model))
 
 
-def _row_state(model: DecodeModel, cfg: SamplingConfig, tokens_KP, valid_KP, rows_K, budget_K,
-               key, g) -> Slots:
-  """Fresh state for K rows whose decoding starts at global step `g`: their prefill in the ring
-  layout, their own random draws, nothing generated yet."""
+def row_uniforms(key, rows_K, n: int):
+  """Row r's N uniform draws, one per token index: `fold_in(key, r)`, whatever slot or time it
+  decodes in."""
+  return jax.vmap(lambda row: jax.random.uniform(jax.random.fold_in(key, row), (n,)))(rows_K)
+
+
+def row_state(model: DecodeModel, cfg: SamplingConfig, tokens_KP, valid_KP, rows_K, budget_K,
+               uniforms_KN, g, ring: int) -> Slots:
+  """Fresh state for K rows whose decoding starts at global step `g` in a ring of `ring` slots
+  (at least the prompt width P): their prefill in the ring layout, their own random draws
+  (`row_uniforms`), nothing generated yet."""
   (k, p), n = tokens_KP.shape, cfg.max_new_tokens
-  ring = p + n - 1
   logits_KV, cache_KP = model.prefill(tokens_KP, valid_KP)
   key_valid_KS = jnp.roll(jnp.pad(valid_KP, ((0, 0), (0, ring - p))), (g - p) % ring, axis=1)
-  uniform = lambda row: jax.random.uniform(jax.random.fold_in(key, row), (n,))
   return Slots(row_R=rows_K, prompt_len_R=valid_KP.sum(axis=1, dtype=jnp.int32),
-               budget_R=budget_K, uniforms_RN=jax.vmap(uniform)(rows_K), logits_RV=logits_KV,
+               budget_R=budget_K, uniforms_RN=uniforms_KN, logits_RV=logits_KV,
                kv_cache=_ring_cache(model, cache_KP, ring, g),
                key_valid_RS=jnp.pad(key_valid_KS, ((0, 0), (0, 1)), constant_values=True),
                tokens_RN=jnp.full((k, n), cfg.pad_id, jnp.int32),
@@ -108,14 +113,14 @@ def _row_state(model: DecodeModel, cfg: SamplingConfig, tokens_KP, valid_KP, row
                step_R=jnp.zeros((k,), jnp.int32), done_R=budget_K <= 0)
 
 
-def _put_rows(old, new_K, src_R):
+def put_rows(old, new_K, src_R):
   """`old` with row r replaced by new_K[src_R[r]] where src_R[r] >= 0 (a select, which keeps
   the slot batch split over the data axes)."""
   picked = jnp.take(new_K, jnp.maximum(src_R, 0), axis=0)
   return jnp.where((src_R >= 0).reshape((-1,) + (1,) * (old.ndim - 1)), picked, old)
 
 
-def _harvest(slots: Slots, out: Outputs) -> Outputs:
+def harvest(slots: Slots, out: Outputs) -> Outputs:
   """Finished rows copied to their output rows (again and again until refilled: idempotent)."""
   rows_R = jnp.where(slots.done_R & (slots.row_R >= 0), slots.row_R, out.tokens_BN.shape[0])
   put = lambda buf, val: buf.at[rows_R].set(val, mode="drop")
@@ -123,37 +128,48 @@ def _harvest(slots: Slots, out: Outputs) -> Outputs:
                  put(out.logprobs_BN, slots.logprobs_RN))
 
 
-def init(model: DecodeModel, tokens_BP, *, cfg: SamplingConfig, slots: int, n: int):
-  """Every slot free (done, no row), the output buffers empty, global step 0."""
-  b, p = tokens_BP.shape[0] * n, tokens_BP.shape[1]
+def empty_slots(model: DecodeModel, *, cfg: SamplingConfig, slots: int, p: int,
+                ring: int) -> Slots:
+  """`slots` free slots (done, no row) for prompts up to `p` tokens in a ring of `ring`."""
   zeros_R = jnp.zeros((slots,), jnp.int32)
-  shapes = jax.eval_shape(lambda: _row_state(
+  shapes = jax.eval_shape(lambda: row_state(
       model, cfg, jnp.zeros((slots, p), jnp.int32), jnp.ones((slots, p), bool), zeros_R, zeros_R,
-      jax.random.key(0), 0))
+      jnp.zeros((slots, cfg.max_new_tokens)), 0, ring))
   state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-  state = state.replace(row_R=zeros_R - 1, done_R=jnp.ones((slots,), bool))
-  out = Outputs(jnp.full((b, cfg.max_new_tokens), cfg.pad_id, jnp.int32),
-                jnp.zeros((b, cfg.max_new_tokens), bool), jnp.zeros((b, cfg.max_new_tokens)))
-  return state, out, jnp.int32(0)
+  return state.replace(row_R=zeros_R - 1, done_R=jnp.ones((slots,), bool))
+
+
+def empty_outputs(rows: int, cfg: SamplingConfig) -> Outputs:
+  n = cfg.max_new_tokens
+  return Outputs(jnp.full((rows, n), cfg.pad_id, jnp.int32), jnp.zeros((rows, n), bool),
+                 jnp.zeros((rows, n)))
+
+
+def init(model: DecodeModel, tokens_BP, *, cfg: SamplingConfig, slots: int, n: int):
+  """Every slot free, the output buffers empty, global step 0."""
+  p = tokens_BP.shape[1]
+  state = empty_slots(model, cfg=cfg, slots=slots, p=p, ring=p + cfg.max_new_tokens - 1)
+  return state, empty_outputs(tokens_BP.shape[0] * n, cfg), jnp.int32(0)
 
 
 def refill(model: DecodeModel, state: Slots, out: Outputs, g, tokens_BP, valid_BP, key,
            max_new_B, rows_K, src_R, *, cfg: SamplingConfig, n: int):
   """Harvests the finished rows, then starts rows `rows_K` in the slots r with src_R[r] >= 0
   (row rows_K[src_R[r]]); entries of rows_K that no slot names are bucket padding."""
-  out = _harvest(state, out)
+  out = harvest(state, out)
   budget_K = jnp.full(rows_K.shape, cfg.max_new_tokens, jnp.int32)
   if max_new_B is not None:
     budget_K = jnp.minimum(max_new_B[rows_K], cfg.max_new_tokens)
-  new = _row_state(model, cfg, tokens_BP[rows_K // n], valid_BP[rows_K // n], rows_K, budget_K,
-                   key, g)
-  return jax.tree.map(functools.partial(_put_rows, src_R=src_R), state, new), out
+  p = tokens_BP.shape[1]
+  new = row_state(model, cfg, tokens_BP[rows_K // n], valid_BP[rows_K // n], rows_K, budget_K,
+                   row_uniforms(key, rows_K, cfg.max_new_tokens), g, p + cfg.max_new_tokens - 1)
+  return jax.tree.map(functools.partial(put_rows, src_R=src_R), state, new), out
 
 
 def shrink(state: Slots, out: Outputs, keep_K) -> tuple[Slots, Outputs]:
   """Harvests the finished rows, then keeps only slots `keep_K` (the live ones, padded with
   finished ones): once no row is pending, the tail decodes in a smaller batch."""
-  return jax.tree.map(lambda x: x[keep_K], state), _harvest(state, out)
+  return jax.tree.map(lambda x: x[keep_K], state), harvest(state, out)
 
 
 def _emit(s: Slots, cfg: SamplingConfig) -> tuple[Slots, jax.Array]:
@@ -205,7 +221,7 @@ def decode(model: DecodeModel, state: Slots, g, limit, *, cfg: SamplingConfig):
 
 
 def finish(state: Slots, out: Outputs, tokens_BP, valid_BP, *, n: int) -> Rollout:
-  out = _harvest(state, out)
+  out = harvest(state, out)
   prompt_tokens_BP, prompt_valid_BP = (jnp.repeat(x, n, axis=0) for x in (tokens_BP, valid_BP))
   return Rollout(tokens_BT=jnp.concatenate([prompt_tokens_BP, out.tokens_BN], axis=1),
                  valid_BT=jnp.concatenate([prompt_valid_BP, out.mask_BN], axis=1),
@@ -234,7 +250,7 @@ def _keep(done_R: np.ndarray, sizes: tuple[int, ...]) -> np.ndarray | None:
   return np.concatenate([live_K, np.flatnonzero(done_R)[:size - len(live_K)]]).astype(np.int32)
 
 
-def _jitter(mesh: Mesh | None, rules: Rules):
+def jitter(mesh: Mesh | None, rules: Rules):
   """`jit(fn, donate, **static)`: `fn` jitted under the activation rules, the slot state it
   returns split over the mesh's data axes (its other axes left to the compiler)."""
   data = data_axes(mesh, rules)
@@ -268,7 +284,7 @@ def jit_inflight(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, slots: int, n: 
   buckets += (slots,)
   tails = tuple(sorted(slots // 4**i for i in range(slots.bit_length())
                        if slots % 4**i == 0 and (slots // 4**i) % shards == 0))
-  jit = _jitter(mesh, rules)
+  jit = jitter(mesh, rules)
   cast = jax.jit(lambda params: LMDecoding.of(nnx.merge(graphdef, params)))
   start, stop = jit(init, cfg=cfg, slots=slots, n=n), jit(finish, n=n)
   refill_fn, decode_fn = jit(refill, (1, 2), cfg=cfg, n=n), jit(decode, (1,), cfg=cfg)

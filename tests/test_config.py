@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from configs import default
-from jaxrl.config import ConfigError, ExperimentConfig, from_mapping
+from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.config_files import from_mapping
 from jaxrl.config_files import with_gin
 from cli.train import parse_args
 

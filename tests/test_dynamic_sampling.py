@@ -34,11 +34,13 @@ def test_uniform_groups_are_refilled_and_the_rounds_counted(tmp_path):
   with Experiment(_raw(tmp_path, "fill", steps=1)) as exp:
     exp.run()
     ctl = Controller(exp.ctx, exp.stages["rl"].actor, None, next_index=5, version=1)
-    rollout, prompts, index, version, _ = ctl.next_rollout()
-    ctl.next_index = index + 1
-    first = exp.ctx.score(exp.ctx.texts(rollout), np.repeat(prompts["examples"], GROUP))
+    batch, _ = ctl.next_rollout()
+    ctl.next_index = batch.index + 1
+    first = exp.ctx.score(exp.ctx.texts(batch.rollout),
+                          np.repeat(batch.prompts["examples"], GROUP))
     assert informative_groups(first, GROUP).sum() < PROMPTS  # this batch needs a refill
-    out, out_prompts, verified_B, _, _, metrics = ctl.fill_batch(rollout, prompts, version)
+    out, out_prompts, verified_B, _, versions_BN, _, metrics = ctl.fill_batch(batch)
+    assert versions_BN.shape == np.asarray(out.completion_mask_BN).shape
     ctl.close()
   assert out.tokens_BT.shape[0] == PROMPTS * GROUP == len(verified_B)
   assert metrics["dynamic_rounds"] >= 1 and ctl.next_index == 6 + metrics["dynamic_rounds"]

@@ -8,7 +8,8 @@ from flax import nnx
 
 from jaxrl.algos import AGGREGATIONS
 from jaxrl.algos.losses import aggregation_weights
-from jaxrl.config import ConfigError, ExperimentConfig, RLConfig, from_mapping
+from jaxrl.config import ConfigError, ExperimentConfig, RLConfig
+from jaxrl.config_files import from_mapping
 from jaxrl.models import LanguageModel, ValueModel
 from train import steps
 from train.experience import Experience

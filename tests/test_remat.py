@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.config import ConfigError, ExperimentConfig, RLConfig, from_mapping, to_dict
+from jaxrl.config import ConfigError, ExperimentConfig, RLConfig, to_dict
+from jaxrl.config_files import from_mapping
 from jaxrl.models.llama import LanguageModel, ModelConfig, init_kv_cache
 from sharding.rules import MESH_AXES
 from train import steps

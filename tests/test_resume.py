@@ -1,15 +1,19 @@
 """Kill-and-resume: a run killed with SIGKILL at random moments and resumed with --resume ends
 bit-identical to an uninterrupted one (same params_fingerprint, same metrics rows: no step
-missing, none twice), in SFT, in RL sync and in RL async with max_staleness=0; a truncated latest
-checkpoint is reported and the one before it is used."""
+missing, none twice), in SFT, in RL sync, in RL async with max_staleness=0, and in RL async
+ahead of the trainer (the fixed schedule, whole batches or partial rollouts) from checkpoints
+that hold batches generated ahead and rows in flight; a truncated latest checkpoint is reported
+and the one before it is used."""
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import orbax.checkpoint as ocp
 import pytest
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
@@ -20,8 +24,8 @@ TIMING = ("step_time", "tokens_per_s", "reshard_gbps")  # wall-clock values diff
 
 def _launch(tmp_path, name, *extra, resume=True):
   return subprocess.Popen(
-      [sys.executable, "-m", "cli.train", *ARGS, f"--config.run_dir={tmp_path}",
-       f"--config.run_name={name}", *extra, *(["--resume"] if resume else [])],
+      [sys.executable, "-m", "cli.train", *ARGS, *extra, f"--config.run_dir={tmp_path}",
+       f"--config.run_name={name}", *(["--resume"] if resume else [])],
       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -45,6 +49,11 @@ def _finish(proc):
   return err
 
 
+def _resumed_from(err: str) -> tuple[str, int]:
+  stage, step = re.search(r"resumed from checkpoints/(\w+)/(\d+)", err).groups()
+  return stage, int(step)
+
+
 def _kill_at(proc, run_dir, phase, step, delay):
   """SIGKILL once a `phase` row at `step` or later is logged, after `delay` seconds."""
   deadline = time.time() + 600
@@ -54,7 +63,7 @@ def _kill_at(proc, run_dir, phase, step, delay):
     time.sleep(0.05)
   time.sleep(delay)
   proc.send_signal(signal.SIGKILL)
-  proc.communicate(timeout=60)
+  return proc.communicate(timeout=60)[1]
 
 
 def _summary(run_dir):
@@ -111,3 +120,67 @@ def test_truncated_latest_checkpoint_falls_back_to_the_one_before(tmp_path, refe
   assert [d.split("-")[:2] for d in os.listdir(os.path.join(run_dir, "checkpoints_unreadable"))] \
       == [["rl", str(latest)]]
   assert str(latest) in os.listdir(rl)
+
+
+# The generator runs ahead of the trainer on the fixed schedule (batch i from version i - 2), its
+# rows of up to 24 tokens decoding in 16 in-flight slots; checkpoints every 2 steps, evaluations
+# every 3. An entropy bonus makes every update depend on the sampled tokens (the verifier scores
+# nothing this early), 4 minibatches keep the trainer behind the generator.
+AHEAD = ("--config.rl.mode=async", "--config.rl.max_staleness=2", "--config.rl.steps=8",
+         "--config.rl.async_schedule=fixed", "--config.rl.inflight_slots=16",
+         "--config.rl.max_new_tokens=24", "--config.checkpoint_every=2", "--config.eval.every=3",
+         "--config.rl.entropy_coef=0.01", "--config.rl.num_minibatches=4")
+PARTIAL = AHEAD + ("--config.rl.partial_rollouts=True",)
+
+
+@pytest.fixture(scope="module")
+def ahead_reference(tmp_path_factory):
+  out = {}
+  for name, args in (("partial", PARTIAL), ("whole", AHEAD)):
+    tmp = tmp_path_factory.mktemp(f"ahead-{name}")
+    _finish(_launch(tmp, "ref", *args, resume=False))
+    run_dir = os.path.join(tmp, "ref")
+    out[name] = _summary(run_dir)["params_fingerprint"], _comparable(run_dir)
+  return out
+
+
+def _resume(tmp_path, name, *args):
+  """A resumed run, once it has restored its checkpoint (so that metrics rows of the run before
+  it, which it cuts back, are gone): (process, (stage, step) it resumed from)."""
+  proc = _launch(tmp_path, name, *args)
+  while "resumed from" not in (line := proc.stderr.readline()):
+    assert line or proc.poll() is None, proc.communicate()[1][-3000:]
+  return proc, _resumed_from(line)
+
+
+def _generator_state(run_dir, step) -> dict:
+  """The async generator's state in checkpoints/rl/STEP (its JSON meta)."""
+  manager = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints", "rl"))
+  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  manager.close()
+  return meta["state"]["generator"]["worker"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,kills", [("partial", [(3, 0.0), (5, 0.3), (7, 0.1)]),
+                                        ("whole", [(5, 0.2)])])
+def test_killed_in_rl_async_ahead_resumes_exactly(tmp_path, ahead_reference, mode, kills):
+  args = PARTIAL if mode == "partial" else AHEAD
+  run_dir = os.path.join(tmp_path, "run")
+  proc, held = _launch(tmp_path, "run", *args, resume=False), []
+  for step, delay in kills:
+    _kill_at(proc, run_dir, "rl", step, delay)
+    proc, (stage, at) = _resume(tmp_path, "run", *args)
+    assert stage == "rl" and at >= 2
+    state = _generator_state(run_dir, at)  # what the generator had done ahead of the trainer
+    in_flight = any(b["admitted"] > b["finished"] for b in state.get("stream", {}).get(
+        "batches", []))
+    held.append((bool(state["queue"]), in_flight))
+  _finish(proc)
+  # Every resume continued batches generated ahead or rows in flight (whether a pause finds a
+  # batch finished depends on the two threads' speeds); one continued both.
+  assert all(queued or in_flight for queued, in_flight in held), held
+  assert (True, mode == "partial") in held, held
+  rows = _comparable(run_dir)
+  assert (_summary(run_dir)["params_fingerprint"], rows) == ahead_reference[mode]
+  assert max(r["policy_lag"] for r in rows if "policy_lag" in r) == 2

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxrl.config import (ConfigError, ExperimentConfig, PlacementConfig, from_mapping,
-                          usable_memory_gb)
+from jaxrl.config import ConfigError, ExperimentConfig, PlacementConfig, usable_memory_gb
+from jaxrl.config_files import from_mapping
 from sharding.host import force_cpu_devices, reserve_device_memory
 from train import compilation
 

@@ -19,9 +19,12 @@ TOK = ByteTokenizer()
 
 
 def _prompt_stream(n_batches):
+  """Prompt batch i by index (an IndexError ends the stream)."""
+  batches = []
   for i in range(n_batches):
     tokens, valid = TOK.pad_left([TOK.encode(f"{i}+{j}=", bos=True) for j in range(4)], 8)
-    yield {"tokens": tokens, "valid": valid}
+    batches.append({"tokens": tokens, "valid": valid})
+  return batches
 
 
 def _real_generate(tiny_cfg):
@@ -35,8 +38,7 @@ def _real_generate(tiny_cfg):
 def test_versions_monotonic_and_staleness_bounded(tiny_cfg, max_staleness):
   gen, params = _real_generate(tiny_cfg)
   seen = []
-  with RolloutWorker(gen, _prompt_stream(12), params, max_staleness=max_staleness,
-                     queue_size=3) as worker:
+  with RolloutWorker(gen, _prompt_stream(12), params, max_staleness=max_staleness) as worker:
     version = 0
     for batch in worker:
       assert batch.rollout.tokens_BT.shape == (8, 12)  # 4 prompts x 2 samples, 8 + 4 tokens
@@ -45,7 +47,7 @@ def test_versions_monotonic_and_staleness_bounded(tiny_cfg, max_staleness):
       time.sleep(0.01)  # the trainer's update
       version += 1
       worker.update_weights(jax.tree.map(lambda x: x * 1.0, params), version)
-  assert seen == sorted(seen) and len(seen) + worker.dropped == 12
+  assert seen == sorted(seen) and len(seen) == 12  # none too stale: none dropped
   if max_staleness == 0:
     assert seen == list(range(len(seen)))  # synchronous: always the newest weights
 
@@ -85,7 +87,7 @@ def test_close_returns_with_full_queue_and_no_consumer():
     calls.set()
     return params
 
-  worker = RolloutWorker(gen, iter(range(10**6)), {"w": jnp.ones(2)}, max_staleness=5, queue_size=1)
+  worker = RolloutWorker(gen, range(10**6), {"w": jnp.ones(2)}, max_staleness=5)
   assert calls.wait(10)
   time.sleep(0.1)  # the worker is now blocked on the full queue
   t0 = time.monotonic()
@@ -95,12 +97,15 @@ def test_close_returns_with_full_queue_and_no_consumer():
     worker.get(timeout=1)
 
 
-def test_sync_worker_waits_for_new_weights():
-  worker = RolloutWorker(lambda p, prompts, key: prompts, iter(range(100)), {"w": jnp.ones(2)},
-                         max_staleness=0)
+def test_sync_worker_waits_for_new_weights_or_a_request_within_the_step():
+  calls = []
+  worker = RolloutWorker(lambda p, prompts, key: calls.append(prompts) or prompts, range(100),
+                         {"w": jnp.ones(2)}, max_staleness=0)
   assert worker.get(timeout=10).prompts == 0
-  with pytest.raises(TimeoutError):
-    worker.get(timeout=0.3)  # no second batch until the weights move on
+  time.sleep(0.3)
+  assert calls == [0]  # no batch ahead of the trainer's update ...
+  batch = worker.get(timeout=10)  # ... unless it asks for another before pushing (DAPO's rounds)
+  assert (batch.prompts, batch.version) == (1, 0)
   worker.update_weights({"w": jnp.zeros(2)}, 1)
   assert worker.get(timeout=10).version == 1
   with pytest.raises(ValueError, match="must increase"):

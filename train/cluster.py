@@ -97,6 +97,12 @@ class RoleCluster:
       return reshard(params, self.sampler_shardings, dtypes=dtypes,
                      bucket_bytes=self.cfg.placement.reshard_bucket_mb << 20)
 
+  def sampler_abstract(self) -> nnx.State:
+    """The sampler copy's abstract parameters: shapes, its dtypes, its shardings."""
+    abstract = self.actor.abstract()
+    return jax.tree.map(lambda x, s, d: jax.ShapeDtypeStruct(x.shape, d or x.dtype, sharding=s),
+                        abstract, self.sampler_shardings, compute_dtypes(self.cfg.model, abstract))
+
   def push(self) -> TransferStats:
     """Refreshes the sampler's copy of the actor. The old copy is freed at once unless an
     asynchronous generator may still be decoding with it (`copy_shared`)."""

@@ -19,13 +19,14 @@ trainer are logged.
 from __future__ import annotations
 
 import functools
-import itertools
 import time
 
 import jax
 import numpy as np
 
-from sampler.worker import RolloutWorker, RolloutWorkerError, rollout_key
+from sampler.partial import PartialRolloutWorker
+from sampler.worker import (RolloutBatch, RolloutWorker, RolloutWorkerError, WorkerState,
+                            rollout_key)
 from train import steps
 from train.executors import Executor, ExecutorError
 from jaxrl.algos.advantages import informative_groups
@@ -146,27 +147,33 @@ class Controller:
     return stats
 
   # -- the loop -------------------------------------------------------------------------------
-  def start(self) -> None:
+  def start(self, state: WorkerState | None = None) -> None:
     """Async mode: starts the generator ahead of the trainer, from the first batch not yet
     trained on (it draws the same prompts and keys as the sync loop: max_staleness=0
-    reproduces it exactly)."""
+    reproduces it exactly), or from a checkpoint's generator `state`."""
     if self.cfg.mode != "async":
       return
-    data, seed = self.ctx.task.prompts, self.ctx.cfg.seed
+    ctx, cluster = self.ctx, self.ctx.cluster
+    cluster.copy_shared = True  # the worker may decode with a copy the trainer replaced
+    params = cluster.fresh_sampler_params()
+    common = dict(version=self.version, max_staleness=self.cfg.max_staleness, seed=ctx.cfg.seed,
+                  start_index=self.next_index, schedule=self.cfg.async_schedule, state=state)
+    if self.cfg.partial_rollouts:
+      stream = ctx.generator.stream(params, prompt_width=ctx.task.prompt_len,
+                                    live=self.cfg.max_staleness + 1)
+      self.worker = PartialRolloutWorker(
+          stream, ctx.task.prompts, params,
+          span=lambda: ctx.timeline.span("generator", "decode"), **common)
+      return
 
     def generate(params, prompts, key):
-      with self.ctx.timeline.span("generator", "generate"):  # the device time, not the dispatch
-        return jax.block_until_ready(self.ctx.generator.sample(params, prompts, key))
+      with ctx.timeline.span("generator", "generate"):  # the device time, not the dispatch
+        return jax.block_until_ready(ctx.generator.sample(params, prompts, key))
 
-    stream = (data[i] for i in itertools.count(self.next_index))
-    self.ctx.cluster.copy_shared = True  # the worker may decode with a copy the trainer replaced
-    self.worker = RolloutWorker(generate, stream, self.ctx.cluster.fresh_sampler_params(),
-                                version=self.version, max_staleness=self.cfg.max_staleness,
-                                queue_size=self.cfg.max_staleness + 1, seed=seed,
-                                start_index=self.next_index)
+    self.worker = RolloutWorker(generate, ctx.task.prompts, params, **common)
 
-  def next_rollout(self):
-    """(rollout, prompts, its batch index, its policy version, seconds waited for it)."""
+  def next_rollout(self) -> tuple[RolloutBatch, float]:
+    """The next batch (its rollout, prompts, index, policy version) and the seconds waited."""
     t0 = time.perf_counter()
     if self.worker is None:
       index = self.next_index
@@ -174,55 +181,63 @@ class Controller:
       rollout = self.generator(self.ctx.generator.sample,
                                self.ctx.cluster.fresh_sampler_params(), prompts,
                                rollout_key(self.ctx.cfg.seed, index), label="generate")
-      return rollout, prompts, index, self.version, time.perf_counter() - t0
+      return RolloutBatch(rollout, prompts, self.version, index, 0.0), time.perf_counter() - t0
     try:
       batch = self.worker.get()
     except RolloutWorkerError as e:
       raise ExecutorError("generator", e.__cause__ or e) from (e.__cause__ or e)
-    return batch.rollout, batch.prompts, batch.index, batch.version, time.perf_counter() - t0
+    return batch, time.perf_counter() - t0
 
-  def fill_batch(self, rollout, prompts, version):
+  def fill_batch(self, batch: RolloutBatch):
     """DAPO's dynamic sampling: while fewer than `prompts_per_step` groups have rewards that
     differ, the next prompt batch is generated too (at most `dynamic_sampling_rounds` more); the
     step's batch is the informative groups in order, filled up with the others when the rounds
-    run out. Returns (rollout, prompts, verified_B, oldest policy version, seconds spent
-    generating the extra rounds, metrics)."""
+    run out. Returns (rollout, prompts, verified_B, oldest policy version, token versions,
+    seconds spent generating the extra rounds, metrics)."""
     g, want, parts, rounds, waited = self.cfg.group_size, self.cfg.prompts_per_step, [], 0, 0.0
+    n = self.cfg.max_new_tokens
     while True:
-      examples_B = np.repeat(prompts["examples"], g)
-      verified_B = self.ctx.rewards(rollout, examples_B)
-      parts.append((rollout, prompts["examples"], verified_B,
-                    informative_groups(verified_B, g)))
-      kept = sum(int(p[3].sum()) for p in parts)
+      examples_B = np.repeat(batch.prompts["examples"], g)
+      verified_B = self.ctx.rewards(batch.rollout, examples_B)
+      parts.append((batch, verified_B, informative_groups(verified_B, g)))
+      kept = sum(int(p[2].sum()) for p in parts)
       if kept >= want or rounds == self.cfg.dynamic_sampling_rounds:
         break
       rounds += 1
-      rollout, prompts, index, v, w = self.next_rollout()
-      self.next_index, version, waited = index + 1, min(version, v), waited + w
+      batch, w = self.next_rollout()
+      self.next_index, waited = batch.index + 1, waited + w
     metrics = {"dynamic_rounds": rounds, "informative_frac": min(kept, want) / want}
+    version = min(p[0].version for p in parts)
     if len(parts) == 1:
-      return rollout, prompts, verified_B, version, waited, metrics
+      return (batch.rollout, batch.prompts, verified_B, version, batch.token_versions(n),
+              waited, metrics)
     order = [(i, j) for keep in (True, False) for i, p in enumerate(parts)
-             for j in np.flatnonzero(p[3] == keep)][:want]
-    first = np.cumsum([0] + [len(p[1]) for p in parts])
+             for j in np.flatnonzero(p[2] == keep)][:want]
+    first = np.cumsum([0] + [len(p[0].prompts["examples"]) for p in parts])
     rows = np.concatenate([(first[i] + j) * g + np.arange(g) for i, j in order])
     with allowed("kept rows", rows):  # the row indices go up; the rollouts stay where they are
-      rollout = combine_rollouts(tuple(p[0] for p in parts), rows, parts[0][0].lengths_B.sharding)
-    examples = np.array([parts[i][1][j] for i, j in order], dtype=object)
-    verified_B = np.concatenate([parts[i][2][j * g:(j + 1) * g] for i, j in order])
-    return rollout, {"examples": examples}, verified_B, version, waited, metrics
+      rollout = combine_rollouts(tuple(p[0].rollout for p in parts), rows,
+                                 parts[0][0].rollout.lengths_B.sharding)
+    examples = np.array([parts[i][0].prompts["examples"][j] for i, j in order], dtype=object)
+    verified_B = np.concatenate([parts[i][1][j * g:(j + 1) * g] for i, j in order])
+    versions_BN = np.concatenate([p[0].token_versions(n) for p in parts])[rows]
+    return rollout, {"examples": examples}, verified_B, version, versions_BN, waited, metrics
 
   def step(self) -> dict:
     """One RL step; returns its metrics row (host values)."""
     t0 = time.perf_counter()
-    rollout, prompts, index, version, waited = self.next_rollout()
-    self.next_index = index + 1
+    batch, waited = self.next_rollout()
+    self.next_index = batch.index + 1
     verified_B, extra = None, {}
     if self.cfg.dynamic_sampling:  # verifying the rounds counts as scoring
-      rollout, prompts, verified_B, version, more, extra = self.fill_batch(rollout, prompts,
-                                                                           version)
+      rollout, prompts, verified_B, version, versions_BN, more, extra = self.fill_batch(batch)
       waited += more
+    else:
+      rollout, prompts, version = batch.rollout, batch.prompts, batch.version
+      versions_BN = batch.token_versions(self.cfg.max_new_tokens)
     lag = self.version - version
+    if self.worker is not None:  # every generated token's lag behind the policy it trains
+      extra.update(self._token_lags(rollout, versions_BN))
     exp, exp_metrics, verified_B = self.experience(rollout, prompts, verified_B)
     t_score = time.perf_counter() - t0 - waited
     metrics, times = self.update(exp)
@@ -232,6 +247,14 @@ class Controller:
             "time_generate": waited, "time_score": t_score, "policy_version": self.version,
             "rollout_version": version, "policy_lag": lag, "step_time": step_time,
             "tokens_per_s": float(row["response_tokens"]) / step_time}
+
+  def _token_lags(self, rollout, versions_BN: np.ndarray) -> dict:
+    """Policy lag of the rollout's tokens: mean, max and the count per lag (`token_lags`)."""
+    lengths_B = to_host(rollout.lengths_B, "lengths")
+    lags = (self.version - versions_BN)[np.arange(versions_BN.shape[1]) < lengths_B[:, None]]
+    counts = np.bincount(lags, minlength=1) if lags.size else np.zeros(1, np.int64)
+    return {"token_lag_mean": float(lags.mean()) if lags.size else 0.0,
+            "token_lag_max": int(lags.max(initial=0)), "token_lags": counts.tolist()}
 
   def close(self) -> None:
     if self.worker is not None:

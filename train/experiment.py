@@ -210,8 +210,10 @@ class Experiment:
     if stage.progress.saved == stage.progress.done:  # already saved (or restored) at this step
       return
     stage.mark_saved()
-    items, meta, metrics = resume.snapshot(self.ctx, stage, self.summary, len(self.writer.rows))
-    self.checkpointer.save(stage.name, stage.progress.done, items, meta, metrics)
+    with stage.frozen():  # returns once the arrays are copied off the devices
+      items, meta, metrics = resume.snapshot(self.ctx, stage, self.summary,
+                                             len(self.writer.rows))
+      self.checkpointer.save(stage.name, stage.progress.done, items, meta, metrics)
 
   # -- looking at the model -----------------------------------------------------------------
   def evaluate(self) -> dict:

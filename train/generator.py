@@ -20,6 +20,7 @@ from jaxrl.envs import Environment
 from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
+from sampler.stream import Stream
 from sampler.worker import rollout_key
 from sharding.mesh import batch_sharding
 from sharding.rules import SAMPLER_RULES
@@ -54,6 +55,7 @@ class Generator:
                                    rl.inflight_slots)
     self._rows = batch_sharding(cluster.meshes["sampler"], SAMPLER_RULES)
     self.environment, self.max_turns, self.pad_id = environment, rl.max_turns, tok.pad_id
+    self.prompts_per_step = rl.prompts_per_step
     if environment is not None and jax.process_count() > 1:
       raise ConfigError("config.rl.environment: multi-turn rollouts run in one process for now")
     if environment is not None:  # a turn also ends at the environment's stop strings
@@ -62,6 +64,11 @@ class Generator:
           greedy: dataclasses.replace(sampler, n=1, cfg=dataclasses.replace(
               sampler.cfg, stop_sequences=sampler.cfg.stop_sequences + stops))
           for greedy, sampler in ((False, self.sampler), (True, self.greedy_sampler))}
+
+  def stream(self, params, *, prompt_width: int, live: int) -> Stream:
+    """The RL sampler as a stream of prompt batches in in-flight slots (partial rollouts)."""
+    return Stream(self.sampler, params, prompt_width=prompt_width,
+                  batch_prompts=self.prompts_per_step, live=live)
 
   def put_prompts(self, prompts: dict):
     """A host prompt batch -> (tokens_BP, valid_BP) split over the sampler's data axes."""

@@ -11,6 +11,7 @@ optimizer states).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import ClassVar
 
@@ -100,6 +101,11 @@ class Stage:
 
   def abstract_arrays(self, state: dict) -> dict:
     return {}
+
+  def frozen(self):
+    """A context in which `state()` and `arrays()` stay consistent while a checkpoint copies
+    them (RL: the async generator paused)."""
+    return contextlib.nullcontext()
 
   def restore(self, state: dict, arrays: dict) -> None:
     """Puts back what `state()` and `arrays()` saved (after `start(restoring=True)`)."""

@@ -4,16 +4,18 @@ On a fresh start the stage freezes the reference (a copy of the actor on the ref
 and, for `gae`, adds the critic (from the reward model when there is one, else from the actor's
 trunk). Its run state: the policy version (= steps done), the first prompt batch not yet trained
 on (with dynamic sampling a step may generate several: `samples_generated` counts them), the
-run's largest sampler/trainer mismatch so far, and the learners. In async mode, batches generated ahead but not yet consumed at a
-checkpoint are generated again after a resume, from the checkpoint's weights.
+run's largest sampler/trainer mismatch so far and its tokens per policy lag, the learners, and
+in async mode the generator's own state (train/async_state.py): the batches generated ahead and
+the rows in flight, saved with the generator paused, so a resumed run continues them.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
 
-from train import steps
+from train import async_state, steps
 from train.controller import Controller
 from train.learner import Learner
 from train.stages.base import Stage
@@ -31,8 +33,11 @@ class RLStage(Stage):
     super().__init__(ctx)
     self.next_index = 0  # the first prompt batch not yet trained on
     self.maxima = dict.fromkeys(MAXIMA, 0.0)  # the run's worst sampler/trainer mismatch so far
+    self.lags: list[int] = []  # generated tokens trained on, by policy lag (async)
     self.controller: Controller | None = None
     self.wall0: float | None = None  # when this process's first RL step began
+    self._generator = None  # a checkpoint's generator state, until the controller takes it
+    self._frozen = None  # while a checkpoint is taken: the generator's state
 
   def eval_due(self, done: int) -> bool:
     return done % self.cfg.eval.every == 0 or done == self.total
@@ -69,9 +74,13 @@ class RLStage(Stage):
       self.wall0 = time.perf_counter()
       self.controller = Controller(self.ctx, self.actor, self.critic, next_index=self.next_index,
                                    version=self.progress.done)
-      self.controller.start()
+      self.controller.start(self._generator)
+      self._generator = None
     row = self.controller.step()
     self.next_index = self.controller.next_index
+    for lag, count in enumerate(row.pop("token_lags", ())):
+      self.lags += [0] * (lag + 1 - len(self.lags))
+      self.lags[lag] += count
     for key, name in MAXIMA.items():
       self.maxima[key] = max(self.maxima[key], float(row[name]))
     rollouts = self.cfg.rl.rollouts
@@ -86,7 +95,8 @@ class RLStage(Stage):
     return {"rl_steps_done": self.progress.done, "rl_wall_s": t["wall_s"],
             "bubble": t["bubble"],
             **{f"busy_{k}": v for k, v in t["busy"].items()},
-            "heldout_acc_rl": self.progress.last_eval["heldout_acc"], **self.maxima}
+            "heldout_acc_rl": self.progress.last_eval["heldout_acc"], **self.maxima,
+            **({"token_lag_counts": self.lags} if self.lags else {})}
 
   def learners(self) -> dict[str, Learner]:
     out = {"actor": self.actor}
@@ -94,12 +104,43 @@ class RLStage(Stage):
       out["critic"] = self.critic
     return out
 
+  @contextlib.contextmanager
+  def frozen(self):
+    """The async generator paused at a point it can continue from, while a checkpoint is
+    taken (`state` and `arrays` then include it)."""
+    worker = None if self.controller is None else self.controller.worker
+    if worker is None:
+      yield
+      return
+    with worker.paused() as generator:
+      self._frozen = async_state.to_checkpoint(generator)
+      try:
+        yield
+      finally:
+        self._frozen = None
+
   def state(self) -> dict:
-    return {"next_index": self.next_index, "maxima": self.maxima}
+    out = {"next_index": self.next_index, "maxima": self.maxima, "lags": self.lags}
+    if self._frozen is not None:
+      out["generator"] = self._frozen[1]
+    return out
+
+  def arrays(self) -> dict:
+    return {} if self._frozen is None else {"generator": self._frozen[0]}
+
+  def abstract_arrays(self, state: dict) -> dict:
+    if "generator" not in state:
+      return {}
+    cluster = self.ctx.cluster
+    return {"generator": async_state.abstract_checkpoint(
+        state["generator"], cluster.meshes["sampler"], cluster.sampler_abstract())}
 
   def restore(self, state: dict, arrays: dict) -> None:
-    self.next_index = state["next_index"]
+    self.next_index, self.lags = state["next_index"], state.get("lags", [])
     self.maxima.update(state.get("maxima", {}))
+    if "generator" in state and self.cfg.rl.mode == "async":
+      self._generator = async_state.from_checkpoint(
+          arrays["generator"], state["generator"], self.ctx.cluster.sampler_abstract())
 
   def close(self) -> None:
     if self.controller is not None:

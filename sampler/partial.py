@@ -1,0 +1,118 @@
+"""Partial rollouts: `PartialRolloutWorker` drives a `sampler.stream.Stream` on the worker's
+thread with the schedule of `sampler.worker` (staleness bound, free or fixed schedule, run
+state). Each look between decode segments harvests the finished rows (a batch leaves once all
+its rows are done, in index order, with every token's policy version), swaps in newer weights
+(free schedule; fixed: only as a batch opens), opens the batches the schedule allows while free
+slots outnumber the rows waiting, fills the free slots and decodes the next segment.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sampler.worker import RolloutBatch, WorkerState, Worker
+
+
+class PartialRolloutWorker(Worker):
+  """A `sampler.stream.Stream` driven on the worker's thread: batches open as the schedule
+  allows and slots free up, new weights are swapped in between decode segments (free schedule)
+  or as a batch opens (fixed), and each batch leaves with its rows' token versions. `prompts[i]`
+  is batch i (host arrays; IndexError: the stream ended)."""
+
+  def __init__(self, stream, prompts: Sequence, params: Any, *, version: int = 0,
+               max_staleness: int = 1, seed: int = 0, start_index: int = 0,
+               schedule: str = "free", transfer: Callable | None = None,
+               state: WorkerState | None = None, span: Callable | None = None):
+    """`span()`: a context manager around each look and segment (a timeline's busy time)."""
+    super().__init__(prompts, params, version=version, max_staleness=max_staleness, seed=seed,
+                     start_index=start_index, schedule=schedule, transfer=transfer, state=state)
+    self.stream, self._ended = stream, False
+    self._span = span or contextlib.nullcontext
+    stream.install(*self._installed)
+    if state is not None and "stream" in state.arrays:
+      # The version its rows decoded with: a newer push is swapped in (and recorded) first.
+      stream.restore(state.arrays["stream"], state.meta["stream"], prompts.__getitem__,
+                     self._keys)
+    else:
+      stream.next_index = stream.next_emit = start_index + len(self._queue)
+    self._thread.start()
+
+  def _needs_pause(self) -> bool:
+    return True  # the stream's arrays change with every device call
+
+  def _state(self) -> WorkerState:
+    state = super()._state()
+    if self._error is not None:  # a device call failed half-way: the queue alone is sound
+      return state
+    arrays, meta = self.stream.snapshot()
+    state.arrays["stream"], state.meta["stream"] = arrays, meta
+    return state
+
+  def _open(self) -> bool:
+    """Opens the batches the schedule allows while free slots outnumber the pending rows;
+    False when the worker was closed."""
+    s = self.stream
+    while not self._ended and s.free > s.unadmitted and s.open_batches < s.live:
+      index = s.next_index
+      with self._cond:
+        if self.schedule == "free":
+          if not self._ahead_ok(index):
+            return True
+        else:
+          if index - self.max_staleness - 1 >= s.next_emit:  # its weights need that batch
+            return True
+          want = self._version_for(index)
+          if not self._wait(lambda: want in (self._installed[1], self._pending[1])):
+            return False
+          if self._installed[1] != want:
+            self._installed = self._pending
+            s.swap(*self._installed)
+      try:
+        prompts = self._prompts[index]
+      except IndexError:
+        self._ended = True
+        return True
+      s.open(prompts, self._keys(index))
+    return True
+
+  def _step(self) -> bool:
+    """One look between segments and the segment after it; False to stop."""
+    s = self.stream
+    t = time.perf_counter()
+    with self._span():
+      done = s.poll()
+    for batch, rollout in done:
+      self._put(RolloutBatch(rollout, batch.prompts, batch.version, batch.index,
+                             t - self._opened.pop(batch.index, t),
+                             batch.versions_BN(s.cfg.max_new_tokens)))
+    with self._cond:
+      self._serve_pause()
+      if self._closed:
+        return False
+      if self.schedule == "free" and self._pending[1] > s.version:
+        self._installed = self._pending
+        s.swap(*self._installed)
+      changes = self._changes
+    opened = s.next_index
+    if not self._open():
+      return False
+    self._opened.update({i: t for i in range(opened, s.next_index)})
+    if s.decoding or (s.unadmitted and s.free):
+      with self._span():
+        if s.unadmitted and s.free:
+          s.admit()
+        s.decode()
+    elif self._ended and not s.open_batches:
+      self._finish()
+      return False
+    else:  # nothing to decode until the trainer moves
+      with self._cond:
+        self._wait(lambda: self._changes != changes)
+    return True
+
+  def _run(self) -> None:
+    self._opened: dict[int, float] = {}
+    while self._step():
+      pass

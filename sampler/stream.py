@@ -1,0 +1,273 @@
+"""Continuous in-flight decoding of a stream of prompt batches, with weight swaps between decode
+segments: the engine of partial rollouts (`sampler.worker.PartialRolloutWorker`).
+
+`sampler/inflight.py` decodes one prompt batch in R row slots. A `Stream` keeps its R slots busy
+across batches: a slot freed by a finished row takes the next row of the stream, from the batch
+being admitted or from the next one the worker opens, so one batch's long tail decodes beside the
+next batch's rows instead of holding the slots. Between segments (`CHECK_EVERY` decode steps)
+the host may install new weights (`swap`); the rows in flight keep their KV cache (computed by
+the older weights) and continue, as in PipelineRL's in-flight weight updates (AReaL recomputes
+the cache instead). Each token records the version of the weights whose logits it was drawn from
+and its log-prob under them (mu), so the off-policy correction sees exactly the distribution
+every token came from: the first token after a swap is still drawn from logits the old weights
+computed, the ones after it from the new weights' logits.
+
+Rows: row r of batch i (group-major, `n` samples per prompt) draws its uniforms from
+`fold_in(key_i, r)`, indexed by its token index, as the in-flight engine does, so a sample does
+not depend on its slot or on when it ran. Up to `live` batches are open at once; batch i's rows
+go to region i mod `live` of the output buffers and a batch leaves (`poll`) once all its rows are
+harvested and every earlier batch has left. Slots never shrink: the state keeps one shape, which
+`snapshot` / `restore` save and put back exactly (the KV cache included), so a resumed stream
+continues bit for bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.models.decode import LMDecoding
+from sampler import inflight
+from sampler.engine import Rollout, bucket
+from sampler.inflight import CHECK_EVERY, Outputs, Slots
+from sampler.sampler import Sampler
+from sharding.mesh import batch_sharding
+from sharding.reshard import fetch, send
+from sharding.rules import batch_ways
+
+
+def _start(model, *, cfg, slots: int, p: int, ring: int, rows: int):
+  return (inflight.empty_slots(model, cfg=cfg, slots=slots, p=p, ring=ring),
+          inflight.empty_outputs(rows, cfg), jnp.int32(0))
+
+
+def _admit(model, state: Slots, g, tokens_KP, valid_KP, rows_K, keys_K2, index_K, src_R, *, cfg,
+           ring: int) -> Slots:
+  """Starts rows `rows_K` (output rows; `index_K` their row in their batch, `keys_K2` their
+  batch's key data) in the slots r with src_R[r] >= 0."""
+  uniform = lambda kd, r: jax.random.uniform(
+      jax.random.fold_in(jax.random.wrap_key_data(kd), r), (cfg.max_new_tokens,))
+  budget_K = jnp.full(rows_K.shape, cfg.max_new_tokens, jnp.int32)
+  new = inflight.row_state(model, cfg, tokens_KP, valid_KP, rows_K, budget_K,
+                            jax.vmap(uniform)(keys_K2, index_K), g, ring)
+  return jax.tree.map(functools.partial(inflight.put_rows, src_R=src_R), state, new)
+
+
+def _harvest(state: Slots, out: Outputs) -> tuple[Slots, Outputs]:
+  """Finished rows copied to their output rows, their slots then free (no row): a region
+  reused by a later batch is never written by a slot that finished an earlier one."""
+  out = inflight.harvest(state, out)
+  return state.replace(row_R=jnp.where(state.done_R, -1, state.row_R)), out
+
+
+def _take(out: Outputs, start, tokens_BP, valid_BP, *, n: int, rows: int) -> Rollout:
+  """The rollout of the batch whose rows start at output row `start`."""
+  cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, rows)
+  mask_BN = cut(out.mask_BN)
+  prompt_tokens_BP, prompt_valid_BP = (jnp.repeat(x, n, axis=0) for x in (tokens_BP, valid_BP))
+  return Rollout(tokens_BT=jnp.concatenate([prompt_tokens_BP, cut(out.tokens_BN)], axis=1),
+                 valid_BT=jnp.concatenate([prompt_valid_BP, mask_BN], axis=1),
+                 completion_mask_BN=mask_BN, logprobs_BN=cut(out.logprobs_BN),
+                 lengths_B=mask_BN.sum(axis=1))
+
+
+@dataclasses.dataclass
+class Batch:
+  """A batch of the stream, open (some rows admitted or pending) or done."""
+  index: int
+  prompts: dict  # host prompt batch: prompt_tokens, prompt_valid (and examples)
+  key: np.ndarray  # uint32 key data: rollout_key(seed, index)
+  region: int
+  version: int  # the weights' version as its first row was admitted (its oldest tokens)
+  admitted: int = 0
+  finished: int = 0
+  # Per row, (first token index, version) each time the row's weights changed after admission
+  switches: list = dataclasses.field(default_factory=list)
+
+  def versions_BN(self, n: int) -> np.ndarray:
+    """The policy version of every token slot of the batch's rows."""
+    out = np.full((len(self.switches), n), self.version, np.int32)
+    for r, row in enumerate(self.switches):
+      for first, version in row:
+        out[r, first:] = version
+    return out
+
+  def meta(self) -> dict:
+    return {"index": self.index, "region": self.region, "version": self.version,
+            "admitted": self.admitted, "finished": self.finished, "switches": self.switches}
+
+
+class Stream:
+  """Row slots decoding a stream of batches of `batch_prompts` prompts (`sampler.n` samples
+  each, prompts at most `prompt_width` tokens), up to `live` batches open at once. Not thread
+  safe: one thread drives it (`poll`, `swap`, `open`, `admit`, `decode`)."""
+
+  def __init__(self, sampler: Sampler, params, *, prompt_width: int, batch_prompts: int,
+               live: int):
+    """`params` (the sampler's layout) give the state's shapes; `install` or `swap` sets the
+    weights to decode with."""
+    cfg, slots = sampler.cfg, sampler.inflight_slots
+    shards = batch_ways(sampler.mesh, sampler.rules)
+    if slots < 1 or slots % shards:
+      raise ValueError(f"expected a positive multiple of the mesh's {shards} data shards, "
+                       f"got {slots}")
+    self.cfg, self.n, self.mesh, self.live = cfg, sampler.n, sampler.mesh, live
+    self.rows = batch_prompts * sampler.n  # output rows per batch
+    self.ring = prompt_width + cfg.max_new_tokens - 1
+    self._buckets = tuple(shards * 2**i for i in range(slots.bit_length())
+                          if shards * 2**i < slots) + (slots,)
+    jit = inflight.jitter(sampler.mesh, sampler.rules)
+    graphdef = sampler.graphdef
+    self._cast = jax.jit(lambda p: LMDecoding.of(nnx.merge(graphdef, p)))
+    self._start = jit(_start, cfg=cfg, slots=slots, p=prompt_width, ring=self.ring,
+                      rows=live * self.rows)
+    self._admit = jit(_admit, (1,), cfg=cfg, ring=self.ring)
+    self._harvest = jit(_harvest, (0, 1))
+    self._decode = jit(inflight.decode, (1,), cfg=cfg)
+    self._take = jit(_take, n=sampler.n, rows=self.rows)
+    self._grid = None if sampler.mesh is None else batch_sharding(sampler.mesh, sampler.rules)
+    self._segment = send(np.int32(CHECK_EVERY))
+    self.install(params, 0)
+    self.state, self.out, self.g = self._start(self.model)
+    self.batches: dict[int, Batch] = {}  # open, by index
+    self.next_index = self.next_emit = 0  # the next batch to open / to leave
+    self._done_R = np.ones(slots, bool)  # the host's copy of the slots' flags (poll, admit)
+    self._row_R = np.full(slots, -1, np.int32)
+    self._step_R = np.zeros(slots, np.int32)
+
+  # -- the host's look between segments -----------------------------------------------------
+  def poll(self) -> list[tuple[Batch, Rollout]]:
+    """Reads the slots' flags, harvests the rows that finished and returns the batches that
+    are now complete, in index order (each with its rollout on the devices)."""
+    done_R, row_R, self._step_R = fetch((self.state.done_R, self.state.row_R, self.state.step_R))
+    self._row_R = np.where(done_R, -1, row_R)  # after the harvest below
+    finished = done_R & (row_R >= 0)
+    if finished.any():
+      self.state, self.out = self._harvest(self.state, self.out)
+      for row in row_R[finished]:
+        self._region_batch(row // self.rows).finished += 1
+    self._done_R = done_R
+    out = []
+    while (b := self.batches.get(self.next_emit)) is not None and b.finished == self.rows:
+      tokens, valid = (b.prompts[k] for k in ("prompt_tokens", "prompt_valid"))
+      grid = None if self._grid is None else (self._grid, self._grid)
+      rollout = self._take(self.out, send(np.int32(b.region * self.rows)),
+                           *send((tokens, valid), grid))
+      out.append((self.batches.pop(self.next_emit), rollout))
+      self.next_emit += 1
+    return out
+
+  def _region_batch(self, region: int) -> Batch:
+    return next(b for b in self.batches.values() if b.region == region)
+
+  @property
+  def free(self) -> int:
+    return int(self._done_R.sum())
+
+  @property
+  def decoding(self) -> bool:
+    return not self._done_R.all()
+
+  @property
+  def unadmitted(self) -> int:
+    return sum(self.rows - b.admitted for b in self.batches.values())
+
+  @property
+  def open_batches(self) -> int:
+    return len(self.batches)
+
+  # -- weights, batches, rows -----------------------------------------------------------------
+  def install(self, params, version: int) -> None:
+    """The weights to decode with, nothing recorded (no row is in flight)."""
+    self.model, self.version = self._cast(params), version
+
+  def swap(self, params, version: int) -> None:
+    """New weights from the next segment on; every row in flight records where they began."""
+    for slot in np.flatnonzero(~self._done_R):
+      row = self._row_R[slot]
+      self._region_batch(row // self.rows).switches[row % self.rows].append(
+          (int(self._step_R[slot]) + 1, version))
+    self.install(params, version)
+
+  def open(self, prompts: dict, key: np.ndarray) -> None:
+    """Batch `next_index` joins the stream (its rows wait for free slots)."""
+    if len(self.batches) >= self.live:
+      raise RuntimeError(f"at most {self.live} batches are open at once")
+    i = self.next_index
+    self.batches[i] = Batch(i, prompts, np.asarray(key, np.uint32), i % self.live, self.version,
+                            switches=[[] for _ in range(self.rows)])
+    self.next_index += 1
+
+  def admit(self) -> None:
+    """Fills the free slots with the pending rows, oldest batch first (one prefill call)."""
+    free = np.flatnonzero(self._done_R)
+    rows = []  # (batch, row in batch)
+    for b in sorted(self.batches.values(), key=lambda b: b.index):
+      take = min(self.rows - b.admitted, len(free) - len(rows))
+      rows += [(b, b.admitted + r) for r in range(take)]
+      b.admitted += take
+    if not rows:
+      return
+    k = bucket(len(rows), self._buckets)
+    width = max(b.prompts["prompt_tokens"].shape[1] for b, _ in rows)
+    tokens_KP = np.full((k, width), self.cfg.pad_id, np.int32)
+    valid_KP = np.zeros((k, width), bool)
+    rows_K, index_K = np.zeros(k, np.int32), np.zeros(k, np.int32)
+    keys_K2 = np.zeros((k, 2), np.uint32)
+    for j, (b, r) in enumerate(rows + [rows[-1]] * (k - len(rows))):  # bucket padding: a copy
+      t, v = b.prompts["prompt_tokens"][r // self.n], b.prompts["prompt_valid"][r // self.n]
+      tokens_KP[j, width - len(t):], valid_KP[j, width - len(v):] = t, v
+      rows_K[j], index_K[j], keys_K2[j] = b.region * self.rows + r, r, b.key
+    src_R = np.full(self._done_R.shape, -1, np.int32)
+    src_R[free[:len(rows)]] = np.arange(len(rows))
+    self.state = self._admit(self.model, self.state, self.g,
+                             *send((tokens_KP, valid_KP, rows_K, keys_K2, index_K, src_R)))
+    slots = free[:len(rows)]
+    self._done_R, self._row_R, self._step_R = (x.copy() for x in (self._done_R, self._row_R,
+                                                                  self._step_R))
+    self._done_R[slots], self._row_R[slots], self._step_R[slots] = False, rows_K[:len(rows)], 0
+
+  def decode(self) -> None:
+    """One segment of up to CHECK_EVERY decode steps."""
+    self.state, self.g = self._decode(self.model, self.state, self.g, self._segment)
+
+  # -- run state ------------------------------------------------------------------------------
+  def snapshot(self) -> tuple[dict, dict]:
+    """(device arrays, JSON meta) of everything in flight: the slot state with its KV cache,
+    the output buffers, the open batches' progress and versions."""
+    arrays = {"slots": _numbered(self.state), "out": _numbered(self.out), "g": self.g}
+    meta = {"version": self.version, "next_index": self.next_index,
+            "next_emit": self.next_emit, "batches": [b.meta() for b in self.batches.values()]}
+    return arrays, meta
+
+  def abstract(self) -> dict:
+    """Shapes and dtypes of `snapshot`'s arrays (what a restore reads into)."""
+    state, out, g = jax.eval_shape(self._start, self.model)
+    return {"slots": _numbered(state), "out": _numbered(out), "g": g}
+
+  def restore(self, arrays: dict, meta: dict, prompts, keys) -> None:
+    """Puts back a `snapshot`; `prompts(i)` and `keys(i)` give batch i's prompts and key data."""
+    self.state = _unnumbered(self.state, arrays["slots"])
+    self.out = _unnumbered(self.out, arrays["out"])
+    self.g, self.version = arrays["g"], meta["version"]
+    self.next_index, self.next_emit = meta["next_index"], meta["next_emit"]
+    self.batches = {}
+    for m in meta["batches"]:
+      self.batches[m["index"]] = Batch(
+          m["index"], prompts(m["index"]), np.asarray(keys(m["index"]), np.uint32), m["region"],
+          m["version"], m["admitted"], m["finished"],
+          [[tuple(s) for s in row] for row in m["switches"]])
+    # The host's copies of the slot flags are read by the next `poll`, which comes first.
+
+
+def _numbered(tree) -> dict:
+  """A pytree as {"0000": leaf, ...} (an orbax item: plain dicts with string keys)."""
+  return {f"{i:04d}": leaf for i, leaf in enumerate(jax.tree.leaves(tree))}
+
+
+def _unnumbered(like, numbered: dict):
+  return jax.tree.unflatten(jax.tree.structure(like), [numbered[k] for k in sorted(numbered)])

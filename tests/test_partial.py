@@ -1,0 +1,165 @@
+"""The async schedule (sampler/worker.py) and partial rollouts (sampler/partial.py,
+sampler/stream.py): staleness without dropped batches, the fixed schedule's versions whatever
+the trainer's timing, weights swapped into rows in flight with every token's version and
+log-prob, and a worker's run state put back bit for bit with batches queued and rows in flight."""
+import dataclasses
+import random
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import TINY
+from jaxrl.data.tokenizer import ByteTokenizer
+from jaxrl.models.llama import LanguageModel
+from sampler.methods import SamplingConfig
+from sampler.partial import PartialRolloutWorker
+from sampler.sampler import Sampler
+from sampler.stream import Stream
+from sampler.worker import RolloutWorker
+
+TOK = ByteTokenizer()
+N_BATCHES, PROMPTS, BUDGET = 7, 3, 20
+
+
+class Batches:
+  """Prompt batch i by index; an IndexError ends the stream."""
+
+  def __getitem__(self, i):
+    if i >= N_BATCHES:
+      raise IndexError(i)
+    ids = [TOK.encode(f"{i}+{j}{'=' * (j + 1)}", bos=True) for j in range(PROMPTS)]
+    tokens, valid = TOK.pad_left(ids, 8)
+    return {"prompt_tokens": tokens, "prompt_valid": valid}
+
+
+@pytest.fixture(scope="module")
+def model():
+  graphdef, params = nnx.split(LanguageModel(TINY, rngs=nnx.Rngs(0)))
+  # One token in seven ends a row (~15% a step for this random model): uneven lengths, up to
+  # BUDGET tokens over several decode segments
+  cfg = SamplingConfig(max_new_tokens=BUDGET, eos_id=-1, pad_id=TOK.pad_id,
+                       stop_sequences=tuple((t,) for t in range(0, TINY.vocab_size, 7)))
+  return Sampler(graphdef, cfg, n=2, inflight_slots=4), params
+
+
+def _weights(params, version):
+  return jax.tree.map(lambda x: x * (1 + 0.1 * version), params)
+
+
+def _partial(model, schedule, staleness, version=0, state=None, start=0):
+  sampler, params = model
+  stream = Stream(sampler, params, prompt_width=8, batch_prompts=PROMPTS, live=staleness + 1)
+  return PartialRolloutWorker(stream, Batches(), _weights(params, version), version=version,
+                              max_staleness=staleness, schedule=schedule, state=state,
+                              start_index=start)
+
+
+def _train(worker, params, *, seed=None, stop_after=None):
+  """Takes every batch, 'updating' (a perturbation, after a random pause) after each; with
+  `stop_after`, returns the batches and the worker's state after that many updates."""
+  rng, out, version = random.Random(seed), [], worker.version
+  for batch in worker:
+    out.append(batch)
+    time.sleep(rng.uniform(0, 0.05) if seed is not None else 0)
+    version += 1
+    worker.update_weights(_weights(params, version), version)
+    if version == stop_after:
+      with worker.paused() as state:
+        worker.close()
+        return out, state, version
+  worker.close()
+  return out, None, version
+
+
+def _same(a, b):
+  assert [x.index for x in a] == [y.index for y in b]
+  for x, y in zip(a, b):
+    assert x.version == y.version
+    np.testing.assert_array_equal(x.versions_BN, y.versions_BN)
+    for field in ("tokens_BT", "valid_BT", "logprobs_BN"):
+      np.testing.assert_array_equal(getattr(x.rollout, field), getattr(y.rollout, field))
+
+
+def test_fixed_schedule_is_a_function_of_the_seed_and_resumes_with_rows_in_flight(model):
+  runs = [_train(_partial(model, "fixed", 1), model[1], seed=s)[0] for s in (0, 1)]
+  _same(*runs)
+  batches = runs[0]
+  assert [b.version for b in batches] == [max(0, i - 1) for i in range(N_BATCHES)]
+  # Rows in flight took the next version as the following batch opened: tokens of 2 versions.
+  assert any(len(np.unique(b.versions_BN)) == 2 for b in batches)
+  first, state, version = _train(_partial(model, "fixed", 1), model[1], stop_after=3)
+  stream = state.meta["stream"]["batches"]
+  assert any(b["admitted"] > b["finished"] for b in stream), "no row in flight at the pause"
+  resumed = _partial(model, "fixed", 1, version=version, state=state, start=version)
+  _same(first + _train(resumed, model[1])[0], batches)
+
+
+def test_swapped_weights_reach_rows_in_flight_with_their_versions_and_logprobs(model, tiny_cfg):
+  sampler, params = model
+  # Every row runs to BUDGET tokens (3 segments): batch 1's last rows start as batch 0 ends
+  sampler = dataclasses.replace(sampler, cfg=dataclasses.replace(sampler.cfg, stop_sequences=()))
+  zeros = jax.tree.map(jnp.zeros_like, params)  # all-zero weights: uniform logits
+  worker = _partial((sampler, params), "free", 1)
+  first = worker.get(timeout=60)  # batch 1 opened with version 0 before batch 0 ended
+  worker.update_weights(zeros, 1)  # ... and its rows take these weights mid-way
+  second = worker.get(timeout=60)
+  worker.close()
+  assert first.versions_BN.max() == 0 and second.version == 0
+  versions, logp = second.versions_BN, np.asarray(second.rollout.logprobs_BN)
+  new = versions == 1
+  assert new.any() and (~new).any()
+  uniform = -np.log(tiny_cfg.vocab_size)
+  np.testing.assert_allclose(logp[new], uniform, rtol=1e-5)
+  assert not np.allclose(logp[~new], uniform, rtol=1e-3)  # the older weights' tokens
+  for row in versions:  # a row switches once, and never back
+    assert (np.diff(row) >= 0).all()
+  # The first token after the switch point was drawn from logits the old weights computed.
+  switched = [r for r in range(len(versions)) if 0 < (versions[r] == 0).sum() < BUDGET]
+  assert switched
+  for r in switched:
+    assert not np.isclose(logp[r, (versions[r] == 0).sum() - 1], uniform, rtol=1e-3)
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_free_schedule_bounds_the_lag_and_drops_nothing(model, staleness):
+  batches, _, _ = _train(_partial(model, "free", staleness), model[1], seed=staleness)
+  assert [b.index for b in batches] == list(range(N_BATCHES))
+  for step, b in enumerate(batches):  # taken at policy version `step`
+    assert 0 <= step - b.versions_BN.min() <= staleness and b.version == b.versions_BN.min()
+
+
+def test_whole_batches_fixed_schedule_and_a_trainer_taking_several_per_step(tiny_cfg):
+  def gen(params, prompts, key):
+    time.sleep(random.uniform(0, 0.01))
+    return {"tokens": prompts["prompt_tokens"]}
+
+  seen = []
+  with RolloutWorker(gen, Batches(), {"w": jnp.ones(2)}, max_staleness=2,
+                     schedule="fixed") as worker:
+    for version, batch in enumerate(worker, 1):
+      seen.append(batch.version)
+      time.sleep(random.uniform(0, 0.02))
+      worker.update_weights({"w": jnp.ones(2)}, version)
+  assert seen == [max(0, i - 2) for i in range(N_BATCHES)]
+  # DAPO-like: two batches per update with max_staleness=0 (each step's second batch is asked
+  # for before the push); nothing waits forever and every batch is on-policy.
+  done = threading.Event()
+  with RolloutWorker(gen, Batches(), {"w": jnp.ones(2)}, max_staleness=0) as worker:
+    versions, version = [], 0
+
+    def consume():
+      nonlocal version
+      for _ in range(N_BATCHES // 2):
+        versions.extend([worker.get(timeout=30).version, worker.get(timeout=30).version])
+        version += 1
+        worker.update_weights({"w": jnp.ones(2)}, version)
+      done.set()
+
+    threading.Thread(target=consume, daemon=True).start()
+    assert done.wait(60)
+  assert versions == [v // 2 for v in range(len(versions))]
