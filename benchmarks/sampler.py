@@ -5,6 +5,7 @@
   python -m benchmarks.sampler --json --devices 1  # one device only
   python -m benchmarks.sampler --json --model 2048,16,16,8,8192,32000 --dtype bfloat16  # on a GPU
   python -m benchmarks.sampler --json --lengths longtail  # in-flight vs static batching
+  python -m benchmarks.sampler --json --lengths longtail --stream 8  # partial rollouts' stream
 
 Reference config: vocab 256, d_model 256, 4 layers, 4 heads, 2 KV heads, MLP 1024, prompt 16,
 64 new tokens, fp32, temperature 1, EOS ignored. FLOPs are counted as 2 x non-embedding
@@ -23,6 +24,14 @@ decodes the prompts in consecutive batches of `--batch` rows (each batch runs un
 row ends); the in-flight generator (sampler/inflight.py) decodes all of them in `--batch` row
 slots. Useful tokens are the generated (non-padding) ones, the sum of the budgets; FLOPs count
 those only. `greedy_identical`: both paths' greedy outputs are the same.
+
+`--stream K` (with `--lengths longtail`): the prompts as K consecutive RL batches (of
+prompts / K rows each). `inflight_batches` decodes each batch in its own in-flight call in
+`--batch` slots, one after the other (what the async worker does without partial rollouts: a
+batch's tail runs alone); `stream` decodes them as partial rollouts do (sampler/stream.py): the
+same slots, two batches open at once, so the next batch's rows fill the slots the tail leaves,
+with new weights installed after each batch leaves (the rows in flight continue with them).
+Reported: rows per second of each and `stream_over_inflight_batches`.
 """
 from __future__ import annotations
 
@@ -43,6 +52,9 @@ def _parse():
   parser.add_argument("--prompt-len", type=int, default=16)
   parser.add_argument("--new-tokens", type=int, default=0, help="0: 64 (fixed), 256 (longtail)")
   parser.add_argument("--repeats", type=int, default=0, help="0: 5 (fixed), 2 (longtail)")
+  parser.add_argument("--stream", type=int, default=0,
+                      help="longtail: also decode the prompts as this many RL batches, "
+                      "batch by batch and as a stream (partial rollouts)")
   parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
   parser.add_argument("--devices", type=int, default=0,
                       help="decode devices (0: one per CPU core with >= 32 rows each on a CPU host)")
@@ -118,6 +130,65 @@ def _longtail(args, graphdef, params, sample_cfg, mesh, shardings, vocab: int):
           "static_seconds": round(seconds["static"], 4)}, useful
 
 
+def _stream_paths(args, graphdef, cfg, mesh, shardings, params):
+  """`run(tokens_BP, valid_BP, budget_B) -> rows decoded` per path, over `args.stream` batches:
+  one in-flight call per batch, and the partial rollouts' stream."""
+  import jax
+  import numpy as np
+
+  from sampler.sampler import Sampler
+  from sampler.stream import Stream
+  sampler = Sampler(graphdef, cfg, mesh=mesh, param_shardings=shardings,
+                    inflight_slots=args.batch)
+  rows = args.prompts // args.stream
+  other = jax.tree.map(lambda x: x * 1.0, params)  # a second copy: a real swap each batch
+
+  def batch_by_batch(tokens_BP, valid_BP, budget_B):
+    for i in range(0, rows * args.stream, rows):
+      jax.block_until_ready(sampler.generate(params, tokens_BP[i:i + rows], valid_BP[i:i + rows],
+                                             jax.random.key(i), budget_B[i:i + rows]))
+    return rows * args.stream
+
+  s = Stream(sampler, params, prompt_width=args.prompt_len, batch_prompts=rows, live=2)
+
+  def stream(tokens_BP, valid_BP, budget_B):  # batches first, .. first + K - 1 of the stream
+    tokens_BP, valid_BP = np.asarray(tokens_BP), np.asarray(valid_BP)
+    first, end = s.next_index, s.next_index + args.stream
+    while s.next_emit < end:
+      for _ in s.poll():
+        s.swap(other if s.next_emit % 2 else params, s.next_emit)
+      while s.next_index < end and s.free > s.unadmitted and s.open_batches < 2:
+        i = (s.next_index - first) * rows
+        s.open({"prompt_tokens": tokens_BP[i:i + rows], "prompt_valid": valid_BP[i:i + rows],
+                "max_new": budget_B[i:i + rows]}, np.array([0, s.next_index], np.uint32))
+      if s.unadmitted and s.free:
+        s.admit()
+      if s.decoding:
+        s.decode()
+    return rows * args.stream
+  return {"inflight_batches": batch_by_batch, "stream": stream}
+
+
+def _stream(args, graphdef, params, sample_cfg, mesh, shardings, vocab: int) -> dict:
+  import jax
+  import jax.numpy as jnp
+
+  budget_B = longtail_budgets(args.prompts, args.new_tokens)
+  tokens_BP = jax.random.randint(jax.random.key(1), (args.prompts, args.prompt_len), 1, vocab)
+  valid_BP = jnp.ones((args.prompts, args.prompt_len), bool)
+  paths = _stream_paths(args, graphdef, sample_cfg, mesh, shardings, params)
+  runs = {name: lambda fn=fn: fn(tokens_BP, valid_BP, budget_B) for name, fn in paths.items()}
+  seconds = {name: best_seconds(run, repeats=1) for name, run in runs.items()}  # compiles first
+  for _ in range(args.repeats - 1):  # in turn
+    seconds = {name: min(seconds[name], best_seconds(run, repeats=1, warmup=0))
+               for name, run in runs.items()}
+  rows = args.prompts // args.stream * args.stream
+  return {"stream_batches": args.stream,
+          "inflight_batches_rows_per_s": round(rows / seconds["inflight_batches"], 1),
+          "stream_rows_per_s": round(rows / seconds["stream"], 1),
+          "stream_over_inflight_batches": round(seconds["inflight_batches"] / seconds["stream"], 3)}
+
+
 def _fixed(args, fn, params, vocab: int):
   """The static engine on one batch of fixed-length rows; returns the result and the tokens."""
   import jax
@@ -171,6 +242,8 @@ def main() -> None:
     result, tokens = _fixed(args, sampler.generate, params, vocab)
   else:
     result, tokens = _longtail(args, graphdef, params, sample_cfg, mesh, shardings, vocab)
+    if args.stream:
+      result.update(_stream(args, graphdef, params, sample_cfg, mesh, shardings, vocab))
   non_embedding = sum(x.size for x in jax.tree.leaves(params)) - cfg.vocab_size * cfg.d_model
   flops_per_s = 2 * non_embedding * tokens / result["seconds"]
   peak = matmul_flops_per_s(dtype=args.dtype)

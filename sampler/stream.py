@@ -45,13 +45,12 @@ def _start(model, *, cfg, slots: int, p: int, ring: int, rows: int):
           inflight.empty_outputs(rows, cfg), jnp.int32(0))
 
 
-def _admit(model, state: Slots, g, tokens_KP, valid_KP, rows_K, keys_K2, index_K, src_R, *, cfg,
-           ring: int) -> Slots:
+def _admit(model, state: Slots, g, tokens_KP, valid_KP, rows_K, budget_K, keys_K2, index_K,
+           src_R, *, cfg, ring: int) -> Slots:
   """Starts rows `rows_K` (output rows; `index_K` their row in their batch, `keys_K2` their
-  batch's key data) in the slots r with src_R[r] >= 0."""
+  batch's key data, `budget_K` their most tokens) in the slots r with src_R[r] >= 0."""
   uniform = lambda kd, r: jax.random.uniform(
       jax.random.fold_in(jax.random.wrap_key_data(kd), r), (cfg.max_new_tokens,))
-  budget_K = jnp.full(rows_K.shape, cfg.max_new_tokens, jnp.int32)
   new = inflight.row_state(model, cfg, tokens_KP, valid_KP, rows_K, budget_K,
                             jax.vmap(uniform)(keys_K2, index_K), g, ring)
   return jax.tree.map(functools.partial(inflight.put_rows, src_R=src_R), state, new)
@@ -79,7 +78,8 @@ def _take(out: Outputs, start, tokens_BP, valid_BP, *, n: int, rows: int) -> Rol
 class Batch:
   """A batch of the stream, open (some rows admitted or pending) or done."""
   index: int
-  prompts: dict  # host prompt batch: prompt_tokens, prompt_valid (and examples)
+  # host prompt batch: prompt_tokens, prompt_valid (and examples; optional max_new: [B * n])
+  prompts: dict
   key: np.ndarray  # uint32 key data: rollout_key(seed, index)
   region: int
   version: int  # the weights' version as its first row was admitted (its oldest tokens)
@@ -217,15 +217,19 @@ class Stream:
     tokens_KP = np.full((k, width), self.cfg.pad_id, np.int32)
     valid_KP = np.zeros((k, width), bool)
     rows_K, index_K = np.zeros(k, np.int32), np.zeros(k, np.int32)
+    budget_K = np.full(k, self.cfg.max_new_tokens, np.int32)
     keys_K2 = np.zeros((k, 2), np.uint32)
     for j, (b, r) in enumerate(rows + [rows[-1]] * (k - len(rows))):  # bucket padding: a copy
       t, v = b.prompts["prompt_tokens"][r // self.n], b.prompts["prompt_valid"][r // self.n]
       tokens_KP[j, width - len(t):], valid_KP[j, width - len(v):] = t, v
       rows_K[j], index_K[j], keys_K2[j] = b.region * self.rows + r, r, b.key
+      if "max_new" in b.prompts:  # a batch may cap each output row's length
+        budget_K[j] = min(b.prompts["max_new"][r], budget_K[j])
     src_R = np.full(self._done_R.shape, -1, np.int32)
     src_R[free[:len(rows)]] = np.arange(len(rows))
     self.state = self._admit(self.model, self.state, self.g,
-                             *send((tokens_KP, valid_KP, rows_K, keys_K2, index_K, src_R)))
+                             *send((tokens_KP, valid_KP, rows_K, budget_K, keys_K2, index_K,
+                                    src_R)))
     slots = free[:len(rows)]
     self._done_R, self._row_R, self._step_R = (x.copy() for x in (self._done_R, self._row_R,
                                                                   self._step_R))

@@ -41,6 +41,18 @@ def reverse(rng: np.random.Generator, num_digits: int) -> Example:
   return Example(f"rev {s}=", s[::-1], mistake=wrong if wrong != s[::-1] else "")
 
 
+TAIL_EXPONENT = 2.0  # reverse_tail: P(length L) proportional to L ** -TAIL_EXPONENT
+
+
+def reverse_tail(rng: np.random.Generator, num_digits: int) -> Example:
+  """`reverse` with a long tail of lengths: L in [2, num_digits] with P(L) ~ L^-2, so most
+  answers are a few letters and a few are num_digits (a workload of uneven response lengths:
+  with num_digits=32 the mean is ~5, a 512-row batch's longest ~30)."""
+  lengths = np.arange(2, max(num_digits, 2) + 1)
+  p = lengths.astype(float) ** -TAIL_EXPONENT
+  return reverse(rng, int(rng.choice(lengths, p=p / p.sum())))
+
+
 def sort_digits(rng: np.random.Generator, num_digits: int) -> Example:
   s = "".join(str(d) for d in rng.integers(0, 10, size=num_digits))
   answer = "".join(sorted(s))
@@ -51,6 +63,7 @@ def sort_digits(rng: np.random.Generator, num_digits: int) -> Example:
 TASKS: dict[str, Callable[[np.random.Generator, int], Example]] = {
     "addition": addition,
     "reverse": reverse,
+    "reverse_tail": reverse_tail,
     "sort_digits": sort_digits,
 }
 
