@@ -45,7 +45,7 @@ def _start(model, *, cfg, slots: int, p: int, ring: int, rows: int):
           inflight.empty_outputs(rows, cfg), jnp.int32(0))
 
 
-def _admit(model, state: Slots, g, tokens_KP, valid_KP, rows_K, budget_K, keys_K2, index_K,
+def admit_rows(model, state: Slots, g, tokens_KP, valid_KP, rows_K, budget_K, keys_K2, index_K,
            src_R, *, cfg, ring: int) -> Slots:
   """Starts rows `rows_K` (output rows; `index_K` their row in their batch, `keys_K2` their
   batch's key data, `budget_K` their most tokens) in the slots r with src_R[r] >= 0."""
@@ -125,7 +125,7 @@ class Stream:
     self._cast = jax.jit(lambda p: LMDecoding.of(nnx.merge(graphdef, p)))
     self._start = jit(_start, cfg=cfg, slots=slots, p=prompt_width, ring=self.ring,
                       rows=live * self.rows)
-    self._admit = jit(_admit, (1,), cfg=cfg, ring=self.ring)
+    self._admit = jit(admit_rows, (1,), cfg=cfg, ring=self.ring)
     self._harvest = jit(_harvest, (0, 1))
     self._decode = jit(inflight.decode, (1,), cfg=cfg)
     self._take = jit(_take, n=sampler.n, rows=self.rows)
@@ -245,8 +245,14 @@ class Stream:
     the output buffers, the open batches' progress and versions."""
     arrays = {"slots": _numbered(self.state), "out": _numbered(self.out), "g": self.g}
     meta = {"version": self.version, "next_index": self.next_index,
-            "next_emit": self.next_emit, "batches": [b.meta() for b in self.batches.values()]}
+            "next_emit": self.next_emit, "batches": [b.meta() for b in self.batches.values()],
+            "shape": self.shape}
     return arrays, meta
+
+  @property
+  def shape(self) -> dict:
+    """What a snapshot's arrays are laid out for: another shape cannot continue them."""
+    return {"slots": len(self._done_R), "rows": self.rows, "live": self.live, "ring": self.ring}
 
   def abstract(self) -> dict:
     """Shapes and dtypes of `snapshot`'s arrays (what a restore reads into)."""

@@ -3,6 +3,7 @@ round-trip), the loss mask on the model's own tokens, and an RL run with an envi
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from configs import tiny
@@ -21,44 +22,58 @@ TEXTS = ["the answer is 42 and the tool said 42", "calc 12*7 then add 3 to get 8
 
 
 class Recorder:
-  """Three model turns, each answered with the same reply; records what it was given."""
+  """Three model turns, each answered with the same reply; records what it was given, and the
+  order of every conversation's steps (`order`: (conversation, turn))."""
   log: list = []
+  order: list = []
 
   def __init__(self, tok, verifier):
     self.tok, self.stop_strings, self.turns = tok, (" then",), []
 
   def reset(self, example):
-    self.turns = []
+    self.turns, self.conversation = [], len(Recorder.log)
     Recorder.log.append(self.turns)
     return []
 
   def step(self, turn_ids):
+    Recorder.order.append((self.conversation, len(self.turns) // 2 + 1))
     self.turns.append(list(turn_ids))
     reply = self.tok.encode(" tool says 42.")
     self.turns.append(reply)
     return Step(reply, 1.0, len(self.turns) >= 6)  # one point a turn
 
 
-def test_trained_ids_are_the_sampled_and_appended_ids(tmp_path):
+@pytest.mark.parametrize("slots", [0, 6])  # static turns; in-flight across turns
+def test_trained_ids_are_the_sampled_and_appended_ids(tmp_path, slots):
   tiny_tokenizer.train_bpe(TEXTS, 300, tmp_path)
   tok = load_tokenizer(str(tmp_path))
   cfg = ModelConfig(vocab_size=304, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16,
                     d_ff=64)
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
-  stops = (tuple(tok.encode(" then")),)
+  # " then" and one token in nine end a turn: several turns of uneven lengths per conversation
+  stops = (tuple(tok.encode(" then")),) + tuple((t,) for t in range(5, 304, 9))
   sampler = Sampler(graphdef, SamplingConfig(max_new_tokens=40, eos_id=tok.eos_id,
                                              pad_id=tok.pad_id, stop_sequences=stops,
-                                             method="temperature", temperature=1.0))
-  Recorder.log = []
-  prompts = [tok.encode("calc 12*7"), tok.encode("the answer")]
+                                             method="temperature", temperature=1.0),
+                    inflight_slots=slots)
+  Recorder.log, Recorder.order = [], []
+  prompts = [tok.encode(t) for t in ("calc 12*7", "the answer", "add 3", "the tool", "12", "x")]
   envs = [Recorder(tok, None) for _ in prompts]
-  talks = converse(sampler, params, prompts, [Example("x", "1")] * 2, envs, jax.random.key(3),
-                   max_new_tokens=40, max_turns=3)
+  talks = converse(sampler, params, prompts, [Example("x", "1")] * len(prompts), envs,
+                   jax.random.key(3), max_new_tokens=40, max_turns=3)
+  assert max(turn for _, turn in Recorder.order) == 3
+  # In-flight, a conversation's next turn starts as soon as its reply is in: some conversation
+  # has its second turn answered before another's first (static turns: never).
+  first_done = {i: Recorder.order.index((i, 1)) for i in range(len(prompts))}
+  overtaken = any(Recorder.order.index(step) < max(first_done.values())
+                  for step in Recorder.order if step[1] == 2)
+  assert overtaken == bool(slots)
   round_trips = []
   for talk, log in zip(talks, Recorder.log):
     emitted = [ids for k, ids in enumerate(log) if k % 2 == 0]
-    assert talk.ids == sum(log, [])[:40]  # what the sampler emitted and the env appended
-    want_policy = sum([[k % 2 == 0] * len(ids) for k, ids in enumerate(log)], [])[:40]
+    kept = log[:5] if len(log) == 6 else log  # the reply of the last step (done) is not appended
+    assert talk.ids == sum(kept, [])[:40]  # what the sampler emitted and the env appended
+    want_policy = sum([[k % 2 == 0] * len(ids) for k, ids in enumerate(kept)], [])[:40]
     assert talk.policy == want_policy
     lp = np.asarray(talk.logprobs)
     assert (lp[np.asarray(talk.policy)] < 0).all() and (lp[~np.asarray(talk.policy)] == 0).all()

@@ -99,6 +99,9 @@ def test_killed_in_rl_async_staleness_0_resumes_exactly(tmp_path, reference):
   _finish(_launch(tmp_path, "run", *async_args))
   rows = _comparable(run_dir)
   assert [r["policy_lag"] for r in rows if "policy_lag" in r] == [0] * 6
+  # every token on-policy (async rows count their tokens' lags; sync rows have none to count)
+  assert [(r.pop("token_lag_mean"), r.pop("token_lag_max")) for r in rows
+          if "policy_lag" in r] == [(0.0, 0)] * 6
   assert (_summary(run_dir)["params_fingerprint"], rows) == reference
 
 

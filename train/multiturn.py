@@ -11,9 +11,13 @@ decoded and encoded again. A conversation ends when its environment says so, whe
 it). Its reward is the sum of its steps' rewards (the shipped tool environments reward only the
 last step, so a conversation cut short scores 0 there).
 
-Turns decode as static batches of the rows still talking (`Sampler.__call__`: bucketed, so the
-batch shrinks through a few compiled shapes); the row order and every turn's key are fixed by
-the batch (`fold_in(key, turn)`), so a batch's conversations are a function of its key.
+With in-flight slots (`rl.inflight_slots > 0`) the turns are requests to
+`sampler.requests.Requests`: a conversation's next turn is submitted as soon as its environment
+has replied and takes the next free slot while the other rows keep decoding, so no row waits for
+the others' turns (in-flight batching across turns). Otherwise turns decode as static batches
+of the rows still talking (`Sampler.__call__`: bucketed, so the batch shrinks through a few
+compiled shapes). Either way every turn's key is fixed (`fold_in(key, turn)`, row r drawing
+from it as row r), so a batch's conversations are a function of its key.
 """
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ import numpy as np
 
 from jaxrl.envs import Environment
 from sampler.engine import Rollout
+from sampler.requests import WIDTH_STEP, Request, Requests
 from sampler.sampler import Sampler
+from train.host_transfers import to_host
 
 
 @dataclasses.dataclass
@@ -46,15 +52,26 @@ class _Conversation:
     self.logprobs += list(logprobs[:len(ids)]) if logprobs is not None else [0.0] * len(ids)
     return len(self.ids) < budget
 
+  def reply(self, turn_ids: list[int], logprobs: list[float], budget: int) -> bool:
+    """Adds the model's turn and the environment's answer to it; whether the model goes on."""
+    room = self.add(turn_ids, logprobs, budget)
+    step = self.env.step(turn_ids)
+    self.done, self.reward = step.done, self.reward + step.reward
+    if room and not step.done:
+      room = self.add(step.observation, None, budget)
+    return room and not self.done
+
 
 def converse(sampler: Sampler, params, prompts_B: Sequence[Sequence[int]], examples_B: Sequence,
              envs_B: Sequence[Environment], key: jax.Array, *, max_new_tokens: int,
              max_turns: int) -> list[_Conversation]:
   """Runs each row's conversation (prompt ids `prompts_B[i]`, dataset row `examples_B[i]`) to
-  its end; the sampler's budget per call is what is left of each row's `max_new_tokens`."""
+  its end; each turn's budget is what is left of the row's `max_new_tokens`."""
   talks = [_Conversation(env) for env in envs_B]
   for talk, example in zip(talks, examples_B):
     talk.add(talk.env.reset(example), None, max_new_tokens)
+  if sampler.inflight_slots:
+    return _converse_inflight(sampler, params, prompts_B, talks, key, max_new_tokens, max_turns)
   for turn in range(max_turns):
     live = [i for i, t in enumerate(talks) if not t.done and len(t.ids) < max_new_tokens]
     if not live:
@@ -65,13 +82,34 @@ def converse(sampler: Sampler, params, prompts_B: Sequence[Sequence[int]], examp
     p = out.tokens_BT.shape[1] - out.completion_mask_BN.shape[1]
     for row, i in enumerate(live):
       mask = np.asarray(out.completion_mask_BN[row], bool)
-      turn_ids = np.asarray(out.tokens_BT[row, p:])[mask].tolist()
-      talk = talks[i]
-      room = talk.add(turn_ids, np.asarray(out.logprobs_BN[row])[mask].tolist(), max_new_tokens)
-      step = talk.env.step(turn_ids)
-      talk.done, talk.reward = step.done, talk.reward + step.reward
-      if room and not step.done:
-        talk.add(step.observation, None, max_new_tokens)
+      talks[i].reply(np.asarray(out.tokens_BT[row, p:])[mask].tolist(),
+                     np.asarray(out.logprobs_BN[row])[mask].tolist(), max_new_tokens)
+  return talks
+
+
+def _converse_inflight(sampler: Sampler, params, prompts_B, talks: list[_Conversation], key,
+                       max_new_tokens: int, max_turns: int) -> list[_Conversation]:
+  """The conversations' turns as requests to in-flight slots, each submitted as soon as the
+  previous one's reply is in."""
+  keys = [to_host(jax.random.key_data(jax.random.fold_in(key, t)), "keys")
+          for t in range(max_turns)]
+  width = -(-max(map(len, prompts_B)) // WIDTH_STEP) * WIDTH_STEP  # a few compiled shapes
+  engine = Requests(sampler, params, context_width=width)
+  turns = [0] * len(talks)
+
+  def ask(i: int) -> None:
+    if turns[i] < max_turns and not talks[i].done and len(talks[i].ids) < max_new_tokens:
+      engine.submit(Request(i, tuple(prompts_B[i]) + tuple(talks[i].ids),
+                            max_new_tokens - len(talks[i].ids), keys[turns[i]], i))
+      turns[i] += 1
+
+  for i in range(len(talks)):
+    ask(i)
+  while engine.busy:
+    for i, ids, logprobs in engine.poll():
+      if talks[i].reply(ids, logprobs, max_new_tokens):
+        ask(i)
+    engine.advance()
   return talks
 
 

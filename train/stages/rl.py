@@ -141,6 +141,21 @@ class RLStage(Stage):
     if "generator" in state and self.cfg.rl.mode == "async":
       self._generator = async_state.from_checkpoint(
           arrays["generator"], state["generator"], self.ctx.cluster.sampler_abstract())
+      stream = self._generator.meta.get("stream")
+      if stream is not None and stream["shape"] != self._stream_shape():
+        log.warning("the checkpoint's rows in flight were decoded in another layout (%s, now "
+                    "%s): their batches are generated again", stream["shape"],
+                    self._stream_shape())
+        self._generator.arrays.pop("stream")
+        del self._generator.meta["stream"]
+
+  def _stream_shape(self) -> dict | None:
+    """The layout of partial rollouts' decode state under this config (None: not streaming)."""
+    rl = self.cfg.rl
+    if not rl.partial_rollouts:
+      return None
+    return {"slots": rl.inflight_slots, "rows": rl.rollouts, "live": rl.max_staleness + 1,
+            "ring": self.ctx.task.prompt_len + rl.max_new_tokens - 1}
 
   def close(self) -> None:
     if self.controller is not None:
