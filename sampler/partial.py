@@ -30,6 +30,8 @@ class PartialRolloutWorker(Worker):
                      start_index=start_index, schedule=schedule, transfer=transfer, state=state)
     self.stream, self._ended = stream, False
     self._span = span or contextlib.nullcontext
+    self._opened: dict[int, float] = {}  # batch index -> when it opened
+    self._next: tuple[int, Any] | None = None  # the next batch's prompts, read once
     stream.install(*self._installed)
     if state is not None and "stream" in state.arrays:
       # The version its rows decoded with: a newer push is swapped in (and recorded) first.
@@ -56,6 +58,12 @@ class PartialRolloutWorker(Worker):
     s = self.stream
     while not self._ended and s.free > s.unadmitted and s.open_batches < s.live:
       index = s.next_index
+      if self._next is None or self._next[0] != index:
+        try:
+          self._next = (index, self._prompts[index])
+        except IndexError:
+          self._ended = True
+          return True
       with self._cond:
         if self.schedule == "free":
           if not self._ahead_ok(index):
@@ -69,12 +77,7 @@ class PartialRolloutWorker(Worker):
           if self._installed[1] != want:
             self._installed = self._pending
             s.swap(*self._installed)
-      try:
-        prompts = self._prompts[index]
-      except IndexError:
-        self._ended = True
-        return True
-      s.open(prompts, self._keys(index))
+      s.open(self._next[1], self._keys(index))
     return True
 
   def _step(self) -> bool:
@@ -113,6 +116,5 @@ class PartialRolloutWorker(Worker):
     return True
 
   def _run(self) -> None:
-    self._opened: dict[int, float] = {}
     while self._step():
       pass

@@ -129,7 +129,7 @@ def test_truncated_latest_checkpoint_falls_back_to_the_one_before(tmp_path, refe
 # rows of up to 24 tokens decoding in 16 in-flight slots; checkpoints every 2 steps, evaluations
 # every 3. An entropy bonus makes every update depend on the sampled tokens (the verifier scores
 # nothing this early), 4 minibatches keep the trainer behind the generator.
-AHEAD = ("--config.rl.mode=async", "--config.rl.max_staleness=2", "--config.rl.steps=8",
+AHEAD = ("--config.rl.mode=async", "--config.rl.max_staleness=2", "--config.rl.steps=10",
          "--config.rl.async_schedule=fixed", "--config.rl.inflight_slots=16",
          "--config.rl.max_new_tokens=24", "--config.checkpoint_every=2", "--config.eval.every=3",
          "--config.rl.entropy_coef=0.01", "--config.rl.num_minibatches=4")
@@ -164,17 +164,30 @@ def _generator_state(run_dir, step) -> dict:
   return meta["state"]["generator"]["worker"]
 
 
+def _kill_after_checkpoint(proc, run_dir, step, delay):
+  """SIGKILL `delay` seconds after the RL checkpoint of `step` (or a later one) is complete
+  (orbax renames a checkpoint's directory to its step once it is written)."""
+  rl, deadline = os.path.join(run_dir, "checkpoints", "rl"), time.time() + 600
+  while not (os.path.isdir(rl) and any(d.isdigit() and int(d) >= step for d in os.listdir(rl))):
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    assert time.time() < deadline
+    time.sleep(0.02)
+  time.sleep(delay)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,kills", [("partial", [(3, 0.0), (5, 0.3), (7, 0.1)]),
-                                        ("whole", [(5, 0.2)])])
+@pytest.mark.parametrize("mode,kills", [("partial", [(2, 0.0), (4, 0.3), (6, 0.1)]),
+                                        ("whole", [(4, 0.2)])])
 def test_killed_in_rl_async_ahead_resumes_exactly(tmp_path, ahead_reference, mode, kills):
   args = PARTIAL if mode == "partial" else AHEAD
   run_dir = os.path.join(tmp_path, "run")
   proc, held = _launch(tmp_path, "run", *args, resume=False), []
   for step, delay in kills:
-    _kill_at(proc, run_dir, "rl", step, delay)
+    _kill_after_checkpoint(proc, run_dir, step, delay)
     proc, (stage, at) = _resume(tmp_path, "run", *args)
-    assert stage == "rl" and at >= 2
+    assert stage == "rl" and at >= step
     state = _generator_state(run_dir, at)  # what the generator had done ahead of the trainer
     in_flight = any(b["admitted"] > b["finished"] for b in state.get("stream", {}).get(
         "batches", []))

@@ -45,10 +45,17 @@ def test_tasks_are_deterministic_disjoint_and_correct(task):
     if task == "addition":
       a, b = body.split("+")
       assert ex.answer == str(int(a) + int(b))
-    elif task == "reverse":
+    elif task in ("reverse", "reverse_tail"):
       assert ex.answer == body.split()[1][::-1]
     else:
       assert ex.answer == "".join(sorted(body.split()[1]))
+
+
+def test_reverse_tail_has_a_long_tail_of_lengths():
+  train, _ = make_splits("reverse_tail", 32, 2000, 10, seed=0)
+  lengths = np.array([len(ex.answer) for ex in train])
+  assert lengths.min() == 2 and lengths.max() == 32
+  assert np.median(lengths) <= 6 and (lengths >= 20).mean() > 0.02  # most short, some long
 
 
 def test_task_space_too_small():
