@@ -270,22 +270,34 @@ def jitter(mesh: Mesh | None, rules: Rules):
   return jit
 
 
-def jit_inflight(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, slots: int, n: int = 1,
-                 mesh: Mesh | None = None, rules: Rules = SAMPLER_RULES):
-  """`fn(params, tokens_BP, valid_BP, key, max_new_B=None) -> Rollout` as the static engine's,
-  decoding in `slots` row slots that are refilled as their rows finish."""
+def refill_buckets(mesh: Mesh | None, rules: Rules, slots: int) -> tuple[int, ...]:
+  """The sizes a refill's new rows are padded to: powers of two times the mesh's data shards (a
+  prefill's padding is waste), then `slots`; a ValueError unless `slots` is a positive multiple
+  of the data shards (each shard decodes its own slots)."""
   shards = batch_ways(mesh, rules)
   if slots < 1 or slots % shards:
     raise ValueError(f"expected a positive multiple of the mesh's {shards} data shards, "
                      f"got {slots}")
-  # Refills: powers of two (a prefill's padding is waste); the tail: a quarter at a time (each
-  # batch size is another decode program to compile).
-  buckets = tuple(shards * 2**i for i in range(slots.bit_length()) if shards * 2**i < slots)
-  buckets += (slots,)
+  return tuple(shards * 2**i for i in range(slots.bit_length()) if shards * 2**i < slots) + (
+      slots,)
+
+
+def caster(graphdef: nnx.GraphDef):
+  """jit: parameters -> the model as the sampler decodes it (weights in the compute dtype), done
+  once per call or weight swap rather than once per step."""
+  return jax.jit(lambda params: LMDecoding.of(nnx.merge(graphdef, params)))
+
+
+def jit_inflight(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, slots: int, n: int = 1,
+                 mesh: Mesh | None = None, rules: Rules = SAMPLER_RULES):
+  """`fn(params, tokens_BP, valid_BP, key, max_new_B=None) -> Rollout` as the static engine's,
+  decoding in `slots` row slots that are refilled as their rows finish."""
+  buckets, shards = refill_buckets(mesh, rules, slots), batch_ways(mesh, rules)
+  # The tail: a quarter at a time (each batch size is another decode program to compile).
   tails = tuple(sorted(slots // 4**i for i in range(slots.bit_length())
                        if slots % 4**i == 0 and (slots // 4**i) % shards == 0))
   jit = jitter(mesh, rules)
-  cast = jax.jit(lambda params: LMDecoding.of(nnx.merge(graphdef, params)))
+  cast = caster(graphdef)
   start, stop = jit(init, cfg=cfg, slots=slots, n=n), jit(finish, n=n)
   refill_fn, decode_fn = jit(refill, (1, 2), cfg=cfg, n=n), jit(decode, (1,), cfg=cfg)
   shrink_fn = jit(shrink, (1,))

@@ -20,29 +20,25 @@ import dataclasses
 import functools
 from typing import Any
 
-import jax
 import numpy as np
-from flax import nnx
 
-from jaxrl.models.decode import LMDecoding
 from sampler import inflight
 from sampler.engine import bucket
 from sampler.inflight import CHECK_EVERY
 from sampler.sampler import Sampler
 from sampler.stream import admit_rows
 from sharding.reshard import fetch, send
-from sharding.rules import batch_ways
 
-WIDTH_STEP = 16  # contexts are left-padded to a multiple of this (a prefill program each)
+WIDTH_STEP = 16  # contexts are left-padded to WIDTH_STEP * 2^k tokens (a prefill program each)
 
 
 @functools.lru_cache(maxsize=32)
 def _programs(sampler: Sampler, ring: int):
   """The jitted pieces for `sampler` with slots of `ring` tokens, built once (a `Requests` is
   made per batch of conversations)."""
-  cfg, graphdef = sampler.cfg, sampler.graphdef
+  cfg = sampler.cfg
   jit = inflight.jitter(sampler.mesh, sampler.rules)
-  return (jax.jit(lambda p: LMDecoding.of(nnx.merge(graphdef, p))),
+  return (inflight.caster(sampler.graphdef),
           jit(inflight.empty_slots, cfg=cfg, slots=sampler.inflight_slots, p=ring, ring=ring),
           jit(admit_rows, (1,), cfg=cfg, ring=ring), jit(inflight.decode, (1,), cfg=cfg))
 
@@ -62,14 +58,10 @@ class Requests:
 
   def __init__(self, sampler: Sampler, params, *, context_width: int):
     cfg, slots = sampler.cfg, sampler.inflight_slots
-    shards = batch_ways(sampler.mesh, sampler.rules)
-    if slots < 1 or slots % shards:
-      raise ValueError(f"expected a positive multiple of the mesh's {shards} data shards, "
-                       f"got {slots}")
+    self._buckets = inflight.refill_buckets(sampler.mesh, sampler.rules, slots)
     self.cfg, self.ring = cfg, context_width + cfg.max_new_tokens - 1
-    self._widths = tuple(range(WIDTH_STEP, self.ring, WIDTH_STEP)) + (self.ring,)
-    self._buckets = tuple(shards * 2**i for i in range(slots.bit_length())
-                          if shards * 2**i < slots) + (slots,)
+    self._widths = tuple(WIDTH_STEP << k for k in range(self.ring.bit_length())
+                         if WIDTH_STEP << k < self.ring) + (self.ring,)
     cast, empty, self._admit, self._decode = _programs(sampler, self.ring)
     self._model = cast(params)
     self.state = empty(self._model)

@@ -28,16 +28,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-
-from jaxrl.models.decode import LMDecoding
 from sampler import inflight
 from sampler.engine import Rollout, bucket
 from sampler.inflight import CHECK_EVERY, Outputs, Slots
 from sampler.sampler import Sampler
 from sharding.mesh import batch_sharding
 from sharding.reshard import fetch, send
-from sharding.rules import batch_ways
 
 
 def _start(model, *, cfg, slots: int, p: int, ring: int, rows: int):
@@ -111,18 +107,12 @@ class Stream:
     """`params` (the sampler's layout) give the state's shapes; `install` or `swap` sets the
     weights to decode with."""
     cfg, slots = sampler.cfg, sampler.inflight_slots
-    shards = batch_ways(sampler.mesh, sampler.rules)
-    if slots < 1 or slots % shards:
-      raise ValueError(f"expected a positive multiple of the mesh's {shards} data shards, "
-                       f"got {slots}")
+    self._buckets = inflight.refill_buckets(sampler.mesh, sampler.rules, slots)
     self.cfg, self.n, self.mesh, self.live = cfg, sampler.n, sampler.mesh, live
     self.rows = batch_prompts * sampler.n  # output rows per batch
     self.ring = prompt_width + cfg.max_new_tokens - 1
-    self._buckets = tuple(shards * 2**i for i in range(slots.bit_length())
-                          if shards * 2**i < slots) + (slots,)
     jit = inflight.jitter(sampler.mesh, sampler.rules)
-    graphdef = sampler.graphdef
-    self._cast = jax.jit(lambda p: LMDecoding.of(nnx.merge(graphdef, p)))
+    self._cast = inflight.caster(sampler.graphdef)
     self._start = jit(_start, cfg=cfg, slots=slots, p=prompt_width, ring=self.ring,
                       rows=live * self.rows)
     self._admit = jit(admit_rows, (1,), cfg=cfg, ring=self.ring)

@@ -88,18 +88,6 @@ def test_chrome_trace(tmp_path):
   assert update["tid"] == names["trainer"] and update["dur"] >= 1e4 and update["args"] == {"step": 1}
 
 
-def test_async_staleness_bound(tmp_path):
-  """Also runs the update and scoring passes in 4-row micro-batches on the 4-device trainer."""
-  cfg, run_dir = _cfg(tmp_path, "stale", steps=6, mode="async", max_staleness=2,
-                      micro_batch_size=4)
-  summary = run(cfg, run_dir)
-  rows = _rows(run_dir)
-  lags = [r["policy_lag"] for r in rows]
-  assert len(rows) == 6 and max(lags) <= 2 and max(lags) > 0
-  assert all(r["rollout_version"] + r["policy_lag"] == r["step"] - 1 for r in rows)
-  assert os.path.getsize(os.path.join(run_dir, "trace.json")) > 0 and 0 <= summary["bubble"] <= 1
-
-
 def test_failing_executor_is_named_and_checkpoints_survive(tmp_path, monkeypatch):
   calls = {"n": 0}
   real = verifier_mod.VERIFIERS["exact_match"]

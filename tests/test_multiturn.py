@@ -99,7 +99,9 @@ def test_trained_ids_are_the_sampled_and_appended_ids(tmp_path, slots):
 def test_an_rl_run_with_an_environment_trains_on_the_models_tokens_only(tmp_path):
   raw = tiny.get_config().to_dict()
   raw.update(run_dir=str(tmp_path), run_name="env")
-  raw["rl"].update(steps=2, environment="test_multiturn:Recorder", max_turns=3, max_new_tokens=16)
+  # in-flight across turns (the static turns' path is the one above with slots=0)
+  raw["rl"].update(steps=2, environment="test_multiturn:Recorder", max_turns=3, max_new_tokens=16,
+                   inflight_slots=8)
   with Experiment(raw) as exp:
     summary = exp.run()
     rows = [r for r in exp.writer.rows if r["phase"] == "rl" and "mismatch_max" in r]

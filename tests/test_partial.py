@@ -163,3 +163,24 @@ def test_whole_batches_fixed_schedule_and_a_trainer_taking_several_per_step(tiny
     threading.Thread(target=consume, daemon=True).start()
     assert done.wait(60)
   assert versions == [v // 2 for v in range(len(versions))]
+
+
+def test_whole_batches_resume_their_queue_and_the_older_weights(model):
+  """A RolloutWorker paused with batches queued, on the fixed schedule (its weights one version
+  behind the trainer's), put back into a new worker: the same batches as never stopping."""
+  sampler, params = model
+  generate = lambda p, prompts, key: jax.block_until_ready(sampler.generate(
+      p, prompts["prompt_tokens"], prompts["prompt_valid"], key))
+  worker = lambda version=0, **kw: RolloutWorker(generate, Batches(), _weights(params, version),
+                                                 version=version, max_staleness=2,
+                                                 schedule="fixed", **kw)
+  full = _train(worker(), params)[0]
+  first, state, version = _train(worker(), params, stop_after=3)
+  assert state.meta["queue"] and state.meta["installed_params"]  # batches ahead, older weights
+  assert state.meta["installed"] < version
+  rest = _train(worker(version, state=state, start_index=version), params)[0]
+  for x, y in zip(first + rest, full):
+    assert (x.index, x.version) == (y.index, y.version)
+    for field in ("tokens_BT", "logprobs_BN"):
+      np.testing.assert_array_equal(getattr(x.rollout, field), getattr(y.rollout, field))
+  assert len(first + rest) == len(full) == N_BATCHES

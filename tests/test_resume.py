@@ -125,26 +125,31 @@ def test_truncated_latest_checkpoint_falls_back_to_the_one_before(tmp_path, refe
   assert str(latest) in os.listdir(rl)
 
 
-# The generator runs ahead of the trainer on the fixed schedule (batch i from version i - 2), its
-# rows of up to 24 tokens decoding in 16 in-flight slots; checkpoints every 2 steps, evaluations
-# every 3. An entropy bonus makes every update depend on the sampled tokens (the verifier scores
+# Partial rollouts ahead of the trainer on the fixed schedule (batch i from version i - 2), rows
+# of up to 24 tokens decoding in 16 in-flight slots; checkpoints every 2 steps, evaluations every
+# 3. An entropy bonus makes every update depend on the sampled tokens (the verifier scores
 # nothing this early), 4 minibatches keep the trainer behind the generator.
 AHEAD = ("--config.rl.mode=async", "--config.rl.max_staleness=2", "--config.rl.steps=10",
-         "--config.rl.async_schedule=fixed", "--config.rl.inflight_slots=16",
-         "--config.rl.max_new_tokens=24", "--config.checkpoint_every=2", "--config.eval.every=3",
-         "--config.rl.entropy_coef=0.01", "--config.rl.num_minibatches=4")
-PARTIAL = AHEAD + ("--config.rl.partial_rollouts=True",)
+         "--config.rl.async_schedule=fixed", "--config.rl.partial_rollouts=True",
+         "--config.rl.inflight_slots=16", "--config.rl.max_new_tokens=24",
+         "--config.checkpoint_every=2", "--config.eval.every=3", "--config.rl.entropy_coef=0.01",
+         "--config.rl.num_minibatches=4")
 
 
 @pytest.fixture(scope="module")
 def ahead_reference(tmp_path_factory):
-  out = {}
-  for name, args in (("partial", PARTIAL), ("whole", AHEAD)):
-    tmp = tmp_path_factory.mktemp(f"ahead-{name}")
-    _finish(_launch(tmp, "ref", *args, resume=False))
-    run_dir = os.path.join(tmp, "ref")
-    out[name] = _summary(run_dir)["params_fingerprint"], _comparable(run_dir)
-  return out
+  tmp = tmp_path_factory.mktemp("ahead")
+  _finish(_launch(tmp, "ref", *AHEAD, resume=False))
+  run_dir = os.path.join(tmp, "ref")
+  summary, rows = _summary(run_dir), _comparable(run_dir)
+  # Batch i trained at step i + 1, from version max(0, i - 2): lags 0, 1, 2, 2, ...
+  lags = [r["policy_lag"] for r in rows if "policy_lag" in r]
+  assert lags == [0, 1] + [2] * 8
+  assert all(r["rollout_version"] + r["policy_lag"] == r["step"] - 1 for r in rows
+             if "policy_lag" in r)
+  assert os.path.getsize(os.path.join(run_dir, "trace.json")) > 0 and 0 <= summary["bubble"] <= 1
+  assert sum(summary["token_lag_counts"][:2]) > 0 and len(summary["token_lag_counts"]) == 3
+  return summary["params_fingerprint"], rows
 
 
 def _resume(tmp_path, name, *args):
@@ -178,15 +183,14 @@ def _kill_after_checkpoint(proc, run_dir, step, delay):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,kills", [("partial", [(2, 0.0), (4, 0.3), (6, 0.1)]),
-                                        ("whole", [(4, 0.2)])])
-def test_killed_in_rl_async_ahead_resumes_exactly(tmp_path, ahead_reference, mode, kills):
-  args = PARTIAL if mode == "partial" else AHEAD
+def test_killed_in_rl_async_ahead_resumes_exactly(tmp_path, ahead_reference):
+  """Partial rollouts on the fixed schedule, killed 3 times (whole batches' queue and older
+  weights resume in tests/test_partial.py)."""
   run_dir = os.path.join(tmp_path, "run")
-  proc, held = _launch(tmp_path, "run", *args, resume=False), []
-  for step, delay in kills:
+  proc, held = _launch(tmp_path, "run", *AHEAD, resume=False), []
+  for step, delay in [(2, 0.0), (4, 0.3), (6, 0.1)]:
     _kill_after_checkpoint(proc, run_dir, step, delay)
-    proc, (stage, at) = _resume(tmp_path, "run", *args)
+    proc, (stage, at) = _resume(tmp_path, "run", *AHEAD)
     assert stage == "rl" and at >= step
     state = _generator_state(run_dir, at)  # what the generator had done ahead of the trainer
     in_flight = any(b["admitted"] > b["finished"] for b in state.get("stream", {}).get(
@@ -196,7 +200,5 @@ def test_killed_in_rl_async_ahead_resumes_exactly(tmp_path, ahead_reference, mod
   # Every resume continued batches generated ahead or rows in flight (whether a pause finds a
   # batch finished depends on the two threads' speeds); one continued both.
   assert all(queued or in_flight for queued, in_flight in held), held
-  assert (True, mode == "partial") in held, held
-  rows = _comparable(run_dir)
-  assert (_summary(run_dir)["params_fingerprint"], rows) == ahead_reference[mode]
-  assert max(r["policy_lag"] for r in rows if "policy_lag" in r) == 2
+  assert (True, True) in held, held
+  assert (_summary(run_dir)["params_fingerprint"], _comparable(run_dir)) == ahead_reference
