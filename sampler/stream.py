@@ -244,11 +244,6 @@ class Stream:
     """What a snapshot's arrays are laid out for: another shape cannot continue them."""
     return {"slots": len(self._done_R), "rows": self.rows, "live": self.live, "ring": self.ring}
 
-  def abstract(self) -> dict:
-    """Shapes and dtypes of `snapshot`'s arrays (what a restore reads into)."""
-    state, out, g = jax.eval_shape(self._start, self.model)
-    return {"slots": _numbered(state), "out": _numbered(out), "g": g}
-
   def restore(self, arrays: dict, meta: dict, prompts, keys) -> None:
     """Puts back a `snapshot`; `prompts(i)` and `keys(i)` give batch i's prompts and key data."""
     self.state = _unnumbered(self.state, arrays["slots"])
