@@ -102,11 +102,24 @@ def fail(message: str) -> int:
   return EXIT_USER_ERROR
 
 
+class _StderrHandler(logging.StreamHandler):
+  """Writes to the current `sys.stderr`, not the one it was made with (a second `main` in one
+  process, as the tests run it, may have another)."""
+
+  @property
+  def stream(self):
+    return sys.stderr
+
+  @stream.setter
+  def stream(self, value) -> None:
+    pass
+
+
 def _setup_logging(primary: bool) -> None:
   # The jaxrl logger gets its own handler: absl/orbax may have configured the root logger.
   log = logging.getLogger("jaxrl")
   if not log.handlers:
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s jaxrl: %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
     log.setLevel(logging.INFO if primary else logging.WARNING)

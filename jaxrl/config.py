@@ -107,7 +107,9 @@ class PlacementConfig:
   resharded after every update."""
   strategy: str = "separate"  # colocate | interleave | separate | plan (the planner chooses)
   train_devices: int = 4  # devices (over all hosts) for the trainer roles; ignored by colocate
-  sampler_tensor: int = 2  # tensor-parallel degree of the sampler mesh
+  # Tensor-parallel degree of the sampler mesh; 0: 2 where the model's heads, KV heads, MLP and
+  # vocabulary split 2 ways, else 1 (ExperimentConfig.sampler_tensor)
+  sampler_tensor: int = 0
   reshard_bucket_mb: int = 256  # cap on the extra memory of one train -> sampler transfer
   cpu_devices: int = 8  # fake host devices when running on the CPU (XLA_FLAGS)
   device_memory_gb: float = 0.0  # the target accelerator's memory, checked by --dry_run (0: none)
@@ -122,8 +124,8 @@ class PlacementConfig:
 
   def __post_init__(self):
     _choice(self, "strategy", STRATEGIES + ("plan",))
-    _positive(self, "train_devices", "sampler_tensor", "reshard_bucket_mb", "cpu_devices")
-    _at_least_zero(self, "device_memory_gb")
+    _positive(self, "train_devices", "reshard_bucket_mb", "cpu_devices")
+    _at_least_zero(self, "device_memory_gb", "sampler_tensor")
     _unit(self, "device_memory_fraction")
 
 
@@ -145,8 +147,8 @@ class SFTConfig:
   pack_length: int = 0  # > 0: pack several examples into rows of this many tokens
 
   def __post_init__(self):
-    _positive(self, "batch_size")
-    _at_least_zero(self, "steps", "warmup_steps", "pack_length")
+    _positive(self, "batch_size", "learning_rate")
+    _at_least_zero(self, "steps", "warmup_steps", "pack_length", "weight_decay")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +166,7 @@ class RewardModelConfig:
   policy_negatives: bool = True  # synthetic rejected answers include the SFT policy's mistakes
 
   def __post_init__(self):
-    _positive(self, "batch_size", "pairs_per_prompt")
+    _positive(self, "batch_size", "pairs_per_prompt", "learning_rate")
     _at_least_zero(self, "steps", "warmup_steps")
 
 
@@ -181,7 +183,7 @@ class DPOConfig:
   policy_negatives: bool = True
 
   def __post_init__(self):
-    _positive(self, "batch_size", "beta", "pairs_per_prompt")
+    _positive(self, "batch_size", "beta", "pairs_per_prompt", "learning_rate")
     _at_least_zero(self, "steps", "warmup_steps")
 
 
@@ -262,10 +264,11 @@ class RLConfig:
                           ("async_schedule", ASYNC_SCHEDULES)]:
       _choice(self, name, options)
     _positive(self, "prompts_per_step", "group_size", "num_minibatches", "temperature",
-              "aipo_rho", "max_grad_norm", "max_new_tokens")
+              "aipo_rho", "max_grad_norm", "max_new_tokens", "learning_rate",
+              "critic_learning_rate", "clip_eps_low", "clip_eps_high", "value_clip_eps")
     if ":" not in self.verifier:
       _choice(self, "verifier", VERIFIERS)
-    _at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap",
+    _at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap", "kl_coef",
                    "inflight_slots", "micro_batch_size", "length_buckets", "rollout_mask_low",
                    "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty")
     _positive(self, "rollout_mask_high", "max_turns")
@@ -278,6 +281,9 @@ class RLConfig:
                        f"rewards are dropped), got reward={self.reward!r}")
     self._check_async()
     _unit(self, "gamma", "lam")
+    if self.clip_eps_low > 1:  # (1: no lower clip, as CISPO runs)
+      raise ValueError(f"clip_eps_low: the ratio's lower bound 1 - clip_eps_low cannot be "
+                       f"negative, expected <= 1, got {self.clip_eps_low}")
     minibatch = self.rollouts // self.num_minibatches
     if self.micro_batch_size and minibatch % self.micro_batch_size:
       raise ValueError(f"micro_batch_size: must divide a minibatch's {minibatch} rows "
@@ -354,7 +360,7 @@ class ExperimentConfig:
 
   def __post_init__(self):
     _positive(self, "checkpoint_every", "keep_checkpoints")
-    _at_least_zero(self, "checkpoint_minutes")
+    _at_least_zero(self, "checkpoint_minutes", "seed")
     if self.rl.mode == "async" and self.placement.strategy not in ("separate", "plan"):
       raise ValueError(
           f"rl.mode: async needs the sampler on devices of its own "
@@ -363,6 +369,15 @@ class ExperimentConfig:
     if self.rl.reward == "reward_model" and self.reward_model.steps <= 0:
       raise ValueError("reward_model.steps: rl.reward='reward_model' needs a trained reward "
                        f"model, expected > 0, got {self.reward_model.steps}")
+
+  @property
+  def sampler_tensor(self) -> int:
+    """The sampler mesh's tensor degree: `placement.sampler_tensor`, or for 0 (auto) 2 where the
+    model's heads, KV heads, MLP width and vocabulary all split 2 ways, else 1."""
+    if self.placement.sampler_tensor:
+      return self.placement.sampler_tensor
+    m = self.model
+    return 2 if all(x % 2 == 0 for x in (m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size)) else 1
 
 
 def to_dict(cfg) -> dict:

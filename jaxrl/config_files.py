@@ -11,6 +11,7 @@ through the same checks as an ml_collections config, so `--gin_param=rl.steps=5`
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -33,6 +34,8 @@ SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(ExperimentConf
 def _check_type(path: str, value: Any, typ: Any) -> Any:
   if typ is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
+  if typ is float and isinstance(value, float) and not math.isfinite(value):
+    raise ConfigError(f"{path}: expected a finite number, got {value!r}")
   if typ in (int, float) and (isinstance(value, bool) or not isinstance(value, typ)):
     raise ConfigError(f"{path}: expected {typ.__name__}, got {value!r}")
   if typ in (str, bool) and not isinstance(value, typ):

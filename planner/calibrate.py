@@ -73,7 +73,7 @@ def preset_plan(cfg: ExperimentConfig, n_devices: int, dev: DeviceSpec) -> Plan:
   k = n_devices if pl.strategy == "colocate" else pl.train_devices
   trainer = Mesh(fsdp=k)  # one host: fsdp over all the trainer's devices
   ns = n_devices - k if pl.strategy == "separate" else k
-  sampler = Mesh(data=ns // pl.sampler_tensor, tensor=pl.sampler_tensor)
+  sampler = Mesh(data=ns // cfg.sampler_tensor, tensor=cfg.sampler_tensor)
   scorer = Mesh(fsdp=(n_devices - k) // 2) if pl.strategy == "interleave" else trainer
   return Plan(pl.strategy, trainer, sampler, scorer, rl.mode, rl.micro_batch_size,
               cfg.model.remat, staleness=rl.max_staleness)

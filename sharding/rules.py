@@ -46,11 +46,19 @@ def _axis_size(mesh: Mesh, entry) -> int:
   return size
 
 
+class NotDivisible(ValueError):
+  """A mesh axis that does not divide a parameter's dimension (what, which axis, the sizes)."""
+
+  def __init__(self, path: str, dim: int, axis, size: int):
+    super().__init__(f"{path}: dimension {dim} is not divisible by mesh axis {axis}={size}")
+    self.path, self.dim, self.axis, self.size = path, dim, axis, size
+
+
 def check_divisible(path: str, shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> None:
   for dim, entry in zip(shape, spec):
     size = _axis_size(mesh, entry)
     if dim % size:
-      raise ValueError(f"{path}: dimension {dim} is not divisible by mesh axis {entry}={size}")
+      raise NotDivisible(path, dim, entry, size)
 
 
 def data_axes(mesh: Mesh | None, rules: Rules) -> tuple[str, ...]:

@@ -123,8 +123,6 @@ def test_int_is_accepted_for_float():
     ("--gin_param=rl.stepz=3", "gin: Configurable 'rl' doesn't have a parameter named 'stepz'"),
     ("--resume", "config.run_name: --resume continues a named run"),
     ("--config.placement.sampler_tensor=3", "sampler: mesh axis tensor=3 does not divide its 4"),
-    ("--config.model.n_kv_heads=1",
-     "sampler: decoder/blocks/0/attn/wk: dimension 1 is not divisible by mesh axis tensor=2"),
     ("--config.placement.strategy=pipeline", "config.placement.strategy: expected one of"),
     ("--config.rl.environment=chess", "config.rl.environment: environment 'chess': expected one"),
     ("--config.dpo.steps=2 --config.dpo.pairs_path=/nonexistent/pairs.jsonl",

@@ -139,7 +139,7 @@ def test_error_messages_for_json_and_limits(tmp_path):
   with pytest.raises(DataError, match=r"u.jsonl:2: prompt longer than data.max_prompt_tokens "
                                       r"\(51 > 40\)$"):
     load_examples(path, BYTES, opts)
-  with pytest.raises(DataError, match=r"u.jsonl: no usable rows \(skipped field 'nope': missing: 2\)"):
+  with pytest.raises(DataError, match=r"u.jsonl: no usable rows \(2 skipped: field 'nope': missing\)"):
     load_examples(path, BYTES, DataOptions(prompt_field="nope"))
   with pytest.raises(DataError, match=r"missing.jsonl: no such file"):
     load_examples(str(tmp_path / "missing.jsonl"), BYTES)

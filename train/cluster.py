@@ -9,6 +9,7 @@ checked here, once, against the real meshes on the real devices.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 from flax import nnx
@@ -24,6 +25,7 @@ from sharding.rules import SAMPLER_RULES, batch_ways
 from train.roles import ModelRole, role_shardings
 from train.host_transfers import allowed
 
+log = logging.getLogger("jaxrl")
 MODEL_CLASSES = {"actor": LanguageModel, "reference": LanguageModel, "reward": RewardModel,
                  "critic": ValueModel}
 
@@ -34,12 +36,8 @@ class RoleCluster:
     """`initialize=False` leaves the actor abstract (a restore fills it)."""
     self.cfg = cfg
     self.devices = host_major_devices() if devices is None else list(devices)
-    pl = cfg.placement
     try:  # impossible meshes are user errors, found before anything is allocated
-      self.placement = make_placement(pl.strategy, len(self.devices),
-                                      train_devices=pl.train_devices,
-                                      sampler_tensor=pl.sampler_tensor,
-                                      n_hosts=jax.process_count())
+      self.placement = _placement(cfg, len(self.devices))
       self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
       self.actor = ModelRole("actor", self.model_factory("actor"), self.meshes["actor"])
       self.sampler_shardings = role_shardings("sampler", self.actor.abstract(), SAMPLER_RULES,
@@ -118,6 +116,30 @@ class RoleCluster:
     if self._pushed_version != self.actor.version:
       self.push()
     return self.sampler_params
+
+
+def _placement(cfg: ExperimentConfig, n_devices: int):
+  """The placement preset, its sampler `cfg.sampler_tensor` ways tensor-parallel; with
+  `placement.sampler_tensor=0` (auto), 1 way where the model or the sampler's devices do not
+  split 2 ways, said in the log."""
+  pl, tensor = cfg.placement, cfg.sampler_tensor
+  build = lambda t: make_placement(pl.strategy, n_devices, train_devices=pl.train_devices,
+                                   sampler_tensor=t, n_hosts=jax.process_count())
+  if pl.sampler_tensor or tensor == 1:
+    if not pl.sampler_tensor:
+      m = cfg.model
+      log.info("placement: the sampler decodes without tensor parallelism (the model's %d "
+               "heads, %d KV heads, MLP %d, vocabulary %d do not all split 2 ways; "
+               "placement.sampler_tensor sets it)", m.n_heads, m.n_kv_heads, m.d_ff,
+               m.vocab_size)
+    return build(tensor)
+  try:
+    return build(tensor)
+  except PlacementError:
+    placement = build(1)  # (raises what is wrong besides the tensor degree)
+    log.info("placement: the sampler decodes without tensor parallelism (its devices do not "
+             "split 2 ways; placement.sampler_tensor sets it)")
+    return placement
 
 
 def check_batch_sizes(cfg: ExperimentConfig, cluster: RoleCluster) -> None:

@@ -19,14 +19,21 @@ from sharding.mesh import batch_sharding, param_shardings
 from sharding.placement import PlacementError
 from sharding.reshard import reshard
 from sharding.reshard import move
-from sharding.rules import TRAIN_RULES, jit_on
+from sharding.rules import TRAIN_RULES, NotDivisible, jit_on
 
 
 def role_shardings(name: str, abstract: nnx.State, rules, mesh: Mesh) -> nnx.State:
   """Parameter shardings of a role, checked on abstract shapes before anything is allocated;
-  an axis that does not divide a dimension is a PlacementError naming the role."""
+  an axis that does not divide a dimension is a PlacementError naming the role and the config
+  field that sets the axis."""
   try:
     return param_shardings(abstract, rules, mesh)
+  except NotDivisible as e:
+    field = "sampler_tensor" if name == "sampler" else "train_devices"
+    raise PlacementError(
+        f"config.placement.{field}: the {name}'s mesh axis {e.axis}={e.size} does not divide "
+        f"{e.path} (dimension {e.dim}); set placement.{field} to a divisor of {e.dim}"
+        + (" (0 chooses one)" if name == "sampler" else "")) from None
   except ValueError as e:
     raise PlacementError(f"{name}: {e}") from None
 

@@ -59,10 +59,14 @@ def prepare(cfg: ExperimentConfig, *, resume: bool, run_dir: str | None = None) 
     if changed:
       log.warning("resuming with a changed config: %s", "; ".join(changed))
   if jax.process_index() == 0:
-    os.makedirs(run_dir, exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-      json.dump(to_dict(cfg), f, indent=2)
-    os.replace(path + ".tmp", path)
+    try:
+      os.makedirs(run_dir, exist_ok=True)
+      with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(to_dict(cfg), f, indent=2)
+      os.replace(path + ".tmp", path)
+    except OSError as e:  # a file in the way, no permission, a full or read-only disk
+      raise ConfigError(f"config.run_dir: cannot write the run directory {run_dir} "
+                        f"({e.strerror or type(e).__name__}: {e.filename or run_dir})") from None
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("jaxrl run dir")  # it exists before anyone reads it

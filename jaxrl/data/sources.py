@@ -258,13 +258,20 @@ def load_examples(path: str, tok: Tokenizer, opts: DataOptions = DataOptions(), 
                 f" ({demo_over[n]} > {opts.max_completion_tokens})")
     else:
       kept.append(ex)
-  return _nonempty(path, kept, tally), dict(tally.counts)
+  return _nonempty(path, kept, tally, opts), dict(tally.counts)
 
 
-def _nonempty(path: str, items: list, tally: _Tally) -> list:
+def _nonempty(path: str, items: list, tally: _Tally, opts: DataOptions) -> list:
+  """`items`, or a DataError saying how many rows were skipped for what (with the limit a length
+  rule used)."""
   if not items:
-    skipped = "; ".join(f"{reason}: {n}" for reason, n in tally.counts.most_common())
-    raise DataError(f"{path}: no usable rows" + (f" (skipped {skipped})" if skipped else ""))
+    limits = {"prompt longer than data.max_prompt_tokens": opts.max_prompt_tokens,
+              "completion longer than rl.max_new_tokens": opts.max_completion_tokens,
+              "response longer than rl.max_new_tokens": opts.max_completion_tokens}
+    skipped = "; ".join(f"{n} skipped: {reason}" + (f"={limits[reason]}" if reason in limits
+                                                      else "")
+                        for reason, n in tally.counts.most_common())
+    raise DataError(f"{path}: no usable rows" + (f" ({skipped})" if skipped else ""))
   return items
 
 
@@ -331,4 +338,4 @@ def load_pairs(path: str, tok: Tokenizer,
                 f" ({longest} > {opts.max_completion_tokens})")
     else:
       kept.append(pair)
-  return _nonempty(path, kept, tally), dict(tally.counts)
+  return _nonempty(path, kept, tally, opts), dict(tally.counts)

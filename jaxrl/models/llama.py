@@ -73,6 +73,10 @@ class ModelConfig:
   hf_path: str = ""
 
   def __post_init__(self):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                 "rope_theta", "norm_eps"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"{name}: expected > 0, got {getattr(self, name)!r}")
     if self.dtype not in DTYPES:
       raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
     if self.rope_scaling not in ROPE_SCALINGS:

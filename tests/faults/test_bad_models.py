@@ -1,0 +1,128 @@
+"""Bad Hugging Face model directories and checkpoints, and run directories in the way: one line
+naming the file or the field and what is wrong, exit code 2, no traceback, nothing written over
+a good checkpoint (tests/faults/conftest.py runs the CLI)."""
+import json
+import os
+import shutil
+
+import pytest
+
+from cli.gsm8k_tiny import make
+
+TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16, d_ff=64)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("hf") / "assets")
+  make(out, n_train=60, n_heldout=8, model=TINY)
+  return out
+
+
+def _data(assets):
+  return [f"--config.data.train_path={assets}/train.jsonl",
+          f"--config.data.heldout_path={assets}/test.jsonl", "--config.data.chat=True",
+          "--config.data.max_prompt_tokens=64", "--config.rl.max_new_tokens=64"]
+
+
+def _edit_json(path, **changes):
+  with open(path) as f:
+    obj = json.load(f)
+  obj.update(changes)
+  with open(path, "w") as f:
+    json.dump(obj, f)
+
+
+def _truncate(path):
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+
+
+def _split_index(model):
+  """The weights named by an index whose one shard file is gone."""
+  os.rename(os.path.join(model, "model.safetensors"), os.path.join(model, "shard.safetensors"))
+  from safetensors import safe_open
+  with safe_open(os.path.join(model, "shard.safetensors"), "numpy") as f:
+    names = list(f.keys())
+  with open(os.path.join(model, "model.safetensors.index.json"), "w") as f:
+    json.dump({"weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}, f)
+
+
+BROKEN = {  # how to break a copy of the model directory -> what the error says
+    "no config": (lambda m: os.remove(os.path.join(m, "config.json")),
+                  "is not a Hugging Face model directory (no config.json)"),
+    "config not json": (lambda m: open(os.path.join(m, "config.json"), "w").write("{oops"),
+                        "config.json: not valid JSON"),
+    "unknown architecture": (lambda m: _edit_json(os.path.join(m, "config.json"),
+                                                  model_type="mamba", architectures=["Mamba"]),
+                             "config.json: architectures=[\"Mamba\"] is not supported (expected "
+                             "one of ['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'])"),
+    "no weights": (lambda m: os.remove(os.path.join(m, "model.safetensors")),
+                   "neither model.safetensors nor model.safetensors.index.json"),
+    "truncated weights": (lambda m: _truncate(os.path.join(m, "model.safetensors")),
+                          "model.safetensors: cannot read"),
+    "missing shard": (_split_index, "model.safetensors.index.json) is missing"),
+    "no tokenizer": (lambda m: os.remove(os.path.join(m, "tokenizer.json")),
+                     "no tokenizer.json"),
+    "vocab too small": (lambda m: _edit_json(os.path.join(m, "config.json"), vocab_size=100),
+                        "config.model.vocab_size: expected >= "),
+    "wrong shapes": (lambda m: _edit_json(os.path.join(m, "config.json"), intermediate_size=96),
+                     "does not match the model's", "--config.model.d_ff=96"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_a_broken_model_directory_is_one_line_and_exit_2(cli, assets, tmp_path, name):
+  model = str(tmp_path / "model")
+  shutil.copytree(os.path.join(assets, "model"), model)
+  breaks, message, *extra = BROKEN[name]
+  breaks(model)
+  rc, line = cli(f"--config.model.hf_path={model}", *_data(assets), *extra)
+  assert rc == 2 and message in line, line
+
+
+def test_a_model_directory_that_does_not_exist(cli):
+  rc, line = cli("--config.model.hf_path=/nope")
+  assert (rc, line) == (2, "config.model.hf_path: '/nope' is not a Hugging Face model directory "
+                           "(no config.json)")
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+  """A run of the tiny config that saved its SFT checkpoint (2 steps, no RL)."""
+  from cli.train import main
+  root = tmp_path_factory.mktemp("saved")
+  assert main(["jaxrl-train", "--config=configs/tiny.py", f"--config.run_dir={root}",
+               "--config.run_name=run", "--config.sft.steps=2", "--config.rl.steps=0"]) == 0
+  return str(root / "run")
+
+
+def test_checkpoints_that_do_not_fit(cli, saved_run):
+  sft = os.path.join(saved_run, "checkpoints", "sft")
+  rc, line = cli(f"--config.init_checkpoint={sft}", "--config.model.d_ff=128")
+  assert rc == 2 and line.startswith(f"config.init_checkpoint: '{sft}' step 2 does not fit this "
+                                     "model: decoder/blocks/0/mlp/w_down is (32, 64) there, "
+                                     "(32, 128) here"), line
+  rc, line = cli("--config.init_checkpoint=/nope")
+  assert (rc, line) == (2, "config.init_checkpoint: no such directory '/nope'")
+  before = sorted(os.listdir(sft))
+  rc, line = cli(f"--config.run_dir={os.path.dirname(saved_run)}", "--config.run_name=run",
+                 "--resume", "--config.model.d_ff=128")
+  assert rc == 2 and line.startswith("checkpoints/sft/2 does not fit this config: actor/decoder"
+                                     "/blocks/0/mlp/w_down is (32, 64) there, (32, 128) here"), line
+  assert sorted(os.listdir(sft)) == before  # nothing moved aside or written over
+
+
+def test_run_directories_in_the_way(cli, saved_run, tmp_path):
+  runs = os.path.dirname(saved_run)
+  rc, line = cli(f"--config.run_dir={runs}", "--config.run_name=run")
+  assert (rc, line) == (2, f"config.run_name: {saved_run} already holds checkpoints; pass "
+                           "--resume to continue that run, or pick a new name")
+  rc, line = cli("--resume")
+  assert (rc, line) == (2, "config.run_name: --resume continues a named run; set the name the "
+                           "run was started with")
+  (tmp_path / "afile").write_text("x")
+  rc, line = cli(f"--config.run_dir={tmp_path / 'afile'}", "--config.run_name=r")
+  assert (rc, line) == (2, f"config.run_dir: cannot write the run directory "
+                           f"{tmp_path / 'afile' / 'r'} (Not a directory: "
+                           f"{tmp_path / 'afile' / 'r'})")
