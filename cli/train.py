@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
   import jax
   from jaxrl.config import ConfigError
   from train.executors import ExecutorError
+  from train.hooks import NumericsError
   primary = jax.process_index() == 0
   if primary:
     print(f"jaxrl: run dir {exp.run_dir}", flush=True)
@@ -184,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
   except KeyboardInterrupt:
     print("jaxrl: interrupted; the last saved checkpoint is intact", file=sys.stderr)
     return 130
+  except NumericsError as e:  # the model diverged: not a user error, but no bug to trace
+    print(f"jaxrl: error: {e}", file=sys.stderr)
+    return 1
   except ExecutorError as e:
     if isinstance(e.__cause__, ConfigError):  # e.g. a user reward function that misbehaved
       return fail(f"{e.__cause__}; stopped, saved checkpoints are intact")

@@ -342,6 +342,9 @@ class ExperimentConfig:
   checkpoint_every: int = 50  # steps of any stage between run-state checkpoints
   checkpoint_minutes: float = 30.0  # and at least this often (0: off)
   keep_checkpoints: int = 3  # per stage: the last K, plus the best by held-out accuracy
+  # Optimizer updates (one per minibatch) with a NaN or Inf in their gradients are skipped; this
+  # many in a row stop the run.
+  max_skipped_updates: int = 5
   progress: bool = True
   # JAX's persistent compilation cache (train/compilation.py): empty: JAXRL_COMPILATION_CACHE,
   # else $XDG_CACHE_HOME/jaxrl/xla (~/.cache/jaxrl/xla); a directory; "off"
@@ -359,7 +362,7 @@ class ExperimentConfig:
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
   def __post_init__(self):
-    _positive(self, "checkpoint_every", "keep_checkpoints")
+    _positive(self, "checkpoint_every", "keep_checkpoints", "max_skipped_updates")
     _at_least_zero(self, "checkpoint_minutes", "seed")
     if self.rl.mode == "async" and self.placement.strategy not in ("separate", "plan"):
       raise ValueError(

@@ -28,7 +28,7 @@ from train import compilation, resume, rundir
 from train.checkpoint import RunCheckpointer, load_actor_params, params_fingerprint
 from jaxrl.config_files import merge, resolve
 from train.context import RunContext
-from train.hooks import Checkpoint, Evaluate, Log, Progress, StopRequest
+from train.hooks import Checkpoint, Evaluate, Log, NonFinite, Progress, StopRequest
 from train.metrics import MetricsWriter, plain_row, plot_metrics
 from train.sampling import Completion, sample
 from train.stages import STAGES, Stage, Stopped, run_stage
@@ -81,6 +81,7 @@ class Experiment:
     self.stop = StopRequest(self._save)
     self.progress = Progress(self.cfg.progress and jax.process_index() == 0)
     self.hooks = [Evaluate(initial=resumed is None), Log(self.writer, lambda: self.summary),
+                  NonFinite(self.cfg.max_skipped_updates),
                   Checkpoint(self._save, self.cfg.checkpoint_every, self.cfg.checkpoint_minutes),
                   self.progress, self.stop]
 

@@ -124,6 +124,32 @@ def agreed(flag: bool) -> bool:
   return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
 
 
+class NumericsError(RuntimeError):
+  """Too many updates in a row had a NaN or an Inf in their gradients."""
+
+
+class NonFinite(Hook):
+  """Stops the run once `limit` updates in a row were skipped for a NaN or an Inf in their
+  gradients (the optimizer skips them: train/steps.py, `make_optimizer`). It reads the count
+  from rows the Log hook has fetched, so it adds no host transfer: every step in RL, every
+  `log_every` steps in SFT, DPO and reward-model training. Skipped updates leave the weights
+  as they were, and it runs before the Checkpoint hook, so the last checkpoint is a good one."""
+
+  def __init__(self, limit: int):
+    self.limit = limit
+
+  def after_step(self, stage, row):
+    runs = [v for k, v in row.items() if k.endswith("skipped_in_a_row_max")
+            and isinstance(v, (int, float))]
+    if runs and max(runs) >= self.limit:
+      saved = stage.progress.saved
+      raise NumericsError(
+          f"{stage.name} step {stage.progress.done}: {int(max(runs))} updates in a row had a NaN "
+          f"or an Inf in their gradients and were skipped (max_skipped_updates={self.limit}); "
+          + ("no checkpoint of this stage was saved yet" if saved is None else
+             f"checkpoints/{stage.name}/{saved} is intact"))
+
+
 class Checkpoint(Hook):
   """A run-state checkpoint every `every` steps, at least every `minutes`, and at the end of
   every stage; `save(stage)` writes one (train/experiment.py)."""

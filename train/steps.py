@@ -25,13 +25,31 @@ class TrainState:
   opt_state: optax.OptState
 
 
+NEVER_GIVE_UP = 2**30  # optax.apply_if_finite applies non-finite updates after this many
+
+
 def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, total_steps: int = 1,
                    weight_decay: float = 0.0, max_grad_norm: float = 1.0):
+  """Clipped AdamW on a warm-up + cosine schedule. An update whose gradients hold a NaN or an
+  Inf (from a NaN reward, advantage or loss too) is skipped: parameters, moments and schedule
+  stay as they were, and the optimizer state counts it (`guard_metrics`); the run decides
+  when too many in a row are too many (train/hooks.py, `NonFinite`)."""
   warmup_steps = max(warmup_steps, 1)
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, learning_rate, warmup_steps, max(total_steps, warmup_steps + 1), learning_rate * 0.1)
-  return optax.chain(optax.clip_by_global_norm(max_grad_norm),
-                     optax.adamw(schedule, b2=0.98, weight_decay=weight_decay))
+  return optax.apply_if_finite(optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                                           optax.adamw(schedule, b2=0.98,
+                                                       weight_decay=weight_decay)),
+                               max_consecutive_errors=NEVER_GIVE_UP)
+
+
+def guard_metrics(opt_state, prefix: str = "") -> dict:
+  """Whether the update just made was skipped for non-finite gradients (1.0) or applied (0.0),
+  and how many in a row have been skipped (`..._max`: the most over a step's minibatches)."""
+  if not isinstance(opt_state, optax.ApplyIfFiniteState):
+    return {}
+  return {f"{prefix}skipped_updates": 1.0 - opt_state.last_finite.astype(jnp.float32),
+          f"{prefix}skipped_in_a_row_max": opt_state.notfinite_count}
 
 
 def token_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT=None, start: int = 0):
@@ -54,10 +72,12 @@ def completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int):
   return token_logprobs(graphdef, params, tokens_BT, valid_BT, start=prompt_len - 1)
 
 
-def _apply(state: TrainState, grads, optimizer) -> TrainState:
+def _apply(state: TrainState, grads, optimizer, metrics: dict, prefix: str = ""):
+  """(the state after the update, `metrics` with the non-finite guard's)."""
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                    opt_state=opt_state)
+  state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                     opt_state=opt_state)
+  return state, {**metrics, **guard_metrics(opt_state, prefix)}
 
 
 def sft_update(state: TrainState, batch, *, graphdef, optimizer):
@@ -71,7 +91,7 @@ def sft_update(state: TrainState, batch, *, graphdef, optimizer):
     return -(logp_BT * mask_BT).sum() / jnp.maximum(mask_BT.sum(), 1)
 
   loss, grads = jax.value_and_grad(loss_fn)(state.params)
-  return _apply(state, grads, optimizer), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+  return _apply(state, grads, optimizer, {"loss": loss, "grad_norm": optax.tree.norm(grads)})
 
 
 def advantages(rewards_B, mask_BN, kl_BN=None, values_BN=None, *, cfg: RLConfig):
@@ -224,7 +244,7 @@ def rl_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig):
                                             (mb, weights_BN, token_weights_BN),
                                             micro_batches(mb, cfg))
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
-    return _apply(state, grads, optimizer), metrics
+    return _apply(state, grads, optimizer, metrics)
 
   return scan_minibatches(one, state, exp, cfg.num_minibatches)
 
@@ -252,8 +272,9 @@ def critic_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig)
     weights_BN = aggregation_weights("token_mean", mb.completion_mask_BN)
     loss, _, grads = accumulate_grads(loss_fn, compute_copy(graphdef, state.params),
                                       (mb, weights_BN), micro_batches(mb, cfg))
-    return _apply(state, grads, optimizer), {"value_loss": loss,
-                                             "critic_grad_norm": optax.tree.norm(grads)}
+    return _apply(state, grads, optimizer, {"value_loss": loss,
+                                            "critic_grad_norm": optax.tree.norm(grads)},
+                  prefix="critic_")
 
   return scan_minibatches(one, state, exp, cfg.num_minibatches)
 
@@ -275,7 +296,7 @@ def reward_model_update(state: TrainState, batch, *, graphdef, optimizer):
   (loss, (chosen_B, rejected_B)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   metrics = {"loss": loss, "accuracy": (chosen_B > rejected_B).mean(),
              "margin": (chosen_B - rejected_B).mean(), "grad_norm": optax.tree.norm(grads)}
-  return _apply(state, grads, optimizer), metrics
+  return _apply(state, grads, optimizer, metrics)
 
 
 def sequence_logprobs(graphdef, params, tokens_BT, valid_BT, completion_mask_BN,
@@ -298,4 +319,4 @@ def dpo_update(state: TrainState, batch, *, graphdef, optimizer, beta: float, pr
   (loss, margin_B), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   metrics = {"loss": loss, "margin": margin_B.mean(), "accuracy": (margin_B > 0).mean(),
              "grad_norm": optax.tree.norm(grads)}
-  return _apply(state, grads, optimizer), metrics
+  return _apply(state, grads, optimizer, metrics)
