@@ -16,6 +16,7 @@ from jaxrl.algos.correction import ROLLOUT_MASKS
 from jaxrl.data.sources import ANSWER_FORMATS
 from jaxrl.data.tasks import TASKS
 from jaxrl.models.llama import ModelConfig
+from jaxrl.rewards.user import POLICIES as USER_CODE_POLICIES
 from jaxrl.rewards.verifier import VERIFIERS
 
 # Placement presets (sharding/placement.py builds them); "plan" asks the planner for one.
@@ -40,22 +41,15 @@ def _choice(obj, name: str, options) -> None:
     raise ValueError(f"{name}: expected one of {sorted(options)}, got {getattr(obj, name)!r}")
 
 
-def _positive(obj, *names: str) -> None:
+def _check(obj, names, ok, expected: str) -> None:
   for name in names:
-    if getattr(obj, name) <= 0:
-      raise ValueError(f"{name}: expected > 0, got {getattr(obj, name)!r}")
+    if not ok(getattr(obj, name)):
+      raise ValueError(f"{name}: expected {expected}, got {getattr(obj, name)!r}")
 
 
-def _at_least_zero(obj, *names: str) -> None:
-  for name in names:
-    if getattr(obj, name) < 0:
-      raise ValueError(f"{name}: expected >= 0, got {getattr(obj, name)!r}")
-
-
-def _unit(obj, *names: str) -> None:
-  for name in names:
-    if not 0.0 <= getattr(obj, name) <= 1.0:
-      raise ValueError(f"{name}: expected in [0, 1], got {getattr(obj, name)}")
+_positive = lambda obj, *names: _check(obj, names, lambda v: v > 0, "> 0")  # noqa: E731
+_at_least_zero = lambda obj, *names: _check(obj, names, lambda v: v >= 0, ">= 0")  # noqa: E731
+_unit = lambda obj, *names: _check(obj, names, lambda v: 0 <= v <= 1, "in [0, 1]")  # noqa: E731
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,17 +249,23 @@ class RLConfig:
   # The reward of `reward="verifier"` and the held-out score: exact_match | math (math-verify
   # equivalence) | package.module:function (called with prompts, completions, row fields).
   verifier: str = "exact_match"
+  # User code (a package.module verifier or environment): each call's time limit, and what a
+  # raise, hang, wrong type or NaN does: stop | zero (scored 0, counted: `user_code_errors`)
+  user_code_timeout_s: float = 60.0
+  on_user_code_error: str = "stop"
 
   def __post_init__(self):
     for name, options in [("mode", MODES), ("advantage", ADVANTAGES), ("reward", REWARDS),
                           ("policy_loss", POLICY_LOSSES), ("kl_estimator", KL_ESTIMATORS),
                           ("kl_mode", KL_MODES), ("loss_aggregation", AGGREGATIONS),
                           ("rollout_mask", ROLLOUT_MASKS),
-                          ("async_schedule", ASYNC_SCHEDULES)]:
+                          ("async_schedule", ASYNC_SCHEDULES),
+                          ("on_user_code_error", USER_CODE_POLICIES)]:
       _choice(self, name, options)
     _positive(self, "prompts_per_step", "group_size", "num_minibatches", "temperature",
               "aipo_rho", "max_grad_norm", "max_new_tokens", "learning_rate",
-              "critic_learning_rate", "clip_eps_low", "clip_eps_high", "value_clip_eps")
+              "critic_learning_rate", "clip_eps_low", "clip_eps_high", "value_clip_eps",
+              "user_code_timeout_s")
     if ":" not in self.verifier:
       _choice(self, "verifier", VERIFIERS)
     _at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap", "kl_coef",

@@ -136,11 +136,11 @@ def test_load_reward_fn_errors(reward_module, spec, message):
 
 
 @pytest.mark.parametrize("name,message", [
-    ("boom", r"my_rewards:boom raised on sample 1 \(ZeroDivisionError: float division by zero\)$"),
-    ("short", r"my_rewards:short returned 1 rewards for 2 samples$"),
-    ("not_number", r"my_rewards:not_number: sample 1: returned 'high', not a finite number$"),
-    ("nan", r"my_rewards:nan: sample 1: returned nan, not a finite number$"),
-    ("scalar", r"my_rewards:scalar returned a float, not a list of 2 numbers$"),
+    ("boom", r"my_rewards:boom on sample 1: raised ZeroDivisionError: float division by zero$"),
+    ("short", r"my_rewards:short: returned 1 rewards for 2 samples$"),
+    ("not_number", r"my_rewards:not_number on sample 1: returned 'high', not a finite number$"),
+    ("nan", r"my_rewards:nan on sample 1: returned nan, not a finite number$"),
+    ("scalar", r"my_rewards:scalar: returned a float, not a list of 2 numbers$"),
 ])
 def test_call_reward_fn_errors(reward_module, name, message):
   fn = load_reward_fn(f"{reward_module}:{name}")

@@ -5,6 +5,7 @@ never reaches another stage, only this context.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -12,14 +13,14 @@ from collections.abc import Callable
 import grain
 import numpy as np
 
-from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.config import ConfigError, ExperimentConfig, RLConfig, first_line
 from jaxrl.data.pipeline import Encoding, prompt_batch, prompt_dataset, prompt_length, target_length
 from jaxrl.data.files import DataError
-from jaxrl.envs import EnvError, environment_factory
+from jaxrl.envs import ENVIRONMENTS, ContainedEnvironment, EnvError, environment_factory
 from jaxrl.data.sources import DataOptions, load_examples
 from jaxrl.data.tasks import Example, make_splits
 from jaxrl.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
-from jaxrl.rewards.user import RewardFnError, call_reward_fn, load_reward_fn
+from jaxrl.rewards.user import RewardFnError, call_reward_fn, call_with_timeout, load_reward_fn
 from jaxrl.rewards.verifier import VERIFIERS
 from train.cluster import RoleCluster
 from train.experience import completion_texts, completion_tokens
@@ -45,12 +46,17 @@ class TaskData:
   verifier: Callable[[str, str], float]  # one completion against one reference answer
   prompts: grain.MapDataset  # RL prompt batches, read by index (the data position)
   skipped: dict  # bad rows skipped, by reason (the summary's data_skipped_rows)
+  # Calls of user code scored 0 or ended (rl.on_user_code_error="zero"): "reward", "environment"
+  user_code_errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
-def make_reward(name: str) -> tuple[Reward, Callable[[str, str], float]]:
+def make_reward(name: str, rl: RLConfig | None = None,
+                report: Callable[[int], None] | None = None
+                ) -> tuple[Reward, Callable[[str, str], float]]:
   """(batch reward, per-sample verifier) of `rl.verifier`: a built-in verifier of completions
   against reference answers, or `package.module:function` called with the batch's prompts,
-  completions and row fields (the reference answer as `answer`)."""
+  completions and row fields (the reference answer as `answer`), contained by
+  `rl.user_code_timeout_s` and `rl.on_user_code_error` (its failures told to `report`)."""
   if ":" not in name:
     verifier = VERIFIERS[name]
     return (lambda prompts, completions, examples: np.array(
@@ -59,10 +65,13 @@ def make_reward(name: str) -> tuple[Reward, Callable[[str, str], float]]:
     fn = load_reward_fn(name)
   except RewardFnError as e:
     raise ConfigError(f"config.rl.verifier: {e}") from None
+  rl = rl or RLConfig()
 
   def reward(prompts, completions, examples):
     return call_reward_fn(fn, prompts, completions,
-                          [{**ex.fields, "answer": ex.answer} for ex in examples])
+                          [{**ex.fields, "answer": ex.answer} for ex in examples],
+                          timeout_s=rl.user_code_timeout_s, policy=rl.on_user_code_error,
+                          report=report)
   return reward, lambda text, answer: float(reward([""], [text], [Example("", answer)])[0])
 
 
@@ -131,7 +140,9 @@ def load_task(cfg: ExperimentConfig, tok: Tokenizer) -> TaskData:
       log.warning("data: skipped %d rows (%s)", n, what)
   else:
     (train, heldout), skipped = _synthetic(cfg, enc), {}
-  reward, verifier = make_reward(cfg.rl.verifier)
+  errors = collections.Counter()  # user code that misbehaved, under the "zero" policy
+  reward, verifier = make_reward(cfg.rl.verifier, cfg.rl,
+                                 lambda n: errors.update({"reward": n}))
   p_len, buckets = cfg.data.max_prompt_tokens, cfg.rl.length_buckets
   if buckets:  # the buckets split the lengths that occur: up to the data's longest prompt
     p_len = min(p_len, prompt_length(train + heldout, enc))
@@ -139,7 +150,7 @@ def load_task(cfg: ExperimentConfig, tok: Tokenizer) -> TaskData:
                   max_new_tokens=cfg.rl.max_new_tokens, reward=reward, verifier=verifier,
                   prompts=prompt_dataset(train, enc, batch_size=cfg.rl.prompts_per_step,
                                          length=p_len, seed=cfg.seed + 1, buckets=buckets),
-                  skipped=skipped)
+                  skipped=skipped, user_code_errors=errors)
 
 
 class RunContext:
@@ -153,17 +164,34 @@ class RunContext:
     self.generator = Generator(self.cluster, max_new_tokens=self.task.max_new_tokens,
                                tok=self.tok, rl=cfg.rl, environment=self._environment())
     self.timeline = Timeline()
+    rl = cfg.rl  # a user's verifier or environment runs contained (rl.on_user_code_error)
+    self.user_code = ":" in rl.verifier or ":" in rl.environment
     self.samplers: dict = {}  # Experiment.sample's compiled samplers, by settings
 
   def _environment(self):
-    """A zero-argument factory of the run's environment (`rl.environment`), or None."""
-    if not self.cfg.rl.environment:
+    """A zero-argument factory of the run's environment (`rl.environment`), or None; a user's
+    class is contained (jaxrl/envs/contained.py)."""
+    rl = self.cfg.rl
+    if not rl.environment:
       return None
     try:
-      factory = environment_factory(self.cfg.rl.environment)
+      factory = environment_factory(rl.environment)
     except EnvError as e:
       raise ConfigError(f"config.rl.environment: {e}") from None
-    return lambda: factory(self.tok, self.task.verifier)
+    if rl.environment in ENVIRONMENTS:
+      return lambda: factory(self.tok, self.task.verifier)
+    count = lambda n: self.task.user_code_errors.update({"environment": n})
+    return lambda: ContainedEnvironment(
+        self._call_user(lambda: factory(self.tok, self.task.verifier)), name=rl.environment,
+        timeout_s=rl.user_code_timeout_s, policy=rl.on_user_code_error, report=count)
+
+  def _call_user(self, make):
+    """A user environment's constructor: what it raises is a one-line config error."""
+    try:
+      return call_with_timeout(make, self.cfg.rl.user_code_timeout_s)
+    except Exception as e:  # noqa: BLE001 - user code
+      raise ConfigError(f"config.rl.environment: {self.cfg.rl.environment}: the constructor "
+                        f"raised {type(e).__name__}: {first_line(e)}") from None
 
   def rewards(self, rollout, examples) -> np.ndarray:
     """[B] rewards of a rollout: its environments' (multi-turn) or the verifier's."""

@@ -225,7 +225,7 @@ class Controller:
 
   def step(self) -> dict:
     """One RL step; returns its metrics row (host values)."""
-    t0 = time.perf_counter()
+    t0, errors = time.perf_counter(), self.ctx.task.user_code_errors.total()
     batch, waited = self.next_rollout()
     self.next_index = batch.index + 1
     verified_B, extra = None, {}
@@ -241,6 +241,8 @@ class Controller:
     exp, exp_metrics, verified_B = self.experience(rollout, prompts, verified_B)
     t_score = time.perf_counter() - t0 - waited
     metrics, times = self.update(exp)
+    if self.ctx.user_code:  # calls of it scored 0 or ended (async: those of this interval)
+      extra["user_code_errors"] = self.ctx.task.user_code_errors.total() - errors
     row = to_host({**exp_metrics, **metrics}, "metrics")
     step_time = time.perf_counter() - t0
     return {**row, **extra, "verified_mean": float(verified_B.mean()), **times,

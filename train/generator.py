@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, RLConfig
-from jaxrl.envs import Environment
+from jaxrl.envs import Environment, EnvError
 from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
@@ -93,10 +93,13 @@ class Generator:
     sampler = self.turn_samplers[greedy]
     tokens_BP, valid_BP = prompts["prompt_tokens"], prompts["prompt_valid"]
     rows = np.repeat(np.arange(len(tokens_BP)), 1 if greedy else self.sampler.n)
-    talks = converse(sampler, params, [tokens_BP[i][valid_BP[i]].tolist() for i in rows],
-                     [prompts["examples"][i] for i in rows],
-                     [self.environment() for _ in rows], key,
-                     max_new_tokens=sampler.cfg.max_new_tokens, max_turns=self.max_turns)
+    try:
+      talks = converse(sampler, params, [tokens_BP[i][valid_BP[i]].tolist() for i in rows],
+                       [prompts["examples"][i] for i in rows],
+                       [self.environment() for _ in rows], key,
+                       max_new_tokens=sampler.cfg.max_new_tokens, max_turns=self.max_turns)
+    except EnvError as e:  # a user's environment misbehaved (rl.on_user_code_error="stop")
+      raise ConfigError(f"config.rl.environment: {e}") from None
     host = as_rollout(talks, tokens_BP[rows], valid_BP[rows], budget=sampler.cfg.max_new_tokens,
                       pad_id=self.pad_id)
     mesh = self.sampler.mesh

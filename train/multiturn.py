@@ -21,13 +21,14 @@ from it as row r), so a batch's conversations are a function of its key.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from jaxrl.envs import Environment
+from jaxrl.envs import Environment, EnvError
 from sampler.engine import Rollout
 from sampler.requests import WIDTH_STEP, Request, Requests
 from sampler.sampler import Sampler
@@ -37,6 +38,7 @@ from train.host_transfers import to_host
 @dataclasses.dataclass
 class _Conversation:
   env: Environment
+  index: int = 0  # its row (named when its environment fails)
   ids: list[int] = dataclasses.field(default_factory=list)
   policy: list[bool] = dataclasses.field(default_factory=list)  # which ids the model emitted
   logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -52,10 +54,22 @@ class _Conversation:
     self.logprobs += list(logprobs[:len(ids)]) if logprobs is not None else [0.0] * len(ids)
     return len(self.ids) < budget
 
+  def reset(self, example, budget: int) -> None:
+    with self._named():
+      self.add(self.env.reset(example), None, budget)
+
+  @contextlib.contextmanager
+  def _named(self):
+    try:
+      yield
+    except EnvError as e:
+      raise EnvError(f"conversation {self.index}: {e}") from None
+
   def reply(self, turn_ids: list[int], logprobs: list[float], budget: int) -> bool:
     """Adds the model's turn and the environment's answer to it; whether the model goes on."""
     room = self.add(turn_ids, logprobs, budget)
-    step = self.env.step(turn_ids)
+    with self._named():
+      step = self.env.step(turn_ids)
     self.done, self.reward = step.done, self.reward + step.reward
     if room and not step.done:
       room = self.add(step.observation, None, budget)
@@ -67,9 +81,9 @@ def converse(sampler: Sampler, params, prompts_B: Sequence[Sequence[int]], examp
              max_turns: int) -> list[_Conversation]:
   """Runs each row's conversation (prompt ids `prompts_B[i]`, dataset row `examples_B[i]`) to
   its end; each turn's budget is what is left of the row's `max_new_tokens`."""
-  talks = [_Conversation(env) for env in envs_B]
+  talks = [_Conversation(env, i) for i, env in enumerate(envs_B)]
   for talk, example in zip(talks, examples_B):
-    talk.add(talk.env.reset(example), None, max_new_tokens)
+    talk.reset(example, max_new_tokens)
   if sampler.inflight_slots:
     return _converse_inflight(sampler, params, prompts_B, talks, key, max_new_tokens, max_turns)
   for turn in range(max_turns):

@@ -4,14 +4,11 @@ sandbox (tools.py), chosen by name from `ENVIRONMENTS`, or a user's class "packa
 from __future__ import annotations
 
 from jaxrl.envs.base import Environment, EnvironmentFactory, Step, ToolEnvironment
+from jaxrl.envs.contained import ContainedEnvironment, EnvError
 from jaxrl.envs.tools import Calculator, PythonSandbox
 from jaxrl.rewards.user import load_callable
 
 ENVIRONMENTS: dict[str, EnvironmentFactory] = {"calculator": Calculator, "python": PythonSandbox}
-
-
-class EnvError(ValueError):
-  """An environment that cannot be found or loaded; one line naming it."""
 
 
 def environment_factory(spec: str) -> EnvironmentFactory:
@@ -24,5 +21,6 @@ def environment_factory(spec: str) -> EnvironmentFactory:
   return load_callable(spec, "environment", "package.module:Class", EnvError)
 
 
-__all__ = ["ENVIRONMENTS", "Calculator", "Environment", "EnvError", "EnvironmentFactory",
-           "PythonSandbox", "Step", "ToolEnvironment", "environment_factory"]
+__all__ = ["ENVIRONMENTS", "Calculator", "ContainedEnvironment", "Environment", "EnvError",
+           "EnvironmentFactory", "PythonSandbox", "Step", "ToolEnvironment",
+           "environment_factory"]

@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+POLICIES = ("stop", "zero")  # what a misbehaving user function does to the run
 # Names the call itself passes; dataset fields with these names are not forwarded.
 _RESERVED = ("prompts", "completions")
 
@@ -72,47 +74,100 @@ def _call(fn: Callable, prompts: list[str], completions: list[str], fields) -> A
   return fn(prompts=prompts, completions=completions, **_columns(fields))
 
 
-def _failing_sample(fn, prompts, completions, fields) -> int | None:
-  """The first sample on which `fn` raises when called alone, to name it in the error."""
-  for i in range(len(prompts)):
-    try:
-      _call(fn, prompts[i:i + 1], completions[i:i + 1], fields[i:i + 1])
-    except Exception:
-      return i
-  return None
-
-
-def call_reward_fn(fn: Callable, prompts: Sequence[str], completions: Sequence[str],
-                   fields: Sequence[Mapping[str, Any]] | None = None) -> np.ndarray:
-  """rewards_B float32 from one batched call `fn(prompts=, completions=, **field_lists)`.
-
-  When the batched call raises, each sample is retried alone to name the first failing one."""
-  prompts, completions = list(prompts), list(completions)
-  fields = list(fields) if fields is not None else [{} for _ in prompts]
-  if not len(prompts) == len(completions) == len(fields):
-    raise ValueError(f"call_reward_fn: {len(prompts)} prompts, {len(completions)} completions "
-                     f"and {len(fields)} field rows")
-  try:
-    out = _call(fn, prompts, completions, fields)
-  except Exception as e:
-    at = _failing_sample(fn, prompts, completions, fields)
-    where = f" on sample {at}" if at is not None else ""
-    raise RewardFnError(f"reward function {_name(fn)} raised{where} ({_one_line(e)})") from e
+def _values(fn: Callable, out: Any, n: int) -> tuple[np.ndarray, list[tuple[int, str]]]:
+  """The rewards a call returned, and what was wrong, per sample ((index, message); a wrong
+  type, shape or length is wrong for every sample). Bad samples' rewards are 0."""
   if isinstance(out, (str, bytes, Mapping)) or not hasattr(out, "__len__"):
-    raise RewardFnError(f"reward function {_name(fn)} returned a {type(out).__name__}, "
-                        f"not a list of {len(prompts)} numbers")
+    return np.zeros(n, np.float32), [(i, f"returned a {type(out).__name__}, not a list of {n} "
+                                        "numbers") for i in range(n)]
   if hasattr(out, "__array__"):  # numpy or jax arrays: plain Python numbers, one per sample
     array = np.asarray(out)
     if array.ndim != 1:
-      raise RewardFnError(f"reward function {_name(fn)} returned an array of shape "
-                          f"{array.shape}, not ({len(prompts)},)")
+      return np.zeros(n, np.float32), [(i, f"returned an array of shape {array.shape}, not "
+                                          f"({n},)") for i in range(n)]
     out = array.tolist()
   out = list(out)
-  if len(out) != len(prompts):
-    raise RewardFnError(f"reward function {_name(fn)} returned {len(out)} rewards for "
-                        f"{len(prompts)} samples")
-  for i, value in enumerate(out):
-    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-      raise RewardFnError(f"reward function {_name(fn)}: sample {i}: returned {value!r}, not a "
-                          "finite number")
-  return np.asarray(out, np.float32)
+  if len(out) != n:
+    return np.zeros(n, np.float32), [(i, f"returned {len(out)} rewards for {n} samples")
+                                     for i in range(n)]
+  bad = [(i, f"returned {v!r}, not a finite number") for i, v in enumerate(out)
+         if not isinstance(v, numbers.Real) or not math.isfinite(float(v))]
+  skip = {i for i, _ in bad}
+  return np.asarray([0.0 if i in skip else float(v) for i, v in enumerate(out)], np.float32), bad
+
+
+def call_reward_fn(fn: Callable, prompts: Sequence[str], completions: Sequence[str],
+                   fields: Sequence[Mapping[str, Any]] | None = None, *,
+                   timeout_s: float | None = None, policy: str = "stop",
+                   report: Callable[[int], None] | None = None) -> np.ndarray:
+  """rewards_B float32 from one batched call `fn(prompts=, completions=, **field_lists)`, run
+  with `timeout_s` (the call is abandoned when it runs over: a hang cannot stall the run).
+
+  What goes wrong is named with the sample's index: a raise (each sample is then retried alone
+  to find it), a timeout, a wrong type, shape or length, a NaN. `policy="stop"` raises a
+  RewardFnError; `"zero"` scores those samples 0 and tells `report(count)`."""
+  prompts, completions = list(prompts), list(completions)
+  fields = list(fields) if fields is not None else [{} for _ in prompts]
+  n = len(prompts)
+  if not n == len(completions) == len(fields):
+    raise ValueError(f"call_reward_fn: {n} prompts, {len(completions)} completions and "
+                     f"{len(fields)} field rows")
+  try:
+    rewards, bad = _values(fn, call_with_timeout(_call, timeout_s, fn, prompts, completions,
+                                                 fields), n)
+  except UserCodeTimeout as e:
+    rewards, bad = np.zeros(n, np.float32), [(i, str(e)) for i in range(n)]
+  except Exception as e:
+    rewards, bad = _each_alone(fn, prompts, completions, fields, timeout_s, e)
+  if bad and policy == "stop":
+    at, message = bad[0]
+    where = "" if len(bad) == n and at == 0 and n > 1 else f" on sample {at}"
+    raise RewardFnError(f"reward function {_name(fn)}{where}: {message}")
+  if bad and report is not None:
+    report(len(bad))
+  return rewards
+
+
+def _each_alone(fn, prompts, completions, fields, timeout_s, error: Exception):
+  """After a batched call raised: every sample alone, the ones that raise scored 0."""
+  rewards, bad = np.zeros(len(prompts), np.float32), []
+  for i in range(len(prompts)):
+    try:
+      value, wrong = _values(fn, call_with_timeout(_call, timeout_s, fn, prompts[i:i + 1],
+                                                   completions[i:i + 1], fields[i:i + 1]), 1)
+    except Exception as e:  # noqa: BLE001 - user code: anything, a timeout too
+      bad.append((i, f"raised {_one_line(e)}"))
+      continue
+    rewards[i] = value[0]
+    bad += [(i, message) for _, message in wrong]
+  if not bad:  # every sample passes alone: the batch as a whole was the problem
+    bad = [(0, f"raised {_one_line(error)} on the batch, not on any sample alone")]
+  return rewards, bad
+
+
+class UserCodeTimeout(TimeoutError):
+  """A user function that did not return in time (its thread is abandoned, not waited for)."""
+
+
+def call_with_timeout(fn: Callable, timeout_s: float | None, *args, **kwargs):
+  """`fn(*args, **kwargs)` in a daemon thread, or UserCodeTimeout after `timeout_s` seconds
+  (None: no limit, called in place). A Python thread cannot be killed: a function that hangs
+  goes on in the background, but the run does not wait for it."""
+  if timeout_s is None:
+    return fn(*args, **kwargs)
+  box: dict = {}
+
+  def run():
+    try:
+      box["out"] = fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+      box["error"] = e
+
+  thread = threading.Thread(target=run, name="user-code", daemon=True)
+  thread.start()
+  thread.join(timeout_s)
+  if thread.is_alive():
+    raise UserCodeTimeout(f"did not return within {timeout_s:g} s")
+  if "error" in box:
+    raise box["error"]
+  return box["out"]

@@ -1,0 +1,78 @@
+"""A user's environment, contained: every `reset` and `step` runs with a time limit in a thread
+the run can abandon (`jaxrl.rewards.user.call_with_timeout`), and what it returns is checked (a
+list of token ids, a finite reward, a bool). When it raises, hangs or returns something else,
+the policy decides: "stop" raises an EnvError naming the environment, the call and what went
+wrong; "zero" ends that conversation with no further reward and tells `report(1)`. The shipped
+environments run in place: their own evaluator already bounds every call (evaluate.py).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+
+from jaxrl.envs.base import Environment, Step
+from jaxrl.rewards.user import call_with_timeout
+
+
+class EnvError(ValueError):
+  """An environment that cannot be found, loaded or run; one line naming it."""
+
+
+def _checked_ids(ids, what: str) -> list[int]:
+  if isinstance(ids, (str, bytes)) or not all(isinstance(i, numbers.Integral) for i in ids):
+    raise TypeError(f"{what} returned {ids!r:.60}, not a list of token ids")
+  return [int(i) for i in ids]
+
+
+def _checked_step(step) -> Step:
+  if not isinstance(step, Step):
+    raise TypeError(f"step returned a {type(step).__name__}, not a jaxrl.envs.Step")
+  if not isinstance(step.reward, numbers.Real) or not math.isfinite(float(step.reward)):
+    raise TypeError(f"step returned the reward {step.reward!r}, not a finite number")
+  return Step(_checked_ids(step.observation, "step"), float(step.reward), bool(step.done))
+
+
+class ContainedEnvironment:
+  """`env` behind a time limit and the policy (module docstring)."""
+
+  def __init__(self, env: Environment, *, name: str, timeout_s: float, policy: str,
+               report: Callable[[int], None]):
+    self.env, self.name, self.timeout_s, self.policy, self.report = (env, name, timeout_s,
+                                                                     policy, report)
+    self.stop_strings = tuple(env.stop_strings)
+    self.failed = False
+
+  def _call(self, what: str, fn, *args):
+    try:
+      return call_with_timeout(fn, self.timeout_s, *args)
+    except Exception as e:  # noqa: BLE001 - user code: anything, a timeout too
+      text = str(e).strip().splitlines()
+      raise EnvError(f"environment {self.name}: {what}: "
+                     f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")) from None
+
+  def _failed(self, error: EnvError):
+    if self.policy == "stop":
+      raise error
+    self.failed = True
+    self.report(1)
+
+  def reset(self, example) -> list[int]:
+    try:
+      return _checked_ids(self._call("reset", self.env.reset, example), "reset")
+    except EnvError as e:
+      self._failed(e)
+    except TypeError as e:
+      self._failed(EnvError(f"environment {self.name}: {e}"))
+    return []
+
+  def step(self, turn_ids: list[int]) -> Step:
+    if self.failed:
+      return Step([], 0.0, True)
+    try:
+      return _checked_step(self._call("step", self.env.step, turn_ids))
+    except EnvError as e:
+      self._failed(e)
+    except TypeError as e:
+      self._failed(EnvError(f"environment {self.name}: {e}"))
+    return Step([], 0.0, True)

@@ -1,0 +1,133 @@
+"""User code contained: a reward function or an environment that raises, hangs past
+`rl.user_code_timeout_s`, returns the wrong type or shape, or a NaN is reported with the
+sample's (or conversation's) index; `rl.on_user_code_error` decides: stop (one line, exit 2) or
+score 0 and count (`user_code_errors`)."""
+import time
+
+import numpy as np
+import pytest
+
+from jaxrl.envs import ContainedEnvironment, EnvError, Step
+from jaxrl.rewards.user import RewardFnError, call_reward_fn
+
+PROMPTS, COMPLETIONS = ["p0", "p1", "p2"], ["a", "bb", "ccc"]
+
+
+def raises_on_bb(prompts, completions, **_):
+  return [1 / (c != "bb") for c in completions]
+
+
+def hangs(prompts, completions, **_):
+  time.sleep(30)
+
+
+def nan_on_bb(prompts, completions, **_):
+  return [float("nan") if c == "bb" else 1.0 for c in completions]
+
+
+def wrong_shape(prompts, completions, **_):
+  return np.ones((len(completions), 2))
+
+
+CASES = [  # fn, the error under "stop", the rewards under "zero", how many samples failed
+    (raises_on_bb, " on sample 1: raised ZeroDivisionError: division by zero", [1, 0, 1], 1),
+    (hangs, ": did not return within 0.2 s", [0, 0, 0], 3),
+    (nan_on_bb, " on sample 1: returned nan, not a finite number", [1, 0, 1], 1),
+    (wrong_shape, ": returned an array of shape (3, 2), not (3,)", [0, 0, 0], 3),
+]
+
+
+@pytest.mark.parametrize("fn,stop_message,zero_rewards,failed", CASES,
+                         ids=[c[0].__name__ for c in CASES])
+def test_a_misbehaving_reward_function_under_both_policies(fn, stop_message, zero_rewards,
+                                                           failed):
+  with pytest.raises(RewardFnError) as e:
+    call_reward_fn(fn, PROMPTS, COMPLETIONS, timeout_s=0.2, policy="stop")
+  assert str(e.value) == f"reward function {__name__}:{fn.__name__}{stop_message}"
+  counted = []
+  t0 = time.monotonic()
+  rewards = call_reward_fn(fn, PROMPTS, COMPLETIONS, timeout_s=0.2, policy="zero",
+                           report=counted.append)
+  assert rewards.tolist() == zero_rewards and counted == [failed]
+  assert time.monotonic() - t0 < 5  # a hang costs its timeout, not the hang
+
+
+class Flaky:
+  """An environment whose step raises, hangs or returns a wrong value, by the turn's first id."""
+  stop_strings = ("</x>",)
+
+  def reset(self, example):
+    return [7]
+
+  def step(self, turn_ids):
+    if turn_ids[0] == 1:
+      raise RuntimeError("tool crashed")
+    if turn_ids[0] == 2:
+      time.sleep(30)
+    if turn_ids[0] == 3:
+      return {"observation": [1]}
+    return Step([5, 6], 0.5, False)
+
+
+@pytest.mark.parametrize("first,message", [
+    (1, "environment my:Flaky: step: RuntimeError: tool crashed"),
+    (2, "environment my:Flaky: step: UserCodeTimeout: did not return within 0.2 s"),
+    (3, "environment my:Flaky: step returned a dict, not a jaxrl.envs.Step"),
+])
+def test_a_misbehaving_environment_under_both_policies(first, message):
+  stop = ContainedEnvironment(Flaky(), name="my:Flaky", timeout_s=0.2, policy="stop",
+                              report=None)
+  assert stop.reset(None) == [7] and stop.step([4]) == Step([5, 6], 0.5, False)
+  with pytest.raises(EnvError) as e:
+    stop.step([first])
+  assert str(e.value) == message
+  counted = []
+  zero = ContainedEnvironment(Flaky(), name="my:Flaky", timeout_s=0.2, policy="zero",
+                              report=counted.append)
+  assert zero.step([first]) == Step([], 0.0, True) and counted == [1]
+  assert zero.step([4]) == Step([], 0.0, True)  # the conversation is over
+
+
+REWARDS = '''
+import time
+calls = []
+
+def slow_sometimes(prompts, completions, **_):
+  calls.append(len(prompts))
+  if len(calls) in (4, 5):  # (after 3 evaluations) the first 2 RL steps' scoring hangs
+    time.sleep(5)
+  return [float(len(c) % 2) for c in completions]
+
+def raises_on_a(prompts, completions, answer, **_):
+  return [1 / ("a" not in a) for a in answer]
+'''
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch):
+  (tmp_path / "faulty_rewards.py").write_text(REWARDS)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  return "faulty_rewards"
+
+
+def test_a_hanging_reward_function_scores_0_and_the_run_goes_on(cli, user_rewards, tmp_path):
+  import json
+  import os
+  rc, _ = cli(f"--config.rl.verifier={user_rewards}:slow_sometimes",
+              "--config.rl.on_user_code_error=zero", "--config.rl.user_code_timeout_s=0.5",
+              "--config.run_name=slow", "--config.sft.steps=1", "--config.rl.steps=3")
+  assert rc == 0
+  with open(os.path.join(tmp_path, "runs", "slow", "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f if '"user_code_errors"' in line]
+  assert [r["user_code_errors"] for r in rows] == [16, 16, 0]  # 8 prompts x 2 samples a step
+
+
+def test_a_raising_reward_function_stops_the_run_naming_the_sample(cli, user_rewards):
+  from configs import tiny
+  from jaxrl.data.tasks import make_splits
+  t = tiny.get_config().task
+  held = make_splits(t.name, t.num_digits, t.n_train, t.n_heldout, 0, t.teacher_error)[1]
+  first = next(i for i, ex in enumerate(held) if "a" in ex.answer)  # the first evaluation's
+  rc, line = cli(f"--config.rl.verifier={user_rewards}:raises_on_a", "--config.sft.steps=1")
+  assert rc == 2 and line == (f"config.rl.verifier: reward function {user_rewards}:raises_on_a "
+                              f"on sample {first}: raised ZeroDivisionError: division by zero")
