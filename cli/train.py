@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
   import jax
   from jaxrl.config import ConfigError
   from train.executors import ExecutorError
+  from train.checkpoint import CheckpointError
   from train.hooks import NumericsError
   primary = jax.process_index() == 0
   if primary:
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
   except KeyboardInterrupt:
     print("jaxrl: interrupted; the last saved checkpoint is intact", file=sys.stderr)
     return 130
-  except NumericsError as e:  # the model diverged: not a user error, but no bug to trace
+  except (NumericsError, CheckpointError) as e:  # the model diverged, a disk failed: one line
     print(f"jaxrl: error: {e}", file=sys.stderr)
     return 1
   except ExecutorError as e:

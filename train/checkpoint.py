@@ -29,6 +29,11 @@ from train.host_transfers import RECORD, to_host
 policies = ocp.checkpoint_managers
 
 
+class CheckpointError(RuntimeError):
+  """A save that failed (a full disk, a failing write): which one, why, and which checkpoint
+  is intact. The failed one stays a temporary directory that no resume reads."""
+
+
 class RunCheckpointer:
 
   def __init__(self, run_dir: str, stages: Sequence[str], *, keep: int = 3):
@@ -36,6 +41,7 @@ class RunCheckpointer:
     self.root = os.path.abspath(os.path.join(run_dir, "checkpoints"))
     self.stages, self.keep = tuple(stages), keep
     self._managers: dict[str, ocp.CheckpointManager] = {}
+    self._writing: dict[str, int] = {}  # stage -> the step its save in progress writes
 
   def _manager(self, stage: str) -> ocp.CheckpointManager:
     if stage not in self._managers:
@@ -50,15 +56,38 @@ class RunCheckpointer:
 
   def save(self, stage: str, step: int, items: dict, meta: dict,
            metrics: dict | None = None) -> None:
-    """Asynchronous: returns once the arrays are copied off the devices."""
+    """Asynchronous: returns once the arrays are copied off the devices. A CheckpointError
+    when this save, or the one before it still being written, failed."""
+    self._finished(stage)
     args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
-    with jax.transfer_guard("allow"):  # a deliberate copy to the host
-      saved = self._manager(stage).save(step, args=ocp.args.Composite(
-          **args, meta=ocp.args.JsonSave(meta)), metrics=metrics)
+    try:
+      with jax.transfer_guard("allow"):  # a deliberate copy to the host
+        saved = self._manager(stage).save(step, args=ocp.args.Composite(
+            **args, meta=ocp.args.JsonSave(meta)), metrics=metrics)
+    except Exception as e:  # noqa: BLE001 - a full disk, a failing write, ...
+      raise self._failed(stage, step, e) from e
     if not saved:  # orbax refuses a step at or below one it already has
       raise RuntimeError(f"checkpoints/{stage}/{step} was not saved: the directory already "
                          f"holds step {self._manager(stage).latest_step()}")
+    self._writing[stage] = step
     RECORD["checkpoint"] += sum(x.nbytes for x in jax.tree.leaves(items))
+
+  def _finished(self, stage: str) -> None:
+    """Waits for `stage`'s save in progress; a CheckpointError if it failed."""
+    if stage not in self._managers:
+      return
+    try:
+      self._managers[stage].wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - what the background write raised
+      raise self._failed(stage, self._writing.pop(stage, None), e) from e
+    self._writing.pop(stage, None)
+
+  def _failed(self, stage: str, step: int | None, error: Exception) -> CheckpointError:
+    good = [f"checkpoints/{s}/{n}" for s, n in self.saved()]
+    return CheckpointError(
+        f"checkpoints/{stage}/{step if step is not None else '?'}: the save failed "
+        f"({type(error).__name__}: {first_line(error)}); "
+        + (f"{good[0]} is intact" if good else "no earlier checkpoint exists"))
 
   def saved(self) -> list[tuple[str, int]]:
     """Every (stage, step) on disk, newest first."""
@@ -91,14 +120,21 @@ class RunCheckpointer:
     return {name: restored[name] for name in abstract}
 
   def wait(self) -> None:
-    for manager in self._managers.values():
-      manager.wait_until_finished()
+    for stage in list(self._managers):
+      self._finished(stage)
 
   def close(self) -> None:
-    for manager in self._managers.values():
-      manager.wait_until_finished()
-      manager.close()
-    self._managers.clear()
+    """Finishes the saves in progress (a CheckpointError if one failed) and releases the
+    managers either way."""
+    try:
+      self.wait()
+    finally:
+      for manager in self._managers.values():
+        try:
+          manager.close()
+        except Exception:  # noqa: BLE001 - the failure, if any, was raised by wait
+          pass
+      self._managers.clear()
 
 
 def load_actor_params(directory: str, like: nnx.State, *, step: int | None = None,

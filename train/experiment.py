@@ -25,7 +25,8 @@ from flax import nnx
 from jaxrl.config import ConfigError, ExperimentConfig, to_dict
 from sharding.placement import host_major_devices
 from train import compilation, resume, rundir
-from train.checkpoint import RunCheckpointer, load_actor_params, params_fingerprint
+from train.checkpoint import (CheckpointError, RunCheckpointer, load_actor_params,
+                              params_fingerprint)
 from jaxrl.config_files import merge, resolve
 from train.context import RunContext
 from train.hooks import Checkpoint, Evaluate, Log, NonFinite, Progress, StopRequest
@@ -187,7 +188,10 @@ class Experiment:
     for stage in self.stages.values():
       stage.close()
     self.progress.close()
-    self.checkpointer.close()
+    try:
+      self.checkpointer.close()
+    except CheckpointError as e:  # raised to the run already, when it saved or finished
+      log.warning("%s", e)
     self.writer.close()
 
   def __enter__(self) -> Experiment:
