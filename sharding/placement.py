@@ -81,13 +81,14 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
     if train_devices % n_hosts or not 0 < train_devices < n_devices:
       raise PlacementError(
           f"placement.train_devices: {train_devices} must be in (0, {n_devices}) and a multiple "
-          f"of the {n_hosts} hosts")
+          f"of the {n_hosts} hosts ({strategy} gives the trainer some of the {n_devices} devices "
+          f"and the sampler the rest)")
     train, rest = _per_host_split(n_devices, n_hosts, train_devices // n_hosts)
     sampler_devices = train if strategy == "interleave" else rest
   if len(sampler_devices) % sampler_tensor:
     raise PlacementError(
-        f"sampler: mesh axis tensor={sampler_tensor} does not divide its {len(sampler_devices)} "
-        f"devices")
+        f"placement.sampler_tensor: the sampler's mesh axis tensor={sampler_tensor} does not "
+        f"divide its {len(sampler_devices)} devices")
   # Across hosts the trainer is hybrid-sharded: fsdp inside a host, data-parallel over hosts, so
   # every host holds a whole copy and its transfer to the local sampler devices stays local.
   trainer = RoleSpec(train, _mesh(data=n_hosts, fsdp=len(train) // n_hosts))

@@ -113,23 +113,9 @@ def test_int_is_accepted_for_float():
   assert _cfg(rl__learning_rate=1).rl.learning_rate == 1.0
 
 
-@pytest.mark.parametrize("arg,message", [
+@pytest.mark.parametrize("arg,message", [  # tests/faults/ checks 60 others in this process
     ("--config.rl.stepz=3", "rl.stepz"),
-    ("--config.rl.steps=abc", "rl.steps"),
-    ("--config.task.name=chess", "config.task.name"),
     ("--config.placement.train_devices=9", "placement.train_devices: 9 must be in (0, 8)"),
-    ("--config.sft.batch_size=10", "config.sft.batch_size: 10 is not divisible by the 4-way batch"),
-    ("--config.eval.batch_size=3", "config.eval.batch_size: 3 is not divisible by the 2-way batch"),
-    ("--gin_param=rl.stepz=3", "gin: Configurable 'rl' doesn't have a parameter named 'stepz'"),
-    ("--resume", "config.run_name: --resume continues a named run"),
-    ("--config.placement.sampler_tensor=3", "sampler: mesh axis tensor=3 does not divide its 4"),
-    ("--config.placement.strategy=pipeline", "config.placement.strategy: expected one of"),
-    ("--config.rl.environment=chess", "config.rl.environment: environment 'chess': expected one"),
-    ("--config.dpo.steps=2 --config.dpo.pairs_path=/nonexistent/pairs.jsonl",
-     "/nonexistent/pairs.jsonl: cannot read pairs file"),
-    ("--config.init_checkpoint=/nonexistent/ckpt", "config.init_checkpoint: no such directory"),
-    ("--config.model.vocab_size=256", "config.model.vocab_size: expected >= 264"),
-    ("--config.sft.pack_length=4", "sft.pack_length: example"),
 ])
 def test_cli_user_error_exits_2_with_one_line(arg, message, tmp_path):
   proc = subprocess.run(

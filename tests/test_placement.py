@@ -49,7 +49,7 @@ def test_presets_and_sharded_logprobs_equal_single_device(strategy):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(strategy="separate", train_devices=8), "placement.train_devices: 8 must be in (0, 8)"),
     (dict(strategy="separate", train_devices=5, sampler_tensor=2),
-     "sampler: mesh axis tensor=2 does not divide its 3 devices"),
+     "placement.sampler_tensor: the sampler's mesh axis tensor=2 does not divide its 3 devices"),
     (dict(strategy="interleave", train_devices=7), "interleave needs >= 2 devices"),
     (dict(strategy="pipeline", train_devices=4), "placement.strategy: expected one of"),
 ])

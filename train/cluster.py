@@ -43,7 +43,9 @@ class RoleCluster:
       self.sampler_shardings = role_shardings("sampler", self.actor.abstract(), SAMPLER_RULES,
                                               self.meshes["sampler"])
     except PlacementError as e:
-      raise ConfigError(str(e)) from None
+      message = str(e)
+      raise ConfigError(f"config.{message}" if message.startswith("placement") else message) \
+          from None
     check_batch_sizes(cfg, self)
     if cfg.rl.mode == "async" and jax.process_count() > 1:
       raise ConfigError(f"config.rl.mode: async runs its generator on a thread of its own, "

@@ -32,6 +32,20 @@ CASES = [
     (["--config.rl.partial_rollouts=True"], "config.rl.partial_rollouts: needs mode='async'"),
     (["--config.rl.reward=reward_model", "--config.reward_model.steps=0"],
      "config.reward_model.steps: rl.reward='reward_model' needs a trained reward model"),
+    (["--config.task.name=chess"], "config.task.name: expected one of"),
+    (["--config.sft.batch_size=10"], "config.sft.batch_size: 10 is not divisible by the 4-way "
+     "batch split of its mesh"),
+    (["--config.eval.batch_size=3"], "config.eval.batch_size: 3 is not divisible by the 2-way "
+     "batch split of its mesh"),
+    (["--config.placement.sampler_tensor=3"], "config.placement.sampler_tensor: the sampler's "
+     "mesh axis tensor=3 does not divide its 4 devices"),
+    (["--config.rl.environment=chess"], "config.rl.environment: environment 'chess': expected "
+     "one of"),
+    (["--config.dpo.steps=2", "--config.dpo.pairs_path=/nonexistent/pairs.jsonl"],
+     "/nonexistent/pairs.jsonl: cannot read pairs file"),
+    (["--config.model.vocab_size=256"], "config.model.vocab_size: expected >= 264 for the "
+     "tokenizer"),
+    (["--config.sft.pack_length=4"], "sft.pack_length: example"),
     (["--gin_file=missing.gin"], "gin: Unable to open file: missing.gin"),
     (["--gin_param=rl.stepz=3"], "gin: Configurable 'rl' doesn't have a parameter named 'stepz'"),
 ]

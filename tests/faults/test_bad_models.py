@@ -3,6 +3,7 @@ naming the file or the field and what is wrong, exit code 2, no traceback, nothi
 a good checkpoint (tests/faults/conftest.py runs the CLI)."""
 import json
 import os
+import pickle
 import shutil
 
 import pytest
@@ -69,6 +70,27 @@ BROKEN = {  # how to break a copy of the model directory -> what the error says
     "wrong shapes": (lambda m: _edit_json(os.path.join(m, "config.json"), intermediate_size=96),
                      "does not match the model's", "--config.model.d_ff=96"),
 }
+
+
+class _Payload:
+  """Unpickling this writes a file: what a malicious PyTorch checkpoint could do."""
+
+  def __init__(self, path):
+    self.path = path
+
+  def __reduce__(self):
+    return (open, (self.path, "w"))
+
+
+def test_a_pickled_checkpoint_in_a_model_directory_is_never_opened(cli, assets, tmp_path):
+  model, marker = str(tmp_path / "model"), tmp_path / "unpickled"
+  shutil.copytree(os.path.join(assets, "model"), model)
+  os.remove(os.path.join(model, "model.safetensors"))
+  with open(os.path.join(model, "pytorch_model.bin"), "wb") as f:
+    pickle.dump(_Payload(str(marker)), f)
+  rc, line = cli(f"--config.model.hf_path={model}", *_data(assets))
+  assert rc == 2 and "neither model.safetensors nor model.safetensors.index.json" in line
+  assert not marker.exists()
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
