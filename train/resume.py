@@ -68,7 +68,9 @@ def _check_models_fit(ckpt, where: str, stage_name: str, step: int, abstract: di
   """ConfigError naming the first model array whose saved shape this config does not have."""
   saved = ckpt.item_shapes(stage_name, step, abstract)
   for name, tree in abstract.items():
-    have, want = saved.get(name, {}), shapes(tree)
+    if name not in saved:  # damage, not another config: the meta lists the models it saved
+      raise FileNotFoundError(f"{where}: its {name} item is missing")
+    have, want = saved[name], shapes(tree)
     for path in sorted(set(have) | set(want)):
       if have.get(path) != want.get(path):
         raise ConfigError(f"{where} does not fit this config: {name}/{path} is "

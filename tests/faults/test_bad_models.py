@@ -148,3 +148,18 @@ def test_run_directories_in_the_way(cli, saved_run, tmp_path):
   assert (rc, line) == (2, f"config.run_dir: cannot write the run directory "
                            f"{tmp_path / 'afile' / 'r'} (Not a directory: "
                            f"{tmp_path / 'afile' / 'r'})")
+
+
+def test_a_checkpoint_missing_an_item_falls_back_to_the_one_before(tmp_path, capsys):
+  from cli.train import main
+  args = ["jaxrl-train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
+          "--config.run_name=run", "--config.sft.steps=2", "--config.rl.steps=0",
+          "--config.checkpoint_every=1"]
+  assert main(args) == 0
+  sft = os.path.join(tmp_path, "run", "checkpoints", "sft")
+  shutil.rmtree(os.path.join(sft, "2", "actor"))  # a damaged checkpoint: its weights are gone
+  capsys.readouterr()
+  assert main(args + ["--resume"]) == 0
+  err = capsys.readouterr().err
+  assert "checkpoints/sft/2 cannot be restored (FileNotFoundError: checkpoints/sft/2: its actor " \
+         "item is missing); moved to" in err and "resumed from checkpoints/sft/1" in err
