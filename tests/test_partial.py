@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import TINY
 from jaxrl.data.tokenizer import ByteTokenizer
-from jaxrl.models.llama import LanguageModel
+from jaxrl.models.llama import LanguageModel, ModelConfig
 from sampler.methods import SamplingConfig
 from sampler.partial import PartialRolloutWorker
 from sampler.sampler import Sampler
@@ -24,6 +23,8 @@ from sampler.worker import RolloutWorker
 
 TOK = ByteTokenizer()
 N_BATCHES, PROMPTS, BUDGET = 7, 3, 20
+TINY = ModelConfig(vocab_size=264, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                   d_ff=64)  # (conftest's tiny_cfg, for a module-scoped fixture)
 
 
 class Batches:
