@@ -16,7 +16,6 @@ its devices after reading the config); DIR appears whole or not at all.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -91,7 +90,8 @@ def ensure(out: str, *, tools: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  from cli.train import ArgParser
+  parser = ArgParser(prog="python -m cli.gsm8k_tiny", description=__doc__.split("\n")[0])
   parser.add_argument("--out", required=True)
   parser.add_argument("--tools", action="store_true", help="the calculator variant")
   args = parser.parse_args(argv)

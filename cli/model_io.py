@@ -41,15 +41,17 @@ def _role(cfg: ModelConfig) -> ModelRole:
   return ModelRole("actor", lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)), mesh)
 
 
-def split_checkpoint_path(path: str) -> tuple[str, str, int | None]:
-  """(run dir, stage dir, step or None) of `RUN/checkpoints/STAGE[/STEP]`."""
+def split_checkpoint_path(path: str, what: str = "--checkpoint") -> tuple[str, str, int | None]:
+  """(run dir, stage dir, step or None) of `RUN/checkpoints/STAGE[/STEP]` (a ConfigError naming
+  the flag `what` when it is not one)."""
   path = os.path.abspath(path.rstrip("/"))
   step = None
   if os.path.basename(path).isdigit():
     path, step = os.path.dirname(path), int(os.path.basename(path))
   run_dir = os.path.dirname(os.path.dirname(path))
   if os.path.basename(os.path.dirname(path)) != "checkpoints":
-    raise ConfigError(f"--checkpoint: expected RUN/checkpoints/STAGE[/STEP], got {path!r}")
+    hf = "a Hugging Face directory or " if what == "--model" else ""
+    raise ConfigError(f"{what}: expected {hf}RUN/checkpoints/STAGE[/STEP], got {path!r}")
   return run_dir, path, step
 
 
@@ -63,8 +65,9 @@ def run_config(run_dir: str) -> ExperimentConfig:
     raise ConfigError(f"{path}: not found; is {run_dir!r} a jaxrl run directory?") from None
 
 
-def load_policy(path: str, *, dtype: str | None = None) -> Policy:
-  """A Hugging Face directory or a jaxrl checkpoint (see the module docstring)."""
+def load_policy(path: str, *, dtype: str | None = None, what: str = "--model") -> Policy:
+  """A Hugging Face directory or a jaxrl checkpoint (see the module docstring); errors name
+  the flag `what`."""
   if os.path.isfile(os.path.join(path, "config.json")):
     try:
       cfg = model_config_from_hf(path)
@@ -74,12 +77,12 @@ def load_policy(path: str, *, dtype: str | None = None) -> Policy:
     except HFError as e:
       raise ConfigError(str(e)) from None
     return Policy(cfg, role.graphdef, params, load_tokenizer(path), path, path)
-  run_dir, stage_dir, step = split_checkpoint_path(path)
+  run_dir, stage_dir, step = split_checkpoint_path(path, what)
   run = run_config(run_dir)
   cfg = dataclasses.replace(run.model, dtype=dtype or run.model.dtype)
   role = _role(cfg)
   try:
-    params, step = load_actor_params(stage_dir, role.abstract(), step=step, what="--checkpoint")
+    params, step = load_actor_params(stage_dir, role.abstract(), step=step, what=what)
   except ValueError as e:
     raise ConfigError(str(e)) from None
   tokenizer_dir = run.data.tokenizer_path or run.model.hf_path

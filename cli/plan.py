@@ -11,12 +11,11 @@
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import tempfile
 
-from cli.train import fail, parse_args, UsageError
+from cli.train import ArgParser, UsageError, fail, parse_args
 
 # Short runs the calibration fits to, in sync mode (each stage's time is its own): the default
 # model and a 4-layer d_model-256 one on 64 rows, in each placement, and the default experiment
@@ -95,7 +94,7 @@ def _table(cfg, args) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv if argv is None else argv
-  parser = argparse.ArgumentParser(prog="jaxrl-plan", description=__doc__.splitlines()[0])
+  parser = ArgParser(prog="jaxrl-plan", description=__doc__.splitlines()[0])
   parser.add_argument("--device", default="", help="simulate this DEVICES kind (h100, tpu_v5p..)")
   parser.add_argument("--devices", type=int, default=0, help="how many (default: this machine's)")
   parser.add_argument("--calibration", default="", help="a calibration JSON to plan with")

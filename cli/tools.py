@@ -11,14 +11,13 @@ User errors (a missing directory, a checkpoint that does not fit) print one line
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
-from cli.train import fail
+from cli.train import ArgParser, fail
 
 
 def export_main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="jaxrl-export", description=__doc__.split("\n")[0])
+  parser = ArgParser(prog="jaxrl-export", description=__doc__.split("\n")[0])
   parser.add_argument("--checkpoint", required=True,
                       help="RUN/checkpoints/STAGE (its latest step) or RUN/checkpoints/STAGE/STEP")
   parser.add_argument("--out", required=True, help="the directory to write (must not exist)")
@@ -29,7 +28,7 @@ def export_main(argv: list[str] | None = None) -> int:
   from jaxrl.models.hf import HFError, export
   from cli.model_io import generation_config, load_policy
   try:
-    policy = load_policy(args.checkpoint)
+    policy = load_policy(args.checkpoint, what="--checkpoint")
     export(policy.params, policy.cfg, args.out, dtype=args.dtype,
            max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
            tokenizer_dir=policy.tokenizer_dir or None,
@@ -48,7 +47,7 @@ def _prompt_ids(tok, text: str, chat: bool) -> list[int]:
 
 
 def sample_main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="jaxrl-sample", description="Print completions.")
+  parser = ArgParser(prog="jaxrl-sample", description="Print completions.")
   parser.add_argument("--model", required=True,
                       help="a Hugging Face directory or RUN/checkpoints/STAGE[/STEP]")
   parser.add_argument("--prompt", action="append", required=True)

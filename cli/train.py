@@ -21,6 +21,7 @@ JAXRL_COMPILATION_CACHE=DIR|off; train/compilation.py).
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import logging
 import os
@@ -51,18 +52,21 @@ def _config_path(argv: list[str]) -> str:
   return DEFAULT_CONFIG
 
 
-def _check_override_paths(argv: list[str]) -> None:
-  """Names an unknown `--config.a.b` override before absl turns it into a traceback."""
-  path = _config_path(argv)
+def load_config_file(path: str):
+  """The ConfigDict of an experiment file's get_config(); a UsageError naming the file."""
   if not os.path.isfile(path):
     raise UsageError(f"--config: no such config file {path!r}")
   spec = importlib.util.spec_from_file_location("_jaxrl_user_config", path)
   module = importlib.util.module_from_spec(spec)
   try:
     spec.loader.exec_module(module)
-    config = module.get_config()
+    return module.get_config()
   except Exception as e:  # a broken config file is a user error too
     raise UsageError(f"--config: {path} failed to load: {type(e).__name__}: {e}") from None
+
+
+def check_overrides(config, argv: list[str]) -> None:
+  """Names an unknown `--config.a.b` override before absl turns it into a traceback."""
   for arg in argv[1:]:
     if not arg.startswith("--config."):
       continue
@@ -75,25 +79,50 @@ def _check_override_paths(argv: list[str]) -> None:
       node, walked = node[name], f"{walked}.{name}"
 
 
-def parse_args(argv: list[str]):
-  """argv -> (locked ConfigDict with overrides, gin files, gin bindings, flags)."""
-  _check_override_paths(argv)
-  fv = flags.FlagValues()
-  saved, sys.argv = sys.argv, list(argv)  # config_flags reads override names from sys.argv
+def print_help(argv: list[str], doc: str) -> bool:
+  """`--help` / `-h`: the module's usage text on stdout (True: the caller exits 0)."""
+  if any(arg in ("--help", "-h", "--helpfull") for arg in argv[1:]):
+    print(doc.strip())
+    return True
+  return False
+
+
+def parse_flags(fv: flags.FlagValues, argv: list[str]) -> None:
+  """absl parsing with its errors as one-line UsageErrors (config_flags reads the override
+  names from sys.argv)."""
+  saved, sys.argv = sys.argv, list(argv)
   try:
-    holder = config_flags.DEFINE_config_file(
-        "config", DEFAULT_CONFIG, "Experiment config file (a Python file with get_config()).",
-        flag_values=fv, lock_config=True)
-    flags.DEFINE_multi_string("gin_file", [], "gin files applied on top", flag_values=fv)
-    flags.DEFINE_multi_string("gin_param", [], "gin bindings applied on top", flag_values=fv)
-    flags.DEFINE_bool("resume", False, "continue the run from its checkpoints", flag_values=fv)
-    flags.DEFINE_bool("dry_run", False, "check shardings and memory, run nothing", flag_values=fv)
     fv(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     raise UsageError(" ".join(str(e).split())) from None
   finally:
     sys.argv = saved
+
+
+def parse_args(argv: list[str]):
+  """argv -> (locked ConfigDict with overrides, gin files, gin bindings, flags)."""
+  check_overrides(load_config_file(_config_path(argv)), argv)
+  fv = flags.FlagValues()
+  saved, sys.argv = sys.argv, list(argv)
+  try:  # config_flags reads the override names from sys.argv as the flag is defined
+    holder = config_flags.DEFINE_config_file(
+        "config", DEFAULT_CONFIG, "Experiment config file (a Python file with get_config()).",
+        flag_values=fv, lock_config=True)
+  finally:
+    sys.argv = saved
+  flags.DEFINE_multi_string("gin_file", [], "gin files applied on top", flag_values=fv)
+  flags.DEFINE_multi_string("gin_param", [], "gin bindings applied on top", flag_values=fv)
+  flags.DEFINE_bool("resume", False, "continue the run from its checkpoints", flag_values=fv)
+  flags.DEFINE_bool("dry_run", False, "check shardings and memory, run nothing", flag_values=fv)
+  parse_flags(fv, argv)
   return holder.value, fv.gin_file, fv.gin_param, {"resume": fv.resume, "dry_run": fv.dry_run}
+
+
+class ArgParser(argparse.ArgumentParser):
+  """argparse whose bad flags are one line on stderr and exit code 2 (no usage block)."""
+
+  def error(self, message: str):
+    sys.exit(fail(f"{self.prog}: {message}"))
 
 
 def fail(message: str) -> int:
@@ -126,14 +155,9 @@ def _setup_logging(primary: bool) -> None:
     log.propagate = False
 
 
-def _start(argv: list[str]):
-  """Parses the arguments, joins the job, resolves the config: the Experiment, or an exit code
-  for a user error."""
-  try:
-    raw, gin_files, gin_params, opts = parse_args(argv)
-  except UsageError as e:
-    return fail(str(e))
-  # Read before JAX starts its backend (the config is validated later, after gin).
+def start_jax(raw) -> None:
+  """Before JAX starts its backend: fake CPU devices, the accelerators' memory fraction (read
+  from the raw config; it is validated later), the job joined on several hosts, logging."""
   placement = raw.get("placement", {})
   cpu_devices = placement.get("cpu_devices", 8)
   force_cpu_devices(cpu_devices if isinstance(cpu_devices, int) else 8)
@@ -145,9 +169,19 @@ def _start(argv: list[str]):
   try:
     distributed.initialize()  # before anything touches a device
   except ValueError as e:
-    return fail(str(e))
+    raise UsageError(str(e)) from None
   import jax
   _setup_logging(jax.process_index() == 0)
+
+
+def _start(argv: list[str]):
+  """Parses the arguments, joins the job, resolves the config: the Experiment, or an exit code
+  for a user error."""
+  try:
+    raw, gin_files, gin_params, opts = parse_args(argv)
+    start_jax(raw)
+  except UsageError as e:
+    return fail(str(e))
   from jaxrl.config import ConfigError
   from jaxrl.config_files import with_gin
   from train.experiment import Experiment
@@ -168,7 +202,10 @@ def _dry_run(cfg) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-  exp = _start(sys.argv if argv is None else argv)
+  argv = sys.argv if argv is None else argv
+  if print_help(argv, __doc__):
+    return 0
+  exp = _start(argv)
   if isinstance(exp, int):
     return exp
   import jax

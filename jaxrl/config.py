@@ -107,10 +107,8 @@ class PlacementConfig:
   reshard_bucket_mb: int = 256  # cap on the extra memory of one train -> sampler transfer
   cpu_devices: int = 8  # fake host devices when running on the CPU (XLA_FLAGS)
   device_memory_gb: float = 0.0  # the target accelerator's memory, checked by --dry_run (0: none)
-  # Share of each accelerator's memory JAX takes at start and uses (XLA_PYTHON_CLIENT_MEM_FRACTION;
-  # JAX's own default is 0.75). 0: no preallocation, allocated on demand up to all of it
-  # (XLA_PYTHON_CLIENT_PREALLOCATE=false; more fragmentation). Set by cli.train before JAX
-  # starts, unless those variables are set; ignored on the CPU.
+  # Share of each accelerator's memory JAX preallocates (XLA_PYTHON_CLIENT_MEM_FRACTION; 0: on
+  # demand, XLA_PYTHON_CLIENT_PREALLOCATE=false), set before JAX starts (sharding/host.py).
   device_memory_fraction: float = 0.9
   # strategy="plan": a calibration JSON (`jaxrl-plan --calibrate FILE`); empty: the built-in
   # factors of the device kind (planner/devices.py)
@@ -332,6 +330,14 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+  """Views of the metrics rows besides metrics.jsonl (train/tracking.py; process 0 only)."""
+  tensorboard: bool = True  # event files under RUN/tensorboard/STAGE
+  wandb: bool = False  # Weights & Biases (pip install wandb; WANDB_MODE=offline works offline)
+  wandb_project: str = "jaxrl"
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
   """The default experiment: a 0.5M-parameter Llama learns to reverse 5-letter strings, SFT on
   an imperfect teacher's demonstrations, then GRPO with an exact-match verifier, on 8 fake CPU
@@ -360,6 +366,7 @@ class ExperimentConfig:
   reward_model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
   rl: RLConfig = dataclasses.field(default_factory=RLConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+  logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
   def __post_init__(self):
     _positive(self, "checkpoint_every", "keep_checkpoints", "max_skipped_updates")

@@ -43,6 +43,12 @@ class Placement:
   strategy: str
   roles: dict[str, RoleSpec]
 
+  def describe(self) -> str:
+    """One line: each role's devices (positions in the host-major list) and mesh."""
+    roles = "; ".join(f"{role} on devices {list(spec.devices)} mesh {spec.shape}"
+                      for role, spec in self.roles.items())
+    return f"{self.strategy}: {roles}"
+
   def mesh(self, role: str, devices=None) -> Mesh:
     devices = host_major_devices() if devices is None else list(devices)
     spec = self.roles[role]

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from cli import evaluate
 from jaxrl.config import ConfigError
 from train.checkpoint import RunCheckpointer, load_actor_params
 from train.experiment import Experiment
@@ -16,7 +17,7 @@ ROOT = __file__.rsplit("/tests/", 1)[0]
 
 
 @pytest.mark.slow
-def test_tiny_run_through_main(tmp_path):
+def test_tiny_run_through_main(tmp_path, capsys):
   # An entropy bonus: a 3-step SFT policy earns no reward yet, and RL must still move it.
   proc = subprocess.run(
       [sys.executable, "-m", "cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
@@ -52,6 +53,20 @@ def test_tiny_run_through_main(tmp_path):
   with pytest.raises(ConfigError, match=r"checkpoints/rl/3 does not fit this config: "
                      r"actor/decoder/blocks/0/attn/wk is \(2, 16, 32\) there, \(2, 16, 48\) here"):
     Experiment.restore(str(run_dir), model={"d_model": 48})
+  assert json.loads((run_dir / "config.json").read_text())["model"]["d_model"] == 32  # kept
+
+  # jaxrl-eval of the checkpoints is the run's own held-out evaluation (the same code): the
+  # policy as RL started (SFT step 3) and after RL; then sampled, with pass@k and every sample.
+  for stage, key in (("sft", "heldout_acc_rl_start"), ("rl", "heldout_acc_rl")):
+    got = _eval(capsys, run_dir / "checkpoints" / stage, tmp_path / f"{stage}.jsonl")
+    assert got["accuracy"] == got["reward_mean"] == summary[key], (stage, got, summary[key])
+    assert got["examples"] == 16 and got["response_len"] > 0
+  got = _eval(capsys, run_dir / "checkpoints" / "rl" / "2", tmp_path / "s.jsonl", "--n", "4",
+              "--temperature", "1.0", "--k", "1,2,4", "--limit", "8")
+  samples = [json.loads(l) for l in (tmp_path / "s.jsonl").read_text().splitlines()]
+  assert len(samples) == 32 and got["model"].endswith("checkpoints/rl step 2")
+  assert got["pass@1"] <= got["pass@2"] <= got["pass@4"]
+  assert got["reward_mean"] == pytest.approx(np.mean([s["score"] for s in samples]))
 
   # A second run with the same name refuses to touch the existing checkpoints.
   before = {os.path.join(dp, p): os.path.getmtime(os.path.join(dp, p)) for dp, _, fs in os.walk(run_dir / "checkpoints")
@@ -63,6 +78,15 @@ def test_tiny_run_through_main(tmp_path):
   after = {os.path.join(dp, p): os.path.getmtime(os.path.join(dp, p)) for dp, _, fs in os.walk(run_dir / "checkpoints")
            for p in fs}
   assert after == before and len(before) > 0
+
+
+def _eval(capsys, model, samples, *args) -> dict:
+  """jaxrl-eval in this process: its last line of output."""
+  capsys.readouterr()
+  code = evaluate.main(["jaxrl-eval", "--model", str(model), "--samples", str(samples), *args])
+  out, err = capsys.readouterr()
+  assert code == 0, err[-3000:]
+  return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import grain
 import numpy as np
 
 from jaxrl.config import ConfigError, ExperimentConfig, RLConfig, first_line
-from jaxrl.data.pipeline import Encoding, prompt_batch, prompt_dataset, prompt_length, target_length
+from jaxrl.data.pipeline import Encoding, prompt_dataset, prompt_length, target_length
 from jaxrl.data.files import DataError
 from jaxrl.envs import ENVIRONMENTS, ContainedEnvironment, EnvError, environment_factory
 from jaxrl.data.sources import DataOptions, load_examples
@@ -23,6 +23,7 @@ from jaxrl.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_
 from jaxrl.rewards.user import RewardFnError, call_reward_fn, call_with_timeout, load_reward_fn
 from jaxrl.rewards.verifier import VERIFIERS
 from train.cluster import RoleCluster
+from train.evaluation import evaluate
 from train.experience import completion_texts, completion_tokens
 from train.generator import Generator
 from train.timeline import Timeline
@@ -193,11 +194,12 @@ class RunContext:
       raise ConfigError(f"config.rl.environment: {self.cfg.rl.environment}: the constructor "
                         f"raised {type(e).__name__}: {first_line(e)}") from None
 
-  def rewards(self, rollout, examples) -> np.ndarray:
-    """[B] rewards of a rollout: its environments' (multi-turn) or the verifier's."""
+  def rewards(self, rollout, examples, texts: list[str] | None = None) -> np.ndarray:
+    """[B] rewards of a rollout: its environments' (multi-turn) or the verifier's (of its
+    decoded `texts`, decoded here when not given)."""
     if rollout.rewards_B is not None:
       return to_host(rollout.rewards_B, "rewards")
-    return self.score(self.texts(rollout), examples)
+    return self.score(self.texts(rollout) if texts is None else texts, examples)
 
   def texts(self, rollout) -> list[str]:
     """The rollout's completions, decoded on the host (their token ids are all it fetches)."""
@@ -212,19 +214,8 @@ class RunContext:
       raise ConfigError(f"config.rl.verifier: {e}") from None
 
   def evaluate(self, examples: list[Example] | None = None) -> float:
-    """Held-out score of the newest policy's greedy completions (for a 0/1 verifier: the
-    accuracy)."""
+    """Held-out mean score of the newest policy's greedy completions (for a 0/1 verifier: the
+    accuracy); train/evaluation.py, as `jaxrl-eval` computes it."""
     examples = self.task.heldout if examples is None else examples
-    params, correct = self.cluster.fresh_sampler_params(), 0.0
-    for chunk, n in chunks(examples, self.cfg.eval.batch_size):
-      batch = prompt_batch(chunk, self.task.enc, self.task.prompt_len, self.task.buckets)
-      correct += self.rewards(self.generator.greedy(params, batch), chunk)[:n].sum()
-    return float(correct) / len(examples)
-
-
-def chunks(items: list, size: int):
-  """Fixed-size chunks (one compiled shape) and how many items of each are real: the last is
-  padded by repeating its final item."""
-  for start in range(0, len(items), size):
-    chunk = items[start:start + size]
-    yield chunk + [chunk[-1]] * (size - len(chunk)), len(chunk)
+    result = evaluate(self, self.cluster.fresh_sampler_params(), examples)
+    return float(result.scores_EN.mean())

@@ -31,6 +31,7 @@ from jaxrl.config_files import merge, resolve
 from train.context import RunContext
 from train.hooks import Checkpoint, Evaluate, Log, NonFinite, Progress, StopRequest
 from train.metrics import MetricsWriter, plain_row, plot_metrics
+from train.tracking import Trackers, last_steps
 from train.sampling import Completion, sample
 from train.stages import STAGES, Stage, Stopped, run_stage
 from train.host_transfers import to_host
@@ -79,6 +80,9 @@ class Experiment:
       self._take(resumed)
     else:
       self._start_afresh(kinds)
+    if resume_run:  # restored under this config: now it is the run's
+      rundir.write_config(self.cfg, self.run_dir)
+    self._track()
     self.stop = StopRequest(self._save)
     self.progress = Progress(self.cfg.progress and jax.process_index() == 0)
     self.hooks = [Evaluate(initial=resumed is None), Log(self.writer, lambda: self.summary),
@@ -91,6 +95,16 @@ class Experiment:
     """The run in `run_dir` (its config.json), continued from its newest good checkpoint."""
     with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
       return cls(merge(json.load(f), overrides), run_dir=run_dir, resume_run=True)
+
+  def _track(self) -> None:
+    """TensorBoard / W&B views of the metrics rows (process 0), a resumed run's later events
+    purged; the config and its placement logged once."""
+    trackers = Trackers(self.cfg, self.run_dir, enabled=jax.process_index() == 0,
+                        purge_after=last_steps(self.writer.rows))
+    placement = self.ctx.cluster.placement.describe()
+    trackers.log_config(self.cfg, placement if self.plan is None
+                        else f"{placement} (planner: {self.plan.describe()})")
+    self.writer.trackers = trackers
 
   def _take(self, resumed: resume.Resumed) -> None:
     """A checkpoint's run state: its stages, the next one, its summary and metrics rows."""

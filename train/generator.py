@@ -58,12 +58,10 @@ class Generator:
     self.prompts_per_step = rl.prompts_per_step
     if environment is not None and jax.process_count() > 1:
       raise ConfigError("config.rl.environment: multi-turn rollouts run in one process for now")
-    if environment is not None:  # a turn also ends at the environment's stop strings
-      stops = tuple(tuple(tok.encode(s)) for s in environment().stop_strings)
-      self.turn_samplers = {
-          greedy: dataclasses.replace(sampler, n=1, cfg=dataclasses.replace(
-              sampler.cfg, stop_sequences=sampler.cfg.stop_sequences + stops))
-          for greedy, sampler in ((False, self.sampler), (True, self.greedy_sampler))}
+    # A turn also ends at the environment's stop strings
+    self._turn_stops = () if environment is None else tuple(
+        tuple(tok.encode(s)) for s in environment().stop_strings)
+    self._variants: dict = {}  # evaluation's samplers, by (n, temperature)
 
   def stream(self, params, *, prompt_width: int, live: int) -> Stream:
     """The RL sampler as a stream of prompt batches in in-flight slots (partial rollouts)."""
@@ -78,21 +76,34 @@ class Generator:
   def sample(self, params, prompts: dict, key: jax.Array) -> Rollout:
     """`group_size` samples per prompt (rows group-major), from `params` in the sampler
     layout; prompt batch i of a run uses `sampler.worker.rollout_key(seed, i)`."""
-    if self.environment is not None:
-      return self._converse(params, prompts, key, greedy=False)
-    return self.sampler.generate(params, *self.put_prompts(prompts), key)
+    return self._generate(self.sampler, params, prompts, key)
 
   def greedy(self, params, prompts: dict) -> Rollout:
-    if self.environment is not None:
-      return self._converse(params, prompts, rollout_key(0, 0), greedy=True)
-    return self.greedy_sampler.generate(params, *self.put_prompts(prompts), rollout_key(0, 0))
+    return self._generate(self.greedy_sampler, params, prompts, rollout_key(0, 0))
 
-  def _converse(self, params, prompts: dict, key: jax.Array, *, greedy: bool) -> Rollout:
+  def draw(self, params, prompts: dict, key: jax.Array, *, n: int,
+           temperature: float) -> Rollout:
+    """`n` samples per prompt at `temperature` (evaluation's sampled mode, train/evaluation.py):
+    the RL sampler's settings otherwise."""
+    sampler = self._variants.get((n, temperature))
+    if sampler is None:
+      sampler = dataclasses.replace(self.sampler, n=n, cfg=dataclasses.replace(
+          self.sampler.cfg, temperature=temperature))
+      self._variants[(n, temperature)] = sampler
+    return self._generate(sampler, params, prompts, key)
+
+  def _generate(self, sampler: Sampler, params, prompts: dict, key: jax.Array) -> Rollout:
+    if self.environment is not None:
+      return self._converse(sampler, params, prompts, key)
+    return sampler.generate(params, *self.put_prompts(prompts), key)
+
+  def _converse(self, sampler: Sampler, params, prompts: dict, key: jax.Array) -> Rollout:
     """Each row's conversation with its own environment, as a rollout on the sampler's
-    devices (the host had every id anyway: it ran the environments)."""
-    sampler = self.turn_samplers[greedy]
+    devices (the host had every id anyway: it ran the environments). A turn is `sampler` with
+    one sample per row, ending also at the environment's stop strings."""
+    n, sampler = sampler.n, self._turn_sampler(sampler)
     tokens_BP, valid_BP = prompts["prompt_tokens"], prompts["prompt_valid"]
-    rows = np.repeat(np.arange(len(tokens_BP)), 1 if greedy else self.sampler.n)
+    rows = np.repeat(np.arange(len(tokens_BP)), n)
     try:
       talks = converse(sampler, params, [tokens_BP[i][valid_BP[i]].tolist() for i in rows],
                        [prompts["examples"][i] for i in rows],
@@ -105,3 +116,10 @@ class Generator:
     mesh = self.sampler.mesh
     return to_device(host, jax.tree.map(lambda x: batch_sharding(mesh, SAMPLER_RULES, x.ndim),
                                         host), "conversations")
+
+  def _turn_sampler(self, sampler: Sampler) -> Sampler:
+    key = ("turn", sampler.n, sampler.cfg.method, sampler.cfg.temperature)
+    if key not in self._variants:
+      self._variants[key] = dataclasses.replace(sampler, n=1, cfg=dataclasses.replace(
+          sampler.cfg, stop_sequences=sampler.cfg.stop_sequences + self._turn_stops))
+    return self._variants[key]

@@ -40,6 +40,7 @@ class MetricsWriter:
     self.path = os.path.join(run_dir, "metrics.jsonl")
     self.enabled = enabled
     self.rows: list[dict] = []
+    self.trackers = None  # train/tracking.py: TensorBoard, W&B (set once the rows are known)
     self._f = None
 
   def resume(self, n_rows: int) -> None:
@@ -57,12 +58,16 @@ class MetricsWriter:
         self._f = open(self.path, "a", encoding="utf-8")
       self._f.write(json.dumps(clean) + "\n")
       self._f.flush()
+    if self.trackers is not None:
+      self.trackers.write(clean)
     return clean
 
   def close(self) -> None:
     if self._f is not None:
       self._f.close()
       self._f = None
+    if self.trackers is not None:
+      self.trackers.close()
 
 
 def read_metrics(path: str) -> list[dict]:

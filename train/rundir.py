@@ -1,7 +1,8 @@
 """The run directory: `run_dir/run_name` (a timestamp when unnamed), with the resolved config.
 
 A directory that holds checkpoints is only reopened to resume it; then its config.json is
-rewritten with the config the run continues under, and the fields that changed are logged.
+rewritten with the config the run continues under once a checkpoint has restored under it
+(`write_config`: a resume that fails leaves it alone), and the fields that changed are logged.
 On several processes they agree on the timestamp, and only process 0 writes.
 """
 from __future__ import annotations
@@ -44,7 +45,8 @@ def has_checkpoints(run_dir: str) -> bool:
 
 
 def prepare(cfg: ExperimentConfig, *, resume: bool, run_dir: str | None = None) -> str:
-  """`run_dir` (default: config.run_dir/run_name), created, with the config written to it."""
+  """`run_dir` (default: config.run_dir/run_name), created, with the config written to it
+  (a resumed run's: see `write_config`)."""
   if resume and not (run_dir or cfg.run_name):
     raise ConfigError("config.run_name: --resume continues a named run; set the name the run "
                       "was started with")
@@ -58,6 +60,14 @@ def prepare(cfg: ExperimentConfig, *, resume: bool, run_dir: str | None = None) 
       changed = _changes(json.load(f), to_dict(cfg))
     if changed:
       log.warning("resuming with a changed config: %s", "; ".join(changed))
+  if not resume or not os.path.exists(path):
+    write_config(cfg, run_dir)
+  return run_dir
+
+
+def write_config(cfg: ExperimentConfig, run_dir: str) -> None:
+  """config.json, replaced whole (process 0), in a directory made first."""
+  path = os.path.join(run_dir, "config.json")
   if jax.process_index() == 0:
     try:
       os.makedirs(run_dir, exist_ok=True)
@@ -70,4 +80,3 @@ def prepare(cfg: ExperimentConfig, *, resume: bool, run_dir: str | None = None) 
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("jaxrl run dir")  # it exists before anyone reads it
-  return run_dir

@@ -16,7 +16,7 @@ from jaxrl.data.preferences import pair_batch, pair_lengths
 from train import steps
 from train.learner import Learner
 from train.stages.base import Stage
-from train.context import chunks
+from train.evaluation import chunks
 from train.stages.pairs import check_pairs_file, load_pairs
 from train.host_transfers import to_device, to_host
 

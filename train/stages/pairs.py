@@ -23,7 +23,8 @@ from jaxrl.data.sources import DataOptions
 from jaxrl.data.preferences import Pair, synthetic_pairs, write_jsonl
 from jaxrl.data.tasks import Example
 from sampler.worker import rollout_key
-from train.context import RunContext, chunks
+from train.context import RunContext
+from train.evaluation import chunks
 
 log = logging.getLogger("jaxrl")
 HELDOUT_FRACTION = 0.1  # of a user's pairs file, held out for the accuracy / margin metric
