@@ -1,6 +1,6 @@
 """Two OS processes join through jax.distributed on loopback (gloo CPU collectives): a training
-step and a reshard agree with one process; the CLI runs a whole experiment on 2 x 4 devices and
-resumes it; a survivor stops when its peer dies."""
+step and a reshard agree with one process; the launch scripts run a whole experiment on 2 x 4
+devices and resume it; a survivor stops when its peer dies."""
 import json
 import os
 import socket
@@ -48,22 +48,31 @@ def test_two_processes_train_reshard_and_agree():
   assert results[0]["checksum"] == pytest.approx(checksum, rel=1e-4)
 
 
-def _cli(port, pid, run_dir, *extra):
+def _launch(script: str, port: int, pid: int, run_dir, *extra):
+  """Process `pid` of 2 started by a launch script, as on a cluster: the Slurm script from
+  Slurm's variables, the TPU pod script from the JAXRL_* ones (a pod's metadata elsewhere)."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  env.update(JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES="2",
-             JAXRL_PROCESS_ID=str(pid))
+  env["JAXRL_PYTHON"] = sys.executable
+  if script == "slurm_gpu.sbatch":
+    env.update(SLURM_PROCID=str(pid), SLURM_LOCALID=str(pid), SLURM_NTASKS="2",
+               SLURM_JOB_NODELIST="127.0.0.1", JAXRL_PORT=str(port), SLURM_SUBMIT_DIR=ROOT)
+  else:
+    env.update(JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES="2",
+               JAXRL_PROCESS_ID=str(pid))
   return subprocess.Popen(
-      [sys.executable, "-m", "cli.train", "--config=configs/tiny.py", f"--config.run_dir={run_dir}",
-       "--config.run_name=mh", "--config.placement.cpu_devices=4", *extra],
-      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      [os.path.join(ROOT, "launch", script), "--config=configs/tiny.py",
+       f"--config.run_dir={run_dir}", "--config.run_name=mh", "--config.placement.cpu_devices=4",
+       *extra], cwd="/", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow
-def test_cli_runs_an_experiment_on_two_processes_and_resumes_it(tmp_path):
+def test_launch_scripts_run_an_experiment_on_two_processes_and_resume_it(tmp_path):
+  """launch/slurm_gpu.sbatch runs the experiment on 2 processes x 4 CPU devices, and
+  launch/tpu_pod.sh resumes it (run from another directory: the scripts find the repo)."""
   outs = []
-  for extra in ((), ("--resume",)):
+  for script, extra in (("slurm_gpu.sbatch", ()), ("tpu_pod.sh", ("--resume",))):
     port = _free_port()
-    procs = [_cli(port, i, tmp_path, *extra) for i in range(2)]
+    procs = [_launch(script, port, i, tmp_path, *extra) for i in range(2)]
     outs.append([p.communicate(timeout=600) for p in procs])
     for p, (out, err) in zip(procs, outs[-1]):
       assert p.returncode == 0, err[-3000:]
@@ -73,6 +82,7 @@ def test_cli_runs_an_experiment_on_two_processes_and_resumes_it(tmp_path):
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows if r["phase"] == "rl" and "loss" in r] == [1, 2, 3]  # once each
   assert (run_dir / "metrics.png").exists() and (run_dir / "trace.json").exists()
+  assert (run_dir / "tensorboard" / "rl").is_dir()
   actor = run_dir / "checkpoints" / "rl" / "3" / "actor"
   assert (actor / "ocdbt.process_0").is_dir() and (actor / "ocdbt.process_1").is_dir()
   fingerprint = first0.rsplit("params_fingerprint=", 1)[1].split()[0]
