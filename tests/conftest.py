@@ -1,12 +1,18 @@
-"""Tests run on a fake 8-device CPU mesh; XLA_FLAGS must be set before JAX starts its backend."""
+"""Tests run on a fake 8-device CPU mesh; XLA_FLAGS must be set before JAX starts its backend.
+
+`JAXRL_TEST_DEVICE=1 pytest -m accelerator` runs the numerics tests that can use the machine's
+real devices (model parity with transformers, log-probs, the sampler) on them instead, their
+meshes sized from the devices present (`hf_models.sized_mesh`); without it they run here with the rest."""
 import atexit
 import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "").replace(
-    "--xla_force_host_platform_device_count=8", "") + " --xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ON_DEVICE = os.environ.get("JAXRL_TEST_DEVICE") == "1"
+if not ON_DEVICE:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "").replace(
+      "--xla_force_host_platform_device_count=8", "") + " --xla_force_host_platform_device_count=8")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, in a fresh temporary directory (never the
 # user's): tests that build the same programs (the tiny runs, in this process and in the CLI
 # runs it starts) load them instead of compiling them again. JAX reads this variable itself,
@@ -25,6 +31,7 @@ from flax import nnx  # noqa: E402
 from jaxrl.models.llama import LanguageModel, ModelConfig  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
 
 TINY = ModelConfig(vocab_size=264, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                    d_ff=64)

@@ -34,3 +34,14 @@ def one_line(excinfo, *words) -> str:
   msg = str(excinfo.value)
   assert "\n" not in msg and all(w in msg for w in words), msg
   return msg
+
+
+def sized_mesh():
+  """A (data, fsdp, tensor) mesh over all devices: 2 x 2 x 2 on the 8 CPU devices; on a real
+  machine tensor 2 where the count is even, fsdp 2 where it is a multiple of 4, the rest data."""
+  import jax
+  from sharding.mesh import make_mesh
+  n = len(jax.devices())
+  tensor = 2 if n % 2 == 0 else 1
+  fsdp = 2 if n % 4 == 0 else 1
+  return make_mesh({"data": n // (tensor * fsdp), "fsdp": fsdp, "tensor": tensor})

@@ -28,10 +28,9 @@ from jaxrl.models.hf import HFError, export, load_params, model_config_from_hf
 from jaxrl.models.llama import LanguageModel, ModelConfig, init_kv_cache, positions_from_valid
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
-from sharding.mesh import make_mesh
 from train.roles import ModelRole
 
-from hf_models import ARCHS, one_line
+from hf_models import ARCHS, one_line, sized_mesh
 
 GENERATION = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 # Rows of one batch, left-padded: valid lengths (every row ends at the last position).
@@ -40,7 +39,7 @@ LENGTHS, T = (12, 9, 5, 12), 12
 
 @pytest.fixture(scope="module")
 def mesh():
-  return make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  return sized_mesh()
 
 
 def _role(cfg: ModelConfig, mesh, make=LanguageModel) -> ModelRole:
@@ -121,6 +120,7 @@ def test_import_is_born_sharded(hf):
   np.testing.assert_array_equal(np.asarray(embed), torch_embed)
 
 
+@pytest.mark.accelerator
 def test_logits_match_torch(hf):
   tokens_BT, valid_BT, positions_BT = _batch()
   want_BTV = _torch_logits(hf.torch, tokens_BT, valid_BT, positions_BT)
@@ -128,6 +128,7 @@ def test_logits_match_torch(hf):
   np.testing.assert_allclose(got_BTV[valid_BT], want_BTV[valid_BT], atol=1e-4, rtol=0)
 
 
+@pytest.mark.accelerator
 def test_kv_cache_decode_matches_torch(hf):
   """Prefill 4 positions, then one token per call at cache slots 4..T-1."""
   tokens_BT, valid_BT, positions_BT = _batch()
@@ -149,6 +150,7 @@ def test_kv_cache_decode_matches_torch(hf):
   np.testing.assert_allclose(got_BTV[valid_BT], want_BTV[valid_BT], atol=1e-4, rtol=0)
 
 
+@pytest.mark.accelerator
 def test_greedy_generation_matches_torch(hf):
   """32 greedy tokens from the sampler (its own prefill and decode loop) equal
   `generate(do_sample=False)`, and the sampler's log-probs equal torch's."""
@@ -177,6 +179,7 @@ def _state_dict(model) -> dict:
   return {k: v.detach() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.accelerator
 def test_export_reloads_exactly(hf, tmp_path):
   """Export -> from_pretrained: the same tensors and the same logits as the original."""
   out = str(tmp_path / "out")

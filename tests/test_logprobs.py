@@ -34,6 +34,7 @@ def _loss(fn):
 
 
 @pytest.mark.parametrize("chunk", [None, 1, 3, 4, 10])
+@pytest.mark.accelerator
 def test_chunked_equals_dense_values_and_gradients(chunk):
   h, w, t = _inputs()
   chunked = lambda h, w, t: chunked_logprobs(h, w, t, chunk=chunk)
@@ -63,6 +64,7 @@ def test_bfloat16_states_give_float32_results():
   assert dh.dtype == jnp.bfloat16
 
 
+@pytest.mark.accelerator
 def test_model_logprobs_match_its_full_logits(tiny_cfg):
   model = LanguageModel(dataclasses.replace(tiny_cfg, tie_embeddings=False), rngs=nnx.Rngs(2))
   graphdef, params = nnx.split(model)

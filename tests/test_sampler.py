@@ -30,6 +30,7 @@ LAYOUTS = pytest.mark.parametrize("layout", ["features", "rows"])
 
 
 @LAYOUTS
+@pytest.mark.accelerator
 def test_greedy_with_cache_equals_recomputing_without_cache(tiny_model, layout):
   rollout = _gen(tiny_model, ["12+34=", "7+5="], 6, eos_id=-1, decode_layout=layout)
   tokens_BT, valid_BT = rollout.tokens_BT[:, :8], rollout.valid_BT[:, :8]
@@ -41,6 +42,7 @@ def test_greedy_with_cache_equals_recomputing_without_cache(tiny_model, layout):
 
 
 @LAYOUTS
+@pytest.mark.accelerator
 def test_sampled_logprobs_equal_full_forward(tiny_model, layout):
   rollout = _gen(tiny_model, ["12+34=", "7+5=", "rev ab=", "1="], 7, method="temperature",
                  temperature=1.0, decode_layout=layout)
@@ -62,6 +64,7 @@ def test_bf16_sampling_stays_close_to_the_float32_forward(tiny_cfg, layout):
   np.testing.assert_allclose(np.where(mask, logp_BN, 0), rollout.logprobs_BN, atol=0.1)
 
 
+@pytest.mark.accelerator
 def test_eos_stops_a_row_and_masks_the_rest(tiny_model):
   first = _gen(tiny_model, ["12+34="], 1, eos_id=-1).tokens_BT[0, -1]  # greedy's first token
   rollout = _gen(tiny_model, ["12+34="], 5, eos_id=int(first))
@@ -69,6 +72,7 @@ def test_eos_stops_a_row_and_masks_the_rest(tiny_model):
   assert (rollout.tokens_BT[0, 9:] == TOK.pad_id).all() and rollout.lengths_B[0] == 1
 
 
+@pytest.mark.accelerator
 def test_mixed_prompt_lengths_match_each_alone(tiny_model):
   prompts = ["12+34=", "7+5=", "rev abcdef="[:7]]
   together = _gen(tiny_model, prompts, 5, eos_id=-1)
