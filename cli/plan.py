@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 import tempfile
@@ -94,7 +95,8 @@ def _table(cfg, args) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv if argv is None else argv
-  parser = ArgParser(prog="jaxrl-plan", description=__doc__.splitlines()[0])
+  parser = ArgParser(prog="jaxrl-plan", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--device", default="", help="simulate this DEVICES kind (h100, tpu_v5p..)")
   parser.add_argument("--devices", type=int, default=0, help="how many (default: this machine's)")
   parser.add_argument("--calibration", default="", help="a calibration JSON to plan with")

@@ -102,8 +102,9 @@ class Experiment:
     trackers = Trackers(self.cfg, self.run_dir, enabled=jax.process_index() == 0,
                         purge_after=last_steps(self.writer.rows))
     placement = self.ctx.cluster.placement.describe()
-    trackers.log_config(self.cfg, placement if self.plan is None
-                        else f"{placement} (planner: {self.plan.describe()})")
+    trackers.log_config(self.cfg, placement if self.plan is None else
+                        f"{placement} (planner: {self.plan.plan.describe()}, predicted "
+                        f"{self.plan.step_s:.3g} s per RL step: {self.plan.reason})")
     self.writer.trackers = trackers
 
   def _take(self, resumed: resume.Resumed) -> None:
