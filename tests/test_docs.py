@@ -141,6 +141,11 @@ RUNNABLE = list({_key(words): (doc, words) for doc, tag, words in reversed(ALL)
                  if tag == "sh" and words[:2] != ["make", "test"]}.values())[::-1]
 
 
+# Batches a run splits evenly on the 8 CPU devices (not for a dry run: it checks the config's own)
+SMALL_BATCHES = ["--config.sft.batch_size=16", "--config.rl.prompts_per_step=8",
+                 "--config.rl.group_size=2", "--config.eval.batch_size=16"]
+
+
 def _runnable(doc: str, words: list[str], tmp: str) -> tuple[str, list[str]]:
   """The command as this test runs it: (program, argv) with the small overrides."""
   name, args = program([w.replace("runs/NAME", f"{tmp}/runs/NAME") for w in words])
@@ -151,6 +156,7 @@ def _runnable(doc: str, words: list[str], tmp: str) -> tuple[str, list[str]]:
     named = any(a.startswith("--config.run_name=") for a in args)
     args = [*args, "--config.sft.steps=2", "--config.rl.steps=1", "--config.progress=False",
             "--config.task.n_heldout=16", "--config.data.heldout_size=16",
+            *([] if "--dry_run" in args else SMALL_BATCHES),
             f"--config.run_dir={tmp}/runs",
             *([] if named else [f"--config.run_name=doc{RUNNABLE.index((doc, words))}"])]
   elif name == "jaxrl-eval":

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from cli import evaluate
+from cli import evaluate, train
 from jaxrl.config import ConfigError
 from train.checkpoint import RunCheckpointer, load_actor_params
 from train.experiment import Experiment
@@ -91,12 +91,11 @@ def _eval(capsys, model, samples, *args) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["colocate", "interleave"])
-def test_tiny_run_with_other_placements(tmp_path, strategy):
-  proc = subprocess.run(
-      [sys.executable, "-m", "cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
-       "--config.run_name=p", f"--config.placement.strategy={strategy}"], cwd=ROOT,
-      capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+def test_tiny_run_with_other_placements(tmp_path, strategy, capsys, monkeypatch):
+  monkeypatch.chdir(ROOT)  # the CLI in this process (the run above went through a new one)
+  code = train.main(["jaxrl-train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
+                     "--config.run_name=p", f"--config.placement.strategy={strategy}"])
+  assert code == 0, capsys.readouterr().err[-3000:]
   rows = [json.loads(l) for l in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
   rl = [r for r in rows if r["phase"] == "rl" and "reward_mean" in r]
   assert len(rl) == 3 and all(r["time_reshard"] > 0 for r in rl)

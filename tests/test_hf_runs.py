@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 
 from jaxrl.config import ConfigError, ExperimentConfig, config_dict
 from jaxrl.data.tokenizer import HFTokenizer
-from cli import tools
+from cli import evaluate, tools
 from jaxrl.config_files import resolve
 from train.context import make_reward
 from train.experiment import Experiment
@@ -82,6 +82,23 @@ def test_run_from_hf_dir_then_export_and_sample(assets, tmp_path, capsys):
   printed = capsys.readouterr().out
   assert printed.count("--- prompt 0, sample 0") == 2
   assert completion[0][0].text in printed  # the run's greedy sample, from both sources
+
+  # jaxrl-eval of the checkpoint (the run's config) and of the export (a Hugging Face directory
+  # with the same data fields): the run's held-out score, and the same completions.
+  data = [f"--config.data.{k}={v}" for k, v in (
+      ("train_path", os.path.join(assets, "train.jsonl")), ("chat", True),
+      ("heldout_path", os.path.join(assets, "test.jsonl")), ("max_prompt_tokens", 64))]
+  outs = {}
+  for source, extra in ((checkpoint, []), (out, [*data, "--config.rl.max_new_tokens=64",
+                                                  "--config.rl.verifier=math",
+                                                  "--config.eval.batch_size=16"])):
+    samples = tmp_path / f"{len(outs)}.jsonl"
+    assert evaluate.main(["jaxrl-eval", "--model", source, "--samples", str(samples),
+                          *extra]) == 0, capsys.readouterr().err[-3000:]
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["accuracy"] == summary["heldout_acc_rl"] and got["examples"] == 16
+    outs[source] = [json.loads(line)["completion"] for line in samples.read_text().splitlines()]
+  assert outs[checkpoint] == outs[out] and any(outs[out])
 
 
 def test_config_field_contradicting_hf_config(assets, tmp_path):
