@@ -20,8 +20,11 @@ $(VENV)/.installed-test: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(PY) -m cli.train --config=configs/default.py $(ARGS)
 
+# The suite in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (its
+# module fixtures built once); TEST_WORKERS=0 runs it in this one.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs
