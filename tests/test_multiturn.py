@@ -14,6 +14,7 @@ from jaxrl.envs import Step
 from jaxrl.models.llama import LanguageModel, ModelConfig
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
+from train.evaluation import evaluate
 from train.experiment import Experiment
 from train.multiturn import as_rollout, converse
 from train.steps import completion_logprobs
@@ -105,6 +106,12 @@ def test_an_rl_run_with_an_environment_trains_on_the_models_tokens_only(tmp_path
   with Experiment(raw) as exp:
     summary = exp.run()
     rows = [r for r in exp.writer.rows if r["phase"] == "rl" and "mismatch_max" in r]
+    # jaxrl-eval's sampled mode converses too: 2 conversations per prompt, the environment's
+    # rewards (a point a turn), the lengths counting the model's tokens only
+    sampled = evaluate(exp.ctx, exp.ctx.cluster.fresh_sampler_params(),
+                       exp.ctx.task.heldout[:4], n=2, temperature=1.0)
+  assert sampled.scores_EN.shape == (4, 2) and sampled.scores_EN.min() >= 1.0
+  assert (sampled.lengths_EN > 0).all() and len(sampled.texts[3]) == 2
   assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
   # the replies' slots hold no sampler log-prob: were they in the loss's mask, the mismatch
   # |log mu - log pi| would be the whole log-prob there

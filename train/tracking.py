@@ -8,12 +8,14 @@ only, with the same rows:
   each number of a row a scalar at the stage's step. A resumed run purges each stage's events
   after the steps its checkpoint covers, as it cuts metrics.jsonl back.
 - Weights & Biases (`logging.wandb`; `pip install wandb`; WANDB_MODE=offline works offline):
-  one W&B run per jaxrl run (resumed with it), keys `STAGE/NAME` against `STAGE/step`.
+  one W&B run per jaxrl run directory (its id from the directory's path, so a resumed run
+  continues it), keys `STAGE/NAME` against `STAGE/step`.
 
 The config and the chosen placement are logged once, as text and as the W&B run config.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -65,8 +67,9 @@ class WandB:
                         "(pip install wandb)") from None
     self._wandb, self._phases = wandb, set()
     name = os.path.basename(os.path.normpath(run_dir))
+    where = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:8]
     self.run = wandb.init(project=cfg.logging.wandb_project, name=name, dir=run_dir,
-                          id=f"jaxrl-{name}", resume="allow", config=to_dict(cfg))
+                          id=f"{name}-{where}", resume="allow", config=to_dict(cfg))
 
   def write(self, row: dict) -> None:
     phase = row.get("phase", "run")
