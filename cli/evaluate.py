@@ -35,8 +35,8 @@ import tempfile
 from absl import flags
 from ml_collections import config_flags
 
-from cli.train import (DEFAULT_CONFIG, UsageError, check_overrides, fail, load_config_file,
-                       parse_flags, print_help, start_jax)
+from cli.train import (DEFAULT_CONFIG, UsageError, absl_argv, check_overrides, fail,
+                       flag_value, load_config_file, print_help, start_jax)
 
 
 def _config_arg(argv: list[str]) -> tuple[str, list[str]]:
@@ -52,15 +52,6 @@ def _config_arg(argv: list[str]) -> tuple[str, list[str]]:
     else:
       rest.append(arg)
   return path, rest
-
-
-def _model_arg(argv: list[str]) -> str:
-  for i, arg in enumerate(argv):
-    if arg.startswith("--model="):
-      return arg.split("=", 1)[1]
-    if arg == "--model" and i + 1 < len(argv):
-      return argv[i + 1]
-  raise UsageError("--model: required (a jaxrl checkpoint or a Hugging Face directory)")
 
 
 def base_config(model: str, config_file: str):
@@ -84,25 +75,27 @@ def base_config(model: str, config_file: str):
 def parse(argv: list[str]):
   """argv -> (locked ConfigDict with overrides, checkpoint or None, flag values)."""
   config_file, argv = _config_arg(argv)
-  config, checkpoint = base_config(_model_arg(argv), config_file)
+  model = flag_value(argv, "model")
+  if model is None:
+    raise UsageError("--model: required (a jaxrl checkpoint or a Hugging Face directory)")
+  config, checkpoint = base_config(model, config_file)
   check_overrides(config, argv)
   fv = flags.FlagValues()
-  saved, sys.argv = sys.argv, list(argv)
-  try:
-    holder = config_flags.DEFINE_config_dict("config", config, flag_values=fv, lock_config=True)
-  finally:
-    sys.argv = saved
-  flags.DEFINE_string("model", None, "checkpoint or Hugging Face directory", flag_values=fv)
-  flags.DEFINE_enum("split", "heldout", ["heldout", "train"], "which examples", flag_values=fv)
-  flags.DEFINE_integer("limit", 0, "the first N examples (0: all)", lower_bound=0,
-                       flag_values=fv)
-  flags.DEFINE_integer("n", 1, "samples per prompt", lower_bound=1, flag_values=fv)
-  flags.DEFINE_float("temperature", 0.0, "0: greedy", lower_bound=0.0, flag_values=fv)
-  flags.DEFINE_list("k", [], "pass@k for each k", flag_values=fv)
-  flags.DEFINE_float("solved_at", 1.0, "the score that solves a prompt", flag_values=fv)
-  flags.DEFINE_integer("seed", 0, "sampling seed", lower_bound=0, flag_values=fv)
-  flags.DEFINE_string("samples", "eval_samples.jsonl", "per-sample jsonl", flag_values=fv)
-  parse_flags(fv, argv)
+  with absl_argv(argv):
+    holder = config_flags.DEFINE_config_dict("config", config, flag_values=fv,
+                                             lock_config=True)
+    flags.DEFINE_string("model", None, "checkpoint or Hugging Face directory", flag_values=fv)
+    flags.DEFINE_enum("split", "heldout", ["heldout", "train"], "which examples",
+                      flag_values=fv)
+    flags.DEFINE_integer("limit", 0, "the first N examples (0: all)", lower_bound=0,
+                         flag_values=fv)
+    flags.DEFINE_integer("n", 1, "samples per prompt", lower_bound=1, flag_values=fv)
+    flags.DEFINE_float("temperature", 0.0, "0: greedy", lower_bound=0.0, flag_values=fv)
+    flags.DEFINE_list("k", [], "pass@k for each k", flag_values=fv)
+    flags.DEFINE_float("solved_at", 1.0, "the score that solves a prompt", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "sampling seed", lower_bound=0, flag_values=fv)
+    flags.DEFINE_string("samples", "eval_samples.jsonl", "per-sample jsonl", flag_values=fv)
+    fv(argv)
   return holder.value, checkpoint, fv
 
 

@@ -22,6 +22,7 @@ JAXRL_COMPILATION_CACHE=DIR|off; train/compilation.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
 import os
@@ -43,13 +44,14 @@ class UsageError(Exception):
   pass
 
 
-def _config_path(argv: list[str]) -> str:
+def flag_value(argv: list[str], name: str) -> str | None:
+  """The value of `--name=V` or `--name V` in argv (read before absl parses it), or None."""
   for i, arg in enumerate(argv):
-    if arg.startswith("--config="):
+    if arg.startswith(f"--{name}="):
       return arg.split("=", 1)[1]
-    if arg == "--config" and i + 1 < len(argv):
+    if arg == f"--{name}" and i + 1 < len(argv):
       return argv[i + 1]
-  return DEFAULT_CONFIG
+  return None
 
 
 def load_config_file(path: str):
@@ -87,12 +89,13 @@ def print_help(argv: list[str], doc: str) -> bool:
   return False
 
 
-def parse_flags(fv: flags.FlagValues, argv: list[str]) -> None:
-  """absl parsing with its errors as one-line UsageErrors (config_flags reads the override
-  names from sys.argv)."""
+@contextlib.contextmanager
+def absl_argv(argv: list[str]):
+  """Defining and parsing absl flags on `argv`: config_flags reads the override names from
+  sys.argv, so argv stands in for it; absl's errors become one-line UsageErrors."""
   saved, sys.argv = sys.argv, list(argv)
   try:
-    fv(argv)
+    yield
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     raise UsageError(" ".join(str(e).split())) from None
   finally:
@@ -101,20 +104,18 @@ def parse_flags(fv: flags.FlagValues, argv: list[str]) -> None:
 
 def parse_args(argv: list[str]):
   """argv -> (locked ConfigDict with overrides, gin files, gin bindings, flags)."""
-  check_overrides(load_config_file(_config_path(argv)), argv)
+  check_overrides(load_config_file(flag_value(argv, "config") or DEFAULT_CONFIG), argv)
   fv = flags.FlagValues()
-  saved, sys.argv = sys.argv, list(argv)
-  try:  # config_flags reads the override names from sys.argv as the flag is defined
+  with absl_argv(argv):
     holder = config_flags.DEFINE_config_file(
         "config", DEFAULT_CONFIG, "Experiment config file (a Python file with get_config()).",
         flag_values=fv, lock_config=True)
-  finally:
-    sys.argv = saved
-  flags.DEFINE_multi_string("gin_file", [], "gin files applied on top", flag_values=fv)
-  flags.DEFINE_multi_string("gin_param", [], "gin bindings applied on top", flag_values=fv)
-  flags.DEFINE_bool("resume", False, "continue the run from its checkpoints", flag_values=fv)
-  flags.DEFINE_bool("dry_run", False, "check shardings and memory, run nothing", flag_values=fv)
-  parse_flags(fv, argv)
+    flags.DEFINE_multi_string("gin_file", [], "gin files applied on top", flag_values=fv)
+    flags.DEFINE_multi_string("gin_param", [], "gin bindings applied on top", flag_values=fv)
+    flags.DEFINE_bool("resume", False, "continue the run from its checkpoints", flag_values=fv)
+    flags.DEFINE_bool("dry_run", False, "check shardings and memory, run nothing",
+                      flag_values=fv)
+    fv(argv)
   return holder.value, fv.gin_file, fv.gin_param, {"resume": fv.resume, "dry_run": fv.dry_run}
 
 

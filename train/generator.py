@@ -61,7 +61,7 @@ class Generator:
     # A turn also ends at the environment's stop strings
     self._turn_stops = () if environment is None else tuple(
         tuple(tok.encode(s)) for s in environment().stop_strings)
-    self._variants: dict = {}  # evaluation's samplers, by (n, temperature)
+    self._variants: dict = {}  # evaluation's and the turns' samplers, by their settings
 
   def stream(self, params, *, prompt_width: int, live: int) -> Stream:
     """The RL sampler as a stream of prompt batches in in-flight slots (partial rollouts)."""
@@ -118,7 +118,7 @@ class Generator:
                                         host), "conversations")
 
   def _turn_sampler(self, sampler: Sampler) -> Sampler:
-    key = ("turn", sampler.n, sampler.cfg.method, sampler.cfg.temperature)
+    key = ("turn", sampler.cfg)  # one sample per row: `n` does not matter
     if key not in self._variants:
       self._variants[key] = dataclasses.replace(sampler, n=1, cfg=dataclasses.replace(
           sampler.cfg, stop_sequences=sampler.cfg.stop_sequences + self._turn_stops))

@@ -12,7 +12,7 @@ import numbers
 from collections.abc import Callable
 
 from jaxrl.envs.base import Environment, Step
-from jaxrl.rewards.user import call_with_timeout
+from jaxrl.rewards.user import call_with_timeout, error_line
 
 
 class EnvError(ValueError):
@@ -43,36 +43,30 @@ class ContainedEnvironment:
     self.stop_strings = tuple(env.stop_strings)
     self.failed = False
 
-  def _call(self, what: str, fn, *args):
+  def _call(self, what: str, fn, check, *args):
+    """`check(fn(*args))`, contained: a raise, a hang or a wrong return goes to the policy
+    (None when it says go on)."""
     try:
-      return call_with_timeout(fn, self.timeout_s, *args)
+      out = call_with_timeout(fn, self.timeout_s, *args)
     except Exception as e:  # noqa: BLE001 - user code: anything, a timeout too
-      text = str(e).strip().splitlines()
-      raise EnvError(f"environment {self.name}: {what}: "
-                     f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")) from None
+      return self._failed(EnvError(f"environment {self.name}: {what}: {error_line(e)}"))
+    try:
+      return check(out)
+    except TypeError as e:  # a wrong return: what `check` says of it
+      return self._failed(EnvError(f"environment {self.name}: {e}"))
 
-  def _failed(self, error: EnvError):
+  def _failed(self, error: EnvError) -> None:
     if self.policy == "stop":
       raise error
     self.failed = True
     self.report(1)
 
   def reset(self, example) -> list[int]:
-    try:
-      return _checked_ids(self._call("reset", self.env.reset, example), "reset")
-    except EnvError as e:
-      self._failed(e)
-    except TypeError as e:
-      self._failed(EnvError(f"environment {self.name}: {e}"))
-    return []
+    ids = self._call("reset", self.env.reset, lambda ids: _checked_ids(ids, "reset"), example)
+    return [] if ids is None else ids
 
   def step(self, turn_ids: list[int]) -> Step:
     if self.failed:
       return Step([], 0.0, True)
-    try:
-      return _checked_step(self._call("step", self.env.step, turn_ids))
-    except EnvError as e:
-      self._failed(e)
-    except TypeError as e:
-      self._failed(EnvError(f"environment {self.name}: {e}"))
-    return Step([], 0.0, True)
+    step = self._call("step", self.env.step, _checked_step, turn_ids)
+    return Step([], 0.0, True) if step is None else step

@@ -59,7 +59,8 @@ def _name(fn: Callable) -> str:
   return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def _one_line(e: BaseException) -> str:
+def error_line(e: BaseException) -> str:
+  """`Type: first line of the message` (the type alone when it has none)."""
   text = str(e).strip().splitlines()
   return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
@@ -136,12 +137,12 @@ def _each_alone(fn, prompts, completions, fields, timeout_s, error: Exception):
       value, wrong = _values(fn, call_with_timeout(_call, timeout_s, fn, prompts[i:i + 1],
                                                    completions[i:i + 1], fields[i:i + 1]), 1)
     except Exception as e:  # noqa: BLE001 - user code: anything, a timeout too
-      bad.append((i, f"raised {_one_line(e)}"))
+      bad.append((i, f"raised {error_line(e)}"))
       continue
     rewards[i] = value[0]
     bad += [(i, message) for _, message in wrong]
   if not bad:  # every sample passes alone: the batch as a whole was the problem
-    bad = [(0, f"raised {_one_line(error)} on the batch, not on any sample alone")]
+    bad = [(0, f"raised {error_line(error)} on the batch, not on any sample alone")]
   return rewards, bad
 
 
