@@ -116,15 +116,12 @@ def _ks(fv) -> list[int]:
 def _policy(ctx, checkpoint, model_arg: str) -> str:
   """Loads the weights into the actor; what was loaded, for the table."""
   from jaxrl.config import ConfigError
-  from train.checkpoint import load_actor_params
-  actor = ctx.cluster.actor
   if checkpoint is None:
     ctx.cluster.initialize_actor()
     return model_arg
   stage_dir, step = checkpoint
   try:
-    actor.params, step = load_actor_params(stage_dir, actor.abstract(), step=step,
-                                           what="--model")
+    step = ctx.cluster.load_actor(stage_dir, step=step, what="--model")
   except ValueError as e:  # none there, or it does not fit the model
     raise ConfigError(str(e)) from None
   return f"{stage_dir} step {step}"

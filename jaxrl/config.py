@@ -16,6 +16,7 @@ from jaxrl.algos.correction import ROLLOUT_MASKS
 from jaxrl.data.sources import ANSWER_FORMATS
 from jaxrl.data.tasks import TASKS
 from jaxrl.models.llama import ModelConfig
+from jaxrl.models.lora import LoRAConfig
 from jaxrl.rewards.user import POLICIES as USER_CODE_POLICIES
 from jaxrl.rewards.verifier import VERIFIERS
 
@@ -358,6 +359,7 @@ class ExperimentConfig:
   # A run's stage checkpoints (e.g. runs/NAME/checkpoints/sft) to start the actor from.
   init_checkpoint: str = ""
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)  # adapters on the actor
   task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)

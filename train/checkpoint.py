@@ -167,6 +167,19 @@ def load_actor_params(directory: str, like: nnx.State, *, step: int | None = Non
     manager.close()
 
 
+def saved_actor_shapes(directory: str, step: int | None = None) -> dict[str, tuple]:
+  """`shapes` of the actor a stage directory's checkpoint holds (the latest unless `step`;
+  {} when there is none)."""
+  manager = ocp.CheckpointManager(os.path.abspath(directory))
+  try:
+    step = manager.latest_step() if step is None else step
+    if step is None:
+      return {}
+    return shapes(_item_metadata(os.path.join(manager.directory, str(step), "actor")))
+  finally:
+    manager.close()
+
+
 def _item_metadata(item_dir: str):
   """The array metadata tree of one saved item (no arrays are read)."""
   from etils import epath

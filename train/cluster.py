@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import jax
 from flax import nnx
@@ -17,11 +18,13 @@ from flax import nnx
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.models.heads import RewardModel, ValueModel
 from jaxrl.models.hf import HFError, load_params
-from jaxrl.models.dtypes import compute_dtypes
+from jaxrl.models import lora
+from jaxrl.models.dtypes import compute_dtypes, frozen_base_dtypes
 from jaxrl.models.llama import LanguageModel
 from sharding.placement import ROLES, PlacementError, host_major_devices, make_placement
 from sharding.reshard import TransferStats, reshard
 from sharding.rules import SAMPLER_RULES, batch_ways
+from train.checkpoint import load_actor_params, saved_actor_shapes
 from train.roles import ModelRole, role_shardings
 from train.host_transfers import allowed
 
@@ -39,9 +42,9 @@ class RoleCluster:
     try:  # impossible meshes are user errors, found before anything is allocated
       self.placement = _placement(cfg, len(self.devices))
       self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
-      self.actor = ModelRole("actor", self.model_factory("actor"), self.meshes["actor"])
-      self.sampler_shardings = role_shardings("sampler", self.actor.abstract(), SAMPLER_RULES,
-                                              self.meshes["sampler"])
+      self.actor = self._actor_role()
+      self.sampler_shardings = role_shardings("sampler", self.plain(self.actor.abstract()),
+                                              SAMPLER_RULES, self.meshes["sampler"])
     except PlacementError as e:
       message = str(e)
       raise ConfigError(f"config.{message}" if message.startswith("placement") else message) \
@@ -52,6 +55,7 @@ class RoleCluster:
                         f"which on {jax.process_count()} processes could launch programs in a "
                         f"different order on each; use mode='sync'")
     self.roles: dict[str, ModelRole] = {"actor": self.actor}
+    self.shared: set[str] = set()  # roles whose parameters are the actor's own arrays
     self.sampler_params = None
     self.copy_shared = False  # an async generator holds the sampler's copy: never free it
     self._pushed_version = -1  # the actor version the sampler's copy holds
@@ -65,13 +69,46 @@ class RoleCluster:
       self.actor.initialize()
       return
     try:
-      self.actor.params = load_params(self.cfg.model.hf_path, self.cfg.model,
-                                      self.actor.abstract())
+      base = load_params(self.cfg.model.hf_path, self.cfg.model, self.plain(self.actor.abstract()))
     except HFError as e:
       raise ConfigError(str(e)) from None
+    self.actor.params = self.actor.with_fresh_trained(base) if self.cfg.lora.enabled else base
 
-  def model_factory(self, role: str):
-    return lambda: MODEL_CLASSES[role](self.cfg.model, rngs=nnx.Rngs(self.cfg.seed))
+  def load_actor(self, directory: str, **kw) -> int:
+    """The actor's parameters from a stage checkpoint directory (`load_actor_params`); with
+    LoRA, a checkpoint without adapters (a full SFT run's) gives the base, adapters start
+    afresh. The checkpoint's step."""
+    like = self.actor.abstract()
+    saved = saved_actor_shapes(directory, kw.get("step")) if os.path.isdir(directory) else {}
+    fresh = self.cfg.lora.enabled and saved and not any(lora.SUFFIX in k for k in saved)
+    params, step = load_actor_params(directory, self.plain(like) if fresh else like, **kw)
+    self.actor.params = self.actor.with_fresh_trained(params) if fresh else params
+    return step
+
+  def model_factory(self, role: str, *, adapters: bool = False):
+    """The builder of `role`'s module; `adapters`: with the config's LoRA adapters."""
+    extra = {"lora": self.cfg.lora} if adapters else {}
+    return lambda: MODEL_CLASSES[role](self.cfg.model, rngs=nnx.Rngs(self.cfg.seed), **extra)
+
+  def _actor_role(self) -> ModelRole:
+    """The actor; with `lora.rank > 0` its adapters are what trains, and its frozen base is
+    held in the compute dtype (unless `model.frozen_float32`), as the reference would be."""
+    if not self.cfg.lora.enabled:
+      return ModelRole("actor", self.model_factory("actor"), self.meshes["actor"])
+    stored = None if self.cfg.model.frozen_float32 else functools.partial(frozen_base_dtypes,
+                                                                          self.cfg.model)
+    self.sampler_graphdef = nnx.split(nnx.eval_shape(self.model_factory("actor")))[0]
+    return ModelRole("actor", self.model_factory("actor", adapters=True), self.meshes["actor"],
+                     stored_dtypes=stored, trainable=lora.TRAINABLE)
+
+  def plain(self, params: nnx.State) -> nnx.State:
+    """The actor's parameters without its adapters (its frozen base), or all of them."""
+    return self.actor.split(params)[1] if self.cfg.lora.enabled else params
+
+  @property
+  def sampler_graph(self) -> nnx.GraphDef:
+    """The module the sampler decodes: the actor's, without adapters (it gets them merged)."""
+    return self.sampler_graphdef if self.cfg.lora.enabled else self.actor.graphdef
 
   def add(self, name: str, *, initialize: bool = True) -> ModelRole:
     """The `name` role (reference | reward | critic) on its mesh: random weights, or abstract
@@ -85,6 +122,22 @@ class RoleCluster:
     self.roles[name] = role
     return role
 
+  def add_reference(self) -> ModelRole:
+    """The frozen reference: the actor as it is now, on the reference mesh. With LoRA it is
+    the actor's frozen base, and where the two layouts agree (colocated) it holds the actor's
+    own arrays (`shared`: no second copy, not saved twice); otherwise a copy."""
+    role = self.add("reference", initialize=False)
+    base = self.plain(self.actor.params)
+    same = lambda a, b: jax.tree.leaves(a) == jax.tree.leaves(b)
+    if (self.cfg.lora.enabled and same(role.shardings, self.plain(self.actor.shardings))
+        and same(jax.tree.map(lambda x: x.dtype, role.abstract()),
+                 jax.tree.map(lambda x: x.dtype, base))):
+      role.params = base
+      self.shared.add("reference")
+    else:
+      role.load(base)
+    return role
+
   def get(self, name: str) -> ModelRole | None:
     return self.roles.get(name)
 
@@ -92,14 +145,23 @@ class RoleCluster:
     """The actor's current weights resharded into the sampler's layout (bucketed, timed), its
     matrices already in the compute dtype the sampler decodes in."""
     params = self.actor.params
+    if self.cfg.lora.enabled:  # the adapters folded into the base, on the actor's devices
+      params = self._merge(params)
     dtypes = compute_dtypes(self.cfg.model, params)
     with allowed("weights", params):  # see train/host_transfers.py
       return reshard(params, self.sampler_shardings, dtypes=dtypes,
                      bucket_bytes=self.cfg.placement.reshard_bucket_mb << 20)
 
+  @functools.cached_property
+  def _merge(self):
+    """jit: the actor's parameters -> the plain model's, adapters folded in, in the base's
+    layout (jaxrl/models/lora.merged)."""
+    return jax.jit(functools.partial(lora.merged, self.actor.graphdef),
+                   out_shardings=self.plain(self.actor.shardings))
+
   def sampler_abstract(self) -> nnx.State:
     """The sampler copy's abstract parameters: shapes, its dtypes, its shardings."""
-    abstract = self.actor.abstract()
+    abstract = self.plain(self.actor.abstract())
     return jax.tree.map(lambda x, s, d: jax.ShapeDtypeStruct(x.shape, d or x.dtype, sharding=s),
                         abstract, self.sampler_shardings, compute_dtypes(self.cfg.model, abstract))
 

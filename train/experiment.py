@@ -25,8 +25,7 @@ from flax import nnx
 from jaxrl.config import ConfigError, ExperimentConfig, to_dict
 from sharding.placement import host_major_devices
 from train import compilation, resume, rundir
-from train.checkpoint import (CheckpointError, RunCheckpointer, load_actor_params,
-                              params_fingerprint)
+from train.checkpoint import CheckpointError, RunCheckpointer, params_fingerprint
 from jaxrl.config_files import merge, resolve
 from train.context import RunContext
 from train.hooks import Checkpoint, Evaluate, Log, NonFinite, Progress, StopRequest
@@ -125,9 +124,8 @@ class Experiment:
       self.ctx.cluster.initialize_actor()
 
   def _init_actor(self, directory: str) -> None:
-    actor = self.ctx.cluster.actor
     try:
-      actor.params, step = load_actor_params(directory, actor.abstract())
+      step = self.ctx.cluster.load_actor(directory)
     except ValueError as e:
       raise ConfigError(str(e)) from None
     log.info("actor initialised from %s (step %d)", directory, step)

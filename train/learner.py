@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from train.roles import ModelRole, abstract_like
-from train.steps import TrainState
+from train.steps import Frozen, TrainState
 
 
 def compiler_options(role: ModelRole) -> dict | None:
@@ -35,40 +35,54 @@ class Learner:
   def __init__(self, role: ModelRole, update_fn, optimizer: optax.GradientTransformation, *,
                initialize: bool = True):
     """`update_fn(state, batch, *, graphdef, optimizer)`; `initialize=False` leaves the state
-    abstract for a restore (`load_state`)."""
+    abstract for a restore (`load_state`). Only the role's trainable parameters
+    (`role.split`) are in the state, its gradients and its optimizer moments; the frozen rest
+    (LoRA's base) is an argument of the update, never donated, reached through a
+    `steps.Frozen` graph."""
     self.role, self.optimizer = role, optimizer
-    abstract_opt = jax.eval_shape(optimizer.init, role.abstract())
+    trained, _ = role.split(role.abstract())
+    self._trained_shardings, self._frozen_shardings = role.split(role.shardings)
+    abstract_opt = jax.eval_shape(optimizer.init, trained)
     self._opt_shardings = optax.tree_map_params(
-        optimizer, lambda _, sharding: sharding, abstract_opt, role.shardings,
+        optimizer, lambda _, sharding: sharding, abstract_opt, self._trained_shardings,
         transform_non_params=lambda _: role.replicated)
     self._abstract_opt = abstract_opt
-    shardings = TrainState(step=role.replicated, params=role.shardings,
+    shardings = TrainState(step=role.replicated, params=self._trained_shardings,
                            opt_state=self._opt_shardings)
-    step = functools.partial(update_fn, graphdef=role.graphdef, optimizer=optimizer)
-    self._update = role.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None),
-                            donate_argnums=0, compiler_options=compiler_options(role))
+
+    def step(state, frozen, batch):
+      graphdef = role.graphdef if frozen is None else Frozen(role.graphdef, frozen)
+      return update_fn(state, batch, graphdef=graphdef, optimizer=optimizer)
+    self._update = role.jit(step, in_shardings=(shardings, self._frozen_shardings, None),
+                            out_shardings=(shardings, None), donate_argnums=0,
+                            compiler_options=compiler_options(role))
     self.step = self.opt_state = None
     if initialize:
       self.step = jax.device_put(jnp.zeros((), jnp.int32), role.replicated)
-      self.opt_state = jax.jit(optimizer.init, out_shardings=self._opt_shardings)(role.params)
+      self.opt_state = jax.jit(optimizer.init, out_shardings=self._opt_shardings)(
+          role.split(role.params)[0])
 
   @property
   def state(self) -> TrainState:
-    return TrainState(step=self.step, params=self.role.params, opt_state=self.opt_state)
+    return TrainState(step=self.step, params=self.role.split(self.role.params)[0],
+                      opt_state=self.opt_state)
 
   def update(self, batch) -> dict:
     """One update on `batch` (already on this mesh, or host arrays); metrics stay on device."""
-    state, metrics = self._update(self.state, batch)
-    self.role.params, self.opt_state, self.step = state.params, state.opt_state, state.step
+    frozen = self.role.split(self.role.params)[1]
+    state, metrics = self._update(self.state, frozen, batch)
+    self.role.params = self.role.join(state.params, frozen)
+    self.opt_state, self.step = state.opt_state, state.step
     return metrics
 
   def lower(self, batch):
     """The update lowered for `batch` (arrays or ShapeDtypeStructs) and this learner's state,
     abstract: `.compile().memory_analysis()` is what one update needs, allocating nothing."""
+    trained, frozen = self.role.split(self.role.abstract())
     state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=self.role.replicated),
-                       params=self.role.abstract(),
+                       params=trained,
                        opt_state=abstract_like(self._abstract_opt, self._opt_shardings))
-    return self._update.lower(state, batch)
+    return self._update.lower(state, frozen, batch)
 
   def checkpoint_state(self) -> dict:
     """What a run-state checkpoint keeps of this learner (the parameters are the role's)."""

@@ -44,7 +44,9 @@ def snapshot(ctx: RunContext, stage: Stage, summary: dict,
   """(orbax items, meta, metrics for keep-the-best) at `stage`'s current step; `summary`: the run
   summary so far."""
   p = stage.progress
-  items = {name: nnx.to_pure_dict(role.params) for name, role in ctx.cluster.roles.items()}
+  roles = {name: role for name, role in ctx.cluster.roles.items()
+           if name not in ctx.cluster.shared}  # a shared role is the actor's: rebuilt from it
+  items = {name: nnx.to_pure_dict(role.params) for name, role in roles.items()}
   learners = {} if p.finished else stage.learners()
   items.update({f"learner_{name}": l.checkpoint_state() for name, l in learners.items()})
   arrays = {} if p.finished else stage.arrays()
@@ -54,7 +56,7 @@ def snapshot(ctx: RunContext, stage: Stage, summary: dict,
   # A copy: orbax writes the JSON later, on its own thread, while the run goes on.
   meta = json.loads(json.dumps({
       "stage": stage.name, "done": saved["done"], "finished": saved["finished"],
-      "state": {} if p.finished else stage.state(), "models": sorted(ctx.cluster.roles),
+      "state": {} if p.finished else stage.state(), "models": sorted(roles),
       "learners": sorted(learners), "last_eval": saved["last_eval"],
       "last_eval_step": saved["last_eval_step"], "summary": summary,
       "metrics_rows": metrics_rows}))
@@ -119,6 +121,7 @@ def _reset(ctx: RunContext, stages: dict[str, Stage]) -> None:
   for name in list(cluster.roles):
     if name != "actor":
       del cluster.roles[name]
+  cluster.shared.clear()
   cluster.actor.params = None
 
 

@@ -59,8 +59,12 @@ class ModelRole:
   (a tree, None: as initialised), e.g. `dtypes.compute_dtypes`: a bf16 reference holds half the
   bytes and scores exactly as its float32 weights would."""
 
-  def __init__(self, name: str, make_model, mesh: Mesh, rules=TRAIN_RULES, stored_dtypes=None):
+  def __init__(self, name: str, make_model, mesh: Mesh, rules=TRAIN_RULES, stored_dtypes=None,
+               trainable=None):
+    """`trainable`: an nnx filter of the parameters a learner trains (LoRA's adapters), None:
+    all of them."""
     self.name, self.mesh, self.rules, self._make_model = name, mesh, rules, make_model
+    self.trainable = trainable
     self.graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
     self.dtypes = None if stored_dtypes is None else stored_dtypes(abstract)
     if self.dtypes is not None:
@@ -88,6 +92,22 @@ class ModelRole:
 
   def abstract(self) -> nnx.State:
     return abstract_like(self._abstract, self.shardings)
+
+  def with_fresh_trained(self, frozen: nnx.State) -> nnx.State:
+    """`frozen` (e.g. a loaded base) joined with newly initialised trained parameters (LoRA
+    adapters, B = 0), born sharded: XLA drops the rest of the initialisation."""
+    init = lambda: self.split(nnx.split(self._make_model())[1])[0]
+    return self.join(jax.jit(init, out_shardings=self.split(self.shardings)[0])(), frozen)
+
+  def split(self, tree: nnx.State) -> tuple[nnx.State, nnx.State | None]:
+    """(trained, frozen) parts of a tree shaped like the parameters; frozen is None when every
+    parameter trains."""
+    if self.trainable is None:
+      return tree, None
+    return nnx.split_state(tree, self.trainable, ...)
+
+  def join(self, trained: nnx.State, frozen: nnx.State | None) -> nnx.State:
+    return trained if frozen is None else nnx.merge_state(trained, frozen)
 
   @property
   def replicated(self) -> NamedSharding:

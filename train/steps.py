@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -23,6 +24,20 @@ class TrainState:
   step: jax.Array
   params: nnx.State
   opt_state: optax.OptState
+
+
+class Frozen(NamedTuple):
+  """A model's graph with the parameters an update leaves alone (LoRA's base: the learner
+  trains the adapters only, train/learner.py); the update's `params` are the trained rest."""
+  graphdef: nnx.GraphDef
+  params: nnx.State
+
+
+def model_of(graphdef, params):
+  """The module of `graphdef` (or a `Frozen` graph with its frozen parameters) and `params`."""
+  if isinstance(graphdef, Frozen):
+    return nnx.merge(graphdef.graphdef, graphdef.params, params)
+  return nnx.merge(graphdef, params)
 
 
 NEVER_GIVE_UP = 2**30  # optax.apply_if_finite applies non-finite updates after this many
@@ -58,7 +73,7 @@ def token_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT=None, s
   and in chunks (jaxrl/algos/logprobs.py): no [B, T, V] logits tensor, forward or backward.
 
   With `segment_ids_BT` (packed rows) positions restart and attention stays in each segment."""
-  model = nnx.merge(graphdef, params)
+  model = model_of(graphdef, params)
   if segment_ids_BT is None:
     h_BTD, _ = model.decoder(tokens_BT, positions_from_valid(valid_BT), valid_BT)
   else:
@@ -146,7 +161,7 @@ def compute_copy(graphdef, params):
   a float32 model). Their gradients are those of the bf16 products, as before (the model casts
   where it multiplies); the embedding and an untied head stay float32, so the gradients the
   log-prob head and the token lookup give them add up in float32."""
-  cfg = nnx.merge(graphdef, params).decoder.cfg  # traced: merging copies nothing
+  cfg = model_of(graphdef, params).decoder.cfg  # traced: merging copies nothing
   edges = ("embed", "lm_head")
   dtypes = jax.tree_util.tree_map_with_path(
       lambda path, d: None if any(getattr(k, "key", None) in edges for k in path) else d,
@@ -253,7 +268,7 @@ def rl_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig):
 def completion_values(graphdef, params, tokens_BT, valid_BT, prompt_len: int) -> jax.Array:
   """Critic values of the states before each completion token, [B, N] (aligned with the
   log-probs: value i is read where token i is predicted)."""
-  model = nnx.merge(graphdef, params)
+  model = model_of(graphdef, params)
   values_BT = model(tokens_BT, positions_from_valid(valid_BT), valid_BT)
   return values_BT[:, prompt_len - 1:-1]
 
@@ -281,7 +296,7 @@ def critic_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig)
 
 def sequence_scores(graphdef, params, tokens_BT, valid_BT) -> jax.Array:
   """Reward-model score of each whole sequence, [B]."""
-  model = nnx.merge(graphdef, params)
+  model = model_of(graphdef, params)
   return model(tokens_BT, positions_from_valid(valid_BT), valid_BT)
 
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models.llama import ModelConfig
+from jaxrl.models.lora import SUFFIX
 
 
 def compute_dtypes(cfg: ModelConfig, params):
@@ -26,3 +27,11 @@ def compute_dtypes(cfg: ModelConfig, params):
 def cast_to(params, dtypes):
   """`params` with the leaves `dtypes` names cast (see `compute_dtypes`)."""
   return jax.tree.map(lambda x, d: x if d is None else x.astype(d), params, dtypes)
+
+
+def frozen_base_dtypes(cfg: ModelConfig, params):
+  """An adapted model's stored dtypes: its frozen base as `compute_dtypes` gives (what a frozen
+  role holds), its LoRA adapters (trained) as they are, float32."""
+  adapter = lambda path: any(str(getattr(k, "key", "")).endswith(SUFFIX) for k in path)
+  return jax.tree_util.tree_map_with_path(lambda path, d: None if adapter(path) else d,
+                                          compute_dtypes(cfg, params))

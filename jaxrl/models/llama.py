@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.models.lora import LoRA, LoRAConfig, adapted
 from jaxrl.models.rope import rope, rope_table
 from jaxrl.partitioning import constrain
 
@@ -131,15 +132,29 @@ class RMSNorm(nnx.Module):
     return (x32 * self.scale[...]).astype(x_BTD.dtype)
 
 
+def _adapters(module: nnx.Module, lora: LoRAConfig | None, rngs: nnx.Rngs, **weights) -> None:
+  """A LoRA adapter `NAME_lora` beside each weight NAME=(out dims, in dims) that `lora`
+  targets (jaxrl/models/lora.py), shaped and sharded like the weight it adapts."""
+  for name, out_dims in weights.items():
+    if lora is None or not lora.on(name):
+      continue
+    w = getattr(module, name)
+    axes = w.get_metadata()["logical_axes"]
+    setattr(module, name + "_lora", LoRA(w.shape[:out_dims], axes[:out_dims], w.shape[out_dims:],
+                                         axes[out_dims:], lora, rngs))
+
+
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None = None,
+               lora_rngs: nnx.Rngs | None = None):
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     self.cfg = cfg
     self.wq = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), d**-0.5)
     self.wk = _param(rngs, (k, h, d), ("kv_heads", "head_dim", "embed"), d**-0.5)
     self.wv = _param(rngs, (k, h, d), ("kv_heads", "head_dim", "embed"), d**-0.5)
     self.wo = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), (n * h)**-0.5 / cfg.n_layers)
+    _adapters(self, lora, lora_rngs, wq=2, wk=2, wv=2, wo=1)
     if cfg.qkv_bias:
       zeros = lambda heads, axis: nnx.Param(jnp.zeros((heads, h), jnp.float32),
                                             logical_axes=(axis, "head_dim"))
@@ -148,11 +163,13 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(h, cfg.norm_eps, "head_dim")
       self.k_norm = RMSNorm(h, cfg.norm_eps, "head_dim")
 
-  def project(self, x_BTD, w_NHD, bias_name: str, norm_name: str):
-    """Queries, keys or values [B, T, N, H]: the projection, its bias (Qwen2) and its per-head
-    RMSNorm (Qwen3 queries and keys), before RoPE."""
+  def project(self, x_BTD, name: str, bias_name: str, norm_name: str):
+    """Queries, keys or values [B, T, N, H]: the projection `name` (with its adapter), its bias
+    (Qwen2) and its per-head RMSNorm (Qwen3 queries and keys), before RoPE."""
+    w_NHD = getattr(self, name)
     n, h, d = w_NHD.shape
-    out_BTNH = dense(x_BTD, w_NHD[...].reshape(n * h, d)).reshape(*x_BTD.shape[:2], n, h)
+    out_BTF = adapted(self, name, x_BTD, dense(x_BTD, w_NHD[...].reshape(n * h, d)))
+    out_BTNH = out_BTF.reshape(*x_BTD.shape[:2], n, h)
     if self.cfg.qkv_bias:
       out_BTNH = out_BTNH + getattr(self, bias_name)[...].astype(x_BTD.dtype)
     if self.cfg.qk_norm and norm_name:
@@ -168,9 +185,9 @@ class Attention(nnx.Module):
       x_BQD, mask_BQS = x_BTD[:, -1:], mask_BTS[:, -1:]
       rope_BQH = tuple(a[:, -1:] for a in rope_BTH)
     # Queries carry the 1/sqrt(head_dim) of the attention logits from here on.
-    q_BTNH = rope(self.project(x_BQD, self.wq, "bq", "q_norm"), rope_BQH, cfg.head_dim**-0.5)
-    k_BTKH = rope(self.project(x_BTD, self.wk, "bk", "k_norm"), rope_BTH)
-    v_BTKH = self.project(x_BTD, self.wv, "bv", "")
+    q_BTNH = rope(self.project(x_BQD, "wq", "bq", "q_norm"), rope_BQH, cfg.head_dim**-0.5)
+    k_BTKH = rope(self.project(x_BTD, "wk", "bk", "k_norm"), rope_BTH)
+    v_BTKH = self.project(x_BTD, "wv", "bv", "")
     q_BTNH = constrain(q_BTNH, ("batch", None, "act_heads", None))
     # Keys are stored transposed (head_dim before slots) so that both attention products are
     # plain matrix products over a contiguous cache (no per-step transpose of the keys).
@@ -194,7 +211,8 @@ class Attention(nnx.Module):
       attend = _attend_one if t == 1 else _attend
       out_BTKGH = attend(q_BTKGH, k_BKHS.astype(dt), v_BKSH.astype(dt), mask_BQS)
     # One (n * h) contraction on flat views: XLA:CPU would otherwise transpose wo every call.
-    out_BTD = dense(out_BTKGH.reshape(b, t, n * h), self.wo[...].reshape(cfg.d_model, n * h))
+    out_BTF = out_BTKGH.reshape(b, t, n * h)
+    out_BTD = adapted(self, "wo", out_BTF, dense(out_BTF, self.wo[...].reshape(cfg.d_model, n * h)))
     return out_BTD, layer_cache
 
 
@@ -225,25 +243,29 @@ def _attend_one(q_B1KGH, k_BKHS, v_BKSH, mask_B1S):
 
 class MLP(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None = None,
+               lora_rngs: nnx.Rngs | None = None):
     d, f = cfg.d_model, cfg.d_ff
     self.w_gate = _param(rngs, (f, d), ("mlp", "embed"), d**-0.5)
     self.w_up = _param(rngs, (f, d), ("mlp", "embed"), d**-0.5)
     self.w_down = _param(rngs, (d, f), ("embed", "mlp"), f**-0.5 / cfg.n_layers)
+    _adapters(self, lora, lora_rngs, w_gate=1, w_up=1, w_down=1)
 
   def __call__(self, x_BTD):
-    gate_BTF, up_BTF = dense(x_BTD, self.w_gate[...]), dense(x_BTD, self.w_up[...])
+    linear = lambda name, x: adapted(self, name, x, dense(x, getattr(self, name)[...]))
+    gate_BTF, up_BTF = linear("w_gate", x_BTD), linear("w_up", x_BTD)
     h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", None, "act_mlp"))
-    return dense(h_BTF, self.w_down[...])
+    return linear("w_down", h_BTF)
 
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None = None,
+               lora_rngs: nnx.Rngs | None = None):
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-    self.attn = Attention(cfg, rngs)
+    self.attn = Attention(cfg, rngs, lora, lora_rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-    self.mlp = MLP(cfg, rngs)
+    self.mlp = MLP(cfg, rngs, lora, lora_rngs)
 
   def __call__(self, x_BTD, rope_BTH, mask_BTS, layer_cache, cache_index, last_only=False):
     attn_BTD, layer_cache = self.attn(self.attn_norm(x_BTD), rope_BTH, mask_BTS, layer_cache,
@@ -271,14 +293,16 @@ def attention_mask(key_valid_BS: jax.Array, t: int, cache_index,
 class Decoder(nnx.Module):
   """Embedding + blocks + final norm; returns hidden states (heads are separate modules)."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
     self.cfg = cfg
     # An untied or scaled head reads N(0, 1) embeddings; a head that IS the embedding (HF style)
     # needs them at 1 / sqrt(d_model) for unit-scale initial logits.
     hf_tied = cfg.tie_embeddings and not cfg.scale_tied_head
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                         cfg.d_model**-0.5 if hf_tied else 1.0)
-    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+    # The adapters draw from a stream of their own: the base weights are the same with or without.
+    lora_rngs = nnx.Rngs(jax.random.fold_in(rngs.default.key[...], 0x10A))
+    self.blocks = nnx.List([Block(cfg, rngs, lora, lora_rngs) for _ in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
   def __call__(self, tokens_BT, positions_BT, key_valid_BS, kv_cache: KVCache | None = None,
@@ -318,11 +342,12 @@ class Decoder(nnx.Module):
 
 
 class LanguageModel(nnx.Module):
-  """Decoder with an LM head (tied to the embedding unless `tie_embeddings=False`)."""
+  """Decoder with an LM head (tied to the embedding unless `tie_embeddings=False`); with `lora`
+  (rank > 0), LoRA adapters on its targets (jaxrl/models/lora.py)."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
     self.cfg = cfg
-    self.decoder = Decoder(cfg, rngs)
+    self.decoder = Decoder(cfg, rngs, lora)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                             cfg.d_model**-0.5)

@@ -45,7 +45,7 @@ class RLStage(Stage):
   def start(self, *, restoring: bool = False) -> None:
     rl, cluster = self.cfg.rl, self.ctx.cluster
     if cluster.get("reference") is None:  # frozen: the actor as RL starts
-      cluster.add("reference", initialize=False).load(cluster.actor.params)
+      cluster.add_reference()
     updates = rl.steps * rl.num_minibatches
     optimizer = lambda lr: steps.make_optimizer(lr, warmup_steps=rl.warmup_steps,
                                                 total_steps=updates,
