@@ -2,7 +2,7 @@
 
 `load_policy(path)` takes a Hugging Face model directory (config.json + safetensors) or a jaxrl
 checkpoint: a run's stage directory `RUN/checkpoints/STAGE` (its latest step) or one step of it
-`RUN/checkpoints/STAGE/STEP`. The model config comes from config.json (HF) or the run's
+`RUN/checkpoints/STAGE/STEP` (a LoRA run's with its adapters folded in). The model config comes from config.json (HF) or the run's
 config.json (jaxrl), the tokenizer from the HF directory, or from the run's `data.tokenizer_path`
 / `model.hf_path` (the byte tokenizer when neither is set). Parameters land on this process's
 first device (a `ModelRole` on a one-device mesh), read straight into place.
@@ -20,7 +20,9 @@ from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.config_files import from_mapping
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.models.hf import HFError, load_params, model_config_from_hf
+from jaxrl.models import lora
 from jaxrl.models.llama import LanguageModel, ModelConfig
+from jaxrl.models.lora import LoRAConfig
 from sharding.mesh import make_mesh
 from train.checkpoint import load_actor_params
 from train.roles import ModelRole
@@ -34,11 +36,16 @@ class Policy:
   tok: object  # jaxrl.data.tokenizer.Tokenizer
   tokenizer_dir: str  # "" for the byte tokenizer
   source: str  # what was loaded, for messages
+  # A LoRA run's checkpoint: `params` have the adapters folded in; these are the adapters
+  # (PEFT's tensor names) and their config, for an adapter export. None otherwise.
+  adapters: dict | None = None
+  lora: LoRAConfig | None = None
+  base_model: str = ""  # the run's model.hf_path (an adapter's base)
 
 
-def _role(cfg: ModelConfig) -> ModelRole:
+def _role(cfg: ModelConfig, lora_cfg: LoRAConfig | None = None) -> ModelRole:
   mesh = make_mesh({}, devices=[jax.local_devices()[0]])
-  return ModelRole("actor", lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)), mesh)
+  return ModelRole("actor", lambda: LanguageModel(cfg, rngs=nnx.Rngs(0), lora=lora_cfg), mesh)
 
 
 def split_checkpoint_path(path: str, what: str = "--checkpoint") -> tuple[str, str, int | None]:
@@ -80,14 +87,21 @@ def load_policy(path: str, *, dtype: str | None = None, what: str = "--model") -
   run_dir, stage_dir, step = split_checkpoint_path(path, what)
   run = run_config(run_dir)
   cfg = dataclasses.replace(run.model, dtype=dtype or run.model.dtype)
-  role = _role(cfg)
+  role = _role(cfg, run.lora if run.lora.enabled else None)
   try:
     params, step = load_actor_params(stage_dir, role.abstract(), step=step, what=what)
   except ValueError as e:
     raise ConfigError(str(e)) from None
   tokenizer_dir = run.data.tokenizer_path or run.model.hf_path
-  return Policy(cfg, role.graphdef, params, load_tokenizer(tokenizer_dir), tokenizer_dir,
-                f"{stage_dir} step {step}")
+  policy = Policy(cfg, role.graphdef, params, load_tokenizer(tokenizer_dir), tokenizer_dir,
+                  f"{stage_dir} step {step}")
+  if run.lora.enabled:  # the plain model with the adapters folded in, and the adapters
+    plain = _role(cfg)
+    policy = dataclasses.replace(
+        policy, graphdef=plain.graphdef, params=lora.merged(role.graphdef, params),
+        adapters=lora.peft_tensors(role.graphdef, params), lora=run.lora,
+        base_model=run.model.hf_path)
+  return policy
 
 
 def generation_config(tok, source_dir: str = "") -> dict:

@@ -2,7 +2,8 @@
 
   jaxrl-export --checkpoint runs/NAME/checkpoints/rl --out exported/NAME [--dtype bfloat16]
       writes a directory transformers and vLLM load as is (config.json, safetensors split at
-      --max_shard_gb with an index, generation_config.json, the tokenizer's files).
+      --max_shard_gb with an index, generation_config.json, the tokenizer's files); a LoRA
+      run's adapters folded in, or with --peft only the adapters, as a PEFT adapter directory.
   jaxrl-sample --model DIR --prompt TEXT [--prompt TEXT ...] [--chat] [--greedy]
       [--max_new_tokens N] [--n N] [--temperature T] [--seed S]
       prints completions of a Hugging Face directory or a jaxrl checkpoint (cli/model_io.py).
@@ -23,12 +24,20 @@ def export_main(argv: list[str] | None = None) -> int:
   parser.add_argument("--out", required=True, help="the directory to write (must not exist)")
   parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
   parser.add_argument("--max_shard_gb", type=float, default=4.0)
+  parser.add_argument("--peft", action="store_true",
+                      help="a LoRA run: write its adapters alone, as a PEFT adapter directory")
   args = parser.parse_args(argv)
   from jaxrl.config import ConfigError
-  from jaxrl.models.hf import HFError, export
+  from jaxrl.models.hf import HFError, export, export_peft
   from cli.model_io import generation_config, load_policy
   try:
     policy = load_policy(args.checkpoint, what="--checkpoint")
+    if args.peft:
+      if policy.adapters is None:
+        return fail(f"--peft: {policy.source} has no LoRA adapters (its run has lora.rank=0)")
+      export_peft(policy.adapters, policy.lora, args.out, base_model=policy.base_model)
+      print(f"jaxrl: exported the LoRA adapters of {policy.source} to {args.out}")
+      return 0
     export(policy.params, policy.cfg, args.out, dtype=args.dtype,
            max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
            tokenizer_dir=policy.tokenizer_dir or None,

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
+import safetensors.numpy
 from safetensors import safe_open
 
 from jaxrl.models.hf_config import (ARCH_FIELDS, HFError, check_config, default_max_positions,
@@ -354,3 +355,23 @@ def export(params: nnx.State, cfg: ModelConfig, out_dir: str, *, dtype: str = "f
     raise
   if jax.process_count() > 1:  # no process returns before the directory exists
     multihost_utils.sync_global_devices(f"jaxrl.hf.export:{out_dir}")
+
+
+def export_peft(tensors: dict, cfg, out_dir: str, *, base_model: str = "") -> None:
+  """Writes LoRA adapters (`lora.peft_tensors`) as a PEFT adapter directory:
+  adapter_config.json and adapter_model.safetensors (float32), which
+  `peft.PeftModel.from_pretrained(base, out_dir)` loads onto the base model. Process 0 writes;
+  `out_dir` must not exist and appears complete or not at all."""
+  from jaxrl.models.lora import peft_config
+  if os.path.exists(out_dir):
+    raise HFError(f"{out_dir}: already exists (export never overwrites)")
+  arrays = {name: _to_host(x, x.shape, None, np.float32) for name, x in tensors.items()}
+  if jax.process_index() != 0:
+    return
+  tmp = out_dir.rstrip("/") + ".tmp"
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  safetensors.numpy.save_file(arrays, os.path.join(tmp, "adapter_model.safetensors"),
+                              metadata={"format": "pt"})
+  _write_json(os.path.join(tmp, "adapter_config.json"), peft_config(cfg, base_model))
+  os.rename(tmp, out_dir)
