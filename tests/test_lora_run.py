@@ -1,0 +1,102 @@
+"""A LoRA run (`lora.rank > 0`): SFT and GRPO train the adapters alone; the base's bytes never
+change; colocated, the reference IS the base (the same arrays, not saved twice); a resume puts
+it all back; jaxrl-export writes the merged weights or a PEFT adapter directory."""
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from cli.tools import export_main
+from configs import tiny
+from jaxrl.models import lora
+from train.experiment import Experiment
+
+
+def _host(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def _same(a, b) -> bool:
+  return all(np.array_equal(x, y) for x, y in zip(_host(a), _host(b)))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  c = tiny.get_config()
+  c.run_dir, c.run_name = str(tmp_path_factory.mktemp("lora")), "run"
+  c.placement.strategy = "colocate"
+  c.lora.update(rank=4, alpha=8.0, targets="wq,wv,w_up")
+  c.rl.steps = 2
+  c.checkpoint_every = 100
+  out = {}
+  with Experiment(c) as exp:
+    cluster = exp.ctx.cluster
+    actor = cluster.actor
+    out["base0"], out["adapters0"] = _host(cluster.plain(actor.params)), _host(
+        actor.split(actor.params)[0])
+    exp.stage("sft").run()
+    out["adapters_sft"] = _host(actor.split(actor.params)[0])
+    exp.rl.step()
+    exp.save()  # mid-stage: the learner's state too
+    ref = cluster.get("reference").params
+    out["shared"] = (cluster.shared, all(
+        a is b for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(cluster.plain(actor.params)))))
+    exp.rl.step()
+    out["base1"], out["adapters1"] = _host(cluster.plain(actor.params)), _host(
+        actor.split(actor.params)[0])
+    out["params"] = _host(actor.params)
+    out["dtypes"] = {str(x.dtype) for x in jax.tree.leaves(cluster.plain(actor.params))
+                     if x.ndim > 1}
+    out["summary"] = exp.finish()
+  out["dir"] = os.path.join(c.run_dir, "run")
+  return out
+
+
+def test_only_the_adapters_train(run):
+  assert all(np.array_equal(a, b) for a, b in zip(run["base0"], run["base1"]))
+  for before, after in [(run["adapters0"], run["adapters_sft"]),
+                        (run["adapters_sft"], run["adapters1"])]:
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+  assert len(run["adapters1"]) == 2 * 3  # wq, wv, w_up in the tiny model's one layer
+
+
+def test_the_reference_is_the_actors_base(run):
+  shared, same_arrays = run["shared"]
+  assert shared == {"reference"} and same_arrays
+  rl = os.path.join(run["dir"], "checkpoints", "rl")
+  items = set(os.listdir(os.path.join(rl, "1")))
+  assert "actor" in items and "learner_actor" in items and "reference" not in items
+
+
+def test_resume_mid_rl_continues_exactly(run, tmp_path):
+  """From the checkpoint after RL step 1 (the later one removed): the shared reference is
+  rebuilt from the restored base, and step 2 gives the uninterrupted run's adapters."""
+  copy = str(tmp_path / "run")
+  shutil.copytree(run["dir"], copy)
+  shutil.rmtree(os.path.join(copy, "checkpoints", "rl", "2"))
+  with Experiment.restore(copy) as exp:
+    cluster = exp.ctx.cluster
+    assert cluster.shared == {"reference"}
+    assert _same(cluster.get("reference").params, cluster.plain(cluster.actor.params))
+    exp.rl.step()
+    np.testing.assert_equal(_host(cluster.actor.params), run["params"])
+
+
+def test_export_merged_and_peft(run, tmp_path):
+  ckpt = os.path.join(run["dir"], "checkpoints", "rl")
+  assert export_main(["--checkpoint", ckpt, "--out", str(tmp_path / "merged"),
+                      "--dtype", "float32"]) == 0
+  with open(tmp_path / "merged" / "config.json") as f:
+    assert json.load(f)["num_hidden_layers"] == 1
+  assert export_main(["--checkpoint", ckpt, "--out", str(tmp_path / "peft"), "--peft"]) == 0
+  with open(tmp_path / "peft" / "adapter_config.json") as f:
+    config = json.load(f)
+  assert (config["r"], sorted(config["target_modules"])) == (4, ["q_proj", "up_proj", "v_proj"])
+
+
+def test_base_is_held_in_the_compute_dtype(run):
+  assert run["dtypes"] == {"float32"}  # the tiny model computes in float32
+  assert lora.LoRAConfig().enabled is False
