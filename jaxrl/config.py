@@ -25,6 +25,7 @@ STRATEGIES = ("colocate", "interleave", "separate")
 REWARDS = ("verifier", "reward_model")
 MODES = ("sync", "async")
 ASYNC_SCHEDULES = ("free", "fixed")  # sampler/worker.py
+OFFLOADS = ("optimizer", "frozen", "sampler")  # placement.offload's items (train/offload.py)
 KL_MODES = ("loss", "reward")  # KL(pi || ref) as a loss term, or folded into per-token rewards
 
 
@@ -111,6 +112,10 @@ class PlacementConfig:
   # Share of each accelerator's memory JAX preallocates (XLA_PYTHON_CLIENT_MEM_FRACTION; 0: on
   # demand, XLA_PYTHON_CLIENT_PREALLOCATE=false), set before JAX starts (sharding/host.py).
   device_memory_fraction: float = 0.9
+  # Idle-role offload in sync RL (train/offload.py): comma-separated optimizer (Adam moments
+  # on the devices only for the update), frozen (reference, reward model only for scoring),
+  # sampler (its copy dropped for the update); all; empty: none
+  offload: str = ""
   # strategy="plan": a calibration JSON (`jaxrl-plan --calibrate FILE`); empty: the built-in
   # factors of the device kind (planner/devices.py)
   calibration: str = ""
@@ -120,6 +125,18 @@ class PlacementConfig:
     _positive(self, "train_devices", "reshard_bucket_mb", "cpu_devices")
     _at_least_zero(self, "device_memory_gb", "sampler_tensor")
     _unit(self, "device_memory_fraction")
+    offload_items(self.offload)
+
+
+def offload_items(spec: str) -> tuple[str, ...]:
+  """`placement.offload`'s items ("all": every one); ValueError naming an unknown one."""
+  items = tuple(s.strip() for s in spec.split(",") if s.strip())
+  if items == ("all",):
+    return OFFLOADS
+  if any(s not in OFFLOADS for s in items):
+    raise ValueError(f"offload: expected a comma-separated subset of {','.join(OFFLOADS)} "
+                     f"(or all), got {spec!r}")
+  return items
 
 
 def usable_memory_gb(placement: PlacementConfig) -> float:
@@ -378,6 +395,9 @@ class ExperimentConfig:
           f"rl.mode: async needs the sampler on devices of its own "
           f"(placement.strategy='separate'); with {self.placement.strategy!r} generation and "
           f"training share devices and cannot overlap, use mode='sync'")
+    if self.placement.offload and self.rl.mode == "async":
+      raise ValueError("placement.offload: offloads between the phases of a sync step; with "
+                       "rl.mode='async' generation and training overlap, set offload=''")
     if self.rl.reward == "reward_model" and self.reward_model.steps <= 0:
       raise ValueError("reward_model.steps: rl.reward='reward_model' needs a trained reward "
                        f"model, expected > 0, got {self.reward_model.steps}")

@@ -175,6 +175,13 @@ class RoleCluster:
       jax.tree.map(lambda x: x.delete(), old)
     return stats
 
+  def drop_sampler_copy(self) -> None:
+    """Frees the sampler's copy now (the next `fresh_sampler_params` pushes a new one), unless
+    an asynchronous generator may be decoding with it."""
+    if self.sampler_params is not None and not self.copy_shared:
+      jax.tree.map(lambda x: x.delete(), self.sampler_params)
+      self.sampler_params, self._pushed_version = None, -1
+
   def fresh_sampler_params(self) -> nnx.State:
     """The sampler's copy, pushed first if the actor changed since the last push."""
     if self._pushed_version != self.actor.version:

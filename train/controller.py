@@ -27,7 +27,8 @@ import numpy as np
 from sampler.partial import PartialRolloutWorker
 from sampler.worker import (RolloutBatch, RolloutWorker, RolloutWorkerError, WorkerState,
                             rollout_key)
-from train import steps
+from jaxrl.config import offload_items
+from train import offload, steps
 from train.executors import Executor, ExecutorError
 from jaxrl.algos.advantages import informative_groups
 from jaxrl.data.pipeline import bucket_length
@@ -70,6 +71,13 @@ class Controller:
       self._scores_fn = self.reward_model.jit(functools.partial(steps.sequence_scores,
                                                                 self.reward_model.graphdef))
     self._experience = actor.role.jit(functools.partial(make_experience, cfg=self.cfg))
+    items = offload_items(ctx.cfg.placement.offload)
+    self.offload = offload.Offloader(items, cluster, [actor, critic], timeline) if items else None
+
+  def _enter(self, phase: str) -> None:
+    """Idle-role offload (train/offload.py) before a phase of a sync step."""
+    if self.offload is not None and self.worker is None:
+      self.train(self.offload.enter, phase, label=f"{phase} memory")
 
   # -- one batch ------------------------------------------------------------------------------
   def _score(self, rollout, examples_B, verified_B=None):
@@ -226,6 +234,7 @@ class Controller:
   def step(self) -> dict:
     """One RL step; returns its metrics row (host values)."""
     t0, errors = time.perf_counter(), self.ctx.task.user_code_errors.total()
+    self._enter("generate")
     batch, waited = self.next_rollout()
     self.next_index = batch.index + 1
     verified_B, extra = None, {}
@@ -238,9 +247,14 @@ class Controller:
     lag = self.version - version
     if self.worker is not None:  # every generated token's lag behind the policy it trains
       extra.update(self._token_lags(rollout, versions_BN))
+    self._enter("score")
     exp, exp_metrics, verified_B = self.experience(rollout, prompts, verified_B)
     t_score = time.perf_counter() - t0 - waited
+    self._enter("update")
     metrics, times = self.update(exp)
+    self._enter("generate")  # between steps (evaluation, checkpoints) too
+    if self.offload is not None:
+      extra["time_offload"] = self.offload.take_seconds()
     if self.ctx.user_code:  # calls of it scored 0 or ended (async: those of this interval)
       extra["user_code_errors"] = self.ctx.task.user_code_errors.total() - errors
     row = to_host({**exp_metrics, **metrics}, "metrics")
