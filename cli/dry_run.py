@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxrl.algos.logprobs import chunk_length
-from jaxrl.config import ConfigError, ExperimentConfig, usable_memory_gb
+from jaxrl.config import ConfigError, ExperimentConfig, offload_items, usable_memory_gb
 from sharding.placement import PlacementError
 from planner import footprint
 from sharding.rules import SAMPLER_RULES, batch_ways
@@ -54,20 +54,48 @@ def _roles(cfg: ExperimentConfig) -> tuple[list[str], list[str]]:
 
 
 def resident_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict]:
-  """{item: {device id: bytes}} of what stays on the devices through a whole RL step."""
+  """{item: {device id: bytes}} of what stays on the devices through a whole RL step (before
+  `placement.offload`: `offloaded`)."""
   trained, frozen = _roles(cfg)
   table = {}
   for name in trained + frozen:
+    if name == "reference" and cluster.reference_shares_base():
+      continue  # LoRA: the reference is the actor's own base
     role = cluster.get(name) or cluster.add(name, initialize=False)
-    params = shard_bytes(role.abstract())
-    table[f"{name} parameters ({_dtype_name(role.abstract())})"] = params
+    learned, base = role.split(role.abstract())
+    if base is None:
+      table[f"{name} parameters ({_dtype_name(learned)})"] = shard_bytes(learned)
+    else:
+      table[f"{name} frozen base ({_dtype_name(base)})"] = shard_bytes(base)
+      table[f"{name} LoRA adapters ({_dtype_name(learned)})"] = shard_bytes(learned)
     if name in trained:
-      table[f"{name} Adam moments"] = {d: 2 * b for d, b in params.items()}
+      table[f"{name} Adam moments"] = {d: 2 * b for d, b in shard_bytes(learned, 4).items()}
   itemsize = np.dtype(cfg.model.compute_dtype).itemsize
   sampler = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                         cluster.actor.abstract(), cluster.sampler_shardings)
+                         cluster.plain(cluster.actor.abstract()), cluster.sampler_shardings)
   table[f"sampler copy ({cfg.model.dtype})"] = shard_bytes(sampler, itemsize)
   return table
+
+
+def offloaded(cfg: ExperimentConfig, resident: dict, phases: dict) -> tuple[dict, dict]:
+  """The tables with `placement.offload` applied (train/offload.py): an offloaded item leaves
+  what stays and is counted only in the phases that have it on the devices (the optimizer
+  state in its update, the frozen models while scoring, the sampler's copy outside updates)."""
+  items = offload_items(cfg.placement.offload)
+  resident, phases = dict(resident), {p: dict(v) for p, v in phases.items()}
+  def move(key: str, into) -> None:
+    per_device = resident.pop(key)
+    for phase in into:
+      phases[phase][f"{key} (onloaded)"] = per_device
+  for key in list(resident):
+    role = key.split(" ")[0]
+    if "optimizer" in items and key.endswith("Adam moments"):
+      move(key, [f"{role} update"])
+    elif "frozen" in items and role in ("reference", "reward"):
+      move(key, ["scoring"])
+    elif "sampler" in items and key.startswith("sampler copy"):
+      move(key, [p for p in phases if not p.endswith("update")])
+  return resident, phases
 
 
 def _per_device(mesh, value: float) -> dict:
@@ -99,7 +127,7 @@ def update_footprint(cfg: ExperimentConfig, mesh, rules, param_bytes: float, par
 
 def _update_items(cfg: ExperimentConfig, role, lm_head: bool) -> dict[str, dict]:
   """{item: {device id: bytes}} of `role`'s update at its peak, on each device of its mesh."""
-  params = shard_bytes(role.abstract(), 4)
+  params = shard_bytes(role.split(role.abstract())[0], 4)  # what trains (LoRA: the adapters)
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(role.abstract()))
   peaks = {d: update_footprint(cfg, role.mesh, role.rules, b, n, lm_head)
            for d, b in params.items()}
@@ -194,7 +222,7 @@ def report(cfg: ExperimentConfig) -> tuple[list[str], bool]:
                       "`jaxrl-plan --config FILE --device KIND --devices N` prints the plan to set")
   cluster = RoleCluster(cfg, initialize=False)
   try:
-    resident, phases = resident_table(cfg, cluster), phase_table(cfg, cluster)
+    resident, phases = offloaded(cfg, resident_table(cfg, cluster), phase_table(cfg, cluster))
   except PlacementError as e:  # a role's mesh axis does not divide a parameter
     raise ConfigError(str(e)) from None
   totals, largest = _totals(resident, phases)

@@ -14,6 +14,8 @@ import dataclasses
 from jaxrl.algos import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from jaxrl.algos.correction import ROLLOUT_MASKS
 from jaxrl.data.sources import ANSWER_FORMATS
+from jaxrl.config_checks import (ConfigError, at_least_zero, choice, first_line,  # noqa: F401
+                                 positive, unit)
 from jaxrl.data.tasks import TASKS
 from jaxrl.models.llama import ModelConfig
 from jaxrl.models.lora import LoRAConfig
@@ -29,31 +31,6 @@ OFFLOADS = ("optimizer", "frozen", "sampler")  # placement.offload's items (trai
 KL_MODES = ("loss", "reward")  # KL(pi || ref) as a loss term, or folded into per-token rewards
 
 
-class ConfigError(ValueError):
-  """A user error in the config: reported in one line, exit code 2."""
-
-
-def first_line(error: BaseException) -> str:
-  """An exception's first line (its type when it has no message): for one-line reports."""
-  return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
-def _choice(obj, name: str, options) -> None:
-  if getattr(obj, name) not in options:
-    raise ValueError(f"{name}: expected one of {sorted(options)}, got {getattr(obj, name)!r}")
-
-
-def _check(obj, names, ok, expected: str) -> None:
-  for name in names:
-    if not ok(getattr(obj, name)):
-      raise ValueError(f"{name}: expected {expected}, got {getattr(obj, name)!r}")
-
-
-_positive = lambda obj, *names: _check(obj, names, lambda v: v > 0, "> 0")  # noqa: E731
-_at_least_zero = lambda obj, *names: _check(obj, names, lambda v: v >= 0, ">= 0")  # noqa: E731
-_unit = lambda obj, *names: _check(obj, names, lambda v: 0 <= v <= 1, "in [0, 1]")  # noqa: E731
-
-
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
   """A synthetic verifiable task (jaxrl/data/tasks.py): `rev abcde=` -> `edcba`."""
@@ -65,9 +42,9 @@ class TaskConfig:
   teacher_error: float = 0.6
 
   def __post_init__(self):
-    _choice(self, "name", TASKS)
-    _positive(self, "num_digits", "n_train", "n_heldout")
-    _unit(self, "teacher_error")
+    choice(self, "name", TASKS)
+    positive(self, "num_digits", "n_train", "n_heldout")
+    unit(self, "teacher_error")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +68,9 @@ class DataConfig:
   on_bad_row: str = "skip"  # skip (and count in the metrics) | error (stop, naming file and row)
 
   def __post_init__(self):
-    _choice(self, "answer_format", ANSWER_FORMATS)
-    _choice(self, "on_bad_row", ("skip", "error"))
-    _positive(self, "heldout_size", "max_prompt_tokens")
+    choice(self, "answer_format", ANSWER_FORMATS)
+    choice(self, "on_bad_row", ("skip", "error"))
+    positive(self, "heldout_size", "max_prompt_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,10 +98,10 @@ class PlacementConfig:
   calibration: str = ""
 
   def __post_init__(self):
-    _choice(self, "strategy", STRATEGIES + ("plan",))
-    _positive(self, "train_devices", "reshard_bucket_mb", "cpu_devices")
-    _at_least_zero(self, "device_memory_gb", "sampler_tensor")
-    _unit(self, "device_memory_fraction")
+    choice(self, "strategy", STRATEGIES + ("plan",))
+    positive(self, "train_devices", "reshard_bucket_mb", "cpu_devices")
+    at_least_zero(self, "device_memory_gb", "sampler_tensor")
+    unit(self, "device_memory_fraction")
     offload_items(self.offload)
 
 
@@ -157,8 +134,8 @@ class SFTConfig:
   pack_length: int = 0  # > 0: pack several examples into rows of this many tokens
 
   def __post_init__(self):
-    _positive(self, "batch_size", "learning_rate")
-    _at_least_zero(self, "steps", "warmup_steps", "pack_length", "weight_decay")
+    positive(self, "batch_size", "learning_rate")
+    at_least_zero(self, "steps", "warmup_steps", "pack_length", "weight_decay")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +153,8 @@ class RewardModelConfig:
   policy_negatives: bool = True  # synthetic rejected answers include the SFT policy's mistakes
 
   def __post_init__(self):
-    _positive(self, "batch_size", "pairs_per_prompt", "learning_rate")
-    _at_least_zero(self, "steps", "warmup_steps")
+    positive(self, "batch_size", "pairs_per_prompt", "learning_rate")
+    at_least_zero(self, "steps", "warmup_steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +170,8 @@ class DPOConfig:
   policy_negatives: bool = True
 
   def __post_init__(self):
-    _positive(self, "batch_size", "beta", "pairs_per_prompt", "learning_rate")
-    _at_least_zero(self, "steps", "warmup_steps")
+    positive(self, "batch_size", "beta", "pairs_per_prompt", "learning_rate")
+    at_least_zero(self, "steps", "warmup_steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,17 +254,17 @@ class RLConfig:
                           ("rollout_mask", ROLLOUT_MASKS),
                           ("async_schedule", ASYNC_SCHEDULES),
                           ("on_user_code_error", USER_CODE_POLICIES)]:
-      _choice(self, name, options)
-    _positive(self, "prompts_per_step", "group_size", "num_minibatches", "temperature",
+      choice(self, name, options)
+    positive(self, "prompts_per_step", "group_size", "num_minibatches", "temperature",
               "aipo_rho", "max_grad_norm", "max_new_tokens", "learning_rate",
               "critic_learning_rate", "clip_eps_low", "clip_eps_high", "value_clip_eps",
               "user_code_timeout_s")
     if ":" not in self.verifier:
-      _choice(self, "verifier", VERIFIERS)
-    _at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap", "kl_coef",
+      choice(self, "verifier", VERIFIERS)
+    at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap", "kl_coef",
                    "inflight_slots", "micro_batch_size", "length_buckets", "rollout_mask_low",
                    "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty")
-    _positive(self, "rollout_mask_high", "max_turns")
+    positive(self, "rollout_mask_high", "max_turns")
     for low, high in [("rollout_mask_low", "rollout_mask_high"),
                       ("overlong_buffer", "max_new_tokens")]:
       if getattr(self, low) > getattr(self, high):
@@ -296,7 +273,7 @@ class RLConfig:
       raise ValueError("dynamic_sampling: needs reward='verifier' (groups of equal verified "
                        f"rewards are dropped), got reward={self.reward!r}")
     self._check_async()
-    _unit(self, "gamma", "lam")
+    unit(self, "gamma", "lam")
     if self.clip_eps_low > 1:  # (1: no lower clip, as CISPO runs)
       raise ValueError(f"clip_eps_low: the ratio's lower bound 1 - clip_eps_low cannot be "
                        f"negative, expected <= 1, got {self.clip_eps_low}")
@@ -344,7 +321,7 @@ class EvalConfig:
   batch_size: int = 256
 
   def __post_init__(self):
-    _positive(self, "every", "batch_size")
+    positive(self, "every", "batch_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,8 +365,8 @@ class ExperimentConfig:
   logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
   def __post_init__(self):
-    _positive(self, "checkpoint_every", "keep_checkpoints", "max_skipped_updates")
-    _at_least_zero(self, "checkpoint_minutes", "seed")
+    positive(self, "checkpoint_every", "keep_checkpoints", "max_skipped_updates")
+    at_least_zero(self, "checkpoint_minutes", "seed")
     if self.rl.mode == "async" and self.placement.strategy not in ("separate", "plan"):
       raise ValueError(
           f"rl.mode: async needs the sampler on devices of its own "

@@ -113,30 +113,41 @@ class RoleCluster:
   def add(self, name: str, *, initialize: bool = True) -> ModelRole:
     """The `name` role (reference | reward | critic) on its mesh: random weights, or abstract
     when a restore or a `load` fills it."""
-    stored = None  # the frozen reference in the compute dtype, unless kept float32
-    if name == "reference" and not self.cfg.model.frozen_float32:
-      stored = functools.partial(compute_dtypes, self.cfg.model)
+    stored = self._reference_dtypes() if name == "reference" else None
     role = ModelRole(name, self.model_factory(name), self.meshes[name], stored_dtypes=stored)
     if initialize:
       role.initialize()
     self.roles[name] = role
     return role
 
+  def _reference_dtypes(self):
+    """The frozen reference in the compute dtype, unless kept float32."""
+    if self.cfg.model.frozen_float32:
+      return None
+    return functools.partial(compute_dtypes, self.cfg.model)
+
   def add_reference(self) -> ModelRole:
     """The frozen reference: the actor as it is now, on the reference mesh. With LoRA it is
     the actor's frozen base, and where the two layouts agree (colocated) it holds the actor's
     own arrays (`shared`: no second copy, not saved twice); otherwise a copy."""
+    share = self.reference_shares_base()
     role = self.add("reference", initialize=False)
     base = self.plain(self.actor.params)
-    same = lambda a, b: jax.tree.leaves(a) == jax.tree.leaves(b)
-    if (self.cfg.lora.enabled and same(role.shardings, self.plain(self.actor.shardings))
-        and same(jax.tree.map(lambda x: x.dtype, role.abstract()),
-                 jax.tree.map(lambda x: x.dtype, base))):
+    if share:
       role.params = base
       self.shared.add("reference")
     else:
       role.load(base)
     return role
+
+  def reference_shares_base(self) -> bool:
+    """Whether the reference can be the actor's own base: LoRA, and the same layout (mesh,
+    shardings, dtypes)."""
+    if not self.cfg.lora.enabled:
+      return False
+    ref = ModelRole("reference", self.model_factory("reference"), self.meshes["reference"],
+                    stored_dtypes=self._reference_dtypes())
+    return (jax.tree.leaves(ref.abstract()) == jax.tree.leaves(self.plain(self.actor.abstract())))
 
   def get(self, name: str) -> ModelRole | None:
     return self.roles.get(name)
