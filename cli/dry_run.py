@@ -70,10 +70,11 @@ def resident_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dic
       table[f"{name} LoRA adapters ({_dtype_name(learned)})"] = shard_bytes(learned)
     if name in trained:
       table[f"{name} Adam moments"] = {d: 2 * b for d, b in shard_bytes(learned, 4).items()}
-  itemsize = np.dtype(cfg.model.compute_dtype).itemsize
-  sampler = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                         cluster.plain(cluster.actor.abstract()), cluster.sampler_shardings)
-  table[f"sampler copy ({cfg.model.dtype})"] = shard_bytes(sampler, itemsize)
+  copy = cluster.sampler
+  if copy.shares_base:  # LoRA, adapters mode: the sampler reads the actor's base
+    table["sampler's LoRA adapters"] = shard_bytes(cluster.actor.split(copy.abstract())[0])
+  else:
+    table[f"sampler copy ({_dtype_name(copy.abstract())})"] = shard_bytes(copy.abstract())
   return table
 
 

@@ -140,7 +140,7 @@ def run(raw, checkpoint, fv) -> dict:
     source = _policy(ctx, checkpoint, fv.model)
     examples = ctx.task.heldout if fv.split == "heldout" else ctx.task.train
     examples = examples[:fv.limit or None]
-    result = evaluate(ctx, ctx.cluster.fresh_sampler_params(), examples, n=fv.n,
+    result = evaluate(ctx, ctx.cluster.sampler.fresh(), examples, n=fv.n,
                       temperature=fv.temperature, seed=fv.seed)
   summary = result.summary(ks, fv.solved_at)
   if jax.process_index() == 0:

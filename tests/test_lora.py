@@ -162,3 +162,49 @@ def test_the_reference_is_the_base(adapted):
   np.testing.assert_allclose(_logits(plain.graphdef, base, batch)[valid],
                              _torch_logits(adapted["torch"], batch)[valid], atol=1e-4, rtol=0)
   assert dataclasses.replace(LORA, rank=0).enabled is False
+
+
+def _copies(mode: str, devices):
+  """A LoRA actor on `devices` (fsdp over them) and its SamplerCopy in `mode`."""
+  from configs import tiny
+  from jaxrl.config_files import resolve
+  from train.sampler_copy import SamplerCopy
+  c = tiny.get_config()
+  c.lora.update(rank=2, sampler=mode)
+  cfg = resolve(c)
+  mesh = make_mesh({"fsdp": len(devices)}, devices=devices)
+  role = ModelRole("actor", lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0), lora=cfg.lora),
+                   mesh, trainable=lora.TRAINABLE).initialize()
+  plain = nnx.split(nnx.eval_shape(lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0))))[0]
+  return role, SamplerCopy(cfg, role, mesh, plain)
+
+
+def test_adapter_pushes_share_the_base_where_layouts_agree():
+  """One device: the sampler reads the actor's own base arrays; a push after an update moves the
+  adapters alone, and freeing the old copy leaves the base alive."""
+  role, copy = _copies("adapters", jax.devices()[:1])
+  assert copy.shares_base
+  first = copy.fresh()
+  adapters, base = role.split(role.params)
+  assert all(a is b for a, b in zip(jax.tree.leaves(role.split(first)[1]), jax.tree.leaves(base)))
+  role.params = role.join(_perturbed(adapters), base)  # what an update does
+  second = copy.fresh()
+  assert all(x.is_deleted() for x in jax.tree.leaves(role.split(first)[0]))
+  assert not any(x.is_deleted() for x in jax.tree.leaves(base))
+  np.testing.assert_array_equal(jax.tree.leaves(role.split(second)[0])[0],
+                                jax.tree.leaves(role.split(role.params)[0])[0])
+  copy.drop()
+  assert copy.params is None and not any(x.is_deleted() for x in jax.tree.leaves(role.params))
+
+
+def test_merged_and_unshared_copies_hold_their_own():
+  """Merged: the plain model's weights. Adapters over 2 devices, where the sampler's layout of
+  the base differs from the trainer's fsdp: the base is copied once, not at every push."""
+  role, merged = _copies("merged", jax.devices()[:2])
+  assert not merged.shares_base and not lora.has_adapters(merged.fresh())
+  role, copy = _copies("adapters", jax.devices()[:2])
+  assert not copy.shares_base
+  base = role.split(copy.fresh())[1]
+  role.params = role.join(_perturbed(role.split(role.params)[0]), role.split(role.params)[1])
+  again = role.split(copy.fresh())[1]
+  assert all(a is b for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(again)))

@@ -6,6 +6,7 @@ from flax import nnx
 
 from jaxrl.models import LanguageModel, ModelConfig, RewardModel, ValueModel, init_kv_cache
 from jaxrl.models.decode import LMDecoding, decode_step, decode_weights
+from jaxrl.models.lora import LoRAConfig
 from jaxrl.models.llama import positions_from_valid
 from jaxrl.models.rope import rope_table
 
@@ -120,12 +121,14 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(VARIANTS) + ["lora"])
 def test_decoding_protocol_matches_forward(tiny_cfg, variant):
   """The sampler's decoding view (`LMDecoding`) (prefill + one-token steps, both layouts) against the full
-  forward, for each architecture variant, with biases and norm scales made non-trivial."""
-  cfg = ModelConfig(**{**tiny_cfg.__dict__, **VARIANTS[variant]})
-  graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
+  forward, for each architecture variant, with biases and norm scales made non-trivial (and
+  "lora": LoRA adapters on every projection of a Qwen2-style model, B away from zero)."""
+  lora = LoRAConfig(rank=4, alpha=8.0) if variant == "lora" else None
+  cfg = ModelConfig(**{**tiny_cfg.__dict__, **VARIANTS["qwen2" if lora else variant]})
+  graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0), lora=lora))
   keys = iter(jax.random.split(jax.random.key(3), 100))
   params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape), params)
   model = nnx.merge(graphdef, params)

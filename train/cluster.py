@@ -2,7 +2,7 @@
 
 Roles (sharding/placement.py): the actor (trained), the frozen reference, the reward model and
 the critic each live on their role's mesh; the sampler holds a copy of the actor in the sampling
-layout, refreshed by `push()` after every update (bucketed reshard, device to device). The
+layout (`sampler`, train/sampler_copy.py), refreshed after every update. The
 reference, reward model and critic exist once a stage has added them (`add`). Batch sizes are
 checked here, once, against the real meshes on the real devices.
 """
@@ -22,11 +22,10 @@ from jaxrl.models import lora
 from jaxrl.models.dtypes import compute_dtypes, frozen_base_dtypes
 from jaxrl.models.llama import LanguageModel
 from sharding.placement import ROLES, PlacementError, host_major_devices, make_placement
-from sharding.reshard import TransferStats, reshard
 from sharding.rules import SAMPLER_RULES, batch_ways
 from train.checkpoint import load_actor_params, saved_actor_shapes
-from train.roles import ModelRole, role_shardings
-from train.host_transfers import allowed
+from train.roles import ModelRole
+from train.sampler_copy import SamplerCopy
 
 log = logging.getLogger("jaxrl")
 MODEL_CLASSES = {"actor": LanguageModel, "reference": LanguageModel, "reward": RewardModel,
@@ -43,8 +42,8 @@ class RoleCluster:
       self.placement = _placement(cfg, len(self.devices))
       self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
       self.actor = self._actor_role()
-      self.sampler_shardings = role_shardings("sampler", self.plain(self.actor.abstract()),
-                                              SAMPLER_RULES, self.meshes["sampler"])
+      self.sampler = SamplerCopy(cfg, self.actor, self.meshes["sampler"],
+                                 getattr(self, "sampler_graphdef", None))
     except PlacementError as e:
       message = str(e)
       raise ConfigError(f"config.{message}" if message.startswith("placement") else message) \
@@ -56,11 +55,8 @@ class RoleCluster:
                         f"different order on each; use mode='sync'")
     self.roles: dict[str, ModelRole] = {"actor": self.actor}
     self.shared: set[str] = set()  # roles whose parameters are the actor's own arrays
-    self.sampler_params = None
-    self.copy_shared = False  # an async generator holds the sampler's copy: never free it
-    self._pushed_version = -1  # the actor version the sampler's copy holds
     if initialize:
-      self.initialize_actor()  # the sampler's copy follows on first use (fresh_sampler_params)
+      self.initialize_actor()  # the sampler's copy follows on first use (`sampler.fresh`)
 
   def initialize_actor(self) -> None:
     """The actor's starting weights: `model.hf_path`'s, read slice by slice straight into the
@@ -97,18 +93,13 @@ class RoleCluster:
       return ModelRole("actor", self.model_factory("actor"), self.meshes["actor"])
     stored = None if self.cfg.model.frozen_float32 else functools.partial(frozen_base_dtypes,
                                                                           self.cfg.model)
-    self.sampler_graphdef = nnx.split(nnx.eval_shape(self.model_factory("actor")))[0]
+    self.sampler_graphdef = nnx.split(nnx.eval_shape(self.model_factory("actor")))[0]  # merged
     return ModelRole("actor", self.model_factory("actor", adapters=True), self.meshes["actor"],
                      stored_dtypes=stored, trainable=lora.TRAINABLE)
 
   def plain(self, params: nnx.State) -> nnx.State:
     """The actor's parameters without its adapters (its frozen base), or all of them."""
     return self.actor.split(params)[1] if self.cfg.lora.enabled else params
-
-  @property
-  def sampler_graph(self) -> nnx.GraphDef:
-    """The module the sampler decodes: the actor's, without adapters (it gets them merged)."""
-    return self.sampler_graphdef if self.cfg.lora.enabled else self.actor.graphdef
 
   def add(self, name: str, *, initialize: bool = True) -> ModelRole:
     """The `name` role (reference | reward | critic) on its mesh: random weights, or abstract
@@ -151,53 +142,6 @@ class RoleCluster:
 
   def get(self, name: str) -> ModelRole | None:
     return self.roles.get(name)
-
-  def sampler_copy(self) -> tuple[nnx.State, TransferStats]:
-    """The actor's current weights resharded into the sampler's layout (bucketed, timed), its
-    matrices already in the compute dtype the sampler decodes in."""
-    params = self.actor.params
-    if self.cfg.lora.enabled:  # the adapters folded into the base, on the actor's devices
-      params = self._merge(params)
-    dtypes = compute_dtypes(self.cfg.model, params)
-    with allowed("weights", params):  # see train/host_transfers.py
-      return reshard(params, self.sampler_shardings, dtypes=dtypes,
-                     bucket_bytes=self.cfg.placement.reshard_bucket_mb << 20)
-
-  @functools.cached_property
-  def _merge(self):
-    """jit: the actor's parameters -> the plain model's, adapters folded in, in the base's
-    layout (jaxrl/models/lora.merged)."""
-    return jax.jit(functools.partial(lora.merged, self.actor.graphdef),
-                   out_shardings=self.plain(self.actor.shardings))
-
-  def sampler_abstract(self) -> nnx.State:
-    """The sampler copy's abstract parameters: shapes, its dtypes, its shardings."""
-    abstract = self.plain(self.actor.abstract())
-    return jax.tree.map(lambda x, s, d: jax.ShapeDtypeStruct(x.shape, d or x.dtype, sharding=s),
-                        abstract, self.sampler_shardings, compute_dtypes(self.cfg.model, abstract))
-
-  def push(self) -> TransferStats:
-    """Refreshes the sampler's copy of the actor. The old copy is freed at once unless an
-    asynchronous generator may still be decoding with it (`copy_shared`)."""
-    old = self.sampler_params
-    self.sampler_params, stats = self.sampler_copy()
-    self._pushed_version = self.actor.version
-    if old is not None and not self.copy_shared:
-      jax.tree.map(lambda x: x.delete(), old)
-    return stats
-
-  def drop_sampler_copy(self) -> None:
-    """Frees the sampler's copy now (the next `fresh_sampler_params` pushes a new one), unless
-    an asynchronous generator may be decoding with it."""
-    if self.sampler_params is not None and not self.copy_shared:
-      jax.tree.map(lambda x: x.delete(), self.sampler_params)
-      self.sampler_params, self._pushed_version = None, -1
-
-  def fresh_sampler_params(self) -> nnx.State:
-    """The sampler's copy, pushed first if the actor changed since the last push."""
-    if self._pushed_version != self.actor.version:
-      self.push()
-    return self.sampler_params
 
 
 def _placement(cfg: ExperimentConfig, n_devices: int):

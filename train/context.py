@@ -217,5 +217,5 @@ class RunContext:
     """Held-out mean score of the newest policy's greedy completions (for a 0/1 verifier: the
     accuracy); train/evaluation.py, as `jaxrl-eval` computes it."""
     examples = self.task.heldout if examples is None else examples
-    result = evaluate(self, self.cluster.fresh_sampler_params(), examples)
+    result = evaluate(self, self.cluster.sampler.fresh(), examples)
     return float(result.scores_EN.mean())

@@ -149,9 +149,9 @@ class Controller:
 
   def _push(self):
     cluster = self.ctx.cluster
-    stats = cluster.push()
+    stats = cluster.sampler.push()
     if self.worker is not None:
-      self.worker.update_weights(cluster.sampler_params, self.version)
+      self.worker.update_weights(cluster.sampler.params, self.version)
     return stats
 
   # -- the loop -------------------------------------------------------------------------------
@@ -162,8 +162,8 @@ class Controller:
     if self.cfg.mode != "async":
       return
     ctx, cluster = self.ctx, self.ctx.cluster
-    cluster.copy_shared = True  # the worker may decode with a copy the trainer replaced
-    params = cluster.fresh_sampler_params()
+    cluster.sampler.in_use = True  # the worker may decode with a copy the trainer replaced
+    params = cluster.sampler.fresh()
     common = dict(version=self.version, max_staleness=self.cfg.max_staleness, seed=ctx.cfg.seed,
                   start_index=self.next_index, schedule=self.cfg.async_schedule, state=state)
     if self.cfg.partial_rollouts:
@@ -187,7 +187,7 @@ class Controller:
       index = self.next_index
       prompts = self.ctx.task.prompts[index]
       rollout = self.generator(self.ctx.generator.sample,
-                               self.ctx.cluster.fresh_sampler_params(), prompts,
+                               self.ctx.cluster.sampler.fresh(), prompts,
                                rollout_key(self.ctx.cfg.seed, index), label="generate")
       return RolloutBatch(rollout, prompts, self.version, index, 0.0), time.perf_counter() - t0
     try:
@@ -276,7 +276,7 @@ class Controller:
     if self.worker is not None:
       self.worker.close()
       self.worker = None
-      self.ctx.cluster.copy_shared = False
+      self.ctx.cluster.sampler.in_use = False
     for ex in (self.generator, self.reward, self.ref, self.values, self.train):
       if ex is not None:
         ex.close()

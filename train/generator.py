@@ -32,8 +32,8 @@ from train.multiturn import as_rollout, converse
 def _sampler(cluster: RoleCluster, cfg: SamplingConfig, n: int, inflight_slots: int) -> Sampler:
   """The actor's sampler on the sampler mesh; what cannot run is a ConfigError on the field."""
   try:
-    return Sampler(cluster.sampler_graph, cfg, n=n, mesh=cluster.meshes["sampler"],
-                   param_shardings=cluster.sampler_shardings, inflight_slots=inflight_slots)
+    return Sampler(cluster.sampler.graphdef, cfg, n=n, mesh=cluster.meshes["sampler"],
+                   param_shardings=cluster.sampler.shardings, inflight_slots=inflight_slots)
   except ValueError as e:
     raise ConfigError(f"config.rl.inflight_slots: {e}") from None
 

@@ -78,7 +78,7 @@ class Offloader:
       if item in self.items:
         self._move(item, DEVICE if item in self.RESIDENT[phase] else HOST)
     if phase == "update" and "sampler" in self.items:
-      self.cluster.drop_sampler_copy()
+      self.cluster.sampler.drop()
 
   def take_seconds(self) -> float:
     out, self.seconds = self.seconds, 0.0

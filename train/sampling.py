@@ -53,7 +53,7 @@ def sample(ctx: RunContext, prompts: list[str], *, n: int = 1, greedy: bool = Fa
   max_new = max_new_tokens or ctx.task.max_new_tokens
   sampler = _sampler(ctx, n, greedy, max_new)
   ids = [ctx.task.enc.prompt(as_prompt(ctx, p)) for p in prompts]
-  rollout = sampler(ctx.cluster.fresh_sampler_params(), ids, rollout_key(seed, 0))
+  rollout = sampler(ctx.cluster.sampler.fresh(), ids, rollout_key(seed, 0))
   p = rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]
   out = []
   for i in range(len(prompts)):

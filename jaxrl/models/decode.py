@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.models.lora import adapter
 from jaxrl.models.llama import (KVCache, LanguageModel, ModelConfig, attention_mask,
                                 init_kv_cache, positions_from_valid)
 from jaxrl.models.rope import rope_table
@@ -36,6 +37,14 @@ def decode_weights(model: LanguageModel, head_VD: jax.Array | None = None) -> di
              wv=matrix(b.attn.wv, kh), wo=matrix(b.attn.wo, cfg.d_model),
              mlp_norm=column(b.mlp_norm), w_gate=matrix(b.mlp.w_gate, cfg.d_ff),
              w_up=matrix(b.mlp.w_up, cfg.d_ff), w_down=matrix(b.mlp.w_down, cfg.d_model))
+    for owner, names in ((b.attn, ("wq", "wk", "wv", "wo")),
+                         (b.mlp, ("w_gate", "w_up", "w_down"))):
+      for name in names:  # LoRA: A [r, in] and scale * B [out, r]
+        ad = adapter(owner, name)
+        if ad is not None:
+          r = ad.a.shape[0]
+          w[name + "_a"] = ad.a[...].reshape(r, -1)
+          w[name + "_b"] = ad.b[...].reshape(-1, r) * jnp.asarray(ad.scale, ad.b.dtype)
     if cfg.qkv_bias:  # [N * H, 1] columns
       w.update(bq=matrix(b.attn.bq, nh), bk=matrix(b.attn.bk, kh), bv=matrix(b.attn.bv, kh))
     if cfg.qk_norm:  # [H, 1] columns: per head, over head_dim (axis 1 of [N, H, B])
@@ -59,9 +68,17 @@ def _rope(x_NHB, sin_HB, cos_HB):
                          axis=1).astype(x_NHB.dtype)
 
 
+def _mm(w: dict, name: str, x_IB):
+  """Weight `name` [out, in] @ x [in, B], plus its LoRA adapter's B (A x) where it has one."""
+  out_OB = w[name] @ x_IB
+  if name + "_a" in w:
+    out_OB = out_OB + w[name + "_b"].astype(x_IB.dtype) @ (w[name + "_a"].astype(x_IB.dtype) @ x_IB)
+  return out_OB
+
+
 def _project(w: dict, name: str, x_DB, heads: int, cfg: ModelConfig):
   """Queries, keys or values [heads, H, B]: the projection, its bias and its per-head norm."""
-  out_FB = w["w" + name] @ x_DB
+  out_FB = _mm(w, "w" + name, x_DB)
   if cfg.qkv_bias:
     out_FB = out_FB + w["b" + name].astype(out_FB.dtype)
   out_NHB = out_FB.reshape(heads, cfg.head_dim, -1)
@@ -100,10 +117,10 @@ def decode_step(weights: dict, cfg: ModelConfig, tokens_B, rope_HB: tuple[jax.Ar
     probs_BKGS = jax.nn.softmax(logits_BKGS, axis=-1).astype(dt)
     out_BKGH = jnp.einsum("bkgs,bksh->bkgh", probs_BKGS, v_BKSH.astype(dt))
     out_FB = out_BKGH.reshape(b, k * g * h).T
-    x_DB = x_DB + w["wo"] @ out_FB
+    x_DB = x_DB + _mm(w, "wo", out_FB)
     m_DB = _rms_norm(x_DB, w["mlp_norm"], cfg.norm_eps)
-    hidden_FB = jax.nn.silu(w["w_gate"] @ m_DB) * (w["w_up"] @ m_DB)
-    x_DB = constrain(x_DB + w["w_down"] @ constrain(hidden_FB, ("act_mlp", "batch")),
+    hidden_FB = jax.nn.silu(_mm(w, "w_gate", m_DB)) * _mm(w, "w_up", m_DB)
+    x_DB = constrain(x_DB + _mm(w, "w_down", constrain(hidden_FB, ("act_mlp", "batch"))),
                      (None, "batch"))
   h_DB = _rms_norm(x_DB, weights["final_norm"], cfg.norm_eps)
   logits_VB = constrain((weights["head_VD"] @ h_DB).astype(jnp.float32), ("act_vocab", "batch"))

@@ -37,12 +37,17 @@ class LoRAConfig:
   rank: int = 0
   alpha: float = 16.0  # the update is scaled by alpha / rank
   targets: str = ",".join(TARGETS)  # comma-separated projections: wq,wk,wv,wo,w_gate,w_up,w_down
+  # What the sampler gets on a push (train/sampler_copy.py): merged (W + scale B A, decoded as
+  # the plain model) | adapters (only they move; the base is read where it lies, or copied once)
+  sampler: str = "merged"
 
   def __post_init__(self):
     if self.rank < 0:
       raise ValueError(f"rank: expected >= 0 (0: no adapters), got {self.rank}")
     if not (math.isfinite(self.alpha) and self.alpha > 0):
       raise ValueError(f"alpha: expected a finite number > 0, got {self.alpha!r}")
+    if self.sampler not in ("merged", "adapters"):
+      raise ValueError(f"sampler: expected merged or adapters, got {self.sampler!r}")
     unknown = [t for t in self.target_names if t not in TARGETS]
     if unknown or not self.target_names:
       raise ValueError(f"targets: expected a comma-separated subset of {','.join(TARGETS)}, "

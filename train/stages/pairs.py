@@ -33,7 +33,7 @@ HELDOUT_FRACTION = 0.1  # of a user's pairs file, held out for the accuracy / ma
 def policy_samples(ctx: RunContext, examples: list[Example], seed: int) -> dict[str, list[str]]:
   """`group_size` completions per prompt from the current actor (the RL temperature)."""
   out, g, p = {}, ctx.cfg.rl.group_size, ctx.task.prompt_len
-  params = ctx.cluster.fresh_sampler_params()
+  params = ctx.cluster.sampler.fresh()
   for i, (chunk, n) in enumerate(chunks(examples, ctx.cfg.rl.prompts_per_step)):
     texts = ctx.texts(ctx.generator.sample(params, prompt_batch(chunk, ctx.task.enc, p),
                                            rollout_key(seed, i)))

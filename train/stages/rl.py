@@ -133,14 +133,14 @@ class RLStage(Stage):
       return {}
     cluster = self.ctx.cluster
     return {"generator": async_state.abstract_checkpoint(
-        state["generator"], cluster.meshes["sampler"], cluster.sampler_abstract())}
+        state["generator"], cluster.meshes["sampler"], cluster.sampler.abstract())}
 
   def restore(self, state: dict, arrays: dict) -> None:
     self.next_index, self.lags = state["next_index"], state.get("lags", [])
     self.maxima.update(state.get("maxima", {}))
     if "generator" in state and self.cfg.rl.mode == "async":
       self._generator = async_state.from_checkpoint(
-          arrays["generator"], state["generator"], self.ctx.cluster.sampler_abstract())
+          arrays["generator"], state["generator"], self.ctx.cluster.sampler.abstract())
       stream = self._generator.meta.get("stream")
       if stream is not None and stream["shape"] != self._stream_shape():
         log.warning("the checkpoint's rows in flight were decoded in another layout (%s, now "

@@ -1,0 +1,133 @@
+"""The sampler's copy of the actor: what the generator decodes with, refreshed by `push()`.
+
+Full fine-tuning: the actor's weights resharded into the sampler's layout (SAMPLER_RULES on the
+sampler's mesh) in the compute dtype, bucketed, device to device. With LoRA, `lora.sampler`:
+
+  merged    the adapters folded into the base on the actor's devices (W + scale B A), then
+            moved like full weights; the sampler decodes the plain model.
+  adapters  only the adapters move on a push. The base is frozen: where the sampler's layout of
+            it is the actor's own (one device, or matching meshes) the sampler reads the
+            actor's arrays, one copy for both; otherwise it is resharded once. The sampler
+            decodes with the adapters (jaxrl/models/decode.py adds their low-rank products).
+
+A copy's arrays are freed when a newer one replaces it, except those the actor holds and while an
+asynchronous generator may still be decoding with it (`in_use`).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+from flax import nnx
+
+from jaxrl.config import ExperimentConfig
+from jaxrl.models import lora
+from jaxrl.models.dtypes import compute_dtypes
+from sharding.reshard import TransferStats, reshard
+from sharding.rules import SAMPLER_RULES
+from train.host_transfers import allowed
+from train.roles import ModelRole, role_shardings
+
+MODES = ("merged", "adapters")
+
+
+class SamplerCopy:
+
+  def __init__(self, cfg: ExperimentConfig, actor: ModelRole, mesh, plain_graphdef=None):
+    """`plain_graphdef`: the actor's module without adapters (LoRA)."""
+    self.cfg, self.actor = cfg, actor
+    self.lora = cfg.lora.enabled
+    self.adapters = self.lora and cfg.lora.sampler == "adapters"
+    self.graphdef = plain_graphdef if self.lora and not self.adapters else actor.graphdef
+    abstract = actor.abstract()
+    if self.lora and not self.adapters:
+      abstract = actor.split(abstract)[1]
+    self.shardings = role_shardings("sampler", abstract, SAMPLER_RULES, mesh)
+    self.params: nnx.State | None = None
+    self.in_use = False  # an async generator holds the copy: never free it
+    self._base = None  # adapters: the sampler's base (the actor's arrays, or a copy of them)
+    self._version = -1  # the actor version the copy holds
+
+  def _bucket(self) -> int:
+    return self.cfg.placement.reshard_bucket_mb << 20
+
+  def _moved(self, params) -> tuple[nnx.State, TransferStats]:
+    """`params` (like the actor's, or the plain model's) in this copy's layout."""
+    dtypes = compute_dtypes(self.cfg.model, params)
+    with allowed("weights", params):  # see train/host_transfers.py
+      return reshard(params, self.shardings, dtypes=dtypes, bucket_bytes=self._bucket())
+
+  def make(self) -> tuple[nnx.State, TransferStats]:
+    """A fresh copy of the actor's current weights (timed)."""
+    params = self.actor.params
+    if not self.lora:
+      return self._moved(params)
+    if not self.adapters:  # the adapters folded into the base, on the actor's devices
+      return self._moved(self._merge(params))
+    adapters, base = self.actor.split(params)
+    shard_adapters, shard_base = self.actor.split(self.shardings)
+    if self._base is None:
+      self._base = base if self.shares_base else reshard(base, shard_base,
+                                                         bucket_bytes=self._bucket())[0]
+    with allowed("weights", adapters):
+      moved, stats = reshard(adapters, shard_adapters, bucket_bytes=self._bucket())
+    return self.actor.join(moved, self._base), stats
+
+  @functools.cached_property
+  def _merge(self):
+    """jit: the actor's parameters -> the plain model's, adapters folded in, in the base's
+    layout (jaxrl/models/lora.merged)."""
+    return jax.jit(functools.partial(lora.merged, self.actor.graphdef),
+                   out_shardings=self.actor.split(self.actor.shardings)[1])
+
+  @property
+  def shares_base(self) -> bool:
+    """Whether the copy reads the actor's own base arrays: adapters mode, and the sampler's
+    layout of the base is the actor's (shardings and dtypes)."""
+    if not self.adapters:
+      return False
+    base = self.actor.split(self.actor.abstract())[1]
+    targets = self.actor.split(self.shardings)[1]
+    dtypes = compute_dtypes(self.cfg.model, base)
+    return all(x.sharding.is_equivalent_to(s, x.ndim) and (d is None or d == x.dtype)
+               for x, s, d in zip(jax.tree.leaves(base), jax.tree.leaves(targets),
+                                  jax.tree.leaves(dtypes, is_leaf=lambda v: v is None)))
+
+  def abstract(self) -> nnx.State:
+    """The copy's abstract parameters: shapes, its dtypes, its shardings."""
+    abstract = self.actor.abstract()
+    if self.lora and not self.adapters:
+      abstract = self.actor.split(abstract)[1]
+    return jax.tree.map(lambda x, s, d: jax.ShapeDtypeStruct(x.shape, d or x.dtype, sharding=s),
+                        abstract, self.shardings, compute_dtypes(self.cfg.model, abstract))
+
+  def _free(self, params) -> None:
+    """Deletes `params`' arrays that neither the actor nor the current copy holds."""
+    keep = {id(x) for x in jax.tree.leaves(self.actor.params)}
+    keep |= {id(x) for x in jax.tree.leaves(self.params)}
+    for x in jax.tree.leaves(params):
+      if id(x) not in keep and not x.is_deleted():
+        x.delete()
+
+  def push(self) -> TransferStats:
+    """Refreshes the copy; the old one is freed at once unless it is `in_use`."""
+    old = self.params
+    self.params, stats = self.make()
+    self._version = self.actor.version
+    if old is not None and not self.in_use:
+      self._free(old)
+    return stats
+
+  def fresh(self) -> nnx.State:
+    """The copy, pushed first if the actor changed since the last push."""
+    if self._version != self.actor.version:
+      self.push()
+    return self.params
+
+  def drop(self) -> None:
+    """Frees the copy now (the next `fresh` pushes a new one), unless it is `in_use`; a base
+    the actor holds stays."""
+    if self.params is None or self.in_use:
+      return
+    old, self.params, self._base, self._version = self.params, None, None, -1
+    self._free(old)
