@@ -90,3 +90,25 @@ def test_remat_and_micro_batches_shrink_the_estimate():
   assert peak(with_remat("full")) < peak(with_remat("dots")) < peak(cfg)
   micro = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, micro_batch_size=2))
   assert peak(micro) < peak(cfg)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS)[:2])
+def test_lora_update_estimate_is_within_a_quarter_of_xla(name):
+  """The same updates training rank-8 adapters on a frozen bf16-stored base (lora.rank > 0):
+  gradients and optimizer updates of the adapters alone, activations as before."""
+  from jaxrl.models import lora
+  from jaxrl.models.dtypes import frozen_base_dtypes
+  cfg, fsdp = CONFIGS[name]
+  cfg = dataclasses.replace(cfg, lora=lora.LoRAConfig(rank=8))
+  mesh = Mesh(np.array(jax.devices()[:fsdp]).reshape(1, fsdp, 1), MESH_AXES)
+  role = ModelRole("actor", lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0), lora=cfg.lora),
+                   mesh, stored_dtypes=functools.partial(frozen_base_dtypes, cfg.model),
+                   trainable=lora.TRAINABLE)
+  learner = Learner(role, functools.partial(steps.rl_update, cfg=cfg.rl),
+                    steps.make_optimizer(1e-5), initialize=False)
+  xla = learner.lower(_experience(cfg, role)).compile().memory_analysis().temp_size_in_bytes
+  params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(role.abstract()))
+  trained = shard_bytes(role.split(role.abstract())[0], 4)[mesh.devices.flat[0].id]
+  estimate = sum(update_footprint(cfg, mesh, role.rules, trained, params).values())
+  print(f"{name} + LoRA: estimate {estimate / 1e6:.1f} MB, XLA {xla / 1e6:.1f} MB")
+  assert estimate == pytest.approx(xla, rel=0.25)

@@ -250,9 +250,11 @@ class MLP(nnx.Module):
     self.w_up = _param(rngs, (f, d), ("mlp", "embed"), d**-0.5)
     self.w_down = _param(rngs, (d, f), ("embed", "mlp"), f**-0.5 / cfg.n_layers)
     _adapters(self, lora, lora_rngs, w_gate=1, w_up=1, w_down=1)
+    self.frozen = lora is not None and lora.enabled  # LoRA: no gradient reaches the base
 
   def __call__(self, x_BTD):
-    linear = lambda name, x: adapted(self, name, x, dense(x, getattr(self, name)[...]))
+    linear = lambda name, x: adapted(self, name, x, dense(x, getattr(self, name)[...],
+                                                          trained=not self.frozen))
     gate_BTF, up_BTF = linear("w_gate", x_BTD), linear("w_up", x_BTD)
     h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", None, "act_mlp"))
     return linear("w_down", h_BTF)
