@@ -61,6 +61,7 @@ class Workload:
   #                      its budget, as jaxrl's slots do
   sampler_bytes: int = 0  # bytes per weight of the sampler's copy (1: fp8); 0: compute dtype
   flash_attention: bool = False  # attention never holds [T, T] scores (jaxrl's cuDNN kernel)
+  lora_params: int = 0  # LoRA: the adapters' parameters, the only ones trained; 0: all train
 
   @classmethod
   def from_config(cls, cfg: ExperimentConfig) -> Workload:
@@ -71,7 +72,8 @@ class Workload:
                old_pass=rl.needs_old_logprobs, reference=rl.kl_coef > 0,
                critic=rl.advantage == "gae", reward_model=rl.reward == "reward_model",
                inflight=rl.inflight_slots > 0,
-               flash_attention=footprint.flash_attention(cfg.model))
+               flash_attention=footprint.flash_attention(cfg.model),
+               lora_params=lora_params(cfg))
 
   @property
   def rows(self) -> int:
@@ -107,6 +109,11 @@ class Workload:
     return flops.matmul_params(m) + heads * m.vocab_size * m.d_model
 
   @property
+  def trained_params(self) -> int:
+    """Parameters with gradients and Adam moments: LoRA's adapters, or all."""
+    return self.lora_params or self.params
+
+  @property
   def sampler_weight_bytes(self) -> int:
     return self.sampler_bytes or self.compute_bytes
 
@@ -114,6 +121,17 @@ class Workload:
   def kv_bytes_per_token(self) -> int:
     m = self.model
     return m.n_layers * 2 * m.n_kv_heads * m.head_dim * self.compute_bytes
+
+
+def lora_params(cfg: ExperimentConfig) -> int:
+  """The adapters' parameters of `cfg.lora` (0 without LoRA): r x (in + out) per target."""
+  if not cfg.lora.enabled:
+    return 0
+  m = cfg.model
+  q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+  sizes = {"wq": m.d_model + q, "wk": m.d_model + kv, "wv": m.d_model + kv, "wo": q + m.d_model,
+           "w_gate": m.d_model + m.d_ff, "w_up": m.d_model + m.d_ff, "w_down": m.d_ff + m.d_model}
+  return m.n_layers * cfg.lora.rank * sum(sizes[t] for t in cfg.lora.target_names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,11 +157,13 @@ class Plan:
   micro_batch_size: int = 0
   remat: str = "none"  # none | dots | full: what the update recomputes (model.remat)
   staleness: int = 1  # async: versions a batch may lag (rl.max_staleness); 0 overlaps nothing
+  offload: bool = False  # placement.offload="all": idle state in pinned host memory (sync)
 
   def describe(self) -> str:
     t, s = self.trainer, self.sampler
     mb = f", micro-batch {self.micro_batch_size}" if self.micro_batch_size else ""
     mb += f", remat {self.remat}" if self.remat != "none" else ""
+    mb += ", offload" if self.offload else ""
     return (f"{self.strategy} {self.mode}: trainer {t.size} (data {t.data} x fsdp {t.fsdp} x "
             f"tensor {t.tensor}), sampler {s.size} (data {s.data} x tensor {s.tensor}){mb}")
 
@@ -210,6 +230,8 @@ def update_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh,
   forward; dots: attention's products), then the optimizer reading and writing float32
   weights, gradients and two Adam moments (from HBM)."""
   flop = flops.train_flops(w.model, w.rows, w.seq_len, w.seq_len - w.prompt_len)
+  if w.lora_params:  # no weight gradients of the frozen matrices (the adapters' are small)
+    flop -= 2.0 * flops.matmul_params(w.model) * w.rows * w.seq_len
   if remat == "full":
     flop += flops.forward_flops(w.model, w.rows, w.seq_len, 0)
   elif remat == "dots":
@@ -217,7 +239,7 @@ def update_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh,
   compute = _compute_s(dev, eff, flop, mesh, eff.train_mfu, w.model.d_model,
                        _piece_rows(w, mesh))
   comm = _fsdp_s(w, dev, eff, mesh, 2, scatter=True)
-  optimizer = (w.num_minibatches * 2 * 16 * w.params / mesh.size
+  optimizer = (w.num_minibatches * 2 * 16 * w.trained_params / mesh.size
                / (dev.hbm_bytes_per_s * eff.decode_hbm))
   if dev.shared_compute:
     optimizer *= mesh.size
@@ -272,6 +294,16 @@ def push_s(w: Workload, dev: DeviceSpec, eff: Efficiency, plan: Plan) -> float:
   return nbytes / plan.trainer.size / _bandwidth(dev, eff, span) + eff.call_overhead_s
 
 
+def offload_s(w: Workload, dev: DeviceSpec, plan: Plan) -> float:
+  """`plan.offload`: each step the Adam moments (8 bytes per trained parameter) and the frozen
+  models go to pinned host memory and back (train/offload.py), over each device's host link."""
+  if not plan.offload:
+    return 0.0
+  from planner.memory import separate_frozen_bytes  # (memory imports this module)
+  nbytes = 8 * (w.trained_params + w.params * int(w.critic)) + separate_frozen_bytes(w) * w.params
+  return 2 * nbytes / plan.trainer.size / dev.host_bytes_per_s
+
+
 def stage_times(w: Workload, dev: DeviceSpec, eff: Efficiency, plan: Plan,
                 kv_rows: float = math.inf) -> dict[str, float]:
   """Seconds of each stage of one step (0 for a stage the workload does not run); `kv_rows`:
@@ -285,7 +317,7 @@ def stage_times(w: Workload, dev: DeviceSpec, eff: Efficiency, plan: Plan,
           "values": forward_s(w, dev, eff, t) if w.critic else 0.0,
           "update": update_s(w, dev, eff, t, plan.remat),
           "critic_update": update_s(w, dev, eff, t, plan.remat) if w.critic else 0.0,
-          "weight_push": push_s(w, dev, eff, plan),
+          "weight_push": push_s(w, dev, eff, plan) + offload_s(w, dev, plan),
           "host": eff.step_overhead_s}
 
 

@@ -33,6 +33,10 @@ class DeviceSpec:
   devices_per_node: int  # GPUs per node, chips per TPU host
   shared_compute: bool = False  # fake CPU devices: one pool of cores for all of them
   source: str = ""  # where each number comes from
+  # Device <-> pinned host memory, one direction (placement.offload): PCIe 5.0 x16 is 64 GB/s
+  # in theory, ~50 GB/s measured by NVIDIA's bandwidthTest on H100 hosts; a round 25 GB/s
+  # leaves room for a shared PCIe switch.
+  host_bytes_per_s: float = 25 * GB
 
 
 DEVICES: dict[str, DeviceSpec] = {

@@ -24,29 +24,46 @@ def _shard(w: Workload, mesh: Mesh) -> float:
 
 def update_bytes(w: Workload, plan: Plan) -> float:
   """What an update adds on one trainer device at its peak (footprint.update_peak): one
-  micro-batch (or minibatch) of rows, the plan's remat."""
+  micro-batch (or minibatch) of rows, the plan's remat; gradients of what trains."""
   t = plan.trainer
   rows = plan.micro_batch_size or w.rows // w.num_minibatches
   gathered = w.compute_bytes * w.params / t.tensor if t.fsdp > 1 else 0.0
   peak = footprint.update_peak(
       w.model, rows=rows / (t.data * t.fsdp), seq_len=w.seq_len, logit_chunk=w.logit_chunk(rows),
-      param_bytes=4 * _shard(w, t), gathered_bytes=gathered, tensor=t.tensor, remat=plan.remat,
-      flash_attention=w.flash_attention, accumulate=bool(plan.micro_batch_size))
+      param_bytes=4 * w.trained_params / (t.fsdp * t.tensor), gathered_bytes=gathered,
+      tensor=t.tensor, remat=plan.remat, flash_attention=w.flash_attention,
+      accumulate=bool(plan.micro_batch_size))
   return sum(peak.values())
 
 
 def trainer_bytes(w: Workload, plan: Plan) -> tuple[float, float]:
-  """(resident, peak) bytes per trainer device: resident between updates, peak during one."""
-  trained = 2 if w.critic else 1
-  frozen = 0.0 if plan.strategy == "interleave" else sum(frozen_bytes(w))
-  resident = (12 * trained + frozen) * _shard(w, plan.trainer)
+  """(resident, peak) bytes per trainer device: resident between updates (what stays through
+  generation), peak during one. The actor holds float32 weights and Adam moments (12 bytes per
+  parameter), or with LoRA its frozen base (and the reference with it) plus 12 bytes per
+  adapter parameter; the critic 12 per parameter. `plan.offload` keeps the Adam moments and the
+  frozen models on the host outside their phases."""
+  shard = lambda n: n / (plan.trainer.fsdp * plan.trainer.tensor)
+  base = frozen_bytes(w)[0] if w.lora_params else 4
+  adam = 8 * w.trained_params + 8 * w.params * int(w.critic)
+  frozen = 0.0 if plan.strategy == "interleave" else w.params * separate_frozen_bytes(w)
+  weights = shard(base * w.params + 4 * w.lora_params + 4 * w.params * int(w.critic))
+  if plan.offload:
+    return weights, weights + shard(adam) + update_bytes(w, plan)
+  resident = weights + shard(adam + frozen)
   return resident, resident + update_bytes(w, plan)
 
 
 def frozen_bytes(w: Workload) -> tuple[int, int]:
-  """Bytes per parameter of the frozen models the step runs: the reference, the reward model."""
+  """Bytes per parameter of the frozen models the step runs: the reference (with LoRA the
+  actor's own base), the reward model."""
   reference = 4 if w.model.frozen_float32 else w.compute_bytes
-  return reference * int(w.reference), 4 * int(w.reward_model)
+  return reference * int(w.reference or bool(w.lora_params)), 4 * int(w.reward_model)
+
+
+def separate_frozen_bytes(w: Workload) -> int:
+  """Bytes per parameter of the frozen models held apart from the actor (a LoRA reference is
+  the actor's base: not counted again)."""
+  return sum(frozen_bytes(w)[1:] if w.lora_params else frozen_bytes(w))
 
 
 def kv_row_bytes(w: Workload, sampler: Mesh) -> float:
@@ -79,8 +96,10 @@ def memory(w: Workload, plan: Plan, device_bytes: float = math.inf) -> dict[str,
   if plan.strategy == "interleave":  # reference and reward model: a group each
     out["scorer"] = max(frozen_bytes(w)) * _shard(w, plan.scorer)
   if plan.strategy in ("colocate", "interleave"):  # the sampler shares the trainer's devices
-    # Its weights stay through the update; the KV cache lives only while generating.
-    both = max(peak + sampler_weight_bytes(w, plan.sampler), resident + sampler)
+    # Its weights stay through the update (offload: dropped for it); the KV cache lives only
+    # while generating.
+    during_update = peak + (0.0 if plan.offload else sampler_weight_bytes(w, plan.sampler))
+    both = max(during_update, resident + sampler)
     out["trainer"] = out["sampler"] = both
   return out
 

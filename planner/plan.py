@@ -76,7 +76,8 @@ def choose(cfg: ExperimentConfig, devices, hosts: int = 1) -> tuple[ExperimentCo
   placement = dataclasses.replace(cfg.placement, strategy=plan.strategy,
                                   train_devices=plan.trainer.size if plan.strategy != "colocate"
                                   else cfg.placement.train_devices,
-                                  sampler_tensor=plan.sampler.tensor)
+                                  sampler_tensor=plan.sampler.tensor,
+                                  offload="all" if plan.offload else cfg.placement.offload)
   rl = dataclasses.replace(cfg.rl, micro_batch_size=plan.micro_batch_size)
   model = dataclasses.replace(cfg.model, remat=plan.remat)
   log.info("placement plan: %s, predicted %.3g s per RL step (%s)", plan.describe(), best.step_s,

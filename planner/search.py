@@ -1,5 +1,6 @@
 """Search over execution plans: placements, the device split between roles, mesh shapes per role,
-micro-batch sizes, rematerialisation (model.remat) and sync / async, under the memory limit,
+micro-batch sizes, rematerialisation (model.remat), idle-role offload (colocated sync plans:
+placement.offload) and sync / async, under the memory limit,
 ranked by predicted step time.
 
 `presets_only=True` searches what `sharding/placement.make_placement` builds (the trainer
@@ -82,8 +83,10 @@ def candidates(w: Workload, n: int, dev: DeviceSpec, *, modes=("sync", "async"),
     for trainer in _trainer_meshes(k, dev, presets_only):
       scorer = Mesh(fsdp=scorer_size) if strategy == "interleave" else trainer
       for sampler in _sampler_meshes(ns, dev, presets_only):
-        for micro, remat in itertools.product(_micro_batches(w, trainer), REMATS):
-          yield Plan(strategy, trainer, sampler, scorer, mode, micro, remat, staleness)
+        offloads = (False, True) if (strategy, mode) == ("colocate", "sync") else (False,)
+        for micro, remat, offload in itertools.product(_micro_batches(w, trainer), REMATS,
+                                                       offloads):
+          yield Plan(strategy, trainer, sampler, scorer, mode, micro, remat, staleness, offload)
 
 
 def _micro_batches(w: Workload, trainer: Mesh) -> list[int]:
