@@ -216,12 +216,13 @@ def remedy(cfg: ExperimentConfig, cluster: RoleCluster, resident: dict, usable: 
           f"{smallest}-row micro-batches fits")
 
 
-def report(cfg: ExperimentConfig) -> tuple[list[str], bool]:
-  """The dry run's lines, and whether the busiest device fits the memory the runtime gets."""
+def report(cfg: ExperimentConfig, devices=None) -> tuple[list[str], bool]:
+  """The dry run's lines, and whether the busiest device fits the memory the runtime gets;
+  `devices`: the fake devices to place on (default: all of this process's)."""
   if cfg.placement.strategy == "plan":  # the plan depends on the target's devices, not these
     raise ConfigError("config.placement.strategy: --dry_run checks a fixed placement; "
                       "`jaxrl-plan --config FILE --device KIND --devices N` prints the plan to set")
-  cluster = RoleCluster(cfg, initialize=False)
+  cluster = RoleCluster(cfg, devices, initialize=False)
   try:
     resident, phases = offloaded(cfg, resident_table(cfg, cluster), phase_table(cfg, cluster))
   except PlacementError as e:  # a role's mesh axis does not divide a parameter

@@ -1,0 +1,79 @@
+"""The dry run's per-device memory of the 7B/8B GSM8K configs on 1, 2, 4 and 8 x 80 GB devices,
+full-parameter or LoRA, with or without idle-role offload: the table in docs/lora.md.
+
+  python -m cli.fit_table            # print the table
+  python -m cli.fit_table --write    # rewrite it in docs/lora.md (tests/test_lora_run.py checks)
+
+Every cell is `--dry_run`'s total for the busiest device (what stays through a step plus its
+largest phase, cli/dry_run.py) with the config's own settings except: placement colocate on N
+devices (the sampler's tensor degree chosen automatically), `model.remat=dots`, and the column's
+LoRA (rank 16 on every projection) and `placement.offload` ("all" or none).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import os
+import re
+
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                   "lora.md")
+CONFIGS = {"Qwen2.5-7B": "configs/qwen2_5_7b_gsm8k.py", "Llama-3.1-8B": "configs/llama3_1_8b_gsm8k.py"}
+DEVICES = (1, 2, 4, 8)
+COLUMNS = {"full": (0, ""), "full + offload": (0, "all"), "LoRA": (16, ""),
+           "LoRA + offload": (16, "all")}
+BEGIN, END = "<!-- BEGIN fit table -->", "<!-- END fit table -->"
+
+
+def cell(path: str, devices: int, rank: int, offload: str) -> str:
+  """'GiB per device, fits' or '..., no' for one dry run."""
+  import jax
+  from cli.dry_run import report
+  from cli.train import load_config_file
+  from jaxrl.config_files import resolve
+  raw = load_config_file(path)
+  raw.model.remat = "dots"
+  raw.placement.update(strategy="colocate", cpu_devices=devices, sampler_tensor=0,
+                       offload=offload)
+  raw.lora.update(rank=rank, alpha=2.0 * rank if rank else 16.0)
+  lines, fits = report(resolve(raw), devices=jax.devices()[:devices])
+  total = re.search(r"total \(what stays \+ the largest phase\)\s+([\d.]+)", "\n".join(lines))
+  return f"{float(total.group(1)):.1f} {'fits' if fits else 'no'}"
+
+
+def table() -> str:
+  rows = ["| model | devices | " + " | ".join(COLUMNS) + " |",
+          "|---|---|" + "---|" * len(COLUMNS)]
+  for name, path in CONFIGS.items():
+    for n in DEVICES:
+      cells = [cell(path, n, rank, offload) for rank, offload in COLUMNS.values()]
+      rows.append(f"| {name} | {n} x 80 GB | " + " | ".join(cells) + " |")
+  return "\n".join(rows) + "\n"
+
+
+def render(text: str) -> str:
+  start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+  return text[:start] + "\n" + table() + text[end:]
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--write", action="store_true")
+  args = parser.parse_args()
+  from sharding.host import force_cpu_devices
+  force_cpu_devices(max(DEVICES))
+  logging.disable(logging.INFO)
+  with contextlib.redirect_stderr(io.StringIO()):
+    if not args.write:
+      print(table(), end="")
+      return
+    with open(DOC, encoding="utf-8") as f:
+      text = f.read()
+  with open(DOC, "w", encoding="utf-8") as f:
+    f.write(render(text))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,20 @@
+"""LoRA GRPO on GSM8K from Llama-3.1-8B-Instruct on ONE 80 GB GPU: rank-16 adapters on every
+projection train (alpha 32); the frozen bf16 base (15 GiB) is also the reference; the optimizer
+state and the sampler's merged copy leave the device for the phases that do not use them
+(placement.offload=all); the update recomputes attention (remat=dots).
+
+Check on a CPU first (no weights; exit 1 if it would not fit):
+  python -m cli.train --config=configs/llama3_1_8b_gsm8k_lora.py --dry_run
+Run:
+  python -m cli.train --config=configs/llama3_1_8b_gsm8k_lora.py \\
+      --config.model.hf_path=/models/Llama-3.1-8B-Instruct \\
+      --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
+Then `jaxrl-export --checkpoint runs/NAME/checkpoints/rl --out DIR [--peft]`: merged weights, or
+the adapters alone for peft.
+"""
+from configs import hf_gsm8k
+from configs.llama3_1_8b_gsm8k import LLAMA3_1_8B
+
+
+def get_config():
+  return hf_gsm8k.one_gpu_lora(LLAMA3_1_8B)
