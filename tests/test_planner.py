@@ -224,3 +224,37 @@ def test_docs_scaling_tables_are_what_the_simulator_computes():
   with open(scaling.DOC, encoding="utf-8") as f:
     text = f.read()
   assert scaling.render(text) == text, "run `python -m planner.scaling --write`"
+
+
+def test_lora_and_offload_in_the_memory_model():
+  """Hand-computed bytes of one trainer device: full-parameter training holds float32 weights
+  and Adam moments (12 bytes per parameter) plus the bf16 reference; LoRA holds the bf16 base
+  (which is the reference) and 12 bytes per adapter parameter; offload keeps the moments and a
+  separate reference off the device between updates, and the search takes it only colocated."""
+  from cli.train import load_config_file
+  from jaxrl.config_files import resolve
+  from planner.cost import lora_params
+  from planner.memory import trainer_bytes
+  cfg = resolve(load_config_file("configs/llama3_1_8b_gsm8k_lora.py"), hf=False)
+  w = Workload.from_config(cfg)
+  m = cfg.model
+  per_layer = 16 * (2 * (m.d_model + 32 * 128) + 2 * (m.d_model + 8 * 128)
+                    + 3 * (m.d_model + m.d_ff))
+  assert lora_params(cfg) == w.lora_params == 32 * per_layer
+  full = dataclasses.replace(w, lora_params=0)
+  plan = Plan("colocate", Mesh(), Mesh(), Mesh())
+  p, n = w.params, w.lora_params
+  assert trainer_bytes(full, plan)[0] == pytest.approx(12 * p + 2 * p)
+  assert trainer_bytes(w, plan)[0] == pytest.approx(2 * p + 12 * n)
+  offload = dataclasses.replace(plan, offload=True)
+  assert trainer_bytes(full, offload)[0] == pytest.approx(4 * p)
+  assert trainer_bytes(w, offload)[0] == pytest.approx(2 * p + 4 * n)
+  # One H100: LoRA plans exist (the best colocated), full-parameter ones do not.
+  h100 = DEVICES["h100"]
+  eff = Efficiency()
+  ranked = search(w, 1, h100, eff, modes=("sync",), top=None)
+  assert ranked and ranked[0].plan.strategy == "colocate"
+  assert any(r.plan.offload for r in ranked)
+  assert not search(full, 1, h100, eff, modes=("sync",), top=None)
+  assert all(not r.plan.offload for r in search(full, 16, h100, eff, top=None)
+             if r.plan.strategy != "colocate")
