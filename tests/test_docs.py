@@ -3,8 +3,8 @@
 Fenced blocks tagged `sh` are commands a user copies: each is checked (its program exists, each
 `--flag` is one its `--help` lists, each `--config.a.b` is a config field, each file it names
 exists) and then run, in this process, with small overrides where it would train for long (few
-steps, the run dir in a temporary directory; `runs/NAME` is a run made first). Blocks tagged
-`sh hardware` need an accelerator, a cluster or weights and data not in the repo, and blocks
+steps, the run dir in a temporary directory; `runs/NAME` is a run made first, `runs/LORA` a
+LoRA one). Blocks tagged `sh hardware` need an accelerator, a cluster or weights and data not in the repo, and blocks
 tagged `sh long` measure for minutes (the planner's calibration) or rewrite the docs themselves:
 both are checked, not run. Renaming a documented flag, field or file fails here.
 """
@@ -148,7 +148,8 @@ SMALL_BATCHES = ["--config.sft.batch_size=16", "--config.rl.prompts_per_step=8",
 
 def _runnable(doc: str, words: list[str], tmp: str) -> tuple[str, list[str]]:
   """The command as this test runs it: (program, argv) with the small overrides."""
-  name, args = program([w.replace("runs/NAME", f"{tmp}/runs/NAME") for w in words])
+  name, args = program([w.replace("runs/NAME", f"{tmp}/runs/NAME")
+                        .replace("runs/LORA", f"{tmp}/runs/LORA") for w in words])
   if name == "make run":
     name, args = TRAIN, ["--config=configs/default.py", *_args_of("make run", args)]
   name = PROGRAMS[name]
@@ -170,10 +171,12 @@ def _runnable(doc: str, words: list[str], tmp: str) -> tuple[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory):
-  """A directory with `runs/NAME`: a finished tiny run for the commands that read one."""
+  """A directory with `runs/NAME`, a finished tiny run for the commands that read one, and
+`runs/LORA`, the same with LoRA adapters (`lora.rank=4`)."""
   out = str(tmp_path_factory.mktemp("docs"))
-  assert train.main([TRAIN, "--config=configs/tiny.py", f"--config.run_dir={out}/runs",
-                     "--config.run_name=NAME", "--config.progress=False"]) == 0
+  for name, extra in (("NAME", []), ("LORA", ["--config.lora.rank=4"])):
+    assert train.main([TRAIN, "--config=configs/tiny.py", f"--config.run_dir={out}/runs",
+                       f"--config.run_name={name}", "--config.progress=False", *extra]) == 0
   return out
 
 
