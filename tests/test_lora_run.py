@@ -23,27 +23,32 @@ def _same(a, b) -> bool:
   return all(np.array_equal(x, y) for x, y in zip(_host(a), _host(b)))
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def _config(tmp, name: str, sft_steps: int):
   c = tiny.get_config()
-  c.run_dir, c.run_name = str(tmp_path_factory.mktemp("lora")), "run"
+  c.run_dir, c.run_name = str(tmp), name
   c.placement.strategy = "colocate"
   c.lora.update(rank=4, alpha=8.0, targets="wq,wv,w_up")
-  c.rl.steps = 2
+  c.sft.steps, c.rl.steps = sft_steps, 2
   c.checkpoint_every = 100
+  return c
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """GRPO straight from the (random) base: the adapters are zero as RL starts."""
+  c = _config(tmp_path_factory.mktemp("lora"), "run", sft_steps=0)
   out = {}
   with Experiment(c) as exp:
     cluster = exp.ctx.cluster
     actor = cluster.actor
     out["base0"], out["adapters0"] = _host(cluster.plain(actor.params)), _host(
         actor.split(actor.params)[0])
-    exp.stage("sft").run()
-    out["adapters_sft"] = _host(actor.split(actor.params)[0])
     exp.rl.step()
     exp.save()  # mid-stage: the learner's state too
     ref = cluster.get("reference").params
     out["shared"] = (cluster.shared, all(
         a is b for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(cluster.plain(actor.params)))))
+    out["adapters_1"] = _host(actor.split(actor.params)[0])
     exp.rl.step()
     out["base1"], out["adapters1"] = _host(cluster.plain(actor.params)), _host(
         actor.split(actor.params)[0])
@@ -57,10 +62,25 @@ def run(tmp_path_factory):
 
 def test_only_the_adapters_train(run):
   assert all(np.array_equal(a, b) for a, b in zip(run["base0"], run["base1"]))
-  for before, after in [(run["adapters0"], run["adapters_sft"]),
-                        (run["adapters_sft"], run["adapters1"])]:
+  for before, after in [(run["adapters0"], run["adapters_1"]),
+                        (run["adapters_1"], run["adapters1"])]:
     assert any(not np.array_equal(a, b) for a, b in zip(before, after))
   assert len(run["adapters1"]) == 2 * 3  # wq, wv, w_up in the tiny model's one layer
+
+
+def test_after_lora_sft_the_reference_is_the_sft_policy(tmp_path):
+  """SFT trains the adapters (the base unchanged); RL's reference is then the policy as RL
+  starts, the adapters folded in: a copy of its own, not the base."""
+  with Experiment(_config(tmp_path, "sft", sft_steps=3)) as exp:
+    cluster = exp.ctx.cluster
+    base0 = _host(cluster.plain(cluster.actor.params))
+    exp.stage("sft").run()
+    assert _same(cluster.plain(cluster.actor.params), base0)
+    assert any(np.any(a != 0) for a in _host(cluster.actor.split(cluster.actor.params)[0]))
+    exp.stages["rl"].start()
+    assert cluster.shared == set()
+    np.testing.assert_equal(_host(cluster.get("reference").params),
+                            _host(cluster.actor_weights()))
 
 
 def test_the_reference_is_the_actors_base(run):

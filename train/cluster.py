@@ -42,8 +42,8 @@ class RoleCluster:
       self.placement = _placement(cfg, len(self.devices))
       self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
       self.actor = self._actor_role()
-      self.sampler = SamplerCopy(cfg, self.actor, self.meshes["sampler"],
-                                 getattr(self, "sampler_graphdef", None))
+      plain = nnx.split(nnx.eval_shape(self.model_factory("actor")))[0]  # without adapters
+      self.sampler = SamplerCopy(cfg, self.actor, self.meshes["sampler"], plain)
     except PlacementError as e:
       message = str(e)
       raise ConfigError(f"config.{message}" if message.startswith("placement") else message) \
@@ -93,7 +93,6 @@ class RoleCluster:
       return ModelRole("actor", self.model_factory("actor"), self.meshes["actor"])
     stored = None if self.cfg.model.frozen_float32 else functools.partial(frozen_base_dtypes,
                                                                           self.cfg.model)
-    self.sampler_graphdef = nnx.split(nnx.eval_shape(self.model_factory("actor")))[0]  # merged
     return ModelRole("actor", self.model_factory("actor", adapters=True), self.meshes["actor"],
                      stored_dtypes=stored, trainable=lora.TRAINABLE)
 
@@ -117,19 +116,29 @@ class RoleCluster:
       return None
     return functools.partial(compute_dtypes, self.cfg.model)
 
-  def add_reference(self) -> ModelRole:
-    """The frozen reference: the actor as it is now, on the reference mesh. With LoRA it is
-    the actor's frozen base, and where the two layouts agree (colocated) it holds the actor's
-    own arrays (`shared`: no second copy, not saved twice); otherwise a copy."""
-    share = self.reference_shares_base()
+  def add_reference(self, *, restored: bool = False) -> ModelRole:
+    """The frozen reference: the actor as it is now, on the reference mesh. With LoRA and
+    adapters still at zero (B = 0) that is the actor's frozen base, and where the two layouts
+    agree it holds the actor's own arrays (`shared`: no second copy, not saved twice).
+    Otherwise a copy of the actor's weights (adapters that earlier stages trained folded in).
+    `restored`: a checkpoint without a reference, whose reference was the shared base."""
     role = self.add("reference", initialize=False)
-    base = self.plain(self.actor.params)
-    if share:
+    adapters, base = self.actor.split(self.actor.params)
+    is_base = self.cfg.lora.enabled and (restored or not any(
+        bool(jax.numpy.any(b != 0)) for b in jax.tree.leaves(adapters)))
+    if is_base and self.reference_shares_base():
       role.params = base
       self.shared.add("reference")
     else:
-      role.load(base)
+      role.load(base if is_base else self.actor_weights())
     return role
+
+  def actor_weights(self) -> nnx.State:
+    """The actor's weights as the plain model's (a reference, a critic or a reward model starts
+    from them): with LoRA the adapters folded into the base, otherwise its parameters."""
+    if not self.cfg.lora.enabled:
+      return self.actor.params
+    return self.sampler.merge(self.actor.params)
 
   def reference_shares_base(self) -> bool:
     """Whether the reference can be the actor's own base: LoRA, and the same layout (mesh,

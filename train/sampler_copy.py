@@ -34,7 +34,7 @@ MODES = ("merged", "adapters")
 class SamplerCopy:
 
   def __init__(self, cfg: ExperimentConfig, actor: ModelRole, mesh, plain_graphdef=None):
-    """`plain_graphdef`: the actor's module without adapters (LoRA)."""
+    """`plain_graphdef`: the actor's module without adapters."""
     self.cfg, self.actor = cfg, actor
     self.lora = cfg.lora.enabled
     self.adapters = self.lora and cfg.lora.sampler == "adapters"
@@ -63,7 +63,7 @@ class SamplerCopy:
     if not self.lora:
       return self._moved(params)
     if not self.adapters:  # the adapters folded into the base, on the actor's devices
-      return self._moved(self._merge(params))
+      return self._moved(self.merge(params))
     adapters, base = self.actor.split(params)
     shard_adapters, shard_base = self.actor.split(self.shardings)
     if self._base is None:
@@ -74,7 +74,7 @@ class SamplerCopy:
     return self.actor.join(moved, self._base), stats
 
   @functools.cached_property
-  def _merge(self):
+  def merge(self):
     """jit: the actor's parameters -> the plain model's, adapters folded in, in the base's
     layout (jaxrl/models/lora.merged)."""
     return jax.jit(functools.partial(lora.merged, self.actor.graphdef),

@@ -160,7 +160,7 @@ def peft_tensors(graphdef: nnx.GraphDef, params: nnx.State) -> dict[str, jax.Arr
   out = {}
   for i, block in enumerate(model.decoder.blocks):
     for name, module in HF_MODULES.items():
-      owner = block.attn if name.startswith("w") and module.startswith("self_attn") else block.mlp
+      owner = block.attn if module.startswith("self_attn") else block.mlp
       lora = adapter(owner, name)
       if lora is None:
         continue

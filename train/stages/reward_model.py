@@ -44,7 +44,7 @@ class RewardModelStage(Stage):
     role = cluster.get("reward")
     if role is None:
       role = cluster.add("reward")
-      role.load(cluster.actor.params, subtree="decoder")
+      role.load(cluster.actor_weights(), subtree="decoder")
     self.role = role
     self._scores = role.jit(functools.partial(steps.sequence_scores, role.graphdef))
     self.data = pair_dataset(self.train_pairs, ctx.task.enc, batch_size=rm.batch_size,

@@ -45,7 +45,7 @@ class RLStage(Stage):
   def start(self, *, restoring: bool = False) -> None:
     rl, cluster = self.cfg.rl, self.ctx.cluster
     if cluster.get("reference") is None:  # frozen: the actor as RL starts
-      cluster.add_reference()
+      cluster.add_reference(restored=restoring)
     updates = rl.steps * rl.num_minibatches
     optimizer = lambda lr: steps.make_optimizer(lr, warmup_steps=rl.warmup_steps,
                                                 total_steps=updates,
@@ -66,7 +66,7 @@ class RLStage(Stage):
     if reward is not None:
       critic.load(reward.params)
     else:
-      critic.load(cluster.actor.params, subtree="decoder")
+      critic.load(cluster.actor_weights(), subtree="decoder")
     return critic
 
   def step(self) -> dict:
