@@ -127,10 +127,6 @@ def split(params: nnx.State) -> tuple[nnx.State, nnx.State]:
   return nnx.split_state(params, TRAINABLE, ...)
 
 
-def has_adapters(params: nnx.State) -> bool:
-  return bool(jax.tree.leaves(split(params)[0]))
-
-
 def merged(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.State:
   """The plain model's state: every target projection W + scale B A, in W's dtype (traceable:
   the sampler's push jits it; an export runs it eagerly)."""
