@@ -35,8 +35,10 @@ def _config(tmp, name: str, sft_steps: int):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """GRPO straight from the (random) base: the adapters are zero as RL starts."""
+  """GRPO straight from the (random) base: the adapters' B is zero as RL starts. The random
+  policy earns no reward, so an entropy bonus gives the first steps their gradient."""
   c = _config(tmp_path_factory.mktemp("lora"), "run", sft_steps=0)
+  c.rl.entropy_coef = 0.01
   out = {}
   with Experiment(c) as exp:
     cluster = exp.ctx.cluster

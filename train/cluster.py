@@ -124,8 +124,9 @@ class RoleCluster:
     `restored`: a checkpoint without a reference, whose reference was the shared base."""
     role = self.add("reference", initialize=False)
     adapters, base = self.actor.split(self.actor.params)
+    ups = [v[...] for path, v in nnx.to_flat_state(adapters) if path[-1] == "b"]  # B of B A
     is_base = self.cfg.lora.enabled and (restored or not any(
-        bool(jax.numpy.any(b != 0)) for b in jax.tree.leaves(adapters)))
+        bool(jax.numpy.any(b != 0)) for b in ups))
     if is_base and self.reference_shares_base():
       role.params = base
       self.shared.add("reference")
