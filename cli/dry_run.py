@@ -59,7 +59,7 @@ def resident_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dic
   trained, frozen = _roles(cfg)
   table = {}
   for name in trained + frozen:
-    if name == "reference" and cluster.reference_shares_base():
+    if name == "reference" and _reference_is_base(cfg, cluster):
       continue  # LoRA: the reference is the actor's own base
     role = cluster.get(name) or cluster.add(name, initialize=False)
     learned, base = role.split(role.abstract())
@@ -76,6 +76,12 @@ def resident_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dic
   else:
     table[f"sampler copy ({_dtype_name(copy.abstract())})"] = shard_bytes(copy.abstract())
   return table
+
+
+def _reference_is_base(cfg: ExperimentConfig, cluster: RoleCluster) -> bool:
+  """Whether RL's reference will be the LoRA actor's own base arrays: the layouts agree and no
+  earlier stage of the run trains the adapters (then the reference is a merged copy)."""
+  return cluster.reference_shares_base() and not (cfg.sft.steps or cfg.dpo.steps)
 
 
 def offloaded(cfg: ExperimentConfig, resident: dict, phases: dict) -> tuple[dict, dict]:
