@@ -79,9 +79,11 @@ def resident_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dic
 
 
 def _reference_is_base(cfg: ExperimentConfig, cluster: RoleCluster) -> bool:
-  """Whether RL's reference will be the LoRA actor's own base arrays: the layouts agree and no
-  earlier stage of the run trains the adapters (then the reference is a merged copy)."""
-  return cluster.reference_shares_base() and not (cfg.sft.steps or cfg.dpo.steps)
+  """Whether RL's reference will be the LoRA actor's own base arrays: the layouts agree and the
+  adapters start at zero: no earlier stage trains them, and no `init_checkpoint` (which may hold
+  trained ones) gives them; otherwise the reference is counted as a merged copy."""
+  trained_before = cfg.sft.steps or cfg.dpo.steps or cfg.init_checkpoint
+  return cluster.reference_shares_base() and not trained_before
 
 
 def offloaded(cfg: ExperimentConfig, resident: dict, phases: dict) -> tuple[dict, dict]:

@@ -72,9 +72,11 @@ def run_config(run_dir: str) -> ExperimentConfig:
     raise ConfigError(f"{path}: not found; is {run_dir!r} a jaxrl run directory?") from None
 
 
-def load_policy(path: str, *, dtype: str | None = None, what: str = "--model") -> Policy:
+def load_policy(path: str, *, dtype: str | None = None, what: str = "--model",
+                merge: bool = True) -> Policy:
   """A Hugging Face directory or a jaxrl checkpoint (see the module docstring); errors name
-  the flag `what`."""
+  the flag `what`. `merge=False`: a LoRA checkpoint's `params` stay adapted (an adapter
+  export needs no merged copy)."""
   if os.path.isfile(os.path.join(path, "config.json")):
     try:
       cfg = model_config_from_hf(path)
@@ -95,12 +97,12 @@ def load_policy(path: str, *, dtype: str | None = None, what: str = "--model") -
   tokenizer_dir = run.data.tokenizer_path or run.model.hf_path
   policy = Policy(cfg, role.graphdef, params, load_tokenizer(tokenizer_dir), tokenizer_dir,
                   f"{stage_dir} step {step}")
-  if run.lora.enabled:  # the plain model with the adapters folded in, and the adapters
-    plain = _role(cfg)
-    policy = dataclasses.replace(
-        policy, graphdef=plain.graphdef, params=lora.merged(role.graphdef, params),
-        adapters=lora.peft_tensors(role.graphdef, params), lora=run.lora,
-        base_model=run.model.hf_path)
+  if run.lora.enabled:  # the adapters, and the plain model with them folded in
+    policy = dataclasses.replace(policy, adapters=lora.peft_tensors(role.graphdef, params),
+                                 lora=run.lora, base_model=run.model.hf_path)
+    if merge:
+      policy = dataclasses.replace(policy, graphdef=_role(cfg).graphdef,
+                                   params=lora.merged(role.graphdef, params))
   return policy
 
 

@@ -31,7 +31,7 @@ def export_main(argv: list[str] | None = None) -> int:
   from jaxrl.models.hf import HFError, export, export_peft
   from cli.model_io import generation_config, load_policy
   try:
-    policy = load_policy(args.checkpoint, what="--checkpoint")
+    policy = load_policy(args.checkpoint, what="--checkpoint", merge=not args.peft)
     if args.peft:
       if policy.adapters is None:
         return fail(f"--peft: {policy.source} has no LoRA adapters (its run has lora.rank=0)")

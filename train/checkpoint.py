@@ -173,9 +173,10 @@ def saved_actor_shapes(directory: str, step: int | None = None) -> dict[str, tup
   manager = ocp.CheckpointManager(os.path.abspath(directory))
   try:
     step = manager.latest_step() if step is None else step
-    if step is None:
-      return {}
-    return shapes(_item_metadata(os.path.join(manager.directory, str(step), "actor")))
+    item = os.path.join(manager.directory, str(step), "actor")
+    if step is None or not os.path.isdir(item):
+      return {}  # (load_actor_params says what is missing)
+    return shapes(_item_metadata(item))
   finally:
     manager.close()
 

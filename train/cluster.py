@@ -42,7 +42,8 @@ class RoleCluster:
       self.placement = _placement(cfg, len(self.devices))
       self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
       self.actor = self._actor_role()
-      plain = nnx.split(nnx.eval_shape(self.model_factory("actor")))[0]  # without adapters
+      plain = (nnx.split(nnx.eval_shape(self.model_factory("actor")))[0]  # without adapters
+               if cfg.lora.enabled else None)
       self.sampler = SamplerCopy(cfg, self.actor, self.meshes["sampler"], plain)
     except PlacementError as e:
       message = str(e)
@@ -75,7 +76,8 @@ class RoleCluster:
     LoRA, a checkpoint without adapters (a full SFT run's) gives the base, adapters start
     afresh. The checkpoint's step."""
     like = self.actor.abstract()
-    saved = saved_actor_shapes(directory, kw.get("step")) if os.path.isdir(directory) else {}
+    lora_run = self.cfg.lora.enabled and os.path.isdir(directory)
+    saved = saved_actor_shapes(directory, kw.get("step")) if lora_run else {}
     fresh = self.cfg.lora.enabled and saved and not any(lora.SUFFIX in k for k in saved)
     params, step = load_actor_params(directory, self.plain(like) if fresh else like, **kw)
     self.actor.params = self.actor.with_fresh_trained(params) if fresh else params
@@ -123,16 +125,20 @@ class RoleCluster:
     Otherwise a copy of the actor's weights (adapters that earlier stages trained folded in).
     `restored`: a checkpoint without a reference, whose reference was the shared base."""
     role = self.add("reference", initialize=False)
-    adapters, base = self.actor.split(self.actor.params)
-    ups = [v[...] for path, v in nnx.to_flat_state(adapters) if path[-1] == "b"]  # B of B A
-    is_base = self.cfg.lora.enabled and (restored or not any(
-        bool(jax.numpy.any(b != 0)) for b in ups))
+    base = self.plain(self.actor.params)
+    is_base = self.cfg.lora.enabled and (restored or self._adapters_at_zero())
     if is_base and self.reference_shares_base():
       role.params = base
       self.shared.add("reference")
     else:
       role.load(base if is_base else self.actor_weights())
     return role
+
+  def _adapters_at_zero(self) -> bool:
+    """Whether every adapter's B is zero (the adapted model is its base), in one reduction."""
+    adapters = self.actor.split(self.actor.params)[0]
+    ups = [v[...] for path, v in nnx.to_flat_state(adapters) if path[-1] == "b"]  # B of B A
+    return not bool(jax.jit(lambda bs: sum(jax.numpy.any(b != 0) for b in bs))(ups))
 
   def actor_weights(self) -> nnx.State:
     """The actor's weights as the plain model's (a reference, a critic or a reward model starts

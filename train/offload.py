@@ -73,12 +73,18 @@ class Offloader:
       self.timeline.add("trainer", f"{label} {item}", start, end, bytes=size)
 
   def enter(self, phase: str) -> None:
-    """Before `phase` (generate | score | update): its items onto the devices, the others off."""
-    for item in ("optimizer", "frozen"):
-      if item in self.items:
-        self._move(item, DEVICE if item in self.RESIDENT[phase] else HOST)
+    """Before `phase` (generate | score | update): the items it does not use off the devices
+    first (the sampler's copy dropped for an update), then its own onto them, so the devices
+    never hold both at once."""
+    items = [i for i in ("optimizer", "frozen") if i in self.items]
+    for item in items:
+      if item not in self.RESIDENT[phase]:
+        self._move(item, HOST)
     if phase == "update" and "sampler" in self.items:
       self.cluster.sampler.drop()
+    for item in items:
+      if item in self.RESIDENT[phase]:
+        self._move(item, DEVICE)
 
   def take_seconds(self) -> float:
     out, self.seconds = self.seconds, 0.0

@@ -122,6 +122,7 @@ def _reset(ctx: RunContext, stages: dict[str, Stage]) -> None:
     if name != "actor":
       del cluster.roles[name]
   cluster.shared.clear()
+  cluster.sampler.drop()
   cluster.actor.params = None
 
 

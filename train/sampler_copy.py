@@ -28,9 +28,6 @@ from sharding.rules import SAMPLER_RULES
 from train.host_transfers import allowed
 from train.roles import ModelRole, role_shardings
 
-MODES = ("merged", "adapters")
-
-
 class SamplerCopy:
 
   def __init__(self, cfg: ExperimentConfig, actor: ModelRole, mesh, plain_graphdef=None):
@@ -51,26 +48,25 @@ class SamplerCopy:
   def _bucket(self) -> int:
     return self.cfg.placement.reshard_bucket_mb << 20
 
-  def _moved(self, params) -> tuple[nnx.State, TransferStats]:
-    """`params` (like the actor's, or the plain model's) in this copy's layout."""
+  def _moved(self, params, shardings, *, donate: bool = False):
+    """`params` in the layout `shardings`, matrices in the compute dtype (timed)."""
     dtypes = compute_dtypes(self.cfg.model, params)
     with allowed("weights", params):  # see train/host_transfers.py
-      return reshard(params, self.shardings, dtypes=dtypes, bucket_bytes=self._bucket())
+      return reshard(params, shardings, dtypes=dtypes, bucket_bytes=self._bucket(),
+                     donate=donate)
 
   def make(self) -> tuple[nnx.State, TransferStats]:
     """A fresh copy of the actor's current weights (timed)."""
     params = self.actor.params
     if not self.lora:
-      return self._moved(params)
-    if not self.adapters:  # the adapters folded into the base, on the actor's devices
-      return self._moved(self.merge(params))
+      return self._moved(params, self.shardings)
+    if not self.adapters:  # the adapters folded into a temporary, moved (donated) into place
+      return self._moved(self.merge(params), self.shardings, donate=True)
     adapters, base = self.actor.split(params)
     shard_adapters, shard_base = self.actor.split(self.shardings)
     if self._base is None:
-      self._base = base if self.shares_base else reshard(base, shard_base,
-                                                         bucket_bytes=self._bucket())[0]
-    with allowed("weights", adapters):
-      moved, stats = reshard(adapters, shard_adapters, bucket_bytes=self._bucket())
+      self._base = base if self.shares_base else self._moved(base, shard_base)[0]
+    moved, stats = self._moved(adapters, shard_adapters)
     return self.actor.join(moved, self._base), stats
 
   @functools.cached_property
@@ -126,8 +122,10 @@ class SamplerCopy:
 
   def drop(self) -> None:
     """Frees the copy now (the next `fresh` pushes a new one), unless it is `in_use`; a base
-    the actor holds stays."""
-    if self.params is None or self.in_use:
+    the actor holds stays (adapters mode with a base of its own: that base is copied again on
+    the next push)."""
+    if self.in_use:
       return
     old, self.params, self._base, self._version = self.params, None, None, -1
-    self._free(old)
+    if old is not None:
+      self._free(old)

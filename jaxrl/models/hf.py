@@ -322,12 +322,7 @@ def export(params: nnx.State, cfg: ModelConfig, out_dir: str, *, dtype: str = "f
   """
   if dtype not in ("float32", "bfloat16"):
     raise HFError(f"export dtype: expected float32 or bfloat16, got {dtype!r}")
-  writer = jax.process_index() == 0
-  exists = os.path.exists(out_dir)
-  if jax.process_count() > 1:  # process 0 decides for all, so none waits in a gather alone
-    exists = bool(multihost_utils.broadcast_one_to_all(np.asarray(exists)))
-  if exists:
-    raise HFError(f"{out_dir}: already exists (export never overwrites)")
+  _refuse_existing(out_dir)
   # Everything that can be refused is, before any weight is gathered.
   tensors, tied = _hf_tensors(params, cfg)
   generation_config = dict(generation_config or {})
@@ -336,42 +331,58 @@ def export(params: nnx.State, cfg: ModelConfig, out_dir: str, *, dtype: str = "f
       token_ids={k: v for k, v in generation_config.items() if k.endswith("_token_id")},
       max_positions=max_positions or default_max_positions(cfg))
   tokenizer_files = _tokenizer_files(tokenizer_dir)
-  tmp = out_dir.rstrip("/") + ".tmp"
-  if writer:
-    shutil.rmtree(tmp, ignore_errors=True)  # a crashed export's leftovers
-    os.makedirs(tmp)
-  try:
-    _write_weights(tmp if writer else None, tensors, dtype, max_shard_bytes)
-    if writer:
+  with _new_dir(out_dir) as tmp:
+    _write_weights(tmp, tensors, dtype, max_shard_bytes)
+    if tmp is not None:
       _write_json(os.path.join(tmp, "config.json"), config)
       if generation_config:
         _write_json(os.path.join(tmp, "generation_config.json"), generation_config)
       for file in tokenizer_files:
         shutil.copy2(file, tmp)
-      os.rename(tmp, out_dir)
-  except BaseException:
-    if writer:
-      shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  if jax.process_count() > 1:  # no process returns before the directory exists
-    multihost_utils.sync_global_devices(f"jaxrl.hf.export:{out_dir}")
 
 
 def export_peft(tensors: dict, cfg, out_dir: str, *, base_model: str = "") -> None:
   """Writes LoRA adapters (`lora.peft_tensors`) as a PEFT adapter directory:
   adapter_config.json and adapter_model.safetensors (float32), which
-  `peft.PeftModel.from_pretrained(base, out_dir)` loads onto the base model. Process 0 writes;
-  `out_dir` must not exist and appears complete or not at all."""
+  `peft.PeftModel.from_pretrained(base, out_dir)` loads onto the base model. As `export`: every
+  process calls it, process 0 writes, `out_dir` must not exist and appears whole or not at
+  all."""
   from jaxrl.models.lora import peft_config
-  if os.path.exists(out_dir):
+  _refuse_existing(out_dir)
+  with _new_dir(out_dir) as tmp:
+    arrays = {name: _to_host(x, x.shape, None, np.float32) for name, x in tensors.items()}
+    if tmp is not None:
+      safetensors.numpy.save_file(arrays, os.path.join(tmp, "adapter_model.safetensors"),
+                                  metadata={"format": "pt"})
+      _write_json(os.path.join(tmp, "adapter_config.json"), peft_config(cfg, base_model))
+
+
+def _refuse_existing(out_dir: str) -> None:
+  """An HFError when `out_dir` exists (process 0 decides for all, so none waits in a gather
+  alone)."""
+  exists = os.path.exists(out_dir)
+  if jax.process_count() > 1:
+    exists = bool(multihost_utils.broadcast_one_to_all(np.asarray(exists)))
+  if exists:
     raise HFError(f"{out_dir}: already exists (export never overwrites)")
-  arrays = {name: _to_host(x, x.shape, None, np.float32) for name, x in tensors.items()}
-  if jax.process_index() != 0:
-    return
+
+
+@contextlib.contextmanager
+def _new_dir(out_dir: str):
+  """`out_dir.tmp` to write into on process 0 (None elsewhere), renamed to `out_dir` when the
+  block ends well and removed when it fails; no process returns before the directory exists."""
+  writer = jax.process_index() == 0
   tmp = out_dir.rstrip("/") + ".tmp"
-  shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
-  safetensors.numpy.save_file(arrays, os.path.join(tmp, "adapter_model.safetensors"),
-                              metadata={"format": "pt"})
-  _write_json(os.path.join(tmp, "adapter_config.json"), peft_config(cfg, base_model))
-  os.rename(tmp, out_dir)
+  if writer:
+    shutil.rmtree(tmp, ignore_errors=True)  # a crashed export's leftovers
+    os.makedirs(tmp)
+  try:
+    yield tmp if writer else None
+    if writer:
+      os.rename(tmp, out_dir)
+  except BaseException:
+    if writer:
+      shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f"jaxrl.hf.export:{out_dir}")

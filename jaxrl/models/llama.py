@@ -303,7 +303,8 @@ class Decoder(nnx.Module):
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                         cfg.d_model**-0.5 if hf_tied else 1.0)
     # The adapters draw from a stream of their own: the base weights are the same with or without.
-    lora_rngs = nnx.Rngs(jax.random.fold_in(rngs.default.key[...], 0x10A))
+    lora_rngs = None if lora is None else nnx.Rngs(jax.random.fold_in(rngs.default.key[...],
+                                                                       0x10A))
     self.blocks = nnx.List([Block(cfg, rngs, lora, lora_rngs) for _ in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
