@@ -24,7 +24,6 @@ CONFIGS = {"Qwen2.5-7B": "configs/qwen2_5_7b_gsm8k.py", "Llama-3.1-8B": "configs
 DEVICES = (1, 2, 4, 8)
 COLUMNS = {"full": (0, ""), "full + offload": (0, "all"), "LoRA": (16, ""),
            "LoRA + offload": (16, "all")}
-BEGIN, END = "<!-- BEGIN fit table -->", "<!-- END fit table -->"
 
 
 def cell(path: str, devices: int, rank: int, offload: str) -> str:
@@ -43,19 +42,14 @@ def cell(path: str, devices: int, rank: int, offload: str) -> str:
   return f"{float(total.group(1)):.1f} {'fits' if fits else 'no'}"
 
 
-def table() -> str:
+def table() -> list[str]:
   rows = ["| model | devices | " + " | ".join(COLUMNS) + " |",
           "|---|---|" + "---|" * len(COLUMNS)]
   for name, path in CONFIGS.items():
     for n in DEVICES:
       cells = [cell(path, n, rank, offload) for rank, offload in COLUMNS.values()]
       rows.append(f"| {name} | {n} x 80 GB | " + " | ".join(cells) + " |")
-  return "\n".join(rows) + "\n"
-
-
-def render(text: str) -> str:
-  start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-  return text[:start] + "\n" + table() + text[end:]
+  return rows
 
 
 def main() -> None:
@@ -65,14 +59,15 @@ def main() -> None:
   from sharding.host import force_cpu_devices
   force_cpu_devices(max(DEVICES))
   logging.disable(logging.INFO)
-  with contextlib.redirect_stderr(io.StringIO()):
-    if not args.write:
-      print(table(), end="")
-      return
+  with contextlib.redirect_stderr(io.StringIO()):  # the dry runs' own lines
+    rows = table()
+  print("\n".join(rows))
+  if args.write:
+    from planner.scaling import replace_block
     with open(DOC, encoding="utf-8") as f:
-      text = f.read()
-  with open(DOC, "w", encoding="utf-8") as f:
-    f.write(render(text))
+      text = replace_block(f.read(), "fit table", rows, DOC)
+    with open(DOC, "w", encoding="utf-8") as f:
+      f.write(text)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ from planner.cost import Mesh, Plan, Workload
 HEADROOM = 0.9  # of a device's memory a plan may fill (allocator slack, XLA temporaries)
 
 
-def _shard(w: Workload, mesh: Mesh) -> float:
-  return w.params / (mesh.fsdp * mesh.tensor)
+def _shard(n: float, mesh: Mesh) -> float:
+  """One device's part of `n` (parameters, bytes) split over `mesh`'s fsdp and tensor axes."""
+  return n / (mesh.fsdp * mesh.tensor)
 
 
 def update_bytes(w: Workload, plan: Plan) -> float:
@@ -30,7 +31,7 @@ def update_bytes(w: Workload, plan: Plan) -> float:
   gathered = w.compute_bytes * w.params / t.tensor if t.fsdp > 1 else 0.0
   peak = footprint.update_peak(
       w.model, rows=rows / (t.data * t.fsdp), seq_len=w.seq_len, logit_chunk=w.logit_chunk(rows),
-      param_bytes=4 * w.trained_params / (t.fsdp * t.tensor), gathered_bytes=gathered,
+      param_bytes=_shard(4 * w.trained_params, t), gathered_bytes=gathered,
       tensor=t.tensor, remat=plan.remat, flash_attention=w.flash_attention,
       accumulate=bool(plan.micro_batch_size))
   return sum(peak.values())
@@ -42,14 +43,14 @@ def trainer_bytes(w: Workload, plan: Plan) -> tuple[float, float]:
   parameter), or with LoRA its frozen base (and the reference with it) plus 12 bytes per
   adapter parameter; the critic 12 per parameter. `plan.offload` keeps the Adam moments and the
   frozen models on the host outside their phases."""
-  shard = lambda n: n / (plan.trainer.fsdp * plan.trainer.tensor)
+  t = plan.trainer
   base = frozen_bytes(w)[0] if w.lora_params else 4
   adam = 8 * w.trained_params + 8 * w.params * int(w.critic)
   frozen = 0.0 if plan.strategy == "interleave" else w.params * separate_frozen_bytes(w)
-  weights = shard(base * w.params + 4 * w.lora_params + 4 * w.params * int(w.critic))
+  weights = _shard(base * w.params + 4 * w.lora_params + 4 * w.params * int(w.critic), t)
   if plan.offload:
-    return weights, weights + shard(adam) + update_bytes(w, plan)
-  resident = weights + shard(adam + frozen)
+    return weights, weights + _shard(adam, t) + update_bytes(w, plan)
+  resident = weights + _shard(adam + frozen, t)
   return resident, resident + update_bytes(w, plan)
 
 
@@ -94,7 +95,7 @@ def memory(w: Workload, plan: Plan, device_bytes: float = math.inf) -> dict[str,
   sampler = sampler_weight_bytes(w, plan.sampler) + rows * kv_row_bytes(w, plan.sampler)
   out = {"trainer": peak, "sampler": sampler}
   if plan.strategy == "interleave":  # reference and reward model: a group each
-    out["scorer"] = max(frozen_bytes(w)) * _shard(w, plan.scorer)
+    out["scorer"] = _shard(max(frozen_bytes(w)) * w.params, plan.scorer)
   if plan.strategy in ("colocate", "interleave"):  # the sampler shares the trainer's devices
     # Its weights stay through the update (offload: dropped for it); the KV cache lives only
     # while generating.

@@ -194,13 +194,19 @@ def results_block() -> list[str]:
 BLOCKS = {"inputs": inputs_block, "results": results_block}
 
 
+def replace_block(text: str, name: str, lines: list[str], doc: str) -> str:
+  """`text` (the file `doc`) with its `<!-- BEGIN name -->` ... `<!-- END name -->` block's
+  body replaced by `lines`; a ValueError when it has no such block."""
+  pattern = re.compile(rf"(<!-- BEGIN {name} -->\n).*?(<!-- END {name} -->)", re.S)
+  if not pattern.search(text):
+    raise ValueError(f"{doc}: no '<!-- BEGIN {name} -->' ... '<!-- END {name} -->' block")
+  return pattern.sub(lambda m: m.group(1) + "\n".join(lines) + "\n" + m.group(2), text)
+
+
 def render(text: str) -> str:
   """`text` with every generated block replaced by what the code computes now."""
   for name, fn in BLOCKS.items():
-    pattern = re.compile(rf"(<!-- BEGIN {name} -->\n).*?(<!-- END {name} -->)", re.S)
-    if not pattern.search(text):
-      raise ValueError(f"{DOC}: no '<!-- BEGIN {name} -->' ... '<!-- END {name} -->' block")
-    text = pattern.sub(lambda m, fn=fn: m.group(1) + "\n".join(fn()) + "\n" + m.group(2), text)
+    text = replace_block(text, name, fn(), DOC)
   return text
 
 

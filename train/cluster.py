@@ -76,9 +76,9 @@ class RoleCluster:
     LoRA, a checkpoint without adapters (a full SFT run's) gives the base, adapters start
     afresh. The checkpoint's step."""
     like = self.actor.abstract()
-    lora_run = self.cfg.lora.enabled and os.path.isdir(directory)
-    saved = saved_actor_shapes(directory, kw.get("step")) if lora_run else {}
-    fresh = self.cfg.lora.enabled and saved and not any(lora.SUFFIX in k for k in saved)
+    saved = (saved_actor_shapes(directory, kw.get("step"))
+             if self.cfg.lora.enabled and os.path.isdir(directory) else {})
+    fresh = bool(saved) and not any(lora.SUFFIX in k for k in saved)  # saved without adapters
     params, step = load_actor_params(directory, self.plain(like) if fresh else like, **kw)
     self.actor.params = self.actor.with_fresh_trained(params) if fresh else params
     return step
@@ -127,7 +127,7 @@ class RoleCluster:
     role = self.add("reference", initialize=False)
     base = self.plain(self.actor.params)
     is_base = self.cfg.lora.enabled and (restored or self._adapters_at_zero())
-    if is_base and self.reference_shares_base():
+    if is_base and self.reference_shares_base(role):
       role.params = base
       self.shared.add("reference")
     else:
@@ -147,14 +147,16 @@ class RoleCluster:
       return self.actor.params
     return self.sampler.merge(self.actor.params)
 
-  def reference_shares_base(self) -> bool:
-    """Whether the reference can be the actor's own base: LoRA, and the same layout (mesh,
-    shardings, dtypes)."""
+  def reference_shares_base(self, reference: ModelRole | None = None) -> bool:
+    """Whether the reference (`reference`, or one built abstractly for the question) can be the
+    actor's own base: LoRA, and the same layout (mesh, shardings, dtypes)."""
     if not self.cfg.lora.enabled:
       return False
-    ref = ModelRole("reference", self.model_factory("reference"), self.meshes["reference"],
-                    stored_dtypes=self._reference_dtypes())
-    return (jax.tree.leaves(ref.abstract()) == jax.tree.leaves(self.plain(self.actor.abstract())))
+    reference = reference or ModelRole("reference", self.model_factory("reference"),
+                                       self.meshes["reference"],
+                                       stored_dtypes=self._reference_dtypes())
+    return jax.tree.leaves(reference.abstract()) == jax.tree.leaves(
+        self.plain(self.actor.abstract()))
 
   def get(self, name: str) -> ModelRole | None:
     return self.roles.get(name)

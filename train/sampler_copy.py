@@ -35,11 +35,11 @@ class SamplerCopy:
     self.cfg, self.actor = cfg, actor
     self.lora = cfg.lora.enabled
     self.adapters = self.lora and cfg.lora.sampler == "adapters"
-    self.graphdef = plain_graphdef if self.lora and not self.adapters else actor.graphdef
-    abstract = actor.abstract()
-    if self.lora and not self.adapters:
-      abstract = actor.split(abstract)[1]
-    self.shardings = role_shardings("sampler", abstract, SAMPLER_RULES, mesh)
+    self.merging = self.lora and not self.adapters  # decodes the plain model, adapters folded in
+    self.graphdef = plain_graphdef if self.merging else actor.graphdef
+    # The copy's parameters as the actor holds them (merging: its base, the plain model's).
+    self._like = actor.split(actor.abstract())[1] if self.merging else actor.abstract()
+    self.shardings = role_shardings("sampler", self._like, SAMPLER_RULES, mesh)
     self.params: nnx.State | None = None
     self.in_use = False  # an async generator holds the copy: never free it
     self._base = None  # adapters: the sampler's base (the actor's arrays, or a copy of them)
@@ -60,8 +60,12 @@ class SamplerCopy:
     params = self.actor.params
     if not self.lora:
       return self._moved(params, self.shardings)
-    if not self.adapters:  # the adapters folded into a temporary, moved (donated) into place
-      return self._moved(self.merge(params), self.shardings, donate=True)
+    if self.merging:  # the adapters folded into a temporary, moved (donated) into place
+      merged = self.merge(params)
+      # (never donating an array the actor holds, should jit forward an unchanged input)
+      held = {id(x) for x in jax.tree.leaves(params)}
+      donate = not any(id(x) in held for x in jax.tree.leaves(merged))
+      return self._moved(merged, self.shardings, donate=donate)
     adapters, base = self.actor.split(params)
     shard_adapters, shard_base = self.actor.split(self.shardings)
     if self._base is None:
@@ -82,7 +86,7 @@ class SamplerCopy:
     layout of the base is the actor's (shardings and dtypes)."""
     if not self.adapters:
       return False
-    base = self.actor.split(self.actor.abstract())[1]
+    base = self.actor.split(self._like)[1]
     targets = self.actor.split(self.shardings)[1]
     dtypes = compute_dtypes(self.cfg.model, base)
     return all(x.sharding.is_equivalent_to(s, x.ndim) and (d is None or d == x.dtype)
@@ -91,11 +95,8 @@ class SamplerCopy:
 
   def abstract(self) -> nnx.State:
     """The copy's abstract parameters: shapes, its dtypes, its shardings."""
-    abstract = self.actor.abstract()
-    if self.lora and not self.adapters:
-      abstract = self.actor.split(abstract)[1]
     return jax.tree.map(lambda x, s, d: jax.ShapeDtypeStruct(x.shape, d or x.dtype, sharding=s),
-                        abstract, self.shardings, compute_dtypes(self.cfg.model, abstract))
+                        self._like, self.shardings, compute_dtypes(self.cfg.model, self._like))
 
   def _free(self, params) -> None:
     """Deletes `params`' arrays that neither the actor nor the current copy holds."""
