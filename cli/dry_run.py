@@ -59,9 +59,9 @@ def resident_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dic
   trained, frozen = _roles(cfg)
   table = {}
   for name in trained + frozen:
-    if name == "reference" and _reference_is_base(cfg, cluster):
-      continue  # LoRA: the reference is the actor's own base
     role = cluster.get(name) or cluster.add(name, initialize=False)
+    if name == "reference" and _reference_is_base(cfg, cluster, role):
+      continue  # LoRA: the reference is the actor's own base
     learned, base = role.split(role.abstract())
     if base is None:
       table[f"{name} parameters ({_dtype_name(learned)})"] = shard_bytes(learned)
@@ -78,12 +78,12 @@ def resident_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dic
   return table
 
 
-def _reference_is_base(cfg: ExperimentConfig, cluster: RoleCluster) -> bool:
+def _reference_is_base(cfg: ExperimentConfig, cluster: RoleCluster, reference) -> bool:
   """Whether RL's reference will be the LoRA actor's own base arrays: the layouts agree and the
   adapters start at zero: no earlier stage trains them, and no `init_checkpoint` (which may hold
   trained ones) gives them; otherwise the reference is counted as a merged copy."""
   trained_before = cfg.sft.steps or cfg.dpo.steps or cfg.init_checkpoint
-  return cluster.reference_shares_base() and not trained_before
+  return cluster.reference_shares_base(reference) and not trained_before
 
 
 def offloaded(cfg: ExperimentConfig, resident: dict, phases: dict) -> tuple[dict, dict]:

@@ -38,12 +38,12 @@ class RoleCluster:
     """`initialize=False` leaves the actor abstract (a restore fills it)."""
     self.cfg = cfg
     self.devices = host_major_devices() if devices is None else list(devices)
+    self._shapes: dict[tuple, tuple] = {}  # traced modules (`_shape`)
     try:  # impossible meshes are user errors, found before anything is allocated
       self.placement = _placement(cfg, len(self.devices))
       self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
       self.actor = self._actor_role()
-      plain = (nnx.split(nnx.eval_shape(self.model_factory("actor")))[0]  # without adapters
-               if cfg.lora.enabled else None)
+      plain = self._shape("actor")[0] if cfg.lora.enabled else None  # without adapters
       self.sampler = SamplerCopy(cfg, self.actor, self.meshes["sampler"], plain)
     except PlacementError as e:
       message = str(e)
@@ -88,15 +88,25 @@ class RoleCluster:
     extra = {"lora": self.cfg.lora} if adapters else {}
     return lambda: MODEL_CLASSES[role](self.cfg.model, rngs=nnx.Rngs(self.cfg.seed), **extra)
 
+  def _shape(self, role: str, *, adapters: bool = False) -> tuple:
+    """(graphdef, abstract state) of `role`'s module, traced once per kind of module: the
+    actor's, the reference's and the sampler's plain model are one."""
+    key = (MODEL_CLASSES[role], adapters)
+    if key not in self._shapes:
+      self._shapes[key] = nnx.split(nnx.eval_shape(self.model_factory(role, adapters=adapters)))
+    return self._shapes[key]
+
   def _actor_role(self) -> ModelRole:
     """The actor; with `lora.rank > 0` its adapters are what trains, and its frozen base is
     held in the compute dtype (unless `model.frozen_float32`), as the reference would be."""
     if not self.cfg.lora.enabled:
-      return ModelRole("actor", self.model_factory("actor"), self.meshes["actor"])
+      return ModelRole("actor", self.model_factory("actor"), self.meshes["actor"],
+                       shape=self._shape("actor"))
     stored = None if self.cfg.model.frozen_float32 else functools.partial(frozen_base_dtypes,
                                                                           self.cfg.model)
     return ModelRole("actor", self.model_factory("actor", adapters=True), self.meshes["actor"],
-                     stored_dtypes=stored, trainable=lora.TRAINABLE)
+                     stored_dtypes=stored, trainable=lora.TRAINABLE,
+                     shape=self._shape("actor", adapters=True))
 
   def plain(self, params: nnx.State) -> nnx.State:
     """The actor's parameters without its adapters (its frozen base), or all of them."""
@@ -106,7 +116,8 @@ class RoleCluster:
     """The `name` role (reference | reward | critic) on its mesh: random weights, or abstract
     when a restore or a `load` fills it."""
     stored = self._reference_dtypes() if name == "reference" else None
-    role = ModelRole(name, self.model_factory(name), self.meshes[name], stored_dtypes=stored)
+    role = ModelRole(name, self.model_factory(name), self.meshes[name], stored_dtypes=stored,
+                     shape=self._shape(name))
     if initialize:
       role.initialize()
     self.roles[name] = role
@@ -147,15 +158,10 @@ class RoleCluster:
       return self.actor.params
     return self.sampler.merge(self.actor.params)
 
-  def reference_shares_base(self, reference: ModelRole | None = None) -> bool:
-    """Whether the reference (`reference`, or one built abstractly for the question) can be the
-    actor's own base: LoRA, and the same layout (mesh, shardings, dtypes)."""
-    if not self.cfg.lora.enabled:
-      return False
-    reference = reference or ModelRole("reference", self.model_factory("reference"),
-                                       self.meshes["reference"],
-                                       stored_dtypes=self._reference_dtypes())
-    return jax.tree.leaves(reference.abstract()) == jax.tree.leaves(
+  def reference_shares_base(self, reference: ModelRole) -> bool:
+    """Whether `reference` can hold the actor's own base: LoRA, and the same layout (mesh,
+    shardings, dtypes)."""
+    return self.cfg.lora.enabled and jax.tree.leaves(reference.abstract()) == jax.tree.leaves(
         self.plain(self.actor.abstract()))
 
   def get(self, name: str) -> ModelRole | None:

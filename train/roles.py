@@ -60,12 +60,12 @@ class ModelRole:
   bytes and scores exactly as its float32 weights would."""
 
   def __init__(self, name: str, make_model, mesh: Mesh, rules=TRAIN_RULES, stored_dtypes=None,
-               trainable=None):
+               trainable=None, shape=None):
     """`trainable`: an nnx filter of the parameters a learner trains (LoRA's adapters), None:
-    all of them."""
+    all of them. `shape`: `nnx.split(nnx.eval_shape(make_model))` when the caller has it."""
     self.name, self.mesh, self.rules, self._make_model = name, mesh, rules, make_model
     self.trainable = trainable
-    self.graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
+    self.graphdef, abstract = shape or nnx.split(nnx.eval_shape(make_model))
     self.dtypes = None if stored_dtypes is None else stored_dtypes(abstract)
     if self.dtypes is not None:
       abstract = jax.tree.map(lambda x, d: x if d is None else jax.ShapeDtypeStruct(x.shape, d),
