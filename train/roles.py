@@ -8,6 +8,8 @@ so no random initialisation runs before a restore.
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,6 +55,24 @@ def abstract_like(tree, shardings):
                       shardings)
 
 
+@contextlib.contextmanager
+def _init_lowering(mesh: Mesh):
+  """On one GPU, random initialisation hashes its threefry bits in JAX's CUDA kernel instead of
+  XLA's inlined, unrolled rounds (the same bits): a model's init calls the hash once per
+  parameter, and Qwen2.5-0.5B's init program took 216 s to compile on an H200 with the inlined
+  rounds. With several devices XLA's lowering stays: SPMD does not partition the kernel's custom
+  call, so every device would hash whole arrays."""
+  gpu = mesh.size == 1 and mesh.devices.flat[0].platform == "gpu"
+  before = jax.config.jax_threefry_gpu_kernel_lowering
+  if gpu:
+    jax.config.update("jax_threefry_gpu_kernel_lowering", True)
+  try:
+    yield
+  finally:
+    if gpu:
+      jax.config.update("jax_threefry_gpu_kernel_lowering", before)
+
+
 class ModelRole:
   """`make_model()` builds the module (only traced here: `nnx.eval_shape`). `stored_dtypes`
   (a frozen role): a function of the abstract parameters giving the dtypes to hold them in
@@ -86,8 +106,9 @@ class ModelRole:
   def initialize(self) -> ModelRole:
     """Random weights, born sharded (eval_shape -> shardings -> jit(init, out_shardings))."""
     cast = lambda params: params if self.dtypes is None else cast_to(params, self.dtypes)
-    self.params = jax.jit(lambda: cast(nnx.split(self._make_model())[1]),
-                          out_shardings=self.shardings)()
+    with _init_lowering(self.mesh):
+      self.params = jax.jit(lambda: cast(nnx.split(self._make_model())[1]),
+                            out_shardings=self.shardings)()
     return self
 
   def abstract(self) -> nnx.State:
@@ -97,7 +118,9 @@ class ModelRole:
     """`frozen` (e.g. a loaded base) joined with newly initialised trained parameters (LoRA
     adapters, B = 0), born sharded: XLA drops the rest of the initialisation."""
     init = lambda: self.split(nnx.split(self._make_model())[1])[0]
-    return self.join(jax.jit(init, out_shardings=self.split(self.shardings)[0])(), frozen)
+    with _init_lowering(self.mesh):
+      trained = jax.jit(init, out_shardings=self.split(self.shardings)[0])()
+    return self.join(trained, frozen)
 
   def split(self, tree: nnx.State) -> tuple[nnx.State, nnx.State | None]:
     """(trained, frozen) parts of a tree shaped like the parameters; frozen is None when every
