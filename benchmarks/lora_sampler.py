@@ -36,8 +36,8 @@ def main() -> None:
   from configs import tiny
   from jaxrl.config_files import resolve
   from jaxrl.models import lora
-  from jaxrl.models.decode import LMDecoding
-  from jaxrl.models.llama import LanguageModel
+  from jaxrl.models.decoding import LMDecoding
+  from jaxrl.models.transformer import LanguageModel
   from sharding.mesh import make_mesh
   from train.roles import ModelRole
   from train.sampler_copy import SamplerCopy

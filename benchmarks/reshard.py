@@ -27,7 +27,8 @@ def main() -> None:
   import numpy as np
   from flax import nnx
 
-  from jaxrl.models.llama import LanguageModel, ModelConfig
+  from jaxrl.models.transformer import LanguageModel
+  from jaxrl.models.config import ModelConfig
   from sharding.mesh import param_shardings
   from sharding.placement import make_placement
   from sharding.reshard import reshard

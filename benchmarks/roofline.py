@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl.models import flops
-from jaxrl.models.llama import ModelConfig
+from jaxrl.models.config import ModelConfig
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 

@@ -212,7 +212,8 @@ def main() -> None:
   import jax
   from flax import nnx
 
-  from jaxrl.models.llama import LanguageModel, ModelConfig
+  from jaxrl.models.transformer import LanguageModel
+  from jaxrl.models.config import ModelConfig
   from sampler.methods import SamplingConfig
   from sampler.sampler import Sampler
   from sharding.mesh import make_mesh, param_shardings

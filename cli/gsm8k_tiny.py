@@ -49,7 +49,8 @@ def make(out: str, *, n_train: int = N_TRAIN, n_heldout: int = N_HELDOUT,
   from jaxrl.data.tiny_tokenizer import train_bpe
   from jaxrl.data.tokenizer import load_tokenizer
   from jaxrl.models.hf import export
-  from jaxrl.models.llama import LanguageModel, ModelConfig
+  from jaxrl.models.transformer import LanguageModel
+  from jaxrl.models.config import ModelConfig
   from cli.model_io import generation_config
 
   tmp = f"{out.rstrip('/')}.tmp{os.getpid()}"  # several processes may make it at once

@@ -21,7 +21,8 @@ from jaxrl.config_files import from_mapping
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.models.hf import HFError, load_params, model_config_from_hf
 from jaxrl.models import lora
-from jaxrl.models.llama import LanguageModel, ModelConfig
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.config import ModelConfig
 from jaxrl.models.lora import LoRAConfig
 from sharding.mesh import make_mesh
 from train.checkpoint import load_actor_params

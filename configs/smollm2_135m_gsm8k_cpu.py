@@ -17,7 +17,7 @@ from configs import hf_gsm8k
 
 SMOLLM2_135M = dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                     head_dim=64, d_ff=1536, rope_theta=100_000.0, norm_eps=1e-5,
-                    tie_embeddings=True, scale_tied_head=False, qkv_bias=False, dtype="float32")
+                    tie_embeddings=True, scale_tied_head=False, dtype="float32")
 
 
 def get_config():

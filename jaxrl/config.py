@@ -17,7 +17,7 @@ from jaxrl.data.sources import ANSWER_FORMATS
 from jaxrl.config_checks import (ConfigError, at_least_zero, choice, first_line,  # noqa: F401
                                  positive, unit)
 from jaxrl.data.tasks import TASKS
-from jaxrl.models.llama import ModelConfig
+from jaxrl.models.config import ModelConfig
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.rewards.user import POLICIES as USER_CODE_POLICIES
 from jaxrl.rewards.verifier import VERIFIERS

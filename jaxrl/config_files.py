@@ -22,7 +22,7 @@ import gin
 
 from jaxrl.config import ConfigError, ExperimentConfig, first_line, to_dict
 from jaxrl.models.hf_config import HFError, check_config, model_config_from_hf
-from jaxrl.models.llama import ModelConfig
+from jaxrl.models.config import ModelConfig
 
 TOP_LEVEL = "experiment"
 _registered = False

@@ -31,7 +31,7 @@ import math
 from jaxrl.algos.logprobs import chunk_length
 from jaxrl.config import ExperimentConfig
 from jaxrl.models import flops
-from jaxrl.models.llama import ModelConfig
+from jaxrl.models.config import ModelConfig
 from planner import footprint
 from planner.devices import DeviceSpec, Efficiency
 

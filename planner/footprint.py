@@ -26,7 +26,7 @@ input only.
 """
 from __future__ import annotations
 
-REMATS = ("none", "dots", "full")  # as jaxrl/models/llama.py REMAT_POLICIES, with "none"
+REMATS = ("none", "dots", "full")  # as jaxrl/models/config.py REMAT_POLICIES, with "none"
 # Elements per token of one block that the backward needs, per d_model, per d_ff and per
 # query/key/value head dimension; and float32 [T, T] score copies per attention head.
 PER_D_MODEL, PER_D_FF, PER_QKV, SCORE_COPIES = 8.5, 5.0, 1.0, 3.0
@@ -41,7 +41,7 @@ def compute_bytes(model) -> int:
 def flash_attention(model) -> bool:
   """Whether training attention holds no [T, T] scores on an accelerator target: cuDNN's flash
   kernel (`model.attention=cudnn`, or `auto` for a bfloat16 model, which is what it picks on a
-  GPU: jaxrl/models/llama.attention_impl)."""
+  GPU: jaxrl/models/attention.attention_impl)."""
   attention = getattr(model, "attention", "einsum")
   return attention == "cudnn" or (attention == "auto" and model.dtype == "bfloat16")
 

@@ -16,7 +16,7 @@ import dataclasses
 import os
 import re
 
-from jaxrl.models.llama import ModelConfig
+from jaxrl.models.config import ModelConfig
 from planner.cost import Workload, stage_times, step_time
 from planner.devices import DEVICES, Efficiency
 from planner.memory import kv_rows
@@ -32,10 +32,10 @@ MODELS = {  # shapes from each model's config.json
                                   **_LLAMA),
     "Qwen3-32B": ModelConfig(vocab_size=151936, d_model=5120, n_layers=64, n_heads=64,
                              n_kv_heads=8, head_dim=128, d_ff=25600, tie_embeddings=False,
-                             qk_norm=True, dtype="bfloat16"),
+                             family="qwen3", dtype="bfloat16"),
     "Qwen2.5-7B": ModelConfig(vocab_size=152064, d_model=3584, n_layers=28, n_heads=28,
                               n_kv_heads=4, head_dim=128, d_ff=18944, tie_embeddings=False,
-                              qkv_bias=True, dtype="bfloat16"),
+                              family="qwen2", dtype="bfloat16"),
 }
 
 NEMO = ("NeMo-RL v0.4 performance summary (github.com/NVIDIA-NeMo/RL, "

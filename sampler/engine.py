@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.decode import LMDecoding
+from jaxrl.models.decoding import LMDecoding
 from sampler.methods import SAMPLERS, SamplingConfig
 
 KVCache = Any  # the model's own cache pytree (batch first in every leaf)
@@ -92,7 +92,7 @@ def segment_ends(forwards: int, segments: int) -> list[int]:
 
 
 class DecodeModel(Protocol):
-  """What the engine needs of a model (`jaxrl.models.decode.LMDecoding` is one): a KV cache, RoPE
+  """What the engine needs of a model (`jaxrl.models.decoding.LMDecoding` is one): a KV cache, RoPE
   tables, a prefill and a one-token step, nothing of the model's internals. It is a pytree, so
   the in-flight generator (sampler/inflight.py) builds it (casts the weights) once per call and
   passes it to each of its jitted pieces."""

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl.models.decode import LMDecoding
+from jaxrl.models.decoding import LMDecoding
 from jaxrl.partitioning import Rules
 from sampler.engine import KVCache, DecodeModel, Rollout, bucket, emit_tokens, resolve_layout
 from sampler.methods import SamplingConfig

@@ -28,7 +28,8 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxrl.models.llama import LanguageModel, ModelConfig  # noqa: E402
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.config import ModelConfig  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -20,7 +20,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxrl.models.llama import LanguageModel, ModelConfig  # noqa: E402
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.config import ModelConfig  # noqa: E402
 from sharding.distributed import DistributedConfig, initialize  # noqa: E402
 from sharding.mesh import batch_sharding, param_shardings  # noqa: E402
 from sharded_init import init_sharded  # noqa: E402

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.models.llama import LanguageModel, ModelConfig
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.config import ModelConfig
 from sharding.mesh import make_mesh
 from sharded_init import init_sharded
 from sharding.rules import SAMPLER_RULES, TRAIN_RULES

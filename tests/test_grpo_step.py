@@ -6,7 +6,7 @@ from flax import nnx
 
 from jaxrl.algos.losses import aggregation_weights
 from jaxrl.config import RLConfig
-from jaxrl.models.llama import LanguageModel
+from jaxrl.models.transformer import LanguageModel
 from train import steps
 from train.experience import Experience
 

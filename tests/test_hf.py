@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 from jaxrl.models import hf as hf_module
 from jaxrl.models.heads import ValueModel
 from jaxrl.models.hf import HFError, export, load_params, model_config_from_hf
-from jaxrl.models.llama import LanguageModel, ModelConfig, init_kv_cache, positions_from_valid
+from jaxrl.models.transformer import LanguageModel, init_kv_cache, positions_from_valid
+from jaxrl.models.config import ModelConfig
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
 from train.roles import ModelRole
@@ -99,7 +100,7 @@ def test_config_fields(hf):
   assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff) == (64, 2, 4, 2, 128)
   assert cfg.head_dim == (32 if hf.arch == "qwen3" else 16) and cfg.norm_eps == 1e-5
   assert cfg.scale_tied_head is False and cfg.tie_embeddings == (hf.arch != "qwen2")
-  assert (cfg.qkv_bias, cfg.qk_norm) == (hf.arch == "qwen2", hf.arch == "qwen3")
+  assert cfg.family == hf.arch
   assert cfg.rope_theta == (1e6 if hf.arch == "qwen2" else 1e4)
   if hf.arch == "llama":
     rope = (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_positions)
@@ -234,7 +235,7 @@ def test_export_jaxrl_init_with_scaled_tied_head(tmp_path, mesh):
   and linear RoPE scaling it is a Qwen2 model whose logits are jaxrl's, in float32 and (files
   cast) in bfloat16."""
   cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                    d_ff=128, qkv_bias=True, rope_scaling="linear", rope_factor=2.0)
+                    d_ff=128, family="qwen2", rope_scaling="linear", rope_factor=2.0)
   role = _role(cfg, mesh)
   leaves, tree = jax.tree.flatten(role.abstract())
 

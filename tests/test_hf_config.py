@@ -7,7 +7,7 @@ import pytest
 from hf_models import config_dir, one_line
 from jaxrl.models.hf import HFError, check_config, model_config_from_hf
 from jaxrl.models.hf_config import ARCH_FIELDS, USER_FIELDS
-from jaxrl.models.llama import ModelConfig
+from jaxrl.models.config import ModelConfig
 
 
 @pytest.mark.parametrize("arch, changes, field", [
@@ -53,4 +53,4 @@ def test_check_config(tmp_path):
   # Fields left at the schema default, or set to the checkpoint's value, take the checkpoint's.
   cfg = check_config(ModelConfig(d_model=64, dtype="bfloat16", hf_path=path), hf, ModelConfig())
   assert cfg == dataclasses.replace(hf, dtype="bfloat16")
-  assert cfg.scale_tied_head is False and cfg.qkv_bias is True
+  assert cfg.scale_tied_head is False and cfg.family == "qwen2" and cfg.block.qkv_bias

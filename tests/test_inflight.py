@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.data.tokenizer import ByteTokenizer
-from jaxrl.models.llama import positions_from_valid
+from jaxrl.models.transformer import positions_from_valid
 from sampler.engine import generate
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler

@@ -13,7 +13,7 @@ from flax import nnx
 from jaxrl.algos import logprobs
 from jaxrl.algos.logprobs import chunk_length, chunked_logprobs, dense_logprobs
 from jaxrl.config import RLConfig
-from jaxrl.models.llama import LanguageModel
+from jaxrl.models.transformer import LanguageModel
 from train import steps
 from train.experience import Experience
 

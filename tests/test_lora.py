@@ -15,7 +15,8 @@ from flax import nnx
 
 from jaxrl.models import lora
 from jaxrl.models.hf import HFError, export, export_peft, load_params, model_config_from_hf
-from jaxrl.models.llama import LanguageModel, ModelConfig, positions_from_valid
+from jaxrl.models.transformer import LanguageModel, positions_from_valid
+from jaxrl.models.config import ModelConfig
 from jaxrl.models.lora import LoRAConfig
 from sharding.mesh import make_mesh
 from train.roles import ModelRole
@@ -42,14 +43,14 @@ def _perturbed(adapters, seed: int = 1, scale: float = 0.05):
   return jax.tree.map(lambda x: x + scale * jax.random.normal(next(keys), x.shape), adapters)
 
 
-@pytest.mark.parametrize("model", [ModelConfig(), ModelConfig(qkv_bias=True, qk_norm=True,
-                                                                tie_embeddings=False)],
-                         ids=["tied", "qwen-like"])
+@pytest.mark.parametrize("model", [ModelConfig(), ModelConfig(family="qwen2", tie_embeddings=False),
+                                   ModelConfig(family="qwen3", tie_embeddings=False)],
+                         ids=["tied", "qwen2", "qwen3"])
 def test_adapters_start_as_the_base_model(model):
   """Rank-r adapters on every target: the base weights are the plain model's (the adapters
   draw from a stream of their own) and the logits are the same (B = 0), to float32 rounding:
   on a CPU the frozen MLP multiplies [out, in] directly, the trained one through a transpose
-  (llama.dense)."""
+  (layouts.dense)."""
   base_graph, base = nnx.split(LanguageModel(model, rngs=nnx.Rngs(3)))
   graph, params = nnx.split(LanguageModel(model, rngs=nnx.Rngs(3), lora=LORA))
   adapters, frozen = lora.split(params)
@@ -76,7 +77,7 @@ def test_targets_choose_the_projections():
 
 def test_merged_weights_give_the_adapted_logits():
   """W + (alpha / r) B A in the plain model = the adapted model, to 1e-5."""
-  model = ModelConfig(qkv_bias=True)
+  model = ModelConfig(family="qwen2")
   base_graph, _ = nnx.split(LanguageModel(model, rngs=nnx.Rngs(0)))
   graph, params = nnx.split(LanguageModel(model, rngs=nnx.Rngs(0), lora=LORA))
   adapters, frozen = lora.split(params)
@@ -116,8 +117,8 @@ def _torch_logits(model, batch):
 
 def test_merged_export_is_the_adapted_model(adapted, tmp_path):
   """The merged Hugging Face export, read back by transformers and by jaxrl, gives the adapted
-  model's logits (jaxrl: 1e-5 plus 1e-6 of the logit, float32's rounding of W + BA over logits
-  of ~10; torch: 1e-4, the parity tests' bound)."""
+  model's logits (jaxrl: 2e-5 plus 1e-6 of the logit, float32's rounding of W + BA over logits
+  of ~10: 1.2e-5 seen on an AMD EPYC; torch: 1e-4, the parity tests' bound)."""
   graph, params, batch = adapted["role"].graphdef, adapted["params"], _batch()
   want_BTV = _logits(graph, params, batch)
   out = str(tmp_path / "merged")
@@ -128,7 +129,7 @@ def test_merged_export_is_the_adapted_model(adapted, tmp_path):
   plain = ModelRole("p", lambda: LanguageModel(adapted["cfg"], rngs=nnx.Rngs(0)),
                     adapted["role"].mesh)
   again = load_params(out, model_config_from_hf(out), plain.abstract())
-  np.testing.assert_allclose(_logits(plain.graphdef, again, batch), want_BTV, atol=1e-5,
+  np.testing.assert_allclose(_logits(plain.graphdef, again, batch), want_BTV, atol=2e-5,
                              rtol=1e-6)
 
 

@@ -20,7 +20,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.config import DataConfig, ExperimentConfig, RLConfig
-from jaxrl.models.llama import LanguageModel, ModelConfig
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.config import ModelConfig
 from sharding.rules import MESH_AXES
 from train import steps
 from cli.dry_run import shard_bytes, update_footprint

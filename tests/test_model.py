@@ -5,9 +5,10 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import LanguageModel, ModelConfig, RewardModel, ValueModel, init_kv_cache
-from jaxrl.models.decode import LMDecoding, decode_step, decode_weights
+from jaxrl.models.decoding import LMDecoding
+from jaxrl.models.layouts import FEATURES
 from jaxrl.models.lora import LoRAConfig
-from jaxrl.models.llama import positions_from_valid
+from jaxrl.models.transformer import positions_from_valid
 from jaxrl.models.rope import rope_table
 
 
@@ -98,11 +99,11 @@ def test_sampler_paths_match_the_model(tiny_model, tiny_cfg):
   np.testing.assert_allclose(h_B1D[:, 0], h_BPD[:, -1], atol=1e-5)
   for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(want_cache)):
     np.testing.assert_array_equal(got, want)
-  weights = decode_weights(tiny_model)
-  for i in range(p, p + n):
+  for i in range(p, p + n):  # the forward itself, feature-major (the CPU's decode layout)
     sin_B1H, cos_B1H = rope_table(pos_BT[:, i:i + 1], tiny_cfg)
-    logits_BV, cache = decode_step(weights, tiny_cfg, tokens_BT[:, i], (sin_B1H[:, 0].T,
-                                   cos_B1H[:, 0].T), valid_BT, cache, i)
+    h_DB, cache = tiny_model.decoder(tokens_BT[:, i], (sin_B1H[:, 0], cos_B1H[:, 0]), valid_BT,
+                                     cache, i, layout=FEATURES)
+    logits_BV = FEATURES.logits(h_DB, tiny_model.head_VD())
     np.testing.assert_allclose(logits_BV, full_BTV[:, i], atol=1e-4)
 
 
@@ -115,8 +116,8 @@ def test_params_carry_logical_axes(tiny_model):
 
 
 VARIANTS = {
-    "qwen2": dict(qkv_bias=True, tie_embeddings=False),
-    "qwen3": dict(qk_norm=True, head_dim=16, scale_tied_head=False),
+    "qwen2": dict(family="qwen2", tie_embeddings=False),
+    "qwen3": dict(family="qwen3", head_dim=16, scale_tied_head=False),
     "llama3": dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_positions=16),
 }
 

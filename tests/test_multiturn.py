@@ -11,7 +11,8 @@ from jaxrl.data import tiny_tokenizer
 from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.envs import Step
-from jaxrl.models.llama import LanguageModel, ModelConfig
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.config import ModelConfig
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
 from train.evaluation import evaluate

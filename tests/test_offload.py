@@ -14,7 +14,7 @@ from flax import nnx
 from configs import tiny
 from jaxrl.config import ConfigError
 from jaxrl.config_files import resolve
-from jaxrl.models.llama import LanguageModel
+from jaxrl.models.transformer import LanguageModel
 from sharding.mesh import make_mesh, param_shardings
 from sharding.rules import TRAIN_RULES
 from train.experiment import Experiment

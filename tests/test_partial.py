@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from jaxrl.data.tokenizer import ByteTokenizer
-from jaxrl.models.llama import LanguageModel, ModelConfig
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.config import ModelConfig
 from sampler.methods import SamplingConfig
 from sampler.partial import PartialRolloutWorker
 from sampler.sampler import Sampler

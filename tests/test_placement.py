@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from jaxrl.models.dtypes import compute_dtypes
-from jaxrl.models.llama import LanguageModel, ModelConfig, positions_from_valid
+from jaxrl.models.transformer import LanguageModel, positions_from_valid
+from jaxrl.models.config import ModelConfig
 from sharding.mesh import param_shardings
 from sharded_init import init_sharded
 from sharding.placement import PlacementError, make_placement

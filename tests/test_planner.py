@@ -7,7 +7,7 @@ import pytest
 
 from configs import tiny
 from jaxrl.config import ExperimentConfig
-from jaxrl.models.llama import ModelConfig
+from jaxrl.models.config import ModelConfig
 from sharding.placement import host_major_devices, make_placement
 from planner import calibrate as cal
 from planner.cost import (Mesh, Plan, Workload, decode_steps, forward_s, generate_s,

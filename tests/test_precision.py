@@ -17,7 +17,7 @@ from train import steps
 from train.roles import ModelRole
 
 CFG = ModelConfig(vocab_size=96, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
-                  d_ff=80, dtype="bfloat16", qkv_bias=True)  # no two shapes alike
+                  d_ff=80, dtype="bfloat16", family="qwen2")  # no two shapes alike
 
 
 def _batch(b=8, t=10, p=4):  # no activation shares a weight's shape

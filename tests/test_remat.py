@@ -13,7 +13,8 @@ from jax.sharding import Mesh
 
 from jaxrl.config import ConfigError, ExperimentConfig, RLConfig, to_dict
 from jaxrl.config_files import from_mapping
-from jaxrl.models.llama import LanguageModel, ModelConfig, init_kv_cache
+from jaxrl.models.transformer import LanguageModel, init_kv_cache
+from jaxrl.models.config import ModelConfig
 from sharding.rules import MESH_AXES
 from train import steps
 from train.experience import Experience

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl.data.tokenizer import ByteTokenizer
-from jaxrl.models.llama import LanguageModel, positions_from_valid
+from jaxrl.models.transformer import LanguageModel, positions_from_valid
 from sampler.engine import generate
 from sampler.methods import SamplingConfig, temperature
 from train.steps import completion_logprobs

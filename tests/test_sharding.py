@@ -5,7 +5,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.models.llama import LanguageModel, ModelConfig, positions_from_valid
+from jaxrl.models.transformer import LanguageModel, positions_from_valid
+from jaxrl.models.config import ModelConfig
 from sharding.mesh import make_mesh, param_specs
 from sharded_init import init_sharded
 from jaxrl.partitioning import activation_rules, logical_to_spec

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.data.tokenizer import ByteTokenizer
-from jaxrl.models.llama import LanguageModel
+from jaxrl.models.transformer import LanguageModel
 from sampler.engine import generate
 from sampler.methods import SamplingConfig
 from sampler.worker import RolloutWorker, RolloutWorkerError

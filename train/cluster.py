@@ -20,7 +20,7 @@ from jaxrl.models.heads import RewardModel, ValueModel
 from jaxrl.models.hf import HFError, load_params
 from jaxrl.models import lora
 from jaxrl.models.dtypes import compute_dtypes, frozen_base_dtypes
-from jaxrl.models.llama import LanguageModel
+from jaxrl.models.transformer import LanguageModel
 from sharding.placement import ROLES, PlacementError, host_major_devices, make_placement
 from sharding.rules import SAMPLER_RULES, batch_ways
 from train.checkpoint import load_actor_params, saved_actor_shapes

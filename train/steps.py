@@ -16,7 +16,7 @@ from jaxrl.algos.correction import mismatch, rollout_weights, tis_capped
 from jaxrl.algos.losses import aggregation_weights, sequence_log_ratio, value_loss
 from jaxrl.config import RLConfig
 from jaxrl.models.dtypes import cast_to, compute_dtypes
-from jaxrl.models.llama import positions_from_segments, positions_from_valid
+from jaxrl.models.transformer import positions_from_segments, positions_from_valid
 
 
 @flax.struct.dataclass

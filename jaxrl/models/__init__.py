@@ -1,6 +1,9 @@
-"""Models: the Llama-style decoder and its value / reward heads."""
+"""Models: the one decoder (transformer.py) in the families of families.py, its value / reward
+heads, and the sampler's view of it (decoding.py)."""
+from jaxrl.models.attention import KVCache
+from jaxrl.models.config import ModelConfig
 from jaxrl.models.heads import RewardModel, ValueModel
-from jaxrl.models.llama import KVCache, LanguageModel, ModelConfig, init_kv_cache, positions_from_valid
+from jaxrl.models.transformer import LanguageModel, init_kv_cache, positions_from_valid
 
 __all__ = ["KVCache", "LanguageModel", "ModelConfig", "RewardModel", "ValueModel", "init_kv_cache",
            "positions_from_valid"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.models.llama import ModelConfig
+from jaxrl.models.config import ModelConfig
 from jaxrl.models.lora import SUFFIX
 
 

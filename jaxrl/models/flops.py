@@ -12,7 +12,7 @@ divide these by measured seconds, so a skipped pass cannot earn credit.
 """
 from __future__ import annotations
 
-from jaxrl.models.llama import ModelConfig
+from jaxrl.models.config import ModelConfig
 
 
 def matmul_params(cfg: ModelConfig) -> int:

@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.llama import Decoder, ModelConfig
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import Decoder
 
 
 class ValueModel(nnx.Module):

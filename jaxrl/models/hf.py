@@ -1,4 +1,4 @@
-"""Hugging Face safetensors checkpoints <-> jaxrl parameters (Llama, Qwen2, Qwen3).
+"""Hugging Face safetensors checkpoints <-> jaxrl parameters (the families of families.py).
 
 Import reads each device's slice of each tensor straight from the safetensors files
 (`jax.make_array_from_callback`), so parameters are born in the caller's layout and no host holds
@@ -30,30 +30,11 @@ from safetensors import safe_open
 
 from jaxrl.models.hf_config import (ARCH_FIELDS, HFError, check_config, default_max_positions,
                                     hf_config_dict, model_config_from_hf)
-from jaxrl.models.llama import ModelConfig
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.families import FAMILIES, TOP_TENSORS
 
 __all__ = ["HFError", "check_config", "export", "load_params", "model_config_from_hf"]
 
-# Block parameter -> (its name under `model.layers.{i}.`, the jaxrl axis a such that axes
-# (a, a + 1) are the checkpoint's axis a split into (heads, head_dim); None: same shape).
-_BLOCK = {
-    ("attn_norm", "scale"): ("input_layernorm.weight", None),
-    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", None),
-    ("attn", "wq"): ("self_attn.q_proj.weight", 0),
-    ("attn", "wk"): ("self_attn.k_proj.weight", 0),
-    ("attn", "wv"): ("self_attn.v_proj.weight", 0),
-    ("attn", "wo"): ("self_attn.o_proj.weight", 1),
-    ("attn", "bq"): ("self_attn.q_proj.bias", 0),
-    ("attn", "bk"): ("self_attn.k_proj.bias", 0),
-    ("attn", "bv"): ("self_attn.v_proj.bias", 0),
-    ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", None),
-    ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", None),
-    ("mlp", "w_gate"): ("mlp.gate_proj.weight", None),
-    ("mlp", "w_up"): ("mlp.up_proj.weight", None),
-    ("mlp", "w_down"): ("mlp.down_proj.weight", None),
-}
-_TOP = {("decoder", "embed"): "model.embed_tokens.weight",
-        ("decoder", "final_norm", "scale"): "model.norm.weight", ("lm_head",): "lm_head.weight"}
 _READABLE = ("F32", "BF16", "F16")  # safetensors dtypes; read as float32
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -68,12 +49,14 @@ def _keys(path) -> tuple:
                if not isinstance(k, jax.tree_util.GetAttrKey))
 
 
-def hf_tensor(keys: tuple) -> tuple[str, int | None]:
-  """(Hugging Face tensor name, split axis) of the parameter at `keys` (see _BLOCK)."""
-  if keys in _TOP:
-    return _TOP[keys], None
-  if keys[:2] == ("decoder", "blocks") and len(keys) > 3 and keys[3:] in _BLOCK:
-    name, split = _BLOCK[keys[3:]]
+def hf_tensor(keys: tuple, family: str) -> tuple[str, int | None]:
+  """(Hugging Face tensor name, split axis) of the parameter at `keys` in a model of `family`
+  (its `block_tensors`, jaxrl/models/families.py)."""
+  if keys in TOP_TENSORS:
+    return TOP_TENSORS[keys], None
+  block = FAMILIES[family].block_tensors
+  if keys[:2] == ("decoder", "blocks") and len(keys) > 3 and keys[3:] in block:
+    name, split = block[keys[3:]]
     return f"model.layers.{keys[2]}.{name}", split
   raise HFError(f"parameter {'.'.join(map(str, keys))} has no Hugging Face tensor (only a "
                 "LanguageModel's do; a value or reward model loads with subtree='decoder')")
@@ -138,13 +121,13 @@ def _read(handle, name: str, index: tuple, shape: tuple, split: int | None) -> n
   return x
 
 
-def _plan(hf_dir: str, leaves, handles: dict, weights: dict, where: str) -> list:
+def _plan(hf_dir: str, leaves, handles: dict, weights: dict, where: str, family: str) -> list:
   """(name, handle, split) per leaf, with every tensor's file, shape and dtype checked before
   anything is read."""
   plan = []
   for path, leaf in leaves:
     keys = _keys(path)
-    name, split = hf_tensor(keys)
+    name, split = hf_tensor(keys, family)
     if name not in weights:
       raise HFError(f"{name}: missing from {where} (parameter {'.'.join(map(str, keys))})")
     file = os.path.join(hf_dir, weights[name])
@@ -201,7 +184,7 @@ def load_params(hf_dir: str, cfg: ModelConfig, abstract: nnx.State, *,
   leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
   weights, where = _weight_map(hf_dir)
   handles: dict = {}
-  plan = _plan(hf_dir, leaves, handles, weights, where)
+  plan = _plan(hf_dir, leaves, handles, weights, where, cfg.family)
   _check_unused(weights, {name for name, _, _ in plan}, subtree, cfg.tie_embeddings, where)
   arrays = []
   for (_, leaf), (name, handle, split) in zip(leaves, plan):
@@ -220,7 +203,7 @@ def _hf_tensors(params: nnx.State, cfg: ModelConfig) -> tuple[list, bool]:
   so it is written out as an explicit lm_head: the embedding again, scaled."""
   tensors = []
   for path, x in jax.tree_util.tree_leaves_with_path(params):
-    name, split = hf_tensor(_keys(path))
+    name, split = hf_tensor(_keys(path), cfg.family)
     tensors.append((name, _merged(x.shape, split), x, None))
   has_head = any(t[0] == "lm_head.weight" for t in tensors)
   if has_head == cfg.tie_embeddings:
@@ -311,7 +294,7 @@ def export(params: nnx.State, cfg: ModelConfig, out_dir: str, *, dtype: str = "f
            max_shard_bytes: int = 4 << 30, tokenizer_dir: str | None = None,
            generation_config: dict | None = None, max_positions: int | None = None) -> None:
   """Writes a LanguageModel's `params` as a Hugging Face directory that transformers and vLLM
-  load as is: config.json (Qwen3 with qk_norm, Qwen2 with qkv_bias, else Llama), safetensors
+  load as is: config.json (the model family's architecture), safetensors
   files of at most `max_shard_bytes` each (plus model.safetensors.index.json when there are
   several), generation_config.json (`generation_config`, e.g. bos/eos/pad token ids, whose ids
   also go into config.json) and the tokenizer files of `tokenizer_dir`.

@@ -1,4 +1,5 @@
-"""Hugging Face config.json <-> ModelConfig, for Llama, Qwen2 and Qwen3 checkpoints.
+"""Hugging Face config.json <-> ModelConfig, for the checkpoints of jaxrl's model families
+(jaxrl/models/families.py: Llama, Qwen2, Qwen3).
 
 Only what the model computes exactly is accepted: anything else in a config.json (another
 architecture, sliding-window attention, YaRN, an MLP or output-projection bias) is an `HFError`
@@ -12,22 +13,19 @@ import dataclasses
 import json
 import os
 
-from jaxrl.models.llama import ModelConfig
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.families import FAMILIES, family_of_architecture
 
 
 class HFError(ValueError):
   """A Hugging Face checkpoint or config that jaxrl cannot load (or write) exactly."""
 
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
-
 # The ModelConfig fields a checkpoint fixes, and those that stay the user's (a new ModelConfig
 # field must join one of them: tests/test_hf.py checks).
 USER_FIELDS = ("dtype", "hf_path", "frozen_float32", "remat", "attention")
-ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-               "rope_theta", "norm_eps", "tie_embeddings", "scale_tied_head", "qkv_bias", "qk_norm",
-               "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+ARCH_FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+               "d_ff", "rope_theta", "norm_eps", "tie_embeddings", "scale_tied_head", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                "rope_original_max_positions")
 
 _LLAMA3_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
@@ -55,20 +53,22 @@ def _unsupported(path: str, key: str, value, why: str) -> HFError:
   return HFError(f"{path}: {key}={json.dumps(value)} is not supported ({why})")
 
 
-def _architecture(raw: dict, path: str) -> str:
+def _family(raw: dict, path: str) -> str:
   names = raw.get("architectures") or []
-  if len(names) != 1 or names[0] not in ARCHITECTURES:
-    raise _unsupported(path, "architectures", names, f"expected one of {sorted(ARCHITECTURES)}")
-  return ARCHITECTURES[names[0]]
+  family = family_of_architecture(names[0]) if len(names) == 1 else None
+  if family is None:
+    known = sorted(f.hf_architecture for f in FAMILIES.values())
+    raise _unsupported(path, "architectures", names, f"expected one of {known}")
+  return family
 
 
-def _refuse_unsupported(raw: dict, arch: str, path: str) -> None:
+def _refuse_unsupported(raw: dict, family: str, path: str) -> None:
   """Fields whose non-default values change the computation in ways the model does not."""
   if raw.get("hidden_act", "silu") != "silu":
     raise _unsupported(path, "hidden_act", raw["hidden_act"], "the MLP is SwiGLU: silu only")
   if raw.get("mlp_bias"):
     raise _unsupported(path, "mlp_bias", True, "the MLP has no biases")
-  if arch != "qwen2" and raw.get("attention_bias"):
+  if not FAMILIES[family].block.qkv_bias and raw.get("attention_bias"):
     # Llama's and Qwen3's attention_bias also adds an o_proj bias, which the model lacks.
     raise _unsupported(path, "attention_bias", True, "no output-projection bias")
   if raw.get("use_sliding_window"):
@@ -101,24 +101,24 @@ def _rope_fields(raw: dict, path: str) -> dict:
 
 
 def model_config_from_hf(hf_dir: str) -> ModelConfig:
-  """The ModelConfig of a Llama / Qwen2 / Qwen3 checkpoint directory (its config.json);
+  """The ModelConfig of a checkpoint directory of one of the FAMILIES (its config.json);
   `hf_path` is `hf_dir`, `dtype` float32."""
   path = os.path.join(hf_dir, "config.json")
   raw = read_json(path)
-  arch = _architecture(raw, path)
-  _refuse_unsupported(raw, arch, path)
+  family = _family(raw, path)
+  _refuse_unsupported(raw, family, path)
   d_model = _require(raw, "hidden_size", path)
   n_heads = _require(raw, "num_attention_heads", path)
   try:
     return ModelConfig(
-        vocab_size=_require(raw, "vocab_size", path), d_model=d_model,
+        family=family, vocab_size=_require(raw, "vocab_size", path), d_model=d_model,
         n_layers=_require(raw, "num_hidden_layers", path), n_heads=n_heads,
         n_kv_heads=raw.get("num_key_value_heads") or n_heads,
         head_dim=raw.get("head_dim") or d_model // n_heads,
         d_ff=_require(raw, "intermediate_size", path),
         norm_eps=float(_require(raw, "rms_norm_eps", path)),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)), scale_tied_head=False,
-        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", hf_path=str(hf_dir),
+        hf_path=str(hf_dir),
         **_rope_fields(raw, path))
   except ValueError as e:  # ModelConfig's own checks (e.g. heads vs kv heads)
     raise HFError(f"{path}: {e}") from None
@@ -135,15 +135,6 @@ def check_config(user: ModelConfig, hf: ModelConfig,
       raise HFError(f"config.model.{name}: {mine!r} contradicts {theirs!r} in {where}")
   mine = {name: getattr(user, name) for name in USER_FIELDS}
   return dataclasses.replace(hf, **{**mine, "hf_path": user.hf_path or hf.hf_path})
-
-
-def hf_architecture(cfg: ModelConfig) -> str:
-  """The Hugging Face model type that computes what `cfg` does: Qwen3 for q/k norms, Qwen2 for
-  q/k/v biases, else Llama."""
-  if cfg.qk_norm and cfg.qkv_bias:
-    raise HFError("qk_norm with qkv_bias: Qwen3's attention_bias also biases o_proj, which the "
-                  "model lacks; no Hugging Face architecture matches")
-  return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
 
 
 def _rope_scaling(cfg: ModelConfig) -> dict | None:
@@ -170,10 +161,9 @@ def hf_config_dict(cfg: ModelConfig, *, tied: bool, dtype: str, max_positions: i
                    token_ids: dict) -> dict:
   """config.json for an export of `cfg` (`tied`: whether the files share the embedding as the
   LM head)."""
-  arch = hf_architecture(cfg)
   scaling = _rope_scaling(cfg)
   out = dict(
-      architectures=[next(k for k, v in ARCHITECTURES.items() if v == arch)], model_type=arch,
+      architectures=[FAMILIES[cfg.family].hf_architecture], model_type=cfg.family,
       vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
       num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
       num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
@@ -182,11 +172,4 @@ def hf_config_dict(cfg: ModelConfig, *, tied: bool, dtype: str, max_positions: i
       rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta},
       tie_word_embeddings=tied, attention_dropout=0.0, initializer_range=0.02, use_cache=True,
       torch_dtype=dtype, dtype=dtype, **token_ids)
-  if arch == "llama":
-    out.update(attention_bias=False, mlp_bias=False)
-  else:
-    out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
-               layer_types=["full_attention"] * cfg.n_layers)
-  if arch == "qwen3":
-    out.update(attention_bias=False)
-  return out
+  return {**out, **FAMILIES[cfg.family].hf_fields(cfg)}

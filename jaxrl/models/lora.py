@@ -1,6 +1,6 @@
 """Low-rank adapters (LoRA, Hu et al. 2021) on a LanguageModel's projections.
 
-A target projection W, stored [*out, *in] (llama.py), gains `W_lora` with A [r, *in] and
+A target projection W, stored [*out, *in] (transformer.py), gains `W_lora` with A [r, *in] and
 B [*out, r]: y = x W^T + (alpha / r) x A^T B^T. A starts like PyTorch's and PEFT's
 (uniform in +-1/sqrt(fan_in)), B at zero, so an adapted model's initial logits are the base
 model's. The adapters are `nnx.LoRAParam`s (a kind of `nnx.Param`): `TRAINABLE` picks them out of
@@ -20,11 +20,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-# jaxrl's projection names -> the Hugging Face module each one is (Llama, Qwen2, Qwen3).
-HF_MODULES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
-              "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
-              "w_down": "mlp.down_proj"}
-TARGETS = tuple(HF_MODULES)
+from jaxrl.models.families import HF_PROJECTIONS
+
+TARGETS = tuple(HF_PROJECTIONS)
 TRAINABLE = nnx.LoRAParam  # the nnx filter of the adapters' parameters
 SUFFIX = "_lora"  # the adapter of projection `wq` is the module `wq_lora`
 
@@ -155,7 +153,7 @@ def peft_tensors(graphdef: nnx.GraphDef, params: nnx.State) -> dict[str, jax.Arr
   model = nnx.merge(graphdef, params)
   out = {}
   for i, block in enumerate(model.decoder.blocks):
-    for name, module in HF_MODULES.items():
+    for name, module in HF_PROJECTIONS.items():
       owner = block.attn if module.startswith("self_attn") else block.mlp
       lora = adapter(owner, name)
       if lora is None:
@@ -170,7 +168,7 @@ def peft_config(cfg: LoRAConfig, base_model: str = "") -> dict:
   """adapter_config.json of a PEFT LoRA adapter equal to `cfg`'s."""
   return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank,
           "lora_alpha": cfg.alpha, "lora_dropout": 0.0, "bias": "none",
-          "target_modules": sorted(HF_MODULES[t].split(".")[-1] for t in cfg.target_names),
+          "target_modules": sorted(HF_PROJECTIONS[t].split(".")[-1] for t in cfg.target_names),
           "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
           "init_lora_weights": True, "modules_to_save": None,
           "base_model_name_or_path": base_model, "inference_mode": True}

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 if TYPE_CHECKING:
-  from jaxrl.models.llama import ModelConfig
+  from jaxrl.models.config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:

@@ -1,0 +1,86 @@
+"""`ModelConfig`: the dimensions and options of one decoder; its `family` (jaxrl/models/families.py)
+fixes what a block computes and how Hugging Face checkpoints name it."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.models.families import FAMILIES, BlockOptions
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ROPE_SCALINGS = ("none", "linear", "llama3")
+ATTENTIONS = ("auto", "einsum", "xla", "cudnn")
+# What a decoder block saves for the backward under `model.remat` (the rest is recomputed):
+# "dots" keeps the projections' and MLP's matrix products (`dense` multiplies flat 2-D rows, no
+# batch dimension) and recomputes attention's batched [T, S] products, norms and activations;
+# "full" keeps only each block's input.
+REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "full": jax.checkpoint_policies.nothing_saveable}
+REMATS = ("none", *REMAT_POLICIES)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  # llama | qwen2 | qwen3 (FAMILIES): the block options (Qwen2's q/k/v biases, Qwen3's q/k
+  # norms) and the checkpoints' architecture and tensor names
+  family: str = "llama"
+  vocab_size: int = 264
+  d_model: int = 128
+  n_layers: int = 2
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  head_dim: int = 32
+  d_ff: int = 512
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  # jaxrl's own init draws N(0, 1) embeddings and reads the tied LM head as embed / sqrt(d_model);
+  # Hugging Face models (Llama 3.2, Qwen2.5) use the embedding itself: False.
+  scale_tied_head: bool = True
+  rope_scaling: str = "none"  # none | linear | llama3 (Llama 3.1+)
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 8192
+  dtype: str = "float32"  # compute dtype; trained parameters are always stored in float32
+  # The frozen reference (and, always, the sampler's copy) holds its matrices in the compute
+  # dtype, which scores exactly as float32 weights would (models/dtypes.py); True keeps float32.
+  frozen_float32: bool = False
+  # none | dots | full: recompute the decoder blocks' activations in the backward instead of
+  # keeping them (REMAT_POLICIES); training only: the sampler's cached passes never remat.
+  remat: str = "none"
+  # Training, scoring and prefill attention (decode steps always use the einsum form over the
+  # cache): auto | einsum (explicit products, float32 softmax) | xla | cudnn, the last two
+  # through `jax.nn.dot_product_attention` (cudnn: fused flash attention, GPU, bf16/fp16 only).
+  attention: str = "auto"
+  # A local Hugging Face model directory to start from (config.json, *.safetensors, tokenizer);
+  # its config.json sets the fields above (jaxrl/models/hf.py). Not read by the model itself.
+  hf_path: str = ""
+
+  def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {self.family!r}")
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                 "rope_theta", "norm_eps"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"{name}: expected > 0, got {getattr(self, name)!r}")
+    for name, allowed in (("dtype", sorted(DTYPES)), ("rope_scaling", list(ROPE_SCALINGS)),
+                          ("attention", list(ATTENTIONS)), ("remat", list(REMATS))):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim: RoPE rotates pairs, expected an even number, got {self.head_dim}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(
+          f"n_heads: {self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+
+  @property
+  def compute_dtype(self):
+    return DTYPES[self.dtype]
+
+  @property
+  def block(self) -> BlockOptions:
+    """What the family's decoder blocks compute besides the Llama block."""
+    return FAMILIES[self.family].block

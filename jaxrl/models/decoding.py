@@ -1,0 +1,68 @@
+"""`LMDecoding`: a `LanguageModel` as the sampler decodes it (the `DecodeModel` protocol of
+sampler/engine.py): its weights cast to the compute dtype and its LM head computed once per call,
+a prefill, and a one-token step through the model's own forward pass (transformer.py) in the
+activation layout the sampler picks (jaxrl/models/layouts.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.attention import KVCache
+from jaxrl.models.layouts import LAYOUTS
+from jaxrl.models.rope import rope_table
+from jaxrl.models.transformer import LanguageModel, init_kv_cache, positions_from_valid
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LMDecoding:
+  model: LanguageModel
+  head_VD: jax.Array
+
+  @classmethod
+  def of(cls, model: LanguageModel) -> LMDecoding:
+    dt = model.cfg.compute_dtype
+    # The head from the float32 embedding, as the trainer's forward computes it; then every
+    # matrix in the compute dtype (norm scales stay float32, as the model uses them).
+    head_VD = model.head_VD().astype(dt)
+    graphdef, params = nnx.split(model)
+    cast = jax.tree.map(lambda x: x.astype(dt) if x.ndim > 1 else x, params)
+    return cls(nnx.merge(graphdef, cast), head_VD)
+
+  def init_cache(self, batch: int, slots: int) -> KVCache:
+    return init_kv_cache(self.model.cfg, batch, slots)
+
+  def grow_cache(self, kv_cache: KVCache, slots: int) -> KVCache:
+    """The cache with its slot axis zero-padded to `slots` (keys [B,K,H,S], values [B,K,S,H])."""
+    def grow(x, axis):
+      pad = [(0, 0)] * x.ndim
+      pad[axis] = (0, slots - x.shape[axis])
+      return jnp.pad(x, pad)
+    return tuple((grow(k, 3), grow(v, 2)) for k, v in kv_cache)
+
+  def rope(self, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sin, cos) [B, T, head_dim / 2] for any positions (a decode loop computes them ahead)."""
+    return rope_table(positions_BT, self.model.cfg)
+
+  def prefill(self, tokens_BP, valid_BP) -> tuple[jax.Array, KVCache]:
+    """Next-token logits [B, V] and the prompt's KV cache (exactly its P slots). Only the last
+    position is sampled from, so the final block's queries, attention and MLP (and the LM
+    head) run for it alone."""
+    b, p = tokens_BP.shape
+    h_B1D, kv_cache = self.model.decoder(tokens_BP, positions_from_valid(valid_BP), valid_BP,
+                                         self.init_cache(b, p), last_only=True)
+    return self.model.logits(h_B1D, self.head_VD)[:, 0], kv_cache
+
+  def decode_fn(self, layout: str):
+    """`step(tok_B, (sin_BH, cos_BH), key_valid_BS, kv_cache, slot) -> (logits_BV, kv_cache)`:
+    one new token per row, the model's forward in `layout` ("rows" | "features")."""
+    lay, decoder = LAYOUTS[layout], self.model.decoder
+
+    def step(tok_B, rope_BH, key_valid_BS, kv_cache, slot):
+      tokens, rope = lay.step_inputs(tok_B, rope_BH)
+      h, kv_cache = decoder(tokens, rope, key_valid_BS, kv_cache, slot, layout=lay)
+      return lay.next_logits(h, self.head_VD), kv_cache
+    return step

@@ -1,0 +1,187 @@
+"""The activation layouts the one forward pass (transformer.py) runs in.
+
+`ROWS`, activations [B, T, D], serves every pass: training, scoring, prefill, and decoding off
+the CPU. `FEATURES`, activations [D, B] with one new token per row, serves the sampler's decode
+step on a CPU: there a decode step's matrix products have as many rows as the batch shard (tens),
+and XLA:CPU runs such a product ~14% faster as weight [out, in] @ activations [in, B] than as
+activations [B, in] @ weight [in, out] (docs/benchmarks.md). The weights are stored [out, in]
+(PyTorch's order), so neither layout copies a weight.
+
+A layout owns only how its activations are shaped: a projection, a norm's axis, the heads' split,
+RoPE's rotation, the way queries, keys and values meet the KV cache, the sharding constraints and
+the LM head. The blocks' math is written once, in transformer.py.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.models import attention as att
+from jaxrl.models.lora import adapted, adapter
+from jaxrl.models.rope import rope, rope_table
+from jaxrl.partitioning import constrain
+
+
+def dense(x_BTD: jax.Array, w_OD: jax.Array, *, trained: bool = True) -> jax.Array:
+  """x @ w.T over the last axis, [B, T, O], as one 2-D matrix product over the flattened rows:
+  XLA:CPU runs the backward's weight gradient (a contraction over rows) ~1.6x faster that way
+  than as a contraction over both B and T. On a CPU a `trained` weight with more outputs than
+  inputs (the MLP's gate and up) is multiplied as an explicit [in, out] transpose, kept by a
+  barrier: its gradient is then computed [in, out] too, which XLA:CPU runs at ~0.88 of its
+  matmul peak instead of ~0.62 for [out, in] (the update: -5%; docs/benchmarks.md). Where no
+  gradient reaches `w` (the LM head of `LanguageModel.logits`: sampling, evaluation) the
+  transpose would be a copy for nothing: `trained=False`."""
+  b, t, d = x_BTD.shape
+  x_RD, w_OD = x_BTD.reshape(b * t, d), w_OD.astype(x_BTD.dtype)
+  if trained and w_OD.shape[0] > w_OD.shape[1] and jax.default_backend() == "cpu":
+    out = x_RD @ jax.lax.optimization_barrier(w_OD.T)
+  else:
+    out = jax.lax.dot_general(x_RD, w_OD, (((1,), (1,)), ((), ())))
+  return out.reshape(b, t, w_OD.shape[0])
+
+
+class Rows:
+  """Activations [B, T, D] (queries and keys [B, T, heads, H])."""
+  name = "rows"
+  feature_axis = head_axis = -1
+
+  def step_inputs(self, tok_B, rope_BH):
+    """A decode step's tokens and (sin, cos) table, one position per row."""
+    return tok_B[:, None], tuple(a[:, None] for a in rope_BH)
+
+  def length(self, tokens_BT) -> int:
+    return tokens_BT.shape[1]
+
+  def rope_table(self, positions_BT, cfg):
+    """(sin, cos) [B, T, H / 2]: given (a decode loop computes them ahead) or computed here."""
+    return positions_BT if isinstance(positions_BT, tuple) else rope_table(positions_BT, cfg)
+
+  def embed(self, table_VD, tokens_BT, dtype):
+    return constrain(jnp.take(table_VD, tokens_BT, axis=0).astype(dtype), ("batch", None, None))
+
+  def dense(self, x_BTI, w_OI, *, trained: bool = True):
+    return dense(x_BTI, w_OI, trained=trained)
+
+  def adapt(self, module, name: str, x_BTI, out_BTO):
+    return adapted(module, name, x_BTI, out_BTO)
+
+  def heads(self, out_BTF, n: int, h: int):
+    return out_BTF.reshape(*out_BTF.shape[:2], n, h)
+
+  def head_bias(self, b_NH):
+    return b_NH
+
+  def rope(self, x_BTNH, table, scale: float = 1.0):
+    return rope(x_BTNH, table, scale)
+
+  def hidden(self, h_BTF):
+    return constrain(h_BTF, ("batch", None, "act_mlp"))
+
+  def residual(self, x_BTD):
+    return constrain(x_BTD, ("batch", None, None))
+
+  def attention(self, q_BTNH, k_BTKH, v_BTKH, layer_cache, cache_index, mask_BTS, cfg):
+    """(attention output [B, T, N * H], the layer's updated cache)."""
+    q_BTNH = constrain(q_BTNH, ("batch", None, "act_heads", None))
+    k_BKHS, v_BKSH = att.write_cache(layer_cache, k_BTKH.transpose(0, 2, 3, 1),
+                                     v_BTKH.transpose(0, 2, 1, 3), cache_index)
+    b, t, n, h = q_BTNH.shape
+    dt, kh = q_BTNH.dtype, cfg.n_kv_heads
+    impl = att.attention_impl(cfg)
+    if impl != "einsum" and k_BKHS.shape[-1] == k_BTKH.shape[1]:  # no earlier cache slots
+      out_BTKGH = jax.nn.dot_product_attention(  # queries carry the scale already
+          q_BTNH, k_BTKH.astype(dt), v_BTKH.astype(dt), mask=mask_BTS[:, None], scale=1.0,
+          implementation=impl).reshape(b, t, kh, n // kh, h)
+    elif t == 1:
+      out_BTKGH = att.attend_one(q_BTNH.reshape(b, kh, n // kh, h), k_BKHS.astype(dt),
+                                 v_BKSH.astype(dt), mask_BTS[:, 0])[:, None]
+    else:
+      out_BTKGH = att.attend(q_BTNH.reshape(b, t, kh, n // kh, h), k_BKHS.astype(dt),
+                             v_BKSH.astype(dt), mask_BTS)
+    # One (n * h) contraction on flat views: XLA:CPU would otherwise transpose wo every call.
+    new_cache = None if layer_cache is None else (k_BKHS, v_BKSH)
+    return out_BTKGH.reshape(b, t, n * h), new_cache
+
+  def logits(self, h_BTD, head_VD):
+    """float32 logits [B, T, V]."""
+    logits_BTV = dense(h_BTD, head_VD, trained=False)
+    return constrain(logits_BTV.astype(jnp.float32), ("batch", None, "act_vocab"))
+
+  def next_logits(self, h_B1D, head_VD):
+    return self.logits(h_B1D, head_VD)[:, 0]
+
+
+class Features:
+  """Activations [D, B], one token per row (queries and keys [heads, H, B]): decode steps."""
+  name = "features"
+  feature_axis, head_axis = 0, 1
+
+  def step_inputs(self, tok_B, rope_BH):
+    return tok_B, rope_BH
+
+  def length(self, tok_B) -> int:
+    return 1
+
+  def rope_table(self, table_BH, cfg):
+    """The decode loop's (sin, cos) [B, H / 2], as [H / 2, B]."""
+    return tuple(a.T for a in table_BH)
+
+  def embed(self, table_VD, tok_B, dtype):
+    return constrain(jnp.take(table_VD, tok_B, axis=0).T.astype(dtype), (None, "batch"))
+
+  def dense(self, x_IB, w_OI, *, trained: bool = True):
+    return w_OI.astype(x_IB.dtype) @ x_IB
+
+  def adapt(self, module, name: str, x_IB, out_OB):
+    """`out_OB` plus the adapter's scale * B (A x), if `name` has one."""
+    lora = adapter(module, name)
+    if lora is None:
+      return out_OB
+    r, dt = lora.a.shape[0], x_IB.dtype
+    b_OR = lora.b[...].reshape(-1, r) * jnp.asarray(lora.scale, lora.b.dtype)
+    return out_OB + b_OR.astype(dt) @ (lora.a[...].reshape(r, -1).astype(dt) @ x_IB)
+
+  def heads(self, out_FB, n: int, h: int):
+    return out_FB.reshape(n, h, -1)
+
+  def head_bias(self, b_NH):
+    return b_NH[:, :, None]
+
+  def rope(self, x_NHB, table, scale: float = 1.0):
+    """`rope.rope` on feature-major heads (pairs (i, i + head_dim / 2) of axis 1)."""
+    sin_HB, cos_HB = (a * scale for a in table)
+    x1, x2 = jnp.split(x_NHB.astype(jnp.float32), 2, axis=1)
+    return jnp.concatenate([x1 * cos_HB - x2 * sin_HB, x2 * cos_HB + x1 * sin_HB],
+                           axis=1).astype(x_NHB.dtype)
+
+  def hidden(self, h_FB):
+    return constrain(h_FB, ("act_mlp", "batch"))
+
+  def residual(self, x_DB):
+    return constrain(x_DB, (None, "batch"))
+
+  def attention(self, q_NHB, k_KHB, v_KHB, layer_cache, slot, mask_B1S, cfg):
+    """(attention output [N * H, B], the layer's updated cache): per row, a small product per
+    kv head over its cache, as the rows layout's decode step."""
+    n, h, b = q_NHB.shape
+    kh, dt = cfg.n_kv_heads, q_NHB.dtype
+    q_BKGH = constrain(q_NHB.reshape(kh, n // kh, h, b).transpose(3, 0, 1, 2),
+                       ("batch", "act_kv_heads", None, None))
+    k_BKHS, v_BKSH = att.write_cache(layer_cache, k_KHB.transpose(2, 0, 1)[..., None],
+                                     v_KHB.transpose(2, 0, 1)[:, :, None], slot)
+    out_BKGH = att.attend_one(q_BKGH, k_BKHS.astype(dt), v_BKSH.astype(dt), mask_B1S[:, 0])
+    return out_BKGH.reshape(b, n * h).T, (k_BKHS, v_BKSH)
+
+  def logits(self, h_DB, head_VD):
+    """float32 logits [B, V]. The barrier keeps XLA from folding the transpose into the
+    product, which turns it into one XLA:CPU runs several times slower (activations as the left
+    operand, contracted on rows)."""
+    logits_VB = constrain((head_VD @ h_DB).astype(jnp.float32), ("act_vocab", "batch"))
+    return jax.lax.optimization_barrier(logits_VB).T
+
+  def next_logits(self, h_DB, head_VD):
+    return self.logits(h_DB, head_VD)
+
+
+ROWS, FEATURES = Rows(), Features()
+LAYOUTS = {"rows": ROWS, "features": FEATURES}

@@ -1,0 +1,242 @@
+"""The decoder in Flax NNX, written once: RMSNorm, RoPE, grouped-query attention, SwiGLU, with the
+block options of the model's family (jaxrl/models/families.py: Qwen2's q/k/v biases, Qwen3's
+q/k norms).
+
+One forward pass serves training, scoring, prefill and the sampler's cached decode step; the
+activation layout it runs in (jaxrl/models/layouts.py: rows everywhere, feature-major for decode
+steps on a CPU) is an argument, not a second copy of the model. Every parameter carries
+`logical_axes` metadata and every large activation is constrained with logical names (see
+sharding/rules.py); no mesh axis is named here. Projection weights are stored [out, in]
+(PyTorch's order).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.attention import KVCache, attention_mask
+from jaxrl.models.config import REMAT_POLICIES, ModelConfig
+from jaxrl.models.layouts import ROWS, dense
+from jaxrl.models.lora import LoRA, LoRAConfig
+
+
+def _param(rngs: nnx.Rngs, shape, axes, scale: float) -> nnx.Param:
+  return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * scale, logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, axis_name: str = "embed"):
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=(axis_name,))
+    self.eps = eps
+
+  def __call__(self, x, axis: int = -1):
+    """Normalised over `axis` (the layout's feature or head_dim axis)."""
+    scale = self.scale[...]
+    if axis != -1:
+      scale = scale.reshape(scale.shape + (1,) * (x.ndim - 1 - axis))
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axis, keepdims=True) + self.eps)
+    return (x32 * scale).astype(x.dtype)
+
+
+def _adapters(module: nnx.Module, lora: LoRAConfig | None, rngs: nnx.Rngs, **weights) -> None:
+  """A LoRA adapter `NAME_lora` beside each weight NAME=(out dims, in dims) that `lora`
+  targets (jaxrl/models/lora.py), shaped and sharded like the weight it adapts."""
+  for name, out_dims in weights.items():
+    if lora is None or not lora.on(name):
+      continue
+    w = getattr(module, name)
+    axes = w.get_metadata()["logical_axes"]
+    setattr(module, name + "_lora", LoRA(w.shape[:out_dims], axes[:out_dims], w.shape[out_dims:],
+                                         axes[out_dims:], lora, rngs))
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None = None,
+               lora_rngs: nnx.Rngs | None = None):
+    d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    self.cfg = cfg
+    self.wq = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), d**-0.5)
+    self.wk = _param(rngs, (k, h, d), ("kv_heads", "head_dim", "embed"), d**-0.5)
+    self.wv = _param(rngs, (k, h, d), ("kv_heads", "head_dim", "embed"), d**-0.5)
+    self.wo = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), (n * h)**-0.5 / cfg.n_layers)
+    _adapters(self, lora, lora_rngs, wq=2, wk=2, wv=2, wo=1)
+    if cfg.block.qkv_bias:
+      zeros = lambda heads, axis: nnx.Param(jnp.zeros((heads, h), jnp.float32),
+                                            logical_axes=(axis, "head_dim"))
+      self.bq, self.bk, self.bv = zeros(n, "heads"), zeros(k, "kv_heads"), zeros(k, "kv_heads")
+    if cfg.block.qk_norm:
+      self.q_norm = RMSNorm(h, cfg.norm_eps, "head_dim")
+      self.k_norm = RMSNorm(h, cfg.norm_eps, "head_dim")
+
+  def project(self, x, name: str, bias_name: str, norm_name: str, layout):
+    """Queries, keys or values split into heads: the projection `name` (with its adapter), its
+    bias (Qwen2) and its per-head RMSNorm (Qwen3 queries and keys), before RoPE."""
+    w_NHD = getattr(self, name)
+    n, h, d = w_NHD.shape
+    out = layout.adapt(self, name, x, layout.dense(x, w_NHD[...].reshape(n * h, d)))
+    out = layout.heads(out, n, h)
+    if self.cfg.block.qkv_bias:
+      out = out + layout.head_bias(getattr(self, bias_name)[...]).astype(x.dtype)
+    if self.cfg.block.qk_norm and norm_name:
+      out = getattr(self, norm_name)(out, layout.head_axis)
+    return out
+
+  def __call__(self, x, rope, mask, layer_cache, cache_index, last_only=False, layout=ROWS):
+    """`last_only` (rows): queries (and so the output) for the last position only; keys and
+    values for every position still go to the cache."""
+    cfg = self.cfg
+    x_q, rope_q, mask_q = x, rope, mask
+    if last_only:
+      x_q, mask_q, rope_q = x[:, -1:], mask[:, -1:], tuple(a[:, -1:] for a in rope)
+    # Queries carry the 1/sqrt(head_dim) of the attention logits from here on.
+    q = layout.rope(self.project(x_q, "wq", "bq", "q_norm", layout), rope_q, cfg.head_dim**-0.5)
+    k = layout.rope(self.project(x, "wk", "bk", "k_norm", layout), rope)
+    v = self.project(x, "wv", "bv", "", layout)
+    out, layer_cache = layout.attention(q, k, v, layer_cache, cache_index, mask_q, cfg)
+    wo = self.wo[...].reshape(cfg.d_model, -1)
+    return layout.adapt(self, "wo", out, layout.dense(out, wo)), layer_cache
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None = None,
+               lora_rngs: nnx.Rngs | None = None):
+    d, f = cfg.d_model, cfg.d_ff
+    self.w_gate = _param(rngs, (f, d), ("mlp", "embed"), d**-0.5)
+    self.w_up = _param(rngs, (f, d), ("mlp", "embed"), d**-0.5)
+    self.w_down = _param(rngs, (d, f), ("embed", "mlp"), f**-0.5 / cfg.n_layers)
+    _adapters(self, lora, lora_rngs, w_gate=1, w_up=1, w_down=1)
+    self.frozen = lora is not None and lora.enabled  # LoRA: no gradient reaches the base
+
+  def __call__(self, x, layout=ROWS):
+    def linear(name, x):
+      w = getattr(self, name)[...]
+      return layout.adapt(self, name, x, layout.dense(x, w, trained=not self.frozen))
+    hidden = layout.hidden(jax.nn.silu(linear("w_gate", x)) * linear("w_up", x))
+    return linear("w_down", hidden)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None = None,
+               lora_rngs: nnx.Rngs | None = None):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.attn = Attention(cfg, rngs, lora, lora_rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.mlp = MLP(cfg, rngs, lora, lora_rngs)
+
+  def __call__(self, x, rope, mask, layer_cache, cache_index, last_only=False, layout=ROWS):
+    attn, layer_cache = self.attn(self.attn_norm(x, layout.feature_axis), rope, mask,
+                                  layer_cache, cache_index, last_only, layout)
+    if last_only:
+      x = x[:, -1:]
+    x = x + attn
+    x = x + self.mlp(self.mlp_norm(x, layout.feature_axis), layout)
+    return layout.residual(x), layer_cache
+
+
+class Decoder(nnx.Module):
+  """Embedding + blocks + final norm; returns hidden states (heads are separate modules)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
+    self.cfg = cfg
+    # An untied or scaled head reads N(0, 1) embeddings; a head that IS the embedding (HF style)
+    # needs them at 1 / sqrt(d_model) for unit-scale initial logits.
+    hf_tied = cfg.tie_embeddings and not cfg.scale_tied_head
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+                        cfg.d_model**-0.5 if hf_tied else 1.0)
+    # The adapters draw from a stream of their own: the base weights are the same with or without.
+    lora_rngs = None if lora is None else nnx.Rngs(jax.random.fold_in(rngs.default.key[...],
+                                                                       0x10A))
+    self.blocks = nnx.List([Block(cfg, rngs, lora, lora_rngs) for _ in range(cfg.n_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+  def __call__(self, tokens, positions, key_valid_BS, kv_cache: KVCache | None = None,
+               cache_index=0, segment_ids_BT=None, last_only=False, layout=ROWS):
+    """Hidden states in `layout` ([B, T, D] for rows), and the updated cache. `positions`:
+    RoPE positions, or their (sin, cos) table computed ahead (a decode loop does).
+    `segment_ids_BT` (training): packed rows, attention stays inside a segment. `last_only` (a
+    prefill that samples from the last position): the final block's queries, attention and MLP
+    run for the last position alone, and the states come back as [B, 1, D]."""
+    x = layout.embed(self.embed[...], tokens, self.cfg.compute_dtype)
+    mask = attention_mask(key_valid_BS, layout.length(tokens), cache_index, segment_ids_BT)
+    rope = layout.rope_table(positions, self.cfg)
+    new_cache = []
+    for i, block in enumerate(self.blocks):
+      last = last_only and i == len(self.blocks) - 1
+      if kv_cache is None and self.cfg.remat != "none":  # a cached pass is never differentiated
+        x, layer_cache = self.remat_block(block, x, rope, mask, last), None
+      else:
+        x, layer_cache = block(x, rope, mask, None if kv_cache is None else kv_cache[i],
+                               cache_index, last, layout)
+      new_cache.append(layer_cache)
+    h = self.final_norm(x, layout.feature_axis)
+    return h, (None if kv_cache is None else tuple(new_cache))
+
+  def remat_block(self, block: Block, x_BTD, rope_BTH, mask_BTS, last_only: bool):
+    """`block` on a cacheless pass under `jax.checkpoint`: its backward recomputes what the
+    `model.remat` policy does not save. The block is split into its pure state, so the
+    checkpointed function closes over no traced module."""
+    graphdef, state = nnx.split(block)
+
+    def run(state, x_BTD, rope_BTH, mask_BTS):
+      return nnx.merge(graphdef, state)(x_BTD, rope_BTH, mask_BTS, None, 0, last_only)[0]
+    policy = REMAT_POLICIES[self.cfg.remat]
+    return jax.checkpoint(run, policy=policy)(state, x_BTD, rope_BTH, mask_BTS)
+
+
+class LanguageModel(nnx.Module):
+  """Decoder with an LM head (tied to the embedding unless `tie_embeddings=False`); with `lora`
+  (rank > 0), LoRA adapters on its targets (jaxrl/models/lora.py)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
+    self.cfg = cfg
+    self.decoder = Decoder(cfg, rngs, lora)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+                            cfg.d_model**-0.5)
+
+  def __call__(self, tokens_BT, positions_BT, key_valid_BS, kv_cache=None, cache_index=0,
+               segment_ids_BT=None):
+    """float32 logits [B, T, V] and the updated cache (see `Decoder.__call__`)."""
+    h_BTD, kv_cache = self.decoder(tokens_BT, positions_BT, key_valid_BS, kv_cache, cache_index,
+                                   segment_ids_BT)
+    return self.logits(h_BTD), kv_cache
+
+  def logits(self, h_BTD, head_VD: jax.Array | None = None):
+    """The LM head over decoder states (float32 logits); `head_VD`: `self.head_VD()` computed
+    ahead (a decode loop does, once per call)."""
+    return ROWS.logits(h_BTD, self.head_VD() if head_VD is None else head_VD)
+
+  def head_VD(self) -> jax.Array:
+    """The LM head's weight, [vocab, d_model]."""
+    if not self.cfg.tie_embeddings:
+      return self.lm_head[...]
+    if self.cfg.scale_tied_head:
+      return self.decoder.embed[...] * self.cfg.d_model**-0.5
+    return self.decoder.embed[...]
+
+
+def init_kv_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
+  k_shape = (batch, cfg.n_kv_heads, cfg.head_dim, slots)
+  v_shape = (batch, cfg.n_kv_heads, slots, cfg.head_dim)
+  return tuple((jnp.zeros(k_shape, cfg.compute_dtype), jnp.zeros(v_shape, cfg.compute_dtype))
+               for _ in range(cfg.n_layers))
+
+
+def positions_from_segments(segment_ids_BT: jax.Array) -> jax.Array:
+  """Positions restarting at 0 where a packed row's segment id changes."""
+  t = segment_ids_BT.shape[1]
+  idx_BT = jnp.broadcast_to(jnp.arange(t), segment_ids_BT.shape)
+  starts_BT = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], bool),
+                               segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+  return idx_BT - jax.lax.cummax(jnp.where(starts_BT, idx_BT, 0), axis=1)
+
+
+def positions_from_valid(valid_BT: jax.Array) -> jax.Array:
+  """RoPE positions counting only valid tokens, so left padding does not shift a row."""
+  return jnp.maximum(jnp.cumsum(valid_BT.astype(jnp.int32), axis=1) - 1, 0)
