@@ -4,7 +4,7 @@
 
 One process builds a Qwen-vocabulary model (151,936 tokens, tied HF-style head; d_model 256,
 2 layers) and a train step on `--rows` x `--tokens` tokens whose loss uses every position's
-log-prob and entropy (as SFT plus an entropy bonus does), twice: with `train.steps.token_logprobs`
+log-prob and entropy (as SFT plus an entropy bonus does), twice: with `train.token_logprobs`
 (jaxrl/algos/logprobs.py: the LM head and softmax in chunks, no [B, T, V] tensor forward or
 backward) and with the full-logits version (the model's [B, T, V] logits, log-softmax, entropy).
 For each, the step's peak memory: the rise of the process's peak resident memory while the
@@ -51,7 +51,7 @@ def main() -> None:
   from jaxrl.algos.logprobs import dense_logprobs
   from jaxrl.models.transformer import LanguageModel, positions_from_valid
   from jaxrl.models.config import ModelConfig
-  from train import steps
+  from train.updates.forward import token_logprobs
 
   cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,
                     n_heads=4, n_kv_heads=2, head_dim=args.d_model // 4, d_ff=4 * args.d_model,
@@ -61,7 +61,7 @@ def main() -> None:
   valid_BT = jnp.ones(tokens_BT.shape, bool)
 
   def chunked(params):
-    return steps.token_logprobs(graphdef, params, tokens_BT, valid_BT)
+    return token_logprobs(graphdef, params, tokens_BT, valid_BT)
 
   def full(params):
     model = nnx.merge(graphdef, params)

@@ -39,8 +39,8 @@ def main() -> None:
   from jaxrl.models.decoding import LMDecoding
   from jaxrl.models.transformer import LanguageModel
   from sharding.mesh import make_mesh
-  from train.roles import ModelRole
-  from train.sampler_copy import SamplerCopy
+  from train.roles.role import ModelRole
+  from train.roles.sampler_weights import SamplerCopy
 
   c = tiny.get_config()
   c.model.update(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,

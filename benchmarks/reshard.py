@@ -33,7 +33,7 @@ def main() -> None:
   from sharding.placement import make_placement
   from sharding.reshard import reshard
   from sharding.rules import SAMPLER_RULES, TRAIN_RULES
-  from train.roles import ModelRole
+  from train.roles.role import ModelRole
 
   cfg = ModelConfig(vocab_size=32768, d_model=1024, n_layers=4, n_heads=16, n_kv_heads=8,
                     head_dim=64, d_ff=2816, tie_embeddings=False)

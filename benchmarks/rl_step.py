@@ -6,7 +6,7 @@ roofline, compile seconds and peak memory.
   python -m benchmarks.rl_step --json --workload qwen0.5b   # on a GPU: Qwen2.5-0.5B, gsm8k shapes
   python -m benchmarks.rl_step --json --workload qwen1.5b   # on a GPU: Qwen2.5-1.5B, gsm8k shapes
 
-Workloads (`WORKLOADS`, `GSM8K_WORKLOADS`), each built by `train.experiment.Experiment` from a
+Workloads (`WORKLOADS`, `GSM8K_WORKLOADS`), each built by `train.run.Experiment` from a
 fresh policy (so almost every response runs to max_new_tokens):
   default  the default experiment's RL stage (64 prompts x 8 samples, reverse task, 2 minibatches)
            in its own placement; `--modes` (on by default here) also runs it in sync-colocate,
@@ -233,7 +233,7 @@ def run_stages(workload: Workload, *, steps: int, warmup: int, reduced: bool, **
   import jax
 
   from benchmarks.roofline import device_ceilings
-  from train.experiment import Experiment
+  from train.run import Experiment
   with Experiment(build_config(workload, steps + warmup, reduced, **rl)) as exp:
     ceilings = device_ceilings(exp.cfg.model.dtype)
     peak = ceilings.matmul_flops_per_s * (1 if ceilings.shared else jax.device_count())
@@ -253,7 +253,7 @@ def run_stages(workload: Workload, *, steps: int, warmup: int, reduced: bool, **
 def run_mode(strategy: str, mode: str, *, steps: int, warmup: int, max_staleness: int,
              **rl) -> dict:
   """The default experiment's RL stage in one placement and mode."""
-  from train.experiment import Experiment
+  from train.run import Experiment
   raw = build_config(WORKLOADS["default"], steps + warmup, mode=mode, max_staleness=max_staleness,
                      **rl)
   raw["placement"]["strategy"] = strategy

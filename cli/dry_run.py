@@ -24,7 +24,7 @@ from jaxrl.config import ConfigError, ExperimentConfig, offload_items, usable_me
 from sharding.placement import PlacementError
 from planner import footprint
 from sharding.rules import SAMPLER_RULES, batch_ways
-from train.cluster import RoleCluster
+from train.roles.cluster import RoleCluster
 
 GIB = 1 << 30
 

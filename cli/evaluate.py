@@ -131,8 +131,8 @@ def run(raw, checkpoint, fv) -> dict:
   """The evaluation: its summary (after printing it and writing the samples)."""
   import jax
   from jaxrl.config_files import with_gin
-  from train.context import RunContext
-  from train.evaluation import evaluate
+  from train.stages.context import RunContext
+  from train.task.heldout import evaluate
   ks = _ks(fv)
   cfg = with_gin(raw)
   with tempfile.TemporaryDirectory() as scratch:

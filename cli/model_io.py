@@ -25,8 +25,8 @@ from jaxrl.models.transformer import LanguageModel
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.lora import LoRAConfig
 from sharding.mesh import make_mesh
-from train.checkpoint import load_actor_params
-from train.roles import ModelRole
+from train.io.checkpoint import load_actor_params
+from train.roles.role import ModelRole
 
 
 @dataclasses.dataclass

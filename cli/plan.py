@@ -34,7 +34,7 @@ CALIBRATION_RUNS = (
 def run_steps(raw: dict, steps: int) -> tuple[str, list[float], object]:
   """(run dir with its trace.json and metrics.jsonl, RL step seconds, ExperimentConfig) of
   `steps` RL steps from a fresh policy (responses run to max_new_tokens)."""
-  from train.experiment import Experiment
+  from train.run import Experiment
   with Experiment(raw) as exp:
     times = [exp.rl.step()["step_time"] for _ in range(steps)]
     exp.ctx.timeline.write_chrome_trace(f"{exp.run_dir}/trace.json")

@@ -71,7 +71,7 @@ def sample_main(argv: list[str] | None = None) -> int:
   from jaxrl.config import ConfigError
   from sampler.methods import SamplingConfig
   from sampler.sampler import Sampler
-  from sampler.worker import rollout_key
+  from train.rollout.worker import rollout_key
   from cli.model_io import load_policy
   try:
     policy = load_policy(args.model, dtype=args.dtype)

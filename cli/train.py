@@ -185,7 +185,7 @@ def _start(argv: list[str]):
     return fail(str(e))
   from jaxrl.config import ConfigError
   from jaxrl.config_files import with_gin
-  from train.experiment import Experiment
+  from train.run import Experiment
   try:
     cfg = with_gin(raw, gin_files, gin_params)
     if opts["dry_run"]:
@@ -211,9 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     return exp
   import jax
   from jaxrl.config import ConfigError
-  from train.executors import ExecutorError
-  from train.checkpoint import CheckpointError
-  from train.hooks import NumericsError
+  from train.rl.executors import ExecutorError
+  from train.io.checkpoint import CheckpointError
+  from train.run.hooks import NumericsError
   primary = jax.process_index() == 0
   if primary:
     print(f"jaxrl: run dir {exp.run_dir}", flush=True)
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     name = summary["stopped"]
     return 128 + signal.Signals[name].value if name in signal.Signals.__members__ else 1
   if primary:
-    from train.metrics import shown
+    from train.io.metrics import shown
     print("jaxrl: " + ", ".join(f"{k}={shown(v)}" if isinstance(v, float) else f"{k}={v}"
                                 for k, v in summary.items() if not isinstance(v, dict)),
           flush=True)  # nested entries (compile seconds per label) are in summary.json

@@ -28,7 +28,8 @@ from sharded_init import init_sharded  # noqa: E402
 from sharding.placement import host_major_devices, make_placement  # noqa: E402
 from sharding.reshard import reshard  # noqa: E402
 from sharding.rules import SAMPLER_RULES, TRAIN_RULES  # noqa: E402
-from train import steps  # noqa: E402
+from train.updates.sft import sft_update  # noqa: E402
+from train.updates.state import TrainState, make_optimizer  # noqa: E402
 
 CFG = ModelConfig(vocab_size=264, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16,
                   d_ff=64)
@@ -44,13 +45,13 @@ def run(mesh, sampler_mesh=None):
   """One SFT step on `mesh`, then (optionally) a reshard to `sampler_mesh`; returns results."""
   graphdef, params, shardings = init_sharded(lambda: LanguageModel(CFG, rngs=nnx.Rngs(0)),
                                              TRAIN_RULES, mesh)
-  opt = steps.make_optimizer(1e-2, warmup_steps=1, total_steps=10)
+  opt = make_optimizer(1e-2, warmup_steps=1, total_steps=10)
   opt_state = jax.jit(opt.init)(params)
-  state = steps.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
   rows = batch_sharding(mesh, TRAIN_RULES)
   batch = {k: jax.make_array_from_callback(v.shape, rows, lambda idx, v=v: v[idx])
            for k, v in batch_np().items()}
-  update = jax.jit(functools.partial(steps.sft_update, graphdef=graphdef, optimizer=opt))
+  update = jax.jit(functools.partial(sft_update, graphdef=graphdef, optimizer=opt))
   state, metrics = update(state, batch)
   params = state.params
   if sampler_mesh is not None:

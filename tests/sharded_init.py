@@ -1,5 +1,5 @@
 """Tests' shorthand for a randomly initialised model born sharded on a mesh (train/roles.py)."""
-from train.roles import ModelRole
+from train.roles.role import ModelRole
 
 
 def init_sharded(make_model, rules, mesh):

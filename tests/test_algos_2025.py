@@ -172,7 +172,7 @@ def test_informative_groups():
 def test_make_experience_applies_dapos_overlong_penalty_and_filter():
   from jaxrl.config import RLConfig
   from sampler.engine import Rollout
-  from train.experience import make_experience
+  from train.rl.experience import make_experience
   cfg = RLConfig(prompts_per_step=2, group_size=2, num_minibatches=1, max_new_tokens=4,
                  overlong_filter=True, overlong_buffer=2, overlong_penalty=1.0)
   mask = jnp.asarray([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]], bool)

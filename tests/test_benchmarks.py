@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from configs import tiny
-from train.experiment import Experiment
+from train.run import Experiment
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 STAGES = ("generate", "reward", "reference", "old_logprobs", "update", "weight_push")

@@ -11,7 +11,7 @@ from jaxrl.models.config import ModelConfig
 from sharding.mesh import make_mesh
 from sharded_init import init_sharded
 from sharding.rules import SAMPLER_RULES, TRAIN_RULES
-from train.checkpoint import RunCheckpointer, load_actor_params, params_fingerprint
+from train.io.checkpoint import RunCheckpointer, load_actor_params, params_fingerprint
 
 
 def _save_actor(tmp_path, tiny_cfg, steps=(7,)):

@@ -9,7 +9,7 @@ import pytest
 
 from cli import evaluate, plan, tools, train
 from jaxrl.data.tasks import Example
-from train.evaluation import Evaluation, pass_at_k
+from train.task.heldout import Evaluation, pass_at_k
 
 MAINS = {"jaxrl-train": train.main, "jaxrl-eval": evaluate.main, "jaxrl-plan": plan.main,
          "jaxrl-export": lambda argv: tools.export_main(argv[1:]),

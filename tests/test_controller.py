@@ -13,10 +13,10 @@ import pytest
 
 from configs import tiny
 from jaxrl.rewards import verifier as verifier_mod
-from train.checkpoint import RunCheckpointer
-from train.executors import Executor, ExecutorError
-from train.experiment import Experiment
-from train.timeline import Timeline
+from train.io.checkpoint import RunCheckpointer
+from train.rl.executors import Executor, ExecutorError
+from train.run import Experiment
+from train.io.timeline import Timeline
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -177,7 +177,7 @@ def test_async_matches_sync_accuracy_within_1_5x_samples(tmp_path):
 
 
 def test_generator_failure_in_async_mode_is_named(tmp_path, monkeypatch):
-  from train.generator import Generator
+  from train.rollout.generator import Generator
   real, calls = Generator.sample, {"n": 0}
 
   def flaky(self, params, prompts, key):

@@ -8,10 +8,10 @@ import numpy as np
 
 from configs import tiny
 from jaxrl.algos.advantages import informative_groups
-from train.controller import Controller
-from train.experiment import Experiment
-from train.hooks import Hook
-from train.generator import Generator
+from train.rl.controller import Controller
+from train.run import Experiment
+from train.run.hooks import Hook
+from train.rollout.generator import Generator
 
 GROUP, PROMPTS = 4, 8
 

@@ -10,8 +10,8 @@ import pytest
 
 from cli import evaluate, train
 from jaxrl.config import ConfigError
-from train.checkpoint import RunCheckpointer, load_actor_params
-from train.experiment import Experiment
+from train.io.checkpoint import RunCheckpointer, load_actor_params
+from train.run import Experiment
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 

@@ -7,7 +7,7 @@ import pytest
 from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.envs import Calculator, EnvError, PythonSandbox, environment_factory
-from jaxrl.envs.evaluate import FUNCTIONS, EvalError, evaluate
+from jaxrl.envs.sandbox import FUNCTIONS, EvalError, evaluate
 from jaxrl.rewards.math import math_equal
 
 TOK = ByteTokenizer()

@@ -1,4 +1,4 @@
-"""The GRPO loss of train/steps.py against a numpy reference built from the same log-probs."""
+"""The GRPO loss of train/updates/ against a numpy reference built from the same log-probs."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,8 +7,9 @@ from flax import nnx
 from jaxrl.algos.losses import aggregation_weights
 from jaxrl.config import RLConfig
 from jaxrl.models.transformer import LanguageModel
-from train import steps
-from train.experience import Experience
+from train.updates.forward import completion_logprobs
+from train.updates.rl import advantages, policy_loss
+from train.rl.experience import Experience
 
 
 def _weights(exp, cfg):
@@ -26,12 +27,12 @@ def test_policy_loss_matches_numpy(tiny_cfg):
   completion_mask[1, 2:] = False
   valid = jnp.asarray(np.concatenate([np.ones((b, p), bool), completion_mask], 1))
   cfg = RLConfig(group_size=2, kl_coef=0.1, clip_eps_low=0.2, clip_eps_high=0.3)
-  logp, _ = steps.completion_logprobs(graphdef, params, tokens, valid, p)
+  logp, _ = completion_logprobs(graphdef, params, tokens, valid, p)
   logp = np.asarray(logp, np.float64)
   old = logp + rng.normal(size=(b, n)) * 0.2
   ref = logp + rng.normal(size=(b, n)) * 0.2
   rewards = np.array([1.0, 0.0, 0.0, 0.0])
-  adv = np.asarray(steps.advantages(jnp.asarray(rewards), jnp.asarray(completion_mask), cfg=cfg)[0])
+  adv = np.asarray(advantages(jnp.asarray(rewards), jnp.asarray(completion_mask), cfg=cfg)[0])
   np.testing.assert_allclose(adv[:, 0], [0.7071, -0.7071, 0, 0], atol=1e-3)
   assert (adv[1, 2:] == 0).all()  # padding carries no advantage
   exp = Experience(tokens_BT=tokens, valid_BT=valid, completion_mask_BN=jnp.asarray(completion_mask),
@@ -39,7 +40,7 @@ def test_policy_loss_matches_numpy(tiny_cfg):
                    ref_logprobs_BN=jnp.asarray(ref, jnp.float32), advantages_BN=jnp.asarray(adv),
                    sampler_logprobs_BN=jnp.asarray(old, jnp.float32))
   assert exp.prompt_len == p
-  loss, metrics = steps.policy_loss(params, (exp, *_weights(exp, cfg)), graphdef=graphdef, cfg=cfg)
+  loss, metrics = policy_loss(params, (exp, *_weights(exp, cfg)), graphdef=graphdef, cfg=cfg)
 
   ratio = np.exp(logp - old)
   pg = -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.3) * adv)
@@ -55,7 +56,7 @@ def test_completion_logprobs_are_next_token_logprobs(tiny_cfg):
   graphdef, params = nnx.split(model)
   tokens = jnp.asarray([[257, 49, 43, 50, 61, 51, 258]], jnp.int32)
   valid = jnp.ones_like(tokens, bool)
-  logp, entropy = steps.completion_logprobs(graphdef, params, tokens, valid, 5)
+  logp, entropy = completion_logprobs(graphdef, params, tokens, valid, 5)
   logits = model(tokens, jnp.arange(7)[None], valid)[0][0]
   want = [jax.nn.log_softmax(logits[t])[tokens[0, t + 1]] for t in (4, 5)]
   np.testing.assert_allclose(logp[0], want, rtol=1e-5)

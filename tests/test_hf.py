@@ -29,7 +29,7 @@ from jaxrl.models.transformer import LanguageModel, init_kv_cache, positions_fro
 from jaxrl.models.config import ModelConfig
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
-from train.roles import ModelRole
+from train.roles.role import ModelRole
 
 from hf_models import ARCHS, one_line, sized_mesh
 

@@ -17,8 +17,8 @@ from jaxrl.config import ConfigError, ExperimentConfig, config_dict
 from jaxrl.data.tokenizer import HFTokenizer
 from cli import evaluate, tools
 from jaxrl.config_files import resolve
-from train.context import make_reward
-from train.experiment import Experiment
+from train.task.task import make_reward
+from train.run import Experiment
 from cli.gsm8k_tiny import make
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,8 +14,10 @@ from jaxrl.algos import logprobs
 from jaxrl.algos.logprobs import chunk_length, chunked_logprobs, dense_logprobs
 from jaxrl.config import RLConfig
 from jaxrl.models.transformer import LanguageModel
-from train import steps
-from train.experience import Experience
+from train.updates.forward import completion_logprobs, token_logprobs
+from train.updates.rl import rl_update
+from train.updates.state import TrainState
+from train.rl.experience import Experience
 
 
 def _inputs(b=3, n=10, d=16, v=50, seed=0):
@@ -70,7 +72,7 @@ def test_model_logprobs_match_its_full_logits(tiny_cfg):
   graphdef, params = nnx.split(model)
   tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, tiny_cfg.vocab_size)
   valid = jnp.ones_like(tokens, bool)
-  logp, ent = steps.token_logprobs(graphdef, params, tokens, valid, start=3)
+  logp, ent = token_logprobs(graphdef, params, tokens, valid, start=3)
   logits = model(tokens, jnp.broadcast_to(jnp.arange(9), (2, 9)), valid)[0]
   logp_all = jax.nn.log_softmax(logits[:, 3:-1], axis=-1)
   np.testing.assert_allclose(
@@ -84,7 +86,7 @@ def _experience(graphdef, params, *, with_old: bool, p=3, n=5, b=4):
   mask = np.ones((b, n), bool)
   mask[2, 3:] = False
   valid = jnp.asarray(np.concatenate([np.ones((b, p), bool), mask], 1))
-  logp, _ = steps.completion_logprobs(graphdef, params, tokens, valid, p)
+  logp, _ = completion_logprobs(graphdef, params, tokens, valid, p)
   ref = logp + jnp.asarray(rng.normal(size=(b, n)) * 0.3, jnp.float32)
   return Experience(tokens_BT=tokens, valid_BT=valid, completion_mask_BN=jnp.asarray(mask),
                     sampler_logprobs_BN=logp - 0.1, ref_logprobs_BN=ref,
@@ -104,10 +106,10 @@ def test_on_policy_update_needs_no_old_logprob_pass(tiny_cfg, policy_loss, tis_c
   optimizer = optax.sgd(1.0)  # Adam would blow rounding-level gradient differences up to lr
   results = []
   for with_old in (True, False):
-    state = steps.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                              opt_state=optimizer.init(params))
     exp = _experience(graphdef, params, with_old=with_old)
-    state, metrics = jax.jit(lambda s, e: steps.rl_update(
+    state, metrics = jax.jit(lambda s, e: rl_update(
         s, e, graphdef=graphdef, optimizer=optimizer, cfg=cfg))(state, exp)
     results.append((state.params, metrics))
   (with_pass, m1), (without, m2) = results
@@ -151,4 +153,4 @@ def test_train_step_never_holds_the_batch_logits(tiny_cfg, monkeypatch):
 
   batch_logits = b * (t - 1) * cfg.vocab_size
   assert _largest_buffer(grad(full), params) >= batch_logits  # the check can see them
-  assert _largest_buffer(grad(steps.token_logprobs), params) <= b * 8 * cfg.vocab_size
+  assert _largest_buffer(grad(token_logprobs), params) <= b * 8 * cfg.vocab_size

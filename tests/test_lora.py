@@ -19,7 +19,7 @@ from jaxrl.models.transformer import LanguageModel, positions_from_valid
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.lora import LoRAConfig
 from sharding.mesh import make_mesh
-from train.roles import ModelRole
+from train.roles.role import ModelRole
 from tests.hf_models import ARCHS
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
@@ -172,7 +172,7 @@ def _copies(mode: str, devices):
   """A LoRA actor on `devices` (fsdp over them) and its SamplerCopy in `mode`."""
   from configs import tiny
   from jaxrl.config_files import resolve
-  from train.sampler_copy import SamplerCopy
+  from train.roles.sampler_weights import SamplerCopy
   c = tiny.get_config()
   c.lora.update(rank=2, sampler=mode)
   cfg = resolve(c)

@@ -12,7 +12,7 @@ import pytest
 from cli.tools import export_main
 from configs import tiny
 from jaxrl.models import lora
-from train.experiment import Experiment
+from train.run import Experiment
 
 
 def _host(tree):

@@ -23,11 +23,12 @@ from jaxrl.config import DataConfig, ExperimentConfig, RLConfig
 from jaxrl.models.transformer import LanguageModel
 from jaxrl.models.config import ModelConfig
 from sharding.rules import MESH_AXES
-from train import steps
+from train.updates.rl import rl_update
+from train.updates.state import make_optimizer
 from cli.dry_run import shard_bytes, update_footprint
-from train.experience import Experience
-from train.learner import Learner
-from train.roles import ModelRole
+from train.rl.experience import Experience
+from train.roles.learner import Learner
+from train.roles.role import ModelRole
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -72,8 +73,8 @@ def test_update_estimate_is_within_a_quarter_of_xla(name):
   cfg, fsdp = CONFIGS[name]
   mesh = Mesh(np.array(jax.devices()[:fsdp]).reshape(1, fsdp, 1), MESH_AXES)
   role = ModelRole("actor", lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0)), mesh)
-  learner = Learner(role, functools.partial(steps.rl_update, cfg=cfg.rl),
-                    steps.make_optimizer(1e-5), initialize=False)
+  learner = Learner(role, functools.partial(rl_update, cfg=cfg.rl),
+                    make_optimizer(1e-5), initialize=False)
   xla = learner.lower(_experience(cfg, role)).compile().memory_analysis().temp_size_in_bytes
   params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(role.abstract()))
   on_device0 = shard_bytes(role.abstract(), 4)[mesh.devices.flat[0].id]
@@ -123,8 +124,8 @@ def test_lora_update_estimate_is_within_a_quarter_of_xla(name):
   role = ModelRole("actor", lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0), lora=cfg.lora),
                    mesh, stored_dtypes=functools.partial(frozen_base_dtypes, cfg.model),
                    trainable=lora.TRAINABLE)
-  learner = Learner(role, functools.partial(steps.rl_update, cfg=cfg.rl),
-                    steps.make_optimizer(1e-5), initialize=False)
+  learner = Learner(role, functools.partial(rl_update, cfg=cfg.rl),
+                    make_optimizer(1e-5), initialize=False)
   xla = learner.lower(_experience(cfg, role)).compile().memory_analysis().temp_size_in_bytes
   params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(role.abstract()))
   trained = shard_bytes(role.split(role.abstract())[0], 4)[mesh.devices.flat[0].id]

@@ -11,8 +11,10 @@ from jaxrl.algos.losses import aggregation_weights
 from jaxrl.config import ConfigError, ExperimentConfig, RLConfig
 from jaxrl.config_files import from_mapping
 from jaxrl.models import LanguageModel, ValueModel
-from train import steps
-from train.experience import Experience
+from train.updates.forward import completion_logprobs
+from train.updates.rl import critic_update, rl_update
+from train.updates.state import TrainState
+from train.rl.experience import Experience
 
 
 def _uneven_mask(b=8, n=6) -> np.ndarray:
@@ -38,7 +40,7 @@ def _experience(graphdef, params, p=3):
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, 256, (b, p + n)), jnp.int32)
   valid = jnp.asarray(np.concatenate([np.ones((b, p), bool), mask], 1))
-  logp, _ = steps.completion_logprobs(graphdef, params, tokens, valid, p)
+  logp, _ = completion_logprobs(graphdef, params, tokens, valid, p)
   noise = lambda: jnp.asarray(rng.normal(size=(b, n)) * 0.3, jnp.float32)
   return Experience(tokens_BT=tokens, valid_BT=valid, completion_mask_BN=jnp.asarray(mask),
                     sampler_logprobs_BN=logp + noise(), ref_logprobs_BN=logp + noise(),
@@ -48,7 +50,7 @@ def _experience(graphdef, params, p=3):
 
 def _updated(update, params, exp):
   optimizer = optax.sgd(1.0)  # Adam would blow rounding-level gradient differences up to lr
-  state = steps.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                            opt_state=optimizer.init(params))
   return jax.jit(lambda s, e: update(s, e, optimizer=optimizer))(state, exp)
 
@@ -66,7 +68,7 @@ def test_micro_batches_give_the_minibatch_update(tiny_cfg, aggregation):
   for micro in (0, 2, 4):
     cfg = RLConfig(prompts_per_step=4, group_size=2, num_minibatches=1, micro_batch_size=micro,
                    kl_coef=0.05, entropy_coef=0.01, loss_aggregation=aggregation)
-    update = lambda s, e, optimizer: steps.rl_update(s, e, graphdef=graphdef,
+    update = lambda s, e, optimizer: rl_update(s, e, graphdef=graphdef,
                                                      optimizer=optimizer, cfg=cfg)
     results[micro] = _updated(update, params, exp)
   (whole, m0) = results[0]
@@ -97,7 +99,7 @@ def test_critic_micro_batches_give_the_minibatch_update(tiny_cfg):
   for micro in (0, 2):
     cfg = RLConfig(prompts_per_step=4, group_size=2, num_minibatches=2, micro_batch_size=micro,
                    value_clip_eps=0.5)
-    update = lambda s, e, optimizer: steps.critic_update(s, e, graphdef=graphdef,
+    update = lambda s, e, optimizer: critic_update(s, e, graphdef=graphdef,
                                                          optimizer=optimizer, cfg=cfg)
     results.append(_updated(update, params, exp))
   (a, ma), (b, mb) = results

@@ -15,10 +15,10 @@ from jaxrl.models.transformer import LanguageModel
 from jaxrl.models.config import ModelConfig
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
-from train.evaluation import evaluate
-from train.experiment import Experiment
-from train.multiturn import as_rollout, converse
-from train.steps import completion_logprobs
+from train.task.heldout import evaluate
+from train.run import Experiment
+from train.rollout.multiturn import as_rollout, converse
+from train.updates.forward import completion_logprobs
 
 TEXTS = ["the answer is 42 and the tool said 42", "calc 12*7 then add 3 to get 87"] * 50
 

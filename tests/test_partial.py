@@ -17,10 +17,10 @@ from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.models.transformer import LanguageModel
 from jaxrl.models.config import ModelConfig
 from sampler.methods import SamplingConfig
-from sampler.partial import PartialRolloutWorker
+from train.rollout.partial import PartialRolloutWorker
 from sampler.sampler import Sampler
 from sampler.stream import Stream
-from sampler.worker import RolloutWorker
+from train.rollout.worker import RolloutWorker
 
 TOK = ByteTokenizer()
 N_BATCHES, PROMPTS, BUDGET = 7, 3, 20

@@ -160,7 +160,7 @@ def test_search_respects_memory_and_returns_valid_placements():
 
 
 def test_plan_strategy_resolves_to_a_runnable_config():
-  from train.cluster import RoleCluster
+  from train.roles.cluster import RoleCluster
   cfg = ExperimentConfig()
   cfg = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, strategy="plan"))
   resolved, best = choose(cfg, host_major_devices())
@@ -188,7 +188,7 @@ def test_remat_is_searched_and_the_plan_sets_it(monkeypatch):
 
 
 def test_a_runs_trace_fed_back_changes_the_factors(tmp_path):
-  from train.experiment import Experiment
+  from train.run import Experiment
   raw = tiny.get_config().to_dict()
   raw.update(run_dir=str(tmp_path), run_name="fit", checkpoint_every=100)
   raw["sft"]["steps"] = 0

@@ -13,8 +13,9 @@ from jax.sharding import Mesh
 
 from jaxrl.models import LanguageModel, ModelConfig
 from jaxrl.models.dtypes import compute_dtypes
-from train import steps
-from train.roles import ModelRole
+from train.updates.batching import accumulate_grads, compute_copy
+from train.updates.forward import completion_logprobs
+from train.roles.role import ModelRole
 
 CFG = ModelConfig(vocab_size=96, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
                   d_ff=80, dtype="bfloat16", family="qwen2")  # no two shapes alike
@@ -51,12 +52,12 @@ def test_compute_copy_casts_once_and_keeps_the_gradient(tie, scale):
 
   def loss_fn(params, micro):
     tokens_BT, valid_BT = micro
-    logp_BN, ent_BN = steps.completion_logprobs(graphdef, params, tokens_BT, valid_BT, p)
+    logp_BN, ent_BN = completion_logprobs(graphdef, params, tokens_BT, valid_BT, p)
     return (logp_BN * valid_BT[:, p:]).sum() + 0.1 * ent_BN.sum(), {}
 
   def grads(params, cast: bool):
-    start = steps.compute_copy(graphdef, params) if cast else params
-    return steps.accumulate_grads(loss_fn, start, (tokens, valid), 2)
+    start = compute_copy(graphdef, params) if cast else params
+    return accumulate_grads(loss_fn, start, (tokens, valid), 2)
 
   shapes = set()  # of the decoder layers' matrices (the embedding's [V, D] also appears as the
   # tied head's gradient, which the log-prob VJP returns in the head's dtype)
@@ -86,7 +87,7 @@ def test_a_bf16_reference_scores_as_its_float32_weights():
   held = lambda params: sum(x.nbytes for x in jax.tree.leaves(params))
   assert held(ref.params) < 0.55 * held(actor.params)
   tokens, valid, p = _batch()
-  score = jax.jit(lambda params: steps.completion_logprobs(actor.graphdef, params, tokens, valid,
+  score = jax.jit(lambda params: completion_logprobs(actor.graphdef, params, tokens, valid,
                                                            p))
   for a, b in zip(score(actor.params), score(ref.params)):
     np.testing.assert_array_equal(a, b)

@@ -16,10 +16,12 @@ from jaxrl.config_files import from_mapping
 from jaxrl.models.transformer import LanguageModel, init_kv_cache
 from jaxrl.models.config import ModelConfig
 from sharding.rules import MESH_AXES
-from train import steps
-from train.experience import Experience
-from train.learner import Learner
-from train.roles import ModelRole
+from train.updates.rl import rl_update
+from train.updates.sft import sft_update
+from train.updates.state import make_optimizer
+from train.rl.experience import Experience
+from train.roles.learner import Learner
+from train.roles.role import ModelRole
 
 TINY = ModelConfig(vocab_size=264, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
                    d_ff=64)
@@ -50,7 +52,7 @@ def _updated(remat: str, name: str):
   exp, sft = _batches()
   rl = RLConfig(prompts_per_step=2, group_size=2, num_minibatches=1, max_new_tokens=7,
                 kl_coef=0.05, entropy_coef=0.01)
-  update = functools.partial(steps.rl_update, cfg=rl) if name == "rl" else steps.sft_update
+  update = functools.partial(rl_update, cfg=rl) if name == "rl" else sft_update
   learner = _learner(dataclasses.replace(TINY, remat=remat), update)
   before = jax.tree.map(np.asarray, learner.role.params)  # the update donates them
   metrics = learner.update(exp if name == "rl" else sft)
@@ -83,7 +85,7 @@ def _temp_bytes(remat: str) -> int:
   rl = RLConfig(prompts_per_step=8, group_size=2, num_minibatches=1, max_new_tokens=64)
   mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), MESH_AXES)
   role = ModelRole("actor", lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)), mesh)
-  learner = Learner(role, functools.partial(steps.rl_update, cfg=rl), steps.make_optimizer(1e-5),
+  learner = Learner(role, functools.partial(rl_update, cfg=rl), make_optimizer(1e-5),
                     initialize=False)
   b, t, n = 16, 128, 64
   f32 = jax.ShapeDtypeStruct((b, n), jnp.float32)

@@ -1,4 +1,4 @@
-"""Reward-model, DPO, critic and policy-loss variants of train/steps.py, and role copies."""
+"""Reward-model, DPO, critic and policy-loss variants of train/updates/, and role copies."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,9 +12,14 @@ from jaxrl.data.preferences import Pair, pair_batch, pair_lengths
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.models import LanguageModel, RewardModel, ValueModel
 from sharding.mesh import make_mesh
-from train import steps
-from train.experience import Experience
-from train.roles import ModelRole
+from jaxrl.models.transformer import positions_from_valid
+from train.updates.batching import split_minibatches
+from train.updates.forward import completion_logprobs, completion_values, sequence_logprobs, sequence_scores
+from train.updates.preference import dpo_update, reward_model_update
+from train.updates.rl import advantages, critic_update, policy_loss
+from train.updates.state import TrainState, make_optimizer
+from train.rl.experience import Experience
+from train.roles.role import ModelRole
 
 PAIRS = [Pair("rev abc=", "cba", "bca"), Pair("rev bad=", "dab", "abd"),
          Pair("rev cab=", "bac", "acb"), Pair("rev dcb=", "bcd", "cbd")]
@@ -34,30 +39,30 @@ def _pair_batch():
 
 def _state(model, lr=3e-3):
   graphdef, params = nnx.split(model)
-  opt = steps.make_optimizer(lr, warmup_steps=1, total_steps=100)
-  return graphdef, opt, steps.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
+  opt = make_optimizer(lr, warmup_steps=1, total_steps=100)
+  return graphdef, opt, TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
 
 
 def test_reward_model_learns_pairs(tiny_cfg):
   batch, _ = _pair_batch()
   graphdef, opt, state = _state(RewardModel(tiny_cfg, rngs=nnx.Rngs(0)))
-  update = jax.jit(lambda s, b: steps.reward_model_update(s, b, graphdef=graphdef, optimizer=opt))
+  update = jax.jit(lambda s, b: reward_model_update(s, b, graphdef=graphdef, optimizer=opt))
   state, first = update(state, batch)
   assert float(first["loss"]) == pytest.approx(np.log(2), abs=1e-6)  # zero-initialised head
   for _ in range(40):
     state, m = update(state, batch)
   assert float(m["loss"]) < 0.2 and float(m["accuracy"]) == 1.0 and float(m["margin"]) > 1.0
-  scores = steps.sequence_scores(graphdef, state.params, batch["tokens"], batch["valid"])
+  scores = sequence_scores(graphdef, state.params, batch["tokens"], batch["valid"])
   np.testing.assert_array_less(scores[4:], scores[:4])
 
 
 def test_dpo_raises_margin_from_zero(tiny_cfg):
   batch, prompt_len = _pair_batch()
   graphdef, opt, state = _state(LanguageModel(tiny_cfg, rngs=nnx.Rngs(1)))
-  batch["ref_logprobs"] = steps.sequence_logprobs(graphdef, state.params, batch["tokens"],
+  batch["ref_logprobs"] = sequence_logprobs(graphdef, state.params, batch["tokens"],
                                                   batch["valid"], batch["completion_mask"],
                                                   prompt_len)
-  update = jax.jit(lambda s, b: steps.dpo_update(s, b, graphdef=graphdef, optimizer=opt, beta=0.1,
+  update = jax.jit(lambda s, b: dpo_update(s, b, graphdef=graphdef, optimizer=opt, beta=0.1,
                                                  prompt_len=prompt_len))
   state, first = update(state, batch)
   assert float(first["margin"]) == pytest.approx(0.0, abs=1e-5)  # policy == reference
@@ -69,9 +74,9 @@ def test_dpo_raises_margin_from_zero(tiny_cfg):
 def test_sequence_logprobs_sum_completion_tokens(tiny_cfg):
   batch, prompt_len = _pair_batch()
   graphdef, params = nnx.split(LanguageModel(tiny_cfg, rngs=nnx.Rngs(2)))
-  logp_BN, _ = steps.completion_logprobs(graphdef, params, batch["tokens"], batch["valid"], prompt_len)
+  logp_BN, _ = completion_logprobs(graphdef, params, batch["tokens"], batch["valid"], prompt_len)
   want = (np.asarray(logp_BN) * np.asarray(batch["completion_mask"])).sum(1)
-  got = steps.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid"],
+  got = sequence_logprobs(graphdef, params, batch["tokens"], batch["valid"],
                                 batch["completion_mask"], prompt_len)
   np.testing.assert_allclose(got, want, rtol=1e-6)
 
@@ -80,9 +85,9 @@ def test_critic_values_align_and_regress(tiny_cfg):
   batch, prompt_len = _pair_batch()
   model = ValueModel(tiny_cfg, rngs=nnx.Rngs(3))
   graphdef, opt, state = _state(model, lr=1e-2)
-  values = steps.completion_values(graphdef, state.params, batch["tokens"], batch["valid"], prompt_len)
+  values = completion_values(graphdef, state.params, batch["tokens"], batch["valid"], prompt_len)
   n = batch["completion_mask"].shape[1]
-  full = model(batch["tokens"], steps.positions_from_valid(batch["valid"]), batch["valid"])
+  full = model(batch["tokens"], positions_from_valid(batch["valid"]), batch["valid"])
   np.testing.assert_allclose(values, full[:, prompt_len - 1:prompt_len - 1 + n], rtol=1e-6)
   returns = jnp.where(batch["completion_mask"], 1.5, 0.0)
   zeros = jnp.zeros_like(values)
@@ -91,7 +96,7 @@ def test_critic_values_align_and_regress(tiny_cfg):
                   old_logprobs_BN=zeros, ref_logprobs_BN=zeros, advantages_BN=zeros,
                   old_values_BN=values, returns_BN=returns)
   cfg = RLConfig(value_clip_eps=10.0, num_minibatches=2)
-  update = jax.jit(lambda s, b: steps.critic_update(s, b, graphdef=graphdef, optimizer=opt, cfg=cfg))
+  update = jax.jit(lambda s, b: critic_update(s, b, graphdef=graphdef, optimizer=opt, cfg=cfg))
   state, first = update(state, cb)
   for _ in range(30):
     state, m = update(state, cb)
@@ -106,7 +111,7 @@ def test_whitened_advantages_and_raw_returns():
   values = jnp.asarray(rng.normal(size=(6, 4)) * mask, jnp.float32)
   kl = jnp.asarray(np.abs(rng.normal(size=(6, 4))) * mask, jnp.float32)
   cfg = RLConfig(advantage="gae", kl_mode="reward", kl_coef=0.1, whiten_advantages=True, lam=0.9)
-  adv, raw = steps.advantages(rewards, jnp.asarray(mask), kl, values, cfg=cfg)
+  adv, raw = advantages(rewards, jnp.asarray(mask), kl, values, cfg=cfg)
   sel = mask > 0
   assert abs(float(np.asarray(adv)[sel].mean())) < 1e-5
   assert float(np.asarray(adv)[sel].std()) == pytest.approx(1.0, abs=1e-4)
@@ -115,7 +120,7 @@ def test_whitened_advantages_and_raw_returns():
   np.testing.assert_allclose(raw, gae(rewards, jnp.asarray(mask), values_BN=values, kl_BN=kl,
                                       kl_coef=0.1, lam=0.9), rtol=1e-6)
   # kl_mode="loss": the KL stays out of the rewards.
-  _, raw_loss = steps.advantages(rewards, jnp.asarray(mask), kl, values,
+  _, raw_loss = advantages(rewards, jnp.asarray(mask), kl, values,
                                  cfg=RLConfig(advantage="gae", kl_coef=0.1, lam=0.9))
   np.testing.assert_allclose(raw_loss, gae(rewards, jnp.asarray(mask), values_BN=values, lam=0.9),
                              rtol=1e-6)
@@ -124,7 +129,7 @@ def test_whitened_advantages_and_raw_returns():
 def _policy_batch(tiny_cfg):
   graphdef, params = nnx.split(LanguageModel(tiny_cfg, rngs=nnx.Rngs(4)))
   batch, p = _pair_batch()
-  logp, _ = steps.completion_logprobs(graphdef, params, batch["tokens"], batch["valid"], p)
+  logp, _ = completion_logprobs(graphdef, params, batch["tokens"], batch["valid"], p)
   rng = np.random.default_rng(1)
   noise = lambda: jnp.asarray(rng.normal(size=logp.shape) * 0.3, jnp.float32)
   exp = Experience(tokens_BT=batch["tokens"], valid_BT=batch["valid"],
@@ -140,7 +145,7 @@ def test_policy_loss_aipo_and_kl_in_reward(tiny_cfg):
   m = np.asarray(exp.completion_mask_BN, np.float64)
   adv, mu = np.asarray(exp.advantages_BN), np.asarray(exp.sampler_logprobs_BN)
   cfg = RLConfig(policy_loss="aipo", aipo_rho=1.5, kl_mode="reward", kl_coef=0.5)
-  loss, _ = steps.policy_loss(params, (exp, *_weights(exp, cfg)), graphdef=graphdef, cfg=cfg)
+  loss, _ = policy_loss(params, (exp, *_weights(exp, cfg)), graphdef=graphdef, cfg=cfg)
   want = -np.minimum(np.exp(logp - mu), 1.5) * adv * logp  # no KL term: it is in the rewards
   np.testing.assert_allclose(loss, (want * m).sum() / m.sum(), rtol=1e-4, atol=1e-6)
 
@@ -151,7 +156,7 @@ def test_policy_loss_truncated_is_and_entropy(tiny_cfg):
   adv = np.asarray(exp.advantages_BN)
   old, mu = np.asarray(exp.old_logprobs_BN), np.asarray(exp.sampler_logprobs_BN)
   cfg = RLConfig(tis_cap=1.2, kl_coef=0.0, entropy_coef=0.01)
-  loss, metrics = steps.policy_loss(params, (exp, *_weights(exp, cfg)), graphdef=graphdef, cfg=cfg)
+  loss, metrics = policy_loss(params, (exp, *_weights(exp, cfg)), graphdef=graphdef, cfg=cfg)
   ratio = np.exp(logp - old)
   pg = -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv) * np.minimum(np.exp(old - mu), 1.2)
   want = (pg * m).sum() / m.sum() - 0.01 * float(metrics["entropy"])
@@ -177,13 +182,13 @@ def test_role_copies_survive_donation_of_the_source(tiny_cfg):
 
 def test_minibatches_take_strided_rows_without_moving_data():
   x = jnp.arange(8 * 3).reshape(8, 3)
-  mbs = steps.split_minibatches({"x": x}, 2)["x"]
+  mbs = split_minibatches({"x": x}, 2)["x"]
   np.testing.assert_array_equal(mbs[0], x[0::2])
   np.testing.assert_array_equal(mbs[1], x[1::2])
   mesh = make_mesh({"fsdp": 4}, jax.devices()[:4])
   rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
   # Minibatch 0, still split over the 4 devices (as the update constrains it): no collective.
   # (Contiguous minibatches, x.reshape(2, 4, 3)[0], compile to an all-to-all here.)
-  first = lambda a: jax.lax.with_sharding_constraint(steps.split_minibatches(a, 2)[0] * 2, rows)
+  first = lambda a: jax.lax.with_sharding_constraint(split_minibatches(a, 2)[0] * 2, rows)
   hlo = jax.jit(first).lower(jax.device_put(x, rows)).compile().as_text()
   assert not any(op in hlo for op in ("all-to-all", "all-gather", "collective-permute"))

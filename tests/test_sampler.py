@@ -13,7 +13,7 @@ from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.models.transformer import LanguageModel, positions_from_valid
 from sampler.engine import generate
 from sampler.methods import SamplingConfig, temperature
-from train.steps import completion_logprobs
+from train.updates.forward import completion_logprobs
 
 TOK = ByteTokenizer()
 

@@ -8,7 +8,7 @@ from jaxrl.data.pipeline import Encoding, _sft_row, pack_rows, prompt_length, sf
 from jaxrl.data.tasks import make_splits
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.models.transformer import LanguageModel, positions_from_segments
-from train import steps
+from train.updates.forward import token_logprobs
 
 
 def test_positions_restart_per_segment():
@@ -25,7 +25,7 @@ def test_packed_logprobs_equal_unpacked(tiny_cfg):
   assert all(r["loss_mask"].sum() > 0 for r in rows)
   graphdef, params = nnx.split(LanguageModel(tiny_cfg, rngs=nnx.Rngs(0)))
   row = rows[0]
-  logp_packed, _ = steps.token_logprobs(graphdef, params, jnp.asarray(row["tokens"])[None],
+  logp_packed, _ = token_logprobs(graphdef, params, jnp.asarray(row["tokens"])[None],
                                         jnp.asarray(row["valid"])[None],
                                         jnp.asarray(row["segment_ids"])[None])
   seq_len = prompt_length(train, enc) + target_length(train, enc)
@@ -34,7 +34,7 @@ def test_packed_logprobs_equal_unpacked(tiny_cfg):
     where = np.flatnonzero(row["segment_ids"] == seg)
     ex = by_text[tok.decode(row["tokens"][where])]
     alone = _sft_row(ex, enc, seq_len)
-    logp_alone, _ = steps.token_logprobs(graphdef, params, jnp.asarray(alone["tokens"])[None],
+    logp_alone, _ = token_logprobs(graphdef, params, jnp.asarray(alone["tokens"])[None],
                                          jnp.asarray(alone["valid"])[None])
     n = len(where)
     # Targets inside the segment (next-token predictions from its own tokens).

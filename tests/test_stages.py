@@ -5,8 +5,8 @@ import time
 import pytest
 
 from configs import tiny
-from train.experiment import Experiment
-from train.hooks import Checkpoint, Hook
+from train.run import Experiment
+from train.run.hooks import Checkpoint, Hook
 from train.stages import StageProgress, Stopped
 
 

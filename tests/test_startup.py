@@ -15,7 +15,7 @@ import pytest
 from jaxrl.config import ConfigError, ExperimentConfig, PlacementConfig, usable_memory_gb
 from jaxrl.config_files import from_mapping
 from sharding.host import force_cpu_devices, reserve_device_memory
-from train import compilation
+from train.io import compilation
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 # The smallest run that still compiles every RL program: no SFT, one step of one minibatch.

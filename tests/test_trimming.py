@@ -12,8 +12,9 @@ from jaxrl.config import RLConfig
 from jaxrl.data.pipeline import bucket_length
 from jaxrl.models import LanguageModel, ModelConfig
 from sampler.engine import Rollout
-from train import steps
-from train.experience import Experience, trim_rollout
+from train.updates.forward import completion_logprobs
+from train.updates.rl import policy_loss
+from train.rl.experience import Experience, trim_rollout
 
 
 def test_bucket_length():
@@ -42,7 +43,7 @@ def _experience(graphdef, params, tokens, valid, n):
   b, t = tokens.shape
   mask = jnp.asarray(valid[:, t - n:])
   rng = np.random.default_rng(1)
-  logp, _ = steps.completion_logprobs(graphdef, params, jnp.asarray(tokens), jnp.asarray(valid),
+  logp, _ = completion_logprobs(graphdef, params, jnp.asarray(tokens), jnp.asarray(valid),
                                       t - n)
   noise = jnp.asarray(rng.normal(size=(b, n)) * 0.2, jnp.float32)
   adv = jnp.asarray(np.repeat(rng.normal(size=(b, 1)), n, 1), jnp.float32) * mask
@@ -73,7 +74,7 @@ def test_trimmed_batch_same_loss_and_gradients(aggregation):
     from jaxrl.algos.losses import aggregation_weights
     weights = aggregation_weights(aggregation, exp.completion_mask_BN, horizon=n_max)
     tokens = aggregation_weights("token_mean", exp.completion_mask_BN)
-    fn = lambda p: steps.policy_loss(p, (exp, weights, tokens), graphdef=graphdef, cfg=rl)[0]
+    fn = lambda p: policy_loss(p, (exp, weights, tokens), graphdef=graphdef, cfg=rl)[0]
     return jax.jit(jax.value_and_grad(fn))(params)
 
   (loss_full, g_full), (loss_trim, g_trim) = loss_and_grads(full), loss_and_grads(trimmed)

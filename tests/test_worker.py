@@ -13,7 +13,7 @@ from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.models.transformer import LanguageModel
 from sampler.engine import generate
 from sampler.methods import SamplingConfig
-from sampler.worker import RolloutWorker, RolloutWorkerError
+from train.rollout.worker import RolloutWorker, RolloutWorkerError
 
 TOK = ByteTokenizer()
 

@@ -1,6 +1,9 @@
-"""Advantage estimators, one signature for all, selected by name from `ADVANTAGES`:
+"""Advantage estimators, selected by name from `ADVANTAGES`:
 
-  fn(rewards_B, mask_BN, *, group_size, kl_BN=None, values_BN=None, gamma=1.0, lam=1.0) -> adv_BN
+  fn(rewards_B, mask_BN, *, ...) -> adv_BN
+
+each reading the keyword-only parameters it declares (jaxrl/algos/registry.py) from what the
+caller has: `group_size`, `kl_BN`, `kl_coef`, `values_BN`, `gamma`, `lam`.
 
 Rows are group-major (rows [g*n, (g+1)*n) share a prompt); `rewards_B` is the sequence reward,
 credited at the last valid token; masked tokens get advantage 0.
@@ -21,7 +24,7 @@ def _grouped(rewards_B, group_size):
   return r_GN, r_GN.mean(axis=1, keepdims=True)
 
 
-def grpo(rewards_B, mask_BN, *, group_size, eps=1e-6, **_):
+def grpo(rewards_B, mask_BN, *, group_size, eps=1e-6):
   """(r - group mean) / (group std + eps), std unbiased; groups of one get advantage 0."""
   if group_size == 1:
     return jnp.zeros(mask_BN.shape, jnp.float32)
@@ -31,13 +34,13 @@ def grpo(rewards_B, mask_BN, *, group_size, eps=1e-6, **_):
   return _per_token((centred_GN / (std_G1 + eps)).reshape(-1), mask_BN)
 
 
-def dr_grpo(rewards_B, mask_BN, *, group_size, **_):
+def dr_grpo(rewards_B, mask_BN, *, group_size):
   """Dr. GRPO: r - group mean, no std normalisation (pair with a length-free aggregation)."""
   r_GN, mean_G1 = _grouped(rewards_B, group_size)
   return _per_token((r_GN - mean_G1).reshape(-1), mask_BN)
 
 
-def rloo(rewards_B, mask_BN, *, group_size, **_):
+def rloo(rewards_B, mask_BN, *, group_size):
   """Leave-one-out baseline: r_i - mean of the other samples of the prompt (0 for groups of 1)."""
   if group_size == 1:
     return jnp.zeros(mask_BN.shape, jnp.float32)
@@ -66,7 +69,7 @@ def discounted_returns(r_BN, mask_BN, gamma):
   return ret_NB.T
 
 
-def reinforce_pp(rewards_B, mask_BN, *, kl_BN=None, kl_coef=0.0, gamma=1.0, eps=1e-6, **_):
+def reinforce_pp(rewards_B, mask_BN, *, kl_BN=None, kl_coef=0.0, gamma=1.0, eps=1e-6):
   """REINFORCE++: KL folded into per-token rewards, returns-to-go, normalised over the batch."""
   mask = mask_BN.astype(jnp.float32)
   ret_BN = discounted_returns(token_rewards(rewards_B, mask, kl_BN, kl_coef), mask, gamma)
@@ -76,7 +79,7 @@ def reinforce_pp(rewards_B, mask_BN, *, kl_BN=None, kl_coef=0.0, gamma=1.0, eps=
   return (ret_BN - mean) / (jnp.sqrt(var) + eps) * mask
 
 
-def gae(rewards_B, mask_BN, *, values_BN, kl_BN=None, kl_coef=0.0, gamma=1.0, lam=0.95, **_):
+def gae(rewards_B, mask_BN, *, values_BN, kl_BN=None, kl_coef=0.0, gamma=1.0, lam=0.95):
   """Generalised advantage estimation with a critic; returns = advantages + values."""
   mask = mask_BN.astype(jnp.float32)
   r_BN = token_rewards(rewards_B, mask, kl_BN, kl_coef)

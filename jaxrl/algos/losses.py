@@ -1,11 +1,23 @@
-"""Per-token policy losses, KL estimators and loss aggregation: small pure jnp functions."""
+"""Per-token policy losses, KL estimators and loss aggregation: small pure jnp functions.
+
+A policy loss is `fn(logp_BN, adv_BN, *, ...)` whose keyword-only parameters are what it reads
+(jaxrl/algos/registry.py): `old_BN` (the trainer's policy before the update), `mu_BN` (the
+sampler's, the behaviour policy), `mask_BN` (the policy's own tokens) and the hyperparameters
+`eps_low`, `eps_high`, `rho`. Its `POLICY_LOSSES` entry also names the importance ratio its
+clipping is measured on (`clip_ratio`: per token, or one per sequence for GSPO).
+"""
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 
+from jaxrl.algos.registry import declared
 
-def ppo_clip_loss(logp_BN, adv_BN, *, old_BN, eps_low: float, eps_high: float, **_):
+
+def ppo_clip_loss(logp_BN, adv_BN, *, old_BN, eps_low: float, eps_high: float):
   """Clipped surrogate, per token: -min(r * A, clip(r, 1-eps_low, 1+eps_high) * A), r = pi/pi_old.
   eps_high > eps_low is DAPO's clip-higher."""
   ratio_BN = jnp.exp(logp_BN - old_BN)
@@ -13,7 +25,7 @@ def ppo_clip_loss(logp_BN, adv_BN, *, old_BN, eps_low: float, eps_high: float, *
   return -jnp.minimum(ratio_BN * adv_BN, clipped_BN * adv_BN)
 
 
-def aipo_loss(logp_BN, adv_BN, *, mu_BN, rho: float, **_):
+def aipo_loss(logp_BN, adv_BN, *, mu_BN, rho: float):
   """AIPO (LlamaRL): -min(pi/mu, rho) * A * log pi, the weight a stop-gradient constant."""
   weight_BN = jax.lax.stop_gradient(jnp.minimum(jnp.exp(logp_BN - mu_BN), rho))
   return -weight_BN * adv_BN * logp_BN
@@ -26,7 +38,7 @@ def sequence_log_ratio(logp_BN, old_BN, mask_BN):
   return ((logp_BN - old_BN) * mask_BN).sum(1) / jnp.maximum(mask_BN.sum(1), 1.0)
 
 
-def gspo_loss(logp_BN, adv_BN, *, old_BN, mask_BN, eps_low: float, eps_high: float, **_):
+def gspo_loss(logp_BN, adv_BN, *, old_BN, mask_BN, eps_low: float, eps_high: float):
   """GSPO (Qwen, 2025): one importance ratio per sequence, s = exp(mean_t log pi/pi_old), clipped
   at the sequence level: -min(s * A, clip(s, 1-eps_low, 1+eps_high) * A), the row's value on
   each of its tokens (aggregate with `seq_mean_token_mean` for the paper's per-sequence mean).
@@ -38,7 +50,7 @@ def gspo_loss(logp_BN, adv_BN, *, old_BN, mask_BN, eps_low: float, eps_high: flo
   return -jnp.minimum(ratio_B * adv_B, clipped_B * adv_B)[:, None] * maskf_BN
 
 
-def cispo_loss(logp_BN, adv_BN, *, old_BN, eps_low: float, eps_high: float, **_):
+def cispo_loss(logp_BN, adv_BN, *, old_BN, eps_low: float, eps_high: float):
   """CISPO (MiniMax-M1): -sg(clip(r, 1-eps_low, 1+eps_high)) * A * log pi. The importance
   weight is clipped, never the gradient: every token keeps its log-prob gradient."""
   weight_BN = jax.lax.stop_gradient(
@@ -46,7 +58,7 @@ def cispo_loss(logp_BN, adv_BN, *, old_BN, eps_low: float, eps_high: float, **_)
   return -weight_BN * adv_BN * logp_BN
 
 
-def decoupled_ppo_loss(logp_BN, adv_BN, *, old_BN, mu_BN, eps_low: float, eps_high: float, **_):
+def decoupled_ppo_loss(logp_BN, adv_BN, *, old_BN, mu_BN, eps_low: float, eps_high: float):
   """Decoupled PPO (AReaL): the clip is around the proximal policy pi_old (the trainer's weights
   before this update) and the behaviour policy mu (the sampler's, possibly several versions
   older) enters only as the stop-gradient weight pi_old / mu:
@@ -131,8 +143,28 @@ def aggregation_weights(name: str, mask_BN, horizon: int | None = None) -> jax.A
   return jax.grad(AGGREGATIONS[name])(jnp.zeros_like(mask_BH), mask_BH)[:, :n]
 
 
-# One signature: fn(logp_BN, adv_BN, *, old_BN, mu_BN, mask_BN, eps_low, eps_high, rho) -> the
-# per-token loss [B, N]; each takes what it needs. old: the trainer's policy before the update;
-# mu: the sampler's (behaviour) policy.
-POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "aipo": aipo_loss, "gspo": gspo_loss,
-                 "cispo": cispo_loss, "decoupled_ppo": decoupled_ppo_loss}
+def token_ratio(logp_BN, old_BN, mask_BN):
+  """pi / pi_old per token."""
+  return jnp.exp(logp_BN - old_BN)
+
+
+def sequence_ratio(logp_BN, old_BN, mask_BN):
+  """GSPO's sequence ratio, [B, 1]."""
+  return jnp.exp(sequence_log_ratio(logp_BN, old_BN, mask_BN))[:, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLoss:
+  """A policy loss (its keyword-only parameters: what it reads) and the ratio its clip fraction
+  is measured on."""
+  fn: Callable
+  clip_ratio: Callable = token_ratio
+
+  def __call__(self, logp_BN, adv_BN, available: Mapping):
+    """The per-token loss [B, N], taking from `available` what `fn` declares."""
+    return self.fn(logp_BN, adv_BN, **declared(self.fn, available))
+
+
+POLICY_LOSSES = {"ppo_clip": PolicyLoss(ppo_clip_loss), "aipo": PolicyLoss(aipo_loss),
+                 "gspo": PolicyLoss(gspo_loss, clip_ratio=sequence_ratio),
+                 "cispo": PolicyLoss(cispo_loss), "decoupled_ppo": PolicyLoss(decoupled_ppo_loss)}

@@ -3,7 +3,7 @@ says why a restricted evaluator rather than a subprocess)."""
 from __future__ import annotations
 
 from jaxrl.envs.base import ToolEnvironment
-from jaxrl.envs.evaluate import FUNCTIONS, EvalError, evaluate
+from jaxrl.envs.sandbox import FUNCTIONS, EvalError, evaluate
 
 
 def _shown(value) -> str:

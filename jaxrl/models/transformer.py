@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxrl.models.attention import KVCache, attention_mask
 from jaxrl.models.config import REMAT_POLICIES, ModelConfig
-from jaxrl.models.layouts import ROWS, dense
+from jaxrl.models.layouts import ROWS
 from jaxrl.models.lora import LoRA, LoRAConfig
 
 

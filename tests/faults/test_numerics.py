@@ -7,21 +7,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import steps
-from train.checkpoint import RunCheckpointer, params_fingerprint
-from train.controller import Controller
-from train.experiment import Experiment
+from train.updates.state import TrainState, apply_gradients, make_optimizer
+from train.io.checkpoint import RunCheckpointer, params_fingerprint
+from train.rl.controller import Controller
+from train.run import Experiment
 
 
 def test_a_non_finite_gradient_is_skipped_and_counted():
   params = {"w": jnp.ones(3)}
-  opt = steps.make_optimizer(0.1, warmup_steps=1, total_steps=10)
-  state = steps.TrainState(step=jnp.int32(0), params=params, opt_state=opt.init(params))
-  state, _ = steps._apply(state, {"w": jnp.ones(3)}, opt, {})  # (the warm-up's first lr is 0)
+  opt = make_optimizer(0.1, warmup_steps=1, total_steps=10)
+  state = TrainState(step=jnp.int32(0), params=params, opt_state=opt.init(params))
+  state, _ = apply_gradients(state, {"w": jnp.ones(3)}, opt, {})  # (the warm-up's first lr is 0)
   seen = []
   for grad in (1.0, np.nan, np.inf, 1.0):
     before = state.params["w"]
-    state, m = steps._apply(state, {"w": jnp.full(3, grad)}, opt, {})
+    state, m = apply_gradients(state, {"w": jnp.full(3, grad)}, opt, {})
     seen.append((float(m["skipped_updates"]), int(m["skipped_in_a_row_max"])))
     changed = not np.array_equal(before, state.params["w"])
     assert changed == np.isfinite(grad) and np.isfinite(state.params["w"]).all()

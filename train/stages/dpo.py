@@ -13,12 +13,14 @@ import numpy as np
 
 from jaxrl.config import ExperimentConfig
 from jaxrl.data.preferences import pair_batch, pair_lengths
-from train import steps
-from train.learner import Learner
+from train.updates.forward import sequence_logprobs
+from train.updates.preference import dpo_update
+from train.updates.state import make_optimizer
+from train.roles.learner import Learner
 from train.stages.base import Stage
-from train.evaluation import chunks
-from train.stages.pairs import check_pairs_file, load_pairs
-from train.host_transfers import to_device, to_host
+from train.task.heldout import chunks
+from train.task.pairs import check_pairs_file, load_pairs
+from train.io.host_transfers import to_device, to_host
 
 
 class DPOStage(Stage):
@@ -36,15 +38,15 @@ class DPOStage(Stage):
         policy_negatives=d.policy_negatives)
     self.note(skipped)  # a pairs file's bad rows, for the summary
     self.lengths = pair_lengths(self.train_pairs + self.heldout_pairs, ctx.task.enc)
-    self._seq_logp = actor.jit(functools.partial(steps.sequence_logprobs, actor.graphdef,
+    self._seq_logp = actor.jit(functools.partial(sequence_logprobs, actor.graphdef,
                                                  prompt_len=self.lengths[0]))
     if not restoring:
       self.ref_train = self._logprobs(self.train_pairs)
       self.ref_heldout = self._logprobs(self.heldout_pairs)
       self.margin0 = self._margins()[0]
-    optimizer = steps.make_optimizer(d.learning_rate, warmup_steps=d.warmup_steps,
+    optimizer = make_optimizer(d.learning_rate, warmup_steps=d.warmup_steps,
                                      total_steps=d.steps)
-    update = functools.partial(steps.dpo_update, beta=d.beta, prompt_len=self.lengths[0])
+    update = functools.partial(dpo_update, beta=d.beta, prompt_len=self.lengths[0])
     self.learner = Learner(actor, update, optimizer, initialize=not restoring)
     self._data = None
 

@@ -12,12 +12,14 @@ import numpy as np
 
 from jaxrl.config import ExperimentConfig
 from jaxrl.data.preferences import pair_batch, pair_dataset, pair_lengths
-from train import steps
-from train.learner import Learner
+from train.updates.forward import sequence_scores
+from train.updates.preference import reward_model_update
+from train.updates.state import make_optimizer
+from train.roles.learner import Learner
 from train.stages.base import Stage
-from train.evaluation import chunks
-from train.stages.pairs import check_pairs_file, load_pairs
-from train.host_transfers import to_device, to_host
+from train.task.heldout import chunks
+from train.task.pairs import check_pairs_file, load_pairs
+from train.io.host_transfers import to_device, to_host
 
 log = logging.getLogger("jaxrl")
 
@@ -46,13 +48,13 @@ class RewardModelStage(Stage):
       role = cluster.add("reward")
       role.load(cluster.actor_weights(), subtree="decoder")
     self.role = role
-    self._scores = role.jit(functools.partial(steps.sequence_scores, role.graphdef))
+    self._scores = role.jit(functools.partial(sequence_scores, role.graphdef))
     self.data = pair_dataset(self.train_pairs, ctx.task.enc, batch_size=rm.batch_size,
                              prompt_len=self.lengths[0], response_len=self.lengths[1],
                              seed=self.cfg.seed + 2)
-    optimizer = steps.make_optimizer(rm.learning_rate, warmup_steps=rm.warmup_steps,
+    optimizer = make_optimizer(rm.learning_rate, warmup_steps=rm.warmup_steps,
                                      total_steps=rm.steps)
-    self.learner = Learner(role, steps.reward_model_update, optimizer, initialize=not restoring)
+    self.learner = Learner(role, reward_model_update, optimizer, initialize=not restoring)
     if not restoring:
       self.accuracy0 = self._accuracy()[0]
 

@@ -15,9 +15,13 @@ import functools
 import logging
 import time
 
-from train import async_state, steps
-from train.controller import Controller
-from train.learner import Learner
+from train.rollout import async_state
+
+from train.updates.rl import critic_update, rl_update
+
+from train.updates.state import make_optimizer
+from train.rl.controller import Controller
+from train.roles.learner import Learner
 from train.stages.base import Stage
 
 log = logging.getLogger("jaxrl")
@@ -47,15 +51,15 @@ class RLStage(Stage):
     if cluster.get("reference") is None:  # frozen: the actor as RL starts
       cluster.add_reference(restored=restoring)
     updates = rl.steps * rl.num_minibatches
-    optimizer = lambda lr: steps.make_optimizer(lr, warmup_steps=rl.warmup_steps,
+    optimizer = lambda lr: make_optimizer(lr, warmup_steps=rl.warmup_steps,
                                                 total_steps=updates,
                                                 max_grad_norm=rl.max_grad_norm)
-    self.actor = Learner(cluster.actor, functools.partial(steps.rl_update, cfg=rl),
+    self.actor = Learner(cluster.actor, functools.partial(rl_update, cfg=rl),
                          optimizer(rl.learning_rate), initialize=not restoring)
     self.critic = None
     if rl.advantage == "gae":
       critic = cluster.get("critic") or self._new_critic()
-      self.critic = Learner(critic, functools.partial(steps.critic_update, cfg=rl),
+      self.critic = Learner(critic, functools.partial(critic_update, cfg=rl),
                             optimizer(rl.critic_learning_rate), initialize=not restoring)
 
   def _new_critic(self):

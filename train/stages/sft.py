@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from jaxrl.config import ConfigError
 from jaxrl.data.pipeline import sft_dataset
-from train import steps
-from train.learner import Learner
+from train.updates.sft import sft_update
+from train.updates.state import make_optimizer
+from train.roles.learner import Learner
 from train.stages.base import Stage
-from train.host_transfers import to_device
+from train.io.host_transfers import to_device
 
 
 class SFTStage(Stage):
@@ -21,9 +22,9 @@ class SFTStage(Stage):
                               seed=self.cfg.seed, pack_length=s.pack_length)
     except ValueError as e:  # an example longer than sft.pack_length
       raise ConfigError(str(e)) from None
-    optimizer = steps.make_optimizer(s.learning_rate, warmup_steps=s.warmup_steps,
+    optimizer = make_optimizer(s.learning_rate, warmup_steps=s.warmup_steps,
                                      total_steps=s.steps, weight_decay=s.weight_decay)
-    self.learner = Learner(ctx.cluster.actor, steps.sft_update, optimizer,
+    self.learner = Learner(ctx.cluster.actor, sft_update, optimizer,
                            initialize=not restoring)
 
   def step(self) -> dict:

@@ -24,16 +24,18 @@ from flax import nnx
 
 from jaxrl.config import ConfigError, ExperimentConfig, to_dict
 from sharding.placement import host_major_devices
-from train import compilation, resume, rundir
-from train.checkpoint import CheckpointError, RunCheckpointer, params_fingerprint
+from train.io import compilation
+from train.run import resume
+from train.io import rundir
+from train.io.checkpoint import CheckpointError, RunCheckpointer, params_fingerprint
 from jaxrl.config_files import merge, resolve
-from train.context import RunContext
-from train.hooks import Checkpoint, Evaluate, Log, NonFinite, Progress, StopRequest
-from train.metrics import MetricsWriter, plain_row, plot_metrics
-from train.tracking import Trackers, last_steps
-from train.sampling import Completion, sample
+from train.stages.context import RunContext
+from train.run.hooks import Checkpoint, Evaluate, Log, NonFinite, Progress, StopRequest
+from train.io.metrics import MetricsWriter, plain_row, plot_metrics
+from train.io.tracking import Trackers, last_steps
+from train.run.sampling import Completion, sample
 from train.stages import STAGES, Stage, Stopped, run_stage
-from train.host_transfers import to_host
+from train.io.host_transfers import to_host
 
 log = logging.getLogger("jaxrl")
 

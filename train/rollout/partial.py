@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sampler.worker import RolloutBatch, WorkerState, Worker
+from train.rollout.worker import RolloutBatch, WorkerState, Worker
 
 
 class PartialRolloutWorker(Worker):

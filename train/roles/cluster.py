@@ -23,9 +23,9 @@ from jaxrl.models.dtypes import compute_dtypes, frozen_base_dtypes
 from jaxrl.models.transformer import LanguageModel
 from sharding.placement import ROLES, PlacementError, host_major_devices, make_placement
 from sharding.rules import SAMPLER_RULES, batch_ways
-from train.checkpoint import load_actor_params, saved_actor_shapes
-from train.roles import ModelRole
-from train.sampler_copy import SamplerCopy
+from train.io.checkpoint import load_actor_params, saved_actor_shapes
+from train.roles.role import ModelRole
+from train.roles.sampler_weights import SamplerCopy
 
 log = logging.getLogger("jaxrl")
 MODEL_CLASSES = {"actor": LanguageModel, "reference": LanguageModel, "reward": RewardModel,

@@ -13,7 +13,7 @@ import json
 import threading
 import time
 
-from train import compilation
+from train.io import compilation
 
 
 class Timeline:

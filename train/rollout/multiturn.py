@@ -32,7 +32,7 @@ from jaxrl.envs import Environment, EnvError
 from sampler.engine import Rollout
 from sampler.requests import WIDTH_STEP, Request, Requests
 from sampler.sampler import Sampler
-from train.host_transfers import to_host
+from train.io.host_transfers import to_host
 
 
 @dataclasses.dataclass

@@ -23,8 +23,8 @@ import jax
 from flax import nnx
 
 from jaxrl.config import ConfigError, first_line
-from train.checkpoint import RunCheckpointer, shapes
-from train.context import RunContext
+from train.io.checkpoint import RunCheckpointer, shapes
+from train.stages.context import RunContext
 from train.stages import Stage
 
 log = logging.getLogger("jaxrl")

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sampler.worker import WorkerState
+from train.rollout.worker import WorkerState
 
 
 def _spec(x) -> list | None:

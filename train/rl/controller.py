@@ -24,17 +24,18 @@ import time
 import jax
 import numpy as np
 
-from sampler.partial import PartialRolloutWorker
-from sampler.worker import (RolloutBatch, RolloutWorker, RolloutWorkerError, WorkerState,
-                            rollout_key)
+from train.rollout.partial import PartialRolloutWorker
+from train.rollout.worker import (RolloutBatch, RolloutWorker, RolloutWorkerError, WorkerState, rollout_key)
 from jaxrl.config import offload_items
-from train import offload, steps
-from train.executors import Executor, ExecutorError
+from train.roles import offload
+from train.updates.batching import map_minibatches
+from train.updates.forward import completion_logprobs, completion_values, sequence_scores
+from train.rl.executors import Executor, ExecutorError
 from jaxrl.algos.advantages import informative_groups
 from jaxrl.data.pipeline import bucket_length
-from train.experience import combine_rollouts, make_experience, trim_rollout
-from train.learner import Learner
-from train.host_transfers import allowed, to_device, to_host
+from train.rl.experience import combine_rollouts, make_experience, trim_rollout
+from train.roles.learner import Learner
+from train.io.host_transfers import allowed, to_device, to_host
 
 
 class Controller:
@@ -60,15 +61,15 @@ class Controller:
     def scorer(role, fn):
       def score(params, tokens_BT, valid_BT, mask_BN):  # the prompt length: from the shapes
         p_len = tokens_BT.shape[1] - mask_BN.shape[1]
-        return steps.map_minibatches(lambda mb: fn(role.graphdef, params, *mb, prompt_len=p_len),
+        return map_minibatches(lambda mb: fn(role.graphdef, params, *mb, prompt_len=p_len),
                                      (tokens_BT, valid_BT), n)
       return role.jit(score)
-    logp = lambda *args, **kw: steps.completion_logprobs(*args, **kw)[0]
+    logp = lambda *args, **kw: completion_logprobs(*args, **kw)[0]
     self._ref_logp, self._old_logp = scorer(self.reference, logp), scorer(actor.role, logp)
     if critic is not None:
-      self._values_fn = scorer(critic.role, steps.completion_values)
+      self._values_fn = scorer(critic.role, completion_values)
     if self.reward_model is not None:
-      self._scores_fn = self.reward_model.jit(functools.partial(steps.sequence_scores,
+      self._scores_fn = self.reward_model.jit(functools.partial(sequence_scores,
                                                                 self.reward_model.graphdef))
     self._experience = actor.role.jit(functools.partial(make_experience, cfg=self.cfg))
     items = offload_items(ctx.cfg.placement.offload)

@@ -22,9 +22,9 @@ from jaxrl.data.files import DataError
 from jaxrl.data.sources import DataOptions
 from jaxrl.data.preferences import Pair, synthetic_pairs, write_jsonl
 from jaxrl.data.tasks import Example
-from sampler.worker import rollout_key
-from train.context import RunContext
-from train.evaluation import chunks
+from train.rollout.worker import rollout_key
+from train.stages.context import RunContext
+from train.task.heldout import chunks
 
 log = logging.getLogger("jaxrl")
 HELDOUT_FRACTION = 0.1  # of a user's pairs file, held out for the accuracy / margin metric

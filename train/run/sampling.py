@@ -14,8 +14,8 @@ import numpy as np
 from jaxrl.data.files import DataError
 from jaxrl.data.sources import DataOptions, render_prompt
 from sampler.sampler import Sampler
-from sampler.worker import rollout_key
-from train.context import RunContext
+from train.rollout.worker import rollout_key
+from train.stages.context import RunContext
 
 
 @dataclasses.dataclass(frozen=True)

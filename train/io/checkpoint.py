@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxrl.config import first_line
-from train.host_transfers import RECORD, to_host
+from train.io.host_transfers import RECORD, to_host
 
 policies = ocp.checkpoint_managers
 

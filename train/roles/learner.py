@@ -1,21 +1,20 @@
 """A learner: one trained model in one stage, its optimizer state and its ONE jitted update.
 
-The update is a pure step from train/steps.py, `update(state, batch) -> (state, metrics)`, jitted
+The update is a pure step from train/updates/, `update(state, batch) -> (state, metrics)`, jitted
 here, once, on the model's mesh with the state's shardings and the state donated. The parameters
 stay in the `ModelRole` (other roles copy them: the sampler, a reference); the learner keeps the
 optimizer state and the step counter, sharded like the parameters they belong to.
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from train.roles import ModelRole, abstract_like
-from train.steps import Frozen, TrainState
+from train.roles.role import ModelRole, abstract_like
+from train.updates.state import Frozen, TrainState
 
 
 def compiler_options(role: ModelRole) -> dict | None:

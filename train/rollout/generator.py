@@ -21,12 +21,12 @@ from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
 from sampler.stream import Stream
-from sampler.worker import rollout_key
+from train.rollout.worker import rollout_key
 from sharding.mesh import batch_sharding
 from sharding.rules import SAMPLER_RULES
-from train.cluster import RoleCluster
-from train.host_transfers import to_device
-from train.multiturn import as_rollout, converse
+from train.roles.cluster import RoleCluster
+from train.io.host_transfers import to_device
+from train.rollout.multiturn import as_rollout, converse
 
 
 def _sampler(cluster: RoleCluster, cfg: SamplingConfig, n: int, inflight_slots: int) -> Sampler:

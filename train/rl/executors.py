@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from train.timeline import Timeline
+from train.io.timeline import Timeline
 
 
 class ExecutorError(RuntimeError):

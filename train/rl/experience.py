@@ -18,7 +18,7 @@ from jaxrl.algos import KL_ESTIMATORS
 from jaxrl.algos.advantages import overlong_penalty
 from jaxrl.config import RLConfig
 from jaxrl.data.tokenizer import Tokenizer
-from train import steps
+from train.updates.rl import advantages
 
 
 @flax.struct.dataclass
@@ -68,7 +68,7 @@ def make_experience(rollout, rewards_B, old_BN, ref_BN, values_BN, *, cfg: RLCon
     kl_BN = KL_ESTIMATORS[cfg.kl_estimator](old_BN, ref_BN) * own_BN.astype(jnp.float32)
   if values_BN is not None:
     values_BN = values_BN * maskf_BN
-  adv_BN, raw_BN = steps.advantages(scored_B, own_BN, kl_BN, values_BN, cfg=cfg)
+  adv_BN, raw_BN = advantages(scored_B, own_BN, kl_BN, values_BN, cfg=cfg)
   loss_mask_BN = rollout.loss_mask_BN  # None: every completion token (a single turn)
   if cfg.overlong_filter:
     loss_mask_BN = (mask_BN if loss_mask_BN is None else loss_mask_BN) & ~overlong_B[:, None]

@@ -25,8 +25,8 @@ from jaxrl.models import lora
 from jaxrl.models.dtypes import compute_dtypes
 from sharding.reshard import TransferStats, reshard
 from sharding.rules import SAMPLER_RULES
-from train.host_transfers import allowed
-from train.roles import ModelRole, role_shardings
+from train.io.host_transfers import allowed
+from train.roles.role import ModelRole, role_shardings
 
 class SamplerCopy:
 

@@ -20,8 +20,8 @@ import numpy as np
 from tqdm import tqdm
 
 from train.stages.base import Stage, Stopped
-from train import metrics
-from train.host_transfers import to_host
+from train.io import metrics
+from train.io.host_transfers import to_host
 
 log = logging.getLogger("jaxrl")
 
@@ -130,7 +130,7 @@ class NumericsError(RuntimeError):
 
 class NonFinite(Hook):
   """Stops the run once `limit` updates in a row were skipped for a NaN or an Inf in their
-  gradients (the optimizer skips them: train/steps.py, `make_optimizer`). It reads the count
+  gradients (the optimizer skips them: train/updates/, `make_optimizer`). It reads the count
   from rows the Log hook has fetched, so it adds no host transfer: every step in RL, every
   `log_every` steps in SFT, DPO and reward-model training. Skipped updates leave the weights
   as they were, and it runs before the Checkpoint hook, so the last checkpoint is a good one."""
@@ -152,7 +152,7 @@ class NonFinite(Hook):
 
 class Checkpoint(Hook):
   """A run-state checkpoint every `every` steps, at least every `minutes`, and at the end of
-  every stage; `save(stage)` writes one (train/experiment.py)."""
+  every stage; `save(stage)` writes one (train/run/experiment.py)."""
 
   def __init__(self, save: Callable[[Stage], None], every: int, minutes: float):
     self.save, self.every, self.seconds = save, every, minutes * 60
