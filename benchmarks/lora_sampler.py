@@ -40,7 +40,7 @@ def main() -> None:
   from jaxrl.models.transformer import LanguageModel
   from sharding.mesh import make_mesh
   from train.roles.role import ModelRole
-  from train.roles.sampler_weights import SamplerCopy
+  from train.roles.sampler_weights import SamplerWeights
 
   c = tiny.get_config()
   c.model.update(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
@@ -50,14 +50,14 @@ def main() -> None:
   cfg = resolve(c)
   actor = ModelRole("actor", lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0), lora=cfg.lora),
                     mesh, trainable=lora.TRAINABLE).initialize()
-  adapters, base = actor.split(actor.params)
+  adapters = actor.split(actor.params)[0]
   keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(adapters))))
-  actor.params = actor.join(jax.tree.map(
-      lambda x: x + 0.01 * jax.random.normal(next(keys), x.shape), adapters), base)
+  actor.set_trained(jax.tree.map(lambda x: x + 0.01 * jax.random.normal(next(keys), x.shape),
+                                 adapters))
   plain = nnx.split(nnx.eval_shape(lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0))))[0]
   copies = {}
   for mode in ("merged", "adapters"):
-    copies[mode] = SamplerCopy(resolve({**c.to_dict(), "lora": {**c.lora.to_dict(),
+    copies[mode] = SamplerWeights(resolve({**c.to_dict(), "lora": {**c.lora.to_dict(),
                                                                  "sampler": mode}}),
                                actor, mesh, plain)
   b, slots, steps = args.rows, 256, 32
@@ -81,7 +81,7 @@ def main() -> None:
   times = {f"{m}_{k}": [] for m in copies for k in ("push_s", "decode_step_s")}
   for _ in range(args.repeats):  # alternately, so drifts in the machine hit both
     for mode, copy in copies.items():
-      actor.params = actor.join(*actor.split(actor.params))  # a new version: push again
+      actor.set_trained(actor.split(actor.params)[0])  # a new version: push again
       t0 = time.perf_counter()
       params = copy.fresh()
       jax.block_until_ready(params)

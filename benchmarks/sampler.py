@@ -137,7 +137,6 @@ def _stream_paths(args, graphdef, cfg, mesh, shardings, params):
   import numpy as np
 
   from sampler.sampler import Sampler
-  from sampler.stream import Stream
   sampler = Sampler(graphdef, cfg, mesh=mesh, param_shardings=shardings,
                     inflight_slots=args.batch)
   rows = args.prompts // args.stream
@@ -149,7 +148,7 @@ def _stream_paths(args, graphdef, cfg, mesh, shardings, params):
                                              jax.random.key(i), budget_B[i:i + rows]))
     return rows * args.stream
 
-  s = Stream(sampler, params, prompt_width=args.prompt_len, batch_prompts=rows, live=2)
+  s = sampler.stream(params, prompt_width=args.prompt_len, batch_prompts=rows, live=2)
 
   def stream(tokens_BP, valid_BP, budget_B):  # batches first, .. first + K - 1 of the stream
     tokens_BP, valid_BP = np.asarray(tokens_BP), np.asarray(valid_BP)

@@ -70,7 +70,7 @@ def resident_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dic
       table[f"{name} LoRA adapters ({_dtype_name(learned)})"] = shard_bytes(learned)
     if name in trained:
       table[f"{name} Adam moments"] = {d: 2 * b for d, b in shard_bytes(learned, 4).items()}
-  copy = cluster.sampler
+  copy = cluster.sampler_weights
   if copy.shares_base:  # LoRA, adapters mode: the sampler reads the actor's base
     table["sampler's LoRA adapters"] = shard_bytes(cluster.actor.split(copy.abstract())[0])
   else:

@@ -140,7 +140,8 @@ def run(raw, checkpoint, fv) -> dict:
     source = _policy(ctx, checkpoint, fv.model)
     examples = ctx.task.heldout if fv.split == "heldout" else ctx.task.train
     examples = examples[:fv.limit or None]
-    result = evaluate(ctx, ctx.cluster.sampler.fresh(), examples, n=fv.n,
+    result = evaluate(ctx.generator, ctx.task, ctx.judge, ctx.cluster.sampler_weights.fresh(),
+                      examples, batch_size=cfg.eval.batch_size, n=fv.n,
                       temperature=fv.temperature, seed=fv.seed)
   summary = result.summary(ks, fv.solved_at)
   if jax.process_index() == 0:

@@ -86,7 +86,7 @@ def sample_main(argv: list[str] | None = None) -> int:
   except (ConfigError, ValueError) as e:
     return fail(str(e))
   sampler = Sampler(policy.graphdef, cfg, n=args.n)
-  rollout = sampler(policy.params, ids, rollout_key(args.seed, 0))
+  rollout = sampler.complete(policy.params, ids, rollout_key(args.seed, 0))
   p = rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]
   for i, text in enumerate(args.prompt):
     for j in range(args.n):

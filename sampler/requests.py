@@ -1,5 +1,5 @@
 """In-flight slots serving requests whose results come back to the host: in-flight batching
-across the turns of multi-turn rollouts (train/multiturn.py).
+across the turns of multi-turn rollouts (train/rollout/multiturn.py), made by `Sampler.requests`.
 
 A request is the token ids of a context (a prompt, or a conversation so far), a budget of new
 tokens, and its random key and row: it waits for a free slot, is prefilled there (its context
@@ -18,16 +18,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from sampler import inflight
 from sampler.engine import bucket
 from sampler.inflight import CHECK_EVERY
-from sampler.sampler import Sampler
 from sampler.stream import admit_rows
 from sharding.reshard import fetch, send
+
+if TYPE_CHECKING:
+  from sampler.sampler import Sampler
 
 WIDTH_STEP = 16  # contexts are left-padded to WIDTH_STEP * 2^k tokens (a prefill program each)
 

@@ -1,10 +1,18 @@
-"""The one entrance to decoding: `Sampler`, a frozen description of how to decode that picks the
-static engine (sampler/engine.py) or in-flight batching (sampler/inflight.py).
+"""The one entrance to decoding: `Sampler`, a frozen description of how to decode. Everything
+that decodes goes through one, by the shape of what it decodes:
 
-Two doors into the same program: `generate` takes prompts already left-padded on the mesh (the
-RL's batches), `__call__` a list of prompts (token ids), which it left-pads into a (batch,
-length) bucket so that new batches of similar size reuse the compiled program instead of
-recompiling; padding rows are dropped from the result. With a mesh, decode runs under the
+  generate   a batch of prompts, left-padded on the mesh (the RL's batches): the static engine
+             (sampler/engine.py), or in-flight batching (sampler/inflight.py) with
+             `inflight_slots`; a `Rollout` on the devices
+  complete   a list of prompts as token ids, left-padded here into a (batch, length) bucket so
+             that batches of similar size reuse one compiled program; host arrays
+  stream     a stream of prompt batches in in-flight slots, new weights swapped in between
+             decode segments (sampler/stream.py: partial rollouts)
+  requests   contexts served one by one in in-flight slots, each result back to the host as it
+             ends (sampler/requests.py: multi-turn turns)
+
+A sampler with other settings is `variant(...)`: each set of settings is built (and compiled)
+once, in one cache that every variant of a sampler shares. With a mesh, decode runs under the
 sampling rules (tensor parallel over heads / mlp, data parallel over the batch).
 """
 from __future__ import annotations
@@ -23,6 +31,8 @@ from jaxrl.partitioning import Rules
 from sampler.engine import Rollout, bucket, generate
 from sampler.inflight import jit_inflight
 from sampler.methods import SamplingConfig
+from sampler.requests import Requests
+from sampler.stream import Stream
 from sharding.mesh import batch_sharding
 from sharding.rules import SAMPLER_RULES, data_axes, jit_per_shard
 
@@ -81,6 +91,7 @@ class Sampler:
   batch_buckets: Sequence[int] = BATCH_BUCKETS
   _traced: list = dataclasses.field(default_factory=list, init=False, repr=False)
   _decode: Callable = dataclasses.field(init=False, repr=False)  # built by __post_init__
+  _variants: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
 
   def __post_init__(self):
     """Builds the decode program; a ValueError names what cannot run (the caller knows which
@@ -107,7 +118,32 @@ class Sampler:
     `max_new_B` (per output row) caps each row's length. The rollout stays on the devices."""
     return self._decode(params, tokens_BP, valid_BP, key, max_new_B)
 
-  def __call__(self, params, prompts: Sequence[Sequence[int]], key: jax.Array,
+  def variant(self, *, n: int | None = None, inflight_slots: int | None = None,
+              **sampling) -> Sampler:
+    """This sampler with other settings (`n`, `inflight_slots`, any `SamplingConfig` field),
+    built once per settings in the cache its variants share."""
+    cfg = dataclasses.replace(self.cfg, **sampling) if sampling else self.cfg
+    key = (cfg, self.n if n is None else n,
+           self.inflight_slots if inflight_slots is None else inflight_slots)
+    if key == (self.cfg, self.n, self.inflight_slots):
+      return self
+    if key not in self._variants:
+      made = dataclasses.replace(self, cfg=key[0], n=key[1], inflight_slots=key[2])
+      object.__setattr__(made, "_variants", self._variants)
+      self._variants[key] = made
+    return self._variants[key]
+
+  def stream(self, params, *, prompt_width: int, batch_prompts: int, live: int) -> Stream:
+    """A stream of batches of `batch_prompts` prompts (at most `prompt_width` tokens) in this
+    sampler's in-flight slots, up to `live` batches open at once (sampler/stream.py)."""
+    return Stream(self, params, prompt_width=prompt_width, batch_prompts=batch_prompts, live=live)
+
+  def requests(self, params, *, context_width: int) -> Requests:
+    """This sampler's in-flight slots serving requests of contexts up to `context_width`
+    tokens, one sample each (sampler/requests.py)."""
+    return Requests(self, params, context_width=context_width)
+
+  def complete(self, params, prompts: Sequence[Sequence[int]], key: jax.Array,
                max_new_tokens: Sequence[int] | None = None) -> Rollout:
     """`n` samples per prompt of a list of token ids, bucketed, as host numpy arrays."""
     b = bucket(len(prompts), self.batch_buckets)

@@ -1,5 +1,6 @@
 """Continuous in-flight decoding of a stream of prompt batches, with weight swaps between decode
-segments: the engine of partial rollouts (`sampler.worker.PartialRolloutWorker`).
+segments: the engine of partial rollouts (`Sampler.stream`, driven by
+train/rollout/partial.py).
 
 `sampler/inflight.py` decodes one prompt batch in R row slots. A `Stream` keeps its R slots busy
 across batches: a slot freed by a finished row takes the next row of the stream, from the batch
@@ -24,16 +25,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from sampler import inflight
 from sampler.engine import Rollout, bucket
 from sampler.inflight import CHECK_EVERY, Outputs, Slots
-from sampler.sampler import Sampler
 from sharding.mesh import batch_sharding
 from sharding.reshard import fetch, send
+
+if TYPE_CHECKING:
+  from sampler.sampler import Sampler
 
 
 def _start(model, *, cfg, slots: int, p: int, ring: int, rows: int):

@@ -8,6 +8,7 @@ import numpy as np
 
 from configs import tiny
 from jaxrl.algos.advantages import informative_groups
+from train.rl.batch_fill import fill_batch
 from train.rl.controller import Controller
 from train.run import Experiment
 from train.run.hooks import Hook
@@ -33,14 +34,19 @@ def _raw(tmp_path, name, **rl):
 def test_uniform_groups_are_refilled_and_the_rounds_counted(tmp_path):
   with Experiment(_raw(tmp_path, "fill", steps=1)) as exp:
     exp.run()
-    ctl = Controller(exp.ctx, exp.stages["rl"].actor, None, next_index=5, version=1)
-    batch, _ = ctl.next_rollout()
-    ctl.next_index = batch.index + 1
-    first = exp.ctx.score(exp.ctx.texts(batch.rollout),
-                          np.repeat(batch.prompts["examples"], GROUP))
+    ctx = exp.ctx
+    ctl = Controller(exp.cfg, cluster=ctx.cluster, generator=ctx.generator, task=ctx.task,
+                     judge=ctx.judge, timeline=ctx.timeline, actor=exp.stages["rl"].actor,
+                     critic=None, next_index=5, version=1)
+    batch, _ = ctl.rollouts.next(ctl.version)
+    first = ctx.judge.score(ctx.judge.texts(batch.rollout),
+                            np.repeat(batch.prompts["examples"], GROUP))
     assert informative_groups(first, GROUP).sum() < PROMPTS  # this batch needs a refill
-    out, out_prompts, verified_B, _, versions_BN, _, metrics = ctl.fill_batch(batch)
-    assert versions_BN.shape == np.asarray(out.completion_mask_BN).shape
+    filled = fill_batch(batch, cfg=exp.cfg.rl, judge=ctx.judge,
+                        next_batch=lambda: ctl.rollouts.next(ctl.version))
+    out, out_prompts, verified_B, metrics = (filled.rollout, filled.prompts, filled.verified_B,
+                                             filled.metrics)
+    assert filled.versions_BN.shape == np.asarray(out.completion_mask_BN).shape
     ctl.close()
   assert out.tokens_BT.shape[0] == PROMPTS * GROUP == len(verified_B)
   assert metrics["dynamic_rounds"] >= 1 and ctl.next_index == 6 + metrics["dynamic_rounds"]
@@ -50,7 +56,7 @@ def test_uniform_groups_are_refilled_and_the_rounds_counted(tmp_path):
   else:  # out of rounds: the informative groups first, then the others
     assert not np.any(np.diff(informative.astype(int)) > 0)
   # rows, prompts and rewards still belong together after the batches were stacked and cut
-  again = exp.ctx.score(exp.ctx.texts(out), np.repeat(out_prompts["examples"], GROUP))
+  again = ctx.judge.score(ctx.judge.texts(out), np.repeat(out_prompts["examples"], GROUP))
   np.testing.assert_array_equal(again, verified_B)
   lengths = np.asarray(out.completion_mask_BN).sum(1)
   np.testing.assert_array_equal(np.asarray(out.lengths_B), lengths)

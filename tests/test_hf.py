@@ -160,7 +160,7 @@ def test_greedy_generation_matches_torch(hf):
   sampling = SamplingConfig(max_new_tokens=32, eos_id=2, pad_id=0, method="greedy",
                             ignore_eos=True, decode_segments=1)  # one loop to compile
   sampler = Sampler(hf.role.graphdef, sampling, length_buckets=(16,), batch_buckets=(4,))
-  out = sampler(hf.params, prompts, jax.random.key(0))
+  out = sampler.complete(hf.params, prompts, jax.random.key(0))
   model = copy.copy(hf.torch)
   model.generation_config = transformers.GenerationConfig(eos_token_id=None, pad_token_id=0)
   with torch.no_grad():

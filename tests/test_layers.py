@@ -1,4 +1,5 @@
-"""The packages are layers (docs/architecture.md): each imports only the ones below it.
+"""The packages are layers (docs/architecture.md): each imports only the ones below it, and so do
+the sub-packages of train/ among themselves.
 
 Walks every import statement (module level or inside a function) of every file in the project's
 packages, so a new back edge fails here rather than in a reader's head."""
@@ -21,14 +22,33 @@ MAY_IMPORT = {
 }
 
 
-def imported_packages(path: pathlib.Path) -> set[tuple[str, int]]:
+# train/'s sub-packages, bottom up -> the sub-packages each may import (besides itself)
+TRAIN_MAY_IMPORT = {
+    "io": set(),  # run I/O: checkpoints, run dir, metrics, tracking, timeline, compile stats
+    "updates": set(),  # the pure update steps
+    "roles": {"io", "updates"},  # models on their meshes, their weights, learners, offload
+    "rollout": {"io", "roles"},  # generation, multi-turn, the async worker and its schedule
+    "task": {"io", "roles", "rollout"},  # the run's data, reward and held-out evaluation
+    "rl": {"io", "updates", "roles", "rollout", "task"},  # the RL loop and its executors
+    "stages": {"io", "updates", "roles", "rollout", "task", "rl"},
+    "run": {"io", "updates", "roles", "rollout", "task", "rl", "stages"},  # Experiment
+}
+
+
+def imported_modules(path: pathlib.Path) -> set[tuple[str, int]]:
+  """(dotted module, line) of every import statement in `path`."""
   found = set()
   for node in ast.walk(ast.parse(path.read_text(), str(path))):
     if isinstance(node, ast.Import):
-      found.update((a.name.split(".")[0], node.lineno) for a in node.names)
+      found.update((a.name, node.lineno) for a in node.names)
     elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-      found.add((node.module.split(".")[0], node.lineno))
-  return {(name, line) for name, line in found if name in MAY_IMPORT}
+      found.add((node.module, node.lineno))
+  return found
+
+
+def imported_packages(path: pathlib.Path) -> set[tuple[str, int]]:
+  return {(name.split(".")[0], line) for name, line in imported_modules(path)
+          if name.split(".")[0] in MAY_IMPORT}
 
 
 @pytest.mark.parametrize("package", sorted(MAY_IMPORT))
@@ -45,3 +65,21 @@ def test_every_package_is_layered():
   """A new top-level package gets a row in MAY_IMPORT (and in docs/architecture.md)."""
   packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
   assert packages - {"tests"} == set(MAY_IMPORT)
+
+
+@pytest.mark.parametrize("sub", sorted(TRAIN_MAY_IMPORT))
+def test_train_subpackages_import_only_lower_ones(sub):
+  files = sorted((ROOT / "train" / sub).rglob("*.py"))
+  assert files, f"no files under train/{sub}/"
+  bad = [f"{p.relative_to(ROOT)}:{line} imports {name}"
+         for p in files for name, line in sorted(imported_modules(p))
+         if name.startswith("train.") and name.split(".")[1] != sub
+         and name.split(".")[1] not in TRAIN_MAY_IMPORT[sub]]
+  assert not bad, "\n".join(bad)
+
+
+def test_train_is_only_subpackages():
+  """A new room of train/ gets a row in TRAIN_MAY_IMPORT; no module sits loose in train/."""
+  train = ROOT / "train"
+  assert {p.parent.name for p in train.glob("*/__init__.py")} == set(TRAIN_MAY_IMPORT)
+  assert [p.name for p in train.glob("*.py")] == ["__init__.py"]

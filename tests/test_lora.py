@@ -169,10 +169,10 @@ def test_the_reference_is_the_base(adapted):
 
 
 def _copies(mode: str, devices):
-  """A LoRA actor on `devices` (fsdp over them) and its SamplerCopy in `mode`."""
+  """A LoRA actor on `devices` (fsdp over them) and its SamplerWeights in `mode`."""
   from configs import tiny
   from jaxrl.config_files import resolve
-  from train.roles.sampler_weights import SamplerCopy
+  from train.roles.sampler_weights import SamplerWeights
   c = tiny.get_config()
   c.lora.update(rank=2, sampler=mode)
   cfg = resolve(c)
@@ -180,7 +180,7 @@ def _copies(mode: str, devices):
   role = ModelRole("actor", lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0), lora=cfg.lora),
                    mesh, trainable=lora.TRAINABLE).initialize()
   plain = nnx.split(nnx.eval_shape(lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0))))[0]
-  return role, SamplerCopy(cfg, role, mesh, plain)
+  return role, SamplerWeights(cfg, role, mesh, plain)
 
 
 def test_adapter_pushes_share_the_base_where_layouts_agree():
@@ -191,7 +191,7 @@ def test_adapter_pushes_share_the_base_where_layouts_agree():
   first = copy.fresh()
   adapters, base = role.split(role.params)
   assert all(a is b for a, b in zip(jax.tree.leaves(role.split(first)[1]), jax.tree.leaves(base)))
-  role.params = role.join(_perturbed(adapters), base)  # what an update does
+  role.set_trained(_perturbed(adapters))  # what an update does
   second = copy.fresh()
   assert all(x.is_deleted() for x in jax.tree.leaves(role.split(first)[0]))
   assert not any(x.is_deleted() for x in jax.tree.leaves(base))
@@ -209,6 +209,6 @@ def test_merged_and_unshared_copies_hold_their_own():
   role, copy = _copies("adapters", jax.devices()[:2])
   assert not copy.shares_base
   base = role.split(copy.fresh())[1]
-  role.params = role.join(_perturbed(role.split(role.params)[0]), role.split(role.params)[1])
+  role.set_trained(_perturbed(role.split(role.params)[0]))
   again = role.split(copy.fresh())[1]
   assert all(a is b for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(again)))

@@ -19,7 +19,6 @@ from jaxrl.models.config import ModelConfig
 from sampler.methods import SamplingConfig
 from train.rollout.partial import PartialRolloutWorker
 from sampler.sampler import Sampler
-from sampler.stream import Stream
 from train.rollout.worker import RolloutWorker
 
 TOK = ByteTokenizer()
@@ -55,7 +54,7 @@ def _weights(params, version):
 
 def _partial(model, schedule, staleness, version=0, state=None, start=0):
   sampler, params = model
-  stream = Stream(sampler, params, prompt_width=8, batch_prompts=PROMPTS, live=staleness + 1)
+  stream = sampler.stream(params, prompt_width=8, batch_prompts=PROMPTS, live=staleness + 1)
   return PartialRolloutWorker(stream, Batches(), _weights(params, version), version=version,
                               max_staleness=staleness, schedule=schedule, state=state,
                               start_index=start)

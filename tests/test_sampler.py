@@ -165,8 +165,8 @@ def test_sampler_buckets_do_not_retrace(tiny_model):
   graphdef, params = nnx.split(tiny_model)
   sampler = Sampler(graphdef, SamplingConfig(max_new_tokens=4, eos_id=TOK.eos_id, pad_id=TOK.pad_id),
                     n=2)
-  first = sampler(params, [TOK.encode("12+34=", bos=True)] * 3, jax.random.key(0))
-  second = sampler(params, [TOK.encode(p, bos=True) for p in ["1=", "rev abc=", "9+9=", "x"]],
+  first = sampler.complete(params, [TOK.encode("12+34=", bos=True)] * 3, jax.random.key(0))
+  second = sampler.complete(params, [TOK.encode(p, bos=True) for p in ["1=", "rev abc=", "9+9=", "x"]],
                    jax.random.key(1), max_new_tokens=[1, 4, 4, 2])
   assert sampler.traces == 1
   assert first.tokens_BT.shape == (6, 16 + 4) and second.tokens_BT.shape == (8, 20)
@@ -180,11 +180,11 @@ def test_sharded_sampler_matches_single_device(tiny_model):
   graphdef, params = nnx.split(tiny_model)
   cfg = SamplingConfig(max_new_tokens=5, eos_id=-1, pad_id=TOK.pad_id, method="greedy")
   prompts = [TOK.encode(p, bos=True) for p in ["12+34=", "7+5=", "rev ab=", "1="] * 2]
-  want = Sampler(graphdef, cfg)(params, prompts, jax.random.key(0))
+  want = Sampler(graphdef, cfg).complete(params, prompts, jax.random.key(0))
   mesh = make_mesh({"data": 4, "tensor": 2})
   shardings = param_shardings(params, SAMPLER_RULES, mesh)
   sharded = Sampler(graphdef, cfg, mesh=mesh, param_shardings=shardings)
-  got = sharded(jax.device_put(params, shardings), prompts, jax.random.key(0))
+  got = sharded.complete(jax.device_put(params, shardings), prompts, jax.random.key(0))
   np.testing.assert_array_equal(got.tokens_BT, want.tokens_BT)
   np.testing.assert_allclose(got.logprobs_BN, want.logprobs_BN, atol=1e-5)
   # Data shards that finish early (2 rows each here: shards 0 and 2 are done after one token)
@@ -194,7 +194,7 @@ def test_sharded_sampler_matches_single_device(tiny_model):
   budget = [1, 1, 5, 5, 1, 1, 5, 5]
   sampled = Sampler(graphdef, dataclasses.replace(cfg, method="temperature"), mesh=mesh,
                     param_shardings=shardings)
-  got = sampled(jax.device_put(params, shardings), prompts, jax.random.key(0),
+  got = sampled.complete(jax.device_put(params, shardings), prompts, jax.random.key(0),
                 max_new_tokens=budget)
   np.testing.assert_array_equal(got.lengths_B, budget)
 

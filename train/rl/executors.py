@@ -68,3 +68,23 @@ class Executor:
   def close(self) -> None:
     if self._pool is not None:
       self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class Executors:
+  """The RL loop's executors, one per role: generator (sampler mesh), reward (the host verifier,
+  and the reward model's mesh when the reward comes from one), reference, critic (when there is
+  one) and trainer (actor + critic updates and the weight push)."""
+
+  def __init__(self, cluster, timeline: Timeline, *, reward_model: bool, critic_mesh=None):
+    inline = jax.process_count() > 1  # every process must launch the same programs in order
+    ex = lambda name, mesh: Executor(name, timeline, mesh, inline=inline)
+    self.generator = ex("generator", cluster.meshes["sampler"])
+    self.reward = ex("reward", cluster.meshes["reward"] if reward_model else None)
+    self.reference = ex("reference", cluster.meshes["reference"])
+    self.critic = None if critic_mesh is None else ex("critic", critic_mesh)
+    self.trainer = ex("trainer", cluster.meshes["actor"])
+
+  def close(self) -> None:
+    for ex in (self.generator, self.reward, self.reference, self.critic, self.trainer):
+      if ex is not None:
+        ex.close()

@@ -3,7 +3,7 @@
 The rollout's tokens never visit the host on their way to the update: the sampler's arrays move
 device to device to the scorers' meshes (reference, critic, reward model) and to the trainer's,
 where `make_experience` computes KL and advantages. Only the completions' token ids are fetched
-for the host verifier (`completion_texts`), and its rewards come back as one [B] array.
+for the host verifier (train/task/task.py, `Judge`), and its rewards come back as one [B] array.
 """
 from __future__ import annotations
 
@@ -12,12 +12,10 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrl.algos import KL_ESTIMATORS
 from jaxrl.algos.advantages import overlong_penalty
 from jaxrl.config import RLConfig
-from jaxrl.data.tokenizer import Tokenizer
 from train.updates.rl import advantages
 
 
@@ -111,14 +109,3 @@ def combine_rollouts(rollouts: tuple, rows_K, rows_sharding):
   whole = jax.tree.map(lambda *xs: jnp.concatenate(xs), *map(widen, rollouts))
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(jnp.take(x, rows_K, axis=0),
                                                                  rows_sharding), whole)
-
-
-@jax.jit
-def completion_tokens(rollout) -> jax.Array:
-  """The generated part of a rollout's tokens, [B, N], sliced where the rollout lives."""
-  return rollout.tokens_BT[:, rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]:]
-
-
-def completion_texts(tok: Tokenizer, completions_BN: np.ndarray) -> list[str]:
-  """Decoded completions (host); decoding stops at EOS."""
-  return [tok.decode(row) for row in completions_BN]

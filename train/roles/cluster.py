@@ -2,7 +2,7 @@
 
 Roles (sharding/placement.py): the actor (trained), the frozen reference, the reward model and
 the critic each live on their role's mesh; the sampler holds a copy of the actor in the sampling
-layout (`sampler`, train/sampler_copy.py), refreshed after every update. The
+layout (`sampler_weights`, train/roles/sampler_weights.py), refreshed after every update. The
 reference, reward model and critic exist once a stage has added them (`add`). Batch sizes are
 checked here, once, against the real meshes on the real devices.
 """
@@ -25,7 +25,7 @@ from sharding.placement import ROLES, PlacementError, host_major_devices, make_p
 from sharding.rules import SAMPLER_RULES, batch_ways
 from train.io.checkpoint import load_actor_params, saved_actor_shapes
 from train.roles.role import ModelRole
-from train.roles.sampler_weights import SamplerCopy
+from train.roles.sampler_weights import SamplerWeights
 
 log = logging.getLogger("jaxrl")
 MODEL_CLASSES = {"actor": LanguageModel, "reference": LanguageModel, "reward": RewardModel,
@@ -44,7 +44,7 @@ class RoleCluster:
       self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
       self.actor = self._actor_role()
       plain = self._shape("actor")[0] if cfg.lora.enabled else None  # without adapters
-      self.sampler = SamplerCopy(cfg, self.actor, self.meshes["sampler"], plain)
+      self.sampler_weights = SamplerWeights(cfg, self.actor, self.meshes["sampler"], plain)
     except PlacementError as e:
       message = str(e)
       raise ConfigError(f"config.{message}" if message.startswith("placement") else message) \
@@ -57,7 +57,7 @@ class RoleCluster:
     self.roles: dict[str, ModelRole] = {"actor": self.actor}
     self.shared: set[str] = set()  # roles whose parameters are the actor's own arrays
     if initialize:
-      self.initialize_actor()  # the sampler's copy follows on first use (`sampler.fresh`)
+      self.initialize_actor()  # the sampler's copy follows on first use (`sampler_weights.fresh`)
 
   def initialize_actor(self) -> None:
     """The actor's starting weights: `model.hf_path`'s, read slice by slice straight into the
@@ -69,7 +69,7 @@ class RoleCluster:
       base = load_params(self.cfg.model.hf_path, self.cfg.model, self.plain(self.actor.abstract()))
     except HFError as e:
       raise ConfigError(str(e)) from None
-    self.actor.params = self.actor.with_fresh_trained(base) if self.cfg.lora.enabled else base
+    self.actor.adopt(self.actor.with_fresh_trained(base) if self.cfg.lora.enabled else base)
 
   def load_actor(self, directory: str, **kw) -> int:
     """The actor's parameters from a stage checkpoint directory (`load_actor_params`); with
@@ -80,7 +80,7 @@ class RoleCluster:
              if self.cfg.lora.enabled and os.path.isdir(directory) else {})
     fresh = bool(saved) and not any(lora.SUFFIX in k for k in saved)  # saved without adapters
     params, step = load_actor_params(directory, self.plain(like) if fresh else like, **kw)
-    self.actor.params = self.actor.with_fresh_trained(params) if fresh else params
+    self.actor.adopt(self.actor.with_fresh_trained(params) if fresh else params)
     return step
 
   def model_factory(self, role: str, *, adapters: bool = False):
@@ -139,7 +139,7 @@ class RoleCluster:
     base = self.plain(self.actor.params)
     is_base = self.cfg.lora.enabled and (restored or self._adapters_at_zero())
     if is_base and self.reference_shares_base(role):
-      role.params = base
+      role.adopt(base)
       self.shared.add("reference")
     else:
       role.load(base if is_base else self.actor_weights())
@@ -156,7 +156,7 @@ class RoleCluster:
     from them): with LoRA the adapters folded into the base, otherwise its parameters."""
     if not self.cfg.lora.enabled:
       return self.actor.params
-    return self.sampler.merge(self.actor.params)
+    return self.sampler_weights.merge(self.actor.params)
 
   def reference_shares_base(self, reference: ModelRole) -> bool:
     """Whether `reference` can hold the actor's own base: LoRA, and the same layout (mesh,

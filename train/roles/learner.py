@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from train.roles.offload import moved
 from train.roles.role import ModelRole, abstract_like
 from train.updates.state import Frozen, TrainState
 
@@ -71,9 +72,14 @@ class Learner:
     """One update on `batch` (already on this mesh, or host arrays); metrics stay on device."""
     frozen = self.role.split(self.role.params)[1]
     state, metrics = self._update(self.state, frozen, batch)
-    self.role.params = self.role.join(state.params, frozen)
+    self.role.set_trained(state.params)
     self.opt_state, self.step = state.opt_state, state.step
     return metrics
+
+  def move_state(self, kind: str) -> int:
+    """The optimizer state moved to memory `kind` (idle-role offload); the bytes moved."""
+    self.opt_state, size = moved(self.opt_state, kind)
+    return size
 
   def lower(self, batch):
     """The update lowered for `batch` (arrays or ShapeDtypeStructs) and this learner's state,

@@ -58,14 +58,9 @@ class Offloader:
   def _move(self, item: str, kind: str) -> None:
     start, size = time.perf_counter(), 0
     if item == "optimizer":
-      for learner in self.learners:
-        learner.opt_state, n = moved(learner.opt_state, kind)
-        size += n
+      size = sum(learner.move_state(kind) for learner in self.learners)
     elif item == "frozen":
-      for role in self._frozen_roles():
-        params, n = moved(role.params, kind)
-        if n:
-          role.params, size = params, size + n
+      size = sum(role.move(kind) for role in self._frozen_roles())
     if size:
       end = time.perf_counter()
       self.seconds += end - start
@@ -81,7 +76,7 @@ class Offloader:
       if item not in self.RESIDENT[phase]:
         self._move(item, HOST)
     if phase == "update" and "sampler" in self.items:
-      self.cluster.sampler.drop()
+      self.cluster.sampler_weights.drop()
     for item in items:
       if item in self.RESIDENT[phase]:
         self._move(item, DEVICE)

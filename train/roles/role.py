@@ -3,8 +3,11 @@
 The actor, critic, reward model and reference are each a `ModelRole` on the mesh the placement
 gives their role (sharding/placement.py), so any of them can live on its own devices. A role is
 born abstract: `initialize()` draws random weights straight into the shardings, `load()` copies
-weights from any layout, and a restore writes checkpointed weights into `abstract()`'s layout,
-so no random initialisation runs before a restore.
+weights from any layout, `adopt()` takes arrays already in its layout (a checkpoint restored into
+`abstract()`, safetensors read into the shardings), so no random initialisation runs before a
+restore. The role owns its parameters: every change goes through one of its methods
+(`set_trained` after an update, `move` for idle-role offload, `release`), and each change of
+weights bumps `version` (copies can tell they are stale).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from sharding.placement import PlacementError
 from sharding.reshard import reshard
 from sharding.reshard import move
 from sharding.rules import TRAIN_RULES, NotDivisible, jit_on
+from train.roles.offload import moved
 
 
 def role_shardings(name: str, abstract: nnx.State, rules, mesh: Mesh) -> nnx.State:
@@ -99,16 +103,30 @@ class ModelRole:
   def params(self) -> nnx.State | None:
     return self._params
 
-  @params.setter
-  def params(self, params: nnx.State) -> None:
+  def adopt(self, params: nnx.State) -> None:
+    """Takes `params`, already in this role's layout, as its parameters (no copy)."""
     self._params, self.version = params, self.version + 1
+
+  def set_trained(self, trained: nnx.State) -> None:
+    """The trained parameters an update produced, with the frozen rest kept."""
+    self.adopt(self.join(trained, self.split(self._params)[1]))
+
+  def move(self, kind: str) -> int:
+    """The parameters moved to memory `kind` (idle-role offload, train/roles/offload.py), the
+    same weights in the same layout; the bytes moved."""
+    self._params, size = moved(self._params, kind)
+    return size
+
+  def release(self) -> None:
+    """Drops the parameters (a restore puts others in place)."""
+    self._params = None
 
   def initialize(self) -> ModelRole:
     """Random weights, born sharded (eval_shape -> shardings -> jit(init, out_shardings))."""
     cast = lambda params: params if self.dtypes is None else cast_to(params, self.dtypes)
     with _init_lowering(self.mesh):
-      self.params = jax.jit(lambda: cast(nnx.split(self._make_model())[1]),
-                            out_shardings=self.shardings)()
+      self.adopt(jax.jit(lambda: cast(nnx.split(self._make_model())[1]),
+                         out_shardings=self.shardings)())
     return self
 
   def abstract(self) -> nnx.State:
@@ -152,9 +170,9 @@ class ModelRole:
     """Copies `params` (from any mesh) into this role's layout, whole or into one `subtree`
     (e.g. an actor's `decoder` into a reward model or critic, which must be initialized)."""
     if subtree is None:
-      self.params = copy_into(params, self.shardings, self.dtypes)
+      self.adopt(copy_into(params, self.shardings, self.dtypes))
       return
     new = jax.tree.map(lambda x: x, self.params)
     new[subtree] = copy_into(params[subtree], self.shardings[subtree],
                              None if self.dtypes is None else self.dtypes[subtree])
-    self.params = new
+    self.adopt(new)

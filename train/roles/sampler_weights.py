@@ -1,4 +1,5 @@
-"""The sampler's copy of the actor: what the generator decodes with, refreshed by `push()`.
+"""`SamplerWeights`: the sampler's copy of the actor's weights, what the generator decodes with,
+refreshed by `push()`.
 
 Full fine-tuning: the actor's weights resharded into the sampler's layout (SAMPLER_RULES on the
 sampler's mesh) in the compute dtype, bucketed, device to device. With LoRA, `lora.sampler`:
@@ -11,7 +12,7 @@ sampler's mesh) in the compute dtype, bucketed, device to device. With LoRA, `lo
             decodes with the adapters (the layouts of jaxrl/models/layouts.py add their low-rank products).
 
 A copy's arrays are freed when a newer one replaces it, except those the actor holds and while an
-asynchronous generator may still be decoding with it (`in_use`).
+asynchronous generator may still be decoding with it (between `hold()` and `release()`).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from sharding.rules import SAMPLER_RULES
 from train.io.host_transfers import allowed
 from train.roles.role import ModelRole, role_shardings
 
-class SamplerCopy:
+class SamplerWeights:
 
   def __init__(self, cfg: ExperimentConfig, actor: ModelRole, mesh, plain_graphdef=None):
     """`plain_graphdef`: the actor's module without adapters."""
@@ -41,7 +42,7 @@ class SamplerCopy:
     self._like = actor.split(actor.abstract())[1] if self.merging else actor.abstract()
     self.shardings = role_shardings("sampler", self._like, SAMPLER_RULES, mesh)
     self.params: nnx.State | None = None
-    self.in_use = False  # an async generator holds the copy: never free it
+    self._held = False  # an async generator holds the copy: never free it
     self._base = None  # adapters: the sampler's base (the actor's arrays, or a copy of them)
     self._version = -1  # the actor version the copy holds
 
@@ -106,12 +107,20 @@ class SamplerCopy:
       if id(x) not in keep and not x.is_deleted():
         x.delete()
 
+  def hold(self) -> None:
+    """An asynchronous generator decodes with the copies from now on, at its own pace: none is
+    freed when a newer one replaces it (the generator drops its own references)."""
+    self._held = True
+
+  def release(self) -> None:
+    self._held = False
+
   def push(self) -> TransferStats:
-    """Refreshes the copy; the old one is freed at once unless it is `in_use`."""
+    """Refreshes the copy; the old one is freed at once unless the copies are held."""
     old = self.params
     self.params, stats = self.make()
     self._version = self.actor.version
-    if old is not None and not self.in_use:
+    if old is not None and not self._held:
       self._free(old)
     return stats
 
@@ -122,10 +131,10 @@ class SamplerCopy:
     return self.params
 
   def drop(self) -> None:
-    """Frees the copy now (the next `fresh` pushes a new one), unless it is `in_use`; a base
-    the actor holds stays (adapters mode with a base of its own: that base is copied again on
-    the next push)."""
-    if self.in_use:
+    """Frees the copy now (the next `fresh` pushes a new one), unless the copies are held; a
+    base the actor holds stays (adapters mode with a base of its own: that base is copied again
+    on the next push)."""
+    if self._held:
       return
     old, self.params, self._base, self._version = self.params, None, None, -1
     if old is not None:

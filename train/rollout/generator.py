@@ -1,15 +1,15 @@
-"""The generator: the RL's two samplers on the sampler mesh, and the prompts' way onto it.
+"""The generator: the RL's samplers on the sampler mesh, and the prompts' way onto it.
 
-`sample` draws `group_size` completions per prompt at the RL temperature and `greedy` decodes
-for evaluation; each is a `sampler.sampler.Sampler` compiled once for the sampler layout's
-shardings, and its rollouts stay on the sampler's devices. With `rl.inflight_slots > 0` both
-decode through in-flight batching (row slots refilled as rows finish), which returns the same
-rollouts. In async mode the RL controller runs `sample` inside a `sampler.worker.RolloutWorker`;
-either way prompt batch i is drawn with `rollout_key(seed, i)`.
+`sample` draws `group_size` completions per prompt at the RL temperature, `greedy` decodes for
+evaluation and `draw` samples for pass@k; each is the RL's `Sampler` (sampler/sampler.py) or one of
+its variants, compiled once for the sampler layout's shardings, and its rollouts stay on the
+sampler's devices. With `rl.inflight_slots > 0` they decode through in-flight batching (row slots
+refilled as rows finish), which returns the same rollouts; with `rl.environment` every rollout is
+a multi-turn conversation (train/rollout/multiturn.py). Prompt batch i of a run is drawn with
+`rollout_key(seed, i)`, in turn or ahead of the trainer (train/rollout/source.py).
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -20,22 +20,12 @@ from jaxrl.envs import Environment, EnvError
 from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
-from sampler.stream import Stream
-from train.rollout.worker import rollout_key
 from sharding.mesh import batch_sharding
 from sharding.rules import SAMPLER_RULES
-from train.roles.cluster import RoleCluster
 from train.io.host_transfers import to_device
+from train.roles.cluster import RoleCluster
 from train.rollout.multiturn import as_rollout, converse
-
-
-def _sampler(cluster: RoleCluster, cfg: SamplingConfig, n: int, inflight_slots: int) -> Sampler:
-  """The actor's sampler on the sampler mesh; what cannot run is a ConfigError on the field."""
-  try:
-    return Sampler(cluster.sampler.graphdef, cfg, n=n, mesh=cluster.meshes["sampler"],
-                   param_shardings=cluster.sampler.shardings, inflight_slots=inflight_slots)
-  except ValueError as e:
-    raise ConfigError(f"config.rl.inflight_slots: {e}") from None
+from train.rollout.worker import rollout_key
 
 
 class Generator:
@@ -44,16 +34,21 @@ class Generator:
                environment: Callable[[], Environment] | None = None):
     """`tok`: the run's tokenizer (its EOS, PAD and further stop tokens such as `<|eot_id|>`).
     `environment`: a new environment per row makes every rollout a multi-turn conversation
-    (train/multiturn.py) of up to `rl.max_turns` turns."""
-    ends = dict(max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                stop_sequences=tuple((i,) for i in tok.stop_ids if i != tok.eos_id))
-    rollout_ends = dict(ends, stop_sequences=()) if rl.ignore_eos else ends
-    sampling = SamplingConfig(**rollout_ends, method="temperature", temperature=rl.temperature,
-                              top_k=rl.top_k, ignore_eos=rl.ignore_eos)
-    self.sampler = _sampler(cluster, sampling, rl.group_size, rl.inflight_slots)
-    self.greedy_sampler = _sampler(cluster, SamplingConfig(**ends, method="greedy"), 1,
-                                   rl.inflight_slots)
-    self._rows = batch_sharding(cluster.meshes["sampler"], SAMPLER_RULES)
+    (train/rollout/multiturn.py) of up to `rl.max_turns` turns."""
+    stops = tuple((i,) for i in tok.stop_ids if i != tok.eos_id)
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                              stop_sequences=() if rl.ignore_eos else stops,
+                              method="temperature", temperature=rl.temperature, top_k=rl.top_k,
+                              ignore_eos=rl.ignore_eos)
+    weights, mesh = cluster.sampler_weights, cluster.meshes["sampler"]
+    try:
+      self.sampler = Sampler(weights.graphdef, sampling, n=rl.group_size, mesh=mesh,
+                             param_shardings=weights.shardings, inflight_slots=rl.inflight_slots)
+    except ValueError as e:
+      raise ConfigError(f"config.rl.inflight_slots: {e}") from None
+    self.greedy_sampler = self.sampler.variant(n=1, method="greedy", stop_sequences=stops,
+                                               ignore_eos=False)
+    self._rows = batch_sharding(mesh, SAMPLER_RULES)
     self.environment, self.max_turns, self.pad_id = environment, rl.max_turns, tok.pad_id
     self.prompts_per_step = rl.prompts_per_step
     if environment is not None and jax.process_count() > 1:
@@ -61,12 +56,6 @@ class Generator:
     # A turn also ends at the environment's stop strings
     self._turn_stops = () if environment is None else tuple(
         tuple(tok.encode(s)) for s in environment().stop_strings)
-    self._variants: dict = {}  # evaluation's and the turns' samplers, by their settings
-
-  def stream(self, params, *, prompt_width: int, live: int) -> Stream:
-    """The RL sampler as a stream of prompt batches in in-flight slots (partial rollouts)."""
-    return Stream(self.sampler, params, prompt_width=prompt_width,
-                  batch_prompts=self.prompts_per_step, live=live)
 
   def put_prompts(self, prompts: dict):
     """A host prompt batch -> (tokens_BP, valid_BP) split over the sampler's data axes."""
@@ -75,7 +64,7 @@ class Generator:
 
   def sample(self, params, prompts: dict, key: jax.Array) -> Rollout:
     """`group_size` samples per prompt (rows group-major), from `params` in the sampler
-    layout; prompt batch i of a run uses `sampler.worker.rollout_key(seed, i)`."""
+    layout; prompt batch i of a run uses `rollout_key(seed, i)`."""
     return self._generate(self.sampler, params, prompts, key)
 
   def greedy(self, params, prompts: dict) -> Rollout:
@@ -83,14 +72,10 @@ class Generator:
 
   def draw(self, params, prompts: dict, key: jax.Array, *, n: int,
            temperature: float) -> Rollout:
-    """`n` samples per prompt at `temperature` (evaluation's sampled mode, train/evaluation.py):
+    """`n` samples per prompt at `temperature` (evaluation's sampled mode, train/task/heldout.py):
     the RL sampler's settings otherwise."""
-    sampler = self._variants.get((n, temperature))
-    if sampler is None:
-      sampler = dataclasses.replace(self.sampler, n=n, cfg=dataclasses.replace(
-          self.sampler.cfg, temperature=temperature))
-      self._variants[(n, temperature)] = sampler
-    return self._generate(sampler, params, prompts, key)
+    return self._generate(self.sampler.variant(n=n, temperature=temperature), params, prompts,
+                          key)
 
   def _generate(self, sampler: Sampler, params, prompts: dict, key: jax.Array) -> Rollout:
     if self.environment is not None:
@@ -101,7 +86,8 @@ class Generator:
     """Each row's conversation with its own environment, as a rollout on the sampler's
     devices (the host had every id anyway: it ran the environments). A turn is `sampler` with
     one sample per row, ending also at the environment's stop strings."""
-    n, sampler = sampler.n, self._turn_sampler(sampler)
+    n = sampler.n
+    sampler = sampler.variant(n=1, stop_sequences=sampler.cfg.stop_sequences + self._turn_stops)
     tokens_BP, valid_BP = prompts["prompt_tokens"], prompts["prompt_valid"]
     rows = np.repeat(np.arange(len(tokens_BP)), n)
     try:
@@ -116,10 +102,3 @@ class Generator:
     mesh = self.sampler.mesh
     return to_device(host, jax.tree.map(lambda x: batch_sharding(mesh, SAMPLER_RULES, x.ndim),
                                         host), "conversations")
-
-  def _turn_sampler(self, sampler: Sampler) -> Sampler:
-    key = ("turn", sampler.cfg)  # one sample per row: `n` does not matter
-    if key not in self._variants:
-      self._variants[key] = dataclasses.replace(sampler, n=1, cfg=dataclasses.replace(
-          sampler.cfg, stop_sequences=sampler.cfg.stop_sequences + self._turn_stops))
-    return self._variants[key]

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxrl.envs import Environment, EnvError
 from sampler.engine import Rollout
-from sampler.requests import WIDTH_STEP, Request, Requests
+from sampler.requests import WIDTH_STEP, Request
 from sampler.sampler import Sampler
 from train.io.host_transfers import to_host
 
@@ -90,7 +90,7 @@ def converse(sampler: Sampler, params, prompts_B: Sequence[Sequence[int]], examp
     live = [i for i, t in enumerate(talks) if not t.done and len(t.ids) < max_new_tokens]
     if not live:
       break
-    out = sampler(params, [list(prompts_B[i]) + talks[i].ids for i in live],
+    out = sampler.complete(params, [list(prompts_B[i]) + talks[i].ids for i in live],
                   jax.random.fold_in(key, turn),
                   max_new_tokens=[max_new_tokens - len(talks[i].ids) for i in live])
     p = out.tokens_BT.shape[1] - out.completion_mask_BN.shape[1]
@@ -108,7 +108,7 @@ def _converse_inflight(sampler: Sampler, params, prompts_B, talks: list[_Convers
   keys = [to_host(jax.random.key_data(jax.random.fold_in(key, t)), "keys")
           for t in range(max_turns)]
   width = -(-max(map(len, prompts_B)) // WIDTH_STEP) * WIDTH_STEP  # a few compiled shapes
-  engine = Requests(sampler, params, context_width=width)
+  engine = sampler.requests(params, context_width=width)
   turns = [0] * len(talks)
 
   def ask(i: int) -> None:

@@ -1,6 +1,6 @@
-"""Partial rollouts: `PartialRolloutWorker` drives a `sampler.stream.Stream` on the worker's
-thread with the schedule of `sampler.worker` (staleness bound, free or fixed schedule, run
-state). Each look between decode segments harvests the finished rows (a batch leaves once all
+"""Partial rollouts: `PartialRolloutWorker` drives a `Sampler.stream` (sampler/stream.py) on the
+worker's thread with the schedule of train/rollout/schedule.py (staleness bound, free or fixed)
+and the run state of train/rollout/worker.py. Each look between decode segments harvests the finished rows (a batch leaves once all
 its rows are done, in index order, with every token's policy version), swaps in newer weights
 (free schedule; fixed: only as a batch opens), opens the batches the schedule allows while free
 slots outnumber the rows waiting, fills the free slots and decodes the next segment.
@@ -12,11 +12,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from train.rollout.worker import RolloutBatch, WorkerState, Worker
+from train.rollout.worker import RolloutBatch, Worker, WorkerState
 
 
 class PartialRolloutWorker(Worker):
-  """A `sampler.stream.Stream` driven on the worker's thread: batches open as the schedule
+  """A `Sampler.stream` driven on the worker's thread: batches open as the schedule
   allows and slots free up, new weights are swapped in between decode segments (free schedule)
   or as a batch opens (fixed), and each batch leaves with its rows' token versions. `prompts[i]`
   is batch i (host arrays; IndexError: the stream ended)."""
@@ -65,18 +65,13 @@ class PartialRolloutWorker(Worker):
           self._ended = True
           return True
       with self._cond:
-        if self.schedule == "free":
-          if not self._ahead_ok(index):
-            return True
-        else:
-          if index - self.max_staleness - 1 >= s.next_emit:  # its weights need that batch
-            return True
-          want = self._version_for(index)
-          if not self._wait(lambda: want in (self._installed[1], self._pending[1])):
-            return False
-          if self._installed[1] != want:
-            self._installed = self._pending
-            s.swap(*self._installed)
+        if self.schedule.blocked(self, index, s.next_emit):
+          return True
+        installed = self.installed_version
+        if not self._start(index):
+          return False
+        if self.installed_version != installed:
+          s.swap(*self._installed)
       s.open(self._next[1], self._keys(index))
     return True
 
@@ -94,7 +89,7 @@ class PartialRolloutWorker(Worker):
       self._serve_pause()
       if self._closed:
         return False
-      if self.schedule == "free" and self._pending[1] > s.version:
+      if self.schedule.swaps_between_segments and self._pending[1] > s.version:
         self._installed = self._pending
         s.swap(*self._installed)
       changes = self._changes

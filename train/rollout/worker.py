@@ -1,26 +1,13 @@
 """The asynchronous rollout workers: a background thread that owns generation.
 
 `RolloutWorker` generates whole prompt batches, one generate call each, with the weights it
-installed as the batch started. `sampler.partial.PartialRolloutWorker` decodes a continuous
-stream of rows in in-flight slots (sampler/stream.py) and installs new weights between decode
+installed as the batch started. `train.rollout.partial.PartialRolloutWorker` decodes a continuous
+stream of rows in in-flight slots (`Sampler.stream`) and installs new weights between decode
 segments: the rows in flight continue with them (partial rollouts), every token recording its
-policy version and log-prob. Both tag each finished batch with its prompt index and the version of its oldest
-tokens; the trainer pushes weights with `update_weights(params, version)` and takes batches, in
-index order, with `get()`.
-
-Staleness: batch i starts only while at most `max_staleness` policy updates can come before the
-trainer takes it: the batches before it not yet taken, plus one when the trainer has taken a
-batch since its last push and is not waiting for another (its push comes first). So no batch is
-ever too stale to train on (none is dropped), and a trainer that takes several batches in one
-step (DAPO's dynamic sampling) is never starved. `max_staleness=0` is synchronous.
-
-Schedules: "free" installs the newest weights whenever the worker looks (before each batch;
-partial rollouts: between segments too). "fixed" starts batch i with exactly version
-max(0, i - max_staleness), which the worker waits for (partial rollouts: it swaps only as it
-opens a batch, at the first segment boundary with a free slot after batch i - max_staleness - 1
-has finished), and a push waits until the worker has installed the previous version. The
-rollouts are then a function of the seed, not of timing, so a killed and resumed run reproduces
-an uninterrupted one bit for bit.
+policy version and log-prob. Both tag each finished batch with its prompt index and the version
+of its oldest tokens; the trainer pushes weights with `update_weights(params, version)` and takes
+batches, in index order, with `get()`. When a batch may start and which weights it starts with
+is the schedule's (train/rollout/schedule.py: free or fixed, the staleness bound).
 
 Run state (`paused()` yields a `WorkerState`; `state=` puts one back): the finished batches not
 yet taken, the in-flight decode state (partial rollouts), the version the worker decodes with
@@ -40,9 +27,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl.config import ASYNC_SCHEDULES as SCHEDULES
 from sampler.engine import Rollout
 from sharding.reshard import fetch
+from train.rollout.schedule import SCHEDULES
 
 
 def rollout_key(seed: int, index: int) -> jax.Array:
@@ -86,13 +73,11 @@ class Worker:
   def __init__(self, prompts: Sequence, params: Any, *, version: int, max_staleness: int,
                seed: int, start_index: int, schedule: str, transfer: Callable | None,
                state: WorkerState | None):
-    if max_staleness < 0:
-      raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
     if schedule not in SCHEDULES:
       raise ValueError(f"schedule: expected one of {list(SCHEDULES)}, got {schedule!r}")
-    self._prompts, self._seed, self.schedule = prompts, seed, schedule
+    self._prompts, self._seed = prompts, seed
+    self.schedule = SCHEDULES[schedule](max_staleness)
     self._transfer = transfer or (lambda p: p)
-    self.max_staleness = max_staleness
     self._cond = threading.Condition()
     self._pending = (self._transfer(params), version)  # the newest weights pushed
     self._installed = self._pending  # the weights the worker decodes with
@@ -111,18 +96,33 @@ class Worker:
 
   @property
   def version(self) -> int:
+    """The newest pushed policy version."""
     return self._pending[1]
+
+  @property
+  def installed_version(self) -> int:
+    """The version the worker decodes with."""
+    return self._installed[1]
+
+  @property
+  def exhausted(self) -> bool:
+    return self._exhausted
+
+  def ahead(self, index: int) -> int:
+    """How many policy updates can come before the trainer takes batch `index`: the batches
+    before it not yet taken, plus one when the trainer has taken a batch since its last push
+    and is not waiting for another (its push comes first)."""
+    return index - self._taken + (self._push_due and not self._waiting)
 
   # -- the trainer's side ---------------------------------------------------------------------
   def update_weights(self, params: Any, version: int) -> None:
-    """Installs new weights (the worker takes them when it next looks). With the fixed
-    schedule it first waits until the worker has installed version - 1."""
+    """Pushes new weights (the worker takes them when its schedule says; a fixed schedule first
+    waits until the worker has installed version - 1)."""
     params = self._transfer(params)  # outside the lock: a reshard can take a while
     with self._cond:
       if version <= self._pending[1]:
         raise ValueError(f"policy version must increase: got {version} after {self._pending[1]}")
-      if self.schedule == "fixed":
-        self._wait(lambda: self._installed[1] >= version - 1 or self._exhausted)
+      self._wait(lambda: self.schedule.push_ready(self, version))
       self._pending, self._push_due = (params, version), False
       self._changed()
 
@@ -221,12 +221,14 @@ class Worker:
     while self._pause is not None and not self._closed:
       self._cond.wait()
 
-  def _ahead_ok(self, index: int) -> bool:
-    ahead = index - self._taken + (self._push_due and not self._waiting)
-    return ahead <= self.max_staleness
-
-  def _version_for(self, index: int) -> int:
-    return max(0, index - self.max_staleness)
+  def _start(self, index: int) -> bool:
+    """Waits (holding the lock) until the schedule lets batch `index` start, and installs the
+    weights it starts with; False when the worker was closed."""
+    if not self._wait(lambda: self.schedule.ready(self, index)):
+      return False
+    if self.schedule.takes_pending(self, index):
+      self._installed = self._pending
+    return True
 
   def _keys(self, index: int) -> np.ndarray:
     return fetch(jax.random.key_data(rollout_key(self._seed, index)))
@@ -297,18 +299,10 @@ class RolloutWorker(Worker):
     self._generate = generate_fn
     self._thread.start()
 
-  def _start(self, index: int):
+  def _weights_for(self, index: int):
     """Waits until batch `index` may start; the weights to generate it with (None: closed)."""
     with self._cond:
-      if self.schedule == "free":
-        ok = self._wait(lambda: self._ahead_ok(index))
-        self._installed = self._pending
-      else:
-        want = self._version_for(index)
-        ok = self._wait(lambda: want in (self._installed[1], self._pending[1]))
-        if self._installed[1] != want:
-          self._installed = self._pending
-      return self._installed if ok else None
+      return self._installed if self._start(index) else None
 
   def _run(self) -> None:
     index = self._taken + len(self._queue)
@@ -317,7 +311,7 @@ class RolloutWorker(Worker):
         prompts = self._prompts[index]
       except IndexError:
         return self._finish()
-      if (weights := self._start(index)) is None:
+      if (weights := self._weights_for(index)) is None:
         return
       t0 = time.perf_counter()
       rollout = jax.block_until_ready(self._generate(weights[0], prompts,

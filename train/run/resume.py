@@ -91,7 +91,7 @@ def _restore(ckpt: RunCheckpointer, ctx: RunContext, stages: dict[str, Stage], s
   for name, role in roles.items():  # (a failed attempt makes them abstract again: _reset)
     params = role.abstract()
     nnx.replace_by_pure_dict(params, restored[name])
-    role.params = params
+    role.adopt(params)
   stage = stages[stage_name]
   if not meta["finished"]:
     stage.start(restoring=True)  # may read data that depends on the models (DPO's pairs)
@@ -122,8 +122,8 @@ def _reset(ctx: RunContext, stages: dict[str, Stage]) -> None:
     if name != "actor":
       del cluster.roles[name]
   cluster.shared.clear()
-  cluster.sampler.drop()
-  cluster.actor.params = None
+  cluster.sampler_weights.drop()
+  cluster.actor.release()
 
 
 def _move_aside(ckpt: RunCheckpointer, run_dir: str, stage_name: str, step: int) -> str:

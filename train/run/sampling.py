@@ -1,8 +1,8 @@
 """`Experiment.sample`: completions of text prompts from the current policy, for a look at it.
 
 Prompts are encoded with the run's tokenizer and decoded on the sampler mesh from the sampler's
-copy of the actor, by the RL's samplers (train/generator.py) with other settings, through their
-bucketed front end (sampler/sampler.py), so prompt lists of similar size reuse one compiled
+copy of the actor, by variants of the RL's samplers (train/rollout/generator.py), through their
+bucketed front end (`Sampler.complete`), so prompt lists of similar size reuse one compiled
 program.
 """
 from __future__ import annotations
@@ -27,13 +27,9 @@ class Completion:
 
 def _sampler(ctx: RunContext, n: int, greedy: bool, max_new_tokens: int) -> Sampler:
   """The RL's sampler (greedy or not) for `n` samples of up to `max_new_tokens`, always the
-  static engine (compiled once per settings)."""
-  cache, key = ctx.samplers, (n, greedy, max_new_tokens)
-  if key not in cache:
-    rl = ctx.generator.greedy_sampler if greedy else ctx.generator.sampler
-    cfg = dataclasses.replace(rl.cfg, max_new_tokens=max_new_tokens)
-    cache[key] = dataclasses.replace(rl, cfg=cfg, n=n, inflight_slots=0)
-  return cache[key]
+  static engine (a variant, compiled once per settings)."""
+  rl = ctx.generator.greedy_sampler if greedy else ctx.generator.sampler
+  return rl.variant(n=n, max_new_tokens=max_new_tokens, inflight_slots=0)
 
 
 def as_prompt(ctx: RunContext, text: str) -> str:
@@ -53,7 +49,7 @@ def sample(ctx: RunContext, prompts: list[str], *, n: int = 1, greedy: bool = Fa
   max_new = max_new_tokens or ctx.task.max_new_tokens
   sampler = _sampler(ctx, n, greedy, max_new)
   ids = [ctx.task.enc.prompt(as_prompt(ctx, p)) for p in prompts]
-  rollout = sampler(ctx.cluster.sampler.fresh(), ids, rollout_key(seed, 0))
+  rollout = sampler.complete(ctx.cluster.sampler_weights.fresh(), ids, rollout_key(seed, 0))
   p = rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]
   out = []
   for i in range(len(prompts)):

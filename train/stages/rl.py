@@ -1,11 +1,11 @@
-"""RL: the single controller (train/controller.py) in sync or async mode, any algorithm.
+"""RL: the single controller (train/rl/controller.py) in sync or async mode, any algorithm.
 
 On a fresh start the stage freezes the reference (a copy of the actor on the reference mesh)
 and, for `gae`, adds the critic (from the reward model when there is one, else from the actor's
 trunk). Its run state: the policy version (= steps done), the first prompt batch not yet trained
 on (with dynamic sampling a step may generate several: `samples_generated` counts them), the
 run's largest sampler/trainer mismatch so far and its tokens per policy lag, the learners, and
-in async mode the generator's own state (train/async_state.py): the batches generated ahead and
+in async mode the generator's own state (train/rollout/async_state.py): the batches generated ahead and
 the rows in flight, saved with the generator paused, so a resumed run continues them.
 """
 from __future__ import annotations
@@ -76,8 +76,11 @@ class RLStage(Stage):
   def step(self) -> dict:
     if self.controller is None:
       self.wall0 = time.perf_counter()
-      self.controller = Controller(self.ctx, self.actor, self.critic, next_index=self.next_index,
-                                   version=self.progress.done)
+      ctx = self.ctx
+      self.controller = Controller(self.cfg, cluster=ctx.cluster, generator=ctx.generator,
+                                   task=ctx.task, judge=ctx.judge, timeline=ctx.timeline,
+                                   actor=self.actor, critic=self.critic,
+                                   next_index=self.next_index, version=self.progress.done)
       self.controller.start(self._generator)
       self._generator = None
     row = self.controller.step()
@@ -137,14 +140,14 @@ class RLStage(Stage):
       return {}
     cluster = self.ctx.cluster
     return {"generator": async_state.abstract_checkpoint(
-        state["generator"], cluster.meshes["sampler"], cluster.sampler.abstract())}
+        state["generator"], cluster.meshes["sampler"], cluster.sampler_weights.abstract())}
 
   def restore(self, state: dict, arrays: dict) -> None:
     self.next_index, self.lags = state["next_index"], state.get("lags", [])
     self.maxima.update(state.get("maxima", {}))
     if "generator" in state and self.cfg.rl.mode == "async":
       self._generator = async_state.from_checkpoint(
-          arrays["generator"], state["generator"], self.ctx.cluster.sampler.abstract())
+          arrays["generator"], state["generator"], self.ctx.cluster.sampler_weights.abstract())
       stream = self._generator.meta.get("stream")
       if stream is not None and stream["shape"] != self._stream_shape():
         log.warning("the checkpoint's rows in flight were decoded in another layout (%s, now "

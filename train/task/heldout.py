@@ -1,6 +1,6 @@
-"""Evaluation of a policy on examples: scores, pass@k, lengths, and every sample.
+"""Held-out evaluation of a policy on examples: scores, pass@k, lengths, and every sample.
 
-One code path for the RL stage's held-out evaluation (`RunContext.evaluate`: greedy, one sample
+One code path for the stages' held-out evaluation (`RunContext.evaluate`: greedy, one sample
 per prompt, the mean score logged as `heldout_acc`) and for `jaxrl-eval` (cli/evaluate.py:
 greedy, or `n` samples per prompt at a temperature, pass@k). Prompts go through the run's
 encoding and length buckets in chunks of `eval.batch_size` (one compiled shape; the last chunk
@@ -74,24 +74,25 @@ def chunks(items: list, size: int):
     yield chunk + [chunk[-1]] * (size - len(chunk)), len(chunk)
 
 
-def evaluate(ctx, params, examples: list[Example], *, n: int = 1, temperature: float = 0.0,
-             seed: int = 0) -> Evaluation:
-  """`n` completions of each example from `params` (the sampler's copy, in its layout) on
-  `ctx`'s generator (a `train.context.RunContext`): greedy for `temperature` 0 (then n = 1),
-  else sampled with `rollout_key(seed, chunk index)`."""
+def evaluate(generator, task, judge, params, examples: list[Example], *, batch_size: int,
+             n: int = 1, temperature: float = 0.0, seed: int = 0) -> Evaluation:
+  """`n` completions of each example from `params` (the sampler's copy, in its layout) on the
+  run's `generator` (train/rollout/generator.py), prompts encoded as `task`'s, scored by `judge`
+  (train/task/task.py): greedy for `temperature` 0 (then n = 1), else sampled with
+  `rollout_key(seed, chunk index)`."""
   if temperature == 0 and n != 1:
     raise ValueError(f"n: greedy decoding gives one completion per prompt, got n={n}")
-  task, scores, lengths, texts = ctx.task, [], [], []
-  for index, (chunk, real) in enumerate(chunks(examples, ctx.cfg.eval.batch_size)):
+  scores, lengths, texts = [], [], []
+  for index, (chunk, real) in enumerate(chunks(examples, batch_size)):
     batch = prompt_batch(chunk, task.enc, task.prompt_len, task.buckets)
     if temperature == 0:
-      rollout = ctx.generator.greedy(params, batch)
+      rollout = generator.greedy(params, batch)
     else:
-      rollout = ctx.generator.draw(params, batch, rollout_key(seed, index), n=n,
-                                   temperature=temperature)
+      rollout = generator.draw(params, batch, rollout_key(seed, index), n=n,
+                               temperature=temperature)
     rows = [ex for ex in chunk for _ in range(n)]  # rows are group-major
-    chunk_texts = ctx.texts(rollout)
-    scores.append(ctx.rewards(rollout, rows, texts=chunk_texts)[:real * n])
+    chunk_texts = judge.texts(rollout)
+    scores.append(judge.rewards(rollout, rows, texts=chunk_texts)[:real * n])
     policy_mask = rollout.completion_mask_BN if rollout.loss_mask_BN is None \
         else rollout.loss_mask_BN
     lengths.append(to_host(policy_mask, "lengths").sum(1)[:real * n])

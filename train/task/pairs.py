@@ -11,32 +11,47 @@ import dataclasses
 import glob
 import logging
 import os
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-from jaxrl.config import ConfigError
+from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data import sources
 from jaxrl.data.pipeline import prompt_batch
 from jaxrl.data.files import DataError
 from jaxrl.data.sources import DataOptions
 from jaxrl.data.preferences import Pair, synthetic_pairs, write_jsonl
 from jaxrl.data.tasks import Example
+from jaxrl.data.tokenizer import Tokenizer
+from train.rollout.generator import Generator
 from train.rollout.worker import rollout_key
-from train.stages.context import RunContext
 from train.task.heldout import chunks
+from train.task.task import Judge, TaskData
 
 log = logging.getLogger("jaxrl")
 HELDOUT_FRACTION = 0.1  # of a user's pairs file, held out for the accuracy / margin metric
 
 
-def policy_samples(ctx: RunContext, examples: list[Example], seed: int) -> dict[str, list[str]]:
+class PairsContext(Protocol):
+  """What the pairs read of the run (a `train.stages.context.RunContext` is one)."""
+  cfg: ExperimentConfig
+  tok: Tokenizer
+  task: TaskData
+  judge: Judge
+  generator: Generator
+  run_dir: str
+  cluster: Any  # its `sampler_weights`: the current actor, to sample negatives from
+
+
+def policy_samples(ctx: PairsContext, examples: list[Example],
+                   seed: int) -> dict[str, list[str]]:
   """`group_size` completions per prompt from the current actor (the RL temperature)."""
   out, g, p = {}, ctx.cfg.rl.group_size, ctx.task.prompt_len
-  params = ctx.cluster.sampler.fresh()
+  params = ctx.cluster.sampler_weights.fresh()
   for i, (chunk, n) in enumerate(chunks(examples, ctx.cfg.rl.prompts_per_step)):
-    texts = ctx.texts(ctx.generator.sample(params, prompt_batch(chunk, ctx.task.enc, p),
-                                           rollout_key(seed, i)))
+    texts = ctx.judge.texts(ctx.generator.sample(params, prompt_batch(chunk, ctx.task.enc, p),
+                                                 rollout_key(seed, i)))
     for j, ex in enumerate(chunk[:n]):
       out[ex.prompt] = texts[j * g:(j + 1) * g]
   return out
@@ -48,7 +63,7 @@ def check_pairs_file(path: str) -> None:
     raise ConfigError(f"{path}: cannot read pairs file (no such file)")
 
 
-def read_pairs_file(ctx: RunContext, stage: str, path: str) -> tuple[list[Pair], dict]:
+def read_pairs_file(ctx: PairsContext, stage: str, path: str) -> tuple[list[Pair], dict]:
   """A user's pairs (jsonl / parquet; text, or chat messages with data.chat), prompts rendered
   as the RL prompts are, and the bad rows skipped, counted by reason (or they stop the run:
   data.on_bad_row)."""
@@ -63,7 +78,7 @@ def read_pairs_file(ctx: RunContext, stage: str, path: str) -> tuple[list[Pair],
   return pairs, skipped
 
 
-def load_pairs(ctx: RunContext, stage: str, pairs_path: str, *, per_prompt: int,
+def load_pairs(ctx: PairsContext, stage: str, pairs_path: str, *, per_prompt: int,
                policy_negatives: bool) -> tuple[list[Pair], list[Pair], dict]:
   """(train pairs, held-out pairs, the summary entry of a user file's skipped rows: the stage
   keeps it). A user's file is split 90/10 after a seeded shuffle; synthetic pairs come from the

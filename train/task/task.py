@@ -1,5 +1,6 @@
 """The run's task: its tokenizer, its examples (data files or the synthetic task) with their
-encoding, the RL prompt batches, and its reward (a verifier, or a user's function, contained)."""
+encoding, the RL prompt batches, and its reward (a verifier, or a user's function, contained),
+which `Judge` applies to rollouts."""
 from __future__ import annotations
 
 import collections
@@ -8,16 +9,19 @@ import logging
 from collections.abc import Callable
 
 import grain
+import jax
 import numpy as np
 
-from jaxrl.config import ConfigError, ExperimentConfig, RLConfig
+from jaxrl.config import ConfigError, ExperimentConfig, RLConfig, first_line
 from jaxrl.data.files import DataError
 from jaxrl.data.pipeline import Encoding, prompt_dataset, prompt_length, target_length
 from jaxrl.data.sources import DataOptions, load_examples
 from jaxrl.data.tasks import Example, make_splits
 from jaxrl.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
-from jaxrl.rewards.user import RewardFnError, call_reward_fn, load_reward_fn
+from jaxrl.envs import ENVIRONMENTS, ContainedEnvironment, EnvError, environment_factory
+from jaxrl.rewards.user import RewardFnError, call_reward_fn, call_with_timeout, load_reward_fn
 from jaxrl.rewards.verifier import VERIFIERS
+from train.io.host_transfers import to_host
 
 log = logging.getLogger("jaxrl")
 # (prompts, completions, examples) -> [B] float32 rewards
@@ -39,6 +43,7 @@ class TaskData:
   skipped: dict  # bad rows skipped, by reason (the summary's data_skipped_rows)
   # Calls of user code scored 0 or ended (rl.on_user_code_error="zero"): "reward", "environment"
   user_code_errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  user_code: bool = False  # a user's reward function or environment runs (contained)
 
 
 def make_reward(name: str, rl: RLConfig | None = None,
@@ -141,6 +146,72 @@ def load_task(cfg: ExperimentConfig, tok: Tokenizer) -> TaskData:
                   max_new_tokens=cfg.rl.max_new_tokens, reward=reward, verifier=verifier,
                   prompts=prompt_dataset(train, enc, batch_size=cfg.rl.prompts_per_step,
                                          length=p_len, seed=cfg.seed + 1, buckets=buckets),
-                  skipped=skipped, user_code_errors=errors)
+                  skipped=skipped, user_code_errors=errors,
+                  user_code=":" in cfg.rl.verifier or ":" in cfg.rl.environment)
 
 
+
+
+
+def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData):
+  """A zero-argument factory of the run's environment (`rl.environment`), or None; a user's
+  class is contained (jaxrl/envs/contained.py), its failures counted in the task's
+  `user_code_errors`."""
+  rl = cfg.rl
+  if not rl.environment:
+    return None
+  try:
+    factory = environment_factory(rl.environment)
+  except EnvError as e:
+    raise ConfigError(f"config.rl.environment: {e}") from None
+  if rl.environment in ENVIRONMENTS:
+    return lambda: factory(tok, task.verifier)
+
+  def construct():
+    """A user environment's constructor: what it raises is a one-line config error."""
+    try:
+      return call_with_timeout(lambda: factory(tok, task.verifier), rl.user_code_timeout_s)
+    except Exception as e:  # noqa: BLE001 - user code
+      raise ConfigError(f"config.rl.environment: {rl.environment}: the constructor raised "
+                        f"{type(e).__name__}: {first_line(e)}") from None
+  count = lambda n: task.user_code_errors.update({"environment": n})
+  return lambda: ContainedEnvironment(construct(), name=rl.environment,
+                                      timeout_s=rl.user_code_timeout_s,
+                                      policy=rl.on_user_code_error, report=count)
+
+@jax.jit
+def completion_tokens(rollout) -> jax.Array:
+  """The generated part of a rollout's tokens, [B, N], sliced where the rollout lives."""
+  return rollout.tokens_BT[:, rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]:]
+
+
+def completion_texts(tok: Tokenizer, completions_BN: np.ndarray) -> list[str]:
+  """Decoded completions (host); decoding stops at EOS."""
+  return [tok.decode(row) for row in completions_BN]
+
+
+class Judge:
+  """The run's reward of rollouts: their environments' (multi-turn) or the task's reward of
+  their completions, decoded on the host (the completions' token ids are all it fetches)."""
+
+  def __init__(self, tok: Tokenizer, task: TaskData):
+    self.tok, self.task = tok, task
+
+  def rewards(self, rollout, examples, texts: list[str] | None = None) -> np.ndarray:
+    """[B] rewards of a rollout of `examples` (group-major rows): its environments', or the
+    task reward of its decoded `texts` (decoded here when not given)."""
+    if rollout.rewards_B is not None:
+      return to_host(rollout.rewards_B, "rewards")
+    return self.score(self.texts(rollout) if texts is None else texts, examples)
+
+  def texts(self, rollout) -> list[str]:
+    """The rollout's completions, decoded on the host."""
+    return completion_texts(self.tok, to_host(completion_tokens(rollout), "completions"))
+
+  def score(self, texts: list[str], examples) -> np.ndarray:
+    """[B] rewards of completions `texts` of `examples` (rl.verifier)."""
+    examples = list(examples)
+    try:
+      return self.task.reward([ex.prompt for ex in examples], texts, examples)
+    except RewardFnError as e:  # the user's function misbehaved: a user error, named
+      raise ConfigError(f"config.rl.verifier: {e}") from None

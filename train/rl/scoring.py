@@ -1,0 +1,87 @@
+"""Scoring a rollout batch: the reward (the host verifier or the reward model), the reference's
+and the actor's old log-probs, the critic's values, each on its role's executor so they overlap,
+and the Experience they make on the trainer's mesh (train/rl/experience.py)."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from jaxrl.config import RLConfig
+from jaxrl.data.pipeline import bucket_length
+from train.io.host_transfers import to_device, to_host
+from train.rl.executors import Executors
+from train.rl.experience import make_experience, trim_rollout
+from train.roles.cluster import RoleCluster
+from train.roles.learner import Learner
+from train.task.task import Judge
+from train.updates.batching import map_minibatches
+from train.updates.forward import completion_logprobs, completion_values, sequence_scores
+
+
+def _on(role, fn, rollout, *, mask: bool = True):
+  """`fn(params, tokens, valid[, completion mask])` on `role`'s mesh, the rollout moved there
+  device to device."""
+  arrays = (rollout.tokens_BT, rollout.valid_BT) + ((rollout.completion_mask_BN,) if mask else ())
+  return fn(role.params, *role.put(arrays))
+
+
+class Scoring:
+
+  def __init__(self, cfg: RLConfig, cluster: RoleCluster, actor: Learner, critic: Learner | None,
+               judge: Judge, executors: Executors):
+    self.cfg, self.actor, self.critic, self.judge, self.ex = cfg, actor, critic, judge, executors
+    self.reference, self.reward_model = cluster.get("reference"), cluster.get("reward")
+    n = cfg.rollouts // cfg.pass_rows  # scoring passes run in the update's pieces
+
+    def scorer(role, fn):
+      def score(params, tokens_BT, valid_BT, mask_BN):  # the prompt length: from the shapes
+        p_len = tokens_BT.shape[1] - mask_BN.shape[1]
+        return map_minibatches(lambda mb: fn(role.graphdef, params, *mb, prompt_len=p_len),
+                               (tokens_BT, valid_BT), n)
+      return role.jit(score)
+    logp = lambda *args, **kw: completion_logprobs(*args, **kw)[0]
+    self._ref_logp, self._old_logp = scorer(self.reference, logp), scorer(actor.role, logp)
+    if critic is not None:
+      self._values_fn = scorer(critic.role, completion_values)
+    if self.reward_model is not None:
+      self._scores_fn = self.reward_model.jit(functools.partial(sequence_scores,
+                                                                self.reward_model.graphdef))
+    self._experience = actor.role.jit(functools.partial(make_experience, cfg=cfg))
+
+  def _rewards(self, rollout, examples_B, verified_B=None):
+    """(rewards on the trainer's mesh, verified_B on the host; given: already verified)."""
+    if verified_B is None:
+      verified_B = self.judge.rewards(rollout, examples_B)
+    role = self.actor.role
+    if self.reward_model is None:
+      return to_device(verified_B, role.batch_shardings(verified_B), "rewards"), verified_B
+    return role.put(_on(self.reward_model, self._scores_fn, rollout, mask=False)), verified_B
+
+  def trimmed(self, rollout):
+    """The rollout with its completion slots cut to the bucket (`rl.length_buckets`) of its
+    longest response: scoring and the update then skip the slots no row reached."""
+    budget = rollout.completion_mask_BN.shape[1]
+    longest = int(to_host(rollout.lengths_B, "lengths").max(initial=0))
+    n = bucket_length(longest, budget, self.cfg.length_buckets)
+    return rollout if n == budget else trim_rollout(rollout, n)
+
+  def experience(self, rollout, prompts, verified_B=None):
+    """Scores one rollout batch (the reward, reference, critic and old-log-prob calls overlap)
+    and assembles its Experience on the trainer's mesh: (experience, metrics, verified_B)."""
+    examples_B = np.repeat(prompts["examples"], self.cfg.group_size)
+    rollout, ex = self.trimmed(rollout), self.ex
+    calls = {"reward": (ex.reward, (self._rewards, rollout, examples_B, verified_B), "score"),
+             "ref": (ex.reference, (_on, self.reference, self._ref_logp, rollout),
+                     "ref logprobs")}
+    if self.cfg.needs_old_logprobs:
+      calls["old"] = (ex.trainer, (_on, self.actor.role, self._old_logp, rollout), "old logprobs")
+    if self.critic is not None:
+      calls["values"] = (ex.critic, (_on, self.critic.role, self._values_fn, rollout), "values")
+    futures = {k: (e, e.submit(*args, label=label)) for k, (e, args, label) in calls.items()}
+    out = {k: e.result(f) for k, (e, f) in futures.items()}
+    (rewards_B, verified_B), on_actor = out["reward"], self.actor.role.put
+    values_BN = on_actor(out["values"]) if "values" in out else None
+    exp, metrics = self._experience(on_actor(rollout), rewards_B, out.get("old"),
+                                    on_actor(out["ref"]), values_BN)
+    return exp, metrics, verified_B

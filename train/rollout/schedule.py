@@ -1,0 +1,80 @@
+"""The async generator's schedule (`rl.async_schedule`), written once for both workers
+(train/rollout/worker.py: whole batches; partial.py: partial rollouts): when batch i may start,
+which weights it starts with, whether new weights replace old ones mid-batch, and when a push
+may land.
+
+Staleness: batch i starts only while at most `max_staleness` policy updates can come before the
+trainer takes it (`Worker.ahead(i)`: the batches before it not yet taken, plus one when the
+trainer has taken a batch since its last push and is not waiting for another). So no batch is
+ever too stale to train on (none is dropped), and a trainer that takes several batches in one
+step (DAPO's dynamic sampling) is never starved. `max_staleness=0` is synchronous.
+
+  free   the newest weights whenever the worker looks: before each batch and, with partial
+         rollouts, between decode segments. Which weights a token comes from depends on timing.
+  fixed  batch i starts with exactly version max(0, i - max_staleness), which the worker waits
+         for (partial rollouts: it opens batch i only once batch i - max_staleness - 1 has left
+         the stream, and swaps weights only as a batch opens), and a push waits until the worker
+         has installed the version before it. Rollouts are then a function of the seed, not of
+         timing: a killed and resumed run reproduces an uninterrupted one bit for bit.
+"""
+from __future__ import annotations
+
+
+class Schedule:
+  swaps_between_segments = False  # new weights for the rows in flight, between decode segments
+
+  def __init__(self, max_staleness: int):
+    if max_staleness < 0:
+      raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    self.max_staleness = max_staleness
+
+  def blocked(self, worker, index: int, next_emit: int) -> bool:
+    """Partial rollouts: batch `index` cannot open yet, and waiting would hold the rows in
+    flight (`next_emit`: the next batch to leave the stream)."""
+    raise NotImplementedError
+
+  def ready(self, worker, index: int) -> bool:
+    """Batch `index` may start now (the worker waits for this, holding its lock)."""
+    raise NotImplementedError
+
+  def takes_pending(self, worker, index: int) -> bool:
+    """Batch `index` starts with the newest pushed weights (else with the installed ones)."""
+    raise NotImplementedError
+
+  def push_ready(self, worker, version: int) -> bool:
+    """A push of `version` may replace the pending weights now."""
+    return True
+
+
+class Free(Schedule):
+  swaps_between_segments = True
+
+  def blocked(self, worker, index: int, next_emit: int) -> bool:
+    return not self.ready(worker, index)
+
+  def ready(self, worker, index: int) -> bool:
+    return worker.ahead(index) <= self.max_staleness
+
+  def takes_pending(self, worker, index: int) -> bool:
+    return True
+
+
+class Fixed(Schedule):
+
+  def version_for(self, index: int) -> int:
+    return max(0, index - self.max_staleness)
+
+  def blocked(self, worker, index: int, next_emit: int) -> bool:
+    return index - self.max_staleness - 1 >= next_emit  # its weights need that batch trained
+
+  def ready(self, worker, index: int) -> bool:
+    return self.version_for(index) in (worker.installed_version, worker.version)
+
+  def takes_pending(self, worker, index: int) -> bool:
+    return worker.installed_version != self.version_for(index)
+
+  def push_ready(self, worker, version: int) -> bool:
+    return worker.installed_version >= version - 1 or worker.exhausted
+
+
+SCHEDULES = {"free": Free, "fixed": Fixed}

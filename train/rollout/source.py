@@ -1,0 +1,86 @@
+"""Where the RL loop's rollout batches come from, and where its new weights go.
+
+Sync (`rl.mode=sync`): batch i is generated when the loop asks for it, from the sampler's fresh
+copy of the actor, on the generator's executor. Async: a worker thread generates ahead of the
+trainer under the schedule (train/rollout/schedule.py): whole batches (`RolloutWorker`) or, with
+`rl.partial_rollouts`, a stream of rows in in-flight slots that takes new weights between decode
+segments (`PartialRolloutWorker`); every push of the trainer's weights reaches it. Either way
+batch i is drawn with `rollout_key(seed, i)`: async with `max_staleness=0` reproduces sync.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+
+from jaxrl.config import ExperimentConfig
+from train.io.timeline import Timeline
+from train.roles.sampler_weights import SamplerWeights
+from train.rollout.generator import Generator
+from train.rollout.partial import PartialRolloutWorker
+from train.rollout.worker import RolloutBatch, RolloutWorker, WorkerState, rollout_key
+
+
+class Rollouts:
+
+  def __init__(self, cfg: ExperimentConfig, generator: Generator, weights: SamplerWeights,
+               prompts, *, prompt_len: int, timeline: Timeline, run: Callable, next_index: int):
+    """`prompts[i]`: prompt batch i (host arrays); `run(fn, *args, label=...)`: a call on the
+    generator's executor (sync mode); `next_index`: the first batch not yet trained on."""
+    self.cfg, self.rl, self.generator, self.weights = cfg, cfg.rl, generator, weights
+    self.prompts, self.prompt_len, self.timeline, self._run = prompts, prompt_len, timeline, run
+    self.next_index = next_index
+    self.worker = None
+
+  def start(self, version: int, state: WorkerState | None = None) -> None:
+    """Async mode: starts the generator ahead of the trainer, from the first batch not yet
+    trained on (it draws the same prompts and keys as the sync loop), or from a checkpoint's
+    generator `state`."""
+    if self.rl.mode != "async":
+      return
+    self.weights.hold()  # the worker may decode with a copy the trainer replaced
+    params = self.weights.fresh()
+    common = dict(version=version, max_staleness=self.rl.max_staleness, seed=self.cfg.seed,
+                  start_index=self.next_index, schedule=self.rl.async_schedule, state=state)
+    if self.rl.partial_rollouts:
+      stream = self.generator.sampler.stream(params, prompt_width=self.prompt_len,
+                                             batch_prompts=self.rl.prompts_per_step,
+                                             live=self.rl.max_staleness + 1)
+      self.worker = PartialRolloutWorker(
+          stream, self.prompts, params,
+          span=lambda: self.timeline.span("generator", "decode"), **common)
+      return
+
+    def generate(params, prompts, key):
+      with self.timeline.span("generator", "generate"):  # the device time, not the dispatch
+        return jax.block_until_ready(self.generator.sample(params, prompts, key))
+    self.worker = RolloutWorker(generate, self.prompts, params, **common)
+
+  def next(self, version: int) -> tuple[RolloutBatch, float]:
+    """The next batch (its rollout, prompts, index, policy version) and the seconds waited."""
+    t0 = time.perf_counter()
+    if self.worker is None:
+      index = self.next_index
+      prompts = self.prompts[index]
+      rollout = self._run(self.generator.sample, self.weights.fresh(), prompts,
+                          rollout_key(self.cfg.seed, index), label="generate")
+      batch = RolloutBatch(rollout, prompts, version, index, 0.0)
+    else:  # (a failed worker thread raises RolloutWorkerError here)
+      batch = self.worker.get()
+    self.next_index = batch.index + 1
+    return batch, time.perf_counter() - t0
+
+  def publish(self, version: int):
+    """The actor's new weights (`version`) into the sampler's copy, and to the async worker;
+    the push's transfer statistics."""
+    stats = self.weights.push()
+    if self.worker is not None:
+      self.worker.update_weights(self.weights.params, version)
+    return stats
+
+  def close(self) -> None:
+    if self.worker is not None:
+      self.worker.close()
+      self.worker = None
+      self.weights.release()
