@@ -49,8 +49,8 @@ def main() -> None:
   from flax import nnx
 
   from jaxrl.algos.logprobs import dense_logprobs
-  from jaxrl.models.transformer import LanguageModel, positions_from_valid
   from jaxrl.models.config import ModelConfig
+  from jaxrl.models.transformer import LanguageModel, positions_from_valid
   from train.updates.forward import token_logprobs
 
   cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import add_host_flags, setup_host, best_seconds, emit
+from benchmarks.common import add_host_flags, best_seconds, emit, setup_host
 from sharding.host import force_cpu_devices
 
 
@@ -27,8 +27,8 @@ def main() -> None:
   import numpy as np
   from flax import nnx
 
-  from jaxrl.models.transformer import LanguageModel
   from jaxrl.models.config import ModelConfig
+  from jaxrl.models.transformer import LanguageModel
   from sharding.mesh import param_shardings
   from sharding.placement import make_placement
   from sharding.reshard import reshard

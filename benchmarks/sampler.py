@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from benchmarks.common import add_host_flags, setup_host, best_seconds, emit, matmul_flops_per_s
+from benchmarks.common import add_host_flags, best_seconds, emit, matmul_flops_per_s, setup_host
 from sharding.host import force_cpu_devices
 
 
@@ -211,8 +211,8 @@ def main() -> None:
   import jax
   from flax import nnx
 
-  from jaxrl.models.transformer import LanguageModel
   from jaxrl.models.config import ModelConfig
+  from jaxrl.models.transformer import LanguageModel
   from sampler.methods import SamplingConfig
   from sampler.sampler import Sampler
   from sharding.mesh import make_mesh, param_shardings

@@ -21,8 +21,8 @@ import numpy as np
 
 from jaxrl.algos.logprobs import chunk_length
 from jaxrl.config import ConfigError, ExperimentConfig, offload_items, usable_memory_gb
-from sharding.placement import PlacementError
 from planner import footprint
+from sharding.placement import PlacementError
 from sharding.rules import SAMPLER_RULES, batch_ways
 from train.roles.cluster import RoleCluster
 

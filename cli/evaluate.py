@@ -35,8 +35,8 @@ import tempfile
 from absl import flags
 from ml_collections import config_flags
 
-from cli.train import (DEFAULT_CONFIG, UsageError, absl_argv, check_overrides, fail,
-                       flag_value, load_config_file, print_help, start_jax)
+from cli.flags import (DEFAULT_CONFIG, UsageError, absl_argv, check_overrides, fail, flag_value,
+                       load_config_file, print_help, start_jax)
 
 
 def _config_arg(argv: list[str]) -> tuple[str, list[str]]:
@@ -56,8 +56,8 @@ def _config_arg(argv: list[str]) -> tuple[str, list[str]]:
 
 def base_config(model: str, config_file: str):
   """The ConfigDict before overrides, and the checkpoint (stage dir, step) or None."""
-  from jaxrl.config import ConfigError, config_dict, to_dict
   from cli.model_io import run_config, split_checkpoint_path
+  from jaxrl.config import ConfigError, config_dict, to_dict
   if os.path.isfile(os.path.join(model, "config.json")):  # a Hugging Face directory
     config = load_config_file(config_file or DEFAULT_CONFIG)
     config.model.hf_path = os.path.abspath(model)
@@ -130,6 +130,7 @@ def _policy(ctx, checkpoint, model_arg: str) -> str:
 def run(raw, checkpoint, fv) -> dict:
   """The evaluation: its summary (after printing it and writing the samples)."""
   import jax
+
   from jaxrl.config_files import with_gin
   from train.stages.context import RunContext
   from train.task.heldout import evaluate

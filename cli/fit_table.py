@@ -29,8 +29,9 @@ COLUMNS = {"full": (0, ""), "full + offload": (0, "all"), "LoRA": (16, ""),
 def cell(path: str, devices: int, rank: int, offload: str) -> str:
   """'GiB per device, fits' or '..., no' for one dry run."""
   import jax
+
   from cli.dry_run import report
-  from cli.train import load_config_file
+  from cli.flags import load_config_file
   from jaxrl.config_files import resolve
   raw = load_config_file(path)
   raw.model.remat = "dots"

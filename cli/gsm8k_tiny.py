@@ -45,13 +45,13 @@ def make(out: str, *, n_train: int = N_TRAIN, n_heldout: int = N_HELDOUT,
   `tools`: the calculator variant."""
   from flax import nnx
 
+  from cli.model_io import generation_config
   from jaxrl.data import gsm8k_synth
   from jaxrl.data.tiny_tokenizer import train_bpe
   from jaxrl.data.tokenizer import load_tokenizer
+  from jaxrl.models.config import ModelConfig
   from jaxrl.models.hf import export
   from jaxrl.models.transformer import LanguageModel
-  from jaxrl.models.config import ModelConfig
-  from cli.model_io import generation_config
 
   tmp = f"{out.rstrip('/')}.tmp{os.getpid()}"  # several processes may make it at once
   os.makedirs(tmp)
@@ -91,7 +91,7 @@ def ensure(out: str, *, tools: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-  from cli.train import ArgParser
+  from cli.flags import ArgParser
   parser = ArgParser(prog="python -m cli.gsm8k_tiny", description=__doc__.split("\n")[0])
   parser.add_argument("--out", required=True)
   parser.add_argument("--tools", action="store_true", help="the calculator variant")

@@ -19,11 +19,11 @@ from flax import nnx
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.config_files import from_mapping
 from jaxrl.data.tokenizer import load_tokenizer
-from jaxrl.models.hf import HFError, load_params, model_config_from_hf
 from jaxrl.models import lora
-from jaxrl.models.transformer import LanguageModel
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.hf import HFError, load_params, model_config_from_hf
 from jaxrl.models.lora import LoRAConfig
+from jaxrl.models.transformer import LanguageModel
 from sharding.mesh import make_mesh
 from train.io.checkpoint import load_actor_params
 from train.roles.role import ModelRole

@@ -16,7 +16,7 @@ import dataclasses
 import sys
 import tempfile
 
-from cli.train import ArgParser, UsageError, fail, parse_args
+from cli.flags import ArgParser, UsageError, fail, parse_args
 
 # Short runs the calibration fits to, in sync mode (each stage's time is its own): the default
 # model and a 4-layer d_model-256 one on 64 rows, in each placement, and the default experiment
@@ -58,9 +58,10 @@ def bench_config(overrides: dict, steps: int) -> dict:
 def calibrate_here(steps: int = 6, warmup: int = 2):
   """Measures this machine and fits the factors to CALIBRATION_RUNS: (Calibration, samples)."""
   import jax
+
+  from jaxrl.config import ExperimentConfig
   from planner import calibrate as cal
   from planner.plan import calibration_for
-  from jaxrl.config import ExperimentConfig
   base = calibration_for(ExperimentConfig(), jax.devices()[0], jax.local_device_count())
   dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
   dev = cal.profile(base.device, dtype)
@@ -73,6 +74,7 @@ def calibrate_here(steps: int = 6, warmup: int = 2):
 
 def _table(cfg, args) -> list[str]:
   import jax
+
   from planner.calibrate import Calibration
   from planner.cost import Workload
   from planner.plan import builtin_calibration, calibration_for

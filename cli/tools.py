@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from cli.train import ArgParser, fail
+from cli.flags import ArgParser, fail
 
 
 def export_main(argv: list[str] | None = None) -> int:
@@ -27,9 +27,9 @@ def export_main(argv: list[str] | None = None) -> int:
   parser.add_argument("--peft", action="store_true",
                       help="a LoRA run: write its adapters alone, as a PEFT adapter directory")
   args = parser.parse_args(argv)
+  from cli.model_io import generation_config, load_policy
   from jaxrl.config import ConfigError
   from jaxrl.models.hf import HFError, export, export_peft
-  from cli.model_io import generation_config, load_policy
   try:
     policy = load_policy(args.checkpoint, what="--checkpoint", merge=not args.peft)
     if args.peft:
@@ -68,11 +68,11 @@ def sample_main(argv: list[str] | None = None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
   args = parser.parse_args(argv)
+  from cli.model_io import load_policy
   from jaxrl.config import ConfigError
   from sampler.methods import SamplingConfig
   from sampler.sampler import Sampler
   from train.rollout.worker import rollout_key
-  from cli.model_io import load_policy
   try:
     policy = load_policy(args.model, dtype=args.dtype)
     tok = policy.tok

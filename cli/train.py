@@ -17,162 +17,15 @@ User errors (unknown or ill-typed fields, impossible meshes, bad data files) pri
 exit 2. Before JAX starts: fake CPU devices only when JAX will run on the CPU, and
 placement.device_memory_fraction of each accelerator's memory (sharding/host.py). Compiled
 programs are cached in ~/.cache/jaxrl/xla (config.compilation_cache_dir, or
-JAXRL_COMPILATION_CACHE=DIR|off; train/compilation.py).
+JAXRL_COMPILATION_CACHE=DIR|off; train/io/compilation.py).
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
-import importlib.util
-import logging
-import os
 import signal
 import sys
 import traceback
 
-from absl import flags
-from ml_collections import config_flags
-
-from sharding.host import force_cpu_devices, reserve_device_memory, retain_freed_memory
-
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "configs", "default.py")
-EXIT_USER_ERROR = 2
-
-
-class UsageError(Exception):
-  pass
-
-
-def flag_value(argv: list[str], name: str) -> str | None:
-  """The value of `--name=V` or `--name V` in argv (read before absl parses it), or None."""
-  for i, arg in enumerate(argv):
-    if arg.startswith(f"--{name}="):
-      return arg.split("=", 1)[1]
-    if arg == f"--{name}" and i + 1 < len(argv):
-      return argv[i + 1]
-  return None
-
-
-def load_config_file(path: str):
-  """The ConfigDict of an experiment file's get_config(); a UsageError naming the file."""
-  if not os.path.isfile(path):
-    raise UsageError(f"--config: no such config file {path!r}")
-  spec = importlib.util.spec_from_file_location("_jaxrl_user_config", path)
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-    return module.get_config()
-  except Exception as e:  # a broken config file is a user error too
-    raise UsageError(f"--config: {path} failed to load: {type(e).__name__}: {e}") from None
-
-
-def check_overrides(config, argv: list[str]) -> None:
-  """Names an unknown `--config.a.b` override before absl turns it into a traceback."""
-  for arg in argv[1:]:
-    if not arg.startswith("--config."):
-      continue
-    dotted = arg[len("--config."):].split("=", 1)[0]
-    node, walked = config, "config"
-    for name in dotted.split("."):
-      if not hasattr(node, "keys") or name not in node.keys():
-        options = sorted(node.keys()) if hasattr(node, "keys") else []
-        raise UsageError(f"{walked}.{name}: unknown field; expected one of {options}")
-      node, walked = node[name], f"{walked}.{name}"
-
-
-def print_help(argv: list[str], doc: str) -> bool:
-  """`--help` / `-h`: the module's usage text on stdout (True: the caller exits 0)."""
-  if any(arg in ("--help", "-h", "--helpfull") for arg in argv[1:]):
-    print(doc.strip())
-    return True
-  return False
-
-
-@contextlib.contextmanager
-def absl_argv(argv: list[str]):
-  """Defining and parsing absl flags on `argv`: config_flags reads the override names from
-  sys.argv, so argv stands in for it; absl's errors become one-line UsageErrors."""
-  saved, sys.argv = sys.argv, list(argv)
-  try:
-    yield
-  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-    raise UsageError(" ".join(str(e).split())) from None
-  finally:
-    sys.argv = saved
-
-
-def parse_args(argv: list[str]):
-  """argv -> (locked ConfigDict with overrides, gin files, gin bindings, flags)."""
-  check_overrides(load_config_file(flag_value(argv, "config") or DEFAULT_CONFIG), argv)
-  fv = flags.FlagValues()
-  with absl_argv(argv):
-    holder = config_flags.DEFINE_config_file(
-        "config", DEFAULT_CONFIG, "Experiment config file (a Python file with get_config()).",
-        flag_values=fv, lock_config=True)
-    flags.DEFINE_multi_string("gin_file", [], "gin files applied on top", flag_values=fv)
-    flags.DEFINE_multi_string("gin_param", [], "gin bindings applied on top", flag_values=fv)
-    flags.DEFINE_bool("resume", False, "continue the run from its checkpoints", flag_values=fv)
-    flags.DEFINE_bool("dry_run", False, "check shardings and memory, run nothing",
-                      flag_values=fv)
-    fv(argv)
-  return holder.value, fv.gin_file, fv.gin_param, {"resume": fv.resume, "dry_run": fv.dry_run}
-
-
-class ArgParser(argparse.ArgumentParser):
-  """argparse whose bad flags are one line on stderr and exit code 2 (no usage block)."""
-
-  def error(self, message: str):
-    sys.exit(fail(f"{self.prog}: {message}"))
-
-
-def fail(message: str) -> int:
-  """A user error: one line on stderr, exit code 2."""
-  print(f"jaxrl: error: {message}", file=sys.stderr)
-  return EXIT_USER_ERROR
-
-
-class _StderrHandler(logging.StreamHandler):
-  """Writes to the current `sys.stderr`, not the one it was made with (a second `main` in one
-  process, as the tests run it, may have another)."""
-
-  @property
-  def stream(self):
-    return sys.stderr
-
-  @stream.setter
-  def stream(self, value) -> None:
-    pass
-
-
-def _setup_logging(primary: bool) -> None:
-  # The jaxrl logger gets its own handler: absl/orbax may have configured the root logger.
-  log = logging.getLogger("jaxrl")
-  if not log.handlers:
-    handler = _StderrHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s jaxrl: %(message)s", "%H:%M:%S"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO if primary else logging.WARNING)
-    log.propagate = False
-
-
-def start_jax(raw) -> None:
-  """Before JAX starts its backend: fake CPU devices, the accelerators' memory fraction (read
-  from the raw config; it is validated later), the job joined on several hosts, logging."""
-  placement = raw.get("placement", {})
-  cpu_devices = placement.get("cpu_devices", 8)
-  force_cpu_devices(cpu_devices if isinstance(cpu_devices, int) else 8)
-  fraction = placement.get("device_memory_fraction", 0.9)
-  reserve_device_memory(fraction if isinstance(fraction, (int, float)) and 0 <= fraction <= 1
-                        else 0.9)
-  retain_freed_memory()
-  from sharding import distributed
-  try:
-    distributed.initialize()  # before anything touches a device
-  except ValueError as e:
-    raise UsageError(str(e)) from None
-  import jax
-  _setup_logging(jax.process_index() == 0)
+from cli.flags import UsageError, fail, parse_args, print_help, start_jax
 
 
 def _start(argv: list[str]):
@@ -210,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
   if isinstance(exp, int):
     return exp
   import jax
+
   from jaxrl.config import ConfigError
-  from train.rl.executors import ExecutorError
   from train.io.checkpoint import CheckpointError
+  from train.rl.executors import ExecutorError
   from train.run.hooks import NumericsError
   primary = jax.process_index() == 0
   if primary:

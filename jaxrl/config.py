@@ -13,9 +13,9 @@ import dataclasses
 
 from jaxrl.algos import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from jaxrl.algos.correction import ROLLOUT_MASKS
-from jaxrl.data.sources import ANSWER_FORMATS
 from jaxrl.config_checks import (ConfigError, at_least_zero, choice, first_line,  # noqa: F401
                                  positive, unit)
+from jaxrl.data.sources import ANSWER_FORMATS
 from jaxrl.data.tasks import TASKS
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.lora import LoRAConfig

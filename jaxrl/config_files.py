@@ -21,8 +21,8 @@ from typing import Any
 import gin
 
 from jaxrl.config import ConfigError, ExperimentConfig, first_line, to_dict
-from jaxrl.models.hf_config import HFError, check_config, model_config_from_hf
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.hf_config import HFError, check_config, model_config_from_hf
 
 TOP_LEVEL = "experiment"
 _registered = False

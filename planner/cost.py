@@ -122,6 +122,19 @@ class Workload:
     m = self.model
     return m.n_layers * 2 * m.n_kv_heads * m.head_dim * self.compute_bytes
 
+  @property
+  def frozen_bytes(self) -> tuple[int, int]:
+    """Bytes per parameter of the frozen models the step runs: the reference (with LoRA the
+    actor's own base), the reward model."""
+    reference = 4 if self.model.frozen_float32 else self.compute_bytes
+    return reference * int(self.reference or bool(self.lora_params)), 4 * int(self.reward_model)
+
+  @property
+  def separate_frozen_bytes(self) -> int:
+    """Bytes per parameter of the frozen models held apart from the actor (a LoRA reference is
+    the actor's base: not counted again)."""
+    return sum(self.frozen_bytes[1:] if self.lora_params else self.frozen_bytes)
+
 
 def lora_params(cfg: ExperimentConfig) -> int:
   """The adapters' parameters of `cfg.lora` (0 without LoRA): r x (in + out) per target."""
@@ -296,11 +309,11 @@ def push_s(w: Workload, dev: DeviceSpec, eff: Efficiency, plan: Plan) -> float:
 
 def offload_s(w: Workload, dev: DeviceSpec, plan: Plan) -> float:
   """`plan.offload`: each step the Adam moments (8 bytes per trained parameter) and the frozen
-  models go to pinned host memory and back (train/offload.py), over each device's host link."""
+  models go to pinned host memory and back (train/roles/offload.py), over each device's host
+  link."""
   if not plan.offload:
     return 0.0
-  from planner.memory import separate_frozen_bytes  # (memory imports this module)
-  nbytes = 8 * (w.trained_params + w.params * int(w.critic)) + separate_frozen_bytes(w) * w.params
+  nbytes = 8 * (w.trained_params + w.params * int(w.critic)) + w.separate_frozen_bytes * w.params
   return 2 * nbytes / plan.trainer.size / dev.host_bytes_per_s
 
 

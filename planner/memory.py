@@ -44,27 +44,14 @@ def trainer_bytes(w: Workload, plan: Plan) -> tuple[float, float]:
   adapter parameter; the critic 12 per parameter. `plan.offload` keeps the Adam moments and the
   frozen models on the host outside their phases."""
   t = plan.trainer
-  base = frozen_bytes(w)[0] if w.lora_params else 4
+  base = w.frozen_bytes[0] if w.lora_params else 4
   adam = 8 * w.trained_params + 8 * w.params * int(w.critic)
-  frozen = 0.0 if plan.strategy == "interleave" else w.params * separate_frozen_bytes(w)
+  frozen = 0.0 if plan.strategy == "interleave" else w.params * w.separate_frozen_bytes
   weights = _shard(base * w.params + 4 * w.lora_params + 4 * w.params * int(w.critic), t)
   if plan.offload:
     return weights, weights + _shard(adam, t) + update_bytes(w, plan)
   resident = weights + _shard(adam + frozen, t)
   return resident, resident + update_bytes(w, plan)
-
-
-def frozen_bytes(w: Workload) -> tuple[int, int]:
-  """Bytes per parameter of the frozen models the step runs: the reference (with LoRA the
-  actor's own base), the reward model."""
-  reference = 4 if w.model.frozen_float32 else w.compute_bytes
-  return reference * int(w.reference or bool(w.lora_params)), 4 * int(w.reward_model)
-
-
-def separate_frozen_bytes(w: Workload) -> int:
-  """Bytes per parameter of the frozen models held apart from the actor (a LoRA reference is
-  the actor's base: not counted again)."""
-  return sum(frozen_bytes(w)[1:] if w.lora_params else frozen_bytes(w))
 
 
 def kv_row_bytes(w: Workload, sampler: Mesh) -> float:
@@ -95,7 +82,7 @@ def memory(w: Workload, plan: Plan, device_bytes: float = math.inf) -> dict[str,
   sampler = sampler_weight_bytes(w, plan.sampler) + rows * kv_row_bytes(w, plan.sampler)
   out = {"trainer": peak, "sampler": sampler}
   if plan.strategy == "interleave":  # reference and reward model: a group each
-    out["scorer"] = _shard(max(frozen_bytes(w)) * w.params, plan.scorer)
+    out["scorer"] = _shard(max(w.frozen_bytes) * w.params, plan.scorer)
   if plan.strategy in ("colocate", "interleave"):  # the sampler shares the trainer's devices
     # Its weights stay through the update (offload: dropped for it); the KV cache lives only
     # while generating.

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.models.decoding import LMDecoding
 from jaxrl.partitioning import Rules
-from sampler.engine import KVCache, DecodeModel, Rollout, bucket, emit_tokens, resolve_layout
+from sampler.engine import DecodeModel, KVCache, Rollout, bucket, emit_tokens, resolve_layout
 from sampler.methods import SamplingConfig
 from sharding.reshard import fetch, send
 from sharding.rules import SAMPLER_RULES, batch_ways, data_axes, jit_on

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.models.transformer import LanguageModel
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import LanguageModel
 from sharding.mesh import make_mesh
-from sharded_init import init_sharded
 from sharding.rules import SAMPLER_RULES, TRAIN_RULES
 from train.io.checkpoint import RunCheckpointer, load_actor_params, params_fingerprint
+
+from sharded_init import init_sharded
 
 
 def _save_actor(tmp_path, tiny_cfg, steps=(7,)):

@@ -6,11 +6,10 @@ import sys
 
 import pytest
 
+from cli.flags import parse_args
 from configs import default
 from jaxrl.config import ConfigError, ExperimentConfig
-from jaxrl.config_files import from_mapping
-from jaxrl.config_files import with_gin
-from cli.train import parse_args
+from jaxrl.config_files import from_mapping, with_gin
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 

@@ -14,9 +14,9 @@ import pytest
 from configs import tiny
 from jaxrl.rewards import verifier as verifier_mod
 from train.io.checkpoint import RunCheckpointer
+from train.io.timeline import Timeline
 from train.rl.executors import Executor, ExecutorError
 from train.run import Experiment
-from train.io.timeline import Timeline
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 

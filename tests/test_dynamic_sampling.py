@@ -10,9 +10,9 @@ from configs import tiny
 from jaxrl.algos.advantages import informative_groups
 from train.rl.batch_fill import fill_batch
 from train.rl.controller import Controller
+from train.rollout.generator import Generator
 from train.run import Experiment
 from train.run.hooks import Hook
-from train.rollout.generator import Generator
 
 GROUP, PROMPTS = 4, 8
 

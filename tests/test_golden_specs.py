@@ -11,8 +11,8 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxrl.models.transformer import LanguageModel
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import LanguageModel
 from sharding.mesh import param_specs
 from sharding.placement import make_placement
 from sharding.rules import SAMPLER_RULES, TRAIN_RULES

@@ -23,10 +23,10 @@ from flax import nnx
 from safetensors.torch import load_file, save_file
 
 from jaxrl.models import hf as hf_module
+from jaxrl.models.config import ModelConfig
 from jaxrl.models.heads import ValueModel
 from jaxrl.models.hf import HFError, export, load_params, model_config_from_hf
 from jaxrl.models.transformer import LanguageModel, init_kv_cache, positions_from_valid
-from jaxrl.models.config import ModelConfig
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
 from train.roles.role import ModelRole

@@ -4,10 +4,11 @@ import os
 
 import pytest
 
-from hf_models import config_dir, one_line
+from jaxrl.models.config import ModelConfig
 from jaxrl.models.hf import HFError, check_config, model_config_from_hf
 from jaxrl.models.hf_config import ARCH_FIELDS, USER_FIELDS
-from jaxrl.models.config import ModelConfig
+
+from hf_models import config_dir, one_line
 
 
 @pytest.mark.parametrize("arch, changes, field", [

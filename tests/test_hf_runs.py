@@ -13,13 +13,13 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
-from jaxrl.config import ConfigError, ExperimentConfig, config_dict
-from jaxrl.data.tokenizer import HFTokenizer
 from cli import evaluate, tools
-from jaxrl.config_files import resolve
-from train.task.task import make_reward
-from train.run import Experiment
 from cli.gsm8k_tiny import make
+from jaxrl.config import ConfigError, ExperimentConfig, config_dict
+from jaxrl.config_files import resolve
+from jaxrl.data.tokenizer import HFTokenizer
+from train.run import Experiment
+from train.task.task import make_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16, d_ff=64)

@@ -103,8 +103,8 @@ def test_rl_step_generates_in_flight_without_hidden_host_transfers(tmp_path, mon
   from configs import tiny
   from sampler import sampler
   from sampler.inflight import jit_inflight
-  from train.run import Experiment
   from train.io.host_transfers import RECORD
+  from train.run import Experiment
   built = []
 
   def counted(*args, **kw):

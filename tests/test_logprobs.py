@@ -14,10 +14,10 @@ from jaxrl.algos import logprobs
 from jaxrl.algos.logprobs import chunk_length, chunked_logprobs, dense_logprobs
 from jaxrl.config import RLConfig
 from jaxrl.models.transformer import LanguageModel
+from train.rl.experience import Experience
 from train.updates.forward import completion_logprobs, token_logprobs
 from train.updates.rl import rl_update
 from train.updates.state import TrainState
-from train.rl.experience import Experience
 
 
 def _inputs(b=3, n=10, d=16, v=50, seed=0):

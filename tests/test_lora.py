@@ -12,15 +12,15 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from tests.hf_models import ARCHS
 
 from jaxrl.models import lora
-from jaxrl.models.hf import HFError, export, export_peft, load_params, model_config_from_hf
-from jaxrl.models.transformer import LanguageModel, positions_from_valid
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.hf import HFError, export, export_peft, load_params, model_config_from_hf
 from jaxrl.models.lora import LoRAConfig
+from jaxrl.models.transformer import LanguageModel, positions_from_valid
 from sharding.mesh import make_mesh
 from train.roles.role import ModelRole
-from tests.hf_models import ARCHS
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
 

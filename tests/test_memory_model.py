@@ -19,16 +19,16 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.config import DataConfig, ExperimentConfig, RLConfig
-from jaxrl.models.transformer import LanguageModel
-from jaxrl.models.config import ModelConfig
-from sharding.rules import MESH_AXES
-from train.updates.rl import rl_update
-from train.updates.state import make_optimizer
 from cli.dry_run import shard_bytes, update_footprint
+from jaxrl.config import DataConfig, ExperimentConfig, RLConfig
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import LanguageModel
+from sharding.rules import MESH_AXES
 from train.rl.experience import Experience
 from train.roles.learner import Learner
 from train.roles.role import ModelRole
+from train.updates.rl import rl_update
+from train.updates.state import make_optimizer
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -100,7 +100,7 @@ def test_remat_and_micro_batches_shrink_the_estimate():
 def _llama8b_lora(layers: int = 4) -> ExperimentConfig:
   """configs/llama3_1_8b_gsm8k_lora.py (bf16, rank 16, remat dots, 16 rows x 768 tokens per
   pass) with `layers` of its 32 layers and CPU attention ([T, T] scores: no cuDNN here)."""
-  from cli.train import load_config_file
+  from cli.flags import load_config_file
   from jaxrl.config_files import resolve
   raw = load_config_file(os.path.join(ROOT, "configs", "llama3_1_8b_gsm8k_lora.py"))
   raw.model.update(n_layers=layers, attention="xla")

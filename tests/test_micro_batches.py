@@ -11,10 +11,10 @@ from jaxrl.algos.losses import aggregation_weights
 from jaxrl.config import ConfigError, ExperimentConfig, RLConfig
 from jaxrl.config_files import from_mapping
 from jaxrl.models import LanguageModel, ValueModel
+from train.rl.experience import Experience
 from train.updates.forward import completion_logprobs
 from train.updates.rl import critic_update, rl_update
 from train.updates.state import TrainState
-from train.rl.experience import Experience
 
 
 def _uneven_mask(b=8, n=6) -> np.ndarray:

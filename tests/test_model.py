@@ -8,8 +8,8 @@ from jaxrl.models import LanguageModel, ModelConfig, RewardModel, ValueModel, in
 from jaxrl.models.decoding import LMDecoding
 from jaxrl.models.layouts import FEATURES
 from jaxrl.models.lora import LoRAConfig
-from jaxrl.models.transformer import positions_from_valid
 from jaxrl.models.rope import rope_table
+from jaxrl.models.transformer import positions_from_valid
 
 
 def _forward(model, tokens_BT, valid_BT=None):

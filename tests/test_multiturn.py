@@ -11,13 +11,13 @@ from jaxrl.data import tiny_tokenizer
 from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.envs import Step
-from jaxrl.models.transformer import LanguageModel
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import LanguageModel
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
-from train.task.heldout import evaluate
-from train.run import Experiment
 from train.rollout.multiturn import as_rollout, converse
+from train.run import Experiment
+from train.task.heldout import evaluate
 from train.updates.forward import completion_logprobs
 
 TEXTS = ["the answer is 42 and the tool said 42", "calc 12*7 then add 3 to get 87"] * 50

@@ -17,8 +17,8 @@ from jaxrl.config_files import resolve
 from jaxrl.models.transformer import LanguageModel
 from sharding.mesh import make_mesh, param_shardings
 from sharding.rules import TRAIN_RULES
-from train.run import Experiment
 from train.roles.offload import DEVICE, HOST, moved
+from train.run import Experiment
 
 
 def test_round_trip_is_bit_identical(tiny_cfg):

@@ -14,11 +14,11 @@ import pytest
 from flax import nnx
 
 from jaxrl.data.tokenizer import ByteTokenizer
-from jaxrl.models.transformer import LanguageModel
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import LanguageModel
 from sampler.methods import SamplingConfig
-from train.rollout.partial import PartialRolloutWorker
 from sampler.sampler import Sampler
+from train.rollout.partial import PartialRolloutWorker
 from train.rollout.worker import RolloutWorker
 
 TOK = ByteTokenizer()

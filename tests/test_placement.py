@@ -6,15 +6,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrl.models.config import ModelConfig
 from jaxrl.models.dtypes import compute_dtypes
 from jaxrl.models.transformer import LanguageModel, positions_from_valid
-from jaxrl.models.config import ModelConfig
+from jaxrl.partitioning import activation_rules
 from sharding.mesh import param_shardings
-from sharded_init import init_sharded
 from sharding.placement import PlacementError, make_placement
 from sharding.reshard import plan_buckets, reshard
-from jaxrl.partitioning import activation_rules
 from sharding.rules import SAMPLER_RULES, TRAIN_RULES
+
+from sharded_init import init_sharded
 
 CFG = ModelConfig(vocab_size=264, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                   d_ff=128)
@@ -158,6 +159,7 @@ def test_reshard_into_the_same_layout_copies_unless_donating():
 ])
 def test_move_copies_batches_device_to_device(src, dst):
   from jax.sharding import NamedSharding, PartitionSpec
+
   from sharding.mesh import make_mesh
   from sharding.reshard import move
   src_mesh = make_mesh(dict(src), jax.devices()[4:4 + int(np.prod([n for _, n in src]))])

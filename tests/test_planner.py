@@ -5,18 +5,18 @@ import os
 
 import pytest
 
+from cli.plan import main as plan_main
 from configs import tiny
 from jaxrl.config import ExperimentConfig
 from jaxrl.models.config import ModelConfig
-from sharding.placement import host_major_devices, make_placement
 from planner import calibrate as cal
-from planner.cost import (Mesh, Plan, Workload, decode_steps, forward_s, generate_s,
-                                   step_time, update_s)
+from planner.cost import (Mesh, Plan, Workload, decode_steps, forward_s, generate_s, step_time,
+                          update_s)
 from planner.devices import CPU_EFFICIENCY, DEVICES, DeviceSpec, Efficiency
 from planner.memory import HEADROOM, kv_row_bytes, kv_rows, memory, total_bytes
 from planner.plan import choose
 from planner.search import problem, search
-from cli.plan import main as plan_main
+from sharding.placement import host_major_devices, make_placement
 
 MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=64,
                     d_ff=128)
@@ -231,7 +231,7 @@ def test_lora_and_offload_in_the_memory_model():
   and Adam moments (12 bytes per parameter) plus the bf16 reference; LoRA holds the bf16 base
   (which is the reference) and 12 bytes per adapter parameter; offload keeps the moments and a
   separate reference off the device between updates, and the search takes it only colocated."""
-  from cli.train import load_config_file
+  from cli.flags import load_config_file
   from jaxrl.config_files import resolve
   from planner.cost import lora_params
   from planner.memory import trainer_bytes

@@ -13,9 +13,9 @@ from jax.sharding import Mesh
 
 from jaxrl.models import LanguageModel, ModelConfig
 from jaxrl.models.dtypes import compute_dtypes
+from train.roles.role import ModelRole
 from train.updates.batching import accumulate_grads, compute_copy
 from train.updates.forward import completion_logprobs
-from train.roles.role import ModelRole
 
 CFG = ModelConfig(vocab_size=96, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
                   d_ff=80, dtype="bfloat16", family="qwen2")  # no two shapes alike

@@ -13,15 +13,15 @@ from jax.sharding import Mesh
 
 from jaxrl.config import ConfigError, ExperimentConfig, RLConfig, to_dict
 from jaxrl.config_files import from_mapping
-from jaxrl.models.transformer import LanguageModel, init_kv_cache
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import LanguageModel, init_kv_cache
 from sharding.rules import MESH_AXES
-from train.updates.rl import rl_update
-from train.updates.sft import sft_update
-from train.updates.state import make_optimizer
 from train.rl.experience import Experience
 from train.roles.learner import Learner
 from train.roles.role import ModelRole
+from train.updates.rl import rl_update
+from train.updates.sft import sft_update
+from train.updates.state import make_optimizer
 
 TINY = ModelConfig(vocab_size=264, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
                    d_ff=64)

@@ -4,10 +4,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from flax import nnx
+from hypothesis import given, settings, strategies as st
 
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.models.transformer import LanguageModel, positions_from_valid

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.data.pipeline import Encoding, _sft_row, pack_rows, prompt_length, sft_dataset, target_length
+from jaxrl.data.pipeline import (Encoding, _sft_row, pack_rows, prompt_length, sft_dataset,
+                                 target_length)
 from jaxrl.data.tasks import make_splits
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.models.transformer import LanguageModel, positions_from_segments

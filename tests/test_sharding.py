@@ -5,12 +5,13 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.models.transformer import LanguageModel, positions_from_valid
 from jaxrl.models.config import ModelConfig
-from sharding.mesh import make_mesh, param_specs
-from sharded_init import init_sharded
+from jaxrl.models.transformer import LanguageModel, positions_from_valid
 from jaxrl.partitioning import activation_rules, logical_to_spec
+from sharding.mesh import make_mesh, param_specs
 from sharding.rules import SAMPLER_RULES, TRAIN_RULES
+
+from sharded_init import init_sharded
 
 CFG = ModelConfig(vocab_size=264, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                   d_ff=128)

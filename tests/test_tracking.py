@@ -10,8 +10,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import tiny
-from train.run import Experiment
 from train.io.metrics import read_metrics
+from train.run import Experiment
 
 
 def _scalars(directory: str) -> dict[str, dict[int, float]]:

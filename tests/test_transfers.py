@@ -6,8 +6,8 @@ import jax
 import numpy as np
 
 from configs import tiny
-from train.run import Experiment
 from train.io.host_transfers import RECORD
+from train.run import Experiment
 
 
 def test_rl_step_has_no_hidden_host_round_trip(tmp_path):

@@ -23,15 +23,15 @@ import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+import safetensors.numpy
 from flax import nnx
 from jax.experimental import multihost_utils
-import safetensors.numpy
 from safetensors import safe_open
 
-from jaxrl.models.hf_config import (ARCH_FIELDS, HFError, check_config, default_max_positions,
-                                    hf_config_dict, model_config_from_hf)
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.families import FAMILIES, TOP_TENSORS
+from jaxrl.models.hf_config import (ARCH_FIELDS, HFError, check_config, default_max_positions,
+                                    hf_config_dict, model_config_from_hf)
 
 __all__ = ["HFError", "check_config", "export", "load_params", "model_config_from_hf"]
 

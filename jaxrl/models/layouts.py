@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.models import attention as att
+from jaxrl.models.attention import attend, attend_one, attention_impl, write_cache
 from jaxrl.models.lora import adapted, adapter
 from jaxrl.models.rope import rope, rope_table
 from jaxrl.partitioning import constrain
@@ -83,20 +83,20 @@ class Rows:
   def attention(self, q_BTNH, k_BTKH, v_BTKH, layer_cache, cache_index, mask_BTS, cfg):
     """(attention output [B, T, N * H], the layer's updated cache)."""
     q_BTNH = constrain(q_BTNH, ("batch", None, "act_heads", None))
-    k_BKHS, v_BKSH = att.write_cache(layer_cache, k_BTKH.transpose(0, 2, 3, 1),
+    k_BKHS, v_BKSH = write_cache(layer_cache, k_BTKH.transpose(0, 2, 3, 1),
                                      v_BTKH.transpose(0, 2, 1, 3), cache_index)
     b, t, n, h = q_BTNH.shape
     dt, kh = q_BTNH.dtype, cfg.n_kv_heads
-    impl = att.attention_impl(cfg)
+    impl = attention_impl(cfg)
     if impl != "einsum" and k_BKHS.shape[-1] == k_BTKH.shape[1]:  # no earlier cache slots
       out_BTKGH = jax.nn.dot_product_attention(  # queries carry the scale already
           q_BTNH, k_BTKH.astype(dt), v_BTKH.astype(dt), mask=mask_BTS[:, None], scale=1.0,
           implementation=impl).reshape(b, t, kh, n // kh, h)
     elif t == 1:
-      out_BTKGH = att.attend_one(q_BTNH.reshape(b, kh, n // kh, h), k_BKHS.astype(dt),
+      out_BTKGH = attend_one(q_BTNH.reshape(b, kh, n // kh, h), k_BKHS.astype(dt),
                                  v_BKSH.astype(dt), mask_BTS[:, 0])[:, None]
     else:
-      out_BTKGH = att.attend(q_BTNH.reshape(b, t, kh, n // kh, h), k_BKHS.astype(dt),
+      out_BTKGH = attend(q_BTNH.reshape(b, t, kh, n // kh, h), k_BKHS.astype(dt),
                              v_BKSH.astype(dt), mask_BTS)
     # One (n * h) contraction on flat views: XLA:CPU would otherwise transpose wo every call.
     new_cache = None if layer_cache is None else (k_BKHS, v_BKSH)
@@ -167,9 +167,9 @@ class Features:
     kh, dt = cfg.n_kv_heads, q_NHB.dtype
     q_BKGH = constrain(q_NHB.reshape(kh, n // kh, h, b).transpose(3, 0, 1, 2),
                        ("batch", "act_kv_heads", None, None))
-    k_BKHS, v_BKSH = att.write_cache(layer_cache, k_KHB.transpose(2, 0, 1)[..., None],
+    k_BKHS, v_BKSH = write_cache(layer_cache, k_KHB.transpose(2, 0, 1)[..., None],
                                      v_KHB.transpose(2, 0, 1)[:, :, None], slot)
-    out_BKGH = att.attend_one(q_BKGH, k_BKHS.astype(dt), v_BKSH.astype(dt), mask_B1S[:, 0])
+    out_BKGH = attend_one(q_BKGH, k_BKHS.astype(dt), v_BKSH.astype(dt), mask_B1S[:, 0])
     return out_BKGH.reshape(b, n * h).T, (k_BKHS, v_BKSH)
 
   def logits(self, h_DB, head_VD):

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.updates.state import TrainState, apply_gradients, make_optimizer
 from train.io.checkpoint import RunCheckpointer, params_fingerprint
 from train.rl.controller import Controller
 from train.run import Experiment
+from train.updates.state import TrainState, apply_gradients, make_optimizer
 
 
 def test_a_non_finite_gradient_is_skipped_and_counted():

@@ -16,10 +16,10 @@ import jax
 from flax import nnx
 
 from jaxrl.config import ConfigError, ExperimentConfig
-from jaxrl.models.heads import RewardModel, ValueModel
-from jaxrl.models.hf import HFError, load_params
 from jaxrl.models import lora
 from jaxrl.models.dtypes import compute_dtypes, frozen_base_dtypes
+from jaxrl.models.heads import RewardModel, ValueModel
+from jaxrl.models.hf import HFError, load_params
 from jaxrl.models.transformer import LanguageModel
 from sharding.placement import ROLES, PlacementError, host_major_devices, make_placement
 from sharding.rules import SAMPLER_RULES, batch_ways

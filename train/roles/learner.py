@@ -7,7 +7,6 @@ optimizer state and the step counter, sharded like the parameters they belong to
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import optax

@@ -22,7 +22,6 @@ import time
 
 import jax
 
-
 HOST, DEVICE = "pinned_host", "device"
 
 

@@ -22,8 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.models.dtypes import cast_to
 from sharding.mesh import batch_sharding, param_shardings
 from sharding.placement import PlacementError
-from sharding.reshard import reshard
-from sharding.reshard import move
+from sharding.reshard import move, reshard
 from sharding.rules import TRAIN_RULES, NotDivisible, jit_on
 from train.roles.offload import moved
 

@@ -29,6 +29,7 @@ from sharding.rules import SAMPLER_RULES
 from train.io.host_transfers import allowed
 from train.roles.role import ModelRole, role_shardings
 
+
 class SamplerWeights:
 
   def __init__(self, cfg: ExperimentConfig, actor: ModelRole, mesh, plain_graphdef=None):

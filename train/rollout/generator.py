@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, RLConfig
-from jaxrl.envs import Environment, EnvError
+from jaxrl.envs import EnvError, Environment
 from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jaxrl.envs import Environment, EnvError
+from jaxrl.envs import EnvError, Environment
 from sampler.engine import Rollout
 from sampler.requests import WIDTH_STEP, Request
 from sampler.sampler import Sampler

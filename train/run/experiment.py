@@ -11,7 +11,7 @@
 It owns the run state: the `RunContext` (models on their meshes, generator, task data), the
 stages (train/stages/: each with its progress and its summary entries) with their shared hooks
 (train/hooks.py), the metrics log, and the run-state checkpoints (train/checkpoint.py, restored
-by train/resume.py into a value it takes). The run summary is put together here, in `summary`.
+by train/run/resume.py into a value it takes). The run summary is put together here, in `summary`.
 """
 from __future__ import annotations
 
@@ -23,19 +23,18 @@ import jax
 from flax import nnx
 
 from jaxrl.config import ConfigError, ExperimentConfig, to_dict
-from sharding.placement import host_major_devices
-from train.io import compilation
-from train.run import resume
-from train.io import rundir
-from train.io.checkpoint import CheckpointError, RunCheckpointer, params_fingerprint
 from jaxrl.config_files import merge, resolve
-from train.stages.context import RunContext
-from train.run.hooks import Checkpoint, Evaluate, Log, NonFinite, Progress, StopRequest
+from sharding.placement import host_major_devices
+from train.io import compilation, rundir
+from train.io.checkpoint import CheckpointError, RunCheckpointer, params_fingerprint
+from train.io.host_transfers import to_host
 from train.io.metrics import MetricsWriter, plain_row, plot_metrics
 from train.io.tracking import Trackers, last_steps
+from train.run.hooks import Checkpoint, Evaluate, Log, NonFinite, Progress, StopRequest
+from train.run.resume import Resumed, latest_good, snapshot
 from train.run.sampling import Completion, sample
 from train.stages import STAGES, Stage, Stopped, run_stage
-from train.io.host_transfers import to_host
+from train.stages.context import RunContext
 
 log = logging.getLogger("jaxrl")
 
@@ -76,7 +75,7 @@ class Experiment:
     self.ctx = RunContext(self.cfg, self.run_dir, initialize=fresh)
     self.writer = MetricsWriter(self.run_dir, enabled=jax.process_index() == 0)
     kinds = {name: STAGES[name] for name in names}
-    resumed = resume.latest_good(self.checkpointer, self.ctx, kinds, saved) if saved else None
+    resumed = latest_good(self.checkpointer, self.ctx, kinds, saved) if saved else None
     if resumed:
       self._take(resumed)
     else:
@@ -108,7 +107,7 @@ class Experiment:
                         f"{self.plan.step_s:.3g} s per RL step: {self.plan.reason})")
     self.writer.trackers = trackers
 
-  def _take(self, resumed: resume.Resumed) -> None:
+  def _take(self, resumed: Resumed) -> None:
     """A checkpoint's run state: its stages, the next one, its summary and metrics rows."""
     self.stages, self.position = resumed.stages, resumed.position
     self._summary_base = resumed.summary  # the run's own entries and the earlier stages'
@@ -231,7 +230,7 @@ class Experiment:
       return
     stage.mark_saved()
     with stage.frozen():  # returns once the arrays are copied off the devices
-      items, meta, metrics = resume.snapshot(self.ctx, stage, self.summary,
+      items, meta, metrics = snapshot(self.ctx, stage, self.summary,
                                              len(self.writer.rows))
       self.checkpointer.save(stage.name, stage.progress.done, items, meta, metrics)
 

@@ -19,9 +19,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from train.stages.base import Stage, Stopped
 from train.io import metrics
 from train.io.host_transfers import to_host
+from train.stages.base import Stage, Stopped
 
 log = logging.getLogger("jaxrl")
 

@@ -24,8 +24,8 @@ from flax import nnx
 
 from jaxrl.config import ConfigError, first_line
 from train.io.checkpoint import RunCheckpointer, shapes
-from train.stages.context import RunContext
 from train.stages import Stage
+from train.stages.context import RunContext
 
 log = logging.getLogger("jaxrl")
 

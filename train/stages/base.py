@@ -16,8 +16,8 @@ import dataclasses
 from typing import ClassVar
 
 from jaxrl.config import ExperimentConfig
-from train.stages.context import RunContext
 from train.roles.learner import Learner
+from train.stages.context import RunContext
 
 
 @dataclasses.dataclass(frozen=True)

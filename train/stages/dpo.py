@@ -13,14 +13,14 @@ import numpy as np
 
 from jaxrl.config import ExperimentConfig
 from jaxrl.data.preferences import pair_batch, pair_lengths
-from train.updates.forward import sequence_logprobs
-from train.updates.preference import dpo_update
-from train.updates.state import make_optimizer
+from train.io.host_transfers import to_device, to_host
 from train.roles.learner import Learner
 from train.stages.base import Stage
 from train.task.heldout import chunks
 from train.task.pairs import check_pairs_file, load_pairs
-from train.io.host_transfers import to_device, to_host
+from train.updates.forward import sequence_logprobs
+from train.updates.preference import dpo_update
+from train.updates.state import make_optimizer
 
 
 class DPOStage(Stage):

@@ -12,14 +12,14 @@ import numpy as np
 
 from jaxrl.config import ExperimentConfig
 from jaxrl.data.preferences import pair_batch, pair_dataset, pair_lengths
-from train.updates.forward import sequence_scores
-from train.updates.preference import reward_model_update
-from train.updates.state import make_optimizer
+from train.io.host_transfers import to_device, to_host
 from train.roles.learner import Learner
 from train.stages.base import Stage
 from train.task.heldout import chunks
 from train.task.pairs import check_pairs_file, load_pairs
-from train.io.host_transfers import to_device, to_host
+from train.updates.forward import sequence_scores
+from train.updates.preference import reward_model_update
+from train.updates.state import make_optimizer
 
 log = logging.getLogger("jaxrl")
 

@@ -15,14 +15,12 @@ import functools
 import logging
 import time
 
-from train.rollout import async_state
-
-from train.updates.rl import critic_update, rl_update
-
-from train.updates.state import make_optimizer
 from train.rl.controller import Controller
 from train.roles.learner import Learner
+from train.rollout import async_state
 from train.stages.base import Stage
+from train.updates.rl import critic_update, rl_update
+from train.updates.state import make_optimizer
 
 log = logging.getLogger("jaxrl")
 # summary.json entry -> the metrics row's value whose maximum over the run it keeps

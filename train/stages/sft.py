@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from jaxrl.config import ConfigError
 from jaxrl.data.pipeline import sft_dataset
-from train.updates.sft import sft_update
-from train.updates.state import make_optimizer
+from train.io.host_transfers import to_device
 from train.roles.learner import Learner
 from train.stages.base import Stage
-from train.io.host_transfers import to_device
+from train.updates.sft import sft_update
+from train.updates.state import make_optimizer
 
 
 class SFTStage(Stage):

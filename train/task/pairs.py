@@ -18,10 +18,10 @@ import numpy as np
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data import sources
-from jaxrl.data.pipeline import prompt_batch
 from jaxrl.data.files import DataError
-from jaxrl.data.sources import DataOptions
+from jaxrl.data.pipeline import prompt_batch
 from jaxrl.data.preferences import Pair, synthetic_pairs, write_jsonl
+from jaxrl.data.sources import DataOptions
 from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import Tokenizer
 from train.rollout.generator import Generator
