@@ -28,7 +28,7 @@ fresh policy (so almost every response runs to max_new_tokens):
 Per stage (generate, reward, reference, old_logprobs, update, weight_push): the mean seconds of
 its calls on the timeline, its model FLOPs (jaxrl/models/flops.py: only the work the step needs;
 a skipped pass counts zero), `flops_utilization` = FLOPs / (seconds x matmul peak) and
-`compile_s`: the seconds the run summary records for its programs (train/compilation.py), or
+`compile_s`: the seconds the run summary records for its programs (train/io/compilation.py), or
 where it records none, its first step's seconds minus a steady step's. The peak (roofline.py):
 the device table's dense bf16 peak per device on an accelerator (times the devices), the matmul
 peak measured in this process in the model's dtype on a CPU. `decode`: generated tokens per
@@ -213,7 +213,7 @@ def decode_stats(exp, generate_s: float, mean_len: float, ceilings) -> dict:
 
 def compile_seconds(summary: dict, stages: dict) -> dict:
   """Compile seconds per stage and in all: the run summary's where it records them
-  (train/compilation.py: per timeline label, "other" for work outside the stages), else each
+  (train/io/compilation.py: per timeline label, "other" for work outside the stages), else each
   stage's first step minus its steady step (the stages' table as it is)."""
   by_label = summary.get("compile")
   if not isinstance(by_label, dict) or "compile_s" not in summary:

@@ -87,7 +87,7 @@ def _reference_is_base(cfg: ExperimentConfig, cluster: RoleCluster, reference) -
 
 
 def offloaded(cfg: ExperimentConfig, resident: dict, phases: dict) -> tuple[dict, dict]:
-  """The tables with `placement.offload` applied (train/offload.py): an offloaded item leaves
+  """The tables with `placement.offload` applied (train/roles/offload.py): an offloaded item leaves
   what stays and is counted only in the phases that have it on the devices (the optimizer
   state in its update, the frozen models while scoring, the sampler's copy outside updates)."""
   items = offload_items(cfg.placement.offload)

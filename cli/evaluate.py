@@ -22,7 +22,7 @@
                        eval_samples.jsonl; "" for none)
 
 Greedy with n = 1 is exactly the training run's held-out evaluation (`heldout_acc`; the same
-code, train/evaluation.py). Prints a table, then the summary as one JSON line (the last line).
+code, train/task/heldout.py). Prints a table, then the summary as one JSON line (the last line).
 User errors print one line and exit 2.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ arithmetic (products up to 99 x 999, sums of 3-digit numbers), solved by calling
 
 The assets (cli/gsm8k_tiny.py --tools, made on first use under data/gsm8k_tools/): the worked
 solutions call the calculator, `... = <calc>56*35</calc> <result>1960</result> dollars`, and SFT
-learns that form. RL then runs multi-turn (train/multiturn.py): a model turn ends at `</calc>`,
+learns that form. RL then runs multi-turn (train/rollout/multiturn.py): a model turn ends at `</calc>`,
 the calculator environment (jaxrl/envs) appends ` <result>1960</result>` as token ids (trained
 with loss mask 0), the model goes on; a turn without a call ends the conversation, and
 math-verify scores its `#### N` against the reference. Against: the same config with

@@ -5,7 +5,7 @@ fields of it, and gin bindings (`rl.steps = 5`) address the same fields. `from_m
 (nested) mapping into the dataclasses, raising `ConfigError` naming the first unknown, ill-typed
 or out-of-range field as `config.section.field`. Each section checks its own fields in
 `__post_init__`; `ExperimentConfig` checks what spans sections. What depends on the devices
-(mesh sizes dividing batch sizes) is checked against the real placement (train/cluster.py).
+(mesh sizes dividing batch sizes) is checked against the real placement (train/roles/cluster.py).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from jaxrl.rewards.verifier import VERIFIERS
 STRATEGIES = ("colocate", "interleave", "separate")
 REWARDS = ("verifier", "reward_model")
 MODES = ("sync", "async")
-ASYNC_SCHEDULES = ("free", "fixed")  # sampler/worker.py
-OFFLOADS = ("optimizer", "frozen", "sampler")  # placement.offload's items (train/offload.py)
+ASYNC_SCHEDULES = ("free", "fixed")  # train/rollout/schedule.py (SCHEDULES)
+OFFLOADS = ("optimizer", "frozen", "sampler")  # placement.offload's items (train/roles/offload.py)
 KL_MODES = ("loss", "reward")  # KL(pi || ref) as a loss term, or folded into per-token rewards
 
 
@@ -89,7 +89,7 @@ class PlacementConfig:
   # Share of each accelerator's memory JAX preallocates (XLA_PYTHON_CLIENT_MEM_FRACTION; 0: on
   # demand, XLA_PYTHON_CLIENT_PREALLOCATE=false), set before JAX starts (sharding/host.py).
   device_memory_fraction: float = 0.9
-  # Idle-role offload in sync RL (train/offload.py): comma-separated optimizer (Adam moments
+  # Idle-role offload in sync RL (train/roles/offload.py): comma-separated optimizer (Adam moments
   # on the devices only for the update), frozen (reference, reward model only for scoring),
   # sampler (its copy dropped for the update); all; empty: none
   offload: str = ""
@@ -326,7 +326,7 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
-  """Views of the metrics rows besides metrics.jsonl (train/tracking.py; process 0 only)."""
+  """Views of the metrics rows besides metrics.jsonl (train/io/tracking.py; process 0 only)."""
   tensorboard: bool = True  # event files under RUN/tensorboard/STAGE
   wandb: bool = False  # Weights & Biases (pip install wandb; WANDB_MODE=offline works offline)
   wandb_project: str = "jaxrl"
@@ -347,7 +347,7 @@ class ExperimentConfig:
   # many in a row stop the run.
   max_skipped_updates: int = 5
   progress: bool = True
-  # JAX's persistent compilation cache (train/compilation.py): empty: JAXRL_COMPILATION_CACHE,
+  # JAX's persistent compilation cache (train/io/compilation.py): empty: JAXRL_COMPILATION_CACHE,
   # else $XDG_CACHE_HOME/jaxrl/xla (~/.cache/jaxrl/xla); a directory; "off"
   compilation_cache_dir: str = ""
   # A run's stage checkpoints (e.g. runs/NAME/checkpoints/sft) to start the actor from.

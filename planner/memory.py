@@ -2,7 +2,7 @@
 
 Trainer devices hold the trained models' float32 weights and Adam moments for the whole run and
 the frozen models they host (the reference in the compute dtype unless `frozen_float32`, as
-train/cluster.py stores it; a reward model in float32), and during an update what footprint.py
+train/roles/cluster.py stores it; a reward model in float32), and during an update what footprint.py
 counts (the one memory model, the dry run's too): gradients, activations by `remat`, log-prob
 logits, fsdp's gathered weights. Sampler devices hold the compute-dtype copy of the actor and the
 KV cache. Colocated, both live on the same devices: the KV cache gets what the trainer's resident

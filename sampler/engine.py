@@ -30,7 +30,7 @@ class Rollout:
   completion_mask_BN: jax.Array  # generated tokens up to and including EOS / a stop sequence
   logprobs_BN: jax.Array  # log mu(token) under the sampling distribution; 0 where masked
   lengths_B: jax.Array
-  # Multi-turn rollouts (train/multiturn.py), where completion_mask_BN also covers what the
+  # Multi-turn rollouts (train/rollout/multiturn.py), where completion_mask_BN also covers what the
   # environment appended: the tokens the policy emitted (the ones it is trained on) and the
   # environment's rewards. None for a single completion.
   loss_mask_BN: jax.Array | None = None

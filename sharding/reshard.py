@@ -17,7 +17,7 @@ process or on several as long as each process already holds the rows its target 
 
 Host (`fetch`, `send`): the deliberate host transfers, each let through JAX's transfer guard for
 its own call only, so that a test disallowing every other host transfer lets exactly these pass
-(train/host_transfers.py names and counts the run's; in-flight batching moves its control bytes).
+(train/io/host_transfers.py names and counts the run's; in-flight batching moves its control bytes).
 """
 from __future__ import annotations
 

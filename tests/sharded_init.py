@@ -1,4 +1,4 @@
-"""Tests' shorthand for a randomly initialised model born sharded on a mesh (train/roles.py)."""
+"""Tests' shorthand for a randomly initialised model born sharded on a mesh (train/roles/role.py)."""
 from train.roles.role import ModelRole
 
 

@@ -83,3 +83,20 @@ def test_train_is_only_subpackages():
   train = ROOT / "train"
   assert {p.parent.name for p in train.glob("*/__init__.py")} == set(TRAIN_MAY_IMPORT)
   assert [p.name for p in train.glob("*.py")] == ["__init__.py"]
+
+
+def test_files_and_functions_stay_small():
+  """No module over 400 lines and no function over 60 in the project's packages (benchmarks and
+  configs included): a reader holds a room or a step in their head."""
+  big = []
+  for package in MAY_IMPORT:
+    for path in sorted((ROOT / package).rglob("*.py")):
+      source = path.read_text()
+      if source.count("\n") > 400:
+        big.append(f"{path.relative_to(ROOT)}: {source.count(chr(10))} lines")
+      for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+          length = node.end_lineno - node.lineno + 1
+          if length > 60:
+            big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
+  assert not big, "\n".join(big)

@@ -1,4 +1,4 @@
-"""Idle-role offload (train/offload.py): pinned host memory and back leaves every array
+"""Idle-role offload (train/roles/offload.py): pinned host memory and back leaves every array
 bit-identical in its own sharding; a colocated run offloading everything it can computes exactly
 what the run without does, shows its moves in trace.json, and resumes from a checkpoint taken
 while its optimizer state was on the host."""

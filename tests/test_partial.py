@@ -1,4 +1,4 @@
-"""The async schedule (sampler/worker.py) and partial rollouts (sampler/partial.py,
+"""The async schedule (train/rollout/worker.py) and partial rollouts (train/rollout/partial.py,
 sampler/stream.py): staleness without dropped batches, the fixed schedule's versions whatever
 the trainer's timing, weights swapped into rows in flight with every token's version and
 log-prob, and a worker's run state put back bit for bit with batches queued and rows in flight."""

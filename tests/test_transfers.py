@@ -1,7 +1,7 @@
 """An RL step keeps rollouts on devices: with every host transfer but the named ones disallowed
 (JAX's transfer guard, implicit and explicit), a step runs, and the host sees only the prompts,
 the completions' token ids (for the verifier), the rewards and the metrics; plus the weight
-push, whose layout change jax.device_put routes through the host (train/host_transfers.py)."""
+push, whose layout change jax.device_put routes through the host (train/io/host_transfers.py)."""
 import jax
 import numpy as np
 

@@ -1,4 +1,4 @@
-"""The shipped environments: a calculator and a Python-expression sandbox (jaxrl/envs/evaluate.py
+"""The shipped environments: a calculator and a Python-expression sandbox (jaxrl/envs/sandbox.py
 says why a restricted evaluator rather than a subprocess)."""
 from __future__ import annotations
 

@@ -4,11 +4,11 @@ A target projection W, stored [*out, *in] (transformer.py), gains `W_lora` with 
 B [*out, r]: y = x W^T + (alpha / r) x A^T B^T. A starts like PyTorch's and PEFT's
 (uniform in +-1/sqrt(fan_in)), B at zero, so an adapted model's initial logits are the base
 model's. The adapters are `nnx.LoRAParam`s (a kind of `nnx.Param`): `TRAINABLE` picks them out of
-a state, the learner trains them alone (train/learner.py), and every other parameter is the
-frozen base, which the RL stage also scores the reference with (train/cluster.py).
+a state, the learner trains them alone (train/roles/learner.py), and every other parameter is the
+frozen base, which the RL stage also scores the reference with (train/roles/cluster.py).
 
 `merged` folds the adapters into the base (W + scale B A): the plain model's state, which the
-sampler decodes with (train/cluster.py) and a Hugging Face export writes; `peft_tensors` gives
+sampler decodes with (train/roles/cluster.py) and a Hugging Face export writes; `peft_tensors` gives
 the adapters under PEFT's names for an adapter directory that `peft` loads (jaxrl/models/hf.py).
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ environment's JAXRL_COMPILATION_CACHE, else $XDG_CACHE_HOME/jaxrl/xla (~/.cache/
 
 `watch()` adds the seconds JAX spends tracing, lowering and compiling (or loading from the
 cache) each program to the label of the timeline span running on that thread
-(train/timeline.py: "generate", "update", ...); work outside a span (initialisation, the
+(train/io/timeline.py: "generate", "update", ...); work outside a span (initialisation, the
 held-out evaluation) counts as "other". A labelled call that compiled something logs one line.
 """
 from __future__ import annotations

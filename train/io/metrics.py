@@ -40,7 +40,7 @@ class MetricsWriter:
     self.path = os.path.join(run_dir, "metrics.jsonl")
     self.enabled = enabled
     self.rows: list[dict] = []
-    self.trackers = None  # train/tracking.py: TensorBoard, W&B (set once the rows are known)
+    self.trackers = None  # train/io/tracking.py: TensorBoard, W&B (set once the rows are known)
     self._f = None
 
   def resume(self, n_rows: int) -> None:

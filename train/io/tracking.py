@@ -1,6 +1,6 @@
 """Experiment tracking: every metrics row also goes to TensorBoard and, when asked, W&B.
 
-`metrics.jsonl` stays the record (train/metrics.py); these are views of it, written by process 0
+`metrics.jsonl` stays the record (train/io/metrics.py); these are views of it, written by process 0
 only, with the same rows:
 
 - TensorBoard (`logging.tensorboard`, on by default): event files through tensorboardX, one

@@ -53,7 +53,7 @@ class SamplerWeights:
   def _moved(self, params, shardings, *, donate: bool = False):
     """`params` in the layout `shardings`, matrices in the compute dtype (timed)."""
     dtypes = compute_dtypes(self.cfg.model, params)
-    with allowed("weights", params):  # see train/host_transfers.py
+    with allowed("weights", params):  # see train/io/host_transfers.py
       return reshard(params, shardings, dtypes=dtypes, bucket_bytes=self._bucket(),
                      donate=donate)
 

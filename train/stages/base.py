@@ -4,7 +4,7 @@ A stage (SFT, DPO, reward model, RL, ...) owns its learners, its data position, 
 its entries of the run summary, and knows nothing of the other stages; it sees the `RunContext`.
 `run_stage` drives any stage: `start` once, then `step` until the stage's steps are done, calling
 each hook as it starts, after every step and once at the end (evaluation, logging, checkpoints,
-the progress bar and stop requests are hooks, train/hooks.py). A stage's run state is its
+the progress bar and stop requests are hooks, train/run/hooks.py). A stage's run state is its
 `progress` (steps taken, its latest evaluation), `state()` (small JSON: data positions,
 versions) and `arrays()` (device arrays to checkpoint besides the models and the learners'
 optimizer states).
