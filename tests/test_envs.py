@@ -7,7 +7,7 @@ import pytest
 from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.envs import Calculator, EnvError, PythonSandbox, environment_factory
-from jaxrl.envs.sandbox import FUNCTIONS, EvalError, evaluate
+from jaxrl.envs.sandbox import FUNCTIONS, EvalError, run_expression
 from jaxrl.rewards.math import math_equal
 
 TOK = ByteTokenizer()
@@ -18,14 +18,14 @@ TOK = ByteTokenizer()
     ("2**10 % 1000", 24), ("1 < 2 <= 2", True), ("3 if 1 > 2 else 4", 4),
 ])
 def test_arithmetic(expression, value):
-  assert evaluate(expression) == value
+  assert run_expression(expression) == value
 
 
 def test_python_expressions_with_the_whitelist():
-  assert evaluate("sum(i * i for i in range(10))", functions=FUNCTIONS) == 285
-  assert evaluate("sorted([3, 1, 2])[::-1]", functions=FUNCTIONS) == [3, 2, 1]
-  assert evaluate("max(gcd(12, 18), round(sqrt(2), 3))", functions=FUNCTIONS) == 6
-  assert evaluate("[x for x in range(6) if x % 2]", functions=FUNCTIONS) == [1, 3, 5]
+  assert run_expression("sum(i * i for i in range(10))", functions=FUNCTIONS) == 285
+  assert run_expression("sorted([3, 1, 2])[::-1]", functions=FUNCTIONS) == [3, 2, 1]
+  assert run_expression("max(gcd(12, 18), round(sqrt(2), 3))", functions=FUNCTIONS) == 6
+  assert run_expression("[x for x in range(6) if x % 2]", functions=FUNCTIONS) == [1, 3, 5]
 
 
 @pytest.mark.parametrize("expression,reason", [
@@ -48,13 +48,13 @@ def test_python_expressions_with_the_whitelist():
 ])
 def test_what_the_evaluator_refuses(expression, reason):
   with pytest.raises(EvalError, match=reason.replace("(", r"\(").replace(")", r"\)")):
-    evaluate(expression, functions=FUNCTIONS if "sum" != expression else None)
+    run_expression(expression, functions=FUNCTIONS if "sum" != expression else None)
 
 
 def test_time_limit():
   t0 = time.monotonic()
   with pytest.raises(EvalError, match="time limit exceeded"):
-    evaluate("[sum([j for j in range(9000)]) for i in range(9000)]", functions=FUNCTIONS,
+    run_expression("[sum([j for j in range(9000)]) for i in range(9000)]", functions=FUNCTIONS,
              time_limit_s=0.2)
   assert time.monotonic() - t0 < 2.0
 

@@ -109,8 +109,10 @@ def test_an_rl_run_with_an_environment_trains_on_the_models_tokens_only(tmp_path
     rows = [r for r in exp.writer.rows if r["phase"] == "rl" and "mismatch_max" in r]
     # jaxrl-eval's sampled mode converses too: 2 conversations per prompt, the environment's
     # rewards (a point a turn), the lengths counting the model's tokens only
-    sampled = evaluate(exp.ctx, exp.ctx.cluster.sampler_weights.fresh(),
-                       exp.ctx.task.heldout[:4], n=2, temperature=1.0)
+    ctx = exp.ctx
+    sampled = evaluate(ctx.generator, ctx.task, ctx.judge, ctx.cluster.sampler_weights.fresh(),
+                       ctx.task.heldout[:4], batch_size=ctx.cfg.eval.batch_size, n=2,
+                       temperature=1.0)
   assert sampled.scores_EN.shape == (4, 2) and sampled.scores_EN.min() >= 1.0
   assert (sampled.lengths_EN > 0).all() and len(sampled.texts[3]) == 2
   assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)

@@ -3,7 +3,7 @@ the run can abandon (`jaxrl.rewards.user.call_with_timeout`), and what it return
 list of token ids, a finite reward, a bool). When it raises, hangs or returns something else,
 the policy decides: "stop" raises an EnvError naming the environment, the call and what went
 wrong; "zero" ends that conversation with no further reward and tells `report(1)`. The shipped
-environments run in place: their own evaluator already bounds every call (evaluate.py).
+environments run in place: their own sandbox already bounds every call (sandbox.py).
 """
 from __future__ import annotations
 

@@ -196,7 +196,7 @@ def _checked(value):
   return value
 
 
-def evaluate(expression: str, *, functions: dict | None = None, time_limit_s: float = 1.0):
+def run_expression(expression: str, *, functions: dict | None = None, time_limit_s: float = 1.0):
   """The value of `expression` under the whitelist (`functions`: the names it may call; none:
   arithmetic only)."""
   if len(expression) > 2000:

@@ -3,7 +3,7 @@ says why a restricted evaluator rather than a subprocess)."""
 from __future__ import annotations
 
 from jaxrl.envs.base import ToolEnvironment
-from jaxrl.envs.sandbox import FUNCTIONS, EvalError, evaluate
+from jaxrl.envs.sandbox import FUNCTIONS, EvalError, run_expression
 
 
 def _shown(value) -> str:
@@ -22,19 +22,19 @@ class Calculator(ToolEnvironment):
 
   def run(self, text: str) -> str:
     try:
-      return _shown(evaluate(text, time_limit_s=0.1))
+      return _shown(run_expression(text, time_limit_s=0.1))
     except EvalError as e:
       return f"error: {e}"
 
 
 class PythonSandbox(ToolEnvironment):
   """`<python>sum(i*i for i in range(10))</python>` -> ` <output>285</output>`: one Python
-  expression with the whitelisted functions (evaluate.FUNCTIONS), comprehensions over bounded
+  expression with the whitelisted functions (sandbox.FUNCTIONS), comprehensions over bounded
   ranges, no statements, attributes, imports, files or network, 1 s at most."""
   tag, result_tag = "python", "output"
 
   def run(self, text: str) -> str:
     try:
-      return _shown(evaluate(text, functions=FUNCTIONS, time_limit_s=1.0))
+      return _shown(run_expression(text, functions=FUNCTIONS, time_limit_s=1.0))
     except EvalError as e:
       return f"error: {e}"

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train.io.checkpoint import RunCheckpointer, params_fingerprint
-from train.rl.controller import Controller
+from train.rl.scoring import Scoring
 from train.run import Experiment
 from train.updates.state import TrainState, apply_gradients, make_optimizer
 
@@ -30,13 +30,13 @@ def test_a_non_finite_gradient_is_skipped_and_counted():
 
 def _poison(monkeypatch, at):
   """The rewards of the RL steps in `at` (1-based) become NaN on their way to the update."""
-  real, calls = Controller._score, []
+  real, calls = Scoring._rewards, []
 
   def score(self, rollout, examples_B, verified_B=None):
     rewards_B, verified_B = real(self, rollout, examples_B, verified_B)
     calls.append(1)
     return (rewards_B * jnp.nan if len(calls) in at else rewards_B), verified_B
-  monkeypatch.setattr(Controller, "_score", score)
+  monkeypatch.setattr(Scoring, "_rewards", score)
 
 
 def _raw(tmp_path, name, **over):
