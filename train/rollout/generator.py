@@ -50,7 +50,6 @@ class Generator:
                                                ignore_eos=False)
     self._rows = batch_sharding(mesh, SAMPLER_RULES)
     self.environment, self.max_turns, self.pad_id = environment, rl.max_turns, tok.pad_id
-    self.prompts_per_step = rl.prompts_per_step
     if environment is not None and jax.process_count() > 1:
       raise ConfigError("config.rl.environment: multi-turn rollouts run in one process for now")
     # A turn also ends at the environment's stop strings
