@@ -125,8 +125,7 @@ class Sampler:
     cfg = dataclasses.replace(self.cfg, **sampling) if sampling else self.cfg
     key = (cfg, self.n if n is None else n,
            self.inflight_slots if inflight_slots is None else inflight_slots)
-    if key == (self.cfg, self.n, self.inflight_slots):
-      return self
+    self._variants.setdefault((self.cfg, self.n, self.inflight_slots), self)
     if key not in self._variants:
       made = dataclasses.replace(self, cfg=key[0], n=key[1], inflight_slots=key[2])
       object.__setattr__(made, "_variants", self._variants)

@@ -165,11 +165,26 @@ def test_sampler_buckets_do_not_retrace(tiny_model):
   sampler = Sampler(graphdef, SamplingConfig(max_new_tokens=4, eos_id=TOK.eos_id, pad_id=TOK.pad_id),
                     n=2)
   first = sampler.complete(params, [TOK.encode("12+34=", bos=True)] * 3, jax.random.key(0))
-  second = sampler.complete(params, [TOK.encode(p, bos=True) for p in ["1=", "rev abc=", "9+9=", "x"]],
-                   jax.random.key(1), max_new_tokens=[1, 4, 4, 2])
+  second = sampler.complete(params, [TOK.encode(p, bos=True) for p in ["1=", "rev abc=", "9+9=",
+                                                                        "x"]],
+                            jax.random.key(1), max_new_tokens=[1, 4, 4, 2])
   assert sampler.traces == 1
   assert first.tokens_BT.shape == (6, 16 + 4) and second.tokens_BT.shape == (8, 20)
   assert second.lengths_B[0] <= 1 and second.lengths_B[1] <= 1 and second.lengths_B[6] <= 2
+
+
+def test_variants_are_built_once_in_one_cache(tiny_model):
+  """`Sampler.variant`: the same settings give the same (compiled) sampler, from any variant."""
+  from sampler.sampler import Sampler
+  graphdef, _ = nnx.split(tiny_model)
+  base = Sampler(graphdef, SamplingConfig(max_new_tokens=4, eos_id=TOK.eos_id, pad_id=TOK.pad_id),
+                 n=2)
+  greedy = base.variant(n=1, method="greedy")
+  assert base.variant() is base and base.variant(n=2) is base
+  assert greedy is base.variant(method="greedy", n=1) and greedy.cfg.method == "greedy"
+  assert greedy.variant(method="temperature", n=2) is base  # back again: no new sampler
+  hot = greedy.variant(temperature=0.5, method="temperature")
+  assert hot is base.variant(n=1, temperature=0.5) and (hot.n, hot.cfg.temperature) == (1, 0.5)
 
 
 def test_sharded_sampler_matches_single_device(tiny_model):

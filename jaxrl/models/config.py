@@ -71,7 +71,8 @@ class ModelConfig:
       if getattr(self, name) not in allowed:
         raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
     if self.head_dim % 2:
-      raise ValueError(f"head_dim: RoPE rotates pairs, expected an even number, got {self.head_dim}")
+      raise ValueError(f"head_dim: RoPE rotates pairs, expected an even number, got "
+                       f"{self.head_dim}")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"n_heads: {self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")

@@ -1,11 +1,12 @@
 """Model families: one registry entry each (`FAMILIES`), named by `ModelConfig.family`.
 
 An entry says what the family's decoder blocks compute (`BlockOptions`, read by the one forward
-pass in transformer.py), which Hugging Face architecture its checkpoints are, which tensor names
-they use and which config.json fields its export writes. A family whose blocks the model already
-computes is one entry here; a new kind of block adds an option to `BlockOptions` and its code to
-transformer.py. Hugging Face config.json fields whose values the model does not compute are
-refused on import (jaxrl/models/hf_config.py), never approximated.
+pass in transformer.py), which Hugging Face architecture its checkpoints are, which config.json
+keys of its own it reads, which tensor names they use and which config.json fields its export
+writes. A family whose blocks the model already computes is one entry here; a new kind of block
+adds an option to `BlockOptions` and its code to transformer.py. Hugging Face config.json fields
+whose values the model does not compute are refused on import (jaxrl/models/hf_config.py), never
+approximated.
 """
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ def _qwen_fields(cfg) -> dict:
 class Family:
   hf_architecture: str  # config.json's `architectures` entry
   block: BlockOptions = BlockOptions()
+  # ModelConfig fields from config.json keys of the family's own (the keys every family shares,
+  # hidden_size, num_attention_heads, rope, ..., are read by hf_config.py): raw dict -> dict
+  hf_read: Callable[[dict], dict] = lambda raw: {}
   # config.json fields an export writes besides the ones every family has (ModelConfig -> dict)
   hf_fields: Callable[[Any], dict] = lambda cfg: {}
   block_tensors: dict = dataclasses.field(default_factory=lambda: BLOCK_TENSORS)

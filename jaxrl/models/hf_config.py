@@ -25,7 +25,8 @@ class HFError(ValueError):
 # field must join one of them: tests/test_hf.py checks).
 USER_FIELDS = ("dtype", "hf_path", "frozen_float32", "remat", "attention")
 ARCH_FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-               "d_ff", "rope_theta", "norm_eps", "tie_embeddings", "scale_tied_head", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+               "d_ff", "rope_theta", "norm_eps", "tie_embeddings", "scale_tied_head",
+               "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                "rope_original_max_positions")
 
 _LLAMA3_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
@@ -118,8 +119,7 @@ def model_config_from_hf(hf_dir: str) -> ModelConfig:
         d_ff=_require(raw, "intermediate_size", path),
         norm_eps=float(_require(raw, "rms_norm_eps", path)),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)), scale_tied_head=False,
-        hf_path=str(hf_dir),
-        **_rope_fields(raw, path))
+        hf_path=str(hf_dir), **_rope_fields(raw, path), **FAMILIES[family].hf_read(raw))
   except ValueError as e:  # ModelConfig's own checks (e.g. heads vs kv heads)
     raise HFError(f"{path}: {e}") from None
 

@@ -35,8 +35,9 @@ class LoRAConfig:
   rank: int = 0
   alpha: float = 16.0  # the update is scaled by alpha / rank
   targets: str = ",".join(TARGETS)  # comma-separated projections: wq,wk,wv,wo,w_gate,w_up,w_down
-  # What the sampler gets on a push (train/roles/sampler_weights.py): merged (W + scale B A, decoded as
-  # the plain model) | adapters (only they move; the base is read where it lies, or copied once)
+  # What the sampler gets on a push (train/roles/sampler_weights.py): merged (W + scale B A,
+  # decoded as the plain model) | adapters (only they move; the base is read where it lies, or
+  # copied once)
   sampler: str = "merged"
 
   def __post_init__(self):

@@ -1,0 +1,2 @@
+"""The RL loop: the controller and its collaborators (executors, scoring, experience, DAPO's
+batch filling)."""

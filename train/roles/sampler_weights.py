@@ -9,7 +9,7 @@ sampler's mesh) in the compute dtype, bucketed, device to device. With LoRA, `lo
   adapters  only the adapters move on a push. The base is frozen: where the sampler's layout of
             it is the actor's own (one device, or matching meshes) the sampler reads the
             actor's arrays, one copy for both; otherwise it is resharded once. The sampler
-            decodes with the adapters (the layouts of jaxrl/models/layouts.py add their low-rank products).
+            decodes with the adapters (jaxrl/models/layouts.py adds their low-rank products).
 
 A copy's arrays are freed when a newer one replaces it, except those the actor holds and while an
 asynchronous generator may still be decoding with it (between `hold()` and `release()`).

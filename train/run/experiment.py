@@ -10,8 +10,9 @@
 
 It owns the run state: the `RunContext` (models on their meshes, generator, task data), the
 stages (train/stages/: each with its progress and its summary entries) with their shared hooks
-(train/run/hooks.py), the metrics log, and the run-state checkpoints (train/io/checkpoint.py, restored
-by train/run/resume.py into a value it takes). The run summary is put together here, in `summary`.
+(train/run/hooks.py), the metrics log, and the run-state checkpoints (train/io/checkpoint.py,
+restored by train/run/resume.py into a value it takes). The run summary is put together here, in
+`summary`.
 """
 from __future__ import annotations
 

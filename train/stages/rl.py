@@ -5,8 +5,8 @@ and, for `gae`, adds the critic (from the reward model when there is one, else f
 trunk). Its run state: the policy version (= steps done), the first prompt batch not yet trained
 on (with dynamic sampling a step may generate several: `samples_generated` counts them), the
 run's largest sampler/trainer mismatch so far and its tokens per policy lag, the learners, and
-in async mode the generator's own state (train/rollout/async_state.py): the batches generated ahead and
-the rows in flight, saved with the generator paused, so a resumed run continues them.
+in async mode the generator's own state (train/rollout/async_state.py): the batches generated
+ahead and the rows in flight, saved with the generator paused, so a resumed run continues them.
 """
 from __future__ import annotations
 
