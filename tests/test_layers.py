@@ -100,3 +100,47 @@ def test_files_and_functions_stay_small():
           if length > 60:
             big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
   assert not big, "\n".join(big)
+
+
+def _module(path: pathlib.Path) -> str:
+  return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _runtime_imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+  """The project modules `path` imports when it runs (not those under `if TYPE_CHECKING:`)."""
+  tree = ast.parse(path.read_text(), str(path))
+  typing_only = {id(n) for node in ast.walk(tree)
+                 if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                 for n in ast.walk(node)}
+  found = set()
+  for node in ast.walk(tree):
+    if id(node) in typing_only:
+      continue
+    if isinstance(node, ast.Import):
+      found.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      found.add(node.module)
+      found.update(f"{node.module}.{a.name}" for a in node.names)
+  return found & modules
+
+
+def test_no_import_cycles():
+  """No module imports itself back through others (a cycle is a layer in disguise: the planner's
+  cost model and memory model once imported each other)."""
+  paths = {_module(p): p for package in MAY_IMPORT for p in (ROOT / package).rglob("*.py")}
+  graph = {m: _runtime_imports(p, set(paths)) - {m} for m, p in paths.items()}
+  state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+  def cycle_from(m: str, path: list[str]) -> list[str] | None:
+    state[m] = 1
+    for n in sorted(graph[m]):
+      if state.get(n) == 1:
+        return path[path.index(n):] + [n] if n in path else [m, n]
+      if n not in state and (found := cycle_from(n, path + [n])):
+        return found
+    state[m] = 2
+    return None
+
+  for m in sorted(graph):
+    if m not in state and (found := cycle_from(m, [m])):
+      pytest.fail("import cycle: " + " -> ".join(found))
