@@ -4,9 +4,9 @@
 
 One process builds a Qwen-vocabulary model (151,936 tokens, tied HF-style head; d_model 256,
 2 layers) and a train step on `--rows` x `--tokens` tokens whose loss uses every position's
-log-prob and entropy (as SFT plus an entropy bonus does), twice: with `train.token_logprobs`
-(jaxrl/algos/logprobs.py: the LM head and softmax in chunks, no [B, T, V] tensor forward or
-backward) and with the full-logits version (the model's [B, T, V] logits, log-softmax, entropy).
+log-prob and entropy (as SFT plus an entropy bonus does), twice: with
+`train.updates.forward.token_logprobs` (jaxrl/algos/logprobs.py: the LM head and softmax in
+chunks, no [B, T, V] tensor forward or backward) and with the full-logits version (the model's [B, T, V] logits, log-softmax, entropy).
 For each, the step's peak memory: the rise of the process's peak resident memory while the
 compiled step runs, the peak reset before each (XLA:CPU's `memory_analysis` reports no
 temporaries, so the host's own count it is; on an accelerator read the device's peak instead).

@@ -72,7 +72,7 @@ def sample_main(argv: list[str] | None = None) -> int:
   from jaxrl.config import ConfigError
   from sampler.methods import SamplingConfig
   from sampler.sampler import Sampler
-  from train.rollout.worker import rollout_key
+  from train.rollout.generator import rollout_key
   try:
     policy = load_policy(args.model, dtype=args.dtype)
     tok = policy.tok

@@ -43,8 +43,25 @@ def _check_type(path: str, value: Any, typ: Any) -> Any:
   return value
 
 
+def _family_of_flags(values: Mapping[str, Any], path: str) -> dict:
+  """A model section written before model families (a run's config.json from before issue 37)
+  named Qwen2's and Qwen3's blocks by flag: `qkv_bias` true is the family "qwen2", `qk_norm` true
+  "qwen3", neither the family the section names (default "llama"). Read so that older run dirs
+  still resume, evaluate and export."""
+  values = dict(values)
+  qkv, qk = bool(values.pop("qkv_bias", False)), bool(values.pop("qk_norm", False))
+  if qkv and qk:
+    raise ConfigError(f"{path}.qkv_bias: qkv_bias with qk_norm is no model family; set "
+                      f"{path}.family (one of llama, qwen2, qwen3)")
+  if qkv or qk:
+    values.setdefault("family", "qwen2" if qkv else "qwen3")
+  return values
+
+
 def from_mapping(cls: type, values: Mapping[str, Any], path: str = "config"):
   """Builds dataclass `cls` from a (nested) mapping, naming the first bad field in the error."""
+  if cls is ModelConfig and ("qkv_bias" in values or "qk_norm" in values):
+    values = _family_of_flags(values, path)
   hints = typing.get_type_hints(cls)
   fields = {f.name for f in dataclasses.fields(cls)}
   kwargs = {}

@@ -79,7 +79,7 @@ class Sampler:
   engine, each batch decoding until its longest row ends; > 0: in-flight batching in that many
   row slots, refilled as rows finish (one process only). Either returns the same `Rollout`.
   Frozen, because it is compiled for its settings: other settings are another sampler
-  (`dataclasses.replace`)."""
+  (`variant`)."""
   graphdef: nnx.GraphDef
   cfg: SamplingConfig
   n: int = 1

@@ -108,6 +108,18 @@ def test_bad_fields_are_named(overrides, message):
   assert "\n" not in str(e.value)
 
 
+def test_a_run_dir_from_before_model_families_still_reads():
+  """A config.json written when Qwen blocks were flags (`qkv_bias`, `qk_norm`) reads as the family
+  they were; both at once were never a family and are refused naming the field."""
+  old = {"model": {"qkv_bias": True, "qk_norm": False, "d_model": 64, "n_heads": 4,
+                   "head_dim": 16}}
+  assert from_mapping(ExperimentConfig, old).model.family == "qwen2"
+  assert from_mapping(ExperimentConfig, {"model": {"qk_norm": True}}).model.family == "qwen3"
+  assert from_mapping(ExperimentConfig, {"model": {"qkv_bias": False}}).model.family == "llama"
+  with pytest.raises(ConfigError, match="config.model.qkv_bias"):
+    from_mapping(ExperimentConfig, {"model": {"qkv_bias": True, "qk_norm": True}})
+
+
 def test_int_is_accepted_for_float():
   assert _cfg(rl__learning_rate=1).rl.learning_rate == 1.0
 

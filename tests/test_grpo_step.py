@@ -7,9 +7,9 @@ from flax import nnx
 from jaxrl.algos.losses import aggregation_weights
 from jaxrl.config import RLConfig
 from jaxrl.models.transformer import LanguageModel
-from train.rl.experience import Experience
+from train.rl.experience import Experience, advantages
 from train.updates.forward import completion_logprobs
-from train.updates.rl import advantages, policy_loss
+from train.updates.rl import policy_loss
 
 
 def _weights(exp, cfg):

@@ -43,6 +43,8 @@ def imported_modules(path: pathlib.Path) -> set[tuple[str, int]]:
       found.update((a.name, node.lineno) for a in node.names)
     elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
       found.add((node.module, node.lineno))
+      if node.module == "train":  # `from train import rl` imports the room train.rl
+        found.update((f"train.{a.name}", node.lineno) for a in node.names)
   return found
 
 

@@ -1,5 +1,6 @@
-"""Attention's math on the fixed slot layout: masks, the KV-cache write, and the attention
-products (explicit einsums, or `jax.nn.dot_product_attention` where no earlier cache slots exist).
+"""Attention's math on the fixed slot layout: masks, the KV-cache write, the explicit einsum
+products, and which implementation `model.attention` picks for `jax.nn.dot_product_attention`
+(the rows layout takes that path where no earlier cache slots exist: layouts.py).
 
 A batch row occupies cache slots [0, S), with left padding marked invalid in `key_valid_BS`.
 Training passes the whole sequence (S == T); the sampler passes a KV cache of S slots and the

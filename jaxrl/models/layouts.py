@@ -42,7 +42,6 @@ def dense(x_BTD: jax.Array, w_OD: jax.Array, *, trained: bool = True) -> jax.Arr
 
 class Rows:
   """Activations [B, T, D] (queries and keys [B, T, heads, H])."""
-  name = "rows"
   feature_axis = head_axis = -1
 
   def step_inputs(self, tok_B, rope_BH):
@@ -98,7 +97,6 @@ class Rows:
     else:
       out_BTKGH = attend(q_BTNH.reshape(b, t, kh, n // kh, h), k_BKHS.astype(dt),
                              v_BKSH.astype(dt), mask_BTS)
-    # One (n * h) contraction on flat views: XLA:CPU would otherwise transpose wo every call.
     new_cache = None if layer_cache is None else (k_BKHS, v_BKSH)
     return out_BTKGH.reshape(b, t, n * h), new_cache
 
@@ -113,7 +111,6 @@ class Rows:
 
 class Features:
   """Activations [D, B], one token per row (queries and keys [heads, H, B]): decode steps."""
-  name = "features"
   feature_axis, head_axis = 0, 1
 
   def step_inputs(self, tok_B, rope_BH):

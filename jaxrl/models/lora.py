@@ -8,7 +8,8 @@ a state, the learner trains them alone (train/roles/learner.py), and every other
 frozen base, which the RL stage also scores the reference with (train/roles/cluster.py).
 
 `merged` folds the adapters into the base (W + scale B A): the plain model's state, which the
-sampler decodes with (train/roles/cluster.py) and a Hugging Face export writes; `peft_tensors` gives
+sampler decodes with (`SamplerWeights.merge`, train/roles/sampler_weights.py) and a Hugging Face
+export writes; `peft_tensors` gives
 the adapters under PEFT's names for an adapter directory that `peft` loads (jaxrl/models/hf.py).
 """
 from __future__ import annotations

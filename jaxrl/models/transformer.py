@@ -97,6 +97,7 @@ class Attention(nnx.Module):
     k = layout.rope(self.project(x, "wk", "bk", "k_norm", layout), rope)
     v = self.project(x, "wv", "bv", "", layout)
     out, layer_cache = layout.attention(q, k, v, layer_cache, cache_index, mask_q, cfg)
+    # One (n * h) contraction on flat views: XLA:CPU would otherwise transpose wo every call.
     wo = self.wo[...].reshape(cfg.d_model, -1)
     return layout.adapt(self, "wo", out, layout.dense(out, wo)), layer_cache
 

@@ -19,7 +19,7 @@ from train.task.task import Judge
 class FilledBatch:
   rollout: object
   prompts: dict
-  verified_B: np.ndarray
+  verified_B: np.ndarray | None  # None: not verified yet (scoring verifies it)
   version: int  # the oldest policy version of its tokens
   versions_BN: np.ndarray  # each completion slot's policy version
   waited: float  # seconds spent waiting for the extra rounds' batches

@@ -1,6 +1,6 @@
 """The single controller: one Python loop drives the executors (LlamaRL's design, in JAX).
 
-One step: the next rollout batch (`Rollouts`, train/rollout/source.py: generated in turn, or
+One step: the next rollout batch (`RolloutSource`, train/rollout/source.py: generated in turn, or
 taken from the async worker that runs ahead by at most `rl.max_staleness` policy versions),
 DAPO's batch filling (train/rl/batch_fill.py), scoring into an Experience (train/rl/scoring.py:
 reward, reference, critic and old log-probs overlap on their executors), the actor (+ critic)
@@ -25,7 +25,7 @@ from train.roles.cluster import RoleCluster
 from train.roles.learner import Learner
 from train.roles.offload import Offloader
 from train.rollout.generator import Generator
-from train.rollout.source import Rollouts
+from train.rollout.source import RolloutSource
 from train.rollout.worker import RolloutWorkerError, WorkerState
 from train.task.task import Judge, TaskData
 
@@ -40,7 +40,7 @@ class Controller:
     self.version = version
     self.executors = Executors(cluster, timeline, reward_model=cfg.rl.reward == "reward_model",
                                critic_mesh=None if critic is None else critic.role.mesh)
-    self.rollouts = Rollouts(cfg, generator, cluster.sampler_weights, task.prompts,
+    self.rollouts = RolloutSource(cfg, generator, cluster.sampler_weights, task.prompts,
                              prompt_len=task.prompt_len, timeline=timeline,
                              run=self.executors.generator, next_index=next_index)
     self.scoring = Scoring(cfg.rl, cluster, actor, critic, judge, self.executors)

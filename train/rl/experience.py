@@ -13,10 +13,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxrl.algos import KL_ESTIMATORS
+from jaxrl.algos import ADVANTAGES, KL_ESTIMATORS
 from jaxrl.algos.advantages import overlong_penalty
+from jaxrl.algos.registry import declared
 from jaxrl.config import RLConfig
-from train.updates.rl import advantages
+from train.updates.rl import hyperparameters
 
 
 @flax.struct.dataclass
@@ -42,6 +43,26 @@ class Experience:
   @property
   def prompt_len(self) -> int:
     return self.tokens_BT.shape[1] - self.completion_mask_BN.shape[1]
+
+
+def advantages(rewards_B, mask_BN, kl_BN=None, values_BN=None, *, cfg: RLConfig):
+  """Per-token advantages from sequence rewards: `(adv_BN, raw_BN)`, where `raw_BN` is before
+  `cfg.whiten_advantages` (normalising over the batch's valid tokens); with a critic the value
+  targets are `raw_BN + values_BN`. With `cfg.kl_mode == "reward"`, `kl_coef * kl_BN` is taken
+  from the per-token rewards (reinforce_pp, PPO); `gae` needs the critic's `values_BN`."""
+  mask_BN = mask_BN.astype(jnp.float32)
+  estimator = ADVANTAGES[cfg.advantage]
+  # kl_coef: the KL folded into the rewards (kl_mode="reward"; in the loss, policy_loss adds it)
+  available = {**hyperparameters(cfg), "kl_BN": kl_BN, "values_BN": values_BN,
+               "kl_coef": cfg.kl_coef if cfg.kl_mode == "reward" else 0.0}
+  raw_BN = estimator(rewards_B, mask_BN, **declared(estimator, available))
+  adv_BN = raw_BN
+  if cfg.whiten_advantages:
+    count = jnp.maximum(mask_BN.sum(), 1.0)
+    mean = (raw_BN * mask_BN).sum() / count
+    std = jnp.sqrt((((raw_BN - mean) * mask_BN)**2).sum() / count)
+    adv_BN = (raw_BN - mean) / (std + 1e-6) * mask_BN
+  return adv_BN, raw_BN
 
 
 def make_experience(rollout, rewards_B, old_BN, ref_BN, values_BN, *, cfg: RLConfig):

@@ -12,7 +12,7 @@ sampler's mesh) in the compute dtype, bucketed, device to device. With LoRA, `lo
             decodes with the adapters (jaxrl/models/layouts.py adds their low-rank products).
 
 A copy's arrays are freed when a newer one replaces it, except those the actor holds and while an
-asynchronous generator may still be decoding with it (between `hold()` and `release()`).
+asynchronous generator may still be decoding with it (between `pin()` and `unpin()`).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class SamplerWeights:
     self._like = actor.split(actor.abstract())[1] if self.merging else actor.abstract()
     self.shardings = role_shardings("sampler", self._like, SAMPLER_RULES, mesh)
     self.params: nnx.State | None = None
-    self._held = False  # an async generator holds the copy: never free it
+    self._held = False  # pinned: an async generator may still decode with an old copy
     self._base = None  # adapters: the sampler's base (the actor's arrays, or a copy of them)
     self._version = -1  # the actor version the copy holds
 
@@ -108,16 +108,16 @@ class SamplerWeights:
       if id(x) not in keep and not x.is_deleted():
         x.delete()
 
-  def hold(self) -> None:
+  def pin(self) -> None:
     """An asynchronous generator decodes with the copies from now on, at its own pace: none is
     freed when a newer one replaces it (the generator drops its own references)."""
     self._held = True
 
-  def release(self) -> None:
+  def unpin(self) -> None:
     self._held = False
 
   def push(self) -> TransferStats:
-    """Refreshes the copy; the old one is freed at once unless the copies are held."""
+    """Refreshes the copy; the old one is freed at once unless the copies are pinned."""
     old = self.params
     self.params, stats = self.make()
     self._version = self.actor.version
@@ -132,7 +132,7 @@ class SamplerWeights:
     return self.params
 
   def drop(self) -> None:
-    """Frees the copy now (the next `fresh` pushes a new one), unless the copies are held; a
+    """Frees the copy now (the next `fresh` pushes a new one), unless the copies are pinned; a
     base the actor holds stays (adapters mode with a base of its own: that base is copied again
     on the next push)."""
     if self._held:

@@ -25,7 +25,14 @@ from sharding.rules import SAMPLER_RULES
 from train.io.host_transfers import to_device
 from train.roles.cluster import RoleCluster
 from train.rollout.multiturn import as_rollout, converse
-from train.rollout.worker import rollout_key
+
+
+def rollout_key(seed: int, index: int) -> jax.Array:
+  """The random key of prompt batch `index`: the same whether the batch is generated in turn,
+  ahead of the trainer, or again after a resume. (Two integers go to the device: allowed even
+  where a test guards against host transfers.)"""
+  with jax.transfer_guard_host_to_device("allow"):
+    return jax.random.fold_in(jax.random.key(seed), index)
 
 
 class Generator:

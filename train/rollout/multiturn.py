@@ -15,7 +15,7 @@ With in-flight slots (`rl.inflight_slots > 0`) the turns are requests to
 `sampler.requests.Requests`: a conversation's next turn is submitted as soon as its environment
 has replied and takes the next free slot while the other rows keep decoding, so no row waits for
 the others' turns (in-flight batching across turns). Otherwise turns decode as static batches
-of the rows still talking (`Sampler.__call__`: bucketed, so the batch shrinks through a few
+of the rows still talking (`Sampler.complete`: bucketed, so the batch shrinks through a few
 compiled shapes). Either way every turn's key is fixed (`fold_in(key, turn)`, row r drawing
 from it as row r), so a batch's conversations are a function of its key.
 """

@@ -68,11 +68,12 @@ class PartialRolloutWorker(Worker):
       with self._cond:
         if self.schedule.blocked(self, index, s.next_emit):
           return True
-        installed = self.installed_version
-        if not self._start(index):
-          return False
-        if self.installed_version != installed:
-          s.swap(*self._installed)
+        if not self.schedule.swaps_between_segments:  # its weights change as a batch opens
+          installed = self.installed_version
+          if not self._start(index):
+            return False
+          if self.installed_version != installed:
+            s.swap(*self._installed)
       s.open(self._next[1], self._keys(index))
     return True
 

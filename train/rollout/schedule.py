@@ -21,7 +21,9 @@ from __future__ import annotations
 
 
 class Schedule:
-  swaps_between_segments = False  # new weights for the rows in flight, between decode segments
+  # Partial rollouts: new weights reach the rows in flight between decode segments (else only
+  # as a batch opens)
+  swaps_between_segments = False
 
   def __init__(self, max_staleness: int):
     if max_staleness < 0:

@@ -17,12 +17,12 @@ import jax
 from jaxrl.config import ExperimentConfig
 from train.io.timeline import Timeline
 from train.roles.sampler_weights import SamplerWeights
-from train.rollout.generator import Generator
+from train.rollout.generator import Generator, rollout_key
 from train.rollout.partial import PartialRolloutWorker
-from train.rollout.worker import RolloutBatch, RolloutWorker, WorkerState, rollout_key
+from train.rollout.worker import RolloutBatch, RolloutWorker, WorkerState
 
 
-class Rollouts:
+class RolloutSource:
 
   def __init__(self, cfg: ExperimentConfig, generator: Generator, weights: SamplerWeights,
                prompts, *, prompt_len: int, timeline: Timeline, run: Callable, next_index: int):
@@ -39,7 +39,7 @@ class Rollouts:
     generator `state`."""
     if self.rl.mode != "async":
       return
-    self.weights.hold()  # the worker may decode with a copy the trainer replaced
+    self.weights.pin()  # the worker may decode with a copy the trainer replaced
     params = self.weights.fresh()
     common = dict(version=version, max_staleness=self.rl.max_staleness, seed=self.cfg.seed,
                   start_index=self.next_index, schedule=self.rl.async_schedule, state=state)
@@ -83,4 +83,4 @@ class Rollouts:
     if self.worker is not None:
       self.worker.close()
       self.worker = None
-      self.weights.release()
+      self.weights.unpin()

@@ -29,15 +29,8 @@ import numpy as np
 
 from sampler.engine import Rollout
 from sharding.reshard import fetch
+from train.rollout.generator import rollout_key
 from train.rollout.schedule import SCHEDULES
-
-
-def rollout_key(seed: int, index: int) -> jax.Array:
-  """The random key of prompt batch `index`: the same whether the batch is generated in turn,
-  ahead of the trainer, or again after a resume. (Two integers go to the device: allowed even
-  where a test guards against host transfers.)"""
-  with jax.transfer_guard_host_to_device("allow"):
-    return jax.random.fold_in(jax.random.key(seed), index)
 
 
 class RolloutWorkerError(RuntimeError):

@@ -62,7 +62,7 @@ class Experiment:
     compilation.enable_cache(self.cfg.compilation_cache_dir)
     compilation.watch()
     self._compiles_before = compilation.totals()  # this process's earlier experiments' compiles
-    self.plan = None  # placement.strategy="plan": the planner's choice (sharding/planner)
+    self.plan = None  # placement.strategy="plan": the planner's choice (planner/plan.py)
     if self.cfg.placement.strategy == "plan":
       from planner.plan import choose
       self.cfg, self.plan = choose(self.cfg, host_major_devices(), jax.process_count())

@@ -14,7 +14,7 @@ import numpy as np
 from jaxrl.data.files import DataError
 from jaxrl.data.sources import DataOptions, render_prompt
 from sampler.sampler import Sampler
-from train.rollout.worker import rollout_key
+from train.rollout.generator import rollout_key
 from train.stages.context import RunContext
 
 

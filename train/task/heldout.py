@@ -17,7 +17,7 @@ import numpy as np
 from jaxrl.data.pipeline import prompt_batch
 from jaxrl.data.tasks import Example
 from train.io.host_transfers import to_host
-from train.rollout.worker import rollout_key
+from train.rollout.generator import rollout_key
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

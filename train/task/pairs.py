@@ -24,8 +24,7 @@ from jaxrl.data.preferences import Pair, synthetic_pairs, write_jsonl
 from jaxrl.data.sources import DataOptions
 from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import Tokenizer
-from train.rollout.generator import Generator
-from train.rollout.worker import rollout_key
+from train.rollout.generator import Generator, rollout_key
 from train.task.heldout import chunks
 from train.task.task import Judge, TaskData
 

@@ -150,9 +150,6 @@ def load_task(cfg: ExperimentConfig, tok: Tokenizer) -> TaskData:
                   user_code=":" in cfg.rl.verifier or ":" in cfg.rl.environment)
 
 
-
-
-
 def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData):
   """A zero-argument factory of the run's environment (`rl.environment`), or None; a user's
   class is contained (jaxrl/envs/contained.py), its failures counted in the task's
@@ -178,6 +175,7 @@ def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData):
   return lambda: ContainedEnvironment(construct(), name=rl.environment,
                                       timeout_s=rl.user_code_timeout_s,
                                       policy=rl.on_user_code_error, report=count)
+
 
 @jax.jit
 def completion_tokens(rollout) -> jax.Array:

@@ -1,5 +1,5 @@
-"""RL's updates: advantages from rewards, the policy loss with its rollout correction and KL, the
-policy update over minibatches, and the critic's clipped value regression."""
+"""RL's updates: the policy loss with its rollout correction and KL, the policy update over
+minibatches, and the critic's clipped value regression."""
 from __future__ import annotations
 
 import functools
@@ -8,10 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl.algos import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
+from jaxrl.algos import KL_ESTIMATORS, POLICY_LOSSES
 from jaxrl.algos.correction import mismatch, rollout_weights, tis_capped
 from jaxrl.algos.losses import aggregation_weights, value_loss
-from jaxrl.algos.registry import declared
 from jaxrl.config import RLConfig
 from train.updates.batching import accumulate_grads, compute_copy, micro_batches, scan_minibatches
 from train.updates.forward import completion_logprobs, completion_values
@@ -21,27 +20,7 @@ from train.updates.state import TrainState, apply_gradients
 def hyperparameters(cfg: RLConfig) -> dict:
   """The estimators' and losses' hyperparameters, by the names they declare (jaxrl/algos)."""
   return {"group_size": cfg.group_size, "gamma": cfg.gamma, "lam": cfg.lam,
-          # the KL folded into the rewards (kl_mode="reward"; in the loss: policy_loss adds it)
-          "kl_coef": cfg.kl_coef if cfg.kl_mode == "reward" else 0.0,
           "eps_low": cfg.clip_eps_low, "eps_high": cfg.clip_eps_high, "rho": cfg.aipo_rho}
-
-
-def advantages(rewards_B, mask_BN, kl_BN=None, values_BN=None, *, cfg: RLConfig):
-  """Per-token advantages from sequence rewards: `(adv_BN, raw_BN)`, where `raw_BN` is before
-  `cfg.whiten_advantages` (normalising over the batch's valid tokens); with a critic the value
-  targets are `raw_BN + values_BN`. With `cfg.kl_mode == "reward"`, `kl_coef * kl_BN` is taken
-  from the per-token rewards (reinforce_pp, PPO); `gae` needs the critic's `values_BN`."""
-  mask_BN = mask_BN.astype(jnp.float32)
-  estimator = ADVANTAGES[cfg.advantage]
-  available = {**hyperparameters(cfg), "kl_BN": kl_BN, "values_BN": values_BN}
-  raw_BN = estimator(rewards_B, mask_BN, **declared(estimator, available))
-  adv_BN = raw_BN
-  if cfg.whiten_advantages:
-    count = jnp.maximum(mask_BN.sum(), 1.0)
-    mean = (raw_BN * mask_BN).sum() / count
-    std = jnp.sqrt((((raw_BN - mean) * mask_BN)**2).sum() / count)
-    adv_BN = (raw_BN - mean) / (std + 1e-6) * mask_BN
-  return adv_BN, raw_BN
 
 
 def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
