@@ -1,9 +1,10 @@
-"""notebooks/quickstart.ipynb runs headless, top to bottom, so it never rots."""
+"""notebooks/quickstart.ipynb runs headless, top to bottom, so it never rots.
+
+nbformat and nbclient (test extras) are imported by the test itself, so that collecting the
+suite on an accelerator's image without them (`pytest -m accelerator`) does not fail here."""
 import os
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -15,6 +16,8 @@ def _text(cell) -> str:
 
 @pytest.mark.slow
 def test_quickstart_notebook_executes(tmp_path):
+  import nbformat
+  from nbclient import NotebookClient
   nb = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
   NotebookClient(nb, timeout=900, kernel_name="python3",
                  resources={"metadata": {"path": str(tmp_path)}}).execute()
