@@ -48,6 +48,35 @@ def test_fused_attention_equals_the_einsum_form(packed):
     np.testing.assert_allclose(a, e, atol=1e-5, rtol=1e-4)
 
 
+def test_cudnn_form_equals_the_einsum_form(monkeypatch):
+  """The cuDNN path's own inputs (valid tokens moved to the front of each row, `is_causal`, the
+  rows' lengths, no mask array), run by XLA's implementation of the same call off a GPU: left
+  and right padding, and a row of padding alone, forward and backward."""
+  reference, calls = jax.nn.dot_product_attention, []
+  def recorded(*args, implementation, **kwargs):
+    calls.append((implementation, sorted(kwargs)))
+    gpu = jax.default_backend() == "gpu"
+    return reference(*args, implementation=implementation if gpu else "xla", **kwargs)
+  monkeypatch.setattr(jax.nn, "dot_product_attention", recorded)
+  rng = np.random.default_rng(1)
+  b, t = 4, 16
+  tokens = jnp.asarray(rng.integers(0, 64, (b, t)), jnp.int32)
+  starts, ends = np.array([[0], [3], [6], [t]]), np.array([[t], [12], [9], [t]])
+  valid = jnp.asarray((np.arange(t)[None] >= starts) & (np.arange(t)[None] < ends))
+  _, params = nnx.split(LanguageModel(CFG, rngs=nnx.Rngs(0)))
+  outs = {}
+  for impl in ("einsum", "cudnn"):
+    cfg = dataclasses.replace(CFG, attention=impl, remat="dots")
+    loss = lambda p: (_forward(cfg, p, tokens, valid, None)**2).mean()
+    outs[impl] = jax.jit(lambda p: (_forward(cfg, p, tokens, valid, None),
+                                    jax.grad(loss)(p)))(params)
+  assert calls and all(c == ("cudnn", ["is_causal", "key_value_seq_lengths",
+                                       "query_seq_lengths", "scale"]) for c in calls)
+  np.testing.assert_allclose(outs["cudnn"][0], outs["einsum"][0], atol=1e-5, rtol=1e-5)
+  for a, e in zip(jax.tree.leaves(outs["cudnn"][1]), jax.tree.leaves(outs["einsum"][1])):
+    np.testing.assert_allclose(a, e, atol=1e-5, rtol=1e-4)
+
+
 def test_auto_picks_cudnn_only_on_a_gpu_in_half_precision():
   gpu = jax.default_backend() == "gpu"
   assert attention_impl(CFG) == "xla"  # float32: cuDNN's kernel takes bf16 / fp16 only

@@ -10,7 +10,7 @@ contiguous cache (no per-step transpose of the keys).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,21 @@ def attention_mask(key_valid_BS: jax.Array, t: int, cache_index,
   return mask_BTS
 
 
+class ValidPrefix(NamedTuple):
+  """The mask of a cacheless pass whose rows hold their valid tokens first (`valid_first`):
+  causal attention over each row's first `lengths_B` tokens. cuDNN takes it as its
+  padding-causal mask type: whole tiles above the diagonal or past a row's length are skipped,
+  and no [B, T, S] mask or bias exists."""
+  lengths_B: jax.Array
+
+
+def valid_first(key_valid_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The permutation of each row that moves its valid tokens to the front, in their order (a
+  left-padded prompt and right-padded response become one valid prefix), and its inverse."""
+  order_BT = jnp.argsort(~key_valid_BT, axis=1, stable=True)
+  return order_BT, jnp.argsort(order_BT, axis=1)
+
+
 def attention_impl(cfg: ModelConfig) -> str:
   """`cfg.attention`, with "auto" resolved for this backend: cuDNN's fused flash attention on a
   GPU in bf16 (no [B, heads, T, S] scores in memory, forward or backward); elsewhere
@@ -43,6 +58,19 @@ def attention_impl(cfg: ModelConfig) -> str:
   if cfg.attention != "auto":
     return cfg.attention
   return "cudnn" if jax.default_backend() == "gpu" and cfg.dtype == "bfloat16" else "xla"
+
+
+def fused(q_BTNH, k_BTKH, v_BTKH, mask, impl: str) -> jax.Array:
+  """`jax.nn.dot_product_attention` over a cacheless pass (queries scaled already), [B, T, N,
+  H]: a `ValidPrefix` as causality plus sequence lengths, else the dense mask."""
+  dt = q_BTNH.dtype
+  k_BTKH, v_BTKH = k_BTKH.astype(dt), v_BTKH.astype(dt)
+  if isinstance(mask, ValidPrefix):
+    return jax.nn.dot_product_attention(
+        q_BTNH, k_BTKH, v_BTKH, scale=1.0, is_causal=True, query_seq_lengths=mask.lengths_B,
+        key_value_seq_lengths=mask.lengths_B, implementation=impl)
+  return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask[:, None], scale=1.0,
+                                      implementation=impl)
 
 
 def write_cache(layer_cache, k_BKHT, v_BKTH, cache_index):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.models.attention import attend, attend_one, attention_impl, write_cache
+from jaxrl.models.attention import attend, attend_one, attention_impl, fused, write_cache
 from jaxrl.models.lora import adapted, adapter
 from jaxrl.models.rope import rope, rope_table
 from jaxrl.partitioning import constrain
@@ -80,7 +80,8 @@ class Rows:
     return constrain(x_BTD, ("batch", None, None))
 
   def attention(self, q_BTNH, k_BTKH, v_BTKH, layer_cache, cache_index, mask_BTS, cfg):
-    """(attention output [B, T, N * H], the layer's updated cache)."""
+    """(attention output [B, T, N * H], the layer's updated cache). `mask_BTS`: a dense mask, or
+    a cacheless pass's `ValidPrefix`."""
     q_BTNH = constrain(q_BTNH, ("batch", None, "act_heads", None))
     k_BKHS, v_BKSH = write_cache(layer_cache, k_BTKH.transpose(0, 2, 3, 1),
                                      v_BTKH.transpose(0, 2, 1, 3), cache_index)
@@ -88,9 +89,7 @@ class Rows:
     dt, kh = q_BTNH.dtype, cfg.n_kv_heads
     impl = attention_impl(cfg)
     if impl != "einsum" and k_BKHS.shape[-1] == k_BTKH.shape[1]:  # no earlier cache slots
-      out_BTKGH = jax.nn.dot_product_attention(  # queries carry the scale already
-          q_BTNH, k_BTKH.astype(dt), v_BTKH.astype(dt), mask=mask_BTS[:, None], scale=1.0,
-          implementation=impl).reshape(b, t, kh, n // kh, h)
+      out_BTKGH = fused(q_BTNH, k_BTKH, v_BTKH, mask_BTS, impl).reshape(b, t, kh, n // kh, h)
     elif t == 1:
       out_BTKGH = attend_one(q_BTNH.reshape(b, kh, n // kh, h), k_BKHS.astype(dt),
                                  v_BKSH.astype(dt), mask_BTS[:, 0])[:, None]

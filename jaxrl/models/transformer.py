@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.attention import KVCache, attention_mask
+from jaxrl.models.attention import (KVCache, ValidPrefix, attention_impl, attention_mask,
+                                    valid_first)
 from jaxrl.models.config import REMAT_POLICIES, ModelConfig
 from jaxrl.models.layouts import ROWS
 from jaxrl.models.lora import LoRA, LoRAConfig
@@ -163,8 +164,28 @@ class Decoder(nnx.Module):
     `segment_ids_BT` (training): packed rows, attention stays inside a segment. `last_only` (a
     prefill that samples from the last position): the final block's queries, attention and MLP
     run for the last position alone, and the states come back as [B, 1, D]."""
-    x = layout.embed(self.embed[...], tokens, self.cfg.compute_dtype)
+    if (kv_cache is None and segment_ids_BT is None and not last_only and layout is ROWS
+        and attention_impl(self.cfg) == "cudnn"):
+      return self.valid_first(tokens, positions, key_valid_BS), None
     mask = attention_mask(key_valid_BS, layout.length(tokens), cache_index, segment_ids_BT)
+    return self.blocks_over(tokens, positions, mask, kv_cache, cache_index, last_only, layout)
+
+  def valid_first(self, tokens_BT, positions_BT, key_valid_BT) -> jax.Array:
+    """A cacheless pass with each row's valid tokens moved to its front (`valid_first`), so
+    attention is causal over a prefix of known length (cuDNN's padding-causal flash kernel, no
+    mask array); the hidden states go back to the rows' own order. Per position the blocks
+    compute the same thing: RoPE reads the positions moved along with the tokens."""
+    order_BT, inverse_BT = valid_first(key_valid_BT)
+    take = lambda a_BT: jnp.take_along_axis(a_BT, order_BT, axis=1)
+    # A row with no valid token (batch padding) attends to its first: finite, and unused.
+    lengths_B = jnp.maximum(key_valid_BT.sum(axis=1, dtype=jnp.int32), 1)
+    h_BTD, _ = self.blocks_over(take(tokens_BT), take(positions_BT), ValidPrefix(lengths_B),
+                                None, 0, False, ROWS)
+    return jnp.take_along_axis(h_BTD, inverse_BT[..., None], axis=1)
+
+  def blocks_over(self, tokens, positions, mask, kv_cache, cache_index, last_only, layout):
+    """Embedding, the blocks under `mask`, the final norm: (hidden states, updated cache)."""
+    x = layout.embed(self.embed[...], tokens, self.cfg.compute_dtype)
     rope = layout.rope_table(positions, self.cfg)
     new_cache = []
     for i, block in enumerate(self.blocks):
