@@ -169,7 +169,7 @@ def phase_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict[s
   return phases
 
 
-def _summed(table: dict) -> collections.Counter:
+def summed(table: dict) -> collections.Counter:
   """{device id: bytes} of all of a table's items together."""
   out = collections.Counter()
   for per_device in table.values():
@@ -179,8 +179,8 @@ def _summed(table: dict) -> collections.Counter:
 
 def _totals(resident: dict, phases: dict) -> tuple[dict, dict]:
   """Per device: its resident bytes plus its largest phase, and that phase's name."""
-  base = _summed(resident)
-  sums = {phase: _summed(items) for phase, items in phases.items()}
+  base = summed(resident)
+  sums = {phase: summed(items) for phase, items in phases.items()}
   devices = set(base).union(*sums.values())
   largest = {d: max(phases, key=lambda p: sums[p].get(d, 0)) for d in devices}
   return {d: base.get(d, 0) + sums[largest[d]].get(d, 0) for d in devices}, largest
@@ -200,7 +200,7 @@ def remedy(cfg: ExperimentConfig, cluster: RoleCluster, resident: dict, usable: 
   """The cheapest change that makes `cfg` fit in `usable` bytes per device: the largest
   micro-batch that fits, else the lightest remat (with the largest micro-batch it then needs),
   else more devices. A change shrinks only the update and scoring passes; what stays does not."""
-  stays = max(_summed(resident).values())
+  stays = max(summed(resident).values())
   if stays > usable:
     return f"more devices: what stays through a step alone takes {stays / GIB:.2f} GiB"
   remats = footprint.REMATS[footprint.REMATS.index(cfg.model.remat):]

@@ -96,8 +96,13 @@ def parse_args(argv: list[str]):
     flags.DEFINE_bool("resume", False, "continue the run from its checkpoints", flag_values=fv)
     flags.DEFINE_bool("dry_run", False, "check shardings and memory, run nothing",
                       flag_values=fv)
+    flags.DEFINE_string("target", "", "with --dry_run: compile the run's programs for this TPU "
+                        "slice (v5p-64, v5e:4x4, ...)", flag_values=fv)
     fv(argv)
-  return holder.value, fv.gin_file, fv.gin_param, {"resume": fv.resume, "dry_run": fv.dry_run}
+  if fv.target and not fv.dry_run:
+    raise UsageError("--target compiles for a TPU slice without running: add --dry_run")
+  return holder.value, fv.gin_file, fv.gin_param, {"resume": fv.resume, "dry_run": fv.dry_run,
+                                                   "target": fv.target}
 
 
 class ArgParser(argparse.ArgumentParser):

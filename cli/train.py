@@ -10,6 +10,10 @@
                          parameter shardings on a fake mesh of placement.cpu_devices devices,
                          batch divisibility, per-device memory against placement.device_memory_gb
                          (exit 0 when it fits, 1 when it does not)
+  --target=SLICE         with --dry_run: compile the RL step's programs with the TPU compiler
+                         for that slice (v5p-64, v6e-16, v5e:4x4, ...; libtpu, allocating
+                         nothing): per program the compiler's bytes, FLOPs and a time estimate,
+                         per phase the busiest chip against its HBM (cli/target_compile.py)
 
 Several hosts: the same command on every host; it joins `jax.distributed` first (auto-detected
 on TPU pods and Slurm, else JAXRL_COORDINATOR / JAXRL_NUM_PROCESSES / JAXRL_PROCESS_ID).
@@ -42,15 +46,20 @@ def _start(argv: list[str]):
   try:
     cfg = with_gin(raw, gin_files, gin_params)
     if opts["dry_run"]:
-      return _dry_run(cfg)
+      return _dry_run(cfg, opts["target"])
     return Experiment(cfg, resume_run=opts["resume"])
   except ConfigError as e:
     return fail(str(e))
 
 
-def _dry_run(cfg) -> int:
-  from cli.dry_run import report
-  lines, fits = report(cfg)
+def _dry_run(cfg, target: str) -> int:
+  if target:  # (an unknown target or a refused program: a ConfigError, exit 2)
+    from cli.target_compile import report
+    from planner.targets import parse_target
+    lines, fits = report(cfg, parse_target(target))
+  else:
+    from cli.dry_run import report
+    lines, fits = report(cfg)
   print("\n".join(f"jaxrl: dry run: {line}" for line in lines), flush=True)
   return 0 if fits else 1
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl import platform
 from jaxrl.models.decoding import LMDecoding
 from sampler.methods import SAMPLERS, SamplingConfig
 
@@ -113,7 +114,7 @@ def resolve_layout(cfg: SamplingConfig) -> str:
   a CPU and "rows" elsewhere."""
   if cfg.decode_layout != "auto":
     return cfg.decode_layout
-  return "features" if jax.default_backend() == "cpu" else "rows"
+  return "features" if platform.backend() == "cpu" else "rows"
 
 
 def _decode_forward(model: DecodeModel, layout: str, key_valid_BS, next_pos_B, steps: int,

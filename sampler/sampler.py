@@ -107,6 +107,13 @@ class Sampler:
                         mesh=self.mesh, rules=self.rules)
     object.__setattr__(self, "_decode", fn)
 
+  def lower(self, params, tokens_BP, valid_BP, key, max_new_B=None):
+    """The static engine's program lowered for these arguments (arrays or ShapeDtypeStructs
+    carrying shardings): `.compile()` builds it without running it (a target compile)."""
+    if self.inflight_slots:
+      raise ValueError("in-flight batching runs a host loop of several programs")
+    return self._decode.lower(params, tokens_BP, valid_BP, key, max_new_B)
+
   @property
   def traces(self) -> int:
     """How many times the static engine was traced (a retrace means a new bucket)."""

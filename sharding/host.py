@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import glob
 import importlib.util
 import os
 import sys
@@ -13,18 +14,48 @@ _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_pl
                         "jax_rocm7_plugin", "libtpu")
 
 
+def tpu_chips_here() -> bool:
+  """Whether this host has TPU chips (their device files; Google's PCI vendor id)."""
+  if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+    return True
+  for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
+    try:
+      with open(path) as f:
+        if f.read().strip() == "0x1ae0":
+          return True
+    except OSError:
+      pass
+  return False
+
+
 def cpu_backend() -> bool:
   """Whether JAX will run on the CPU: JAX_PLATFORMS names only "cpu", or, unset, no GPU / TPU
-  plugin is installed (JAX prefers one when it is)."""
+  plugin is installed (JAX prefers one when it is). libtpu without TPU chips (the test extras
+  install it for compiling TPU programs on the CPU: `--dry_run --target`) counts as none."""
   platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
   if platforms:
     return all(p == "cpu" for p in platforms)
-  return not any(importlib.util.find_spec(name) for name in _ACCELERATOR_PLUGINS)
+  plugins = [name for name in _ACCELERATOR_PLUGINS if importlib.util.find_spec(name)]
+  if plugins == ["libtpu"] and not tpu_chips_here():
+    return True
+  return not plugins
+
+
+def cpu_only_here() -> None:
+  """With libtpu installed but no TPU chip (and JAX_PLATFORMS unset), JAX runs on the CPU
+  without first trying, and loudly failing, to start a TPU runtime."""
+  if "JAX_PLATFORMS" not in os.environ and cpu_backend():
+    if importlib.util.find_spec("libtpu"):
+      os.environ["JAX_PLATFORMS"] = "cpu"
+      if "jax" in sys.modules:  # imported already: its config read the variable then
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 def force_cpu_devices(n: int) -> None:
   """Fake `n` host devices for a CPU mesh, unless XLA_FLAGS already sets a count or JAX will
-  run on an accelerator (where the flag would only add idle host devices)."""
+  run on an accelerator (where the flag would only add idle host devices). First
+  `cpu_only_here`."""
+  cpu_only_here()
   xla_flags = os.environ.get("XLA_FLAGS", "")
   if n > 1 and "xla_force_host_platform_device_count" not in xla_flags and cpu_backend():
     os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={n}".strip()

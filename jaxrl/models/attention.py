@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl import platform
+
 if TYPE_CHECKING:
   from jaxrl.models.config import ModelConfig
 
@@ -57,7 +59,7 @@ def attention_impl(cfg: ModelConfig) -> str:
   against 11.4 ms for the einsum form at 4 x 128 tokens, 9 heads: docs/models.md)."""
   if cfg.attention != "auto":
     return cfg.attention
-  return "cudnn" if jax.default_backend() == "gpu" and cfg.dtype == "bfloat16" else "xla"
+  return "cudnn" if platform.backend() == "gpu" and cfg.dtype == "bfloat16" else "xla"
 
 
 def fused(q_BTNH, k_BTKH, v_BTKH, mask, impl: str) -> jax.Array:

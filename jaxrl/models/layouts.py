@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl import platform
 from jaxrl.models.attention import attend, attend_one, attention_impl, fused, write_cache
 from jaxrl.models.lora import adapted, adapter
 from jaxrl.models.rope import rope, rope_table
@@ -33,7 +34,7 @@ def dense(x_BTD: jax.Array, w_OD: jax.Array, *, trained: bool = True) -> jax.Arr
   transpose would be a copy for nothing: `trained=False`."""
   b, t, d = x_BTD.shape
   x_RD, w_OD = x_BTD.reshape(b * t, d), w_OD.astype(x_BTD.dtype)
-  if trained and w_OD.shape[0] > w_OD.shape[1] and jax.default_backend() == "cpu":
+  if trained and w_OD.shape[0] > w_OD.shape[1] and platform.backend() == "cpu":
     out = x_RD @ jax.lax.optimization_barrier(w_OD.T)
   else:
     out = jax.lax.dot_general(x_RD, w_OD, (((1,), (1,)), ((), ())))

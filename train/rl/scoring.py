@@ -41,13 +41,14 @@ class Scoring:
                                (tokens_BT, valid_BT), n)
       return role.jit(score)
     logp = lambda *args, **kw: completion_logprobs(*args, **kw)[0]
-    self._ref_logp, self._old_logp = scorer(self.reference, logp), scorer(actor.role, logp)
+    self.ref_logprobs_fn = scorer(self.reference, logp)
+    self.old_logprobs_fn = scorer(actor.role, logp)
     if critic is not None:
-      self._values_fn = scorer(critic.role, completion_values)
+      self.values_fn = scorer(critic.role, completion_values)
     if self.reward_model is not None:
-      self._scores_fn = self.reward_model.jit(functools.partial(sequence_scores,
-                                                                self.reward_model.graphdef))
-    self._experience = actor.role.jit(functools.partial(make_experience, cfg=cfg))
+      self.scores_fn = self.reward_model.jit(functools.partial(sequence_scores,
+                                                               self.reward_model.graphdef))
+    self.experience_fn = actor.role.jit(functools.partial(make_experience, cfg=cfg))
 
   def _rewards(self, rollout, examples_B, verified_B=None):
     """(rewards on the trainer's mesh, verified_B on the host; given: already verified)."""
@@ -56,7 +57,7 @@ class Scoring:
     role = self.actor.role
     if self.reward_model is None:
       return to_device(verified_B, role.batch_shardings(verified_B), "rewards"), verified_B
-    return role.put(_on(self.reward_model, self._scores_fn, rollout, mask=False)), verified_B
+    return role.put(_on(self.reward_model, self.scores_fn, rollout, mask=False)), verified_B
 
   def trimmed(self, rollout):
     """The rollout with its completion slots cut to the bucket (`rl.length_buckets`) of its
@@ -72,16 +73,16 @@ class Scoring:
     examples_B = np.repeat(prompts["examples"], self.cfg.group_size)
     rollout, ex = self.trimmed(rollout), self.ex
     calls = {"reward": (ex.reward, (self._rewards, rollout, examples_B, verified_B), "score"),
-             "ref": (ex.reference, (_on, self.reference, self._ref_logp, rollout),
+             "ref": (ex.reference, (_on, self.reference, self.ref_logprobs_fn, rollout),
                      "ref logprobs")}
     if self.cfg.needs_old_logprobs:
-      calls["old"] = (ex.trainer, (_on, self.actor.role, self._old_logp, rollout), "old logprobs")
+      calls["old"] = (ex.trainer, (_on, self.actor.role, self.old_logprobs_fn, rollout), "old logprobs")
     if self.critic is not None:
-      calls["values"] = (ex.critic, (_on, self.critic.role, self._values_fn, rollout), "values")
+      calls["values"] = (ex.critic, (_on, self.critic.role, self.values_fn, rollout), "values")
     futures = {k: (e, e.submit(*args, label=label)) for k, (e, args, label) in calls.items()}
     out = {k: e.result(f) for k, (e, f) in futures.items()}
     (rewards_B, verified_B), on_actor = out["reward"], self.actor.role.put
     values_BN = on_actor(out["values"]) if "values" in out else None
-    exp, metrics = self._experience(on_actor(rollout), rewards_B, out.get("old"),
+    exp, metrics = self.experience_fn(on_actor(rollout), rewards_B, out.get("old"),
                                     on_actor(out["ref"]), values_BN)
     return exp, metrics, verified_B

@@ -40,7 +40,7 @@ class RoleCluster:
     self.devices = host_major_devices() if devices is None else list(devices)
     self._shapes: dict[tuple, tuple] = {}  # traced modules (`_shape`)
     try:  # impossible meshes are user errors, found before anything is allocated
-      self.placement = _placement(cfg, len(self.devices))
+      self.placement = _placement(cfg, self.devices)
       self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
       self.actor = self._actor_role()
       plain = self._shape("actor")[0] if cfg.lora.enabled else None  # without adapters
@@ -50,9 +50,10 @@ class RoleCluster:
       raise ConfigError(f"config.{message}" if message.startswith("placement") else message) \
           from None
     check_batch_sizes(cfg, self)
-    if cfg.rl.mode == "async" and jax.process_count() > 1:
+    hosts = len({d.process_index for d in self.devices})
+    if cfg.rl.mode == "async" and hosts > 1:
       raise ConfigError(f"config.rl.mode: async runs its generator on a thread of its own, "
-                        f"which on {jax.process_count()} processes could launch programs in a "
+                        f"which on {hosts} processes could launch programs in a "
                         f"different order on each; use mode='sync'")
     self.roles: dict[str, ModelRole] = {"actor": self.actor}
     self.shared: set[str] = set()  # roles whose parameters are the actor's own arrays
@@ -168,13 +169,15 @@ class RoleCluster:
     return self.roles.get(name)
 
 
-def _placement(cfg: ExperimentConfig, n_devices: int):
-  """The placement preset, its sampler `cfg.sampler_tensor` ways tensor-parallel; with
+def _placement(cfg: ExperimentConfig, devices):
+  """The placement preset on `devices` (of as many hosts as they name processes: a target
+  topology's, or this job's), its sampler `cfg.sampler_tensor` ways tensor-parallel; with
   `placement.sampler_tensor=0` (auto), 1 way where the model or the sampler's devices do not
   split 2 ways, said in the log."""
   pl, tensor = cfg.placement, cfg.sampler_tensor
-  build = lambda t: make_placement(pl.strategy, n_devices, train_devices=pl.train_devices,
-                                   sampler_tensor=t, n_hosts=jax.process_count())
+  hosts = len({d.process_index for d in devices})
+  build = lambda t: make_placement(pl.strategy, len(devices), train_devices=pl.train_devices,
+                                   sampler_tensor=t, n_hosts=hosts)
   if pl.sampler_tensor or tensor == 1:
     if not pl.sampler_tensor:
       m = cfg.model

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxrl import platform
 from train.roles.offload import moved
 from train.roles.role import ModelRole, abstract_like
 from train.updates.state import Frozen, TrainState
@@ -25,7 +26,7 @@ def compiler_options(role: ModelRole) -> dict | None:
   as GPU and TPU compilers do (tests/test_remat.py measures the saving); so does a LoRA update,
   whose adapted projections' sums are barriers too (jaxrl/models/lora.adapted)."""
   cfg = nnx.merge(role.graphdef, role.abstract()).decoder.cfg  # abstract: allocates nothing
-  if (cfg.remat == "none" and role.trainable is None) or jax.default_backend() != "cpu":
+  if (cfg.remat == "none" and role.trainable is None) or platform.backend() != "cpu":
     return None
   return {"xla_disable_hlo_passes": "cse_barrier_expander"}
 

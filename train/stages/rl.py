@@ -15,8 +15,10 @@ import functools
 import logging
 import time
 
+from jaxrl.config import RLConfig
 from train.rl.controller import Controller
 from train.roles.learner import Learner
+from train.roles.role import ModelRole
 from train.rollout import async_state
 from train.stages.base import Stage
 from train.updates.rl import critic_update, rl_update
@@ -25,6 +27,22 @@ from train.updates.state import make_optimizer
 log = logging.getLogger("jaxrl")
 # summary.json entry -> the metrics row's value whose maximum over the run it keeps
 MAXIMA = {"mismatch_max": "mismatch_max", "mismatch_kl_max": "mismatch_kl"}
+
+
+def learners(rl: RLConfig, actor: ModelRole, critic: ModelRole | None, *,
+             initialize: bool) -> tuple[Learner, Learner | None]:
+  """The actor's Learner (the RL loss) and, for `gae`, the critic's (its value loss), each with
+  its optimizer and learning-rate schedule; `initialize=False`: abstract state (a restore, or a
+  target compile)."""
+  optimizer = lambda lr: make_optimizer(lr, warmup_steps=rl.warmup_steps,
+                                        total_steps=rl.steps * rl.num_minibatches,
+                                        max_grad_norm=rl.max_grad_norm)
+  actor_learner = Learner(actor, functools.partial(rl_update, cfg=rl), optimizer(rl.learning_rate),
+                          initialize=initialize)
+  if critic is None:
+    return actor_learner, None
+  return actor_learner, Learner(critic, functools.partial(critic_update, cfg=rl),
+                                optimizer(rl.critic_learning_rate), initialize=initialize)
 
 
 class RLStage(Stage):
@@ -48,17 +66,10 @@ class RLStage(Stage):
     rl, cluster = self.cfg.rl, self.ctx.cluster
     if cluster.get("reference") is None:  # frozen: the actor as RL starts
       cluster.add_reference(restored=restoring)
-    updates = rl.steps * rl.num_minibatches
-    optimizer = lambda lr: make_optimizer(lr, warmup_steps=rl.warmup_steps,
-                                                total_steps=updates,
-                                                max_grad_norm=rl.max_grad_norm)
-    self.actor = Learner(cluster.actor, functools.partial(rl_update, cfg=rl),
-                         optimizer(rl.learning_rate), initialize=not restoring)
-    self.critic = None
+    critic = None
     if rl.advantage == "gae":
       critic = cluster.get("critic") or self._new_critic()
-      self.critic = Learner(critic, functools.partial(critic_update, cfg=rl),
-                            optimizer(rl.critic_learning_rate), initialize=not restoring)
+    self.actor, self.critic = learners(rl, cluster.actor, critic, initialize=not restoring)
 
   def _new_critic(self):
     """The critic starts from the reward model when there is one (as OpenRLHF does), else from

@@ -1,0 +1,303 @@
+"""`--dry_run --target=v5p-64`: the run's programs compiled by the target's own compiler before a
+chip is rented, allocating nothing.
+
+JAX describes a TPU slice that is not here (`jax.experimental.topologies`, libtpu's compiler on
+this CPU); the run's roles are built abstractly on its devices (`RoleCluster(initialize=False)`,
+the placement over its hosts) and every program of an RL step is lowered from
+ShapeDtypeStructs and compiled for them (the programs' platform choices follow the target:
+jaxrl/platform.py). Per program XLA reports, for each device, its argument, output,
+temporary and code bytes and its FLOPs and bytes accessed; the device's peak during the program
+adds what else stays there through a step (the dry run's table: cli/dry_run.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from cli import dry_run
+from jaxrl import platform
+from jaxrl.config import ConfigError, ExperimentConfig
+from planner.targets import Target
+from sampler.engine import Rollout
+from sampler.methods import SamplingConfig
+from sampler.sampler import Sampler
+from sharding.host import tpu_chips_here
+from sharding.mesh import batch_sharding
+from sharding.rules import SAMPLER_RULES
+from train.rl.experience import Experience
+from train.rl.scoring import Scoring
+from train.roles.cluster import RoleCluster
+from train.stages.rl import learners
+from train.task.task import load_tokenizer_for
+
+GIB = 1 << 30
+S = jax.ShapeDtypeStruct
+
+
+@dataclasses.dataclass
+class Program:
+  """One program of an RL step: `lower()` gives it lowered for the target; `state`: its
+  arguments that stay on the devices through a step (already in the dry run's table)."""
+  name: str
+  phase: str  # the dry run's phase it runs in (programs of one phase run at the same time)
+  mesh: Any
+  lower: Callable[[], Any]
+  state: Any = None
+
+
+@dataclasses.dataclass
+class Compiled:
+  program: Program
+  memory: Any  # jax's CompiledMemoryStats, per device
+  cost: dict
+  seconds: float  # compiling it, on this machine
+
+  @property
+  def bytes(self) -> int:
+    """What the program holds on one device at its peak: arguments, outputs not aliased to
+    them, temporaries, code."""
+    m = self.memory
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
+
+
+def topology_devices(target: Target) -> list:
+  """The target slice's devices, host-major, from the TPU compiler installed here."""
+  if importlib.util.find_spec("libtpu") is None:
+    raise ConfigError('--target: compiling for a TPU needs libtpu here: pip install -e ".[tpu]" '
+                      '(it is in the test extras)')
+  if not tpu_chips_here():  # no TPU VM metadata to ask: libtpu is told so, and stays quiet
+    for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                        ("TPU_WORKER_ID", "0"), ("TPU_ACCELERATOR_TYPE", "v5litepod-4")):
+      os.environ.setdefault(name, value)
+  from jax.experimental import topologies
+  kwargs = {"chip_config_name": "megacore"} if target.generation == "v4" else {}
+  desc = topologies.get_topology_desc(platform="tpu", topology_name=target.topology_name,
+                                      **kwargs)
+  return sorted(desc.devices, key=lambda d: (d.process_index, d.id))
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda x, s: S(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _shapes(cfg: ExperimentConfig) -> tuple[int, int, int]:
+  """(rows B, completion slots N, sequence T) of a step's batch at its longest (no trimming)."""
+  n = cfg.rl.max_new_tokens
+  return cfg.rl.rollouts, n, cfg.data.max_prompt_tokens + n
+
+
+def _experience(cfg: ExperimentConfig, role) -> Experience:
+  """The abstract batch an RL update gets, split over the mesh's batch axes."""
+  b, n, t = _shapes(cfg)
+  rl, f32 = cfg.rl, S((b, n), jnp.float32)
+  gae = rl.advantage == "gae"
+  exp = Experience(tokens_BT=S((b, t), jnp.int32), valid_BT=S((b, t), bool),
+                   completion_mask_BN=S((b, n), bool), sampler_logprobs_BN=f32,
+                   ref_logprobs_BN=f32, advantages_BN=f32,
+                   old_logprobs_BN=f32 if rl.needs_old_logprobs else None,
+                   old_values_BN=f32 if gae else None, returns_BN=f32 if gae else None,
+                   loss_mask_BN=S((b, n), bool) if (rl.overlong_filter or rl.environment) else None)
+  return _abstract(exp, role.batch_shardings(exp))
+
+
+def _sampler(cfg: ExperimentConfig, cluster: RoleCluster) -> Sampler:
+  """The RL sampler as the Generator builds it (the run's tokenizer for its stop tokens when it
+  is here; else placeholder ids, which change no shape)."""
+  rl = cfg.rl
+  try:
+    tok = load_tokenizer_for(cfg)
+    eos, pad, stops = tok.eos_id, tok.pad_id, tuple((i,) for i in tok.stop_ids if i != tok.eos_id)
+  except ConfigError:
+    eos, pad, stops = 1, 0, ()
+  sampling = SamplingConfig(max_new_tokens=rl.max_new_tokens, eos_id=eos, pad_id=pad,
+                            stop_sequences=() if rl.ignore_eos else stops, method="temperature",
+                            temperature=rl.temperature, top_k=rl.top_k, ignore_eos=rl.ignore_eos)
+  weights = cluster.sampler_weights
+  return Sampler(weights.graphdef, sampling, n=rl.group_size, mesh=cluster.meshes["sampler"],
+                 param_shardings=weights.shardings)
+
+
+def _generation(cfg: ExperimentConfig, cluster: RoleCluster) -> list[Program]:
+  if cfg.rl.inflight_slots or cfg.rl.mode == "async" or cfg.rl.environment:
+    raise ConfigError("--target: compiles the static decode of sync single-turn RL; "
+                      "config.rl.inflight_slots, rl.mode=async and rl.environment are not "
+                      "covered yet")
+  sampler, weights = _sampler(cfg, cluster), cluster.sampler_weights
+  mesh = cluster.meshes["sampler"]
+  rows = batch_sharding(mesh, SAMPLER_RULES)
+  prompts = S((cfg.rl.prompts_per_step, cfg.data.max_prompt_tokens), jnp.int32, sharding=rows)
+  valid = S(prompts.shape, bool, sharding=rows)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  lower = lambda: sampler.lower(weights.abstract(), prompts, valid, key)
+  return [Program("generate (prefill + decode loop)", "generation", mesh, lower,
+                  weights.abstract())]
+
+
+def _scoring(cfg: ExperimentConfig, cluster: RoleCluster, actor, critic) -> list[Program]:
+  """The scoring passes, as Scoring jits them, and the experience they make."""
+  rl, b = cfg.rl, cfg.rl.rollouts
+  _, n, t = _shapes(cfg)
+  scoring = Scoring(rl, cluster, actor, critic, judge=None, executors=None)
+  programs = []
+
+  def batch(role, mask=True):
+    arrays = (S((b, t), jnp.int32), S((b, t), bool)) + ((S((b, n), bool),) if mask else ())
+    return _abstract(arrays, role.batch_shardings(arrays))
+  passes = [("reference log-probs", cluster.get("reference"), scoring.ref_logprobs_fn)]
+  if rl.needs_old_logprobs:
+    passes.append(("old log-probs", actor.role, scoring.old_logprobs_fn))
+  if critic is not None:
+    passes.append(("values", critic.role, scoring.values_fn))
+  for name, role, fn in passes:
+    programs.append(Program(name, "scoring", role.mesh,
+                            lambda fn=fn, role=role: fn.lower(role.abstract(), *batch(role)),
+                            role.abstract()))
+  if scoring.reward_model is not None:
+    rm = scoring.reward_model
+    programs.append(Program("reward-model scores", "scoring", rm.mesh, lambda: scoring.scores_fn
+                            .lower(rm.abstract(), *batch(rm, mask=False)), rm.abstract()))
+  role, f32 = actor.role, S((b, n), jnp.float32)
+  rollout = Rollout(tokens_BT=S((b, t), jnp.int32), valid_BT=S((b, t), bool),
+                    completion_mask_BN=S((b, n), bool), logprobs_BN=f32,
+                    lengths_B=S((b,), jnp.int32))
+  per_row = _abstract((rollout, S((b,), jnp.float32), f32, f32, f32),
+                      role.batch_shardings((rollout, S((b,), jnp.float32), f32, f32, f32)))
+  rollout, rewards, old, ref, values = per_row
+  args = (rollout, rewards, old if rl.needs_old_logprobs else None, ref,
+          values if critic is not None else None)
+  programs.append(Program("experience", "experience", role.mesh,
+                          lambda: scoring.experience_fn.lower(*args)))
+  return programs
+
+
+def _updates(cfg: ExperimentConfig, actor, critic) -> list[Program]:
+  """The RL update (micro-batches, remat, LoRA as configured) and the critic's."""
+  programs = []
+  for name, learner in (("actor update", actor), ("critic update", critic)):
+    if learner is not None:
+      batch = _experience(cfg, learner.role)
+      programs.append(Program(name, name, learner.role.mesh,
+                              lambda learner=learner, batch=batch: learner.lower(batch),
+                              (learner.role.abstract(), learner.abstract_state())))
+  return programs
+
+
+def rl_programs(cfg: ExperimentConfig, cluster: RoleCluster) -> list[Program]:
+  """Every program of one sync RL step, to lower for the cluster's devices."""
+  for name in ("reference",) + ("critic",) * (cfg.rl.advantage == "gae") + (
+      ("reward",) if cfg.rl.reward == "reward_model" else ()):
+    if cluster.get(name) is None:
+      cluster.add(name, initialize=False)
+  actor, critic = learners(cfg.rl, cluster.actor, cluster.get("critic"), initialize=False)
+  programs = _generation(cfg, cluster) + _scoring(cfg, cluster, actor, critic)
+  programs += _updates(cfg, actor, critic)
+  weights = cluster.sampler_weights
+  if weights.merging:  # LoRA, lora.sampler=merged: the adapters folded in before the push
+    programs.append(Program("LoRA merge (weight push)", "weight push", cluster.actor.mesh,
+                            lambda: weights.merge.lower(cluster.actor.abstract()),
+                            cluster.actor.abstract()))
+  return programs
+
+
+def compile_program(program: Program) -> Compiled:
+  """`program` compiled by the target's compiler; a program it refuses is a ConfigError naming
+  the program and the compiler's first line."""
+  start = time.perf_counter()
+  try:
+    compiled = program.lower().compile()
+  except Exception as e:  # noqa: BLE001  (XlaRuntimeError, Mosaic errors, ...)
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise ConfigError(f"--target: the compiler refused {program.name}: {first[:300]}") from None
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+  return Compiled(program, compiled.memory_analysis(), dict(cost),
+                  time.perf_counter() - start)
+
+
+def step_seconds(c: Compiled, target: Target) -> tuple[float, str]:
+  """One run of the program on the target: the compiler's own estimate where it gives a valid
+  one, else the roofline of its FLOPs and bytes accessed (per device) on the chip's datasheet."""
+  optimal = c.cost.get("optimal_seconds", -1.0)
+  if optimal > 0:
+    return optimal, "compiler"
+  spec = target.spec
+  return max(c.cost.get("flops", 0.0) / spec.matmul_flops,
+             c.cost.get("bytes accessed", 0.0) / spec.hbm_bytes_per_s), "roofline"
+
+
+def phase_peaks(compiled: list[Compiled], resident: dict) -> dict[str, dict]:
+  """{phase: {device id: bytes}}: on each device of a phase's programs, what stays through the
+  step (the dry run's table, less the programs' own resident arguments, which they count) plus
+  the programs of the phase together (they run at the same time)."""
+  stays, out = dry_run.summed(resident), {}
+  for c in compiled:
+    state = dry_run.shard_bytes(c.program.state) if c.program.state is not None else {}
+    per_device = out.setdefault(c.program.phase, {})
+    for d in c.program.mesh.devices.flat:
+      own, held = per_device.get(d.id, (0, 0))
+      per_device[d.id] = (own + c.bytes, held + state.get(d.id, 0))
+  return {phase: {d: max(0, stays.get(d, 0) - held) + own for d, (own, held) in v.items()}
+          for phase, v in out.items()}
+
+
+def _program_lines(compiled: list[Compiled], target: Target, unit: tuple[str, int]) -> list[str]:
+  name, size = unit
+  lines = [f"  {'program, ' + name + ' per device':<34}{'args':>7}{'out':>7}{'temp':>7}{'code':>7}"
+           f"{'GFLOP':>10}{'GB moved':>10}{'est. ms':>9} (how)    compile s"]
+  for c in compiled:
+    m, (sec, how) = c.memory, step_seconds(c, target)
+    cell = lambda n: f"{n / size:7.2f}"
+    lines.append(f"  {c.program.name:<34}{cell(m.argument_size_in_bytes)}"
+                 f"{cell(m.output_size_in_bytes - m.alias_size_in_bytes)}"
+                 f"{cell(m.temp_size_in_bytes)}{cell(m.generated_code_size_in_bytes)}"
+                 f"{c.cost.get('flops', 0) / 1e9:10.1f}{c.cost.get('bytes accessed', 0) / 1e9:10.2f}"
+                 f"{sec * 1e3:9.2f} ({how}){c.seconds:>12.1f}")
+  return lines
+
+
+def _phase_lines(peaks: dict, estimate: dict, unit: tuple[str, int]) -> list[str]:
+  name, size = unit
+  lines = [f"  {'phase: busiest device, ' + name:<34}{'compiler':>10}{'estimate':>10}   "
+           f"(what stays + the phase; the estimate is --dry_run's)"]
+  for phase, per_device in peaks.items():
+    d = max(per_device, key=per_device.get)
+    est = estimate.get(phase, {}).get(d)
+    lines.append(f"  {phase + f' (device {d})':<34}{per_device[d] / size:10.2f}"
+                 + (f"{est / size:10.2f}" if est else f"{'-':>10}"))
+  return lines
+
+
+def report(cfg: ExperimentConfig, target: Target) -> tuple[list[str], bool]:
+  """The target compile's lines, and whether every phase fits the chip's HBM."""
+  devices = topology_devices(target)
+  hosts = len({d.process_index for d in devices})
+  with platform.building_for("tpu"):
+    cluster = RoleCluster(cfg, devices, initialize=False)
+    programs = rl_programs(cfg, cluster)
+    resident, phases = dry_run.offloaded(cfg, dry_run.resident_table(cfg, cluster),
+                                         dry_run.phase_table(cfg, cluster))
+    compiled = [compile_program(p) for p in programs]
+  meshes = ", ".join(f"{role} {dict(mesh.shape)}" for role, mesh in cluster.meshes.items())
+  stays = dry_run.summed(resident)
+  estimate = {p: {d: stays.get(d, 0) + v for d, v in dry_run.summed(items).items()}
+              for p, items in phases.items()}
+  peaks, hbm = phase_peaks(compiled, resident), target.spec.memory_bytes
+  worst_phase, worst = max(((p, max(v.values())) for p, v in peaks.items()), key=lambda x: x[1])
+  unit = ("GiB", GIB) if worst >= GIB else ("MiB", 1 << 20)
+  lines = [f"target: {target.describe()}, {hosts} hosts; compiled here by libtpu",
+           f"placement {cfg.placement.strategy}: {meshes}"]
+  lines += _program_lines(compiled, target, unit) + _phase_lines(peaks, estimate, unit)
+  where = (f"{worst / GIB:.2f} GiB at the busiest device ({worst_phase}) of "
+           f"{hbm / GIB:.2f} GiB HBM")
+  if worst <= hbm:
+    return lines + [f"verdict: fits: {where}"], True
+  remedy = dry_run.remedy(cfg, cluster, resident, hbm)
+  return lines + [f"verdict: DOES NOT FIT: {remedy} (the estimate's remedy); {where}"], False
