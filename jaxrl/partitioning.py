@@ -51,3 +51,14 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     return x
   mesh, rules = active
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, rules, mesh)))
+
+
+def active_spec(axes: Sequence[str | None]) -> tuple[Mesh, PartitionSpec] | None:
+  """The active layout's mesh and its PartitionSpec for logical `axes` (None outside
+  `activation_rules`): what a kernel run per shard (`jax.shard_map`) splits its operands by."""
+  active = getattr(_ACTIVE, "value", None)
+  if active is None:
+    return None
+  mesh, rules = active
+  return mesh, logical_to_spec(axes, rules, mesh)
+

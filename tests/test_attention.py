@@ -25,26 +25,29 @@ def _forward(cfg, params, tokens_BT, valid_BT, segments_BT):
   return jnp.where(valid_BT[..., None], logits_BTV, 0.0)  # padded queries' outputs are unused
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_fused_attention_equals_the_einsum_form(packed):
+@pytest.mark.parametrize("impl,packed", [("xla", False), ("xla", True), ("splash", True)])
+def test_fused_attention_equals_the_einsum_form(impl, packed):
+  """XLA's `jax.nn.dot_product_attention` with the dense mask, and the splash kernel (Pallas'
+  interpret mode here) with segment ids, forward and backward."""
   rng = np.random.default_rng(0)
   b, t = 4, 16
   tokens = jnp.asarray(rng.integers(0, 64, (b, t)), jnp.int32)
-  if packed:  # three segments, then right padding
+  if packed:  # three segments, then right padding; the last row: left padding, one segment
     segments = np.zeros((b, t), np.int32)
     segments[:, :5], segments[:, 5:9], segments[:, 9:14] = 1, 2, 3
+    segments[-1] = np.arange(t) >= 6
     segments, valid = jnp.asarray(segments), jnp.asarray(segments > 0)
   else:  # left padding of 0..6 tokens
     segments, valid = None, jnp.asarray(np.arange(t)[None] >= np.array([[0], [3], [6], [1]]))
   _, params = nnx.split(LanguageModel(CFG, rngs=nnx.Rngs(0)))
   outs = {}
-  for impl in ("einsum", "xla"):
-    cfg = dataclasses.replace(CFG, attention=impl)
+  for form in ("einsum", impl):
+    cfg = dataclasses.replace(CFG, attention=form)
     loss = lambda p: (_forward(cfg, p, tokens, valid, segments)**2).mean()
-    outs[impl] = jax.jit(lambda p: (_forward(cfg, p, tokens, valid, segments),
+    outs[form] = jax.jit(lambda p: (_forward(cfg, p, tokens, valid, segments),
                                     jax.grad(loss)(p)))(params)
-  np.testing.assert_allclose(outs["xla"][0], outs["einsum"][0], atol=1e-5, rtol=1e-5)
-  for a, e in zip(jax.tree.leaves(outs["xla"][1]), jax.tree.leaves(outs["einsum"][1])):
+  np.testing.assert_allclose(outs[impl][0], outs["einsum"][0], atol=1e-5, rtol=1e-5)
+  for a, e in zip(jax.tree.leaves(outs[impl][1]), jax.tree.leaves(outs["einsum"][1])):
     np.testing.assert_allclose(a, e, atol=1e-5, rtol=1e-4)
 
 
@@ -84,3 +87,6 @@ def test_auto_picks_cudnn_only_on_a_gpu_in_half_precision():
   assert attention_impl(dataclasses.replace(CFG, attention="einsum")) == "einsum"
   with pytest.raises(ValueError, match="attention"):
     dataclasses.replace(CFG, attention="flash")
+  from jaxrl import platform
+  with platform.building_for("tpu"):  # what a target compile builds
+    assert attention_impl(CFG) == "splash"

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl import platform
+from jaxrl.models.splash import Segments, splash
 
 if TYPE_CHECKING:
   from jaxrl.models.config import ModelConfig
@@ -56,23 +57,29 @@ def attention_impl(cfg: ModelConfig) -> str:
   """`cfg.attention`, with "auto" resolved for this backend: cuDNN's fused flash attention on a
   GPU in bf16 (no [B, heads, T, S] scores in memory, forward or backward); elsewhere
   XLA's form of `jax.nn.dot_product_attention` (on the CPU its forward and backward took 9.2 ms
-  against 11.4 ms for the einsum form at 4 x 128 tokens, 9 heads: docs/models.md)."""
+  against 11.4 ms for the einsum form at 4 x 128 tokens, 9 heads: docs/models.md); on a TPU
+  the splash kernel (jaxrl/models/splash.py)."""
   if cfg.attention != "auto":
     return cfg.attention
+  if platform.backend() == "tpu":
+    return "splash"
   return "cudnn" if platform.backend() == "gpu" and cfg.dtype == "bfloat16" else "xla"
 
 
 def fused(q_BTNH, k_BTKH, v_BTKH, mask, impl: str) -> jax.Array:
-  """`jax.nn.dot_product_attention` over a cacheless pass (queries scaled already), [B, T, N,
-  H]: a `ValidPrefix` as causality plus sequence lengths, else the dense mask."""
+  """Attention over a cacheless pass (queries scaled already), [B, T, N, H]: `Segments` by the
+  splash kernel; else `jax.nn.dot_product_attention`, a `ValidPrefix` as causality plus
+  sequence lengths, or the dense mask."""
   dt = q_BTNH.dtype
   k_BTKH, v_BTKH = k_BTKH.astype(dt), v_BTKH.astype(dt)
+  if isinstance(mask, Segments):
+    return splash(q_BTNH, k_BTKH, v_BTKH, mask)
   if isinstance(mask, ValidPrefix):
     return jax.nn.dot_product_attention(
         q_BTNH, k_BTKH, v_BTKH, scale=1.0, is_causal=True, query_seq_lengths=mask.lengths_B,
         key_value_seq_lengths=mask.lengths_B, implementation=impl)
   return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask[:, None], scale=1.0,
-                                      implementation=impl)
+                                      implementation="xla" if impl == "splash" else impl)
 
 
 def write_cache(layer_cache, k_BKHT, v_BKTH, cache_index):

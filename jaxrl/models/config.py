@@ -11,7 +11,7 @@ from jaxrl.models.families import FAMILIES, BlockOptions
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ROPE_SCALINGS = ("none", "linear", "llama3")
-ATTENTIONS = ("auto", "einsum", "xla", "cudnn")
+ATTENTIONS = ("auto", "einsum", "xla", "cudnn", "splash")
 # What a decoder block saves for the backward under `model.remat` (the rest is recomputed):
 # "dots" keeps the projections' and MLP's matrix products (`dense` multiplies flat 2-D rows, no
 # batch dimension) and recomputes attention's batched [T, S] products, norms and activations;
@@ -53,7 +53,9 @@ class ModelConfig:
   remat: str = "none"
   # Training, scoring and prefill attention (decode steps always use the einsum form over the
   # cache): auto | einsum (explicit products, float32 softmax) | xla | cudnn, the last two
-  # through `jax.nn.dot_product_attention` (cudnn: fused flash attention, GPU, bf16/fp16 only).
+  # through `jax.nn.dot_product_attention` (cudnn: fused flash attention, GPU, bf16/fp16 only)
+  # | splash (JAX's Pallas splash kernel: TPU; elsewhere interpreted, for tests). auto: cudnn
+  # on a GPU in bf16, splash on a TPU, else xla (jaxrl/models/attention.attention_impl).
   attention: str = "auto"
   # A local Hugging Face model directory to start from (config.json, *.safetensors, tokenizer);
   # its config.json sets the fields above (jaxrl/models/hf.py). Not read by the model itself.

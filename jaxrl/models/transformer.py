@@ -20,6 +20,7 @@ from jaxrl.models.attention import (KVCache, ValidPrefix, attention_impl, attent
 from jaxrl.models.config import REMAT_POLICIES, ModelConfig
 from jaxrl.models.layouts import ROWS
 from jaxrl.models.lora import LoRA, LoRAConfig
+from jaxrl.models.splash import Segments
 
 
 def _param(rngs: nnx.Rngs, shape, axes, scale: float) -> nnx.Param:
@@ -164,10 +165,14 @@ class Decoder(nnx.Module):
     `segment_ids_BT` (training): packed rows, attention stays inside a segment. `last_only` (a
     prefill that samples from the last position): the final block's queries, attention and MLP
     run for the last position alone, and the states come back as [B, 1, D]."""
-    if (kv_cache is None and segment_ids_BT is None and not last_only and layout is ROWS
-        and attention_impl(self.cfg) == "cudnn"):
+    impl = attention_impl(self.cfg)
+    cacheless = kv_cache is None and not last_only and layout is ROWS
+    if cacheless and segment_ids_BT is None and impl == "cudnn":
       return self.valid_first(tokens, positions, key_valid_BS), None
-    mask = attention_mask(key_valid_BS, layout.length(tokens), cache_index, segment_ids_BT)
+    if cacheless and impl == "splash":  # left padding is segment 0; packed rows keep theirs
+      mask = Segments(key_valid_BS if segment_ids_BT is None else segment_ids_BT)
+    else:
+      mask = attention_mask(key_valid_BS, layout.length(tokens), cache_index, segment_ids_BT)
     return self.blocks_over(tokens, positions, mask, kv_cache, cache_index, last_only, layout)
 
   def valid_first(self, tokens_BT, positions_BT, key_valid_BT) -> jax.Array:

@@ -1,0 +1,85 @@
+"""`--dry_run --target`: TPU slices by name, and the RL step's programs compiled by the TPU
+compiler (libtpu, from the test extras) on this CPU for a slice that is not here."""
+import numpy as np
+import pytest
+
+from cli import train
+from cli.flags import load_config_file
+from jaxrl.config import ConfigError
+from jaxrl.config_files import resolve
+from planner.targets import TargetError, parse_target
+
+
+@pytest.mark.parametrize("name,generation,topology,chips", [
+    ("v5p-64", "v5p", "2x4x4", 32), ("tpu:v5e-16", "v5e", "4x4", 16),
+    ("v5litepod-4", "v5e", "2x2", 4), ("v6e:16x16", "v6e", "16x16", 256),
+    ("v4-8", "v4", "2x2x1", 4), ("v5p:4x4x4", "v5p", "4x4x4", 64)])
+def test_targets_by_accelerator_type_or_topology(name, generation, topology, chips):
+  target = parse_target(name)
+  assert (target.generation, target.topology, target.chips) == (generation, topology, chips)
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("v9-8", "unknown TPU target 'v9-8'; known targets: v4-{8,16,"),
+    ("v5p-12", "no v5p slice of 12; known targets"),
+    ("v5e:2x2x2", "v5e slices have 2-D topologies")])
+def test_unknown_targets_list_the_known_ones(name, expected):
+  with pytest.raises(TargetError, match=expected.replace("{", r"\{").replace("(", r"\(")):
+    parse_target(name)
+  assert issubclass(TargetError, ConfigError)  # exit 2 through the CLI
+
+
+@pytest.fixture(scope="module")
+def tiny_report():
+  """configs/tiny.py (separate placement: trainer 2 chips, sampler 2) compiled for a v5e-4."""
+  from cli.target_compile import report
+  raw = load_config_file("configs/tiny.py")
+  raw.placement.update(train_devices=2)
+  return report(resolve(raw, hf=False), parse_target("v5e-4"))
+
+
+def test_tiny_config_compiles_for_a_v5e_slice(tiny_report):
+  lines, fits = tiny_report
+  assert fits and lines[-1].startswith("verdict: fits:")
+  assert lines[0].startswith("target: TPU v5e v5e-4 (topology 2x2: 4 chips")
+  rows = {line.split("  ")[1].strip(): line for line in lines if line.startswith("  ")}
+  for program in ("generate (prefill + decode loop)", "reference log-probs", "old log-probs",
+                  "experience", "actor update"):
+    cells = rows[program][36:].split()
+    assert float(cells[0]) > 0 and float(cells[3]) > 0, rows[program]  # arguments, code
+  update = rows["actor update"][36:].split()
+  assert float(update[2]) > float(rows["reference log-probs"][36:].split()[2])  # temporaries
+  assert any(line.startswith("  actor update (device 0)") for line in lines)
+
+
+def test_a_topology_the_placement_cannot_use_names_the_field(capsys):
+  """configs/tiny.py gives the trainer 4 devices: a 4-chip slice leaves the sampler none."""
+  rc = train.main(["train", "--config=configs/tiny.py", "--dry_run", "--target=v5e-4"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert rc == 2 and len(err) == 1, err
+  assert err[0].startswith("jaxrl: error: config.placement.train_devices: 4 must be in (0, 4)")
+
+
+def test_an_unknown_target_is_one_line_exit_2(capsys):
+  rc = train.main(["train", "--config=configs/tiny.py", "--dry_run", "--target=v7x-8"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert rc == 2 and len(err) == 1 and "known targets: v4-{8," in err[0], err
+
+
+def test_a_program_the_compiler_refuses_is_named_in_one_line():
+  """A real refusal of this libtpu: a collective over part of each of two hosts' chips."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  from cli.target_compile import Program, compile_program, topology_devices
+  devices = topology_devices(parse_target("v5e-8"))  # 2 hosts of 4 chips
+  mesh = Mesh(np.array([devices[i] for i in (0, 1, 4, 5)]).reshape(2, 2), ("data", "fsdp"))
+  x = jax.ShapeDtypeStruct((64, 128), jnp.float32,
+                           sharding=NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+  program = Program("mean over two half hosts", "scoring", mesh,
+                    lambda: jax.jit(lambda a: a.mean()).lower(x))
+  with pytest.raises(ConfigError, match=r"^--target: the compiler refused mean over two half "
+                                        r"hosts: INTERNAL: RET_CHECK failure") as e:
+    compile_program(program)
+  assert "\n" not in str(e.value)
