@@ -233,8 +233,10 @@ def run_stages(workload: Workload, *, steps: int, warmup: int, reduced: bool, **
   import jax
 
   from benchmarks.roofline import device_ceilings
+  from cli.dry_run import busiest_total
   from train.run import Experiment
   with Experiment(build_config(workload, steps + warmup, reduced, **rl)) as exp:
+    estimate = busiest_total(exp.cfg, exp.ctx.cluster.devices)  # abstract: allocates nothing
     ceilings = device_ceilings(exp.cfg.model.dtype)
     peak = ceilings.matmul_flops_per_s * (1 if ceilings.shared else jax.device_count())
     timed = timed_steps(exp, steps, warmup)
@@ -247,7 +249,8 @@ def run_stages(workload: Workload, *, steps: int, warmup: int, reduced: bool, **
   return {**compiled, "step_s": sig(step_s),
           "flops_utilization": sig(sum(stage_flops.values()) / (step_s * peak)),
           "response_len": mean_len, "decode": decode, "matmul_flops_per_s": round(peak),
-          "memory_bytes_per_s": round(ceilings.memory_bytes_per_s), "peak_source": ceilings.source}
+          "memory_bytes_per_s": round(ceilings.memory_bytes_per_s), "peak_source": ceilings.source,
+          "dry_run_bytes": estimate}
 
 
 def run_mode(strategy: str, mode: str, *, steps: int, warmup: int, max_staleness: int,

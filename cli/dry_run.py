@@ -224,6 +224,13 @@ def remedy(cfg: ExperimentConfig, cluster: RoleCluster, resident: dict, usable: 
           f"{smallest}-row micro-batches fits")
 
 
+def busiest_total(cfg: ExperimentConfig, devices=None) -> int:
+  """The dry run's estimate for its busiest device: what stays plus its largest phase, bytes."""
+  cluster = RoleCluster(cfg, devices, initialize=False)
+  resident, phases = offloaded(cfg, resident_table(cfg, cluster), phase_table(cfg, cluster))
+  return max(_totals(resident, phases)[0].values())
+
+
 def report(cfg: ExperimentConfig, devices=None) -> tuple[list[str], bool]:
   """The dry run's lines, and whether the busiest device fits the memory the runtime gets;
   `devices`: the fake devices to place on (default: all of this process's)."""

@@ -11,6 +11,7 @@ adds what else stays there through a step (the dry run's table: cli/dry_run.py).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -73,9 +74,11 @@ def topology_devices(target: Target) -> list:
   if importlib.util.find_spec("libtpu") is None:
     raise ConfigError('--target: compiling for a TPU needs libtpu here: pip install -e ".[tpu]" '
                       '(it is in the test extras)')
-  if not tpu_chips_here():  # no TPU VM metadata to ask: libtpu is told so, and stays quiet
+  if not tpu_chips_here():  # no TPU VM metadata to ask: libtpu is told so, and stays quiet;
+    # no chip to guard, so other processes (tests, a second compile) may load libtpu too
     for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                        ("TPU_WORKER_ID", "0"), ("TPU_ACCELERATOR_TYPE", "v5litepod-4")):
+                        ("TPU_WORKER_ID", "0"), ("TPU_ACCELERATOR_TYPE", "v5litepod-4"),
+                        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
       os.environ.setdefault(name, value)
   from jax.experimental import topologies
   kwargs = {"chip_config_name": "megacore"} if target.generation == "v4" else {}
@@ -214,8 +217,13 @@ def compile_program(program: Program) -> Compiled:
   try:
     compiled = program.lower().compile()
   except Exception as e:  # noqa: BLE001  (XlaRuntimeError, Mosaic errors, ...)
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    raise ConfigError(f"--target: the compiler refused {program.name}: {first[:300]}") from None
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    hosts = len({d.process_index for d in program.mesh.devices.flat})
+    if "replica group" in first and hosts > 1:  # seen with part of each of several hosts
+      first += (f" (its mesh spans {hosts} hosts: this compiler refuses collectives over part "
+                f"of each of several hosts' chips; a placement giving the role whole hosts "
+                f"compiles)")
+    raise ConfigError(f"--target: the compiler refused {program.name}: {first}") from None
   cost = compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   return Compiled(program, compiled.memory_analysis(), dict(cost),
@@ -275,11 +283,23 @@ def _phase_lines(peaks: dict, estimate: dict, unit: tuple[str, int]) -> list[str
   return lines
 
 
+@contextlib.contextmanager
+def _no_persistent_cache():
+  """The persistent compilation cache off: its entries are this host's executables, which a
+  compiler without a client (a target's) can neither load nor usefully store."""
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", before)
+
+
 def report(cfg: ExperimentConfig, target: Target) -> tuple[list[str], bool]:
   """The target compile's lines, and whether every phase fits the chip's HBM."""
   devices = topology_devices(target)
   hosts = len({d.process_index for d in devices})
-  with platform.building_for("tpu"):
+  with platform.building_for("tpu"), _no_persistent_cache():
     cluster = RoleCluster(cfg, devices, initialize=False)
     programs = rl_programs(cfg, cluster)
     resident, phases = dry_run.offloaded(cfg, dry_run.resident_table(cfg, cluster),

@@ -26,6 +26,8 @@ input only.
 """
 from __future__ import annotations
 
+from jaxrl import platform
+
 REMATS = ("none", "dots", "full")  # as jaxrl/models/config.py REMAT_POLICIES, with "none"
 # Elements per token of one block that the backward needs, per d_model, per d_ff and per
 # query/key/value head dimension; and float32 [T, T] score copies per attention head.
@@ -39,11 +41,13 @@ def compute_bytes(model) -> int:
 
 
 def flash_attention(model) -> bool:
-  """Whether training attention holds no [T, T] scores on an accelerator target: cuDNN's flash
-  kernel (`model.attention=cudnn`, or `auto` for a bfloat16 model, which is what it picks on a
-  GPU: jaxrl/models/attention.attention_impl)."""
+  """Whether training attention holds no [T, T] scores on the target: cuDNN's flash kernel
+  (`model.attention=cudnn`, or `auto` for a bfloat16 model, which is what it picks on a GPU) or
+  the splash kernel (`splash`, or `auto` for a TPU: jaxrl/models/attention.attention_impl)."""
   attention = getattr(model, "attention", "einsum")
-  return attention == "cudnn" or (attention == "auto" and model.dtype == "bfloat16")
+  if attention in ("cudnn", "splash"):
+    return True
+  return attention == "auto" and (model.dtype == "bfloat16" or platform.backend() == "tpu")
 
 
 def layer_fraction(model) -> float:

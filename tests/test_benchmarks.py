@@ -16,14 +16,21 @@ MATMUL_STAGES = ("generate", "reference", "old_logprobs", "update")  # the stage
 
 
 @pytest.mark.slow
-def test_rl_step_qwen_workload_reports_every_stage_at_reduced_size():
+def test_accelerator_check_runs_the_qwen_workload_at_reduced_size():
+  """`benchmarks.accelerator` (here one of its parts, on the CPU) runs `benchmarks.rl_step` for
+  the workload: every stage timed, and the dry run's estimate beside the measured peak."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the workload's own devices
   env["JAX_PLATFORMS"] = "cpu"
-  out = subprocess.run([sys.executable, "-m", "benchmarks.rl_step", "--json", "--workload",
-                        "qwen0.5b", "--steps", "1", "--warmup", "1"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+  out = subprocess.run([sys.executable, "-m", "benchmarks.accelerator", "--json", "--parts",
+                        "qwen0.5b", "--budget", "280"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
-  result = json.loads(out.stdout.strip().splitlines()[-1])
+  check = json.loads(out.stdout.strip().splitlines()[-1])
+  part = check["parts"]["qwen0.5b"]
+  assert part["status"] == "ok", part.get("tail")
+  assert check["targets_h100"] == {}  # a reduced run is no measurement
+  assert part["dry_run_bytes"] > 0 and part["estimate_over_peak"] > 0
+  result = part["rl_step"]
   assert result["scale"] == "reduced" and result["n_devices"] == 1
   assert set(result["stages"]) == set(STAGES)
   for name, stage in result["stages"].items():
@@ -35,6 +42,16 @@ def test_rl_step_qwen_workload_reports_every_stage_at_reduced_size():
   assert result["response_len"] == 16  # forced to the budget (rl.ignore_eos)
   assert result["decode"]["tokens_per_s"] > 0 and result["decode"]["roofline_fraction"] > 0
   assert result["compile_s"] >= 0 and result["peak_memory_bytes"] > 0
+
+
+def test_accelerator_targets_and_pytest_counts():
+  from benchmarks.accelerator import pytest_summary, targets
+  assert pytest_summary("....\n22 passed, 1 failed, 2 errors in 9.1s") == {
+      "passed": 22, "failed": 1, "errors": 2}
+  met = targets({"qwen0.5b": {"step_s": 1.9, "update_s": 0.84},
+                 "qwen1.5b": {"step_s": 4.57, "update_mfu": 0.41}})
+  assert met == {"qwen0.5b step_s <= 2.0": True, "qwen0.5b update_s <= 0.7": False,
+                 "qwen1.5b step_s <= 4.5": False, "qwen1.5b update_mfu >= 0.4": True}
 
 
 @pytest.mark.slow

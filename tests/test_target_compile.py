@@ -29,27 +29,29 @@ def test_unknown_targets_list_the_known_ones(name, expected):
   assert issubclass(TargetError, ConfigError)  # exit 2 through the CLI
 
 
-@pytest.fixture(scope="module")
-def tiny_report():
-  """configs/tiny.py (separate placement: trainer 2 chips, sampler 2) compiled for a v5e-4."""
+def test_tiny_ppo_lora_config_compiles_for_a_v5e_slice():
+  """configs/tiny.py as PPO with a critic, LoRA (merged into the sampler's copy), remat and
+  micro-batches, colocated on a v5e-4: every program of its step, by the TPU compiler. (The
+  plain tiny config's command runs in docs/models.md, through tests/test_docs.py.)"""
   from cli.target_compile import report
   raw = load_config_file("configs/tiny.py")
-  raw.placement.update(train_devices=2)
-  return report(resolve(raw, hf=False), parse_target("v5e-4"))
-
-
-def test_tiny_config_compiles_for_a_v5e_slice(tiny_report):
-  lines, fits = tiny_report
+  raw.placement.update(strategy="colocate")
+  raw.lora.update(rank=4, sampler="merged")
+  raw.rl.update(advantage="gae", kl_mode="reward", micro_batch_size=4)
+  raw.model.update(remat="dots")
+  lines, fits = report(resolve(raw, hf=False), parse_target("v5e-4"))
   assert fits and lines[-1].startswith("verdict: fits:")
   assert lines[0].startswith("target: TPU v5e v5e-4 (topology 2x2: 4 chips")
   rows = {line.split("  ")[1].strip(): line for line in lines if line.startswith("  ")}
   for program in ("generate (prefill + decode loop)", "reference log-probs", "old log-probs",
-                  "experience", "actor update"):
+                  "values", "experience", "actor update", "critic update",
+                  "LoRA merge (weight push)"):
     cells = rows[program][36:].split()
     assert float(cells[0]) > 0 and float(cells[3]) > 0, rows[program]  # arguments, code
   update = rows["actor update"][36:].split()
   assert float(update[2]) > float(rows["reference log-probs"][36:].split()[2])  # temporaries
-  assert any(line.startswith("  actor update (device 0)") for line in lines)
+  for phase in ("generation", "scoring", "actor update", "critic update"):
+    assert any(line.startswith(f"  {phase} (device ") for line in lines), phase
 
 
 def test_a_topology_the_placement_cannot_use_names_the_field(capsys):
@@ -83,3 +85,19 @@ def test_a_program_the_compiler_refuses_is_named_in_one_line():
                                         r"hosts: INTERNAL: RET_CHECK failure") as e:
     compile_program(program)
   assert "\n" not in str(e.value)
+
+
+def test_tpu_programs_attend_with_the_splash_kernel():
+  """Built for a TPU, the scoring pass and the update call the Mosaic splash kernel; the decode
+  loop (attention over its cache) does not."""
+  from cli.target_compile import rl_programs, topology_devices
+  from jaxrl import platform
+  from train.roles.cluster import RoleCluster
+  raw = load_config_file("configs/tiny.py")
+  raw.placement.update(train_devices=2)
+  cfg = resolve(raw, hf=False)
+  with platform.building_for("tpu"):
+    cluster = RoleCluster(cfg, topology_devices(parse_target("v5e-4")), initialize=False)
+    programs = {p.name: p for p in rl_programs(cfg, cluster)}
+    assert "tpu_custom_call" in programs["reference log-probs"].lower().as_text()
+    assert "tpu_custom_call" not in programs["generate (prefill + decode loop)"].lower().as_text()
