@@ -97,7 +97,7 @@ def _shapes(cfg: ExperimentConfig) -> tuple[int, int, int]:
   return cfg.rl.rollouts, n, cfg.data.max_prompt_tokens + n
 
 
-def _experience(cfg: ExperimentConfig, role) -> Experience:
+def abstract_experience(cfg: ExperimentConfig, role) -> Experience:
   """The abstract batch an RL update gets, split over the mesh's batch axes."""
   b, n, t = _shapes(cfg)
   rl, f32 = cfg.rl, S((b, n), jnp.float32)
@@ -186,7 +186,7 @@ def _updates(cfg: ExperimentConfig, actor, critic) -> list[Program]:
   programs = []
   for name, learner in (("actor update", actor), ("critic update", critic)):
     if learner is not None:
-      batch = _experience(cfg, learner.role)
+      batch = abstract_experience(cfg, learner.role)
       programs.append(Program(name, name, learner.role.mesh,
                               lambda learner=learner, batch=batch: learner.lower(batch),
                               (learner.role.abstract(), learner.abstract_state())))
@@ -284,7 +284,7 @@ def _phase_lines(peaks: dict, estimate: dict, unit: tuple[str, int]) -> list[str
 
 
 @contextlib.contextmanager
-def _no_persistent_cache():
+def no_persistent_cache():
   """The persistent compilation cache off: its entries are this host's executables, which a
   compiler without a client (a target's) can neither load nor usefully store."""
   before = jax.config.jax_enable_compilation_cache
@@ -299,7 +299,7 @@ def report(cfg: ExperimentConfig, target: Target) -> tuple[list[str], bool]:
   """The target compile's lines, and whether every phase fits the chip's HBM."""
   devices = topology_devices(target)
   hosts = len({d.process_index for d in devices})
-  with platform.building_for("tpu"), _no_persistent_cache():
+  with platform.building_for("tpu"), no_persistent_cache():
     cluster = RoleCluster(cfg, devices, initialize=False)
     programs = rl_programs(cfg, cluster)
     resident, phases = dry_run.offloaded(cfg, dry_run.resident_table(cfg, cluster),

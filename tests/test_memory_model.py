@@ -13,18 +13,17 @@ import functools
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
 from cli.dry_run import shard_bytes, update_footprint
+from cli.target_compile import abstract_experience
 from jaxrl.config import DataConfig, ExperimentConfig, RLConfig
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import LanguageModel
 from sharding.rules import MESH_AXES
-from train.rl.experience import Experience
 from train.roles.learner import Learner
 from train.roles.role import ModelRole
 from train.updates.rl import rl_update
@@ -54,20 +53,6 @@ CONFIGS = {  # the per-device rows of one pass, the remat and the fsdp degree al
 }
 
 
-def _experience(cfg: ExperimentConfig, role: ModelRole) -> Experience:
-  """The abstract batch an RL update gets, split over the mesh's batch axes as the stage puts it."""
-  b, n = cfg.rl.rollouts, cfg.rl.max_new_tokens
-  t = cfg.data.max_prompt_tokens + n
-  f32 = jax.ShapeDtypeStruct((b, n), jnp.float32)
-  exp = Experience(tokens_BT=jax.ShapeDtypeStruct((b, t), jnp.int32),
-                   valid_BT=jax.ShapeDtypeStruct((b, t), bool),
-                   completion_mask_BN=jax.ShapeDtypeStruct((b, n), bool),
-                   sampler_logprobs_BN=f32, ref_logprobs_BN=f32, advantages_BN=f32,
-                   old_logprobs_BN=f32 if cfg.rl.needs_old_logprobs else None)
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), exp,
-                      role.batch_shardings(exp))
-
-
 @pytest.mark.parametrize("name", CONFIGS)
 def test_update_estimate_is_within_a_quarter_of_xla(name):
   cfg, fsdp = CONFIGS[name]
@@ -75,7 +60,7 @@ def test_update_estimate_is_within_a_quarter_of_xla(name):
   role = ModelRole("actor", lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0)), mesh)
   learner = Learner(role, functools.partial(rl_update, cfg=cfg.rl),
                     make_optimizer(1e-5), initialize=False)
-  xla = learner.lower(_experience(cfg, role)).compile().memory_analysis().temp_size_in_bytes
+  xla = learner.lower(abstract_experience(cfg, role)).compile().memory_analysis().temp_size_in_bytes
   params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(role.abstract()))
   on_device0 = shard_bytes(role.abstract(), 4)[mesh.devices.flat[0].id]
   estimate = sum(update_footprint(cfg, mesh, role.rules, on_device0, params).values())
@@ -126,7 +111,7 @@ def test_lora_update_estimate_is_within_a_quarter_of_xla(name):
                    trainable=lora.TRAINABLE)
   learner = Learner(role, functools.partial(rl_update, cfg=cfg.rl),
                     make_optimizer(1e-5), initialize=False)
-  xla = learner.lower(_experience(cfg, role)).compile().memory_analysis().temp_size_in_bytes
+  xla = learner.lower(abstract_experience(cfg, role)).compile().memory_analysis().temp_size_in_bytes
   params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(role.abstract()))
   trained = shard_bytes(role.split(role.abstract())[0], 4)[mesh.devices.flat[0].id]
   estimate = sum(update_footprint(cfg, mesh, role.rules, trained, params).values())
