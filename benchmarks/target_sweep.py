@@ -87,7 +87,7 @@ def main() -> None:
   from planner.targets import parse_target
   target = parse_target(args.target)
   devices = topology_devices(target)
-  with platform.building_for("tpu"), no_persistent_cache():
+  with platform.building_for("tpu"), no_persistent_cache():  # (AOT programs are not cached)
     points = [measure(p, devices) for p in POINTS]
   emit({"target": target.accelerator_type, "points": points}, args.json)
 

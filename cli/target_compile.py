@@ -215,7 +215,8 @@ def compile_program(program: Program) -> Compiled:
   the program and the compiler's first line."""
   start = time.perf_counter()
   try:
-    compiled = program.lower().compile()
+    with no_persistent_cache():
+      compiled = program.lower().compile()
   except Exception as e:  # noqa: BLE001  (XlaRuntimeError, Mosaic errors, ...)
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     hosts = len({d.process_index for d in program.mesh.devices.flat})
@@ -299,7 +300,7 @@ def report(cfg: ExperimentConfig, target: Target) -> tuple[list[str], bool]:
   """The target compile's lines, and whether every phase fits the chip's HBM."""
   devices = topology_devices(target)
   hosts = len({d.process_index for d in devices})
-  with platform.building_for("tpu"), no_persistent_cache():
+  with platform.building_for("tpu"):
     cluster = RoleCluster(cfg, devices, initialize=False)
     programs = rl_programs(cfg, cluster)
     resident, phases = dry_run.offloaded(cfg, dry_run.resident_table(cfg, cluster),

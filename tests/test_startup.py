@@ -112,20 +112,37 @@ def test_cache_directory_settings(monkeypatch, tmp_path):
 
 
 def test_fake_cpu_devices_only_when_jax_runs_on_the_cpu(monkeypatch):
-  real_find_spec, installed = importlib.util.find_spec, set()
-  monkeypatch.setattr(importlib.util, "find_spec",
-                      lambda name, *a: object() if name in installed else real_find_spec(name, *a))
-  cases = [("cpu", set(), True), ("cuda", set(), False), ("cpu,tpu", set(), False),
-           ("", set(), True), ("", {"jax_cuda12_plugin"}, False), ("", {"libtpu"}, False),
-           ("cpu", {"jax_cuda12_plugin"}, True)]
-  for platforms, plugins, faked in cases:
+  """A GPU plugin means a GPU; libtpu (which the test extras install, to compile for TPU
+  slices) means a TPU only where this host has TPU chips."""
+  import sharding.host
+  plugins_here = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
+                  "jax_rocm7_plugin", "libtpu")
+  real_find_spec, installed, chips = importlib.util.find_spec, set(), []
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+      (object() if name in installed else None) if name in plugins_here
+      else real_find_spec(name, *a)))
+  monkeypatch.setattr(sharding.host, "tpu_chips_here", lambda: bool(chips))
+  cases = [("cpu", set(), False, True), ("cuda", set(), False, False),
+           ("cpu,tpu", set(), False, False), ("", set(), False, True),
+           ("", {"jax_cuda12_plugin"}, False, False), ("", {"libtpu"}, True, False),
+           ("", {"libtpu"}, False, True), ("cpu", {"jax_cuda12_plugin"}, False, True)]
+  for platforms, plugins, tpu_chips, faked in cases:
     monkeypatch.setenv("JAX_PLATFORMS", platforms)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
     installed.clear()
     installed.update(plugins)
+    chips[:] = [True] * tpu_chips
     force_cpu_devices(4)
     faked_flag = " --xla_force_host_platform_device_count=4" if faked else ""
-    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x" + faked_flag, (platforms, plugins)
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x" + faked_flag, (platforms, plugins,
+                                                                             tpu_chips)
+  # Unset, with libtpu but no chip: JAX is told to stay on the CPU (no TPU runtime tried first).
+  monkeypatch.delenv("JAX_PLATFORMS")
+  installed.clear()
+  installed.add("libtpu")
+  chips.clear()
+  force_cpu_devices(4)
+  assert os.environ["JAX_PLATFORMS"] == "cpu"
 
 
 def test_device_memory_fraction(monkeypatch):
