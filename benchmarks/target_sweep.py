@@ -7,9 +7,10 @@ run's `update_footprint`) and the compiler's FLOPs per device against jaxrl's co
   python -m benchmarks.target_sweep --json                 # v5e-4
   python -m benchmarks.target_sweep --json --target v5p-8
 
-XLA's cost analysis counts a loop's body once (a micro-batch of `rl.micro_batch_size` rows, not
-the minibatch) and counts what remat recomputes; jaxrl's count is the model's FLOPs of the whole
-update. Each point takes minutes to compile on a 2-core machine.
+XLA's cost analysis counts a loop's body once (one micro-batch of one minibatch), so jaxrl's
+count of the update's model FLOPs is divided by the bodies; XLA also counts what remat
+recomputes, which jaxrl's model FLOPs do not (`full` recomputes each block's forward). Each
+point takes one to two minutes to compile on a 2-core machine.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def _config(d, layers, prompt, new, rollouts, remat, micro):
                       dtype="bfloat16")
   return ExperimentConfig(model=model, data=DataConfig(max_prompt_tokens=prompt),
                           rl=RLConfig(prompts_per_step=rollouts // 2, group_size=2,
-                                      max_new_tokens=new, kl_coef=0.05, micro_batch_size=micro))
+                                      max_new_tokens=new, kl_coef=0.05, micro_batch_size=micro,
+                                      num_minibatches=1))
 
 
 def measure(point, devices) -> dict:
@@ -68,11 +70,15 @@ def measure(point, devices) -> dict:
   on_device = shard_bytes(role.abstract(), 4)[mesh.devices.flat[0].id]
   estimate = sum(update_footprint(cfg, mesh, role.rules, on_device, params).values())
   rl, n = cfg.rl, cfg.rl.max_new_tokens
-  model_flops = flops.train_flops(cfg.model, rl.rollouts, cfg.data.max_prompt_tokens + n, n)
+  # XLA counts a loop's body once: one micro-batch of one minibatch
+  bodies = rl.num_minibatches * (rl.rollouts // rl.num_minibatches // (rl.micro_batch_size or
+                                                                        rl.rollouts))
+  per_body = flops.train_flops(cfg.model, rl.rollouts, cfg.data.max_prompt_tokens + n,
+                               n) / fsdp / bodies
   return {"point": name, "temp_bytes": int(temp), "estimate_bytes": int(estimate),
           "estimate_over_compiler": round(estimate / temp, 3), "flops": cost["flops"],
-          "jaxrl_flops": model_flops / fsdp, "jaxrl_over_compiler": round(
-              model_flops / fsdp / cost["flops"], 3), "compile_s": round(seconds, 1)}
+          "jaxrl_flops": per_body, "jaxrl_over_compiler": round(per_body / cost["flops"], 3),
+          "compile_s": round(seconds, 1)}
 
 
 def main() -> None:
