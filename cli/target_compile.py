@@ -314,11 +314,14 @@ def report(cfg: ExperimentConfig, target: Target) -> tuple[list[str], bool]:
   worst_phase, worst = max(((p, max(v.values())) for p, v in peaks.items()), key=lambda x: x[1])
   unit = ("GiB", GIB) if worst >= GIB else ("MiB", 1 << 20)
   lines = [f"target: {target.describe()}, {hosts} hosts; compiled here by libtpu",
-           f"placement {cfg.placement.strategy}: {meshes}"]
+           f"placement {cfg.placement.strategy}: {meshes}",
+           "(XLA counts a loop's body once: GFLOP, GB moved and est. ms are per decode step, "
+           "micro-batch or minibatch where a program loops)"]
   lines += _program_lines(compiled, target, unit) + _phase_lines(peaks, estimate, unit)
   where = (f"{worst / GIB:.2f} GiB at the busiest device ({worst_phase}) of "
            f"{hbm / GIB:.2f} GiB HBM")
   if worst <= hbm:
     return lines + [f"verdict: fits: {where}"], True
-  remedy = dry_run.remedy(cfg, cluster, resident, hbm)
+  with platform.building_for("tpu"):  # the estimate's remedy, for the target's kernels
+    remedy = dry_run.remedy(cfg, cluster, resident, hbm)
   return lines + [f"verdict: DOES NOT FIT: {remedy} (the estimate's remedy); {where}"], False
