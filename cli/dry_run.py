@@ -224,10 +224,21 @@ def remedy(cfg: ExperimentConfig, cluster: RoleCluster, resident: dict, usable: 
           f"{smallest}-row micro-batches fits")
 
 
+def tables(cfg: ExperimentConfig, devices=None) -> tuple[RoleCluster, dict, dict]:
+  """The cluster built abstractly on `devices`, what stays through a step and each phase's
+  items (`placement.offload` applied); a mesh axis that does not divide a parameter is a
+  ConfigError."""
+  cluster = RoleCluster(cfg, devices, initialize=False)
+  try:
+    resident, phases = offloaded(cfg, resident_table(cfg, cluster), phase_table(cfg, cluster))
+  except PlacementError as e:  # a role's mesh axis does not divide a parameter
+    raise ConfigError(str(e)) from None
+  return cluster, resident, phases
+
+
 def busiest_total(cfg: ExperimentConfig, devices=None) -> int:
   """The dry run's estimate for its busiest device: what stays plus its largest phase, bytes."""
-  cluster = RoleCluster(cfg, devices, initialize=False)
-  resident, phases = offloaded(cfg, resident_table(cfg, cluster), phase_table(cfg, cluster))
+  _, resident, phases = tables(cfg, devices)
   return max(_totals(resident, phases)[0].values())
 
 
@@ -237,11 +248,7 @@ def report(cfg: ExperimentConfig, devices=None) -> tuple[list[str], bool]:
   if cfg.placement.strategy == "plan":  # the plan depends on the target's devices, not these
     raise ConfigError("config.placement.strategy: --dry_run checks a fixed placement; "
                       "`jaxrl-plan --config FILE --device KIND --devices N` prints the plan to set")
-  cluster = RoleCluster(cfg, devices, initialize=False)
-  try:
-    resident, phases = offloaded(cfg, resident_table(cfg, cluster), phase_table(cfg, cluster))
-  except PlacementError as e:  # a role's mesh axis does not divide a parameter
-    raise ConfigError(str(e)) from None
+  cluster, resident, phases = tables(cfg, devices)
   totals, largest = _totals(resident, phases)
   groups = {"trainer": cluster.meshes["actor"], "sampler": cluster.meshes["sampler"]}
   busiest = {name: max((d.id for d in mesh.devices.flat), key=totals.get)

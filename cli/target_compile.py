@@ -27,14 +27,15 @@ from jaxrl import platform
 from jaxrl.config import ConfigError, ExperimentConfig
 from planner.targets import Target
 from sampler.engine import Rollout
-from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
 from sharding.host import tpu_chips_here
 from sharding.mesh import batch_sharding
+from sharding.placement import host_count, host_major_devices
 from sharding.rules import SAMPLER_RULES
 from train.rl.experience import Experience
 from train.rl.scoring import Scoring
 from train.roles.cluster import RoleCluster
+from train.rollout.generator import rl_sampling
 from train.stages.rl import learners
 from train.task.task import load_tokenizer_for
 
@@ -84,7 +85,7 @@ def topology_devices(target: Target) -> list:
   kwargs = {"chip_config_name": "megacore"} if target.generation == "v4" else {}
   desc = topologies.get_topology_desc(platform="tpu", topology_name=target.topology_name,
                                       **kwargs)
-  return sorted(desc.devices, key=lambda d: (d.process_index, d.id))
+  return host_major_devices(desc.devices)
 
 
 def _abstract(tree, shardings):
@@ -120,9 +121,7 @@ def _sampler(cfg: ExperimentConfig, cluster: RoleCluster) -> Sampler:
     eos, pad, stops = tok.eos_id, tok.pad_id, tuple((i,) for i in tok.stop_ids if i != tok.eos_id)
   except ConfigError:
     eos, pad, stops = 1, 0, ()
-  sampling = SamplingConfig(max_new_tokens=rl.max_new_tokens, eos_id=eos, pad_id=pad,
-                            stop_sequences=() if rl.ignore_eos else stops, method="temperature",
-                            temperature=rl.temperature, top_k=rl.top_k, ignore_eos=rl.ignore_eos)
+  sampling = rl_sampling(rl, rl.max_new_tokens, eos, pad, stops)
   weights = cluster.sampler_weights
   return Sampler(weights.graphdef, sampling, n=rl.group_size, mesh=cluster.meshes["sampler"],
                  param_shardings=weights.shardings)
@@ -219,7 +218,7 @@ def compile_program(program: Program) -> Compiled:
       compiled = program.lower().compile()
   except Exception as e:  # noqa: BLE001  (XlaRuntimeError, Mosaic errors, ...)
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-    hosts = len({d.process_index for d in program.mesh.devices.flat})
+    hosts = host_count(program.mesh.devices.flat)
     if "replica group" in first and hosts > 1:  # seen with part of each of several hosts
       first += (f" (its mesh spans {hosts} hosts: this compiler refuses collectives over part "
                 f"of each of several hosts' chips; a placement giving the role whole hosts "
@@ -267,7 +266,8 @@ def _program_lines(compiled: list[Compiled], target: Target, unit: tuple[str, in
     lines.append(f"  {c.program.name:<34}{cell(m.argument_size_in_bytes)}"
                  f"{cell(m.output_size_in_bytes - m.alias_size_in_bytes)}"
                  f"{cell(m.temp_size_in_bytes)}{cell(m.generated_code_size_in_bytes)}"
-                 f"{c.cost.get('flops', 0) / 1e9:10.1f}{c.cost.get('bytes accessed', 0) / 1e9:10.2f}"
+                 f"{c.cost.get('flops', 0) / 1e9:10.1f}"
+                 f"{c.cost.get('bytes accessed', 0) / 1e9:10.2f}"
                  f"{sec * 1e3:9.2f} ({how}){c.seconds:>12.1f}")
   return lines
 
@@ -299,12 +299,10 @@ def no_persistent_cache():
 def report(cfg: ExperimentConfig, target: Target) -> tuple[list[str], bool]:
   """The target compile's lines, and whether every phase fits the chip's HBM."""
   devices = topology_devices(target)
-  hosts = len({d.process_index for d in devices})
+  hosts = host_count(devices)
   with platform.building_for("tpu"):
-    cluster = RoleCluster(cfg, devices, initialize=False)
+    cluster, resident, phases = dry_run.tables(cfg, devices)
     programs = rl_programs(cfg, cluster)
-    resident, phases = dry_run.offloaded(cfg, dry_run.resident_table(cfg, cluster),
-                                         dry_run.phase_table(cfg, cluster))
     compiled = [compile_program(p) for p in programs]
   meshes = ", ".join(f"{role} {dict(mesh.shape)}" for role, mesh in cluster.meshes.items())
   stays = dry_run.summed(resident)

@@ -57,8 +57,15 @@ class Placement:
     return Mesh(picked.reshape(sizes), MESH_AXES)
 
 
-def host_major_devices() -> list:
-  return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+def host_major_devices(devices=None) -> list:
+  """`devices` (default: all of this job's) ordered host by host."""
+  return sorted(jax.devices() if devices is None else devices,
+                key=lambda d: (d.process_index, d.id))
+
+
+def host_count(devices) -> int:
+  """How many hosts (processes) `devices` belong to."""
+  return len({d.process_index for d in devices})
 
 
 def _mesh(**sizes: int) -> tuple[tuple[str, int], ...]:

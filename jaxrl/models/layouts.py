@@ -82,7 +82,7 @@ class Rows:
 
   def attention(self, q_BTNH, k_BTKH, v_BTKH, layer_cache, cache_index, mask_BTS, cfg):
     """(attention output [B, T, N * H], the layer's updated cache). `mask_BTS`: a dense mask, or
-    a cacheless pass's `ValidPrefix`."""
+    a cacheless pass's `ValidPrefix` (cuDNN) or `Segments` (splash): attention.fused."""
     q_BTNH = constrain(q_BTNH, ("batch", None, "act_heads", None))
     k_BKHS, v_BKSH = write_cache(layer_cache, k_BTKH.transpose(0, 2, 3, 1),
                                      v_BTKH.transpose(0, 2, 1, 3), cache_index)

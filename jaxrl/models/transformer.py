@@ -168,14 +168,14 @@ class Decoder(nnx.Module):
     impl = attention_impl(self.cfg)
     cacheless = kv_cache is None and not last_only and layout is ROWS
     if cacheless and segment_ids_BT is None and impl == "cudnn":
-      return self.valid_first(tokens, positions, key_valid_BS), None
+      return self.over_valid_prefix(tokens, positions, key_valid_BS), None
     if cacheless and impl == "splash":  # left padding is segment 0; packed rows keep theirs
       mask = Segments(key_valid_BS if segment_ids_BT is None else segment_ids_BT)
     else:
       mask = attention_mask(key_valid_BS, layout.length(tokens), cache_index, segment_ids_BT)
     return self.blocks_over(tokens, positions, mask, kv_cache, cache_index, last_only, layout)
 
-  def valid_first(self, tokens_BT, positions_BT, key_valid_BT) -> jax.Array:
+  def over_valid_prefix(self, tokens_BT, positions_BT, key_valid_BT) -> jax.Array:
     """A cacheless pass with each row's valid tokens moved to its front (`valid_first`), so
     attention is causal over a prefix of known length (cuDNN's padding-causal flash kernel, no
     mask array); the hidden states go back to the rows' own order. Per position the blocks

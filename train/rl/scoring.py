@@ -76,7 +76,8 @@ class Scoring:
              "ref": (ex.reference, (_on, self.reference, self.ref_logprobs_fn, rollout),
                      "ref logprobs")}
     if self.cfg.needs_old_logprobs:
-      calls["old"] = (ex.trainer, (_on, self.actor.role, self.old_logprobs_fn, rollout), "old logprobs")
+      calls["old"] = (ex.trainer, (_on, self.actor.role, self.old_logprobs_fn, rollout),
+                      "old logprobs")
     if self.critic is not None:
       calls["values"] = (ex.critic, (_on, self.critic.role, self.values_fn, rollout), "values")
     futures = {k: (e, e.submit(*args, label=label)) for k, (e, args, label) in calls.items()}
@@ -84,5 +85,5 @@ class Scoring:
     (rewards_B, verified_B), on_actor = out["reward"], self.actor.role.put
     values_BN = on_actor(out["values"]) if "values" in out else None
     exp, metrics = self.experience_fn(on_actor(rollout), rewards_B, out.get("old"),
-                                    on_actor(out["ref"]), values_BN)
+                                      on_actor(out["ref"]), values_BN)
     return exp, metrics, verified_B

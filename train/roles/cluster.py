@@ -21,7 +21,8 @@ from jaxrl.models.dtypes import compute_dtypes, frozen_base_dtypes
 from jaxrl.models.heads import RewardModel, ValueModel
 from jaxrl.models.hf import HFError, load_params
 from jaxrl.models.transformer import LanguageModel
-from sharding.placement import ROLES, PlacementError, host_major_devices, make_placement
+from sharding.placement import (ROLES, PlacementError, host_count, host_major_devices,
+                                make_placement)
 from sharding.rules import SAMPLER_RULES, batch_ways
 from train.io.checkpoint import load_actor_params, saved_actor_shapes
 from train.roles.role import ModelRole
@@ -50,7 +51,7 @@ class RoleCluster:
       raise ConfigError(f"config.{message}" if message.startswith("placement") else message) \
           from None
     check_batch_sizes(cfg, self)
-    hosts = len({d.process_index for d in self.devices})
+    hosts = host_count(self.devices)
     if cfg.rl.mode == "async" and hosts > 1:
       raise ConfigError(f"config.rl.mode: async runs its generator on a thread of its own, "
                         f"which on {hosts} processes could launch programs in a "
@@ -175,9 +176,8 @@ def _placement(cfg: ExperimentConfig, devices):
   `placement.sampler_tensor=0` (auto), 1 way where the model or the sampler's devices do not
   split 2 ways, said in the log."""
   pl, tensor = cfg.placement, cfg.sampler_tensor
-  hosts = len({d.process_index for d in devices})
   build = lambda t: make_placement(pl.strategy, len(devices), train_devices=pl.train_devices,
-                                   sampler_tensor=t, n_hosts=hosts)
+                                   sampler_tensor=t, n_hosts=host_count(devices))
   if pl.sampler_tensor or tensor == 1:
     if not pl.sampler_tensor:
       m = cfg.model

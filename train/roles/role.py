@@ -63,8 +63,8 @@ def _init_lowering(mesh: Mesh):
   """On one GPU, random initialisation hashes its threefry bits in JAX's CUDA kernel instead of
   XLA's inlined, unrolled rounds (the same bits): a model's init calls the hash once per
   parameter, and Qwen2.5-0.5B's init program took 216 s to compile on an H200 with the inlined
-  rounds, 7.9 s with the kernel. With several devices XLA's lowering stays: SPMD does not partition the kernel's custom
-  call, so every device would hash whole arrays."""
+  rounds, 7.9 s with the kernel. With several devices XLA's lowering stays: SPMD does not
+  partition the kernel's custom call, so every device would hash whole arrays."""
   gpu = mesh.size == 1 and mesh.devices.flat[0].platform == "gpu"
   before = jax.config.jax_threefry_gpu_kernel_lowering
   if gpu:

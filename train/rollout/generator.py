@@ -35,6 +35,15 @@ def rollout_key(seed: int, index: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), index)
 
 
+def rl_sampling(rl: RLConfig, max_new_tokens: int, eos_id: int, pad_id: int,
+                stops: tuple[tuple[int, ...], ...]) -> SamplingConfig:
+  """How RL rollouts are sampled: at `rl.temperature` / `rl.top_k`, ending at EOS or a stop
+  sequence (`stops`), unless `rl.ignore_eos` runs every row to its budget."""
+  return SamplingConfig(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                        stop_sequences=() if rl.ignore_eos else stops, method="temperature",
+                        temperature=rl.temperature, top_k=rl.top_k, ignore_eos=rl.ignore_eos)
+
+
 class Generator:
 
   def __init__(self, cluster: RoleCluster, *, max_new_tokens: int, tok, rl: RLConfig,
@@ -43,10 +52,7 @@ class Generator:
     `environment`: a new environment per row makes every rollout a multi-turn conversation
     (train/rollout/multiturn.py) of up to `rl.max_turns` turns."""
     stops = tuple((i,) for i in tok.stop_ids if i != tok.eos_id)
-    sampling = SamplingConfig(max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                              stop_sequences=() if rl.ignore_eos else stops,
-                              method="temperature", temperature=rl.temperature, top_k=rl.top_k,
-                              ignore_eos=rl.ignore_eos)
+    sampling = rl_sampling(rl, max_new_tokens, tok.eos_id, tok.pad_id, stops)
     weights, mesh = cluster.sampler_weights, cluster.meshes["sampler"]
     try:
       self.sampler = Sampler(weights.graphdef, sampling, n=rl.group_size, mesh=mesh,
