@@ -2,90 +2,161 @@
 for a TPU slice on this CPU (libtpu, allocating nothing), per point the compiler's temporary
 bytes per device against the memory model's update peak (planner/footprint.py, through the dry
 run's `update_footprint`) and the compiler's FLOPs per device against jaxrl's count
-(jaxrl/models/flops.py train_flops over the devices).
+(jaxrl/models/flops.py train_flops over the devices, with what remat recomputes).
 
-  python -m benchmarks.target_sweep --json                 # v5e-4
-  python -m benchmarks.target_sweep --json --target v5p-8
+  python -m benchmarks.target_sweep --json                 # v5e-4, the 12 points
+  python -m benchmarks.target_sweep --json --points 0,3    # some of them
 
 XLA's cost analysis counts a loop's body once (one micro-batch of one minibatch), so jaxrl's
-count of the update's model FLOPs is divided by the bodies; XLA also counts what remat
-recomputes, which jaxrl's model FLOPs do not (`full` recomputes each block's forward). Each
-point takes one to two minutes to compile on a 2-core machine.
+count of the update's FLOPs is divided by the bodies. Each point takes half a minute to two
+minutes to compile on a 2-core machine; tests/test_target_compile.py runs two small ones.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import os
+import sys
+import tempfile
 import time
 
 from benchmarks.common import emit
-
-# (name, d_model, layers, prompt, new tokens, rollouts, remat, micro-batch, fsdp)
-POINTS = (("d512x4 fsdp4", 512, 4, 128, 128, 16, "none", 0, 4),
-          ("d512x4 fsdp4 dots", 512, 4, 128, 128, 16, "dots", 0, 4),
-          ("d1024x4 fsdp2 micro4", 1024, 4, 128, 384, 16, "none", 4, 2),
-          ("d1024x8 fsdp4 full", 1024, 8, 256, 256, 16, "full", 0, 4))
+from benchmarks.live_peak import live_peak
 
 
-def _config(d, layers, prompt, new, rollouts, remat, micro):
+@dataclasses.dataclass(frozen=True)
+class Point:
+  name: str
+  d_model: int
+  layers: int
+  prompt: int
+  new: int
+  remat: str = "none"
+  micro: int = 0  # micro-batch rows (0: none)
+  mesh: tuple[int, int, int] = (1, 4, 1)  # data, fsdp, tensor
+  lora: int = 0  # LoRA rank (0: full fine-tuning)
+  rollouts: int = 16
+  vocab: int = 4096
+
+
+POINTS = (
+    Point("d256x2 fsdp4", 256, 2, 128, 128),
+    Point("d256x2 fsdp4 dots", 256, 2, 128, 128, remat="dots"),
+    Point("d256x2 fsdp4 full", 256, 2, 128, 128, remat="full"),
+    Point("d512x4 fsdp4", 512, 4, 128, 128),
+    Point("d512x4 fsdp4 dots", 512, 4, 128, 128, remat="dots"),
+    Point("d512x4 data4", 512, 4, 128, 128, mesh=(4, 1, 1)),
+    Point("d512x4 fsdp2 tensor2", 512, 4, 128, 128, mesh=(1, 2, 2)),
+    Point("d512x4 fsdp4 micro4", 512, 4, 128, 128, micro=4),
+    Point("d512x4 fsdp4 lora8", 512, 4, 128, 128, lora=8),
+    Point("d512x2 fsdp4 dots 1024 tokens", 512, 2, 512, 512, remat="dots"),
+    Point("d1024x4 fsdp2 micro4 512 tokens", 1024, 4, 128, 384, micro=4, mesh=(1, 2, 1)),
+    Point("d1024x8 fsdp4 full 512 tokens", 1024, 8, 256, 256, remat="full"),
+)
+
+
+def config(p: Point):
   from jaxrl.config import DataConfig, ExperimentConfig, RLConfig
   from jaxrl.models.config import ModelConfig
-  model = ModelConfig(vocab_size=4096, d_model=d, n_layers=layers, n_heads=d // 64,
-                      n_kv_heads=max(1, d // 256), head_dim=64, d_ff=4 * d, remat=remat,
-                      dtype="bfloat16")
-  return ExperimentConfig(model=model, data=DataConfig(max_prompt_tokens=prompt),
-                          rl=RLConfig(prompts_per_step=rollouts // 2, group_size=2,
-                                      max_new_tokens=new, kl_coef=0.05, micro_batch_size=micro,
-                                      num_minibatches=1))
+  from jaxrl.models.lora import LoRAConfig
+  model = ModelConfig(vocab_size=p.vocab, d_model=p.d_model, n_layers=p.layers,
+                      n_heads=p.d_model // 64, n_kv_heads=max(2, p.d_model // 256), head_dim=64,
+                      d_ff=4 * p.d_model, remat=p.remat, dtype="bfloat16")
+  return ExperimentConfig(model=model, data=DataConfig(max_prompt_tokens=p.prompt),
+                          lora=LoRAConfig(rank=p.lora),
+                          rl=RLConfig(prompts_per_step=p.rollouts // 2, group_size=2,
+                                      max_new_tokens=p.new, kl_coef=0.05,
+                                      micro_batch_size=p.micro, num_minibatches=1))
 
 
-def measure(point, devices) -> dict:
+def _actor(cfg, mesh):
+  from flax import nnx
+
+  from jaxrl.models import lora
+  from jaxrl.models.dtypes import frozen_base_dtypes
+  from jaxrl.models.transformer import LanguageModel
+  from train.roles.role import ModelRole
+  adapters = cfg.lora if cfg.lora.enabled else None
+  make = lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0), lora=adapters)
+  if adapters is None:
+    return ModelRole("actor", make, mesh)
+  return ModelRole("actor", make, mesh, trainable=lora.TRAINABLE,
+                   stored_dtypes=functools.partial(frozen_base_dtypes, cfg.model))
+
+
+def estimate(p: Point, mesh, role=None) -> tuple[float, float]:
+  """(jaxrl's update peak on the mesh's first device, jaxrl's FLOPs per loop body per device)."""
   import jax
   import numpy as np
-  from flax import nnx
-  from jax.sharding import Mesh
 
   from cli.dry_run import shard_bytes, update_footprint
-  from cli.target_compile import abstract_experience
   from jaxrl.models import flops
-  from jaxrl.models.transformer import LanguageModel
+  cfg = config(p)
+  role = role or _actor(cfg, mesh)
+  count = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+  params = count(role.abstract())
+  trained = shard_bytes(role.split(role.abstract())[0], 4)[mesh.devices.flat[0].id]
+  peak = sum(update_footprint(cfg, mesh, role.rules, trained, params).values())
+  rl = cfg.rl
+  bodies = rl.rollouts // (rl.micro_batch_size or rl.rollouts)  # one minibatch
+  adapters = count(role.split(role.abstract())[0]) if cfg.lora.enabled else 0
+  t = p.prompt + p.new
+  per_body = flops.executed_train_flops(cfg.model, rl.rollouts, t, p.new, lora_params=adapters)
+  # XLA counts no FLOPs in the splash kernel (a Pallas call): compare what it does count
+  per_body -= (4 if p.remat == "full" else 3) * flops.attention_flops(cfg.model, rl.rollouts * t,
+                                                                      (t + 1) / 2)
+  return peak, per_body / mesh.devices.size / bodies
+
+
+def measure(p: Point, devices) -> dict:
+  import numpy as np
+  from jax.sharding import Mesh
+
+  from cli.target_compile import abstract_experience
   from sharding.rules import MESH_AXES
   from train.roles.learner import Learner
-  from train.roles.role import ModelRole
   from train.updates.rl import rl_update
   from train.updates.state import make_optimizer
-  name, *shape, fsdp = point
-  cfg = _config(*shape)
-  mesh = Mesh(np.array(devices[:fsdp]).reshape(1, fsdp, 1), MESH_AXES)
-  role = ModelRole("actor", lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0)), mesh)
+  cfg = config(p)
+  mesh = Mesh(np.array(devices[:int(np.prod(p.mesh))]).reshape(p.mesh), MESH_AXES)
+  role = _actor(cfg, mesh)
   learner = Learner(role, functools.partial(rl_update, cfg=cfg.rl), make_optimizer(1e-5),
                     initialize=False)
   start = time.perf_counter()
-  compiled = learner.lower(abstract_experience(cfg, role)).compile()
-  seconds = time.perf_counter() - start
-  temp = compiled.memory_analysis().temp_size_in_bytes
+  with tempfile.TemporaryDirectory() as dump:
+    compiled = learner.lower(abstract_experience(cfg, role)).compile(
+        {"xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "jit_step"})
+    seconds = time.perf_counter() - start
+    live, allocated = live_peak(dump, "jit_step")
+  memory = compiled.memory_analysis()
+  temp = memory.temp_size_in_bytes
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(role.abstract()))
-  on_device = shard_bytes(role.abstract(), 4)[mesh.devices.flat[0].id]
-  estimate = sum(update_footprint(cfg, mesh, role.rules, on_device, params).values())
-  rl, n = cfg.rl, cfg.rl.max_new_tokens
-  # XLA counts a loop's body once: one micro-batch of one minibatch
-  bodies = rl.num_minibatches * (rl.rollouts // rl.num_minibatches // (rl.micro_batch_size or
-                                                                        rl.rollouts))
-  per_body = flops.train_flops(cfg.model, rl.rollouts, cfg.data.max_prompt_tokens + n,
-                               n) / fsdp / bodies
-  return {"point": name, "temp_bytes": int(temp), "estimate_bytes": int(estimate),
-          "estimate_over_compiler": round(estimate / temp, 3), "flops": cost["flops"],
+  peak, per_body = estimate(p, mesh, role)
+  return {"point": p.name, "temp_bytes": int(temp), "live_bytes": live, "allocated_bytes": allocated, "estimate_bytes": int(peak),
+          "estimate_over_compiler": round(peak / temp, 3), "flops": cost["flops"],
           "jaxrl_flops": per_body, "jaxrl_over_compiler": round(per_body / cost["flops"], 3),
-          "compile_s": round(seconds, 1)}
+          "compile_s": round(seconds, 1), "argument_bytes": memory.argument_size_in_bytes,
+          "output_bytes": memory.output_size_in_bytes, "alias_bytes": memory.alias_size_in_bytes}
+
+
+def whole_update_in_hbm() -> None:
+  """libtpu told (before it loads) to keep every buffer in HBM: by default its memory-space
+  assignment moves up to ~100 MiB of a program's buffers into the chip's VMEM, which is most of
+  a small model's update (8 of 55 MB stay in HBM at the first point) and a rounding error at a
+  real size, where the memory model is used."""
+  flags = " ".join(f"--xla_{chip}_vmem_memory_space_assignment=false" for chip in ("vf", "gf"))
+  os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") + " " + flags).strip()
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", action="store_true")
   parser.add_argument("--target", default="v5e-4")
+  parser.add_argument("--points", default="", help="comma-separated indices (default: all)")
   args = parser.parse_args()
+  whole_update_in_hbm()
   from sharding.host import cpu_only_here
   cpu_only_here()
   from cli.target_compile import no_persistent_cache, topology_devices
@@ -93,8 +164,12 @@ def main() -> None:
   from planner.targets import parse_target
   target = parse_target(args.target)
   devices = topology_devices(target)
+  chosen = [POINTS[int(i)] for i in args.points.split(",")] if args.points else POINTS
   with platform.building_for("tpu"), no_persistent_cache():  # (AOT programs are not cached)
-    points = [measure(p, devices) for p in POINTS]
+    points = []
+    for p in chosen:
+      points.append(measure(p, devices))
+      print(points[-1], file=sys.stderr, flush=True)
   emit({"target": target.accelerator_type, "points": points}, args.json)
 
 

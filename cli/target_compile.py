@@ -25,13 +25,15 @@ import jax.numpy as jnp
 from cli import dry_run
 from jaxrl import platform
 from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.models import flops
+from jaxrl.models.attention import attention_impl
 from planner.targets import Target
 from sampler.engine import Rollout
 from sampler.sampler import Sampler
 from sharding.host import tpu_chips_here
 from sharding.mesh import batch_sharding
 from sharding.placement import host_count, host_major_devices
-from sharding.rules import SAMPLER_RULES
+from sharding.rules import SAMPLER_RULES, batch_ways
 from train.rl.experience import Experience
 from train.rl.scoring import Scoring
 from train.roles.cluster import RoleCluster
@@ -52,6 +54,7 @@ class Program:
   mesh: Any
   lower: Callable[[], Any]
   state: Any = None
+  kernel_flops: float = 0.0  # per device and loop body, in Pallas kernels XLA's count misses
 
 
 @dataclasses.dataclass
@@ -86,6 +89,18 @@ def topology_devices(target: Target) -> list:
   desc = topologies.get_topology_desc(platform="tpu", topology_name=target.topology_name,
                                       **kwargs)
   return host_major_devices(desc.devices)
+
+
+def _splash_flops(cfg: ExperimentConfig, role, passes: int) -> float:
+  """Attention FLOPs per device of one piece (`rl.pass_rows` rows) of a cacheless pass, in the
+  splash kernel: XLA's cost analysis counts a Pallas kernel as nothing. `passes`: forward 1,
+  update 3 (its backward twice the forward), 4 under remat=full (the forward recomputed)."""
+  if attention_impl(cfg.model) != "splash":
+    return 0.0
+  t = cfg.data.max_prompt_tokens + cfg.rl.max_new_tokens
+  rows = cfg.rl.pass_rows / batch_ways(role.mesh, role.rules)
+  tensor = role.mesh.shape.get("tensor", 1)
+  return passes * flops.attention_flops(cfg.model, rows * t, (t + 1) / 2) / tensor
 
 
 def _abstract(tree, shardings):
@@ -161,11 +176,12 @@ def _scoring(cfg: ExperimentConfig, cluster: RoleCluster, actor, critic) -> list
   for name, role, fn in passes:
     programs.append(Program(name, "scoring", role.mesh,
                             lambda fn=fn, role=role: fn.lower(role.abstract(), *batch(role)),
-                            role.abstract()))
+                            role.abstract(), _splash_flops(cfg, role, 1)))
   if scoring.reward_model is not None:
     rm = scoring.reward_model
     programs.append(Program("reward-model scores", "scoring", rm.mesh, lambda: scoring.scores_fn
-                            .lower(rm.abstract(), *batch(rm, mask=False)), rm.abstract()))
+                            .lower(rm.abstract(), *batch(rm, mask=False)), rm.abstract(),
+                            _splash_flops(cfg, rm, 1)))
   role, f32 = actor.role, S((b, n), jnp.float32)
   rollout = Rollout(tokens_BT=S((b, t), jnp.int32), valid_BT=S((b, t), bool),
                     completion_mask_BN=S((b, n), bool), logprobs_BN=f32,
@@ -186,9 +202,11 @@ def _updates(cfg: ExperimentConfig, actor, critic) -> list[Program]:
   for name, learner in (("actor update", actor), ("critic update", critic)):
     if learner is not None:
       batch = abstract_experience(cfg, learner.role)
+      passes = 4 if cfg.model.remat == "full" else 3
       programs.append(Program(name, name, learner.role.mesh,
                               lambda learner=learner, batch=batch: learner.lower(batch),
-                              (learner.role.abstract(), learner.abstract_state())))
+                              (learner.role.abstract(), learner.abstract_state()),
+                              _splash_flops(cfg, learner.role, passes)))
   return programs
 
 
@@ -230,14 +248,20 @@ def compile_program(program: Program) -> Compiled:
                   time.perf_counter() - start)
 
 
+def program_flops(c: Compiled) -> float:
+  """FLOPs per device of one loop body: XLA's count and the Pallas kernels' it cannot see."""
+  return c.cost.get("flops", 0.0) + c.program.kernel_flops
+
+
 def step_seconds(c: Compiled, target: Target) -> tuple[float, str]:
   """One run of the program on the target: the compiler's own estimate where it gives a valid
-  one, else the roofline of its FLOPs and bytes accessed (per device) on the chip's datasheet."""
+  one (none does for a program with a Pallas kernel: their cost is unknown to it), else the
+  roofline of its FLOPs and bytes accessed (per device) on the chip's datasheet."""
   optimal = c.cost.get("optimal_seconds", -1.0)
-  if optimal > 0:
+  if optimal > 0 and not c.program.kernel_flops:
     return optimal, "compiler"
   spec = target.spec
-  return max(c.cost.get("flops", 0.0) / spec.matmul_flops,
+  return max(program_flops(c) / spec.matmul_flops,
              c.cost.get("bytes accessed", 0.0) / spec.hbm_bytes_per_s), "roofline"
 
 
@@ -266,7 +290,7 @@ def _program_lines(compiled: list[Compiled], target: Target, unit: tuple[str, in
     lines.append(f"  {c.program.name:<34}{cell(m.argument_size_in_bytes)}"
                  f"{cell(m.output_size_in_bytes - m.alias_size_in_bytes)}"
                  f"{cell(m.temp_size_in_bytes)}{cell(m.generated_code_size_in_bytes)}"
-                 f"{c.cost.get('flops', 0) / 1e9:10.1f}"
+                 f"{program_flops(c) / 1e9:10.1f}"
                  f"{c.cost.get('bytes accessed', 0) / 1e9:10.2f}"
                  f"{sec * 1e3:9.2f} ({how}){c.seconds:>12.1f}")
   return lines
@@ -314,7 +338,8 @@ def report(cfg: ExperimentConfig, target: Target) -> tuple[list[str], bool]:
   lines = [f"target: {target.describe()}, {hosts} hosts; compiled here by libtpu",
            f"placement {cfg.placement.strategy}: {meshes}",
            "(XLA counts a loop's body once: GFLOP, GB moved and est. ms are per decode step, "
-           "micro-batch or minibatch where a program loops)"]
+           "micro-batch or minibatch where a program loops; GFLOP adds jaxrl's count of the "
+           "splash kernel's attention, which XLA's leaves out)"]
   lines += _program_lines(compiled, target, unit) + _phase_lines(peaks, estimate, unit)
   where = (f"{worst / GIB:.2f} GiB at the busiest device ({worst_phase}) of "
            f"{hbm / GIB:.2f} GiB HBM")

@@ -239,16 +239,11 @@ def forward_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh) -> floa
 
 def update_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh,
              remat: str = "none") -> float:
-  """Forward + backward of every piece, plus what `remat` recomputes (full: the blocks'
-  forward; dots: attention's products), then the optimizer reading and writing float32
-  weights, gradients and two Adam moments (from HBM)."""
-  flop = flops.train_flops(w.model, w.rows, w.seq_len, w.seq_len - w.prompt_len)
-  if w.lora_params:  # no weight gradients of the frozen matrices (the adapters' are small)
-    flop -= 2.0 * flops.matmul_params(w.model) * w.rows * w.seq_len
-  if remat == "full":
-    flop += flops.forward_flops(w.model, w.rows, w.seq_len, 0)
-  elif remat == "dots":
-    flop += flops.attention_flops(w.model, w.rows * w.seq_len, (w.seq_len + 1) / 2)
+  """Forward + backward of every piece with what `remat` recomputes (flops.executed_train_flops),
+  then the optimizer reading and writing float32 weights, gradients and two Adam moments (from
+  HBM)."""
+  flop = flops.executed_train_flops(w.model, w.rows, w.seq_len, w.seq_len - w.prompt_len,
+                                    remat=remat, lora_params=w.lora_params)
   compute = _compute_s(dev, eff, flop, mesh, eff.train_mfu, w.model.d_model,
                        _piece_rows(w, mesh))
   comm = _fsdp_s(w, dev, eff, mesh, 2, scatter=True)

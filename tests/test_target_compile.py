@@ -88,8 +88,9 @@ def test_a_program_the_compiler_refuses_is_named_in_one_line():
 
 
 def test_tpu_programs_attend_with_the_splash_kernel():
-  """Built for a TPU, the scoring pass and the update call the Mosaic splash kernel; the decode
-  loop (attention over its cache) does not."""
+  """Built for a TPU, the scoring pass and the update call the Mosaic splash kernel, whose
+  attention FLOPs (which XLA's count leaves out) the report adds: the update's thrice a scoring
+  pass's (four times under remat=full); the decode loop (attention over its cache) does not."""
   from cli.target_compile import rl_programs, topology_devices
   from jaxrl import platform
   from train.roles.cluster import RoleCluster
@@ -101,3 +102,7 @@ def test_tpu_programs_attend_with_the_splash_kernel():
     programs = {p.name: p for p in rl_programs(cfg, cluster)}
     assert "tpu_custom_call" in programs["reference log-probs"].lower().as_text()
     assert "tpu_custom_call" not in programs["generate (prefill + decode loop)"].lower().as_text()
+  scoring = programs["reference log-probs"].kernel_flops
+  passes = 4 if cfg.model.remat == "full" else 3
+  assert scoring > 0 and programs["actor update"].kernel_flops == pytest.approx(passes * scoring)
+  assert programs["generate (prefill + decode loop)"].kernel_flops == 0

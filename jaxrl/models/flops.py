@@ -58,3 +58,23 @@ def generate_flops(cfg: ModelConfig, prompts: int, prompt_len: int, samples: int
             + attention_flops(cfg, rows * steps, prompt_len + (steps + 1) / 2)
             + head_flops(cfg, rows * steps))
   return prefill + decode
+
+
+def executed_train_flops(cfg: ModelConfig, rows: int, seq_len: int, scored: int, *,
+                         remat: str | None = None, lora_params: int = 0) -> float:
+  """The matrix products an update executes, as a compiler counts them (`train_flops` counts a
+  model's work, whatever the program does): forward and backward, less the gradients of LoRA's
+  frozen base (with the adapters' `lora_params` in three passes instead), plus, under `remat`
+  (default `cfg.remat`) `full`, the blocks' attention and the products whose outputs the
+  backward reads, again (queries, keys, values, gate, up: XLA recomputes no more, and under
+  `dots` nothing: checked against the TPU compiler by benchmarks/target_sweep.py)."""
+  tokens = rows * seq_len
+  out = train_flops(cfg, rows, seq_len, scored)
+  if lora_params:
+    out += 6.0 * lora_params * tokens - 2.0 * matmul_params(cfg) * tokens
+    out -= head_flops(cfg, rows * scored)
+  if (remat or cfg.remat) == "full":
+    d, h = cfg.d_model, cfg.head_dim
+    read = cfg.n_layers * (d * h * (cfg.n_heads + 2 * cfg.n_kv_heads) + 2 * d * cfg.d_ff)
+    out += 2.0 * read * tokens + attention_flops(cfg, tokens, (seq_len + 1) / 2)
+  return out

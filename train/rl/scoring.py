@@ -19,11 +19,17 @@ from train.updates.batching import map_minibatches
 from train.updates.forward import completion_logprobs, completion_values, sequence_scores
 
 
-def _on(role, fn, rollout, *, mask: bool = True):
-  """`fn(params, tokens, valid[, completion mask])` on `role`'s mesh, the rollout moved there
-  device to device."""
-  arrays = (rollout.tokens_BT, rollout.valid_BT) + ((rollout.completion_mask_BN,) if mask else ())
-  return fn(role.params, *role.put(arrays))
+def _moved(role, rollout, *, mask: bool = True) -> tuple:
+  """(tokens, valid[, completion mask]) of the rollout moved to `role`'s mesh, device to device.
+  Moves are issued from the controller's thread before the passes start on their executors, so
+  no source array is read by several threads at once."""
+  return role.put((rollout.tokens_BT, rollout.valid_BT)
+                  + ((rollout.completion_mask_BN,) if mask else ()))
+
+
+def _on(role, fn, arrays: tuple):
+  """`fn(params, *arrays)` on `role`'s mesh (`arrays`: `_moved` there)."""
+  return fn(role.params, *arrays)
 
 
 class Scoring:
@@ -50,14 +56,15 @@ class Scoring:
                                                                self.reward_model.graphdef))
     self.experience_fn = actor.role.jit(functools.partial(make_experience, cfg=cfg))
 
-  def _rewards(self, rollout, examples_B, verified_B=None):
-    """(rewards on the trainer's mesh, verified_B on the host; given: already verified)."""
+  def _rewards(self, rollout, examples_B, verified_B=None, scored=None):
+    """(rewards on the trainer's mesh, verified_B on the host; given: already verified).
+    `scored`: the rollout `_moved` to the reward model (with one)."""
     if verified_B is None:
       verified_B = self.judge.rewards(rollout, examples_B)
     role = self.actor.role
     if self.reward_model is None:
       return to_device(verified_B, role.batch_shardings(verified_B), "rewards"), verified_B
-    return role.put(_on(self.reward_model, self.scores_fn, rollout, mask=False)), verified_B
+    return role.put(_on(self.reward_model, self.scores_fn, scored)), verified_B
 
   def trimmed(self, rollout):
     """The rollout with its completion slots cut to the bucket (`rl.length_buckets`) of its
@@ -72,14 +79,18 @@ class Scoring:
     and assembles its Experience on the trainer's mesh: (experience, metrics, verified_B)."""
     examples_B = np.repeat(prompts["examples"], self.cfg.group_size)
     rollout, ex = self.trimmed(rollout), self.ex
-    calls = {"reward": (ex.reward, (self._rewards, rollout, examples_B, verified_B), "score"),
-             "ref": (ex.reference, (_on, self.reference, self.ref_logprobs_fn, rollout),
-                     "ref logprobs")}
+    scored = (None if self.reward_model is None else
+              _moved(self.reward_model, rollout, mask=False))
+    calls = {"reward": (ex.reward, (self._rewards, rollout, examples_B, verified_B, scored),
+                        "score"),
+             "ref": (ex.reference, (_on, self.reference, self.ref_logprobs_fn,
+                                    _moved(self.reference, rollout)), "ref logprobs")}
     if self.cfg.needs_old_logprobs:
-      calls["old"] = (ex.trainer, (_on, self.actor.role, self.old_logprobs_fn, rollout),
-                      "old logprobs")
+      calls["old"] = (ex.trainer, (_on, self.actor.role, self.old_logprobs_fn,
+                                   _moved(self.actor.role, rollout)), "old logprobs")
     if self.critic is not None:
-      calls["values"] = (ex.critic, (_on, self.critic.role, self.values_fn, rollout), "values")
+      calls["values"] = (ex.critic, (_on, self.critic.role, self.values_fn,
+                                     _moved(self.critic.role, rollout)), "values")
     futures = {k: (e, e.submit(*args, label=label)) for k, (e, args, label) in calls.items()}
     out = {k: e.result(f) for k, (e, f) in futures.items()}
     (rewards_B, verified_B), on_actor = out["reward"], self.actor.role.put
