@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +44,7 @@ from train.task.task import load_tokenizer_for
 
 GIB = 1 << 30
 S = jax.ShapeDtypeStruct
+COMPILING = "jaxrl: dry run: compiling "
 
 
 @dataclasses.dataclass
@@ -327,7 +329,10 @@ def report(cfg: ExperimentConfig, target: Target) -> tuple[list[str], bool]:
   with platform.building_for("tpu"):
     cluster, resident, phases = dry_run.tables(cfg, devices)
     programs = rl_programs(cfg, cluster)
-    compiled = [compile_program(p) for p in programs]
+    compiled = []
+    for p in programs:  # (minutes each at a real size: the supervisor names the one it was on)
+      print(f"{COMPILING}{p.name}", file=sys.stderr, flush=True)
+      compiled.append(compile_program(p))
   meshes = ", ".join(f"{role} {dict(mesh.shape)}" for role, mesh in cluster.meshes.items())
   stays = dry_run.summed(resident)
   estimate = {p: {d: stays.get(d, 0) + v for d, v in dry_run.summed(items).items()}

@@ -64,10 +64,23 @@ def _dry_run(cfg, target: str) -> int:
   return 0 if fits else 1
 
 
+def _compiles_for_a_target(argv: list[str]) -> bool:
+  """`--dry_run --target=...` outside the child that compiles (cli/compile_guard.py)."""
+  import os
+
+  from cli.compile_guard import CHILD
+  dry = {"--dry_run", "-dry_run", "--dry_run=true", "--dry_run=True", "--dry_run=1"}
+  return (any(a.lstrip("-").startswith("target") for a in argv) and any(a in dry for a in argv)
+          and not os.environ.get(CHILD))
+
+
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv if argv is None else argv
   if print_help(argv, __doc__):
     return 0
+  if _compiles_for_a_target(argv):
+    from cli import compile_guard
+    return compile_guard.run(argv)
   exp = _start(argv)
   if isinstance(exp, int):
     return exp

@@ -1,5 +1,10 @@
 """`--dry_run --target`: TPU slices by name, and the RL step's programs compiled by the TPU
 compiler (libtpu, from the test extras) on this CPU for a slice that is not here."""
+import os
+import signal
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -8,6 +13,8 @@ from cli.flags import load_config_file
 from jaxrl.config import ConfigError
 from jaxrl.config_files import resolve
 from planner.targets import TargetError, parse_target
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
 
 
 @pytest.mark.parametrize("name,generation,topology,chips", [
@@ -106,3 +113,36 @@ def test_tpu_programs_attend_with_the_splash_kernel():
   passes = 4 if cfg.model.remat == "full" else 3
   assert scoring > 0 and programs["actor update"].kernel_flops == pytest.approx(passes * scoring)
   assert programs["generate (prefill + decode loop)"].kernel_flops == 0
+
+
+def _children(pid: int) -> list[int]:
+  out = []
+  for entry in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+          out.append(int(entry))
+    except OSError:
+      continue
+  return out
+
+
+def test_a_compiler_that_dies_is_named_in_one_line():
+  """libtpu ends its process on a failed internal check (an abort: seen for Qwen2.5-7B on a
+  v5p-16), so the target compile runs in a child; the child killed by SIGABRT while it compiles
+  the update gives one line naming the program, and exit 2."""
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "cli.train", "--config=configs/tiny.py", "--dry_run",
+       "--target=v5e-4", "--config.placement.train_devices=2"],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  lines = []
+  for line in proc.stderr:
+    lines.append(line)
+    if line.startswith("jaxrl: dry run: compiling old log-probs"):
+      (child,) = _children(proc.pid)
+      os.kill(child, signal.SIGABRT)
+  proc.wait(timeout=120)
+  assert proc.returncode == 2
+  assert all(line.startswith("jaxrl:") for line in lines)  # libtpu's own lines go to the log
+  assert lines[-1].startswith("jaxrl: error: --target: the TPU compiler's process died "
+                              "(SIGABRT) compiling old log-probs (a compiler failure")
