@@ -1,15 +1,18 @@
 """The memory and FLOP models against the TPU compiler: the RL update of small models compiled
-for a TPU slice on this CPU (libtpu, allocating nothing), per point the compiler's temporary
-bytes per device against the memory model's update peak (planner/footprint.py, through the dry
-run's `update_footprint`) and the compiler's FLOPs per device against jaxrl's count
-(jaxrl/models/flops.py train_flops over the devices, with what remat recomputes).
+for a TPU slice on this CPU (libtpu, allocating nothing; its VMEM assignment off, so that every
+buffer is counted in HBM as at a real size: `whole_update_in_hbm`). Per point: the compiler's
+temporary bytes per device (`memory_analysis`), their live peak (read from its dump:
+benchmarks/live_peak.py), the memory model's update peak for a TPU target
+(planner/footprint_tpu.py, through the dry run's `update_footprint`), and the compiler's FLOPs
+per device against jaxrl's count of what it sees (jaxrl/models/flops.py executed_train_flops,
+less the splash kernel's attention, which XLA does not count).
 
-  python -m benchmarks.target_sweep --json                 # v5e-4, the 12 points
+  python -m benchmarks.target_sweep --json --markdown      # v5e-4, the 12 points, the docs table
   python -m benchmarks.target_sweep --json --points 0,3    # some of them
 
 XLA's cost analysis counts a loop's body once (one micro-batch of one minibatch), so jaxrl's
 count of the update's FLOPs is divided by the bodies. Each point takes half a minute to two
-minutes to compile on a 2-core machine; tests/test_target_compile.py runs two small ones.
+minutes to compile on a 2-core machine; tests/test_target_compile.py runs the first.
 """
 from __future__ import annotations
 
@@ -141,6 +144,18 @@ def measure(p: Point, devices) -> dict:
           "output_bytes": memory.output_size_in_bytes, "alias_bytes": memory.alias_size_in_bytes}
 
 
+def markdown(points: list[dict]) -> list[str]:
+  """docs/benchmarks.md's table of the points (MiB per device)."""
+  mib = lambda b: f"{b / 2**20:.1f}"
+  lines = ["| point | compiler temp | its live peak | memory model | model / temp | jaxrl FLOPs "
+           "/ compiler | compile |", "|---|---|---|---|---|---|---|"]
+  for p in points:
+    lines.append(f"| {p['point']} | {mib(p['temp_bytes'])} | {mib(p['live_bytes'])} | "
+                 f"{mib(p['estimate_bytes'])} | {p['estimate_over_compiler']:.3f} | "
+                 f"{p['jaxrl_over_compiler']:.3f} | {p['compile_s']:.0f} s |")
+  return lines
+
+
 def whole_update_in_hbm() -> None:
   """libtpu told (before it loads) to keep every buffer in HBM: by default its memory-space
   assignment moves up to ~100 MiB of a program's buffers into the chip's VMEM, which is most of
@@ -155,6 +170,7 @@ def main() -> None:
   parser.add_argument("--json", action="store_true")
   parser.add_argument("--target", default="v5e-4")
   parser.add_argument("--points", default="", help="comma-separated indices (default: all)")
+  parser.add_argument("--markdown", action="store_true", help="also print docs/benchmarks.md's table")
   args = parser.parse_args()
   whole_update_in_hbm()
   from sharding.host import cpu_only_here
@@ -170,6 +186,8 @@ def main() -> None:
     for p in chosen:
       points.append(measure(p, devices))
       print(points[-1], file=sys.stderr, flush=True)
+  if args.markdown:
+    print("\n".join(markdown(points)))
   emit({"target": target.accelerator_type, "points": points}, args.json)
 
 

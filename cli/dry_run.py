@@ -19,6 +19,7 @@ import math
 import jax
 import numpy as np
 
+from jaxrl import platform
 from jaxrl.algos.logprobs import chunk_length
 from jaxrl.config import ConfigError, ExperimentConfig, offload_items, usable_memory_gb
 from planner import footprint
@@ -129,9 +130,11 @@ def update_footprint(cfg: ExperimentConfig, mesh, rules, param_bytes: float, par
   m = cfg.model
   fsdp, tensor = mesh.shape.get("fsdp", 1), mesh.shape.get("tensor", 1)
   gathered = params * np.dtype(m.compute_dtype).itemsize / tensor if fsdp > 1 else 0.0
+  tpu = (dict(params=params, fsdp=fsdp, lora=cfg.lora.enabled and lm_head)
+         if platform.backend() == "tpu" else None)  # (building for a TPU target)
   return footprint.update_peak(m, **_pass(cfg, mesh, rules, lm_head), param_bytes=param_bytes,
                                gathered_bytes=gathered, remat=m.remat,
-                               accumulate=bool(cfg.rl.micro_batch_size))
+                               accumulate=bool(cfg.rl.micro_batch_size), tpu=tpu)
 
 
 def _update_items(cfg: ExperimentConfig, role, lm_head: bool) -> dict[str, dict]:

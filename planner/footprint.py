@@ -27,13 +27,14 @@ input only.
 from __future__ import annotations
 
 from jaxrl import platform
+from planner import footprint_tpu
 
 REMATS = ("none", "dots", "full")  # as jaxrl/models/config.py REMAT_POLICIES, with "none"
 # Elements per token of one block that the backward needs, per d_model, per d_ff and per
 # query/key/value head dimension; and float32 [T, T] score copies per attention head.
 PER_D_MODEL, PER_D_FF, PER_QKV, SCORE_COPIES = 8.5, 5.0, 1.0, 3.0
 LOGIT_COPIES = 4  # one chunk's logits: forward logits and probabilities, backward's and dz
-UPDATE_ITEMS = ("gradients", "activations", "logits", "gathered weights")
+UPDATE_ITEMS = ("gradients", "activations", "logits", "gathered weights", "buffer packing")
 
 
 def compute_bytes(model) -> int:
@@ -94,12 +95,18 @@ def logits_bytes(model, rows: float, logit_chunk: int, copies: int = LOGIT_COPIE
 
 def update_peak(model, *, rows: float, seq_len: float, logit_chunk: int, param_bytes: float,
                 gathered_bytes: float = 0.0, tensor: int = 1, remat: str = "none",
-                flash_attention: bool = False, accumulate: bool = False) -> dict[str, float]:
+                flash_attention: bool = False, accumulate: bool = False,
+                tpu: dict | None = None) -> dict[str, float]:
   """What one device holds beyond its resident state at an update's peak, by kind (sum: the
   peak). `rows`: rows of one micro-batch (or minibatch) on this device; `logit_chunk`: positions
   per log-prob chunk (jaxrl/algos/logprobs.chunk_length); `param_bytes`: this device's shard of
   the trained parameters in float32; `gathered_bytes`: the compute-dtype weights an fsdp
-  all-gather assembles on it (0 without fsdp); `accumulate`: micro-batches."""
+  all-gather assembles on it (0 without fsdp); `accumulate`: micro-batches. `tpu` (params,
+  fsdp, lora): the TPU compiler's layout instead (planner/footprint_tpu.py)."""
+  if tpu is not None:
+    return footprint_tpu.update_peak(model, rows=rows, seq_len=seq_len, logit_chunk=logit_chunk,
+                                     param_bytes=param_bytes, tensor=tensor, remat=remat,
+                                     accumulate=accumulate, cb=compute_bytes(model), **tpu)
   tokens, n = rows * seq_len, model.n_layers
   work = tokens * block_bytes(model, seq_len, tensor, flash_attention)
   saved = tokens * saved_bytes(model, remat, seq_len, tensor, flash_attention)
