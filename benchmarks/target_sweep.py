@@ -112,6 +112,47 @@ def estimate(p: Point, mesh, role=None) -> tuple[float, float]:
   return peak, per_body / mesh.devices.size / bodies
 
 
+def _compiled(lowered, dump: str, module: str):
+  """(compiled, seconds, live peak, allocated) of `lowered` (the jitted function `module`)
+  compiled with XLA's dump in `dump`."""
+  start = time.perf_counter()
+  compiled = lowered.compile({"xla_dump_to": dump, "xla_dump_hlo_as_text": True,
+                              "xla_dump_hlo_module_re": module})
+  seconds = time.perf_counter() - start
+  return compiled, seconds, *live_peak(dump, module)
+
+
+def measure_scoring(p: Point, mesh, actor) -> dict:
+  """The scoring passes at point `p`: the actor's old log-probs (float32 parameters) and the
+  reference's (compute dtype), the compiler's temporary bytes against the memory model's."""
+  import jax
+  import jax.numpy as jnp
+
+  from cli.dry_run import scoring_footprint
+  from train.rl.scoring import logprobs, scorer
+  from train.roles.role import ModelRole
+  cfg = config(p)
+  rl = cfg.rl
+  t, S = p.prompt + p.new, jax.ShapeDtypeStruct
+  out = {}
+  reference = ModelRole("reference", actor._make_model, mesh, stored_dtypes=lambda a: jax.tree.map(
+      lambda x: jnp.dtype(cfg.model.compute_dtype), a))
+  for name, role in (("old log-probs", actor), ("reference", reference)):
+    arrays = (S((rl.rollouts, t), jnp.int32), S((rl.rollouts, t), bool),
+              S((rl.rollouts, p.new), bool))
+    arrays = jax.tree.map(lambda x, s: S(x.shape, x.dtype, sharding=s), arrays,
+                          role.batch_shardings(arrays))
+    with tempfile.TemporaryDirectory() as dump:
+      compiled, seconds, live, allocated = _compiled(
+          scorer(rl, role, logprobs).lower(role.abstract(), *arrays), dump, "jit_score")
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    peak = sum(scoring_footprint(cfg, role).values())
+    out[name] = {"temp_bytes": int(temp), "live_bytes": live, "allocated_bytes": allocated,
+                 "estimate_bytes": int(peak), "estimate_over_compiler": round(peak / temp, 3),
+                 "compile_s": round(seconds, 1)}
+  return out
+
+
 def measure(p: Point, devices) -> dict:
   import numpy as np
   from jax.sharding import Mesh
@@ -126,12 +167,9 @@ def measure(p: Point, devices) -> dict:
   role = _actor(cfg, mesh)
   learner = Learner(role, functools.partial(rl_update, cfg=cfg.rl), make_optimizer(1e-5),
                     initialize=False)
-  start = time.perf_counter()
   with tempfile.TemporaryDirectory() as dump:
-    compiled = learner.lower(abstract_experience(cfg, role)).compile(
-        {"xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "jit_step"})
-    seconds = time.perf_counter() - start
-    live, allocated = live_peak(dump, "jit_step")
+    compiled, seconds, live, allocated = _compiled(learner.lower(abstract_experience(cfg, role)),
+                                                   dump, "jit_step")
   memory = compiled.memory_analysis()
   temp = memory.temp_size_in_bytes
   cost = compiled.cost_analysis()
@@ -141,7 +179,8 @@ def measure(p: Point, devices) -> dict:
           "estimate_over_compiler": round(peak / temp, 3), "flops": cost["flops"],
           "jaxrl_flops": per_body, "jaxrl_over_compiler": round(per_body / cost["flops"], 3),
           "compile_s": round(seconds, 1), "argument_bytes": memory.argument_size_in_bytes,
-          "output_bytes": memory.output_size_in_bytes, "alias_bytes": memory.alias_size_in_bytes}
+          "output_bytes": memory.output_size_in_bytes, "alias_bytes": memory.alias_size_in_bytes,
+          "scoring": measure_scoring(p, mesh, role)}
 
 
 def markdown(points: list[dict]) -> list[str]:

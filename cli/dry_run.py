@@ -165,11 +165,17 @@ def phase_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict[s
   scoring += [("critic", "values")] * (rl.advantage == "gae")
   phases["scoring"] = {}
   for name, what in scoring:  # started together: on shared devices they add up
-    mesh = cluster.meshes[name]
-    lm_head = name in ("actor", "reference")
-    peak = footprint.scoring_peak(m, **_pass(cfg, mesh, cluster.actor.rules, lm_head))
-    phases["scoring"][what] = _per_device(cluster.meshes[name], sum(peak.values()))
+    role = cluster.get(name)
+    peak = scoring_footprint(cfg, role)
+    phases["scoring"][what] = _per_device(role.mesh, sum(peak.values()))
   return phases
+
+
+def scoring_footprint(cfg: ExperimentConfig, role) -> dict[str, float]:
+  """One device's peak during `role`'s scoring pass beyond its resident state
+  (footprint.scoring_peak)."""
+  lm_head = role.name in ("actor", "reference")
+  return footprint.scoring_peak(cfg.model, **_pass(cfg, role.mesh, role.rules, lm_head))
 
 
 def summed(table: dict) -> collections.Counter:

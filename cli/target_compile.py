@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cli import dry_run
+from cli import compile_guard, dry_run
 from jaxrl import platform
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.models import flops
@@ -44,7 +44,6 @@ from train.task.task import load_tokenizer_for
 
 GIB = 1 << 30
 S = jax.ShapeDtypeStruct
-COMPILING = "jaxrl: dry run: compiling "
 
 
 @dataclasses.dataclass
@@ -331,7 +330,7 @@ def report(cfg: ExperimentConfig, target: Target) -> tuple[list[str], bool]:
     programs = rl_programs(cfg, cluster)
     compiled = []
     for p in programs:  # (minutes each at a real size: the supervisor names the one it was on)
-      print(f"{COMPILING}{p.name}", file=sys.stderr, flush=True)
+      print(f"{compile_guard.PROGRESS}{p.name}", file=sys.stderr, flush=True)
       compiled.append(compile_program(p))
   meshes = ", ".join(f"{role} {dict(mesh.shape)}" for role, mesh in cluster.meshes.items())
   stays = dry_run.summed(resident)

@@ -27,6 +27,7 @@ input only.
 from __future__ import annotations
 
 from jaxrl import platform
+from jaxrl.models import flops
 from planner import footprint_tpu
 
 REMATS = ("none", "dots", "full")  # as jaxrl/models/config.py REMAT_POLICIES, with "none"
@@ -53,14 +54,9 @@ def flash_attention(model) -> bool:
 
 def layer_fraction(model) -> float:
   """The share of a model's parameters in its decoder blocks (the rest: embedding, head)."""
-  layers = model.n_layers * _layer_params(model)
+  layers = model.n_layers * flops.layer_params(model)
   heads = 1 if model.tie_embeddings else 2
   return layers / (layers + heads * model.vocab_size * model.d_model + model.d_model)
-
-
-def _layer_params(m) -> int:
-  return ((2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim * m.d_model + 3 * m.d_model * m.d_ff
-          + 2 * m.d_model)
 
 
 def block_bytes(model, seq_len: float, tensor: int = 1, flash_attention: bool = False) -> float:

@@ -19,6 +19,8 @@ Fitted to the `temp_size_in_bytes` of 12 small updates on a v5e-4 (within 12% at
 held out, within 4% of the Qwen2.5-0.5B update's on a v5p-8 (docs/benchmarks.md)."""
 from __future__ import annotations
 
+from jaxrl.models import flops
+
 SAVED_D_MODEL = {"none": 3.25, "dots": 0.3, "full": 3.5}  # d_model-sized states a block keeps
 SPLASH_STATS = 4 * 128  # float32 bytes per token and head of the splash kernel's statistics
 WORK_D_MODEL = 4.0  # d_model-sized states of a block's backward beyond what it saved
@@ -45,8 +47,7 @@ def update_peak(m, *, rows: float, seq_len: float, logit_chunk: int, param_bytes
   tokens, n = rows * seq_len, m.n_layers
   saved = tokens * _saved(m, remat, tensor, lora, cb)
   work = saved + tokens * cb * WORK_D_MODEL * m.d_model
-  layer = ((2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim * m.d_model
-           + 3 * m.d_model * m.d_ff + 2 * m.d_model)
+  layer = flops.layer_params(m)
   head = m.vocab_size * m.d_model / tensor
   head_grad = 0.0 if lora else 4 * head
   layer_grad = 0.0 if lora else 4 * layer / (fsdp * tensor)

@@ -15,11 +15,15 @@ from __future__ import annotations
 from jaxrl.models.config import ModelConfig
 
 
+def layer_params(cfg: ModelConfig) -> int:
+  """Parameters of one decoder layer: its projections, its MLP and its two norms."""
+  d, h = cfg.d_model, cfg.head_dim
+  return d * h * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.d_ff + 2 * d
+
+
 def matmul_params(cfg: ModelConfig) -> int:
   """Parameters of the per-token matrix products (projections and MLP, every layer)."""
-  d, h = cfg.d_model, cfg.head_dim
-  attn = d * h * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-  return cfg.n_layers * (attn + 3 * d * cfg.d_ff)
+  return cfg.n_layers * (layer_params(cfg) - 2 * cfg.d_model)
 
 
 def attention_flops(cfg: ModelConfig, queries: int, keys_per_query: float) -> float:

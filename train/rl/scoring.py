@@ -32,25 +32,34 @@ def _on(role, fn, arrays: tuple):
   return fn(role.params, *arrays)
 
 
+def logprobs(*args, **kw):
+  """The completion tokens' log-probs (completion_logprobs without its entropies)."""
+  return completion_logprobs(*args, **kw)[0]
+
+
+def scorer(cfg: RLConfig, role, fn):
+  """`fn` (logprobs, completion_values) over a rollout batch on `role`'s mesh, jitted:
+  (params, tokens [B, T], valid [B, T], completion mask [B, N]) -> [B, N], in the update's
+  pieces of `cfg.pass_rows` rows."""
+  n = cfg.rollouts // cfg.pass_rows
+
+  def score(params, tokens_BT, valid_BT, mask_BN):  # the prompt length: from the shapes
+    p_len = tokens_BT.shape[1] - mask_BN.shape[1]
+    return map_minibatches(lambda mb: fn(role.graphdef, params, *mb, prompt_len=p_len),
+                           (tokens_BT, valid_BT), n)
+  return role.jit(score)
+
+
 class Scoring:
 
   def __init__(self, cfg: RLConfig, cluster: RoleCluster, actor: Learner, critic: Learner | None,
                judge: Judge, executors: Executors):
     self.cfg, self.actor, self.critic, self.judge, self.ex = cfg, actor, critic, judge, executors
     self.reference, self.reward_model = cluster.get("reference"), cluster.get("reward")
-    n = cfg.rollouts // cfg.pass_rows  # scoring passes run in the update's pieces
-
-    def scorer(role, fn):
-      def score(params, tokens_BT, valid_BT, mask_BN):  # the prompt length: from the shapes
-        p_len = tokens_BT.shape[1] - mask_BN.shape[1]
-        return map_minibatches(lambda mb: fn(role.graphdef, params, *mb, prompt_len=p_len),
-                               (tokens_BT, valid_BT), n)
-      return role.jit(score)
-    logp = lambda *args, **kw: completion_logprobs(*args, **kw)[0]
-    self.ref_logprobs_fn = scorer(self.reference, logp)
-    self.old_logprobs_fn = scorer(actor.role, logp)
+    self.ref_logprobs_fn = scorer(cfg, self.reference, logprobs)
+    self.old_logprobs_fn = scorer(cfg, actor.role, logprobs)
     if critic is not None:
-      self.values_fn = scorer(critic.role, completion_values)
+      self.values_fn = scorer(cfg, critic.role, completion_values)
     if self.reward_model is not None:
       self.scores_fn = self.reward_model.jit(functools.partial(sequence_scores,
                                                                self.reward_model.graphdef))
