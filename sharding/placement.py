@@ -72,6 +72,19 @@ def _mesh(**sizes: int) -> tuple[tuple[str, int], ...]:
   return tuple((a, int(sizes.get(a, 1))) for a in MESH_AXES)
 
 
+def _trainer_mesh(n_train: int, n_hosts: int, train_fsdp: int, one_network: bool):
+  """fsdp over `train_fsdp` devices, data-parallel over the rest. By default, across hosts
+  linked by a network (GPU nodes) the trainer is hybrid-sharded: fsdp inside a host,
+  data-parallel over hosts, so every host holds a whole copy and its transfer to the local
+  sampler devices stays local; on a TPU slice, whose chips share the ICI across hosts, fsdp
+  spans them all (a 70B model's Adam state does not fit one host's 4 chips)."""
+  fsdp = train_fsdp or (n_train if one_network else n_train // n_hosts)
+  if n_train % fsdp:
+    raise PlacementError(f"placement.train_fsdp: {fsdp} does not divide the trainer's "
+                         f"{n_train} devices")
+  return _mesh(data=n_train // fsdp, fsdp=fsdp)
+
+
 def _per_host_split(n_devices: int, n_hosts: int, train_per_host: int):
   local = n_devices // n_hosts
   train = tuple(h * local + i for h in range(n_hosts) for i in range(train_per_host))
@@ -80,8 +93,10 @@ def _per_host_split(n_devices: int, n_hosts: int, train_per_host: int):
 
 
 def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler_tensor: int = 1,
-                   n_hosts: int = 1) -> Placement:
-  """The preset for `strategy`; `train_devices` counts devices over all hosts."""
+                   n_hosts: int = 1, train_fsdp: int = 0, one_network: bool = False) -> Placement:
+  """The preset for `strategy`; `train_devices` counts devices over all hosts. `train_fsdp`: the
+  trainer's fsdp degree, the rest of its devices data-parallel; 0: all of them where the hosts
+  share one network of chips (`one_network`: a TPU slice's ICI), else one host's."""
   if strategy not in STRATEGIES:
     raise PlacementError(f"placement.strategy: expected one of {list(STRATEGIES)}, got {strategy!r}")
   if n_devices % n_hosts:
@@ -102,9 +117,7 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
     raise PlacementError(
         f"placement.sampler_tensor: the sampler's mesh axis tensor={sampler_tensor} does not "
         f"divide its {len(sampler_devices)} devices")
-  # Across hosts the trainer is hybrid-sharded: fsdp inside a host, data-parallel over hosts, so
-  # every host holds a whole copy and its transfer to the local sampler devices stays local.
-  trainer = RoleSpec(train, _mesh(data=n_hosts, fsdp=len(train) // n_hosts))
+  trainer = RoleSpec(train, _trainer_mesh(len(train), n_hosts, train_fsdp, one_network))
   roles = {"actor": trainer, "critic": trainer, "reference": trainer, "reward": trainer,
            "sampler": RoleSpec(sampler_devices, _mesh(data=len(sampler_devices) // sampler_tensor,
                                                        tensor=sampler_tensor))}

@@ -148,29 +148,36 @@ def test_bubble_counts_idle_device_time():
   assert s["bubble"] == pytest.approx(0.5)
 
 
+def _cli_run(tmp_path, name, *flags) -> dict:
+  """A run of the default config through the CLI, at XLA's default optimisation level (350
+  training steps: run time, not compile time, is what this costs; tests/conftest.py): its
+  summary."""
+  env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace(
+      "--xla_backend_optimization_level=0", "")}
+  proc = subprocess.run(
+      [sys.executable, "-m", "cli.train", "--config=configs/default.py", *flags,
+       f"--config.run_dir={tmp_path}", f"--config.run_name={name}", "--config.progress=False",
+       "--config.checkpoint_every=1000"], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(os.path.join(tmp_path, name, "summary.json")) as f:
+    return json.load(f)
+
+
 @pytest.mark.slow
 def test_async_matches_sync_accuracy_within_1_5x_samples(tmp_path):
   """Default task and model: one SFT warm start (300 steps: the held-out accuracy starts near
   0.08), then GRPO sync for 20 steps and async
   (max_staleness 1, truncated IS at 2: configs/async_reverse.py) for 30 steps from it; async
   must reach the sync run's held-out accuracy."""
-  from configs import default
-
-  def cfg(name, **over):
-    raw = default.get_config().to_dict()
-    raw.update(run_dir=str(tmp_path), run_name=name, progress=False, checkpoint_every=1000)
-    for section, fields in over.items():
-      raw[section].update(fields)
-    return raw, os.path.join(str(tmp_path), name)
-
-  run(*cfg("sft", sft={"steps": 300}, rl={"steps": 0}))
+  _cli_run(tmp_path, "sft", "--config.sft.steps=300", "--config.rl.steps=0")
   init = os.path.join(str(tmp_path), "sft", "checkpoints", "sft")
   results = {}
-  for name, rl in [("sync", {"steps": 20}),
-                   ("async", {"steps": 30, "mode": "async", "tis_cap": 2.0})]:
-    raw, run_dir = cfg(name, sft={"steps": 0}, rl=rl, eval={"every": 1000})
-    raw["init_checkpoint"] = init
-    results[name] = run(raw, run_dir)
+  for name, rl in [("sync", ["--config.rl.steps=20"]),
+                   ("async", ["--config.rl.steps=30", "--config.rl.mode=async",
+                              "--config.rl.tis_cap=2.0"])]:
+    results[name] = _cli_run(tmp_path, name, "--config.sft.steps=0", "--config.eval.every=1000",
+                             f"--config.init_checkpoint={init}", *rl)
   assert results["sync"]["heldout_acc_rl_start"] == results["async"]["heldout_acc_rl_start"]
   assert results["sync"]["heldout_acc_rl"] > results["sync"]["heldout_acc_rl_start"] + 0.3
   assert results["async"]["heldout_acc_rl"] >= results["sync"]["heldout_acc_rl"] - 0.02, results

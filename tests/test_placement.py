@@ -54,11 +54,24 @@ def test_presets_and_sharded_logprobs_equal_single_device(strategy):
      "placement.sampler_tensor: the sampler's mesh axis tensor=2 does not divide its 3 devices"),
     (dict(strategy="interleave", train_devices=7), "interleave needs >= 2 devices"),
     (dict(strategy="pipeline", train_devices=4), "placement.strategy: expected one of"),
+    (dict(strategy="colocate", train_devices=8, train_fsdp=3),
+     "placement.train_fsdp: 3 does not divide the trainer's 8 devices"),
 ])
 def test_bad_placements_fail_with_one_line(kwargs, message):
   with pytest.raises(PlacementError) as e:
     make_placement(n_devices=8, **kwargs)
   assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs,mesh", [
+    (dict(), {"data": 2, "fsdp": 2}),  # GPU hosts: fsdp inside a host, data-parallel across
+    (dict(one_network=True), {"data": 1, "fsdp": 4}),  # a TPU slice: fsdp over its ICI
+    (dict(train_fsdp=1), {"data": 4, "fsdp": 1}),
+])
+def test_the_trainer_mesh_over_two_hosts(kwargs, mesh):
+  placement = make_placement("separate", 8, train_devices=4, n_hosts=2, **kwargs)
+  assert placement.roles["actor"].devices == (0, 1, 4, 5)  # each host's first two
+  assert {k: v for k, v in placement.roles["actor"].shape.items() if k != "tensor"} == mesh
 
 
 def test_plan_buckets():

@@ -176,8 +176,10 @@ def _placement(cfg: ExperimentConfig, devices):
   `placement.sampler_tensor=0` (auto), 1 way where the model or the sampler's devices do not
   split 2 ways, said in the log."""
   pl, tensor = cfg.placement, cfg.sampler_tensor
+  one_network = {(d.platform, getattr(d, "slice_index", 0)) for d in devices} == {("tpu", 0)}
   build = lambda t: make_placement(pl.strategy, len(devices), train_devices=pl.train_devices,
-                                   sampler_tensor=t, n_hosts=host_count(devices))
+                                   sampler_tensor=t, n_hosts=host_count(devices),
+                                   train_fsdp=pl.train_fsdp, one_network=one_network)
   if pl.sampler_tensor or tensor == 1:
     if not pl.sampler_tensor:
       m = cfg.model
