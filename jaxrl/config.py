@@ -83,9 +83,7 @@ class PlacementConfig:
   # Tensor-parallel degree of the sampler mesh; 0: 2 where the model's heads, KV heads, MLP and
   # vocabulary split 2 ways, else 1 (ExperimentConfig.sampler_tensor)
   sampler_tensor: int = 0
-  # The trainer's fsdp degree, the rest of its devices data-parallel. 0: on a TPU slice all of
-  # them (its hosts' chips share the ICI), on GPU hosts one host's (sharding/placement.py)
-  train_fsdp: int = 0
+  train_fsdp: int = 0  # trainer's fsdp degree (rest data-parallel); 0: TPU slice all, GPU a host
   reshard_bucket_mb: int = 256  # cap on the extra memory of one train -> sampler transfer
   cpu_devices: int = 8  # fake host devices when running on the CPU (XLA_FLAGS)
   device_memory_gb: float = 0.0  # the target accelerator's memory, checked by --dry_run (0: none)
