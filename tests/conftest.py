@@ -48,6 +48,13 @@ TINY = ModelConfig(vocab_size=264, d_model=32, n_layers=2, n_heads=4, n_kv_heads
 
 
 @pytest.fixture
+def optimised_xla(monkeypatch):
+  """For a test whose processes (CLI runs, a notebook's kernel) train for hundreds of steps:
+  they start with XLA's default optimisation level, where run time, not compile time, counts."""
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, ""))
+
+
+@pytest.fixture
 def tiny_cfg() -> ModelConfig:
   return TINY
 

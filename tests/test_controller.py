@@ -149,27 +149,23 @@ def test_bubble_counts_idle_device_time():
 
 
 def _cli_run(tmp_path, name, *flags) -> dict:
-  """A run of the default config through the CLI, at XLA's default optimisation level (350
-  training steps: run time, not compile time, is what this costs; tests/conftest.py): its
-  summary."""
-  env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace(
-      "--xla_backend_optimization_level=0", "")}
+  """A run of the default config through the CLI: its summary."""
   proc = subprocess.run(
       [sys.executable, "-m", "cli.train", "--config=configs/default.py", *flags,
        f"--config.run_dir={tmp_path}", f"--config.run_name={name}", "--config.progress=False",
-       "--config.checkpoint_every=1000"], cwd=ROOT, env=env, capture_output=True, text=True,
-      timeout=900)
+       "--config.checkpoint_every=1000"], cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   with open(os.path.join(tmp_path, name, "summary.json")) as f:
     return json.load(f)
 
 
 @pytest.mark.slow
-def test_async_matches_sync_accuracy_within_1_5x_samples(tmp_path):
+def test_async_matches_sync_accuracy_within_1_5x_samples(tmp_path, optimised_xla):
   """Default task and model: one SFT warm start (300 steps: the held-out accuracy starts near
   0.08), then GRPO sync for 20 steps and async
   (max_staleness 1, truncated IS at 2: configs/async_reverse.py) for 30 steps from it; async
-  must reach the sync run's held-out accuracy."""
+  must reach the sync run's held-out accuracy. The runs go through the CLI, at XLA's default
+  optimisation (`optimised_xla`)."""
   _cli_run(tmp_path, "sft", "--config.sft.steps=300", "--config.rl.steps=0")
   init = os.path.join(str(tmp_path), "sft", "checkpoints", "sft")
   results = {}

@@ -15,7 +15,7 @@ def _text(cell) -> str:
 
 
 @pytest.mark.slow
-def test_quickstart_notebook_executes(tmp_path):
+def test_quickstart_notebook_executes(tmp_path, optimised_xla):  # 300 SFT + 12 RL steps
   import nbformat
   from nbclient import NotebookClient
   nb = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
