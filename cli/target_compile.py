@@ -329,11 +329,11 @@ def report(cfg: ExperimentConfig, target: Target) -> tuple[list[str], bool]:
     cluster, resident, phases = dry_run.tables(cfg, devices)
     programs = rl_programs(cfg, cluster)
     compiled = []
+    size = lambda n: f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
     for p in programs:  # (minutes each at a real size: the supervisor names the one it was on)
       print(f"{compile_guard.PROGRESS}{p.name}", file=sys.stderr, flush=True)
       compiled.append(c := compile_program(p))
       m = c.memory  # (said now: a later program's compile may not finish)
-      size = lambda n: f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
       print(f"jaxrl: dry run: compiled {p.name} in {c.seconds:.0f} s: per device "
             f"{size(m.argument_size_in_bytes)} of arguments, {size(m.temp_size_in_bytes)} of "
             f"temporaries", file=sys.stderr, flush=True)
