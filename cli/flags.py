@@ -98,11 +98,16 @@ def parse_args(argv: list[str]):
                       flag_values=fv)
     flags.DEFINE_string("target", "", "with --dry_run: compile the run's programs for this TPU "
                         "slice (v5p-64, v5e:4x4, ...)", flag_values=fv)
+    flags.DEFINE_string("target_json", "", "with --target: the report's numbers as JSON to this "
+                        "file", flag_values=fv)
     fv(argv)
   if fv.target and not fv.dry_run:
     raise UsageError("--target compiles for a TPU slice without running: add --dry_run")
+  if fv.target_json and not fv.target:
+    raise UsageError("--target_json writes what --target compiles: add --target=SLICE")
   return holder.value, fv.gin_file, fv.gin_param, {"resume": fv.resume, "dry_run": fv.dry_run,
-                                                   "target": fv.target}
+                                                   "target": fv.target,
+                                                   "target_json": fv.target_json}
 
 
 class ArgParser(argparse.ArgumentParser):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib.util
 import os
 import sys
@@ -23,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cli import compile_guard, dry_run
+from cli import compile_guard, dry_run, hlo_flops
 from jaxrl import platform
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.models import flops
@@ -55,15 +56,19 @@ class Program:
   mesh: Any
   lower: Callable[[], Any]
   state: Any = None
-  kernel_flops: float = 0.0  # per device and loop body, in Pallas kernels XLA's count misses
+  kernel_flops: float = 0.0  # per device and piece, in Pallas kernels XLA's count misses
+  jaxrl_flops: float = 0.0  # jaxrl's count of the rest, per device and piece (0: not counted)
+  pieces: int = 1  # pieces of `rl.pass_rows` rows one call runs (a scoring pass, an update)
 
 
 @dataclasses.dataclass
 class Compiled:
   program: Program
   memory: Any  # jax's CompiledMemoryStats, per device
-  cost: dict
+  cost: dict  # XLA's cost analysis (a loop's body counted once)
   seconds: float  # compiling it, on this machine
+  products: float  # matrix-product FLOPs per device of one call, each loop as often as it runs
+  unknown_loops: int  # loops of data-dependent length among them (counted once: a decode loop)
 
   @property
   def bytes(self) -> int:
@@ -72,6 +77,18 @@ class Compiled:
     m = self.memory
     return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
             + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
+
+  @property
+  def flops(self) -> float:
+    """FLOPs per device of one call: its matrix products and the Pallas kernels' (jaxrl's
+    count: XLA sees nothing inside a kernel)."""
+    return self.products + self.program.kernel_flops * self.program.pieces
+
+  @property
+  def jaxrl_flops(self) -> float:
+    """jaxrl's count of the same (0: not counted)."""
+    p = self.program
+    return (p.jaxrl_flops + p.kernel_flops) * p.pieces if p.jaxrl_flops else 0.0
 
 
 def topology_devices(target: Target) -> list:
@@ -92,16 +109,38 @@ def topology_devices(target: Target) -> list:
   return host_major_devices(desc.devices)
 
 
+def _per_piece(cfg: ExperimentConfig, role, total: float) -> float:
+  """`total` FLOPs of one piece (`rl.pass_rows` rows: a loop body of a scoring pass or an
+  update) per device of `role`'s mesh."""
+  return total / (batch_ways(role.mesh, role.rules) * role.mesh.shape.get("tensor", 1))
+
+
 def _splash_flops(cfg: ExperimentConfig, role, passes: int) -> float:
-  """Attention FLOPs per device of one piece (`rl.pass_rows` rows) of a cacheless pass, in the
-  splash kernel: XLA's cost analysis counts a Pallas kernel as nothing. `passes`: forward 1,
-  update 3 (its backward twice the forward), 4 under remat=full (the forward recomputed)."""
+  """Attention FLOPs per device of one piece of a cacheless pass, in the splash kernel: XLA's
+  cost analysis counts a Pallas kernel as nothing. `passes`: forward 1, update 3 (its backward
+  twice the forward), 4 under remat=full (the forward recomputed)."""
   if attention_impl(cfg.model) != "splash":
     return 0.0
   t = cfg.data.max_prompt_tokens + cfg.rl.max_new_tokens
-  rows = cfg.rl.pass_rows / batch_ways(role.mesh, role.rules)
-  tensor = role.mesh.shape.get("tensor", 1)
-  return passes * flops.attention_flops(cfg.model, rows * t, (t + 1) / 2) / tensor
+  return _per_piece(cfg, role, passes * flops.attention_flops(cfg.model, cfg.rl.pass_rows * t,
+                                                              (t + 1) / 2))
+
+
+def _counted(cfg: ExperimentConfig, role, kernel: float, adapters: int, update: bool) -> float:
+  """jaxrl's FLOPs (jaxrl/models/flops.py) of one piece per device, less the kernel's `kernel`. `adapters`: LoRA parameters the role's forward runs (trained in
+  an update)."""
+  rows, n = cfg.rl.pass_rows, cfg.rl.max_new_tokens
+  t = cfg.data.max_prompt_tokens + n
+  total = (flops.executed_train_flops(cfg.model, rows, t, n, lora_params=adapters) if update
+           else flops.forward_flops(cfg.model, rows, t, n) + 2.0 * adapters * rows * t)
+  return _per_piece(cfg, role, total) - kernel
+
+
+def _adapters(cfg: ExperimentConfig, role) -> int:
+  """The LoRA parameters of `role` (0 without LoRA; its trained part is the adapters)."""
+  if not cfg.lora.enabled or role.trainable is None:  # (a reference has no adapters)
+    return 0
+  return sum(x.size for x in jax.tree.leaves(role.split(role.abstract())[0]))
 
 
 def _abstract(tree, shardings):
@@ -175,9 +214,12 @@ def _scoring(cfg: ExperimentConfig, cluster: RoleCluster, actor, critic) -> list
   if critic is not None:
     passes.append(("values", critic.role, scoring.values_fn))
   for name, role, fn in passes:
+    kernel = _splash_flops(cfg, role, 1)
+    counted = 0.0 if name == "values" else _counted(cfg, role, kernel, _adapters(cfg, role),
+                                                    update=False)
     programs.append(Program(name, "scoring", role.mesh,
                             lambda fn=fn, role=role: fn.lower(role.abstract(), *batch(role)),
-                            role.abstract(), _splash_flops(cfg, role, 1)))
+                            role.abstract(), kernel, counted, rl.rollouts // rl.pass_rows))
   if scoring.reward_model is not None:
     rm = scoring.reward_model
     programs.append(Program("reward-model scores", "scoring", rm.mesh, lambda: scoring.scores_fn
@@ -203,11 +245,14 @@ def _updates(cfg: ExperimentConfig, actor, critic) -> list[Program]:
   for name, learner in (("actor update", actor), ("critic update", critic)):
     if learner is not None:
       batch = abstract_experience(cfg, learner.role)
-      passes = 4 if cfg.model.remat == "full" else 3
-      programs.append(Program(name, name, learner.role.mesh,
+      role = learner.role
+      kernel = _splash_flops(cfg, role, 4 if cfg.model.remat == "full" else 3)
+      counted = (_counted(cfg, role, kernel, _adapters(cfg, role), update=True)
+                 if name == "actor update" else 0.0)
+      programs.append(Program(name, name, role.mesh,
                               lambda learner=learner, batch=batch: learner.lower(batch),
-                              (learner.role.abstract(), learner.abstract_state()),
-                              _splash_flops(cfg, learner.role, passes)))
+                              (role.abstract(), learner.abstract_state()), kernel, counted,
+                              cfg.rl.rollouts // cfg.rl.pass_rows))
   return programs
 
 
@@ -228,13 +273,20 @@ def rl_programs(cfg: ExperimentConfig, cluster: RoleCluster) -> list[Program]:
   return programs
 
 
-def compile_program(program: Program) -> Compiled:
+def compile_program(program: Program, memo: dict | None = None) -> Compiled:
   """`program` compiled by the target's compiler; a program it refuses is a ConfigError naming
-  the program and the compiler's first line."""
+  the program and the compiler's first line. `memo`: programs compiled before, by their lowered
+  text and devices (plans that differ only in the update compile the rest once)."""
   start = time.perf_counter()
   try:
+    lowered = program.lower()
+    if memo is not None:
+      key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(),
+             tuple(d.id for d in program.mesh.devices.flat))
+      if key in memo:
+        return dataclasses.replace(memo[key], program=program)
     with no_persistent_cache():
-      compiled = program.lower().compile()
+      compiled = lowered.compile()
   except Exception as e:  # noqa: BLE001  (XlaRuntimeError, Mosaic errors, ...)
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     hosts = host_count(program.mesh.devices.flat)
@@ -245,25 +297,12 @@ def compile_program(program: Program) -> Compiled:
     raise ConfigError(f"--target: the compiler refused {program.name}: {first}") from None
   cost = compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-  return Compiled(program, compiled.memory_analysis(), dict(cost),
-                  time.perf_counter() - start)
-
-
-def program_flops(c: Compiled) -> float:
-  """FLOPs per device of one loop body: XLA's count and the Pallas kernels' it cannot see."""
-  return c.cost.get("flops", 0.0) + c.program.kernel_flops
-
-
-def step_seconds(c: Compiled, target: Target) -> tuple[float, str]:
-  """One run of the program on the target: the compiler's own estimate where it gives a valid
-  one (none does for a program with a Pallas kernel: their cost is unknown to it), else the
-  roofline of its FLOPs and bytes accessed (per device) on the chip's datasheet."""
-  optimal = c.cost.get("optimal_seconds", -1.0)
-  if optimal > 0 and not c.program.kernel_flops:
-    return optimal, "compiler"
-  spec = target.spec
-  return max(program_flops(c) / spec.matmul_flops,
-             c.cost.get("bytes accessed", 0.0) / spec.hbm_bytes_per_s), "roofline"
+  products, unknown = hlo_flops.executed_flops(compiled.as_text())
+  out = Compiled(program, compiled.memory_analysis(), dict(cost), time.perf_counter() - start,
+                 products, unknown)
+  if memo is not None:
+    memo[key] = out
+  return out
 
 
 def phase_peaks(compiled: list[Compiled], resident: dict) -> dict[str, dict]:
@@ -281,34 +320,6 @@ def phase_peaks(compiled: list[Compiled], resident: dict) -> dict[str, dict]:
           for phase, v in out.items()}
 
 
-def _program_lines(compiled: list[Compiled], target: Target, unit: tuple[str, int]) -> list[str]:
-  name, size = unit
-  lines = [f"  {'program, ' + name + ' per device':<34}{'args':>7}{'out':>7}{'temp':>7}{'code':>7}"
-           f"{'GFLOP':>10}{'GB moved':>10}{'est. ms':>9} (how)    compile s"]
-  for c in compiled:
-    m, (sec, how) = c.memory, step_seconds(c, target)
-    cell = lambda n: f"{n / size:7.2f}"
-    lines.append(f"  {c.program.name:<34}{cell(m.argument_size_in_bytes)}"
-                 f"{cell(m.output_size_in_bytes - m.alias_size_in_bytes)}"
-                 f"{cell(m.temp_size_in_bytes)}{cell(m.generated_code_size_in_bytes)}"
-                 f"{program_flops(c) / 1e9:10.1f}"
-                 f"{c.cost.get('bytes accessed', 0) / 1e9:10.2f}"
-                 f"{sec * 1e3:9.2f} ({how}){c.seconds:>12.1f}")
-  return lines
-
-
-def _phase_lines(peaks: dict, estimate: dict, unit: tuple[str, int]) -> list[str]:
-  name, size = unit
-  lines = [f"  {'phase: busiest device, ' + name:<34}{'compiler':>10}{'estimate':>10}   "
-           f"(what stays + the phase; the estimate is --dry_run's)"]
-  for phase, per_device in peaks.items():
-    d = max(per_device, key=per_device.get)
-    est = estimate.get(phase, {}).get(d)
-    lines.append(f"  {phase + f' (device {d})':<34}{per_device[d] / size:10.2f}"
-                 + (f"{est / size:10.2f}" if est else f"{'-':>10}"))
-  return lines
-
-
 @contextlib.contextmanager
 def no_persistent_cache():
   """The persistent compilation cache off: its entries are this host's executables, which a
@@ -321,39 +332,44 @@ def no_persistent_cache():
     jax.config.update("jax_enable_compilation_cache", before)
 
 
-def report(cfg: ExperimentConfig, target: Target) -> tuple[list[str], bool]:
-  """The target compile's lines, and whether every phase fits the chip's HBM."""
+@dataclasses.dataclass
+class TargetRun:
+  """A run's programs compiled for a target, with the dry run's tables for the same placement."""
+  cfg: ExperimentConfig
+  target: Target
+  hosts: int
+  meshes: dict  # {role: {axis: size}} (axes of size 1 left out)
+  compiled: list[Compiled]
+  peaks: dict  # {phase: {device id: bytes}}: the compiler's (phase_peaks)
+  estimate: dict  # {phase: {device id: bytes}}: the dry run's, for the same devices
+  cluster: Any
+  resident: dict
+
+  def worst(self) -> tuple[str, int]:
+    """(phase, bytes) of the busiest device of the worst phase, the compiler's."""
+    return max(((p, max(v.values())) for p, v in self.peaks.items()), key=lambda x: x[1])
+
+
+def compile_run(cfg: ExperimentConfig, target: Target, memo: dict | None = None) -> TargetRun:
+  """Every program of the run compiled for `target`, each said on stderr as it starts and ends
+  (minutes each at a real size: a later one may not finish); `memo` as for compile_program."""
   devices = topology_devices(target)
-  hosts = host_count(devices)
   with platform.building_for("tpu"):
     cluster, resident, phases = dry_run.tables(cfg, devices)
     programs = rl_programs(cfg, cluster)
     compiled = []
     size = lambda n: f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
-    for p in programs:  # (minutes each at a real size: the supervisor names the one it was on)
+    for p in programs:  # (the supervisor names the one it was on if the compiler dies)
       print(f"{compile_guard.PROGRESS}{p.name}", file=sys.stderr, flush=True)
-      compiled.append(c := compile_program(p))
-      m = c.memory  # (said now: a later program's compile may not finish)
+      compiled.append(c := compile_program(p, memo))
+      m = c.memory
       print(f"jaxrl: dry run: compiled {p.name} in {c.seconds:.0f} s: per device "
             f"{size(m.argument_size_in_bytes)} of arguments, {size(m.temp_size_in_bytes)} of "
             f"temporaries", file=sys.stderr, flush=True)
-  meshes = ", ".join(f"{role} {dict(mesh.shape)}" for role, mesh in cluster.meshes.items())
+  meshes = {role: {a: n for a, n in mesh.shape.items() if n > 1} or {"data": 1}
+            for role, mesh in cluster.meshes.items()}
   stays = dry_run.summed(resident)
   estimate = {p: {d: stays.get(d, 0) + v for d, v in dry_run.summed(items).items()}
               for p, items in phases.items()}
-  peaks, hbm = phase_peaks(compiled, resident), target.spec.memory_bytes
-  worst_phase, worst = max(((p, max(v.values())) for p, v in peaks.items()), key=lambda x: x[1])
-  unit = ("GiB", GIB) if worst >= GIB else ("MiB", 1 << 20)
-  lines = [f"target: {target.describe()}, {hosts} hosts; compiled here by libtpu",
-           f"placement {cfg.placement.strategy}: {meshes}",
-           "(XLA counts a loop's body once: GFLOP, GB moved and est. ms are per decode step, "
-           "micro-batch or minibatch where a program loops; GFLOP adds jaxrl's count of the "
-           "splash kernel's attention, which XLA's leaves out)"]
-  lines += _program_lines(compiled, target, unit) + _phase_lines(peaks, estimate, unit)
-  where = (f"{worst / GIB:.2f} GiB at the busiest device ({worst_phase}) of "
-           f"{hbm / GIB:.2f} GiB HBM")
-  if worst <= hbm:
-    return lines + [f"verdict: fits: {where}"], True
-  with platform.building_for("tpu"):  # the estimate's remedy, for the target's kernels
-    remedy = dry_run.remedy(cfg, cluster, resident, hbm)
-  return lines + [f"verdict: DOES NOT FIT: {remedy} (the estimate's remedy); {where}"], False
+  return TargetRun(cfg, target, host_count(devices), meshes, compiled,
+                   phase_peaks(compiled, resident), estimate, cluster, resident)

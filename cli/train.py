@@ -14,6 +14,7 @@
                          for that slice (v5p-64, v6e-16, v5e:4x4, ...; libtpu, allocating
                          nothing): per program the compiler's bytes, FLOPs and a time estimate,
                          per phase the busiest chip against its HBM (cli/target_compile.py)
+  --target_json=PATH     with --target: the report's numbers written to PATH as JSON too
 
 Several hosts: the same command on every host; it joins `jax.distributed` first (auto-detected
 on TPU pods and Slurm, else JAXRL_COORDINATOR / JAXRL_NUM_PROCESSES / JAXRL_PROCESS_ID).
@@ -46,17 +47,17 @@ def _start(argv: list[str]):
   try:
     cfg = with_gin(raw, gin_files, gin_params)
     if opts["dry_run"]:
-      return _dry_run(cfg, opts["target"])
+      return _dry_run(cfg, opts["target"], opts["target_json"])
     return Experiment(cfg, resume_run=opts["resume"])
   except ConfigError as e:
     return fail(str(e))
 
 
-def _dry_run(cfg, target: str) -> int:
+def _dry_run(cfg, target: str, target_json: str) -> int:
   if target:  # (an unknown target or a refused program: a ConfigError, exit 2)
-    from cli.target_compile import report
+    from cli.target_report import report
     from planner.targets import parse_target
-    lines, fits = report(cfg, parse_target(target))
+    lines, fits = report(cfg, parse_target(target), target_json)
   else:
     from cli.dry_run import report
     lines, fits = report(cfg)

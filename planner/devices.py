@@ -32,6 +32,10 @@ class DeviceSpec:
   network_bytes_per_s: float  # per device, one direction, across nodes (NIC per GPU; TPU: ICI)
   devices_per_node: int  # GPUs per node, chips per TPU host
   shared_compute: bool = False  # fake CPU devices: one pool of cores for all of them
+  # gpu | tpu | cpu. A TPU slice's chips share one ICI network across hosts, so the trainer's
+  # fsdp spans the slice (as sharding/placement.py builds it), and its compiler's memory habits
+  # are planner/footprint_tpu.py's.
+  platform: str = "gpu"
   source: str = ""  # where each number comes from
   # Device <-> pinned host memory, one direction (placement.offload): PCIe 5.0 x16 is 64 GB/s
   # in theory, ~50 GB/s measured by NVIDIA's bandwidthTest on H100 hosts; a round 25 GB/s
@@ -52,21 +56,25 @@ DEVICES: dict[str, DeviceSpec] = {
                               "(usual DGX A100 NIC, not confirmed here)"),
     "tpu_v4": DeviceSpec("TPU v4", 275e12, 1.2e12, 32 * GIB, 90 * GB, 270 * GB, 4,
                          source=_TPU + "v4 (275 TFLOP/s bf16, 32 GiB, 1200 GBps; 2x2x1 host); "
-                                + _BOOK + " 45 GB/s x 2 in host, x 6 ports"),
+                                + _BOOK + " 45 GB/s x 2 in host, x 6 ports",
+                         platform="tpu"),
     "tpu_v5e": DeviceSpec("TPU v5e", 197e12, 0.819e12, 16 * GB, 100 * GB, 200 * GB, 8,
                           source=_TPU + "v5e (197 TFLOP/s, 16 GB, 819 GBps, ICI 400 GBps "
                                  "bidirectional per chip, 8 chips per host); "
-                                 + _BOOK + " 50 GB/s"),
+                                 + _BOOK + " 50 GB/s",
+                         platform="tpu"),
     "tpu_v5p": DeviceSpec("TPU v5p", 459e12, 2.765e12, 95 * GB, 200 * GB, 600 * GB, 4,
                           source=_TPU + "v5p (459 TFLOP/s, 95 GB, 2765 GBps, ICI 1200 GBps "
                                  "bidirectional per chip, 4 chips per VM); "
-                                 + _BOOK + " 100 GB/s"),
+                                 + _BOOK + " 100 GB/s",
+                         platform="tpu"),
     "tpu_v6e": DeviceSpec("TPU v6e", 918e12, 1.638e12, 32 * GB, 200 * GB, 400 * GB, 8,
                           source=_TPU + "v6e (918 TFLOP/s, 32 GB, 1638 GBps, ICI 800 GBps "
                                  "bidirectional per chip, 8 chips per host); "
-                                 + _BOOK + " 100 GB/s"),
+                                 + _BOOK + " 100 GB/s",
+                         platform="tpu"),
     "cpu": DeviceSpec("CPU (fake devices)", 2.2e11, 1.0e10, 24 * GIB, 1.0e10, 1.0e10, 8,
-                      shared_compute=True,
+                      shared_compute=True, platform="cpu",
                       source="measured on the 2-core dev machine; calibration replaces these"),
 }
 

@@ -23,9 +23,10 @@ def _shard(n: float, mesh: Mesh) -> float:
   return n / (mesh.fsdp * mesh.tensor)
 
 
-def update_bytes(w: Workload, plan: Plan) -> float:
+def update_bytes(w: Workload, plan: Plan, tpu: bool = False) -> float:
   """What an update adds on one trainer device at its peak (footprint.update_peak): one
-  micro-batch (or minibatch) of rows, the plan's remat; gradients of what trains."""
+  micro-batch (or minibatch) of rows, the plan's remat; gradients of what trains. `tpu`: as the
+  TPU compiler lays it out (planner/footprint_tpu.py)."""
   t = plan.trainer
   rows = plan.micro_batch_size or w.rows // w.num_minibatches
   gathered = w.compute_bytes * w.params / t.tensor if t.fsdp > 1 else 0.0
@@ -33,11 +34,12 @@ def update_bytes(w: Workload, plan: Plan) -> float:
       w.model, rows=rows / (t.data * t.fsdp), seq_len=w.seq_len, logit_chunk=w.logit_chunk(rows),
       param_bytes=_shard(4 * w.trained_params, t), gathered_bytes=gathered,
       tensor=t.tensor, remat=plan.remat, flash_attention=w.flash_attention,
-      accumulate=bool(plan.micro_batch_size))
+      accumulate=bool(plan.micro_batch_size),
+      tpu=dict(params=w.params, fsdp=t.fsdp, lora=bool(w.lora_params)) if tpu else None)
   return sum(peak.values())
 
 
-def trainer_bytes(w: Workload, plan: Plan) -> tuple[float, float]:
+def trainer_bytes(w: Workload, plan: Plan, tpu: bool = False) -> tuple[float, float]:
   """(resident, peak) bytes per trainer device: resident between updates (what stays through
   generation), peak during one. The actor holds float32 weights and Adam moments (12 bytes per
   parameter), or with LoRA its frozen base (and the reference with it) plus 12 bytes per
@@ -49,9 +51,9 @@ def trainer_bytes(w: Workload, plan: Plan) -> tuple[float, float]:
   frozen = 0.0 if plan.strategy == "interleave" else w.params * w.separate_frozen_bytes
   weights = _shard(base * w.params + 4 * w.lora_params + 4 * w.params * int(w.critic), t)
   if plan.offload:
-    return weights, weights + _shard(adam, t) + update_bytes(w, plan)
+    return weights, weights + _shard(adam, t) + update_bytes(w, plan, tpu)
   resident = weights + _shard(adam + frozen, t)
-  return resident, resident + update_bytes(w, plan)
+  return resident, resident + update_bytes(w, plan, tpu)
 
 
 def kv_row_bytes(w: Workload, sampler: Mesh) -> float:
@@ -74,10 +76,12 @@ def kv_rows(w: Workload, plan: Plan, device_bytes: float) -> float:
   return min(w.rows / plan.sampler.data, max(0.0, free / kv_row_bytes(w, plan.sampler)))
 
 
-def memory(w: Workload, plan: Plan, device_bytes: float = math.inf) -> dict[str, float]:
+def memory(w: Workload, plan: Plan, device_bytes: float = math.inf,
+           tpu: bool = False) -> dict[str, float]:
   """Peak bytes per device of each device group: trainer (during the update), sampler (weights
-  and the KV cache of the rows decoding at once), scorer groups (interleave)."""
-  resident, peak = trainer_bytes(w, plan)
+  and the KV cache of the rows decoding at once), scorer groups (interleave). `tpu`: the
+  update's as the TPU compiler lays it out."""
+  resident, peak = trainer_bytes(w, plan, tpu)
   rows = min(w.rows / plan.sampler.data, kv_rows(w, plan, device_bytes))
   sampler = sampler_weight_bytes(w, plan.sampler) + rows * kv_row_bytes(w, plan.sampler)
   out = {"trainer": peak, "sampler": sampler}

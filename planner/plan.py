@@ -13,7 +13,7 @@ import logging
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from planner.calibrate import Calibration
-from planner.cost import Workload
+from planner.cost import Plan, Workload
 from planner.devices import CPU_EFFICIENCY, DEVICES, Efficiency
 from planner.search import Ranked, search
 
@@ -72,7 +72,13 @@ def choose(cfg: ExperimentConfig, devices, hosts: int = 1) -> tuple[ExperimentCo
                       f"{len(devices)} {cal.device.name} devices that fits in memory and splits "
                       f"the batches; choose colocate, interleave or separate")
   best = ranked[0]
-  plan = best.plan
+  log.info("placement plan: %s, predicted %.3g s per RL step (%s)", best.plan.describe(),
+           best.step_s, best.reason)
+  return applied(cfg, best.plan), best
+
+
+def applied(cfg: ExperimentConfig, plan: Plan) -> ExperimentConfig:
+  """`cfg` with `plan`'s placement, micro-batch size, remat and offload."""
   placement = dataclasses.replace(cfg.placement, strategy=plan.strategy,
                                   train_devices=plan.trainer.size if plan.strategy != "colocate"
                                   else cfg.placement.train_devices,
@@ -80,6 +86,4 @@ def choose(cfg: ExperimentConfig, devices, hosts: int = 1) -> tuple[ExperimentCo
                                   offload="all" if plan.offload else cfg.placement.offload)
   rl = dataclasses.replace(cfg.rl, micro_batch_size=plan.micro_batch_size)
   model = dataclasses.replace(cfg.model, remat=plan.remat)
-  log.info("placement plan: %s, predicted %.3g s per RL step (%s)", plan.describe(), best.step_s,
-           best.reason)
-  return dataclasses.replace(cfg, placement=placement, rl=rl, model=model), best
+  return dataclasses.replace(cfg, placement=placement, rl=rl, model=model)

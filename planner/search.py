@@ -4,7 +4,8 @@ placement.offload) and sync / async, under the memory limit,
 ranked by predicted step time.
 
 `presets_only=True` searches what `sharding/placement.make_placement` builds (the trainer
-fsdp-shards inside each host and is data-parallel across hosts; the sampler is {data, tensor});
+fsdp-shards inside each host and is data-parallel across hosts, or on a TPU slice fsdp-shards
+over all its chips; the sampler is {data, tensor});
 that is what `placement.strategy = "plan"` runs. Without it the search also takes trainer meshes
 with a tensor axis and fsdp across nodes, which the simulator needs for 70B and larger models.
 """
@@ -47,8 +48,8 @@ def _hosts(k: int, dev: DeviceSpec) -> int:
 
 
 def _trainer_meshes(devices: int, dev: DeviceSpec, presets_only: bool):
-  if presets_only:  # fsdp inside each host, data parallel across hosts
-    hosts = _hosts(devices, dev)
+  if presets_only:  # fsdp inside each host, data parallel across hosts; a TPU slice: fsdp
+    hosts = 1 if dev.platform == "tpu" else _hosts(devices, dev)
     yield Mesh(data=hosts, fsdp=devices // hosts)
     return
   for tensor in _powers_of_two(min(devices, dev.devices_per_node)):
@@ -138,7 +139,7 @@ def search(w: Workload, n: int, dev: DeviceSpec, eff: Efficiency, *, modes=("syn
     if problem(w, plan, n, dev, presets_only):
       continue
     rows = kv_rows(w, plan, per_device)
-    mem = memory(w, plan, per_device)
+    mem = memory(w, plan, per_device, tpu=dev.platform == "tpu")
     peak = total_bytes(mem, plan) if dev.shared_compute else max(mem.values())
     if rows < 1 or peak > HEADROOM * dev.memory_bytes:
       continue

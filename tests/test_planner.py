@@ -258,3 +258,26 @@ def test_lora_and_offload_in_the_memory_model():
   assert not search(full, 1, h100, eff, modes=("sync",), top=None)
   assert all(not r.plan.offload for r in search(full, 16, h100, eff, top=None)
              if r.plan.strategy != "colocate")
+
+
+def test_on_a_tpu_slice_the_trainer_fsdp_spans_the_hosts_as_the_placement_builds_it(monkeypatch):
+  """A v5p slice of 8 chips is 2 hosts of 4: GPU nodes get fsdp per host and data across them,
+  a TPU slice fsdp over every chip (as sharding/placement.py builds it), and the update's memory
+  as the TPU compiler lays it out (planner/footprint_tpu.py)."""
+  from planner import footprint
+  w = Workload.from_config(ExperimentConfig())
+  tpu = DEVICES["tpu_v5p"]
+  gpu = dataclasses.replace(tpu, platform="gpu")
+  on_tpu, on_gpu = (search(w, 8, d, CPU_EFFICIENCY, top=None, modes=("sync",)) for d in (tpu, gpu))
+  whole = lambda ranked: {(r.plan.trainer.data, r.plan.trainer.fsdp) for r in ranked
+                          if r.plan.trainer.size == 8}
+  assert whole(on_tpu) == {(1, 8)} and whole(on_gpu) == {(2, 4)}
+  assert all(r.plan.trainer.data == 1 for r in on_tpu)
+  spec = make_placement("colocate", 8, train_devices=8, n_hosts=2, one_network=True)
+  assert spec.roles["actor"].shape["fsdp"] == 8
+  calls, real = [], footprint.update_peak
+  monkeypatch.setattr(footprint, "update_peak",
+                      lambda *a, tpu=None, **kw: calls.append(tpu) or real(*a, tpu=tpu, **kw))
+  plan = Plan("colocate", Mesh(fsdp=8), Mesh(data=8), Mesh(fsdp=8))
+  assert memory(w, plan, tpu=True) != memory(w, plan)
+  assert calls[0] == dict(params=w.params, fsdp=8, lora=False) and calls[-1] is None

@@ -37,18 +37,28 @@ def test_unknown_targets_list_the_known_ones(name, expected):
   assert issubclass(TargetError, ConfigError)  # exit 2 through the CLI
 
 
-def test_tiny_ppo_lora_config_compiles_for_a_v5e_slice():
+def test_tiny_ppo_lora_config_compiles_for_a_v5e_slice(tmp_path):
   """configs/tiny.py as PPO with a critic, LoRA (merged into the sampler's copy), remat and
   micro-batches, colocated on a v5e-4: every program of its step, by the TPU compiler. (The
   plain tiny config's command runs in docs/models.md, through tests/test_docs.py.)"""
-  from cli.target_compile import report
+  from cli.target_report import report
   raw = load_config_file("configs/tiny.py")
   raw.placement.update(strategy="colocate")
   raw.lora.update(rank=4, sampler="merged")
   raw.rl.update(advantage="gae", kl_mode="reward", micro_batch_size=4)
   raw.model.update(remat="dots")
-  lines, fits = report(resolve(raw, hf=False), parse_target("v5e-4"))
+  lines, fits = report(resolve(raw, hf=False), parse_target("v5e-4"), str(tmp_path / "t.json"))
   assert fits and lines[-1].startswith("verdict: fits:")
+  summary = json.loads((tmp_path / "t.json").read_text())
+  assert summary["fits"] and summary["hbm_bytes"] == 16e9  # a v5e chip
+  counted = {p["name"]: p for p in summary["programs"] if p["jaxrl_flops"]}
+  assert set(counted) == {"reference log-probs", "old log-probs", "actor update"}
+  for p in counted.values():  # jaxrl's FLOPs of one call against the compiled program's,
+    # whose loop over 4 pieces XLA's own count takes once; the update's backward skips the
+    # first layer's input gradient (nothing below it trains): 7% of this 1-layer model
+    assert p["flops"] == pytest.approx(p["jaxrl_flops"], rel=0.08 if "update" in p["name"] else
+                                       0.01), p
+    assert p["flops"] > 3 * p["xla_flops"], p
   assert lines[0].startswith("target: TPU v5e v5e-4 (topology 2x2: 4 chips")
   rows = {line.split("  ")[1].strip(): line for line in lines if line.startswith("  ")}
   for program in ("generate (prefill + decode loop)", "reference log-probs", "old log-probs",
@@ -163,3 +173,27 @@ def test_memory_and_flop_models_against_the_tpu_compiler():
   assert point["estimate_over_compiler"] == pytest.approx(1.0, abs=0.15)
   assert point["jaxrl_over_compiler"] == pytest.approx(1.0, abs=0.05)
   assert 0 < point["live_bytes"] <= point["allocated_bytes"] <= point["temp_bytes"]
+
+
+def test_matrix_products_are_counted_as_often_as_their_loops_run():
+  """A product inside a 3-step scan, its weight fsdp-sharded over a v5p-64's 32 chips: the TPU
+  compiler makes a loop of the all-gather and the product (a windowed einsum) inside the scan's
+  loop, and XLA's cost analysis counts each loop's body once. cli/hlo_flops.py counts it all."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  from cli.hlo_flops import executed_flops
+  from cli.target_compile import no_persistent_cache, topology_devices
+  mesh = Mesh(np.array(topology_devices(parse_target("v5p-64"))), ("fsdp",))
+  rows, d, f = 256, 2048, 8192
+  x = jax.ShapeDtypeStruct((3, 32 * rows, d), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P(None, "fsdp", None)))
+  w = jax.ShapeDtypeStruct((f, d), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "fsdp")))
+  scan = lambda x, w: jax.lax.scan(lambda c, x: (c + jnp.tanh(x @ w.T).sum(), None), 0.0, x)[0]
+  with no_persistent_cache():
+    compiled = jax.jit(scan).lower(x, w).compile()
+  per_chip = 3 * 2 * rows * d * f
+  assert executed_flops(compiled.as_text()) == (per_chip, 0)
+  xla = compiled.cost_analysis()
+  assert (xla[0] if isinstance(xla, (list, tuple)) else xla)["flops"] < per_chip / 10

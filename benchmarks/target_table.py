@@ -1,0 +1,215 @@
+"""Every real-size config compiled for its TPU target by the TPU compiler on this CPU: the table
+in docs/benchmarks.md (its "target table" block).
+
+  python -m benchmarks.target_table --rows qwen2.5-0.5b,llama3.1-8b   # compile these rows
+  python -m benchmarks.target_table --write    # the docs' table from the stored rows
+  python -m benchmarks.target_table --json     # the table, then the stored rows as one JSON line
+
+A row is `python -m cli.train --config=CONFIG --dry_run --target=SLICE OVERRIDES
+--target_json=FILE` in a process of its own (minutes to tens of minutes each on a 2-core
+machine). Its report's numbers are kept in benchmarks/target_table.json with the date, the
+commit and this machine's CPU, so a row is compiled again only when named. The Llama-3.1-70B
+compiles with its layers cut to 8 and 16 (its 80 unrolled layers' update needs more host memory
+than a 24 GB machine has): per program, arguments and temporaries are linear in the layers,
+and the table extrapolates the busiest device to 80 from the two cuts (said as such).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import emit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STORE = os.path.join(ROOT, "benchmarks", "target_table.json")
+DOC = os.path.join(ROOT, "docs", "benchmarks.md")
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  label: str
+  config: str
+  target: str
+  overrides: tuple[str, ...] = ()
+  layers: int = 0  # a cut of a deeper model: its layers (the full depth is in the label)
+
+
+COLOCATE = ("--config.placement.strategy=colocate",)
+ROWS = {
+    "qwen2.5-0.5b": Row("Qwen2.5-0.5B", "configs/qwen2_5_0_5b_gsm8k.py", "v5p-8"),
+    "qwen2.5-7b": Row("Qwen2.5-7B", "configs/qwen2_5_7b_gsm8k.py", "v5p-8", COLOCATE),
+    "qwen2.5-7b-lora": Row("Qwen2.5-7B LoRA", "configs/qwen2_5_7b_gsm8k_lora.py", "v5p-8"),
+    "llama3.1-8b": Row("Llama-3.1-8B", "configs/llama3_1_8b_gsm8k.py", "v5p-8", COLOCATE),
+    "llama3.1-8b-lora": Row("Llama-3.1-8B LoRA", "configs/llama3_1_8b_gsm8k_lora.py", "v5p-8"),
+    "llama3.1-70b-8": Row("Llama-3.1-70B", "configs/llama3_1_70b_gsm8k.py", "v5p-64",
+                          ("--config.model.n_layers=8",), layers=8),
+    "llama3.1-70b-16": Row("Llama-3.1-70B", "configs/llama3_1_70b_gsm8k.py", "v5p-64",
+                           ("--config.model.n_layers=16",), layers=16),
+}
+FULL_DEPTH = {"Llama-3.1-70B": 80}
+
+
+def _machine() -> str:
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    model = platform.processor() or "unknown CPU"
+  return f"{model}, {os.cpu_count()} cores"
+
+
+def compile_row(name: str) -> dict:
+  """One row's target compile in a child process: its summary, or the error line it ended on."""
+  row = ROWS[name]
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "summary.json")
+    cmd = [sys.executable, "-m", "cli.train", f"--config={row.config}", "--dry_run",
+           f"--target={row.target}", f"--target_json={out}", *row.overrides]
+    start, errors = time.perf_counter(), []
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    for line in proc.stderr:  # the target compile's progress, program by program
+      if line.startswith("jaxrl:"):
+        print(f"  {name}: {line.rstrip()}", file=sys.stderr, flush=True)
+        errors += [line.strip()] if line.startswith("jaxrl: error:") else []
+    proc.wait()
+    wall = time.perf_counter() - start
+    summary = None
+    if os.path.exists(out):
+      with open(out, encoding="utf-8") as f:
+        summary = json.load(f)
+  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+  shown = ["python"] + [a for a in cmd[1:] if not a.startswith("--target_json")]
+  return {"command": " ".join(shown),
+          "exit": proc.returncode, "error": errors[-1] if errors else None, "summary": summary,
+          "wall_seconds": round(wall, 1), "date": datetime.date.today().isoformat(),
+          "commit": commit, "machine": _machine()}
+
+
+def _ratio(a, b) -> str:
+  return f"{a / b:.2f}" if a and b else "-"
+
+
+def _programs(summary: dict, names: tuple[str, ...]) -> list[dict]:
+  return [p for p in summary["programs"] if p["name"] in names]
+
+
+def _flops_cell(summary: dict, names: tuple[str, ...]) -> str:
+  """jaxrl's FLOPs over the compiled program's (one call, every loop's runs), per program."""
+  return " / ".join(_ratio(p["jaxrl_flops"], p["flops"]) for p in _programs(summary, names)
+                    if p["jaxrl_flops"]) or "-"
+
+
+def _seconds_cell(summary: dict, names: tuple[str, ...]) -> str:
+  """The named programs' estimated seconds (one call each: once per RL step), summed."""
+  picked = _programs(summary, names)
+  hows = "/".join(sorted({p["seconds_from"] for p in picked}))
+  return f"{sum(p['seconds'] for p in picked):.2f} ({hows})" if picked else "-"
+
+
+def _meshes(summary: dict) -> str:
+  mesh = lambda role: " x ".join(f"{a} {n}" for a, n in summary["meshes"][role].items())
+  return f"{summary['placement']}: trainer {mesh('actor')}, sampler {mesh('sampler')}"
+
+
+SCORING = ("reference log-probs", "old log-probs")
+
+
+def table_row(row: Row, stored: dict) -> str:
+  depth = f", {row.layers} of {FULL_DEPTH[row.label]} layers" if row.layers else ""
+  head = f"| {row.label}{depth} | {row.target} |"
+  s = stored.get("summary")
+  if s is None:
+    return head + f" did not compile: {stored.get('error') or 'exit ' + str(stored['exit'])} |" \
+        + " |" * 7
+  ph = s["phases"][s["worst_phase"]]
+  return (f"{head} {_meshes(s)} | {s['worst_bytes'] / GIB:.2f} ({s['worst_phase']}) of "
+          f"{s['hbm_bytes'] / GIB:.1f}: {'fits' if s['fits'] else 'NO'} | "
+          f"{_ratio(ph['estimate_bytes'], ph['compiler_bytes'])} | "
+          f"{_flops_cell(s, ('actor update',))} | {_flops_cell(s, SCORING)} | "
+          f"{_seconds_cell(s, ('actor update',))} | {_seconds_cell(s, SCORING)} | "
+          f"{_seconds_cell(s, ('generate (prefill + decode loop)',))} | "
+          f"{stored['wall_seconds'] / 60:.0f} min |")
+
+
+def extrapolated(stored: dict) -> list[str]:
+  """The busiest device of each full-depth model compiled only as two layer cuts, linear in
+  the layers from the cuts' per-phase peaks."""
+  lines = []
+  for label, depth in FULL_DEPTH.items():
+    cuts = sorted((r.layers, stored[n]["summary"]) for n, r in ROWS.items()
+                  if r.label == label and r.layers and (stored.get(n) or {}).get("summary"))
+    if len(cuts) < 2:
+      continue
+    (l1, s1), (l2, s2) = cuts[0], cuts[-1]
+    per_phase = {}
+    for phase, p1 in s1["phases"].items():
+      b1, b2 = p1["compiler_bytes"], s2["phases"][phase]["compiler_bytes"]
+      per_phase[phase] = b1 + (b2 - b1) * (depth - l1) / (l2 - l1)
+    phase, worst = max(per_phase.items(), key=lambda kv: kv[1])
+    lines.append(f"{label} at its {depth} layers, extrapolated linearly from the {l1}- and "
+                 f"{l2}-layer compiles: {worst / GIB:.1f} GiB at the busiest device ({phase}) of "
+                 f"{s1['hbm_bytes'] / GIB:.1f} GiB HBM: "
+                 f"{'fits' if worst <= s1['hbm_bytes'] else 'does NOT fit'}; per phase "
+                 + ", ".join(f"{p} {b / GIB:.1f}" for p, b in per_phase.items()) + ".")
+  return lines
+
+
+def markdown(store: dict) -> list[str]:
+  lines = ["| config | target | placement | busiest device, GiB (phase) of HBM | "
+           "estimate / compiler | FLOPs jaxrl / compiled: update | scoring | est. s: update | "
+           "scoring | generate (prefill + 1 decode step) | compile here |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines += [table_row(row, store[name]) for name, row in ROWS.items() if name in store]
+  return lines + [""] + extrapolated(store)
+
+
+def _stored() -> dict:
+  if not os.path.exists(STORE):
+    return {}
+  with open(STORE, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rows", default="", help=f"compile these rows: {','.join(ROWS)}")
+  parser.add_argument("--write", action="store_true", help=f"rewrite the table in {DOC}")
+  parser.add_argument("--json", action="store_true")
+  args = parser.parse_args()
+  names = [n for n in args.rows.split(",") if n]
+  unknown = [n for n in names if n not in ROWS]
+  if unknown:
+    print(f"target_table: error: --rows: unknown {unknown}; known: {', '.join(ROWS)}",
+          file=sys.stderr)
+    sys.exit(2)
+  for name in names:
+    print(f"target_table: compiling {name} ...", file=sys.stderr, flush=True)
+    result = compile_row(name)
+    store = {**_stored(), name: result}  # (read again: another process may have added rows)
+    with open(STORE, "w", encoding="utf-8") as f:
+      json.dump(store, f, indent=1)
+  lines = markdown(_stored())
+  print("\n".join(lines))
+  if args.write:
+    from planner.scaling import replace_block
+    with open(DOC, encoding="utf-8") as f:
+      text = replace_block(f.read(), "target table", lines, DOC)
+    with open(DOC, "w", encoding="utf-8") as f:
+      f.write(text)
+  if args.json:
+    emit({"rows": _stored()}, True)
+
+
+if __name__ == "__main__":
+  main()
