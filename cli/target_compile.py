@@ -127,8 +127,8 @@ def _splash_flops(cfg: ExperimentConfig, role, passes: int) -> float:
 
 
 def _counted(cfg: ExperimentConfig, role, kernel: float, adapters: int, update: bool) -> float:
-  """jaxrl's FLOPs (jaxrl/models/flops.py) of one piece per device, less the kernel's `kernel`. `adapters`: LoRA parameters the role's forward runs (trained in
-  an update)."""
+  """jaxrl's FLOPs (jaxrl/models/flops.py) of one piece per device, less the kernel's
+  `kernel`. `adapters`: LoRA parameters the role's forward runs (trained in an update)."""
   rows, n = cfg.rl.pass_rows, cfg.rl.max_new_tokens
   t = cfg.data.max_prompt_tokens + n
   total = (flops.executed_train_flops(cfg.model, rows, t, n, lora_params=adapters) if update

@@ -59,6 +59,7 @@ def test_tiny_ppo_lora_config_compiles_for_a_v5e_slice(tmp_path):
     assert p["flops"] == pytest.approx(p["jaxrl_flops"], rel=0.08 if "update" in p["name"] else
                                        0.01), p
     assert p["flops"] > 3 * p["xla_flops"], p
+  _table_from(summary)
   assert lines[0].startswith("target: TPU v5e v5e-4 (topology 2x2: 4 chips")
   rows = {line.split("  ")[1].strip(): line for line in lines if line.startswith("  ")}
   for program in ("generate (prefill + decode loop)", "reference log-probs", "old log-probs",
@@ -70,6 +71,25 @@ def test_tiny_ppo_lora_config_compiles_for_a_v5e_slice(tmp_path):
   assert float(update[2]) > float(rows["reference log-probs"][36:].split()[2])  # temporaries
   for phase in ("generation", "scoring", "actor update", "critic update"):
     assert any(line.startswith(f"  {phase} (device ") for line in lines), phase
+
+
+def _table_from(summary: dict) -> None:
+  """benchmarks/target_table.py's row of a compiled run, and its extrapolation of a deeper
+  model from two layer cuts (bytes linear in the layers)."""
+  from benchmarks import target_table
+  row = target_table.table_row(target_table.Row("tiny", "configs/tiny.py", "v5e-4"),
+                               {"summary": summary, "wall_seconds": 30.0})
+  cells = [c.strip() for c in row.strip("|").split("|")]
+  assert cells[:3] == ["tiny", "v5e-4", "colocate: trainer fsdp 4, sampler data 2 x tensor 2"], cells
+  assert cells[3].endswith("(actor update) of 14.9: fits") and len(cells) == 12, cells
+  deeper = json.loads(json.dumps(summary))
+  for phase in deeper["phases"].values():
+    phase["compiler_bytes"] += 2**30  # one more GiB for 8 more layers
+  stored = {"llama3.1-70b-8": {"summary": summary}, "llama3.1-70b-16": {"summary": deeper}}
+  (line,) = target_table.extrapolated(stored)
+  worst = max(p["compiler_bytes"] for p in summary["phases"].values()) + 9 * 2**30  # 8 -> 80
+  assert f"extrapolated linearly from the 8- and 16-layer compiles: {worst / 2**30:.1f} GiB" \
+      in line, line
 
 
 def test_a_topology_the_placement_cannot_use_names_the_field(capsys):
