@@ -157,11 +157,16 @@ def extrapolated(stored: dict) -> list[str]:
       b1, b2 = p1["compiler_bytes"], s2["phases"][phase]["compiler_bytes"]
       per_phase[phase] = b1 + (b2 - b1) * (depth - l1) / (l2 - l1)
     phase, worst = max(per_phase.items(), key=lambda kv: kv[1])
+    seconds = lambda s, names: sum(p["seconds"] for p in _programs(s, names))
+    at_depth = lambda names: seconds(s1, names) + (seconds(s2, names) - seconds(s1, names)) * (
+        depth - l1) / (l2 - l1)
     lines.append(f"{label} at its {depth} layers, extrapolated linearly from the {l1}- and "
                  f"{l2}-layer compiles: {worst / GIB:.1f} GiB at the busiest device ({phase}) of "
                  f"{s1['hbm_bytes'] / GIB:.1f} GiB HBM: "
                  f"{'fits' if worst <= s1['hbm_bytes'] else 'does NOT fit'}; per phase "
-                 + ", ".join(f"{p} {b / GIB:.1f}" for p, b in per_phase.items()) + ".")
+                 + ", ".join(f"{p} {b / GIB:.1f}" for p, b in per_phase.items())
+                 + f"; est. s: update {at_depth(('actor update',)):.2f}, scoring "
+                 f"{at_depth(SCORING):.2f}.")
   return lines
 
 
