@@ -207,11 +207,8 @@ def main() -> None:
   lines = markdown(_stored())
   print("\n".join(lines))
   if args.write:
-    from planner.scaling import replace_block
-    with open(DOC, encoding="utf-8") as f:
-      text = replace_block(f.read(), "target table", lines, DOC)
-    with open(DOC, "w", encoding="utf-8") as f:
-      f.write(text)
+    from planner.scaling import write_block
+    write_block(DOC, "target table", lines)
   if args.json:
     emit({"rows": _stored()}, True)
 

@@ -64,11 +64,8 @@ def main() -> None:
     rows = table()
   print("\n".join(rows))
   if args.write:
-    from planner.scaling import replace_block
-    with open(DOC, encoding="utf-8") as f:
-      text = replace_block(f.read(), "fit table", rows, DOC)
-    with open(DOC, "w", encoding="utf-8") as f:
-      f.write(text)
+    from planner.scaling import write_block
+    write_block(DOC, "fit table", rows)
 
 
 if __name__ == "__main__":

@@ -203,6 +203,14 @@ def replace_block(text: str, name: str, lines: list[str], doc: str) -> str:
   return pattern.sub(lambda m: m.group(1) + "\n".join(lines) + "\n" + m.group(2), text)
 
 
+def write_block(doc: str, name: str, lines: list[str]) -> None:
+  """Rewrites the file `doc`'s `name` block (replace_block) in place."""
+  with open(doc, encoding="utf-8") as f:
+    text = replace_block(f.read(), name, lines, doc)
+  with open(doc, "w", encoding="utf-8") as f:
+    f.write(text)
+
+
 def render(text: str) -> str:
   """`text` with every generated block replaced by what the code computes now."""
   for name, fn in BLOCKS.items():
