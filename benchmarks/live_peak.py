@@ -72,3 +72,25 @@ def live_peak(directory: str, module: str) -> tuple[int, int]:
   peak = max((_covered([(o, o + z) for s, e, o, z in spans if s <= t <= e]) for t in events),
              default=0)
   return peak, allocated
+
+
+def at_peak(directory: str, module: str, top: int = 12) -> list[tuple[str, int, str]]:
+  """The `top` largest temporaries live at the live peak: (value name, bytes, its instruction's
+  shape and op, from the after-optimizations HLO)."""
+  prefix = sorted(glob.glob(os.path.join(directory, f"*{module}*after_optimizations-buffer-"
+                                                    "assignment.txt")))[-1]
+  prefix = prefix[:-len("buffer-assignment.txt")]
+  values, _ = _temp_values(prefix + "buffer-assignment.txt")
+  ranges = _live_ranges(prefix + "live-range.txt")
+  spans = [(name, *ranges[k], o, z) for name, (o, z) in values.items()
+           if (k := name if name.endswith("}") else name + "{}") in ranges]
+  events = sorted({s for _, s, *_ in spans} | {e for _, _, e, *_ in spans})
+  live = lambda t: [sp for sp in spans if sp[1] <= t <= sp[2]]
+  t = max(events, key=lambda t: _covered([(o, o + z) for _, _, _, o, z in live(t)]))
+  hlo = open(prefix[:-1] + ".txt").read() if os.path.exists(prefix[:-1] + ".txt") else ""
+  out = []
+  for name, _, _, _, size in sorted(live(t), key=lambda sp: -sp[4])[:top]:
+    base = name.split("{")[0]
+    m = re.search(rf"\n\s*(?:ROOT )?%?{re.escape(base)} = ([^\n]{{0,160}})", hlo)
+    out.append((name, size, m.group(1) if m else ""))
+  return out

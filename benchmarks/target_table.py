@@ -4,6 +4,7 @@ in docs/benchmarks.md (its "target table" block).
   python -m benchmarks.target_table --rows qwen2.5-0.5b,llama3.1-8b   # compile these rows
   python -m benchmarks.target_table --write    # the docs' table from the stored rows
   python -m benchmarks.target_table --json     # the table, then the stored rows as one JSON line
+  python -m benchmarks.target_table --estimates --write  # today's dry run against stored compiles
 
 A row is `python -m cli.train --config=CONFIG --dry_run --target=SLICE OVERRIDES
 --target_json=FILE` in a process of its own (minutes to tens of minutes each on a 2-core
@@ -87,13 +88,53 @@ def compile_row(name: str) -> dict:
     if os.path.exists(out):
       with open(out, encoding="utf-8") as f:
         summary = json.load(f)
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
+  commit = _commit()
   shown = ["python"] + [a for a in cmd[1:] if not a.startswith("--target_json")]
   return {"command": " ".join(shown),
           "exit": proc.returncode, "error": errors[-1] if errors else None, "summary": summary,
           "wall_seconds": round(wall, 1), "date": datetime.date.today().isoformat(),
           "commit": commit, "machine": _machine()}
+
+
+def refreshed(name: str, entry: dict) -> dict:
+  """A stored row with this commit's dry run: its phases from the stored programs' bytes (what
+  stays and what offload brings back, per phase) and the estimates from today's memory model;
+  no compile (the programs are built, not lowered). Call after sharding.host.cpu_only_here."""
+  from types import SimpleNamespace
+
+  from cli import dry_run
+  from cli.flags import parse_args
+  from cli.target_compile import Compiled, estimates, phase_peaks, rl_programs, topology_devices
+  from jaxrl import platform
+  from jaxrl.config_files import with_gin
+  from planner.targets import parse_target
+  row, summary = ROWS[name], entry["summary"]
+  raw, gin_files, gin_params, _ = parse_args(["refresh", f"--config={row.config}", *row.overrides])
+  cfg = with_gin(raw, gin_files, gin_params)
+  with platform.building_for("tpu"):
+    cluster, resident, phases = dry_run.tables(cfg, topology_devices(parse_target(row.target)))
+    programs = {p.name: p for p in rl_programs(cfg, cluster)}
+  compiled = [Compiled(programs[p["name"]], SimpleNamespace(
+      argument_size_in_bytes=p["argument_bytes"], output_size_in_bytes=p["output_bytes"],
+      alias_size_in_bytes=0, temp_size_in_bytes=p["temp_bytes"],
+      generated_code_size_in_bytes=p["code_bytes"]), {}, p["compile_seconds"], p["flops"], 0)
+      for p in summary["programs"]]
+  peaks, estimate = phase_peaks(compiled, resident, phases), estimates(resident, phases)
+  out = {}
+  for phase, per_device in peaks.items():
+    d = max(per_device, key=per_device.get)
+    out[phase] = {"device": d, "compiler_bytes": per_device[d],
+                  "estimate_bytes": estimate.get(phase, {}).get(d)}
+  worst_phase = max(out, key=lambda p: out[p]["compiler_bytes"])
+  worst = out[worst_phase]["compiler_bytes"]
+  summary = {**summary, "phases": out, "worst_phase": worst_phase, "worst_bytes": worst,
+             "fits": worst <= summary["hbm_bytes"]}
+  return {**entry, "summary": summary, "estimates_from": _commit()}
+
+
+def _commit() -> str:
+  return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                        text=True).stdout.strip()
 
 
 def _ratio(a, b) -> str:
@@ -191,6 +232,8 @@ def main() -> None:
   parser.add_argument("--rows", default="", help=f"compile these rows: {','.join(ROWS)}")
   parser.add_argument("--write", action="store_true", help=f"rewrite the table in {DOC}")
   parser.add_argument("--json", action="store_true")
+  parser.add_argument("--estimates", action="store_true", help="the stored rows' phases and "
+                      "estimates again with this commit's dry run (seconds; no compile)")
   args = parser.parse_args()
   names = [n for n in args.rows.split(",") if n]
   unknown = [n for n in names if n not in ROWS]
@@ -202,6 +245,12 @@ def main() -> None:
     print(f"target_table: compiling {name} ...", file=sys.stderr, flush=True)
     result = compile_row(name)
     store = {**_stored(), name: result}  # (read again: another process may have added rows)
+    with open(STORE, "w", encoding="utf-8") as f:
+      json.dump(store, f, indent=1)
+  if args.estimates:
+    from sharding.host import cpu_only_here
+    cpu_only_here()
+    store = {n: refreshed(n, e) if (e or {}).get("summary") else e for n, e in _stored().items()}
     with open(STORE, "w", encoding="utf-8") as f:
       json.dump(store, f, indent=1)
   lines = markdown(_stored())

@@ -22,7 +22,7 @@ import numpy as np
 from jaxrl import platform
 from jaxrl.algos.logprobs import chunk_length
 from jaxrl.config import ConfigError, ExperimentConfig, offload_items, usable_memory_gb
-from planner import footprint
+from planner import footprint, footprint_tpu
 from sharding.placement import PlacementError
 from sharding.rules import SAMPLER_RULES, batch_ways
 from train.roles.cluster import RoleCluster
@@ -175,7 +175,16 @@ def scoring_footprint(cfg: ExperimentConfig, role) -> dict[str, float]:
   """One device's peak during `role`'s scoring pass beyond its resident state
   (footprint.scoring_peak)."""
   lm_head = role.name in ("actor", "reference")
-  return footprint.scoring_peak(cfg.model, **_pass(cfg, role.mesh, role.rules, lm_head))
+  shape = _pass(cfg, role.mesh, role.rules, lm_head)
+  if platform.backend() != "tpu":
+    return footprint.scoring_peak(cfg.model, **shape)
+  m, abstract = cfg.model, role.abstract()
+  cb = np.dtype(m.compute_dtype).itemsize
+  wide = [x for x in jax.tree.leaves(abstract) if np.dtype(x.dtype).itemsize > cb]
+  shape.pop("flash_attention")
+  return footprint_tpu.scoring_peak(
+      m, **shape, fsdp=role.mesh.shape.get("fsdp", 1), pieces=cfg.rl.rollouts // cfg.rl.pass_rows,
+      cast_bytes=max(shard_bytes(wide, cb).values(), default=0), cb=cb)
 
 
 def summed(table: dict) -> collections.Counter:

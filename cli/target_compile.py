@@ -305,18 +305,22 @@ def compile_program(program: Program, memo: dict | None = None) -> Compiled:
   return out
 
 
-def phase_peaks(compiled: list[Compiled], resident: dict) -> dict[str, dict]:
+def phase_peaks(compiled: list[Compiled], resident: dict, phases: dict) -> dict[str, dict]:
   """{phase: {device id: bytes}}: on each device of a phase's programs, what stays through the
-  step (the dry run's table, less the programs' own resident arguments, which they count) plus
-  the programs of the phase together (they run at the same time)."""
+  step and what `placement.offload` brings back for the phase (the dry run's tables, less the
+  programs' own arguments, which they count) plus the programs of the phase together (they run
+  at the same time)."""
   stays, out = dry_run.summed(resident), {}
+  onloaded = {p: dry_run.summed({k: v for k, v in items.items() if k.endswith("(onloaded)")})
+              for p, items in phases.items()}
   for c in compiled:
     state = dry_run.shard_bytes(c.program.state) if c.program.state is not None else {}
     per_device = out.setdefault(c.program.phase, {})
     for d in c.program.mesh.devices.flat:
       own, held = per_device.get(d.id, (0, 0))
       per_device[d.id] = (own + c.bytes, held + state.get(d.id, 0))
-  return {phase: {d: max(0, stays.get(d, 0) - held) + own for d, (own, held) in v.items()}
+  back = lambda phase, d: stays.get(d, 0) + onloaded.get(phase, {}).get(d, 0)
+  return {phase: {d: max(0, back(phase, d) - held) + own for d, (own, held) in v.items()}
           for phase, v in out.items()}
 
 
@@ -368,8 +372,13 @@ def compile_run(cfg: ExperimentConfig, target: Target, memo: dict | None = None)
             f"temporaries", file=sys.stderr, flush=True)
   meshes = {role: {a: n for a, n in mesh.shape.items() if n > 1} or {"data": 1}
             for role, mesh in cluster.meshes.items()}
-  stays = dry_run.summed(resident)
-  estimate = {p: {d: stays.get(d, 0) + v for d, v in dry_run.summed(items).items()}
-              for p, items in phases.items()}
   return TargetRun(cfg, target, host_count(devices), meshes, compiled,
-                   phase_peaks(compiled, resident), estimate, cluster, resident)
+                   phase_peaks(compiled, resident, phases), estimates(resident, phases), cluster,
+                   resident)
+
+
+def estimates(resident: dict, phases: dict) -> dict[str, dict]:
+  """{phase: {device id: bytes}}: the dry run's, what stays plus the phase's items."""
+  stays = dry_run.summed(resident)
+  return {p: {d: stays.get(d, 0) + v for d, v in dry_run.summed(items).items()}
+          for p, items in phases.items()}

@@ -13,19 +13,37 @@ habits differ from XLA:CPU's, to which planner/footprint.py's counts are fitted:
     shard and, under fsdp, half a layer's gathered weights;
   - the temporaries are packed into one preallocated buffer about 1.2x their live peak
     ("buffer packing"), and loops carry buffers outside it: two float32 head gradients (the
-    log-prob chunks' loop) and, with micro-batches, the gradient accumulator.
+    log-prob chunks' loop) and, with micro-batches, the gradient accumulator. Under fsdp over
+    8 chips or more (the compiler multiplies by the head shard by shard: a "windowed einsum")
+    the loop carries about half of one (45 MiB beside a 64 MiB gradient on a v5p-64).
 
 Fitted to the `temp_size_in_bytes` of 12 small updates on a v5e-4 (within 12% at each) and,
-held out, within 4% of the Qwen2.5-0.5B update's on a v5p-8 (docs/benchmarks.md)."""
+held out, within 9% of the real-size updates under fsdp 4 (docs/benchmarks.md's target table).
+At a 32768-word vocabulary under fsdp 4 it is 1.38x the compiler's (the loop carried 27 MiB
+there, not two 64 MiB gradients: where the compiler carries them whole is not pinned down).
+
+A scoring pass (old or reference log-probs; `scoring_peak`) holds, at its peak, either the head's
+weights gathered whole beside one log-prob chunk's float32 logits (a tied table also keeps two
+relaid copies of its own shard), or a block's gate and up outputs beside the weights fsdp
+gathers for it and the next (about two layers; under fsdp over 8 or more chips the compiler
+multiplies by each shard in turn, a "windowed einsum", and gathers no layer whole). A pass in
+several pieces (`rl.pass_rows`) loops over them, and ahead of that loop the compiler makes what
+every piece reads: float32 weights' compute-dtype copy, and under a windowed einsum each layer's
+shard buffers (about 1.15 of a layer's shard). Read from the buffers live at the peak of the
+compiled passes (benchmarks/live_peak.py `at_peak`) of 14 small points on a v5e-4 and the real
+configs of docs/benchmarks.md's target table."""
 from __future__ import annotations
 
 from jaxrl.models import flops
 
+WINDOWED_FSDP = 8  # fsdp degree from which the compiler multiplies by weights shard by shard
 SAVED_D_MODEL = {"none": 3.25, "dots": 0.3, "full": 3.5}  # d_model-sized states a block keeps
 SPLASH_STATS = 4 * 128  # float32 bytes per token and head of the splash kernel's statistics
 WORK_D_MODEL = 4.0  # d_model-sized states of a block's backward beyond what it saved
 LOGIT_COPIES, WEIGHT_COPIES, GATHERED_LAYERS, PACKING = 0.8, 0.9, 0.5, 1.2
-HEAD_GRADIENT_CARRIES = 2  # float32 head gradients the log-prob chunks' loop carries
+# float32 head gradients the log-prob chunks' loop carries: whole, or (fsdp over
+# WINDOWED_FSDP chips or more, the head's product shard by shard) about half of one
+HEAD_GRADIENT_CARRIES, WINDOWED_HEAD_CARRIES = 2, 0.5
 
 
 def _saved(m, remat: str, tensor: int, lora: bool, cb: int) -> float:
@@ -51,7 +69,7 @@ def update_peak(m, *, rows: float, seq_len: float, logit_chunk: int, param_bytes
   head = m.vocab_size * m.d_model / tensor
   head_grad = 0.0 if lora else 4 * head
   layer_grad = 0.0 if lora else 4 * layer / (fsdp * tensor)
-  copies = WEIGHT_COPIES * cb * params / (fsdp * tensor)
+  copies = 0.0 if lora else WEIGHT_COPIES * cb * params / (fsdp * tensor)  # (a frozen base: stored in cb)
   gathered = copies + (GATHERED_LAYERS * cb * layer / tensor if fsdp > 1 else 0.0)
   grads = param_bytes if accumulate else 0.0  # the accumulator
   logits = LOGIT_COPIES * rows * logit_chunk * m.vocab_size * 4 / tensor + cb * head
@@ -66,5 +84,37 @@ def update_peak(m, *, rows: float, seq_len: float, logit_chunk: int, param_bytes
   peak = max(phases, key=lambda p: sum(p.values()))
   out = {k: peak.get(k, 0.0) for k in ("gradients", "activations", "logits", "gathered weights")}
   out["buffer packing"] = (PACKING - 1) * sum(out.values())
-  out["gradients"] += HEAD_GRADIENT_CARRIES * head_grad + grads
+  carries = WINDOWED_HEAD_CARRIES if fsdp >= WINDOWED_FSDP else HEAD_GRADIENT_CARRIES
+  out["gradients"] += carries * head_grad + grads
+  return out
+
+
+SCORING_FF = 2  # d_ff-sized states at a block's peak in a scoring pass (gate, up)
+SCORING_D_MODEL = 4  # d_model-sized states beside them (residual, norm, attention's output)
+SCORING_GATHERED_LAYERS = 2.0  # layers fsdp gathers around a block (this one, the next)
+WINDOW_BUFFERS = 1.15  # of a layer's shard, kept per layer across a windowed pass's loop
+SCORING_PACKING = 1.03
+SCORING_FIXED = 12 * 2**20, 4 * 2**20  # bytes the compiler reserves beside (with, without fsdp)
+
+
+def scoring_peak(m, *, rows: float, seq_len: float, logit_chunk: int, fsdp: int, tensor: int,
+                 pieces: int, cast_bytes: float, cb: int) -> dict[str, float]:
+  """footprint.scoring_peak for a TPU target: `pieces`: calls of
+  the pass's loop, `cast_bytes`: this device's float32 weights in the compute dtype (0 when
+  stored in it), `logit_chunk` 0 for a value or reward head (no vocabulary)."""
+  tokens, layer, head_params = rows * seq_len, flops.layer_params(m), m.vocab_size * m.d_model
+  windowed = fsdp >= WINDOWED_FSDP
+  head = {"logits": rows * logit_chunk * m.vocab_size * 4 / tensor,
+          "gathered weights": (head_params * cb / tensor if fsdp > 1 and logit_chunk else 0.0)
+          + (2 * head_params * cb / (fsdp * tensor) if m.tie_embeddings else 0.0)}
+  block = {"activations": tokens * cb * (SCORING_FF * m.d_ff + SCORING_D_MODEL * m.d_model)
+           / tensor, "gathered weights": (SCORING_GATHERED_LAYERS * layer * cb / tensor
+                                          if 1 < fsdp and not windowed else 0.0)}
+  peak = max((head, block), key=lambda p: sum(p.values()))
+  out = {k: peak.get(k, 0.0) for k in ("activations", "logits", "gathered weights")}
+  if pieces > 1:
+    out["weight copies"] = cast_bytes + (WINDOW_BUFFERS * m.n_layers * layer * cb
+                                         / (fsdp * tensor) if windowed else 0.0)
+  fixed = SCORING_FIXED[0] if fsdp > 1 else SCORING_FIXED[1]
+  out["buffer packing"] = (SCORING_PACKING - 1) * sum(out.values()) + fixed
   return out
