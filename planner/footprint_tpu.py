@@ -14,11 +14,13 @@ habits differ from XLA:CPU's, to which planner/footprint.py's counts are fitted:
   - the temporaries are packed into one preallocated buffer about 1.2x their live peak
     ("buffer packing"), and loops carry buffers outside it: two float32 head gradients (the
     log-prob chunks' loop) and, with micro-batches, the gradient accumulator. Under fsdp over
-    8 chips or more (the compiler multiplies by the head shard by shard: a "windowed einsum")
-    the loop carries about half of one (45 MiB beside a 64 MiB gradient on a v5p-64).
+    8 chips or more the compiler multiplies by the head shard by shard (a "windowed einsum"):
+    the head is never gathered whole, and the loop carries about a tenth of its float32
+    gradient (the 70B's update on a v5p-64: 0.33 GiB beside the 3.91 GiB gradient, whole at
+    the peak with the blocks' saved gate and up outputs).
 
 Fitted to the `temp_size_in_bytes` of 12 small updates on a v5e-4 (within 12% at each) and,
-held out, within 9% of the real-size updates under fsdp 4 (docs/benchmarks.md's target table).
+held out, within 9% of the real-size updates (docs/benchmarks.md's target table).
 At a 32768-word vocabulary under fsdp 4 it is 1.38x the compiler's (the loop carried 27 MiB
 there, not two 64 MiB gradients: where the compiler carries them whole is not pinned down).
 
@@ -42,8 +44,8 @@ SPLASH_STATS = 4 * 128  # float32 bytes per token and head of the splash kernel'
 WORK_D_MODEL = 4.0  # d_model-sized states of a block's backward beyond what it saved
 LOGIT_COPIES, WEIGHT_COPIES, GATHERED_LAYERS, PACKING = 0.8, 0.9, 0.5, 1.2
 # float32 head gradients the log-prob chunks' loop carries: whole, or (fsdp over
-# WINDOWED_FSDP chips or more, the head's product shard by shard) about half of one
-HEAD_GRADIENT_CARRIES, WINDOWED_HEAD_CARRIES = 2, 0.5
+# WINDOWED_FSDP chips or more, the head's product shard by shard) a tenth of one
+HEAD_GRADIENT_CARRIES, WINDOWED_HEAD_CARRIES = 2, 0.1
 
 
 def _saved(m, remat: str, tensor: int, lora: bool, cb: int) -> float:
@@ -72,7 +74,9 @@ def update_peak(m, *, rows: float, seq_len: float, logit_chunk: int, param_bytes
   copies = 0.0 if lora else WEIGHT_COPIES * cb * params / (fsdp * tensor)  # (a frozen base: stored in cb)
   gathered = copies + (GATHERED_LAYERS * cb * layer / tensor if fsdp > 1 else 0.0)
   grads = param_bytes if accumulate else 0.0  # the accumulator
-  logits = LOGIT_COPIES * rows * logit_chunk * m.vocab_size * 4 / tensor + cb * head
+  windowed = fsdp >= WINDOWED_FSDP  # (the head multiplied shard by shard: never gathered)
+  logits = LOGIT_COPIES * rows * logit_chunk * m.vocab_size * 4 / tensor + (
+      0.0 if windowed else cb * head)
   phases = [
       {"activations": n * saved, "logits": logits, "gradients": grads + head_grad,
        "gathered weights": copies},
@@ -84,7 +88,7 @@ def update_peak(m, *, rows: float, seq_len: float, logit_chunk: int, param_bytes
   peak = max(phases, key=lambda p: sum(p.values()))
   out = {k: peak.get(k, 0.0) for k in ("gradients", "activations", "logits", "gathered weights")}
   out["buffer packing"] = (PACKING - 1) * sum(out.values())
-  carries = WINDOWED_HEAD_CARRIES if fsdp >= WINDOWED_FSDP else HEAD_GRADIENT_CARRIES
+  carries = WINDOWED_HEAD_CARRIES if windowed else HEAD_GRADIENT_CARRIES
   out["gradients"] += carries * head_grad + grads
   return out
 
