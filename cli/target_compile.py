@@ -122,8 +122,9 @@ def _splash_flops(cfg: ExperimentConfig, role, passes: int) -> float:
   if attention_impl(cfg.model) != "splash":
     return 0.0
   t = cfg.data.max_prompt_tokens + cfg.rl.max_new_tokens
-  return _per_piece(cfg, role, passes * flops.attention_flops(cfg.model, cfg.rl.pass_rows * t,
-                                                              (t + 1) / 2))
+  m = cfg.model
+  return _per_piece(cfg, role, passes * flops.attention_flops(
+      m, cfg.rl.pass_rows * t, (t + 1) / 2, flops.causal_keys(t, m.sliding_window)))
 
 
 def _counted(cfg: ExperimentConfig, role, kernel: float, adapters: int, update: bool) -> float:

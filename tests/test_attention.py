@@ -25,10 +25,18 @@ def _forward(cfg, params, tokens_BT, valid_BT, segments_BT):
   return jnp.where(valid_BT[..., None], logits_BTV, 0.0)  # padded queries' outputs are unused
 
 
-@pytest.mark.parametrize("impl,packed", [("xla", False), ("xla", True), ("splash", True)])
-def test_fused_attention_equals_the_einsum_form(impl, packed):
+# Sliding-window attention (Gemma 3): layer 0 local (keys fewer than 5 positions back, its own
+# RoPE base), layer 1 global.
+WINDOWED = dict(sliding_window=5, global_every=2, rope_local_theta=100.0)
+
+
+@pytest.mark.parametrize("impl,packed,window", [("xla", False, False), ("xla", True, False),
+                                                ("splash", True, False), ("xla", False, True),
+                                                ("splash", True, True)])
+def test_fused_attention_equals_the_einsum_form(impl, packed, window):
   """XLA's `jax.nn.dot_product_attention` with the dense mask, and the splash kernel (Pallas'
-  interpret mode here) with segment ids, forward and backward."""
+  interpret mode here) with segment ids, forward and backward; with a sliding window, the
+  splash kernel's local mask."""
   rng = np.random.default_rng(0)
   b, t = 4, 16
   tokens = jnp.asarray(rng.integers(0, 64, (b, t)), jnp.int32)
@@ -39,10 +47,11 @@ def test_fused_attention_equals_the_einsum_form(impl, packed):
     segments, valid = jnp.asarray(segments), jnp.asarray(segments > 0)
   else:  # left padding of 0..6 tokens
     segments, valid = None, jnp.asarray(np.arange(t)[None] >= np.array([[0], [3], [6], [1]]))
-  _, params = nnx.split(LanguageModel(CFG, rngs=nnx.Rngs(0)))
+  base = dataclasses.replace(CFG, **(WINDOWED if window else {}))
+  _, params = nnx.split(LanguageModel(base, rngs=nnx.Rngs(0)))
   outs = {}
   for form in ("einsum", impl):
-    cfg = dataclasses.replace(CFG, attention=form)
+    cfg = dataclasses.replace(base, attention=form)
     loss = lambda p: (_forward(cfg, p, tokens, valid, segments)**2).mean()
     outs[form] = jax.jit(lambda p: (_forward(cfg, p, tokens, valid, segments),
                                     jax.grad(loss)(p)))(params)
@@ -51,10 +60,12 @@ def test_fused_attention_equals_the_einsum_form(impl, packed):
     np.testing.assert_allclose(a, e, atol=1e-5, rtol=1e-4)
 
 
-def test_cudnn_form_equals_the_einsum_form(monkeypatch):
+@pytest.mark.parametrize("window", [False, True])
+def test_cudnn_form_equals_the_einsum_form(monkeypatch, window):
   """The cuDNN path's own inputs (valid tokens moved to the front of each row, `is_causal`, the
-  rows' lengths, no mask array), run by XLA's implementation of the same call off a GPU: left
-  and right padding, and a row of padding alone, forward and backward."""
+  rows' lengths, no mask array; a sliding window as `local_window_size`), run by XLA's
+  implementation of the same call off a GPU: left and right padding, and a row of padding
+  alone, forward and backward."""
   reference, calls = jax.nn.dot_product_attention, []
   def recorded(*args, implementation, **kwargs):
     calls.append((implementation, sorted(kwargs)))
@@ -66,15 +77,18 @@ def test_cudnn_form_equals_the_einsum_form(monkeypatch):
   tokens = jnp.asarray(rng.integers(0, 64, (b, t)), jnp.int32)
   starts, ends = np.array([[0], [3], [6], [t]]), np.array([[t], [12], [9], [t]])
   valid = jnp.asarray((np.arange(t)[None] >= starts) & (np.arange(t)[None] < ends))
-  _, params = nnx.split(LanguageModel(CFG, rngs=nnx.Rngs(0)))
+  base = dataclasses.replace(CFG, **(WINDOWED if window else {}))
+  _, params = nnx.split(LanguageModel(base, rngs=nnx.Rngs(0)))
   outs = {}
   for impl in ("einsum", "cudnn"):
-    cfg = dataclasses.replace(CFG, attention=impl, remat="dots")
+    cfg = dataclasses.replace(base, attention=impl, remat="dots")
     loss = lambda p: (_forward(cfg, p, tokens, valid, None)**2).mean()
     outs[impl] = jax.jit(lambda p: (_forward(cfg, p, tokens, valid, None),
                                     jax.grad(loss)(p)))(params)
-  assert calls and all(c == ("cudnn", ["is_causal", "key_value_seq_lengths",
-                                       "query_seq_lengths", "scale"]) for c in calls)
+  kwargs = ["is_causal", "key_value_seq_lengths", "query_seq_lengths", "scale"]
+  local = ("cudnn", sorted(kwargs + ["local_window_size"]))
+  assert calls and all(c == ("cudnn", kwargs) or (window and c == local) for c in calls)
+  assert (local in calls) == window
   np.testing.assert_allclose(outs["cudnn"][0], outs["einsum"][0], atol=1e-5, rtol=1e-5)
   for a, e in zip(jax.tree.leaves(outs["cudnn"][1]), jax.tree.leaves(outs["einsum"][1])):
     np.testing.assert_allclose(a, e, atol=1e-5, rtol=1e-4)

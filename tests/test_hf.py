@@ -105,6 +105,10 @@ def test_config_fields(hf):
   if hf.arch == "llama":
     rope = (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_positions)
     assert rope == ("llama3", 8.0, 64)
+  elif hf.arch == "gemma3":
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_local_theta) == ("linear", 2.0, 1e3)
+    assert (cfg.sliding_window, cfg.global_every, cfg.query_scale) == (4, 2, 24.0)
+    assert cfg.layer_types() == ["sliding_attention", "full_attention"]
   else:
     assert cfg.rope_scaling == "none"
 

@@ -105,6 +105,50 @@ QWEN3_TEMPLATE = """{%- if messages[0].role == 'system' %}
 {%- endif %}
 """
 
+# Gemma 3's, as transformers' Gemma 3 conversion script writes it: a system message becomes a
+# prefix of the first user turn, the assistant is "model".
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Natalia sold clips to 48 of her friends.",
           "How many apples does she have left? #### 1,234", "def f(x):\n    return x * 2\n",
           "héllo wörld, naïve café", "数学很有趣。", "🙂 emoji 👍🏽 too", "1 + 1 = 2; 3/4 = 0.75"]
@@ -180,9 +224,25 @@ def qwen3_dir(tmp_path_factory, qwen_dir):
                 chat_template__jinja=QWEN3_TEMPLATE)
 
 
-@pytest.fixture(params=["qwen", "llama", "qwen3"])
-def pair(request, qwen_dir, llama_dir, qwen3_dir):
-  directory = {"qwen": qwen_dir, "llama": llama_dir, "qwen3": qwen3_dir}[request.param]
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+  tok = _train(["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"])
+  bos = tok.token_to_id("<bos>")
+  tok.post_processor = processors.Sequence([
+      processors.ByteLevel(trim_offsets=False),
+      processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B:1",
+                                    special_tokens=[("<bos>", bos)])])
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
+            "eos_token": "<eos>", "pad_token": "<pad>", "chat_template": GEMMA3_TEMPLATE}
+  generation = {"eos_token_id": [tok.token_to_id("<eos>"), tok.token_to_id("<end_of_turn>")]}
+  return _write(tmp_path_factory.mktemp("gemma3") / "tok", tok, config,
+                generation_config__json=json.dumps(generation))
+
+
+@pytest.fixture(params=["qwen", "llama", "qwen3", "gemma3"])
+def pair(request, qwen_dir, llama_dir, qwen3_dir, gemma3_dir):
+  directory = {"qwen": qwen_dir, "llama": llama_dir, "qwen3": qwen3_dir,
+               "gemma3": gemma3_dir}[request.param]
   return HFTokenizer.from_dir(directory), transformers.AutoTokenizer.from_pretrained(directory)
 
 

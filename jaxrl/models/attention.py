@@ -10,7 +10,9 @@ contiguous cache (no per-step transpose of the keys).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -38,12 +40,29 @@ def attention_mask(key_valid_BS: jax.Array, t: int, cache_index,
   return mask_BTS
 
 
-class ValidPrefix(NamedTuple):
+def windowed(mask, window: int, t: int, cache_index):
+  """`mask` (a dense [B, T, S] mask, a `ValidPrefix` or splash's `Segments`) narrowed to keys
+  fewer than `window` slots before each query (a sliding-window layer's; 0: no window). A
+  row's valid tokens are contiguous slots, so slots apart are positions apart."""
+  if not window:
+    return mask
+  if isinstance(mask, (ValidPrefix, Segments)):
+    return dataclasses.replace(mask, window=window)
+  query_slot_T = cache_index + jnp.arange(t)
+  near_TS = query_slot_T[:, None] - jnp.arange(mask.shape[-1])[None, :] < window
+  return mask & near_TS[None]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["lengths_B"],
+                   meta_fields=["window"])
+@dataclasses.dataclass(frozen=True)
+class ValidPrefix:
   """The mask of a cacheless pass whose rows hold their valid tokens first (`valid_first`):
-  causal attention over each row's first `lengths_B` tokens. cuDNN takes it as its
-  padding-causal mask type: whole tiles above the diagonal or past a row's length are skipped,
-  and no [B, T, S] mask or bias exists."""
+  causal attention over each row's first `lengths_B` tokens (within `window` of each query,
+  if set). cuDNN takes it as its padding-causal mask type: whole tiles above the diagonal or
+  past a row's length are skipped, and no [B, T, S] mask or bias exists."""
   lengths_B: jax.Array
+  window: int = 0
 
 
 def valid_first(key_valid_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -75,9 +94,10 @@ def fused(q_BTNH, k_BTKH, v_BTKH, mask, impl: str) -> jax.Array:
   if isinstance(mask, Segments):
     return splash(q_BTNH, k_BTKH, v_BTKH, mask)
   if isinstance(mask, ValidPrefix):
+    window = {"local_window_size": (mask.window - 1, 0)} if mask.window else {}
     return jax.nn.dot_product_attention(
         q_BTNH, k_BTKH, v_BTKH, scale=1.0, is_causal=True, query_seq_lengths=mask.lengths_B,
-        key_value_seq_lengths=mask.lengths_B, implementation=impl)
+        key_value_seq_lengths=mask.lengths_B, implementation=impl, **window)
   return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask[:, None], scale=1.0,
                                       implementation="xla" if impl == "splash" else impl)
 

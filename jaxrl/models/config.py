@@ -23,8 +23,9 @@ REMATS = ("none", *REMAT_POLICIES)
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  # llama | qwen2 | qwen3 (FAMILIES): the block options (Qwen2's q/k/v biases, Qwen3's q/k
-  # norms) and the checkpoints' architecture and tensor names
+  # llama | qwen2 | qwen3 | gemma3 (FAMILIES): the block options (Qwen2's q/k/v biases,
+  # Qwen3's q/k norms, Gemma's norms, GeGLU and embedding scale) and the checkpoints'
+  # architecture and tensor names
   family: str = "llama"
   vocab_size: int = 264
   d_model: int = 128
@@ -57,6 +58,15 @@ class ModelConfig:
   # | splash (JAX's Pallas splash kernel: TPU; elsewhere interpreted, for tests). auto: cudnn
   # on a GPU in bf16, splash on a TPU, else xla (jaxrl/models/attention.attention_impl).
   attention: str = "auto"
+  # Sliding-window attention (Gemma 3): the local layers' window in tokens (0: every layer
+  # attends to all earlier tokens); every `global_every`-th layer (1-based) is a global one
+  # (0: none is), the others local; the local layers' RoPE base (the global ones keep
+  # `rope_theta` and `rope_scaling`).
+  sliding_window: int = 0
+  global_every: int = 0
+  rope_local_theta: float = 10_000.0
+  # The queries' scale is query_scale**-0.5 (Gemma's query_pre_attn_scalar); 0: head_dim.
+  query_scale: float = 0.0
   # A local Hugging Face model directory to start from (config.json, *.safetensors, tokenizer);
   # its config.json sets the fields above (jaxrl/models/hf.py). Not read by the model itself.
   hf_path: str = ""
@@ -75,9 +85,26 @@ class ModelConfig:
     if self.head_dim % 2:
       raise ValueError(f"head_dim: RoPE rotates pairs, expected an even number, got "
                        f"{self.head_dim}")
+    for name in ("sliding_window", "global_every", "query_scale"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)!r}")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"n_heads: {self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+
+  def is_local(self, layer: int) -> bool:
+    """Whether decoder layer `layer` (0-based) attends within `sliding_window` tokens."""
+    return bool(self.sliding_window) and (not self.global_every
+                                          or (layer + 1) % self.global_every != 0)
+
+  def layer_types(self) -> list[str]:
+    """Hugging Face's names of the layers' attention kinds."""
+    return ["sliding_attention" if self.is_local(i) else "full_attention"
+            for i in range(self.n_layers)]
+
+  @property
+  def query_scale_factor(self) -> float:
+    return (self.query_scale or self.head_dim) ** -0.5
 
   @property
   def compute_dtype(self):

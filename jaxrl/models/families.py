@@ -18,7 +18,11 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class BlockOptions:
   qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
-  qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3)
+  qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3, Gemma 3)
+  # Gemma: every RMSNorm scales by (1 + its weight), the weight stored as the offset; the
+  # attention's and the MLP's outputs are normed before the residual add ("sandwich" norms);
+  # the MLP is GeGLU (tanh-approximated GELU); the embedding is multiplied by sqrt(d_model).
+  gemma: bool = False
 
 
 # jaxrl's projection names -> the Hugging Face module each one is (LoRA's targets; PEFT names
@@ -45,6 +49,12 @@ BLOCK_TENSORS = {
     ("mlp", "w_up"): ("mlp.up_proj.weight", None),
     ("mlp", "w_down"): ("mlp.down_proj.weight", None),
 }
+GEMMA_TENSORS = {
+    **BLOCK_TENSORS,
+    ("mlp_norm", "scale"): ("pre_feedforward_layernorm.weight", None),
+    ("post_attn_norm", "scale"): ("post_attention_layernorm.weight", None),
+    ("post_mlp_norm", "scale"): ("post_feedforward_layernorm.weight", None),
+}
 TOP_TENSORS = {("decoder", "embed"): "model.embed_tokens.weight",
                ("decoder", "final_norm", "scale"): "model.norm.weight",
                ("lm_head",): "lm_head.weight"}
@@ -65,6 +75,29 @@ class Family:
   # config.json fields an export writes besides the ones every family has (ModelConfig -> dict)
   hf_fields: Callable[[Any], dict] = lambda cfg: {}
   block_tensors: dict = dataclasses.field(default_factory=lambda: BLOCK_TENSORS)
+  hf_model_type: str = ""  # config.json's model_type (default: the family's name)
+
+
+def _gemma3_read(raw: dict) -> dict:
+  """Gemma 3's own config.json keys: the sliding window, the layers' pattern (checked by
+  hf_config.py), the sliding layers' RoPE base, the queries' scale."""
+  types = raw.get("layer_types") or []
+  every = types.index("full_attention") + 1 if "full_attention" in types else 0
+  rope = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
+  return dict(sliding_window=int(raw.get("sliding_window") or 0), global_every=every,
+              rope_local_theta=float(rope.get("rope_theta", raw.get("rope_local_base_freq",
+                                                                      10_000.0))),
+              query_scale=float(raw.get("query_pre_attn_scalar") or 0.0))
+
+
+def _gemma3_fields(cfg) -> dict:
+  scale = cfg.query_scale or cfg.head_dim
+  return dict(sliding_window=cfg.sliding_window, layer_types=cfg.layer_types(),
+              rope_local_base_freq=cfg.rope_local_theta,
+              query_pre_attn_scalar=int(scale) if scale == int(scale) else scale,
+              hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+              attention_bias=False, final_logit_softcapping=None, attn_logit_softcapping=None,
+              use_bidirectional_attention=False)
 
 
 FAMILIES: dict[str, Family] = {
@@ -73,6 +106,9 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family("Qwen2ForCausalLM", BlockOptions(qkv_bias=True), hf_fields=_qwen_fields),
     "qwen3": Family("Qwen3ForCausalLM", BlockOptions(qk_norm=True),
                     hf_fields=lambda cfg: dict(_qwen_fields(cfg), attention_bias=False)),
+    "gemma3": Family("Gemma3ForCausalLM", BlockOptions(qk_norm=True, gemma=True),
+                     hf_read=_gemma3_read, hf_fields=_gemma3_fields,
+                     block_tensors=GEMMA_TENSORS, hf_model_type="gemma3_text"),
 }
 
 

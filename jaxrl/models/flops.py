@@ -3,7 +3,8 @@
 Counted as 2 FLOPs per multiply-add of every matrix product the pass must do:
   - the projections and MLP (2 x the non-embedding parameters) per token processed;
   - attention: queries x keys and probabilities x values over the keys a query may see (causal:
-    query t sees t + 1 positions; a decode step sees its prompt and everything generated);
+    query t sees t + 1 positions; a decode step sees its prompt and everything generated; in a
+    sliding-window layer at most the window);
   - the LM head (2 x d_model x vocab) only where a token's distribution is needed: log-probs of
     completion tokens, one sampled token per decode step.
 Embedding lookups, norms and softmaxes are not counted (they are not matrix products). A
@@ -26,9 +27,23 @@ def matmul_params(cfg: ModelConfig) -> int:
   return cfg.n_layers * (layer_params(cfg) - 2 * cfg.d_model)
 
 
-def attention_flops(cfg: ModelConfig, queries: int, keys_per_query: float) -> float:
-  """QK^T and PV over all layers for `queries` queries, each seeing `keys_per_query` keys."""
-  return 4.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * queries * keys_per_query
+def causal_keys(seq_len: float, window: int = 0) -> float:
+  """Keys per query of a causal pass over `seq_len` positions, on average: (T + 1) / 2, or
+  within a sliding `window` (a query sees at most `window` keys)."""
+  if not window or window >= seq_len:
+    return (seq_len + 1) / 2
+  return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+
+
+def attention_flops(cfg: ModelConfig, queries: int, keys_per_query: float,
+                    local_keys: float | None = None) -> float:
+  """QK^T and PV over all layers for `queries` queries, each seeing `keys_per_query` keys (a
+  sliding-window layer's: `local_keys`, default at most its window)."""
+  local = sum(cfg.is_local(i) for i in range(cfg.n_layers))
+  if local_keys is None:
+    local_keys = min(keys_per_query, cfg.sliding_window or keys_per_query)
+  keys = (cfg.n_layers - local) * keys_per_query + local * local_keys
+  return 4.0 * cfg.n_heads * cfg.head_dim * queries * keys
 
 
 def head_flops(cfg: ModelConfig, positions: int) -> float:
@@ -40,7 +55,8 @@ def forward_flops(cfg: ModelConfig, rows: int, seq_len: int, scored: int) -> flo
   per row (the completion tokens whose log-probs are needed)."""
   tokens = rows * seq_len
   return (2.0 * matmul_params(cfg) * tokens
-          + attention_flops(cfg, tokens, (seq_len + 1) / 2)
+          + attention_flops(cfg, tokens, (seq_len + 1) / 2,
+                            causal_keys(seq_len, cfg.sliding_window))
           + head_flops(cfg, rows * scored))
 
 
@@ -55,7 +71,8 @@ def generate_flops(cfg: ModelConfig, prompts: int, prompt_len: int, samples: int
   last position only), then `new_tokens` - 1 decode steps per row on average (the last sampled
   token needs no forward pass), each attending to the prompt and the tokens so far."""
   prefill = (2.0 * matmul_params(cfg) * prompts * prompt_len
-             + attention_flops(cfg, prompts * prompt_len, (prompt_len + 1) / 2)
+             + attention_flops(cfg, prompts * prompt_len, (prompt_len + 1) / 2,
+                               causal_keys(prompt_len, cfg.sliding_window))
              + head_flops(cfg, prompts))
   rows, steps = prompts * samples, max(new_tokens - 1, 0)
   decode = (2.0 * matmul_params(cfg) * rows * steps
@@ -80,5 +97,6 @@ def executed_train_flops(cfg: ModelConfig, rows: int, seq_len: int, scored: int,
   if (remat or cfg.remat) == "full":
     d, h = cfg.d_model, cfg.head_dim
     read = cfg.n_layers * (d * h * (cfg.n_heads + 2 * cfg.n_kv_heads) + 2 * d * cfg.d_ff)
-    out += 2.0 * read * tokens + attention_flops(cfg, tokens, (seq_len + 1) / 2)
+    out += 2.0 * read * tokens + attention_flops(cfg, tokens, (seq_len + 1) / 2,
+                                                 causal_keys(seq_len, cfg.sliding_window))
   return out

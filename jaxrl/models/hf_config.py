@@ -1,5 +1,5 @@
 """Hugging Face config.json <-> ModelConfig, for the checkpoints of jaxrl's model families
-(jaxrl/models/families.py: Llama, Qwen2, Qwen3).
+(jaxrl/models/families.py: Llama, Qwen2, Qwen3, Gemma 3 text).
 
 Only what the model computes exactly is accepted: anything else in a config.json (another
 architecture, sliding-window attention, YaRN, an MLP or output-projection bias) is an `HFError`
@@ -27,7 +27,8 @@ USER_FIELDS = ("dtype", "hf_path", "frozen_float32", "remat", "attention")
 ARCH_FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                "d_ff", "rope_theta", "norm_eps", "tie_embeddings", "scale_tied_head",
                "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-               "rope_original_max_positions")
+               "rope_original_max_positions", "sliding_window", "global_every",
+               "rope_local_theta", "query_scale")
 
 _LLAMA3_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                 "rope_high_freq_factor": "high_freq_factor",
@@ -65,7 +66,9 @@ def _family(raw: dict, path: str) -> str:
 
 def _refuse_unsupported(raw: dict, family: str, path: str) -> None:
   """Fields whose non-default values change the computation in ways the model does not."""
-  if raw.get("hidden_act", "silu") != "silu":
+  if FAMILIES[family].block.gemma:
+    _refuse_gemma(raw, path)
+  elif raw.get("hidden_act", "silu") != "silu":
     raise _unsupported(path, "hidden_act", raw["hidden_act"], "the MLP is SwiGLU: silu only")
   if raw.get("mlp_bias"):
     raise _unsupported(path, "mlp_bias", True, "the MLP has no biases")
@@ -75,17 +78,40 @@ def _refuse_unsupported(raw: dict, family: str, path: str) -> None:
   if raw.get("use_sliding_window"):
     raise _unsupported(path, "use_sliding_window", True, "full attention only")
   layer_types = raw.get("layer_types") or []
-  if any(t != "full_attention" for t in layer_types):
+  if not FAMILIES[family].block.gemma and any(t != "full_attention" for t in layer_types):
     raise _unsupported(path, "layer_types", sorted(set(layer_types)), "full attention only")
   if raw.get("partial_rotary_factor", 1.0) != 1.0:
     raise _unsupported(path, "partial_rotary_factor", raw["partial_rotary_factor"],
                        "RoPE over the whole head")
 
 
+def _refuse_gemma(raw: dict, path: str) -> None:
+  """Gemma 3 text: GeGLU, no soft-capping (Gemma 2's), causal attention."""
+  for key in ("hidden_activation", "hidden_act"):
+    if raw.get(key) not in (None, "gelu_pytorch_tanh"):
+      raise _unsupported(path, key, raw[key], "the MLP is GeGLU: gelu_pytorch_tanh only")
+  for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+    if raw.get(key) is not None:
+      raise _unsupported(path, key, raw[key], "no soft-capping (Gemma 2's)")
+  if raw.get("use_bidirectional_attention"):
+    raise _unsupported(path, "use_bidirectional_attention", True, "causal attention only")
+  types = raw.get("layer_types") or []
+  if not types:
+    raise HFError(f"{path}: layer_types is missing")
+  every = types.index("full_attention") + 1 if "full_attention" in types else 0
+  pattern = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention"
+             for i in range(len(types))]
+  if types != pattern:
+    raise _unsupported(path, "layer_types", types, "a global layer every n-th, sliding between")
+
+
 def _rope_fields(raw: dict, path: str) -> dict:
-  """ModelConfig's rope fields from `rope_parameters` (transformers 5) or `rope_theta` +
-  `rope_scaling` (transformers 4; its older `type` key too)."""
-  rope = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+  """ModelConfig's rope fields from `rope_parameters` (transformers 5; per layer kind where
+  there are sliding layers: the global layers' here) or `rope_theta` + `rope_scaling`
+  (transformers 4; its older `type` key too)."""
+  params = raw.get("rope_parameters") or {}
+  params = params.get("full_attention", params)
+  rope = {**(raw.get("rope_scaling") or {}), **params}
   kind = rope.get("rope_type", rope.get("type", "default"))
   fields = dict(rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10_000.0))))
   if kind == "default":
@@ -162,8 +188,9 @@ def hf_config_dict(cfg: ModelConfig, *, tied: bool, dtype: str, max_positions: i
   """config.json for an export of `cfg` (`tied`: whether the files share the embedding as the
   LM head)."""
   scaling = _rope_scaling(cfg)
+  family = FAMILIES[cfg.family]
   out = dict(
-      architectures=[FAMILIES[cfg.family].hf_architecture], model_type=cfg.family,
+      architectures=[family.hf_architecture], model_type=family.hf_model_type or cfg.family,
       vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
       num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
       num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
@@ -172,4 +199,7 @@ def hf_config_dict(cfg: ModelConfig, *, tied: bool, dtype: str, max_positions: i
       rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta},
       tie_word_embeddings=tied, attention_dropout=0.0, initializer_range=0.02, use_cache=True,
       torch_dtype=dtype, dtype=dtype, **token_ids)
-  return {**out, **FAMILIES[cfg.family].hf_fields(cfg)}
+  if cfg.sliding_window:  # per layer kind (transformers 5)
+    out["rope_parameters"] = {"full_attention": out["rope_parameters"], "sliding_attention": {
+        "rope_type": "default", "rope_theta": cfg.rope_local_theta}}
+  return {**out, **family.hf_fields(cfg)}

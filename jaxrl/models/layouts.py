@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxrl import platform
 from jaxrl.models.attention import attend, attend_one, attention_impl, fused, write_cache
 from jaxrl.models.lora import adapted, adapter
-from jaxrl.models.rope import rope, rope_table
+from jaxrl.models.rope import rope, rope_table, table_part
 from jaxrl.partitioning import constrain
 
 
@@ -55,6 +55,10 @@ class Rows:
   def rope_table(self, positions_BT, cfg):
     """(sin, cos) [B, T, H / 2]: given (a decode loop computes them ahead) or computed here."""
     return positions_BT if isinstance(positions_BT, tuple) else rope_table(positions_BT, cfg)
+
+  def rope_part(self, table, cfg, local: bool):
+    """A global or local layer's part of the pass's table (rope.table_part)."""
+    return table_part(table, cfg, local)
 
   def embed(self, table_VD, tokens_BT, dtype):
     return constrain(jnp.take(table_VD, tokens_BT, axis=0).astype(dtype), ("batch", None, None))
@@ -122,6 +126,9 @@ class Features:
   def rope_table(self, table_BH, cfg):
     """The decode loop's (sin, cos) [B, H / 2], as [H / 2, B]."""
     return tuple(a.T for a in table_BH)
+
+  def rope_part(self, table_HB, cfg, local: bool):
+    return table_part(table_HB, cfg, local, axis=0)
 
   def embed(self, table_VD, tok_B, dtype):
     return constrain(jnp.take(table_VD, tok_B, axis=0).T.astype(dtype), (None, "batch"))

@@ -2,6 +2,7 @@
 (none, linear, Llama 3's), the (sin, cos) table of a batch's positions, and the rotation."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -32,11 +33,31 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
   return freq_H.astype(np.float32)
 
 
+def table_frequencies(cfg: ModelConfig) -> np.ndarray:
+  """The frequencies of a pass's table: the global layers', then, with sliding-window layers,
+  the local layers' (their own base, unscaled): [head_dim / 2] or [head_dim]."""
+  freq_H = inverse_frequencies(cfg)
+  if not cfg.sliding_window:
+    return freq_H
+  local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling="none")
+  return np.concatenate([freq_H, inverse_frequencies(local)])
+
+
 def rope_table(positions_BT: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-  """(sin, cos) of the RoPE angles, [B, T, head_dim / 2]: computed once per forward pass and
-  shared by every layer's queries and keys."""
-  angle_BTH = positions_BT[..., None].astype(jnp.float32) * inverse_frequencies(cfg)
+  """(sin, cos) of the RoPE angles, [B, T, head_dim / 2] (twice that with local layers: the
+  global part, then the local): computed once per forward pass and shared by every layer's
+  queries and keys."""
+  angle_BTH = positions_BT[..., None].astype(jnp.float32) * table_frequencies(cfg)
   return jnp.sin(angle_BTH), jnp.cos(angle_BTH)
+
+
+def table_part(table: tuple, cfg: ModelConfig, local: bool, axis: int = -1) -> tuple:
+  """A layer's part of a pass's table (`axis`: its frequency axis)."""
+  if not cfg.sliding_window:
+    return table
+  half = cfg.head_dim // 2
+  start = half if local else 0
+  return tuple(jax.lax.slice_in_dim(a, start, start + half, axis=axis % a.ndim) for a in table)
 
 
 def rope(x_BTNH: jax.Array, table: tuple[jax.Array, jax.Array], scale: float = 1.0) -> jax.Array:

@@ -10,8 +10,8 @@ Mosaic call is not partitioned by XLA), vmapped over the shard's rows.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,26 +22,32 @@ from jaxrl.partitioning import active_spec
 BLOCK = 128  # the kernel's tile (a multiple of the TPU's 128 lanes): sequences are padded to it
 
 
-class Segments(NamedTuple):
-  """The mask of a cacheless splash pass: causal within equal segment ids [B, T]."""
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["ids_BT"],
+                   meta_fields=["window"])
+@dataclasses.dataclass(frozen=True)
+class Segments:
+  """The mask of a cacheless splash pass: causal within equal segment ids [B, T] (and within
+  `window` positions of each query, if set: a sliding-window layer's)."""
   ids_BT: jax.Array
+  window: int = 0
 
 
-def _kernel(t: int, n: int, interpret: bool):
+def _kernel(t: int, n: int, interpret: bool, window: int = 0):
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
   sizes = sk.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=BLOCK,
                         block_q_dkv=BLOCK, block_kv_dkv=BLOCK, block_kv_dkv_compute=BLOCK,
                         block_q_dq=BLOCK, block_kv_dq=BLOCK)
-  mask = sm.MultiHeadMask([sm.CausalMask((t, t))] * n)
+  head = sm.LocalMask((t, t), (window - 1, 0), 0) if window else sm.CausalMask((t, t))
+  mask = sm.MultiHeadMask([head] * n)
   return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
                             interpret=interpret), sk.SegmentIds
 
 
-def _per_shard(q_BTNH, k_BTKH, v_BTKH, ids_BT, *, interpret: bool):
+def _per_shard(q_BTNH, k_BTKH, v_BTKH, ids_BT, *, interpret: bool, window: int):
   """The kernel on one shard's rows: heads first, as the kernel takes them."""
   t, n = q_BTNH.shape[1], q_BTNH.shape[2]
-  kernel, segment_ids = _kernel(t, n, interpret)
+  kernel, segment_ids = _kernel(t, n, interpret, window)
   heads_first = lambda x: x.transpose(0, 2, 1, 3)
   out_BNTH = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=segment_ids(ids, ids)))(
       heads_first(q_BTNH), heads_first(k_BTKH), heads_first(v_BTKH), ids_BT)
@@ -58,7 +64,7 @@ def splash(q_BTNH, k_BTKH, v_BTKH, mask: Segments) -> jax.Array:
     q_BTNH, k_BTKH, v_BTKH = widen(q_BTNH), widen(k_BTKH), widen(v_BTKH)
     ids_BT = jnp.pad(ids_BT, ((0, 0), (0, pad)), constant_values=-1)
   dt = q_BTNH.dtype
-  fn = functools.partial(_per_shard, interpret=platform.backend() != "tpu")
+  fn = functools.partial(_per_shard, interpret=platform.backend() != "tpu", window=mask.window)
   args = (q_BTNH, k_BTKH.astype(dt), v_BTKH.astype(dt), ids_BT)
   active = active_spec(("batch", None, "act_heads", None))
   if active is not None:

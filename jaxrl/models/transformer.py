@@ -1,6 +1,7 @@
 """The decoder in Flax NNX, written once: RMSNorm, RoPE, grouped-query attention, SwiGLU, with the
 block options of the model's family (jaxrl/models/families.py: Qwen2's q/k/v biases, Qwen3's
-q/k norms).
+q/k norms, Gemma's offset and sandwich norms, GeGLU and scaled embedding) and, where the config
+has one, sliding-window attention in its local layers (each with its own RoPE base).
 
 One forward pass serves training, scoring, prefill and the sampler's cached decode step; the
 activation layout it runs in (jaxrl/models/layouts.py: rows everywhere, feature-major for decode
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.attention import (KVCache, ValidPrefix, attention_impl, attention_mask,
-                                    valid_first)
+                                    valid_first, windowed)
 from jaxrl.models.config import REMAT_POLICIES, ModelConfig
 from jaxrl.models.layouts import ROWS
 from jaxrl.models.lora import LoRA, LoRAConfig
@@ -28,14 +29,16 @@ def _param(rngs: nnx.Rngs, shape, axes, scale: float) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
+  """`offset` (Gemma): the stored weight w scales by (1 + w), so it starts at zero."""
 
-  def __init__(self, dim: int, eps: float, axis_name: str = "embed"):
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=(axis_name,))
-    self.eps = eps
+  def __init__(self, dim: int, eps: float, axis_name: str = "embed", offset: bool = False):
+    init = jnp.zeros if offset else jnp.ones
+    self.scale = nnx.Param(init((dim,), jnp.float32), logical_axes=(axis_name,))
+    self.eps, self.offset = eps, offset
 
   def __call__(self, x, axis: int = -1):
     """Normalised over `axis` (the layout's feature or head_dim axis)."""
-    scale = self.scale[...]
+    scale = self.scale[...] + 1.0 if self.offset else self.scale[...]
     if axis != -1:
       scale = scale.reshape(scale.shape + (1,) * (x.ndim - 1 - axis))
     x32 = x.astype(jnp.float32)
@@ -71,8 +74,8 @@ class Attention(nnx.Module):
                                             logical_axes=(axis, "head_dim"))
       self.bq, self.bk, self.bv = zeros(n, "heads"), zeros(k, "kv_heads"), zeros(k, "kv_heads")
     if cfg.block.qk_norm:
-      self.q_norm = RMSNorm(h, cfg.norm_eps, "head_dim")
-      self.k_norm = RMSNorm(h, cfg.norm_eps, "head_dim")
+      self.q_norm = RMSNorm(h, cfg.norm_eps, "head_dim", cfg.block.gemma)
+      self.k_norm = RMSNorm(h, cfg.norm_eps, "head_dim", cfg.block.gemma)
 
   def project(self, x, name: str, bias_name: str, norm_name: str, layout):
     """Queries, keys or values split into heads: the projection `name` (with its adapter), its
@@ -94,8 +97,9 @@ class Attention(nnx.Module):
     x_q, rope_q, mask_q = x, rope, mask
     if last_only:
       x_q, mask_q, rope_q = x[:, -1:], mask[:, -1:], tuple(a[:, -1:] for a in rope)
-    # Queries carry the 1/sqrt(head_dim) of the attention logits from here on.
-    q = layout.rope(self.project(x_q, "wq", "bq", "q_norm", layout), rope_q, cfg.head_dim**-0.5)
+    # Queries carry the logits' scale (1/sqrt(head_dim), or Gemma's own) from here on.
+    q = layout.rope(self.project(x_q, "wq", "bq", "q_norm", layout), rope_q,
+                    cfg.query_scale_factor)
     k = layout.rope(self.project(x, "wk", "bk", "k_norm", layout), rope)
     v = self.project(x, "wv", "bv", "", layout)
     out, layer_cache = layout.attention(q, k, v, layer_cache, cache_index, mask_q, cfg)
@@ -114,31 +118,40 @@ class MLP(nnx.Module):
     self.w_down = _param(rngs, (d, f), ("embed", "mlp"), f**-0.5 / cfg.n_layers)
     _adapters(self, lora, lora_rngs, w_gate=1, w_up=1, w_down=1)
     self.frozen = lora is not None and lora.enabled  # LoRA: no gradient reaches the base
+    self.gelu = cfg.block.gemma  # GeGLU (tanh GELU) instead of SwiGLU
 
   def __call__(self, x, layout=ROWS):
     def linear(name, x):
       w = getattr(self, name)[...]
       return layout.adapt(self, name, x, layout.dense(x, w, trained=not self.frozen))
-    hidden = layout.hidden(jax.nn.silu(linear("w_gate", x)) * linear("w_up", x))
-    return linear("w_down", hidden)
+    gate = linear("w_gate", x)
+    gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+    return linear("w_down", layout.hidden(gate * linear("w_up", x)))
 
 
 class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None = None,
                lora_rngs: nnx.Rngs | None = None):
-    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    gemma = cfg.block.gemma
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=gemma)
     self.attn = Attention(cfg, rngs, lora, lora_rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=gemma)
     self.mlp = MLP(cfg, rngs, lora, lora_rngs)
+    if gemma:  # the sublayers' outputs normed before the residual adds
+      self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=True)
+      self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=True)
+    self.sandwich = gemma
 
   def __call__(self, x, rope, mask, layer_cache, cache_index, last_only=False, layout=ROWS):
-    attn, layer_cache = self.attn(self.attn_norm(x, layout.feature_axis), rope, mask,
-                                  layer_cache, cache_index, last_only, layout)
+    axis = layout.feature_axis
+    post = lambda name, y: getattr(self, name)(y, axis) if self.sandwich else y
+    attn, layer_cache = self.attn(self.attn_norm(x, axis), rope, mask, layer_cache,
+                                  cache_index, last_only, layout)
     if last_only:
       x = x[:, -1:]
-    x = x + attn
-    x = x + self.mlp(self.mlp_norm(x, layout.feature_axis), layout)
+    x = x + post("post_attn_norm", attn)
+    x = x + post("post_mlp_norm", self.mlp(self.mlp_norm(x, axis), layout))
     return layout.residual(x), layer_cache
 
 
@@ -156,7 +169,7 @@ class Decoder(nnx.Module):
     lora_rngs = None if lora is None else nnx.Rngs(jax.random.fold_in(rngs.default.key[...],
                                                                        0x10A))
     self.blocks = nnx.List([Block(cfg, rngs, lora, lora_rngs) for _ in range(cfg.n_layers)])
-    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=cfg.block.gemma)
 
   def __call__(self, tokens, positions, key_valid_BS, kv_cache: KVCache | None = None,
                cache_index=0, segment_ids_BT=None, last_only=False, layout=ROWS):
@@ -190,15 +203,21 @@ class Decoder(nnx.Module):
 
   def blocks_over(self, tokens, positions, mask, kv_cache, cache_index, last_only, layout):
     """Embedding, the blocks under `mask`, the final norm: (hidden states, updated cache)."""
-    x = layout.embed(self.embed[...], tokens, self.cfg.compute_dtype)
-    rope = layout.rope_table(positions, self.cfg)
+    cfg = self.cfg
+    x = layout.embed(self.embed[...], tokens, cfg.compute_dtype)
+    if cfg.block.gemma:  # (in the compute dtype, as Gemma rounds it)
+      x = x * jnp.asarray(cfg.d_model**0.5, cfg.compute_dtype)
+    rope = layout.rope_table(positions, cfg)
+    local = windowed(mask, cfg.sliding_window, layout.length(tokens), cache_index)
     new_cache = []
     for i, block in enumerate(self.blocks):
       last = last_only and i == len(self.blocks) - 1
-      if kv_cache is None and self.cfg.remat != "none":  # a cached pass is never differentiated
-        x, layer_cache = self.remat_block(block, x, rope, mask, last), None
+      rope_i = layout.rope_part(rope, cfg, cfg.is_local(i))
+      mask_i = local if cfg.is_local(i) else mask
+      if kv_cache is None and cfg.remat != "none":  # a cached pass is never differentiated
+        x, layer_cache = self.remat_block(block, x, rope_i, mask_i, last), None
       else:
-        x, layer_cache = block(x, rope, mask, None if kv_cache is None else kv_cache[i],
+        x, layer_cache = block(x, rope_i, mask_i, None if kv_cache is None else kv_cache[i],
                                cache_index, last, layout)
       new_cache.append(layer_cache)
     h = self.final_norm(x, layout.feature_axis)

@@ -54,6 +54,9 @@ class Generator:
     stops = tuple((i,) for i in tok.stop_ids if i != tok.eos_id)
     sampling = rl_sampling(rl, max_new_tokens, tok.eos_id, tok.pad_id, stops)
     weights, mesh = cluster.sampler_weights, cluster.meshes["sampler"]
+    if rl.inflight_slots and cluster.cfg.model.sliding_window:  # (its slots are a ring)
+      raise ConfigError(f"config.rl.inflight_slots: in-flight batching does not apply a sliding "
+                        f"window (model.sliding_window={cluster.cfg.model.sliding_window}); set 0")
     try:
       self.sampler = Sampler(weights.graphdef, sampling, n=rl.group_size, mesh=mesh,
                              param_shardings=weights.shardings, inflight_slots=rl.inflight_slots)
