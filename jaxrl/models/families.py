@@ -76,6 +76,22 @@ class Family:
   hf_fields: Callable[[Any], dict] = lambda cfg: {}
   block_tensors: dict = dataclasses.field(default_factory=lambda: BLOCK_TENSORS)
   hf_model_type: str = ""  # config.json's model_type (default: the family's name)
+  # config.json defaults of the family's own config class, for keys a checkpoint leaves out
+  hf_defaults: dict = dataclasses.field(default_factory=dict)
+  # Architectures that wrap the family's language model (a multimodal checkpoint): its name ->
+  # where the text model's config (a config.json key) and tensors (a name prefix) are. Only the
+  # text model is read; an export writes the family's own architecture.
+  hf_wrappers: dict = dataclasses.field(default_factory=dict)
+
+
+# transformers' Gemma3TextConfig defaults: the multimodal checkpoints' text_config (Gemma 3 4B and
+# larger) lists only the fields that differ from them.
+GEMMA3_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+                       num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                       head_dim=256, rms_norm_eps=1e-6, query_pre_attn_scalar=256,
+                       sliding_window=4096, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                       max_position_embeddings=131072, tie_word_embeddings=True,
+                       hidden_activation="gelu_pytorch_tanh")
 
 
 def _gemma3_read(raw: dict) -> dict:
@@ -108,10 +124,15 @@ FAMILIES: dict[str, Family] = {
                     hf_fields=lambda cfg: dict(_qwen_fields(cfg), attention_bias=False)),
     "gemma3": Family("Gemma3ForCausalLM", BlockOptions(qk_norm=True, gemma=True),
                      hf_read=_gemma3_read, hf_fields=_gemma3_fields,
-                     block_tensors=GEMMA_TENSORS, hf_model_type="gemma3_text"),
+                     block_tensors=GEMMA_TENSORS, hf_model_type="gemma3_text",
+                     hf_defaults=GEMMA3_DEFAULTS,
+                     hf_wrappers={"Gemma3ForConditionalGeneration": ("text_config",
+                                                                     "language_model.")}),
 }
 
 
 def family_of_architecture(architecture: str) -> str | None:
-  """The family whose checkpoints name `architecture` (None: no family does)."""
-  return next((name for name, f in FAMILIES.items() if f.hf_architecture == architecture), None)
+  """The family whose checkpoints name `architecture`, or wrap its model so (None: no family
+  does)."""
+  return next((name for name, f in FAMILIES.items()
+               if architecture == f.hf_architecture or architecture in f.hf_wrappers), None)

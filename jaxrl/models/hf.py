@@ -31,7 +31,7 @@ from safetensors import safe_open
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.families import FAMILIES, TOP_TENSORS
 from jaxrl.models.hf_config import (ARCH_FIELDS, HFError, check_config, default_max_positions,
-                                    hf_config_dict, model_config_from_hf)
+                                    hf_config_dict, model_config_from_hf, tensor_prefix)
 
 __all__ = ["HFError", "check_config", "export", "load_params", "model_config_from_hf"]
 
@@ -121,16 +121,18 @@ def _read(handle, name: str, index: tuple, shape: tuple, split: int | None) -> n
   return x
 
 
-def _plan(hf_dir: str, leaves, handles: dict, weights: dict, where: str, family: str) -> list:
-  """(name, handle, split) per leaf, with every tensor's file, shape and dtype checked before
-  anything is read."""
+def _plan(hf_dir: str, leaves, handles: dict, weights: dict, where: str, family: str,
+          prefix: str = "") -> list:
+  """(name, handle, split, name with the prefix) per leaf, with every tensor's file, shape and
+  dtype checked before anything is read (`weights` named without the checkpoint's `prefix`)."""
   plan = []
   for path, leaf in leaves:
     keys = _keys(path)
-    name, split = hf_tensor(keys, family)
-    if name not in weights:
-      raise HFError(f"{name}: missing from {where} (parameter {'.'.join(map(str, keys))})")
-    file = os.path.join(hf_dir, weights[name])
+    short, split = hf_tensor(keys, family)
+    if short not in weights:
+      raise HFError(f"{prefix}{short}: missing from {where} (parameter "
+                    f"{'.'.join(map(str, keys))})")
+    name, file = prefix + short, os.path.join(hf_dir, weights[short])
     if file not in handles:
       if not os.path.exists(file):
         raise HFError(f"{name}: its file {file} (named in {where}) is missing")
@@ -144,7 +146,7 @@ def _plan(hf_dir: str, leaves, handles: dict, weights: dict, where: str, family:
     if tuple(info.get_shape()) != want:
       raise HFError(f"{name} in {file}: shape {tuple(info.get_shape())} does not match the "
                     f"model's {want} (parameter {'.'.join(map(str, keys))})")
-    plan.append((name, handles[file], split))
+    plan.append((short, handles[file], split, name))
   return plan
 
 
@@ -183,11 +185,13 @@ def load_params(hf_dir: str, cfg: ModelConfig, abstract: nnx.State, *,
     abstract = nnx.State({subtree: abstract[subtree]})
   leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
   weights, where = _weight_map(hf_dir)
+  prefix = tensor_prefix(hf_dir)  # a multimodal checkpoint: its language model's tensors only
+  weights = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
   handles: dict = {}
-  plan = _plan(hf_dir, leaves, handles, weights, where, cfg.family)
-  _check_unused(weights, {name for name, _, _ in plan}, subtree, cfg.tie_embeddings, where)
+  plan = _plan(hf_dir, leaves, handles, weights, where, cfg.family, prefix)
+  _check_unused(weights, {short for short, *_ in plan}, subtree, cfg.tie_embeddings, where)
   arrays = []
-  for (_, leaf), (name, handle, split) in zip(leaves, plan):
+  for (_, leaf), (_, handle, split, name) in zip(leaves, plan):
     read = lambda index, name=name, handle=handle, split=split, shape=leaf.shape: _read(
         handle, name, index, shape, split)
     arrays.append(jax.make_array_from_callback(leaf.shape, leaf.sharding, read))

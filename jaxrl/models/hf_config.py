@@ -59,7 +59,8 @@ def _family(raw: dict, path: str) -> str:
   names = raw.get("architectures") or []
   family = family_of_architecture(names[0]) if len(names) == 1 else None
   if family is None:
-    known = sorted(f.hf_architecture for f in FAMILIES.values())
+    known = sorted([f.hf_architecture for f in FAMILIES.values()]
+                 + [w for f in FAMILIES.values() for w in f.hf_wrappers])
     raise _unsupported(path, "architectures", names, f"expected one of {known}")
   return family
 
@@ -127,12 +128,39 @@ def _rope_fields(raw: dict, path: str) -> dict:
   raise _unsupported(path, "rope_type", kind, "default, linear or llama3")
 
 
+def text_model(raw: dict, family: str) -> tuple[dict, str]:
+  """(the language model's config.json fields, its tensors' name prefix): the file's own, or
+  those a multimodal wrapper nests (`Family.hf_wrappers`), with the family's defaults for what
+  it leaves out."""
+  f = FAMILIES[family]
+  key, prefix = f.hf_wrappers.get((raw.get("architectures") or [""])[0], (None, ""))
+  if key is not None:
+    tied = raw.get("tie_word_embeddings")
+    raw = {**raw[key], "architectures": [f.hf_architecture]}
+    raw.setdefault("tie_word_embeddings", tied)
+  raw = {**f.hf_defaults, **{k: v for k, v in raw.items() if v is not None or k not in
+                             f.hf_defaults}}
+  if f.block.gemma and not raw.get("layer_types"):  # (transformers 4: a pattern)
+    every = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6))
+    raw["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                          for i in range(raw["num_hidden_layers"])]
+  return raw, prefix
+
+
+def tensor_prefix(hf_dir: str) -> str:
+  """The prefix of the language model's tensor names in a checkpoint directory ("" but for a
+  multimodal wrapper's)."""
+  raw = read_json(os.path.join(hf_dir, "config.json"))
+  return text_model(raw, _family(raw, os.path.join(hf_dir, "config.json")))[1]
+
+
 def model_config_from_hf(hf_dir: str) -> ModelConfig:
-  """The ModelConfig of a checkpoint directory of one of the FAMILIES (its config.json);
-  `hf_path` is `hf_dir`, `dtype` float32."""
+  """The ModelConfig of a checkpoint directory of one of the FAMILIES (its config.json; a
+  multimodal wrapper's text model); `hf_path` is `hf_dir`, `dtype` float32."""
   path = os.path.join(hf_dir, "config.json")
   raw = read_json(path)
   family = _family(raw, path)
+  raw, _ = text_model(raw, family)
   _refuse_unsupported(raw, family, path)
   d_model = _require(raw, "hidden_size", path)
   n_heads = _require(raw, "num_attention_heads", path)
