@@ -7,12 +7,13 @@ benchmarks/live_peak.py), the memory model's update peak for a TPU target
 per device against jaxrl's count of what it sees (jaxrl/models/flops.py executed_train_flops,
 less the splash kernel's attention, which XLA does not count).
 
-  python -m benchmarks.target_sweep --json --markdown      # v5e-4, the 12 points, the docs table
+  python -m benchmarks.target_sweep --json --markdown      # v5e-4, the 14 points, the docs tables
   python -m benchmarks.target_sweep --json --points 0,3    # some of them
 
-XLA's cost analysis counts a loop's body once (one micro-batch of one minibatch), so jaxrl's
-count of the update's FLOPs is divided by the bodies. Each point takes half a minute to two
-minutes to compile on a 2-core machine; tests/test_target_compile.py runs the first.
+The compiler's FLOPs are its matrix products counted from the compiled HLO, each loop (the
+micro-batches', the log-prob chunks') as often as it runs (cli/hlo_flops.py; XLA's own cost
+analysis counts a loop's body once). Each point takes half a minute to two minutes to compile
+on a 2-core machine; tests/test_target_compile.py runs the first.
 """
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ POINTS = (
     Point("d512x2 fsdp4 dots 1024 tokens", 512, 2, 512, 512, remat="dots"),
     Point("d1024x4 fsdp2 micro4 512 tokens", 1024, 4, 128, 384, micro=4, mesh=(1, 2, 1)),
     Point("d1024x8 fsdp4 full 512 tokens", 1024, 8, 256, 256, remat="full"),
+    Point("d512x2 fsdp4 dots vocab32768", 512, 2, 128, 128, remat="dots", vocab=32768),
+    Point("d512x2 fsdp4 micro4 vocab32768", 512, 2, 128, 128, micro=4, vocab=32768),
 )
 
 
@@ -89,7 +92,7 @@ def _actor(cfg, mesh):
 
 
 def estimate(p: Point, mesh, role=None) -> tuple[float, float]:
-  """(jaxrl's update peak on the mesh's first device, jaxrl's FLOPs per loop body per device)."""
+  """(jaxrl's update peak on the mesh's first device, jaxrl's FLOPs per device of one call)."""
   import jax
   import numpy as np
 
@@ -102,14 +105,13 @@ def estimate(p: Point, mesh, role=None) -> tuple[float, float]:
   trained = shard_bytes(role.split(role.abstract())[0], 4)[mesh.devices.flat[0].id]
   peak = sum(update_footprint(cfg, mesh, role.rules, trained, params).values())
   rl = cfg.rl
-  bodies = rl.rollouts // (rl.micro_batch_size or rl.rollouts)  # one minibatch
   adapters = count(role.split(role.abstract())[0]) if cfg.lora.enabled else 0
   t = p.prompt + p.new
   per_body = flops.executed_train_flops(cfg.model, rl.rollouts, t, p.new, lora_params=adapters)
   # XLA counts no FLOPs in the splash kernel (a Pallas call): compare what it does count
   per_body -= (4 if p.remat == "full" else 3) * flops.attention_flops(cfg.model, rl.rollouts * t,
                                                                       (t + 1) / 2)
-  return peak, per_body / mesh.devices.size / bodies
+  return peak, per_body / mesh.devices.size
 
 
 def _compiled(lowered, dump: str, module: str):
@@ -157,6 +159,7 @@ def measure(p: Point, devices) -> dict:
   import numpy as np
   from jax.sharding import Mesh
 
+  from cli import hlo_flops
   from cli.target_compile import abstract_experience
   from sharding.rules import MESH_AXES
   from train.roles.learner import Learner
@@ -172,19 +175,19 @@ def measure(p: Point, devices) -> dict:
                                                    dump, "jit_step")
   memory = compiled.memory_analysis()
   temp = memory.temp_size_in_bytes
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  peak, per_body = estimate(p, mesh, role)
+  products, _ = hlo_flops.executed_flops(compiled.as_text())  # (every loop as often as it runs)
+  peak, per_call = estimate(p, mesh, role)
   return {"point": p.name, "temp_bytes": int(temp), "live_bytes": live, "allocated_bytes": allocated, "estimate_bytes": int(peak),
-          "estimate_over_compiler": round(peak / temp, 3), "flops": cost["flops"],
-          "jaxrl_flops": per_body, "jaxrl_over_compiler": round(per_body / cost["flops"], 3),
+          "estimate_over_compiler": round(peak / temp, 3), "flops": products,
+          "jaxrl_flops": per_call, "jaxrl_over_compiler": round(per_call / products, 3),
           "compile_s": round(seconds, 1), "argument_bytes": memory.argument_size_in_bytes,
           "output_bytes": memory.output_size_in_bytes, "alias_bytes": memory.alias_size_in_bytes,
           "scoring": measure_scoring(p, mesh, role)}
 
 
 def markdown(points: list[dict]) -> list[str]:
-  """docs/benchmarks.md's table of the points (MiB per device)."""
+  """docs/benchmarks.md's tables of the points (MiB per device): the updates, the scoring
+  passes."""
   mib = lambda b: f"{b / 2**20:.1f}"
   lines = ["| point | compiler temp | its live peak | memory model | model / temp | jaxrl FLOPs "
            "/ compiler | compile |", "|---|---|---|---|---|---|---|"]
@@ -192,6 +195,13 @@ def markdown(points: list[dict]) -> list[str]:
     lines.append(f"| {p['point']} | {mib(p['temp_bytes'])} | {mib(p['live_bytes'])} | "
                  f"{mib(p['estimate_bytes'])} | {p['estimate_over_compiler']:.3f} | "
                  f"{p['jaxrl_over_compiler']:.3f} | {p['compile_s']:.0f} s |")
+  lines += ["", "| point | old log-probs: compiler temp / model | ratio | reference: compiler "
+            "temp / model | ratio |", "|---|---|---|---|---|"]
+  for p in points:
+    cells = [f"{mib(s['temp_bytes'])} / {mib(s['estimate_bytes'])} | "
+             f"{s['estimate_over_compiler']:.2f}" for s in (p["scoring"]["old log-probs"],
+                                                           p["scoring"]["reference"])]
+    lines.append(f"| {p['point']} | " + " | ".join(cells) + " |")
   return lines
 
 

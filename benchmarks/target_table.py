@@ -98,8 +98,9 @@ def compile_row(name: str) -> dict:
 
 def refreshed(name: str, entry: dict) -> dict:
   """A stored row with this commit's dry run: its phases from the stored programs' bytes (what
-  stays and what offload brings back, per phase) and the estimates from today's memory model;
-  no compile (the programs are built, not lowered). Call after sharding.host.cpu_only_here."""
+  stays and what offload brings back, per phase), the estimates from today's memory model and
+  jaxrl's FLOP counts from today's; no compile (the programs are built, not lowered). Call
+  after sharding.host.cpu_only_here."""
   from types import SimpleNamespace
 
   from cli import dry_run
@@ -114,6 +115,9 @@ def refreshed(name: str, entry: dict) -> dict:
   with platform.building_for("tpu"):
     cluster, resident, phases = dry_run.tables(cfg, topology_devices(parse_target(row.target)))
     programs = {p.name: p for p in rl_programs(cfg, cluster)}
+  for p in summary["programs"]:  # jaxrl's count of each program, today's
+    c = Compiled(programs[p["name"]], None, {}, 0.0, 0.0, 0)
+    p["jaxrl_flops"] = c.jaxrl_flops or None
   compiled = [Compiled(programs[p["name"]], SimpleNamespace(
       argument_size_in_bytes=p["argument_bytes"], output_size_in_bytes=p["output_bytes"],
       alias_size_in_bytes=0, temp_size_in_bytes=p["temp_bytes"],

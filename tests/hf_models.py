@@ -30,7 +30,8 @@ def config_dir(tmp_path, arch: str, **changes) -> str:
   ARCHS[arch]().save_pretrained(path)
   with open(os.path.join(path, "config.json")) as f:
     raw = json.load(f)
-  raw["architectures"] = [ARCHS[arch]().__class__.__name__.replace("Config", "ForCausalLM")]
+  name = ARCHS[arch]().__class__.__name__.replace("TextConfig", "Config")  # (Gemma3TextConfig)
+  raw["architectures"] = [name.replace("Config", "ForCausalLM")]
   raw.update(changes)
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(raw, f)

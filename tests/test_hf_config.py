@@ -20,6 +20,13 @@ from hf_models import config_dir, one_line
      "rope_type"),
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
     ("qwen3", {"attention_bias": True}, "attention_bias"),
+    # Gemma 2's soft-capping, another activation, bidirectional attention, another layer pattern
+    ("gemma3", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ("gemma3", {"hidden_activation": "gelu"}, "hidden_activation"),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma3", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ("gemma3", {"architectures": ["Gemma2ForCausalLM"]}, "architectures"),
 ])
 def test_unsupported_configs_are_refused(tmp_path, arch, changes, field):
   path = config_dir(tmp_path, arch, **changes)

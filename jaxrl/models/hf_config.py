@@ -2,8 +2,9 @@
 (jaxrl/models/families.py: Llama, Qwen2, Qwen3, Gemma 3 text).
 
 Only what the model computes exactly is accepted: anything else in a config.json (another
-architecture, sliding-window attention, YaRN, an MLP or output-projection bias) is an `HFError`
-naming the file and the field, never a silent approximation. transformers 4 writes `rope_theta`
+architecture, Qwen's sliding-window option, Gemma 2's soft-capping, YaRN, an MLP or
+output-projection bias) is an `HFError` naming the file and the field, never a silent
+approximation. transformers 4 writes `rope_theta`
 and `rope_scaling`, transformers 5 `rope_parameters`; both are read, and exports write both, so
 either version (and vLLM) loads them.
 """
