@@ -107,7 +107,8 @@ def estimate(p: Point, mesh, role=None) -> tuple[float, float]:
   rl = cfg.rl
   adapters = count(role.split(role.abstract())[0]) if cfg.lora.enabled else 0
   t = p.prompt + p.new
-  per_body = flops.executed_train_flops(cfg.model, rl.rollouts, t, p.new, lora_params=adapters)
+  per_body = flops.executed_train_flops(cfg.model, rl.rollouts, t, p.new, lora_params=adapters,
+                                        pass_rows=rl.pass_rows)
   # XLA counts no FLOPs in the splash kernel (a Pallas call): compare what it does count
   per_body -= (4 if p.remat == "full" else 3) * flops.attention_flops(cfg.model, rl.rollouts * t,
                                                                       (t + 1) / 2)

@@ -243,7 +243,8 @@ def update_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh,
   then the optimizer reading and writing float32 weights, gradients and two Adam moments (from
   HBM)."""
   flop = flops.executed_train_flops(w.model, w.rows, w.seq_len, w.seq_len - w.prompt_len,
-                                    remat=remat, lora_params=w.lora_params)
+                                    remat=remat, lora_params=w.lora_params,
+                                    pass_rows=w.rows // w.num_minibatches)
   compute = _compute_s(dev, eff, flop, mesh, eff.train_mfu, w.model.d_model,
                        _piece_rows(w, mesh))
   comm = _fsdp_s(w, dev, eff, mesh, 2, scatter=True)

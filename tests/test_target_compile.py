@@ -242,3 +242,26 @@ def test_the_tpu_scoring_model_against_the_stored_real_size_compiles():
       for program, role in (("reference log-probs", "reference"), ("old log-probs", "actor")):
         estimate = sum(dry_run.scoring_footprint(cfg, cluster.get(role)).values())
         assert estimate == pytest.approx(temps[program], rel=0.16), (name, program)
+
+
+def test_a_sliding_window_compiles_into_the_splash_kernel():
+  """Gemma 3's local layers built for a TPU: the scoring pass's splash kernel with its local
+  mask (keys fewer than 4 positions back) compiles for a v5e-4, and the attention counted for
+  the kernel is the window's, less than causal attention's."""
+  from cli.target_compile import compile_program, rl_programs, topology_devices
+  from jaxrl import platform
+  from train.roles.cluster import RoleCluster
+  kernel = {}
+  for window in (0, 4):
+    raw = load_config_file("configs/tiny.py")
+    raw.placement.update(train_devices=2)
+    raw.model.update(family="gemma3", n_layers=2, sliding_window=window, global_every=0)
+    cfg = resolve(raw, hf=False)
+    with platform.building_for("tpu"):
+      cluster = RoleCluster(cfg, topology_devices(parse_target("v5e-4")), initialize=False)
+      program = {p.name: p for p in rl_programs(cfg, cluster)}["reference log-probs"]
+      kernel[window] = program.kernel_flops
+      if window:
+        assert "tpu_custom_call" in program.lower().as_text()
+        assert compile_program(program).memory.temp_size_in_bytes > 0
+  assert 0 < kernel[4] < kernel[0] / 2

@@ -81,19 +81,29 @@ def generate_flops(cfg: ModelConfig, prompts: int, prompt_len: int, samples: int
   return prefill + decode
 
 
+def recomputes_logits(cfg: ModelConfig, rows: int, scored: int) -> bool:
+  """Whether an update's backward computes the LM head's logits again: the chunked log-probs'
+  custom VJP recomputes each chunk (jaxrl/algos/logprobs.py), where a pass of `rows` rows takes
+  several chunks; a single chunk's two products are one to the compiler (merged as equal)."""
+  from jaxrl.algos.logprobs import chunk_length
+  return chunk_length(rows, scored, cfg.vocab_size) < scored
+
+
 def executed_train_flops(cfg: ModelConfig, rows: int, seq_len: int, scored: int, *,
-                         remat: str | None = None, lora_params: int = 0) -> float:
+                         remat: str | None = None, lora_params: int = 0,
+                         pass_rows: int | None = None) -> float:
   """The matrix products an update executes, as a compiler counts them (`train_flops` counts a
   model's work, whatever the program does): forward and backward, the LM head's logits again
-  (the chunked log-probs recompute them), less the gradients of LoRA's
+  where the chunked log-probs recompute them (passes of `pass_rows` rows, default `rows`), less
+  the gradients of LoRA's
   frozen base (with the adapters' `lora_params` in three passes instead), plus, under `remat`
   (default `cfg.remat`) `full`, the blocks' attention and the products whose outputs the
   backward reads, again (queries, keys, values, gate, up: XLA recomputes no more, and under
   `dots` nothing: checked against the TPU compiler by benchmarks/target_sweep.py)."""
   tokens = rows * seq_len
-  # The log-prob chunks' custom VJP computes each chunk's logits again in the backward
-  # (jaxrl/algos/logprobs.py): one more head forward.
-  out = train_flops(cfg, rows, seq_len, scored) + head_flops(cfg, rows * scored)
+  out = train_flops(cfg, rows, seq_len, scored)
+  if recomputes_logits(cfg, pass_rows or rows, scored):
+    out += head_flops(cfg, rows * scored)
   if lora_params:
     out += 6.0 * lora_params * tokens - 2.0 * matmul_params(cfg) * tokens
     out -= head_flops(cfg, rows * scored)
