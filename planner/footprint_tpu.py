@@ -71,7 +71,8 @@ def update_peak(m, *, rows: float, seq_len: float, logit_chunk: int, param_bytes
   head = m.vocab_size * m.d_model / tensor
   head_grad = 0.0 if lora else 4 * head
   layer_grad = 0.0 if lora else 4 * layer / (fsdp * tensor)
-  copies = 0.0 if lora else WEIGHT_COPIES * cb * params / (fsdp * tensor)  # (a frozen base: stored in cb)
+  # compute-dtype copies of the float32 weights (LoRA's frozen base is stored in the dtype)
+  copies = 0.0 if lora else WEIGHT_COPIES * cb * params / (fsdp * tensor)
   gathered = copies + (GATHERED_LAYERS * cb * layer / tensor if fsdp > 1 else 0.0)
   grads = param_bytes if accumulate else 0.0  # the accumulator
   windowed = fsdp >= WINDOWED_FSDP  # (the head multiplied shard by shard: never gathered)
@@ -103,9 +104,9 @@ SCORING_FIXED = 12 * 2**20, 4 * 2**20  # bytes the compiler reserves beside (wit
 
 def scoring_peak(m, *, rows: float, seq_len: float, logit_chunk: int, fsdp: int, tensor: int,
                  pieces: int, cast_bytes: float, cb: int) -> dict[str, float]:
-  """footprint.scoring_peak for a TPU target: `pieces`: calls of
-  the pass's loop, `cast_bytes`: this device's float32 weights in the compute dtype (0 when
-  stored in it), `logit_chunk` 0 for a value or reward head (no vocabulary)."""
+  """footprint.scoring_peak for a TPU target: `pieces`: calls of the pass's loop,
+  `cast_bytes`: this device's float32 weights in the compute dtype (0 when stored in it),
+  `logit_chunk` 0 for a value or reward head (no vocabulary)."""
   tokens, layer, head_params = rows * seq_len, flops.layer_params(m), m.vocab_size * m.d_model
   windowed = fsdp >= WINDOWED_FSDP
   head = {"logits": rows * logit_chunk * m.vocab_size * 4 / tensor,

@@ -18,7 +18,8 @@ ARCHS = {
     # A local (sliding-window) layer, then a global one: a window of 4 over 12 positions, the
     # local layers' own RoPE base, linear scaling on the global ones, a query scale of its own.
     "gemma3": lambda: transformers.Gemma3TextConfig(
-        **{**COMMON, "initializer_range": 0.05}, head_dim=16, tie_word_embeddings=True, sliding_window=4,
+        **{**COMMON, "initializer_range": 0.05}, head_dim=16, tie_word_embeddings=True,
+        sliding_window=4,
         layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
         rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e4),
                          "sliding_attention": dict(rope_type="default", rope_theta=1e3)}),
