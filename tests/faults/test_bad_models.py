@@ -57,7 +57,8 @@ BROKEN = {  # how to break a copy of the model directory -> what the error says
     "unknown architecture": (lambda m: _edit_json(os.path.join(m, "config.json"),
                                                   model_type="mamba", architectures=["Mamba"]),
                              "config.json: architectures=[\"Mamba\"] is not supported (expected "
-                             "one of ['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'])"),
+                             "one of ['Gemma3ForCausalLM', 'Gemma3ForConditionalGeneration', "
+                             "'LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'])"),
     "no weights": (lambda m: os.remove(os.path.join(m, "model.safetensors")),
                    "neither model.safetensors nor model.safetensors.index.json"),
     "truncated weights": (lambda m: _truncate(os.path.join(m, "model.safetensors")),
