@@ -51,6 +51,7 @@ ROWS = {
     "qwen2.5-7b-lora": Row("Qwen2.5-7B LoRA", "configs/qwen2_5_7b_gsm8k_lora.py", "v5p-8"),
     "llama3.1-8b": Row("Llama-3.1-8B", "configs/llama3_1_8b_gsm8k.py", "v5p-8", COLOCATE),
     "llama3.1-8b-lora": Row("Llama-3.1-8B LoRA", "configs/llama3_1_8b_gsm8k_lora.py", "v5p-8"),
+    "gemma3-4b": Row("Gemma-3-4B", "configs/gemma3_4b_gsm8k.py", "v5p-8", COLOCATE),
     "llama3.1-70b-8": Row("Llama-3.1-70B", "configs/llama3_1_70b_gsm8k.py", "v5p-64",
                           ("--config.model.n_layers=8",), layers=8),
     "llama3.1-70b-16": Row("Llama-3.1-70B", "configs/llama3_1_70b_gsm8k.py", "v5p-64",
