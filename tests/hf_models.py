@@ -2,7 +2,13 @@
 import json
 import os
 
+import jax.numpy as jnp
+import numpy as np
+import torch
 import transformers
+from flax import nnx
+
+from jaxrl.models.transformer import positions_from_valid
 
 COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-5,
@@ -54,3 +60,39 @@ def sized_mesh():
   tensor = 2 if n % 2 == 0 else 1
   fsdp = 2 if n % 4 == 0 else 1
   return make_mesh({"data": n // (tensor * fsdp), "fsdp": fsdp, "tensor": tensor})
+
+
+# Rows of one batch, left-padded: valid lengths (every row ends at the last position).
+LENGTHS, T = (12, 9, 5, 12), 12
+
+
+def randomise(model: torch.nn.Module, seed: int) -> None:
+  """Norm scales away from 1 and biases away from 0, so their paths are tested."""
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+      elif name.endswith("bias"):
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+def batch():
+  rng = np.random.default_rng(0)
+  tokens_BT = rng.integers(3, 256, (len(LENGTHS), T)).astype(np.int32)
+  valid_BT = np.arange(T)[None, :] >= T - np.asarray(LENGTHS)[:, None]
+  tokens_BT[~valid_BT] = 0
+  return tokens_BT, valid_BT, np.array(positions_from_valid(jnp.asarray(valid_BT)))
+
+
+def torch_logits(model, tokens_BT, valid_BT, positions_BT) -> np.ndarray:
+  with torch.no_grad():
+    out = model(torch.as_tensor(tokens_BT, dtype=torch.long),
+                attention_mask=torch.as_tensor(valid_BT, dtype=torch.long),
+                position_ids=torch.as_tensor(positions_BT, dtype=torch.long))
+  return out.logits.numpy()
+
+
+def jax_logits(role, params, tokens_BT, valid_BT, positions_BT) -> np.ndarray:
+  fwd = role.jit(lambda p, *a: nnx.merge(role.graphdef, p)(*a)[0])
+  return np.asarray(fwd(params, tokens_BT, positions_BT, valid_BT))

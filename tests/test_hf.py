@@ -26,16 +26,15 @@ from jaxrl.models import hf as hf_module
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.heads import ValueModel
 from jaxrl.models.hf import HFError, export, load_params, model_config_from_hf
-from jaxrl.models.transformer import LanguageModel, init_kv_cache, positions_from_valid
+from jaxrl.models.transformer import LanguageModel, init_kv_cache
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
 from train.roles.role import ModelRole
 
-from hf_models import ARCHS, one_line, sized_mesh
+from hf_models import (ARCHS, LENGTHS, T, batch, jax_logits, one_line, randomise, sized_mesh,
+                       torch_logits)
 
 GENERATION = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-# Rows of one batch, left-padded: valid lengths (every row ends at the last position).
-LENGTHS, T = (12, 9, 5, 12), 12
 
 
 @pytest.fixture(scope="module")
@@ -47,24 +46,13 @@ def _role(cfg: ModelConfig, mesh, make=LanguageModel) -> ModelRole:
   return ModelRole("actor", lambda: make(cfg, rngs=nnx.Rngs(0)), mesh)
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-  """Norm scales away from 1 and biases away from 0, so their paths are tested."""
-  gen = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-      elif name.endswith("bias"):
-        p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-
-
 @pytest.fixture(scope="module", params=sorted(ARCHS))
 def hf(request, tmp_path_factory, mesh):
   """A saved torch model, its import and the role it was imported for."""
   arch = request.param
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(ARCHS[arch](), attn_implementation="eager")
-  _randomise(model, seed=1)
+  randomise(model, seed=1)
   model.eval()
   path = str(tmp_path_factory.mktemp(arch))
   model.save_pretrained(path, max_shard_size="100KB")  # several files: the index is read
@@ -72,27 +60,6 @@ def hf(request, tmp_path_factory, mesh):
   role = _role(cfg, mesh)
   return types.SimpleNamespace(arch=arch, torch=model, path=path, cfg=cfg, role=role,
                                params=load_params(path, cfg, role.abstract()))
-
-
-def _batch():
-  rng = np.random.default_rng(0)
-  tokens_BT = rng.integers(3, 256, (len(LENGTHS), T)).astype(np.int32)
-  valid_BT = np.arange(T)[None, :] >= T - np.asarray(LENGTHS)[:, None]
-  tokens_BT[~valid_BT] = 0
-  return tokens_BT, valid_BT, np.array(positions_from_valid(jnp.asarray(valid_BT)))
-
-
-def _torch_logits(model, tokens_BT, valid_BT, positions_BT) -> np.ndarray:
-  with torch.no_grad():
-    out = model(torch.as_tensor(tokens_BT, dtype=torch.long),
-                attention_mask=torch.as_tensor(valid_BT, dtype=torch.long),
-                position_ids=torch.as_tensor(positions_BT, dtype=torch.long))
-  return out.logits.numpy()
-
-
-def _jax_logits(role, params, tokens_BT, valid_BT, positions_BT) -> np.ndarray:
-  fwd = role.jit(lambda p, *a: nnx.merge(role.graphdef, p)(*a)[0])
-  return np.asarray(fwd(params, tokens_BT, positions_BT, valid_BT))
 
 
 def test_config_fields(hf):
@@ -127,17 +94,17 @@ def test_import_is_born_sharded(hf):
 
 @pytest.mark.accelerator
 def test_logits_match_torch(hf):
-  tokens_BT, valid_BT, positions_BT = _batch()
-  want_BTV = _torch_logits(hf.torch, tokens_BT, valid_BT, positions_BT)
-  got_BTV = _jax_logits(hf.role, hf.params, tokens_BT, valid_BT, positions_BT)
+  tokens_BT, valid_BT, positions_BT = batch()
+  want_BTV = torch_logits(hf.torch, tokens_BT, valid_BT, positions_BT)
+  got_BTV = jax_logits(hf.role, hf.params, tokens_BT, valid_BT, positions_BT)
   np.testing.assert_allclose(got_BTV[valid_BT], want_BTV[valid_BT], atol=1e-4, rtol=0)
 
 
 @pytest.mark.accelerator
 def test_kv_cache_decode_matches_torch(hf):
   """Prefill 4 positions, then one token per call at cache slots 4..T-1."""
-  tokens_BT, valid_BT, positions_BT = _batch()
-  want_BTV = _torch_logits(hf.torch, tokens_BT, valid_BT, positions_BT)
+  tokens_BT, valid_BT, positions_BT = batch()
+  want_BTV = torch_logits(hf.torch, tokens_BT, valid_BT, positions_BT)
   graphdef, cfg, p = hf.role.graphdef, hf.cfg, 4
 
   def call(params, tok, pos, cache, index):
@@ -159,7 +126,7 @@ def test_kv_cache_decode_matches_torch(hf):
 def test_greedy_generation_matches_torch(hf):
   """32 greedy tokens from the sampler (its own prefill and decode loop) equal
   `generate(do_sample=False)`, and the sampler's log-probs equal torch's."""
-  tokens_BT, valid_BT, _ = _batch()
+  tokens_BT, valid_BT, _ = batch()
   prompts = [row[v].tolist() for row, v in zip(tokens_BT, valid_BT)]
   sampling = SamplingConfig(max_new_tokens=32, eos_id=2, pad_id=0, method="greedy",
                             ignore_eos=True, decode_segments=1)  # one loop to compile
@@ -203,9 +170,9 @@ def test_export_reloads_exactly(hf, tmp_path):
   assert sorted(got) == sorted(want)
   for name in want:
     assert torch.equal(got[name], want[name]), name
-  tokens_BT, valid_BT, positions_BT = _batch()
-  np.testing.assert_array_equal(_torch_logits(back, tokens_BT, valid_BT, positions_BT),
-                                _torch_logits(hf.torch, tokens_BT, valid_BT, positions_BT))
+  tokens_BT, valid_BT, positions_BT = batch()
+  np.testing.assert_array_equal(torch_logits(back, tokens_BT, valid_BT, positions_BT),
+                                torch_logits(hf.torch, tokens_BT, valid_BT, positions_BT))
   assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == 2
   # And back into jaxrl: the same parameters.
   again = load_params(out, model_config_from_hf(out), hf.role.abstract())
@@ -255,9 +222,9 @@ def test_export_jaxrl_init_with_scaled_tied_head(tmp_path, mesh):
   config = json.load(open(os.path.join(out, "config.json")))
   assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is False
   back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
-  tokens_BT, valid_BT, positions_BT = _batch()
-  want_BTV = _jax_logits(role, params, tokens_BT, valid_BT, positions_BT)
-  got_BTV = _torch_logits(back, tokens_BT, valid_BT, positions_BT)
+  tokens_BT, valid_BT, positions_BT = batch()
+  want_BTV = jax_logits(role, params, tokens_BT, valid_BT, positions_BT)
+  got_BTV = torch_logits(back, tokens_BT, valid_BT, positions_BT)
   np.testing.assert_allclose(got_BTV[valid_BT], want_BTV[valid_BT], atol=1e-4, rtol=0)
   assert transformers.PreTrainedTokenizerFast.from_pretrained(out).encode("t5 t7") == [5, 7]
   for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -363,42 +330,3 @@ def test_failed_export_leaves_nothing(hf, tmp_path, monkeypatch):
     export(hf.params, hf.cfg, out)
   one_line(e, out, "exists")
 
-
-def test_multimodal_gemma3_checkpoint_loads_its_language_model(tmp_path, mesh):
-  """A Gemma3ForConditionalGeneration directory (the 4B to 27B checkpoints: a vision tower
-  beside the language model, whose tensors are under `language_model.` and whose config is
-  nested in `text_config`, listing only what differs from Gemma3TextConfig's defaults): the
-  language model loads, its logits equal the multimodal model's on text, and the vision
-  tensors are left alone."""
-  from hf_models import COMMON
-  common = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}  # (the default: 4)
-  text = transformers.Gemma3TextConfig(
-      **{**common, "initializer_range": 0.05}, head_dim=16, sliding_window=4,
-      layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24)
-  vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
-                                           num_hidden_layers=1, num_attention_heads=2,
-                                           image_size=28, patch_size=14)
-  torch.manual_seed(0)
-  model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
-      text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-      image_token_index=255, boi_token_index=253, eoi_token_index=254))
-  _randomise(model, seed=1)
-  model.eval()
-  path = str(tmp_path / "gemma3-mm")
-  model.save_pretrained(path)
-  raw = json.load(open(os.path.join(path, "config.json")))
-  defaults = transformers.Gemma3TextConfig().to_dict()
-  raw["text_config"] = {k: v for k, v in raw["text_config"].items()
-                        if k == "model_type" or defaults.get(k) != v}
-  assert "num_key_value_heads" not in raw["text_config"]  # (a default of the hub's 4B too)
-  json.dump(raw, open(os.path.join(path, "config.json"), "w"))
-  cfg = model_config_from_hf(path)
-  assert (cfg.family, cfg.n_layers, cfg.n_kv_heads, cfg.sliding_window, cfg.global_every,
-          cfg.query_scale, cfg.vocab_size) == ("gemma3", 2, 4, 4, 2, 24.0, 256)
-  role = _role(cfg, mesh)
-  params = load_params(path, cfg, role.abstract())
-  tokens_BT, valid_BT, positions_BT = _batch()
-  tokens_BT = np.minimum(tokens_BT, 252)  # no image token
-  want_BTV = _torch_logits(model, tokens_BT, valid_BT, positions_BT)
-  got_BTV = _jax_logits(role, params, tokens_BT, valid_BT, positions_BT)
-  np.testing.assert_allclose(got_BTV[valid_BT], want_BTV[valid_BT], atol=1e-4, rtol=0)
