@@ -56,41 +56,43 @@ def _covered(intervals: list[tuple[int, int]]) -> int:
   return total
 
 
-def live_peak(directory: str, module: str) -> tuple[int, int]:
-  """(live peak bytes, preallocated temp bytes) of the dumped module `module` (its last one)."""
+def _dump(directory: str, module: str) -> tuple[str, list[tuple], int]:
+  """(the dump's file prefix, [(value name, first, last instruction, offset, size)] of the
+  preallocated temporaries, that allocation's size) of the dumped module `module` (its last
+  one)."""
   prefix = sorted(glob.glob(os.path.join(directory, f"*{module}*after_optimizations-buffer-"
                                                     "assignment.txt")))[-1]
   prefix = prefix[:-len("buffer-assignment.txt")]
   values, allocated = _temp_values(prefix + "buffer-assignment.txt")
   ranges = _live_ranges(prefix + "live-range.txt")
-  spans = []  # (start, end, offset, size)
-  for name, (offset, size) in values.items():
-    span = ranges.get(name if name.endswith("}") else name + "{}")
-    if span:
-      spans.append((*span, offset, size))
-  events = sorted({s for s, *_ in spans} | {e for _, e, *_ in spans})
-  peak = max((_covered([(o, o + z) for s, e, o, z in spans if s <= t <= e]) for t in events),
-             default=0)
-  return peak, allocated
+  spans = [(name, *ranges[key], offset, size) for name, (offset, size) in values.items()
+           if (key := name if name.endswith("}") else name + "{}") in ranges]
+  return prefix, spans, allocated
+
+
+def _peak_moment(spans: list[tuple]) -> tuple[int, int]:
+  """(the instruction at which the most bytes are live, those bytes)."""
+  events = sorted({s for _, s, *_ in spans} | {e for _, _, e, *_ in spans})
+  live = lambda t: _covered([(o, o + z) for _, s, e, o, z in spans if s <= t <= e])
+  return max(((t, live(t)) for t in events), key=lambda x: x[1], default=(0, 0))
+
+
+def live_peak(directory: str, module: str) -> tuple[int, int]:
+  """(live peak bytes, preallocated temp bytes) of the dumped module `module` (its last one)."""
+  _, spans, allocated = _dump(directory, module)
+  return _peak_moment(spans)[1], allocated
 
 
 def at_peak(directory: str, module: str, top: int = 12) -> list[tuple[str, int, str]]:
   """The `top` largest temporaries live at the live peak: (value name, bytes, its instruction's
   shape and op, from the after-optimizations HLO)."""
-  prefix = sorted(glob.glob(os.path.join(directory, f"*{module}*after_optimizations-buffer-"
-                                                    "assignment.txt")))[-1]
-  prefix = prefix[:-len("buffer-assignment.txt")]
-  values, _ = _temp_values(prefix + "buffer-assignment.txt")
-  ranges = _live_ranges(prefix + "live-range.txt")
-  spans = [(name, *ranges[k], o, z) for name, (o, z) in values.items()
-           if (k := name if name.endswith("}") else name + "{}") in ranges]
-  events = sorted({s for _, s, *_ in spans} | {e for _, _, e, *_ in spans})
-  live = lambda t: [sp for sp in spans if sp[1] <= t <= sp[2]]
-  t = max(events, key=lambda t: _covered([(o, o + z) for _, _, _, o, z in live(t)]))
-  hlo = open(prefix[:-1] + ".txt").read() if os.path.exists(prefix[:-1] + ".txt") else ""
+  prefix, spans, _ = _dump(directory, module)
+  t, _ = _peak_moment(spans)
+  hlo_path = prefix[:-1] + ".txt"
+  hlo = open(hlo_path).read() if os.path.exists(hlo_path) else ""
   out = []
-  for name, _, _, _, size in sorted(live(t), key=lambda sp: -sp[4])[:top]:
-    base = name.split("{")[0]
-    m = re.search(rf"\n\s*(?:ROOT )?%?{re.escape(base)} = ([^\n]{{0,160}})", hlo)
+  live = sorted((sp for sp in spans if sp[1] <= t <= sp[2]), key=lambda sp: -sp[4])
+  for name, _, _, _, size in live[:top]:
+    m = re.search(rf"\n\s*(?:ROOT )?%?{re.escape(name.split('{')[0])} = ([^\n]{{0,160}})", hlo)
     out.append((name, size, m.group(1) if m else ""))
   return out

@@ -107,6 +107,7 @@ def refreshed(name: str, entry: dict) -> dict:
   from cli import dry_run
   from cli.flags import parse_args
   from cli.target_compile import Compiled, estimates, phase_peaks, rl_programs, topology_devices
+  from cli.target_report import phase_summary
   from jaxrl import platform
   from jaxrl.config_files import with_gin
   from planner.targets import parse_target
@@ -116,24 +117,15 @@ def refreshed(name: str, entry: dict) -> dict:
   with platform.building_for("tpu"):
     cluster, resident, phases = dry_run.tables(cfg, topology_devices(parse_target(row.target)))
     programs = {p.name: p for p in rl_programs(cfg, cluster)}
-  for p in summary["programs"]:  # jaxrl's count of each program, today's
-    c = Compiled(programs[p["name"]], None, {}, 0.0, 0.0, 0)
-    p["jaxrl_flops"] = c.jaxrl_flops or None
   compiled = [Compiled(programs[p["name"]], SimpleNamespace(
       argument_size_in_bytes=p["argument_bytes"], output_size_in_bytes=p["output_bytes"],
       alias_size_in_bytes=0, temp_size_in_bytes=p["temp_bytes"],
       generated_code_size_in_bytes=p["code_bytes"]), {}, p["compile_seconds"], p["flops"], 0)
       for p in summary["programs"]]
-  peaks, estimate = phase_peaks(compiled, resident, phases), estimates(resident, phases)
-  out = {}
-  for phase, per_device in peaks.items():
-    d = max(per_device, key=per_device.get)
-    out[phase] = {"device": d, "compiler_bytes": per_device[d],
-                  "estimate_bytes": estimate.get(phase, {}).get(d)}
-  worst_phase = max(out, key=lambda p: out[p]["compiler_bytes"])
-  worst = out[worst_phase]["compiler_bytes"]
-  summary = {**summary, "phases": out, "worst_phase": worst_phase, "worst_bytes": worst,
-             "fits": worst <= summary["hbm_bytes"]}
+  for p, c in zip(summary["programs"], compiled):  # jaxrl's count of each program, today's
+    p["jaxrl_flops"] = c.jaxrl_flops or None
+  summary = {**summary, **phase_summary(phase_peaks(compiled, resident, phases),
+                                        estimates(resident, phases), summary["hbm_bytes"])}
   return {**entry, "summary": summary, "estimates_from": _commit()}
 
 

@@ -70,16 +70,23 @@ def summary(run: TargetRun) -> dict:
         "kernel_flops": p.kernel_flops * p.pieces, "jaxrl_flops": c.jaxrl_flops or None,
         "unknown_loops": c.unknown_loops, "bytes_accessed": c.cost.get("bytes accessed", 0.0),
         "seconds": sec, "seconds_from": how, "compile_seconds": c.seconds})
-  phases = {}
-  for phase, per_device in run.peaks.items():
-    d = max(per_device, key=per_device.get)
-    phases[phase] = {"device": d, "compiler_bytes": per_device[d],
-                     "estimate_bytes": run.estimate.get(phase, {}).get(d)}
-  worst_phase, worst = run.worst()
   hbm = run.target.spec.memory_bytes
   return {"target": run.target.describe(), "hosts": run.hosts, "hbm_bytes": hbm,
           "placement": run.cfg.placement.strategy, "meshes": run.meshes, "programs": programs,
-          "phases": phases, "worst_phase": worst_phase, "worst_bytes": worst,
+          **phase_summary(run.peaks, run.estimate, hbm)}
+
+
+def phase_summary(peaks: dict, estimate: dict, hbm: float) -> dict:
+  """Per phase its busiest device, the compiler's bytes there and the dry run's estimate; the
+  worst phase, its bytes and whether they fit `hbm`."""
+  phases = {}
+  for phase, per_device in peaks.items():
+    d = max(per_device, key=per_device.get)
+    phases[phase] = {"device": d, "compiler_bytes": per_device[d],
+                     "estimate_bytes": estimate.get(phase, {}).get(d)}
+  worst_phase = max(phases, key=lambda p: phases[p]["compiler_bytes"])
+  worst = phases[worst_phase]["compiler_bytes"]
+  return {"phases": phases, "worst_phase": worst_phase, "worst_bytes": worst,
           "fits": worst <= hbm}
 
 

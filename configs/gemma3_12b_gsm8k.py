@@ -20,5 +20,4 @@ GEMMA3_12B = dict(GEMMA3, vocab_size=262208, d_model=3840, n_layers=48, n_heads=
 def get_config():
   return hf_gsm8k.config(
       model=GEMMA3_12B,
-      placement=dict(strategy="separate", cpu_devices=8, train_devices=4, sampler_tensor=4,
-                     device_memory_gb=80.0))
+      placement=hf_gsm8k.EIGHT_80GB)

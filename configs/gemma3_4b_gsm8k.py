@@ -25,5 +25,4 @@ GEMMA3_4B = dict(GEMMA3, vocab_size=262208, d_model=2560, n_layers=34, n_heads=8
 def get_config():
   return hf_gsm8k.config(
       model=GEMMA3_4B,
-      placement=dict(strategy="separate", cpu_devices=8, train_devices=4, sampler_tensor=4,
-                     device_memory_gb=80.0))
+      placement=hf_gsm8k.EIGHT_80GB)

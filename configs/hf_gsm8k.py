@@ -8,6 +8,10 @@ must agree) and their hardware.
 from jaxrl.config import ExperimentConfig, config_dict
 
 PROMPT = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+# One node of 8 x 80 GB accelerators: the trainer fsdp-shards the actor and the reference over 4,
+# the sampler decodes on the other 4 (tensor parallel).
+EIGHT_80GB = dict(strategy="separate", cpu_devices=8, train_devices=4, sampler_tensor=4,
+                  device_memory_gb=80.0)
 
 
 def config(*, model: dict, placement: dict, rl: dict | None = None):

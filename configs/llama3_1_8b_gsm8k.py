@@ -21,5 +21,4 @@ LLAMA3_1_8B = dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_k
 def get_config():
   return hf_gsm8k.config(
       model=LLAMA3_1_8B,
-      placement=dict(strategy="separate", cpu_devices=8, train_devices=4, sampler_tensor=4,
-                     device_memory_gb=80.0))
+      placement=hf_gsm8k.EIGHT_80GB)

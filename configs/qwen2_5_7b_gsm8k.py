@@ -18,5 +18,4 @@ QWEN2_5_7B = dict(vocab_size=152064, d_model=3584, n_layers=28, n_heads=28, n_kv
 def get_config():
   return hf_gsm8k.config(
       model=QWEN2_5_7B,
-      placement=dict(strategy="separate", cpu_devices=8, train_devices=4, sampler_tensor=4,
-                     device_memory_gb=80.0))
+      placement=hf_gsm8k.EIGHT_80GB)

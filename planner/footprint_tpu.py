@@ -19,8 +19,9 @@ habits differ from XLA:CPU's, to which planner/footprint.py's counts are fitted:
     gradient (the 70B's update on a v5p-64: 0.33 GiB beside the 3.91 GiB gradient, whole at
     the peak with the blocks' saved gate and up outputs).
 
-Fitted to the `temp_size_in_bytes` of 12 small updates on a v5e-4 (within 12% at each) and,
-held out, within 9% of the real-size updates (docs/benchmarks.md's target table).
+Fitted to the `temp_size_in_bytes` of 12 small updates on a v5e-4 (0.84x to 1.12x at each,
+0.90x to 1.12x before LoRA's frozen base lost its copy) and, held out, within 9% of the
+real-size updates under fsdp 4 (docs/benchmarks.md's target table).
 At a 32768-word vocabulary under fsdp 4 it is 1.38x the compiler's (the loop carried 27 MiB
 there, not two 64 MiB gradients: where the compiler carries them whole is not pinned down).
 

@@ -94,11 +94,21 @@ GEMMA3_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=92
                        hidden_activation="gelu_pytorch_tanh")
 
 
+def global_every(layer_types: list[str]) -> int:
+  """The period of the global layers in Hugging Face's `layer_types` (0: none is global)."""
+  return layer_types.index("full_attention") + 1 if "full_attention" in layer_types else 0
+
+
+def layer_types(n_layers: int, every: int) -> list[str]:
+  """`layer_types` of `n_layers` layers with every `every`-th global, the others sliding."""
+  return ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention"
+          for i in range(n_layers)]
+
+
 def _gemma3_read(raw: dict) -> dict:
   """Gemma 3's own config.json keys: the sliding window, the layers' pattern (checked by
   hf_config.py), the sliding layers' RoPE base, the queries' scale."""
-  types = raw.get("layer_types") or []
-  every = types.index("full_attention") + 1 if "full_attention" in types else 0
+  every = global_every(raw.get("layer_types") or [])
   rope = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
   return dict(sliding_window=int(raw.get("sliding_window") or 0), global_every=every,
               rope_local_theta=float(rope.get("rope_theta", raw.get("rope_local_base_freq",

@@ -95,8 +95,8 @@ def executed_train_flops(cfg: ModelConfig, rows: int, seq_len: int, scored: int,
   """The matrix products an update executes, as a compiler counts them (`train_flops` counts a
   model's work, whatever the program does): forward and backward, the LM head's logits again
   where the chunked log-probs recompute them (passes of `pass_rows` rows, default `rows`), less
-  the gradients of LoRA's
-  frozen base (with the adapters' `lora_params` in three passes instead), plus, under `remat`
+  the gradients of LoRA's frozen base (with the adapters' `lora_params` in three passes
+  instead), plus, under `remat`
   (default `cfg.remat`) `full`, the blocks' attention and the products whose outputs the
   backward reads, again (queries, keys, values, gate, up: XLA recomputes no more, and under
   `dots` nothing: checked against the TPU compiler by benchmarks/target_sweep.py)."""

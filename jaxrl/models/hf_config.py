@@ -4,9 +4,9 @@
 Only what the model computes exactly is accepted: anything else in a config.json (another
 architecture, Qwen's sliding-window option, Gemma 2's soft-capping, YaRN, an MLP or
 output-projection bias) is an `HFError` naming the file and the field, never a silent
-approximation. transformers 4 writes `rope_theta`
-and `rope_scaling`, transformers 5 `rope_parameters`; both are read, and exports write both, so
-either version (and vLLM) loads them.
+approximation. transformers 4 writes `rope_theta` and `rope_scaling`, transformers 5
+`rope_parameters`; both are read, and exports write both, so either version (and vLLM) loads
+them.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import json
 import os
 
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.families import FAMILIES, family_of_architecture
+from jaxrl.models.families import FAMILIES, family_of_architecture, global_every, layer_types
 
 
 class HFError(ValueError):
@@ -100,10 +100,7 @@ def _refuse_gemma(raw: dict, path: str) -> None:
   types = raw.get("layer_types") or []
   if not types:
     raise HFError(f"{path}: layer_types is missing")
-  every = types.index("full_attention") + 1 if "full_attention" in types else 0
-  pattern = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention"
-             for i in range(len(types))]
-  if types != pattern:
+  if types != layer_types(len(types), global_every(types)):
     raise _unsupported(path, "layer_types", types, "a global layer every n-th, sliding between")
 
 
@@ -143,8 +140,7 @@ def text_model(raw: dict, family: str) -> tuple[dict, str]:
                              f.hf_defaults}}
   if f.block.gemma and not raw.get("layer_types"):  # (transformers 4: a pattern)
     every = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6))
-    raw["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
-                          for i in range(raw["num_hidden_layers"])]
+    raw["layer_types"] = layer_types(raw["num_hidden_layers"], every)
   return raw, prefix
 
 
