@@ -90,7 +90,7 @@ def _decoder(graphdef, b: int, slots: int, steps: int):
 
     def body(i, carry):
       tok, cache = carry
-      logits, cache = step(tok, (rope[0][:, 0], rope[1][:, 0]), valid, cache, i)
+      logits, cache, _ = step(tok, (rope[0][:, 0], rope[1][:, 0]), valid, cache, i)
       return jnp.argmax(logits, -1).astype(jnp.int32), cache
     return jax.lax.fori_loop(0, steps, body, (tok_B, cache))[0]
   return jax.jit(run)

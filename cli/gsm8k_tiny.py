@@ -50,7 +50,7 @@ def make(out: str, *, n_train: int = N_TRAIN, n_heldout: int = N_HELDOUT,
   from jaxrl.data.tiny_tokenizer import train_bpe
   from jaxrl.data.tokenizer import load_tokenizer
   from jaxrl.models.config import ModelConfig
-  from jaxrl.models.hf import export
+  from jaxrl.models.hf_export import export
   from jaxrl.models.transformer import LanguageModel
 
   tmp = f"{out.rstrip('/')}.tmp{os.getpid()}"  # several processes may make it at once

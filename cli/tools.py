@@ -29,7 +29,8 @@ def export_main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   from cli.model_io import generation_config, load_policy
   from jaxrl.config import ConfigError
-  from jaxrl.models.hf import HFError, export, export_peft
+  from jaxrl.models.hf import HFError
+  from jaxrl.models.hf_export import export, export_peft
   try:
     policy = load_policy(args.checkpoint, what="--checkpoint", merge=not args.peft)
     if args.peft:

@@ -14,7 +14,7 @@ import dataclasses
 from jaxrl.algos import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from jaxrl.algos.correction import ROLLOUT_MASKS
 from jaxrl.config_checks import (ConfigError, at_least_zero, choice, first_line,  # noqa: F401
-                                 positive, unit)
+                                 positive, sections_agree, unit)
 from jaxrl.data.sources import ANSWER_FORMATS
 from jaxrl.data.tasks import TASKS
 from jaxrl.models.config import ModelConfig
@@ -368,26 +368,15 @@ class ExperimentConfig:
   def __post_init__(self):
     positive(self, "checkpoint_every", "keep_checkpoints", "max_skipped_updates")
     at_least_zero(self, "checkpoint_minutes", "seed")
-    if self.rl.mode == "async" and self.placement.strategy not in ("separate", "plan"):
-      raise ValueError(
-          f"rl.mode: async needs the sampler on devices of its own "
-          f"(placement.strategy='separate'); with {self.placement.strategy!r} generation and "
-          f"training share devices and cannot overlap, use mode='sync'")
-    if self.placement.offload and self.rl.mode == "async":
-      raise ValueError("placement.offload: offloads between the phases of a sync step; with "
-                       "rl.mode='async' generation and training overlap, set offload=''")
-    if self.rl.reward == "reward_model" and self.reward_model.steps <= 0:
-      raise ValueError("reward_model.steps: rl.reward='reward_model' needs a trained reward "
-                       f"model, expected > 0, got {self.reward_model.steps}")
+    sections_agree(self)
 
   @property
   def sampler_tensor(self) -> int:
     """The sampler mesh's tensor degree: `placement.sampler_tensor`, or for 0 (auto) 2 where the
-    model's heads, KV heads, MLP width and vocabulary all split 2 ways, else 1."""
-    if self.placement.sampler_tensor:
-      return self.placement.sampler_tensor
+    model's heads, KV heads, MLP width, experts and vocabulary all split 2 ways, else 1."""
     m = self.model
-    return 2 if all(x % 2 == 0 for x in (m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size)) else 1
+    dims = (m.n_heads, m.n_kv_heads, m.d_ff, m.n_experts, m.vocab_size)
+    return self.placement.sampler_tensor or (2 if all(x % 2 == 0 for x in dims) else 1)
 
 
 def to_dict(cfg) -> dict:

@@ -26,3 +26,29 @@ def check(obj, names, ok, expected: str) -> None:
 positive = lambda obj, *names: check(obj, names, lambda v: v > 0, "> 0")  # noqa: E731
 at_least_zero = lambda obj, *names: check(obj, names, lambda v: v >= 0, ">= 0")  # noqa: E731
 unit = lambda obj, *names: check(obj, names, lambda v: 0 <= v <= 1, "in [0, 1]")  # noqa: E731
+
+
+def sections_agree(cfg) -> None:
+  """The checks across an ExperimentConfig's sections (placement and RL mode, reward and
+  reward model, LoRA and the model's MLP)."""
+  if cfg.rl.mode == "async" and cfg.placement.strategy not in ("separate", "plan"):
+    raise ValueError(
+        f"rl.mode: async needs the sampler on devices of its own "
+        f"(placement.strategy='separate'); with {cfg.placement.strategy!r} generation and "
+        f"training share devices and cannot overlap, use mode='sync'")
+  if cfg.placement.offload and cfg.rl.mode == "async":
+    raise ValueError("placement.offload: offloads between the phases of a sync step; with "
+                     "rl.mode='async' generation and training overlap, set offload=''")
+  if cfg.rl.reward == "reward_model" and cfg.reward_model.steps <= 0:
+    raise ValueError("reward_model.steps: rl.reward='reward_model' needs a trained reward "
+                     f"model, expected > 0, got {cfg.reward_model.steps}")
+  if mlp := cfg.model.n_experts and cfg.lora.enabled and sorted(
+      {"w_gate", "w_up", "w_down"} & set(cfg.lora.target_names)):
+    raise ValueError(f"lora.targets: {','.join(mlp)} adapt a dense MLP; a mixture of experts' "
+                     "experts take no adapters (target wq,wk,wv,wo)")
+  unrecorded = [name for name, on in (("rl.inflight_slots", cfg.rl.inflight_slots),
+                                      ("rl.environment", cfg.rl.environment),
+                                      ("rl.partial_rollouts", cfg.rl.partial_rollouts)) if on]
+  if cfg.model.routing_replay != "off" and unrecorded:
+    raise ValueError(f"model.routing_replay: the rollouts of {unrecorded[0]} do not record "
+                     "their experts yet, expected 'off' with it")

@@ -63,7 +63,7 @@ def block_bytes(model, seq_len: float, tensor: int = 1, flash_attention: bool = 
   """Bytes per token of one block's activations that its backward needs (its working set)."""
   m = model
   qkv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tensor
-  out = compute_bytes(m) * (PER_D_MODEL * m.d_model + PER_D_FF * m.d_ff / tensor + PER_QKV * qkv)
+  out = compute_bytes(m) * (PER_D_MODEL * m.d_model + PER_D_FF * flops.token_ff(m) / tensor + PER_QKV * qkv)
   if not flash_attention:
     out += 4 * SCORE_COPIES * m.n_heads / tensor * seq_len
   return out
@@ -77,7 +77,7 @@ def saved_bytes(model, remat: str, seq_len: float, tensor: int = 1,
     return block_bytes(m, seq_len, tensor, flash_attention)
   if remat == "dots":
     qkv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
-    return compute_bytes(m) * (2 * m.d_ff + qkv) / tensor
+    return compute_bytes(m) * (2 * flops.token_ff(m) + qkv) / tensor
   if remat == "full":
     return compute_bytes(m) * m.d_model
   raise ValueError(f"remat: expected one of {list(REMATS)}, got {remat!r}")

@@ -56,7 +56,7 @@ def _saved(m, remat: str, tensor: int, lora: bool, cb: int) -> float:
     return states
   attn = (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim  # queries, keys, values, output
   ff = 2 if remat == "dots" else 3  # gate, up (and their product)
-  out = states + (cb * (ff * m.d_ff + attn) + SPLASH_STATS * m.n_heads) / tensor
+  out = states + (cb * (ff * flops.token_ff(m) + attn) + SPLASH_STATS * m.n_heads) / tensor
   return out + (cb * m.d_ff / tensor if lora else 0.0)  # the state w_down's adapter reads
 
 
@@ -113,7 +113,7 @@ def scoring_peak(m, *, rows: float, seq_len: float, logit_chunk: int, fsdp: int,
   head = {"logits": rows * logit_chunk * m.vocab_size * 4 / tensor,
           "gathered weights": (head_params * cb / tensor if fsdp > 1 and logit_chunk else 0.0)
           + (2 * head_params * cb / (fsdp * tensor) if m.tie_embeddings else 0.0)}
-  block = {"activations": tokens * cb * (SCORING_FF * m.d_ff + SCORING_D_MODEL * m.d_model)
+  block = {"activations": tokens * cb * (SCORING_FF * flops.token_ff(m) + SCORING_D_MODEL * m.d_model)
            / tensor, "gathered weights": (SCORING_GATHERED_LAYERS * layer * cb / tensor
                                           if 1 < fsdp and not windowed else 0.0)}
   peak = max((head, block), key=lambda p: sum(p.values()))

@@ -36,6 +36,9 @@ class Rollout:
   # environment's rewards. None for a single completion.
   loss_mask_BN: jax.Array | None = None
   rewards_B: jax.Array | None = None
+  # A mixture of experts: the experts each token went through in each layer, [B, T, L, k] (-1:
+  # not routed, e.g. the last token, which needs no forward pass), for routing replay.
+  routes_BTLK: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -48,6 +51,7 @@ class DecodeState:
   logprobs_BN: jax.Array
   recent_BK: jax.Array  # the last K tokens, K = longest stop sequence (at least 1)
   done_B: jax.Array
+  routes_BNLK: jax.Array | None = None  # the generated tokens' experts (a mixture of experts)
 
 
 def hit_stop(recent_BK: jax.Array, cfg: SamplingConfig) -> jax.Array:
@@ -104,7 +108,8 @@ class DecodeModel(Protocol):
 
   def rope(self, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]: ...
 
-  def prefill(self, tokens_BP: jax.Array, valid_BP: jax.Array) -> tuple[jax.Array, KVCache]: ...
+  def prefill(self, tokens_BP: jax.Array, valid_BP: jax.Array) -> tuple[jax.Array, KVCache,
+                                                                        jax.Array | None]: ...
 
   def decode_fn(self, layout: str) -> Callable: ...
 
@@ -119,8 +124,9 @@ def resolve_layout(cfg: SamplingConfig) -> str:
 
 def _decode_forward(model: DecodeModel, layout: str, key_valid_BS, next_pos_B, steps: int,
                     p: int):
-  """`forward(tok_B, i, kv_cache, slots) -> (logits_BV, kv_cache)`: the decode step for the token
-  sampled at step i (cache slot p + i), in the `layout` the step runs in."""
+  """`forward(tok_B, i, kv_cache, slots) -> (logits_BV, kv_cache, routes_BLK or None)`: the
+  decode step for the token sampled at step i (cache slot p + i), in the `layout` the step runs
+  in."""
   sin_NBH, cos_NBH = model.rope(next_pos_B[None, :] + jnp.arange(steps)[:, None])
   step = model.decode_fn(layout)
 
@@ -160,7 +166,7 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   # float32 parameters).
   model: DecodeModel = LMDecoding.of(nnx.merge(graphdef, params))
   p, steps = prompt_tokens_BP.shape[1], cfg.max_new_tokens
-  logits_BV, kv_cache = model.prefill(prompt_tokens_BP, prompt_valid_BP)
+  logits_BV, kv_cache, routes_BPLK = model.prefill(prompt_tokens_BP, prompt_valid_BP)
   key_valid_BS = jnp.concatenate(
       [prompt_valid_BP, jnp.ones((prompt_tokens_BP.shape[0], steps), bool)], axis=1)
   if n > 1:  # share the prefix: prefill once, then give each sample its own copy of the cache
@@ -168,6 +174,7 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
     kv_cache = jax.tree.map(repeat, kv_cache)
     prompt_tokens_BP, prompt_valid_BP, key_valid_BS, logits_BV = map(
         repeat, (prompt_tokens_BP, prompt_valid_BP, key_valid_BS, logits_BV))
+    routes_BPLK = None if routes_BPLK is None else repeat(routes_BPLK)
   b = prompt_tokens_BP.shape[0]
   max_new_B = jnp.full((b,), steps, jnp.int32) if max_new_B is None else max_new_B
   forward = _decode_forward(model, resolve_layout(cfg), key_valid_BS,
@@ -177,14 +184,20 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
 
   def body(s: DecodeState, slots: int) -> DecodeState:
     s, tok_B = emit(s)
-    logits_BV, kv_cache = forward(tok_B, s.step - 1, s.kv_cache, slots)
+    logits_BV, kv_cache, routes_BLK = forward(tok_B, s.step - 1, s.kv_cache, slots)
+    if routes_BLK is not None:  # the experts of the token just emitted
+      routes_BNLK = jax.lax.dynamic_update_slice_in_dim(s.routes_BNLK, routes_BLK[:, None],
+                                                        s.step - 1, axis=1)
+      s = s.replace(routes_BNLK=routes_BNLK)
     return s.replace(logits_BV=logits_BV, kv_cache=kv_cache)
 
   k = max([len(s) for s in cfg.stop_sequences], default=1)
   state = DecodeState(step=jnp.int32(0), logits_BV=logits_BV, kv_cache=kv_cache,
                       tokens_BN=jnp.full((b, steps), cfg.pad_id, jnp.int32),
                       mask_BN=jnp.zeros((b, steps), bool), logprobs_BN=jnp.zeros((b, steps)),
-                      recent_BK=jnp.full((b, k), -1, jnp.int32), done_B=jnp.zeros((b,), bool))
+                      recent_BK=jnp.full((b, k), -1, jnp.int32), done_B=jnp.zeros((b,), bool),
+                      routes_BNLK=None if routes_BPLK is None else jnp.full(
+                          (b, steps) + routes_BPLK.shape[2:], -1, routes_BPLK.dtype))
   for end in segment_ends(steps - 1, cfg.decode_segments):
     state = state.replace(kv_cache=model.grow_cache(state.kv_cache, p + end))
     state = jax.lax.while_loop(lambda s, end=end: (s.step < end) & ~all_done(s.done_B),
@@ -195,4 +208,6 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   return Rollout(tokens_BT=jnp.concatenate([prompt_tokens_BP, state.tokens_BN], axis=1),
                  valid_BT=jnp.concatenate([prompt_valid_BP, state.mask_BN], axis=1),
                  completion_mask_BN=state.mask_BN, logprobs_BN=state.logprobs_BN,
-                 lengths_B=state.mask_BN.sum(axis=1))
+                 lengths_B=state.mask_BN.sum(axis=1),
+                 routes_BTLK=None if routes_BPLK is None else jnp.concatenate(
+                     [routes_BPLK, state.routes_BNLK], axis=1))

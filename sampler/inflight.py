@@ -100,7 +100,7 @@ def row_state(model: DecodeModel, cfg: SamplingConfig, tokens_KP, valid_KP, rows
   (at least the prompt width P): their prefill in the ring layout, their own random draws
   (`row_uniforms`), nothing generated yet."""
   (k, p), n = tokens_KP.shape, cfg.max_new_tokens
-  logits_KV, cache_KP = model.prefill(tokens_KP, valid_KP)
+  logits_KV, cache_KP, _ = model.prefill(tokens_KP, valid_KP)
   key_valid_KS = jnp.roll(jnp.pad(valid_KP, ((0, 0), (0, ring - p))), (g - p) % ring, axis=1)
   return Slots(row_R=rows_K, prompt_len_R=valid_KP.sum(axis=1, dtype=jnp.int32),
                budget_R=budget_K, uniforms_RN=uniforms_KN, logits_RV=logits_KV,
@@ -211,8 +211,8 @@ def decode(model: DecodeModel, state: Slots, g, limit, *, cfg: SamplingConfig):
     s, g, i = carry
     s, tok_R = _emit(_commit(s, g, axes), cfg)
     sin_R1H, cos_R1H = model.rope((s.prompt_len_R + s.step_R - 1)[:, None])
-    logits_RV, cache = forward(tok_R, (sin_R1H[:, 0], cos_R1H[:, 0]), s.key_valid_RS,
-                               s.kv_cache, ring)  # writes the scratch slot
+    logits_RV, cache, _ = forward(tok_R, (sin_R1H[:, 0], cos_R1H[:, 0]), s.key_valid_RS,
+                                  s.kv_cache, ring)  # writes the scratch slot
     return s.replace(logits_RV=logits_RV, kv_cache=cache), g + 1, i + 1
 
   state, g, _ = jax.lax.while_loop(lambda c: (c[2] < limit) & ~jnp.all(c[0].done_R), body,

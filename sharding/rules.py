@@ -19,8 +19,10 @@ from jaxrl.partitioning import Rules, activation_rules, logical_to_spec
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
-# Tensor parallelism over heads / mlp / vocab, for weights and activations alike.
+# Tensor parallelism over heads / mlp / vocab, for weights and activations alike; a mixture of
+# experts' weights split over the tensor axis by expert instead (expert parallelism).
 _TENSOR: Rules = (
+    ("expert", "tensor"),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),

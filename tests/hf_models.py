@@ -21,6 +21,10 @@ ARCHS = {
                           high_freq_factor=4.0, original_max_position_embeddings=64)),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=False, rope_theta=1e6),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
+    # 8 experts, 2 per token, renormalised: the router's choices differ between tokens.
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, head_dim=16, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True),
     # A local (sliding-window) layer, then a global one: a window of 4 over 12 positions, the
     # local layers' own RoPE base, linear scaling on the global ones, a query scale of its own.
     "gemma3": lambda: transformers.Gemma3TextConfig(

@@ -22,10 +22,11 @@ import transformers
 from flax import nnx
 from safetensors.torch import load_file, save_file
 
-from jaxrl.models import hf as hf_module
+from jaxrl.models import hf_export as hf_module
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.heads import ValueModel
-from jaxrl.models.hf import HFError, export, load_params, model_config_from_hf
+from jaxrl.models.hf import HFError, load_params, model_config_from_hf
+from jaxrl.models.hf_export import export
 from jaxrl.models.transformer import LanguageModel, init_kv_cache
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
@@ -66,7 +67,8 @@ def test_config_fields(hf):
   cfg = hf.cfg
   assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff) == (64, 2, 4, 2, 128)
   assert cfg.head_dim == (32 if hf.arch == "qwen3" else 16) and cfg.norm_eps == 1e-5
-  assert cfg.scale_tied_head is False and cfg.tie_embeddings == (hf.arch != "qwen2")
+  assert cfg.scale_tied_head is False
+  assert cfg.tie_embeddings == (hf.arch not in ("qwen2", "qwen3_moe"))
   assert cfg.family == hf.arch
   assert cfg.rope_theta == (1e6 if hf.arch == "qwen2" else 1e4)
   if hf.arch == "llama":
@@ -76,6 +78,9 @@ def test_config_fields(hf):
     assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_local_theta) == ("linear", 2.0, 1e3)
     assert (cfg.sliding_window, cfg.global_every, cfg.query_scale) == (4, 2, 24.0)
     assert cfg.layer_types() == ["sliding_attention", "full_attention"]
+  elif hf.arch == "qwen3_moe":
+    moe = (cfg.n_experts, cfg.experts_per_token, cfg.expert_d_ff, cfg.norm_topk)
+    assert moe == (8, 2, 32, True) and cfg.rope_scaling == "none"
   else:
     assert cfg.rope_scaling == "none"
 
@@ -243,7 +248,9 @@ def test_bf16_checkpoint_loads(hf, tmp_path):
   path = str(tmp_path / "bf16")
   copy.deepcopy(hf.torch).to(torch.bfloat16).save_pretrained(path)
   params = load_params(path, model_config_from_hf(path), hf.role.abstract())
-  want = hf.torch.model.layers[1].mlp.down_proj.weight.detach().bfloat16().float().numpy()
+  mlp = hf.torch.model.layers[1].mlp
+  down = mlp.experts.down_proj if hf.cfg.n_experts else mlp.down_proj.weight  # [E, D, F] | [D, F]
+  want = down.detach().bfloat16().float().numpy()
   got = params["decoder"]["blocks"][1]["mlp"]["w_down"][...]
   assert got.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(got), want)
@@ -257,28 +264,30 @@ def test_bf16_checkpoint_loads(hf, tmp_path):
 
 INDEX = "model.safetensors.index.json"
 NAME, EXTRA = "model.layers.1.mlp.up_proj.weight", "model.layers.1.self_attn.o_proj.bias"
+EXPERT_NAME = "model.layers.1.mlp.experts.3.up_proj.weight"  # one expert's tensor (qwen3_moe)
 
 
 def _broken_copy(hf, tmp_path, case: str) -> tuple[str, str]:
-  """A copy of the checkpoint with tensor NAME (or its file) broken as `case` says; returns the
-  copy and the file that holds NAME."""
+  """A copy of the checkpoint with tensor NAME (an expert's, for an MoE) or its file broken as
+  `case` says; returns the copy and the file that holds it."""
+  name = EXPERT_NAME if hf.cfg.n_experts else NAME
   path = str(tmp_path / "ckpt")
   shutil.copytree(hf.path, path)
   with open(os.path.join(path, INDEX)) as f:
     index = json.load(f)
   weight_map = index["weight_map"]
-  file = os.path.join(path, weight_map[NAME])
+  file = os.path.join(path, weight_map[name])
   tensors = load_file(file)
   if case == "tensor":
-    del tensors[NAME]
+    del tensors[name]
   elif case == "index":
-    del weight_map[NAME]
+    del weight_map[name]
   elif case == "shape":
-    tensors[NAME] = tensors[NAME][:, :-1].contiguous()
+    tensors[name] = tensors[name][:, :-1].contiguous()
   elif case == "dtype":
-    tensors[NAME] = tensors[NAME].to(torch.int32)
+    tensors[name] = tensors[name].to(torch.int32)
   elif case == "extra":  # an o_proj bias: a config misread, never to be dropped silently
-    tensors[EXTRA], weight_map[EXTRA] = torch.zeros(64), weight_map[NAME]
+    tensors[EXTRA], weight_map[EXTRA] = torch.zeros(64), weight_map[name]
   save_file(tensors, file, metadata={"format": "pt"})
   with open(os.path.join(path, INDEX), "w") as f:
     json.dump(index, f)
@@ -288,10 +297,10 @@ def _broken_copy(hf, tmp_path, case: str) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("case, words", [
-    ("tensor", [NAME, "not in"]),
-    ("index", [NAME, "missing from", INDEX]),
-    ("shape", [NAME, "shape (128, 63)"]),
-    ("dtype", [NAME, "dtype I32"]),
+    ("tensor", ["{name}", "not in"]),
+    ("index", ["{name}", "missing from", INDEX]),
+    ("shape", ["{name}", "shape ({rows}, 63)"]),
+    ("dtype", ["{name}", "dtype I32"]),
     ("extra", [EXTRA, "no parameter"]),
     ("shard", ["missing", INDEX]),
 ])
@@ -299,7 +308,9 @@ def test_broken_checkpoints_are_refused(hf, tmp_path, case, words):
   path, file = _broken_copy(hf, tmp_path, case)
   with pytest.raises(HFError) as e:
     load_params(path, hf.cfg, hf.role.abstract())
-  msg = one_line(e, *words)
+  moe = bool(hf.cfg.n_experts)
+  fill = dict(name=EXPERT_NAME if moe else NAME, rows=32 if moe else 128)
+  msg = one_line(e, *(w.format(**fill) for w in words))
   assert case != "shard" or file in msg
 
 

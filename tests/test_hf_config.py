@@ -27,6 +27,12 @@ from hf_models import config_dir, one_line
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ("gemma3", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ("gemma3", {"architectures": ["Gemma2ForCausalLM"]}, "architectures"),
+    # MoE variants the block does not compute: dense layers between, a shared expert, noise
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ("qwen3_moe", {"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
+    ("qwen3_moe", {"architectures": ["Qwen2MoeForCausalLM"]}, "architectures"),
+    ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window"),
 ])
 def test_unsupported_configs_are_refused(tmp_path, arch, changes, field):
   path = config_dir(tmp_path, arch, **changes)

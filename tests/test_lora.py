@@ -16,7 +16,8 @@ from tests.hf_models import ARCHS
 
 from jaxrl.models import lora
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.hf import HFError, export, export_peft, load_params, model_config_from_hf
+from jaxrl.models.hf import HFError, load_params, model_config_from_hf
+from jaxrl.models.hf_export import export, export_peft
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.models.transformer import LanguageModel, positions_from_valid
 from sharding.mesh import make_mesh

@@ -140,12 +140,12 @@ def test_decoding_protocol_matches_forward(tiny_cfg, variant):
   pos_BT = positions_from_valid(valid_BT)
   full_BTV = model(tokens_BT, pos_BT, valid_BT)[0]
   dec = LMDecoding.of(model)
-  logits_BV, cache = dec.prefill(tokens_BT[:, :p], valid_BT[:, :p])
+  logits_BV, cache, _ = dec.prefill(tokens_BT[:, :p], valid_BT[:, :p])
   np.testing.assert_allclose(logits_BV, full_BTV[:, p - 1], atol=1e-4)
   sin_BTH, cos_BTH = dec.rope(pos_BT)
   for layout in ("rows", "features"):
     step_cache, step = dec.grow_cache(cache, p + n), jax.jit(dec.decode_fn(layout))
     for i in range(p, p + n):
-      logits_BV, step_cache = step(tokens_BT[:, i], (sin_BTH[:, i], cos_BTH[:, i]), valid_BT,
-                                   step_cache, i)
+      logits_BV, step_cache, _ = step(tokens_BT[:, i], (sin_BTH[:, i], cos_BTH[:, i]),
+                                      valid_BT, step_cache, i)
       np.testing.assert_allclose(logits_BV, full_BTV[:, i], atol=1e-4, err_msg=layout)

@@ -8,6 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models.families import FAMILIES, BlockOptions
+from jaxrl.models.moe import MOE_IMPLS
+
+MOE_FAMILIES = sorted(name for name, f in FAMILIES.items() if f.block.moe)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ROPE_SCALINGS = ("none", "linear", "llama3")
@@ -23,7 +26,7 @@ REMATS = ("none", *REMAT_POLICIES)
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  # llama | qwen2 | qwen3 | gemma3 (FAMILIES): the block options (Qwen2's q/k/v biases,
+  # llama | qwen2 | qwen3 | qwen3_moe | gemma3 (FAMILIES): the block options (Qwen2's q/k/v biases,
   # Qwen3's q/k norms, Gemma's norms, GeGLU and embedding scale) and the checkpoints'
   # architecture and tensor names
   family: str = "llama"
@@ -67,6 +70,23 @@ class ModelConfig:
   rope_local_theta: float = 10_000.0
   # The queries' scale is query_scale**-0.5 (Gemma's query_pre_attn_scalar); 0: head_dim.
   query_scale: float = 0.0
+  # Mixture of experts (Qwen3-MoE; jaxrl/models/moe.py): n_experts > 0 replaces every block's
+  # MLP by a router over n_experts SwiGLU experts of width expert_d_ff, experts_per_token of
+  # them per token (top-k of the router's softmax, renormalised over the k if norm_topk);
+  # moe_impl: ragged (sorted assignments, grouped matrix products) | dense (every expert on
+  # every token: a reference). The update adds router_aux_loss x the load-balancing loss and
+  # router_z_loss x the router z-loss.
+  n_experts: int = 0
+  experts_per_token: int = 0
+  expert_d_ff: int = 0
+  norm_topk: bool = False
+  moe_impl: str = "ragged"
+  router_aux_loss: float = 0.0
+  router_z_loss: float = 0.0
+  # off | rollout: the trainer's passes route each token to the experts the sampler used for it
+  # (recorded at rollout; verl's and NeMo-RL's R3, "rollout routing replay"), instead of its own
+  # top k. Either way the update reports the share of tokens whose choices differ.
+  routing_replay: str = "off"
   # A local Hugging Face model directory to start from (config.json, *.safetensors, tokenizer);
   # its config.json sets the fields above (jaxrl/models/hf.py). Not read by the model itself.
   hf_path: str = ""
@@ -79,15 +99,30 @@ class ModelConfig:
       if not getattr(self, name) > 0:
         raise ValueError(f"{name}: expected > 0, got {getattr(self, name)!r}")
     for name, allowed in (("dtype", sorted(DTYPES)), ("rope_scaling", list(ROPE_SCALINGS)),
-                          ("attention", list(ATTENTIONS)), ("remat", list(REMATS))):
+                          ("attention", list(ATTENTIONS)), ("remat", list(REMATS)),
+                          ("moe_impl", list(MOE_IMPLS)), ("routing_replay", ["off", "rollout"])):
       if getattr(self, name) not in allowed:
         raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim: RoPE rotates pairs, expected an even number, got "
                        f"{self.head_dim}")
-    for name in ("sliding_window", "global_every", "query_scale"):
+    for name in ("sliding_window", "global_every", "query_scale", "n_experts", "router_aux_loss",
+                 "router_z_loss"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)!r}")
+    if bool(self.n_experts) != self.block.moe:
+      raise ValueError(f"n_experts: {self.n_experts} with family={self.family!r}, expected "
+                       + ("> 0 (a mixture-of-experts family)" if self.block.moe else
+                          f"0 (a dense family; {MOE_FAMILIES} have experts)"))
+    if self.routing_replay != "off" and not self.n_experts:
+      raise ValueError(f"routing_replay: {self.routing_replay!r} replays a mixture of experts' "
+                       "routing; this model has no experts (n_experts=0), expected 'off'")
+    if self.n_experts and not 0 < self.experts_per_token <= self.n_experts:
+      raise ValueError(f"experts_per_token: expected 1 to n_experts={self.n_experts}, got "
+                       f"{self.experts_per_token}")
+    if self.n_experts and self.expert_d_ff <= 0:
+      raise ValueError(f"expert_d_ff: expected > 0 with n_experts={self.n_experts}, got "
+                       f"{self.expert_d_ff}")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"n_heads: {self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")

@@ -15,6 +15,8 @@ from jaxrl.models.layouts import LAYOUTS
 from jaxrl.models.rope import rope_table
 from jaxrl.models.transformer import LanguageModel, init_kv_cache, positions_from_valid
 
+ROUTE_DTYPE = jnp.int16  # recorded expert ids (-1: none), up to 32767 experts
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -47,22 +49,28 @@ class LMDecoding:
     """(sin, cos) [B, T, head_dim / 2] for any positions (a decode loop computes them ahead)."""
     return rope_table(positions_BT, self.model.cfg)
 
-  def prefill(self, tokens_BP, valid_BP) -> tuple[jax.Array, KVCache]:
-    """Next-token logits [B, V] and the prompt's KV cache (exactly its P slots). Only the last
-    position is sampled from, so the final block's queries, attention and MLP (and the LM
-    head) run for it alone."""
+  def prefill(self, tokens_BP, valid_BP) -> tuple[jax.Array, KVCache, jax.Array | None]:
+    """Next-token logits [B, V], the prompt's KV cache (exactly its P slots) and, for a mixture
+    of experts, each prompt token's experts per layer [B, P, L, k] (-1 where not routed: the
+    last layer's MLP runs for the last position alone). Only the last position is sampled
+    from, so the final block's queries, attention and MLP (and the LM head) run for it alone."""
     b, p = tokens_BP.shape
-    h_B1D, kv_cache = self.model.decoder(tokens_BP, positions_from_valid(valid_BP), valid_BP,
-                                         self.init_cache(b, p), last_only=True)
-    return self.model.logits(h_B1D, self.head_VD)[:, 0], kv_cache
+    h_B1D, kv_cache, routing = self.model.decoder.forward(
+        tokens_BP, positions_from_valid(valid_BP), valid_BP, self.init_cache(b, p),
+        last_only=True)
+    routes = None if routing is None else routing.ids.astype(ROUTE_DTYPE)
+    return self.model.logits(h_B1D, self.head_VD)[:, 0], kv_cache, routes
 
   def decode_fn(self, layout: str):
-    """`step(tok_B, (sin_BH, cos_BH), key_valid_BS, kv_cache, slot) -> (logits_BV, kv_cache)`:
-    one new token per row, the model's forward in `layout` ("rows" | "features")."""
+    """`step(tok_B, (sin_BH, cos_BH), key_valid_BS, kv_cache, slot) -> (logits_BV, kv_cache,
+    routes_BLK or None)`: one new token per row, the model's forward in `layout` ("rows" |
+    "features"), and for a mixture of experts the token's experts per layer."""
     lay, decoder = LAYOUTS[layout], self.model.decoder
 
     def step(tok_B, rope_BH, key_valid_BS, kv_cache, slot):
       tokens, rope = lay.step_inputs(tok_B, rope_BH)
-      h, kv_cache = decoder(tokens, rope, key_valid_BS, kv_cache, slot, layout=lay)
-      return lay.next_logits(h, self.head_VD), kv_cache
+      h, kv_cache, routing = decoder.forward(tokens, rope, key_valid_BS, kv_cache, slot,
+                                             layout=lay)
+      routes = None if routing is None else routing.ids[:, 0].astype(ROUTE_DTYPE)
+      return lay.next_logits(h, self.head_VD), kv_cache, routes
     return step

@@ -23,6 +23,9 @@ class BlockOptions:
   # attention's and the MLP's outputs are normed before the residual add ("sandwich" norms);
   # the MLP is GeGLU (tanh-approximated GELU); the embedding is multiplied by sqrt(d_model).
   gemma: bool = False
+  # Mixture of experts: the MLP is a router and experts (jaxrl/models/moe.py; `n_experts` and
+  # the other MoE fields of ModelConfig size it).
+  moe: bool = False
 
 
 # jaxrl's projection names -> the Hugging Face module each one is (LoRA's targets; PEFT names
@@ -54,6 +57,16 @@ GEMMA_TENSORS = {
     ("mlp_norm", "scale"): ("pre_feedforward_layernorm.weight", None),
     ("post_attn_norm", "scale"): ("post_attention_layernorm.weight", None),
     ("post_mlp_norm", "scale"): ("post_feedforward_layernorm.weight", None),
+}
+# Qwen3-MoE: each block's MLP is a router and experts, one checkpoint tensor per expert (the
+# stacked [E, out, in] parameter's `EXPERTS` marker; `{e}`: the expert's index).
+EXPERTS = "experts"
+MOE_TENSORS = {
+    **{k: v for k, v in BLOCK_TENSORS.items() if k[0] != "mlp"},
+    ("mlp", "router"): ("mlp.gate.weight", None),
+    ("mlp", "w_gate"): ("mlp.experts.{e}.gate_proj.weight", EXPERTS),
+    ("mlp", "w_up"): ("mlp.experts.{e}.up_proj.weight", EXPERTS),
+    ("mlp", "w_down"): ("mlp.experts.{e}.down_proj.weight", EXPERTS),
 }
 TOP_TENSORS = {("decoder", "embed"): "model.embed_tokens.weight",
                ("decoder", "final_norm", "scale"): "model.norm.weight",
@@ -126,12 +139,30 @@ def _gemma3_fields(cfg) -> dict:
               use_bidirectional_attention=False)
 
 
+def _moe_read(raw: dict) -> dict:
+  """Qwen3-MoE's own config.json keys (transformers 5 writes `num_experts` as
+  `num_local_experts`); its unsupported variants are refused by hf_config.py."""
+  return dict(n_experts=int(raw.get("num_experts") or raw.get("num_local_experts") or 0),
+              experts_per_token=int(raw.get("num_experts_per_tok") or 0),
+              expert_d_ff=int(raw.get("moe_intermediate_size") or 0),
+              norm_topk=bool(raw.get("norm_topk_prob", False)))
+
+
+def _moe_fields(cfg) -> dict:
+  return dict(_qwen_fields(cfg), attention_bias=False, num_experts=cfg.n_experts,
+              num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.expert_d_ff,
+              norm_topk_prob=cfg.norm_topk, decoder_sparse_step=1, mlp_only_layers=[],
+              output_router_logits=False)
+
+
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM",
                     hf_fields=lambda cfg: dict(attention_bias=False, mlp_bias=False)),
     "qwen2": Family("Qwen2ForCausalLM", BlockOptions(qkv_bias=True), hf_fields=_qwen_fields),
     "qwen3": Family("Qwen3ForCausalLM", BlockOptions(qk_norm=True),
                     hf_fields=lambda cfg: dict(_qwen_fields(cfg), attention_bias=False)),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", BlockOptions(qk_norm=True, moe=True),
+                        hf_read=_moe_read, hf_fields=_moe_fields, block_tensors=MOE_TENSORS),
     "gemma3": Family("Gemma3ForCausalLM", BlockOptions(qk_norm=True, gemma=True),
                      hf_read=_gemma3_read, hf_fields=_gemma3_fields,
                      block_tensors=GEMMA_TENSORS, hf_model_type="gemma3_text",

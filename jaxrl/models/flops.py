@@ -1,7 +1,8 @@
 """Model FLOPs of the work an RL step needs: forward, train and decode passes of `ModelConfig`.
 
 Counted as 2 FLOPs per multiply-add of every matrix product the pass must do:
-  - the projections and MLP (2 x the non-embedding parameters) per token processed;
+  - the projections and MLP (2 x the non-embedding parameters; of a mixture of experts, the
+    active ones: the router and the experts a token is routed to) per token processed;
   - attention: queries x keys and probabilities x values over the keys a query may see (causal:
     query t sees t + 1 positions; a decode step sees its prompt and everything generated; in a
     sliding-window layer at most the window);
@@ -16,15 +17,34 @@ from __future__ import annotations
 from jaxrl.models.config import ModelConfig
 
 
+def mlp_params(cfg: ModelConfig, active: bool = False) -> int:
+  """Parameters of one layer's MLP: a mixture of experts' router and its experts (`active`:
+  only the `experts_per_token` experts a token uses)."""
+  d = cfg.d_model
+  if not cfg.n_experts:
+    return 3 * d * cfg.d_ff
+  experts = cfg.experts_per_token if active else cfg.n_experts
+  return 3 * d * cfg.expert_d_ff * experts + cfg.n_experts * d
+
+
+def token_ff(cfg: ModelConfig) -> int:
+  """The MLP's hidden width per token: d_ff, or a mixture of experts' experts_per_token x
+  expert_d_ff (a token's rows among the assignments sorted by expert)."""
+  return cfg.experts_per_token * cfg.expert_d_ff if cfg.n_experts else cfg.d_ff
+
+
 def layer_params(cfg: ModelConfig) -> int:
   """Parameters of one decoder layer: its projections, its MLP and its two norms."""
   d, h = cfg.d_model, cfg.head_dim
-  return d * h * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.d_ff + 2 * d
+  return d * h * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + mlp_params(cfg) + 2 * d
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-  """Parameters of the per-token matrix products (projections and MLP, every layer)."""
-  return cfg.n_layers * (layer_params(cfg) - 2 * cfg.d_model)
+  """Parameters of the per-token matrix products (projections and MLP, every layer; of a
+  mixture of experts, the router and the experts a token uses: the active parameters)."""
+  d, h = cfg.d_model, cfg.head_dim
+  return cfg.n_layers * (d * h * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+                         + mlp_params(cfg, active=True))
 
 
 def causal_keys(seq_len: float, window: int = 0) -> float:
@@ -109,7 +129,8 @@ def executed_train_flops(cfg: ModelConfig, rows: int, seq_len: int, scored: int,
     out -= head_flops(cfg, rows * scored)
   if (remat or cfg.remat) == "full":
     d, h = cfg.d_model, cfg.head_dim
-    read = cfg.n_layers * (d * h * (cfg.n_heads + 2 * cfg.n_kv_heads) + 2 * d * cfg.d_ff)
+    read = cfg.n_layers * (d * h * (cfg.n_heads + 2 * cfg.n_kv_heads)
+                           + 2 * mlp_params(cfg, active=True) // 3)
     out += 2.0 * read * tokens + attention_flops(cfg, tokens, (seq_len + 1) / 2,
                                                  causal_keys(seq_len, cfg.sliding_window))
   return out

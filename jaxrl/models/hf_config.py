@@ -1,5 +1,5 @@
 """Hugging Face config.json <-> ModelConfig, for the checkpoints of jaxrl's model families
-(jaxrl/models/families.py: Llama, Qwen2, Qwen3, Gemma 3 text).
+(jaxrl/models/families.py: Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 text).
 
 Only what the model computes exactly is accepted: anything else in a config.json (another
 architecture, Qwen's sliding-window option, Gemma 2's soft-capping, YaRN, an MLP or
@@ -24,12 +24,14 @@ class HFError(ValueError):
 
 # The ModelConfig fields a checkpoint fixes, and those that stay the user's (a new ModelConfig
 # field must join one of them: tests/test_hf.py checks).
-USER_FIELDS = ("dtype", "hf_path", "frozen_float32", "remat", "attention")
+USER_FIELDS = ("dtype", "hf_path", "frozen_float32", "remat", "attention", "moe_impl",
+               "router_aux_loss", "router_z_loss", "routing_replay")
 ARCH_FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                "d_ff", "rope_theta", "norm_eps", "tie_embeddings", "scale_tied_head",
                "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                "rope_original_max_positions", "sliding_window", "global_every",
-               "rope_local_theta", "query_scale")
+               "rope_local_theta", "query_scale", "n_experts", "experts_per_token",
+               "expert_d_ff", "norm_topk")
 
 _LLAMA3_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                 "rope_high_freq_factor": "high_freq_factor",
@@ -68,6 +70,8 @@ def _family(raw: dict, path: str) -> str:
 
 def _refuse_unsupported(raw: dict, family: str, path: str) -> None:
   """Fields whose non-default values change the computation in ways the model does not."""
+  if FAMILIES[family].block.moe:
+    _refuse_moe(raw, path)
   if FAMILIES[family].block.gemma:
     _refuse_gemma(raw, path)
   elif raw.get("hidden_act", "silu") != "silu":
@@ -102,6 +106,21 @@ def _refuse_gemma(raw: dict, path: str) -> None:
     raise HFError(f"{path}: layer_types is missing")
   if types != layer_types(len(types), global_every(types)):
     raise _unsupported(path, "layer_types", types, "a global layer every n-th, sliding between")
+
+
+def _refuse_moe(raw: dict, path: str) -> None:
+  """Qwen3-MoE: every layer a routed MoE of plain experts (no dense layers, no shared expert)."""
+  if raw.get("decoder_sparse_step", 1) != 1:
+    raise _unsupported(path, "decoder_sparse_step", raw["decoder_sparse_step"],
+                       "every layer a mixture of experts: 1 only")
+  if raw.get("mlp_only_layers"):
+    raise _unsupported(path, "mlp_only_layers", raw["mlp_only_layers"],
+                       "every layer a mixture of experts: [] only")
+  for key in ("shared_expert_intermediate_size", "n_shared_experts", "router_jitter_noise"):
+    if raw.get(key):
+      raise _unsupported(path, key, raw[key], "routed experts only, no shared expert or noise")
+  if not (raw.get("num_experts") or raw.get("num_local_experts")):
+    raise HFError(f"{path}: num_experts is missing")
 
 
 def _rope_fields(raw: dict, path: str) -> dict:

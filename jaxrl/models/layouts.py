@@ -81,6 +81,13 @@ class Rows:
   def hidden(self, h_BTF):
     return constrain(h_BTF, ("batch", None, "act_mlp"))
 
+  def as_rows(self, x_BTD):
+    """Activations as [B, T, D] (what the MoE layer takes), and back (`from_rows`)."""
+    return x_BTD
+
+  def from_rows(self, x_BTD):
+    return x_BTD
+
   def residual(self, x_BTD):
     return constrain(x_BTD, ("batch", None, None))
 
@@ -160,6 +167,12 @@ class Features:
 
   def hidden(self, h_FB):
     return constrain(h_FB, ("act_mlp", "batch"))
+
+  def as_rows(self, x_DB):
+    return x_DB.T[:, None]
+
+  def from_rows(self, x_B1D):
+    return x_B1D[:, 0].T
 
   def residual(self, x_DB):
     return constrain(x_DB, (None, "batch"))

@@ -12,6 +12,8 @@ sharding/rules.py); no mesh axis is named here. Projection weights are stored [o
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -21,6 +23,7 @@ from jaxrl.models.attention import (KVCache, ValidPrefix, attention_impl, attent
 from jaxrl.models.config import REMAT_POLICIES, ModelConfig
 from jaxrl.models.layouts import ROWS
 from jaxrl.models.lora import LoRA, LoRAConfig
+from jaxrl.models.moe import MoE, stack_stats
 from jaxrl.models.splash import Segments
 
 
@@ -137,22 +140,35 @@ class Block(nnx.Module):
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=gemma)
     self.attn = Attention(cfg, rngs, lora, lora_rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=gemma)
-    self.mlp = MLP(cfg, rngs, lora, lora_rngs)
+    self.moe = bool(cfg.n_experts)
+    self.mlp = MoE(cfg, rngs) if self.moe else MLP(cfg, rngs, lora, lora_rngs)
     if gemma:  # the sublayers' outputs normed before the residual adds
       self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=True)
       self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=True)
     self.sandwich = gemma
 
-  def __call__(self, x, rope, mask, layer_cache, cache_index, last_only=False, layout=ROWS):
+  def __call__(self, x, rope, mask, layer_cache, cache_index, last_only=False, layout=ROWS,
+               valid_BT=None, routes_BTK=None):
+    """(output, the layer's updated cache, its `MoEStats` or None for a dense MLP).
+    `valid_BT`: which tokens count in the routing statistics; `routes_BTK`: the experts the
+    sampler used (routing replay, jaxrl/models/moe.py)."""
     axis = layout.feature_axis
     post = lambda name, y: getattr(self, name)(y, axis) if self.sandwich else y
     attn, layer_cache = self.attn(self.attn_norm(x, axis), rope, mask, layer_cache,
                                   cache_index, last_only, layout)
     if last_only:
       x = x[:, -1:]
+      valid_BT = None if valid_BT is None else valid_BT[:, -1:]
+      routes_BTK = None if routes_BTK is None else routes_BTK[:, -1:]
     x = x + post("post_attn_norm", attn)
-    x = x + post("post_mlp_norm", self.mlp(self.mlp_norm(x, axis), layout))
-    return layout.residual(x), layer_cache
+    h, stats = self.mlp_norm(x, axis), None
+    if self.moe:
+      y_BTD, stats = self.mlp(layout.as_rows(h), valid_BT, routes_BTK)
+      h = layout.from_rows(y_BTD)
+    else:
+      h = self.mlp(h, layout)
+    x = x + post("post_mlp_norm", h)
+    return layout.residual(x), layer_cache, stats
 
 
 class Decoder(nnx.Module):
@@ -173,66 +189,98 @@ class Decoder(nnx.Module):
 
   def __call__(self, tokens, positions, key_valid_BS, kv_cache: KVCache | None = None,
                cache_index=0, segment_ids_BT=None, last_only=False, layout=ROWS):
-    """Hidden states in `layout` ([B, T, D] for rows), and the updated cache. `positions`:
-    RoPE positions, or their (sin, cos) table computed ahead (a decode loop does).
+    """Hidden states in `layout` ([B, T, D] for rows), and the updated cache (`forward`
+    without the routing)."""
+    return self.forward(tokens, positions, key_valid_BS, kv_cache, cache_index, segment_ids_BT,
+                        last_only, layout)[:2]
+
+  def forward(self, tokens, positions, key_valid_BS, kv_cache: KVCache | None = None,
+              cache_index=0, segment_ids_BT=None, last_only=False, layout=ROWS,
+              routes_BTLK=None):
+    """(hidden states, the updated cache, the MoE layers' stacked `MoEStats` or None).
+    `positions`: RoPE positions, or their (sin, cos) table computed ahead (a decode loop does).
     `segment_ids_BT` (training): packed rows, attention stays inside a segment. `last_only` (a
     prefill that samples from the last position): the final block's queries, attention and MLP
-    run for the last position alone, and the states come back as [B, 1, D]."""
+    run for the last position alone, and the states come back as [B, 1, D]. `routes_BTLK`:
+    each token's experts per MoE layer when it was sampled (replayed or compared: moe.py)."""
     impl = attention_impl(self.cfg)
     cacheless = kv_cache is None and not last_only and layout is ROWS
     if cacheless and segment_ids_BT is None and impl == "cudnn":
-      return self.over_valid_prefix(tokens, positions, key_valid_BS), None
+      return self.over_valid_prefix(tokens, positions, key_valid_BS, routes_BTLK)
     if cacheless and impl == "splash":  # left padding is segment 0; packed rows keep theirs
       mask = Segments(key_valid_BS if segment_ids_BT is None else segment_ids_BT)
     else:
       mask = attention_mask(key_valid_BS, layout.length(tokens), cache_index, segment_ids_BT)
-    return self.blocks_over(tokens, positions, mask, kv_cache, cache_index, last_only, layout)
+    # The tokens' own validity (the routing statistics count only valid tokens): a decode
+    # step's key mask is over the cache's slots instead.
+    valid_BT = key_valid_BS if key_valid_BS.shape[-1] == layout.length(tokens) else None
+    return self.blocks_over(tokens, positions, mask, kv_cache, cache_index, last_only, layout,
+                            valid_BT, routes_BTLK)
 
-  def over_valid_prefix(self, tokens_BT, positions_BT, key_valid_BT) -> jax.Array:
+  def over_valid_prefix(self, tokens_BT, positions_BT, key_valid_BT, routes_BTLK=None):
     """A cacheless pass with each row's valid tokens moved to its front (`valid_first`), so
     attention is causal over a prefix of known length (cuDNN's padding-causal flash kernel, no
-    mask array); the hidden states go back to the rows' own order. Per position the blocks
-    compute the same thing: RoPE reads the positions moved along with the tokens."""
+    mask array); the hidden states (and expert choices) go back to the rows' own order. Per
+    position the blocks compute the same thing: RoPE reads the positions moved along with the
+    tokens."""
     order_BT, inverse_BT = valid_first(key_valid_BT)
-    take = lambda a_BT: jnp.take_along_axis(a_BT, order_BT, axis=1)
+    take = lambda a_BT, order: jnp.take_along_axis(
+        a_BT, order.reshape(order.shape + (1,) * (a_BT.ndim - 2)), axis=1)
     # A row with no valid token (batch padding) attends to its first: finite, and unused.
     lengths_B = jnp.maximum(key_valid_BT.sum(axis=1, dtype=jnp.int32), 1)
-    h_BTD, _ = self.blocks_over(take(tokens_BT), take(positions_BT), ValidPrefix(lengths_B),
-                                None, 0, False, ROWS)
-    return jnp.take_along_axis(h_BTD, inverse_BT[..., None], axis=1)
+    routes = None if routes_BTLK is None else take(routes_BTLK, order_BT)
+    h_BTD, _, routing = self.blocks_over(
+        take(tokens_BT, order_BT), take(positions_BT, order_BT), ValidPrefix(lengths_B), None, 0,
+        False, ROWS, take(key_valid_BT, order_BT), routes)
+    if routing is not None:
+      routing = dataclasses.replace(routing, ids=take(routing.ids, inverse_BT))
+    return take(h_BTD, inverse_BT), None, routing
 
-  def blocks_over(self, tokens, positions, mask, kv_cache, cache_index, last_only, layout):
-    """Embedding, the blocks under `mask`, the final norm: (hidden states, updated cache)."""
+  def blocks_over(self, tokens, positions, mask, kv_cache, cache_index, last_only, layout,
+                  valid_BT=None, routes_BTLK=None):
+    """Embedding, the blocks under `mask`, the final norm: (hidden states, updated cache,
+    stacked `MoEStats` or None)."""
     cfg = self.cfg
     x = layout.embed(self.embed[...], tokens, cfg.compute_dtype)
     if cfg.block.gemma:  # (in the compute dtype, as Gemma rounds it)
       x = x * jnp.asarray(cfg.d_model**0.5, cfg.compute_dtype)
     rope = layout.rope_table(positions, cfg)
     local = windowed(mask, cfg.sliding_window, layout.length(tokens), cache_index)
-    new_cache = []
+    new_cache, stats = [], []
     for i, block in enumerate(self.blocks):
       last = last_only and i == len(self.blocks) - 1
       rope_i = layout.rope_part(rope, cfg, cfg.is_local(i))
       mask_i = local if cfg.is_local(i) else mask
+      routes = None if routes_BTLK is None else routes_BTLK[:, :, i]
       if kv_cache is None and cfg.remat != "none":  # a cached pass is never differentiated
-        x, layer_cache = self.remat_block(block, x, rope_i, mask_i, last), None
+        x, layer_cache, st = self.remat_block(block, x, rope_i, mask_i, last, valid_BT, routes)
       else:
-        x, layer_cache = block(x, rope_i, mask_i, None if kv_cache is None else kv_cache[i],
-                               cache_index, last, layout)
+        x, layer_cache, st = block(x, rope_i, mask_i, None if kv_cache is None else kv_cache[i],
+                                   cache_index, last, layout, valid_BT, routes)
       new_cache.append(layer_cache)
+      stats.append(st)
     h = self.final_norm(x, layout.feature_axis)
-    return h, (None if kv_cache is None else tuple(new_cache))
+    if last_only and stats[-1] is not None:  # the last block routed the last position alone:
+      t = layout.length(tokens)              # the others' experts are not recorded (-1)
+      ids = jnp.pad(stats[-1].ids, ((0, 0), (t - 1, 0), (0, 0)), constant_values=-1)
+      stats[-1] = dataclasses.replace(stats[-1], ids=ids)
+    return h, (None if kv_cache is None else tuple(new_cache)), stack_stats(stats)
 
-  def remat_block(self, block: Block, x_BTD, rope_BTH, mask_BTS, last_only: bool):
+  def remat_block(self, block: Block, x_BTD, rope_BTH, mask_BTS, last_only: bool, valid_BT,
+                  routes_BTK):
     """`block` on a cacheless pass under `jax.checkpoint`: its backward recomputes what the
     `model.remat` policy does not save. The block is split into its pure state, so the
     checkpointed function closes over no traced module."""
     graphdef, state = nnx.split(block)
 
-    def run(state, x_BTD, rope_BTH, mask_BTS):
-      return nnx.merge(graphdef, state)(x_BTD, rope_BTH, mask_BTS, None, 0, last_only)[0]
+    def run(state, x_BTD, rope_BTH, mask_BTS, valid_BT, routes_BTK):
+      out, _, stats = nnx.merge(graphdef, state)(x_BTD, rope_BTH, mask_BTS, None, 0, last_only,
+                                                 ROWS, valid_BT, routes_BTK)
+      return out, stats
     policy = REMAT_POLICIES[self.cfg.remat]
-    return jax.checkpoint(run, policy=policy)(state, x_BTD, rope_BTH, mask_BTS)
+    out, stats = jax.checkpoint(run, policy=policy)(state, x_BTD, rope_BTH, mask_BTS, valid_BT,
+                                                    routes_BTK)
+    return out, None, stats
 
 
 class LanguageModel(nnx.Module):

@@ -35,6 +35,8 @@ class Experience:
   returns_BN: jax.Array | None = None
   # The completion mask less the rows the policy loss skips (overlong_filter); None: all of it.
   loss_mask_BN: jax.Array | None = None
+  # A mixture of experts: each token's experts in the sampler (replayed or compared).
+  routes_BTLK: jax.Array | None = None
 
   @property
   def policy_mask_BN(self) -> jax.Array:
@@ -95,7 +97,8 @@ def make_experience(rollout, rewards_B, old_BN, ref_BN, values_BN, *, cfg: RLCon
       tokens_BT=rollout.tokens_BT, valid_BT=rollout.valid_BT, completion_mask_BN=mask_BN,
       sampler_logprobs_BN=rollout.logprobs_BN, old_logprobs_BN=old_BN, ref_logprobs_BN=ref_BN,
       advantages_BN=adv_BN, loss_mask_BN=loss_mask_BN, old_values_BN=values_BN,
-      returns_BN=None if values_BN is None else raw_BN + values_BN)
+      returns_BN=None if values_BN is None else raw_BN + values_BN,
+      routes_BTLK=rollout.routes_BTLK)
   lengths_B = maskf_BN.sum(axis=1)
   # The share of the scored and trained [B, T] slots that hold no token (prompt padding and
   # completion slots after a row ended), after trimming to the batch's buckets.
@@ -111,9 +114,11 @@ def trim_rollout(rollout, n: int):
   """The rollout's first `n` completion slots (every row has ended by then), where it lives."""
   p = rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]
   loss_mask = None if rollout.loss_mask_BN is None else rollout.loss_mask_BN[:, :n]
+  routes = None if rollout.routes_BTLK is None else rollout.routes_BTLK[:, :p + n]
   return rollout.replace(tokens_BT=rollout.tokens_BT[:, :p + n], valid_BT=rollout.valid_BT[:, :p + n],
                          completion_mask_BN=rollout.completion_mask_BN[:, :n],
-                         logprobs_BN=rollout.logprobs_BN[:, :n], loss_mask_BN=loss_mask)
+                         logprobs_BN=rollout.logprobs_BN[:, :n], loss_mask_BN=loss_mask,
+                         routes_BTLK=routes)
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -125,7 +130,10 @@ def combine_rollouts(rollouts: tuple, rows_K, rows_sharding):
 
   def widen(r):
     pad = ((0, 0), (p - (r.tokens_BT.shape[1] - r.completion_mask_BN.shape[1]), 0))
-    return r.replace(tokens_BT=jnp.pad(r.tokens_BT, pad), valid_BT=jnp.pad(r.valid_BT, pad))
+    routes = None if r.routes_BTLK is None else jnp.pad(r.routes_BTLK, pad + ((0, 0),) * 2,
+                                                        constant_values=-1)
+    return r.replace(tokens_BT=jnp.pad(r.tokens_BT, pad), valid_BT=jnp.pad(r.valid_BT, pad),
+                     routes_BTLK=routes)
 
   whole = jax.tree.map(lambda *xs: jnp.concatenate(xs), *map(widen, rollouts))
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(jnp.take(x, rows_K, axis=0),

@@ -19,12 +19,14 @@ from train.updates.batching import map_minibatches
 from train.updates.forward import completion_logprobs, completion_values, sequence_scores
 
 
-def _moved(role, rollout, *, mask: bool = True) -> tuple:
-  """(tokens, valid[, completion mask]) of the rollout moved to `role`'s mesh, device to device.
+def _moved(role, rollout, *, mask: bool = True, routes: bool = False) -> tuple:
+  """(tokens, valid[, completion mask[, routes]]) of the rollout moved to `role`'s mesh, device
+  to device (`routes`: a mixture of experts' recorded routes, for the log-prob passes).
   Moves are issued from the controller's thread before the passes start on their executors, so
   no source array is read by several threads at once."""
+  extra = (rollout.routes_BTLK,) if routes and rollout.routes_BTLK is not None else ()
   return role.put((rollout.tokens_BT, rollout.valid_BT)
-                  + ((rollout.completion_mask_BN,) if mask else ()))
+                  + ((rollout.completion_mask_BN,) + extra if mask else ()))
 
 
 def _on(role, fn, arrays: tuple):
@@ -32,21 +34,21 @@ def _on(role, fn, arrays: tuple):
   return fn(role.params, *arrays)
 
 
-def logprobs(*args, **kw):
+def logprobs(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_len: int):
   """The completion tokens' log-probs (completion_logprobs without its entropies)."""
-  return completion_logprobs(*args, **kw)[0]
+  return completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, routes_BTLK)[0]
 
 
 def scorer(cfg: RLConfig, role, fn):
   """`fn` (logprobs, completion_values) over a rollout batch on `role`'s mesh, jitted:
-  (params, tokens [B, T], valid [B, T], completion mask [B, N]) -> [B, N], in the update's
-  pieces of `cfg.pass_rows` rows."""
+  (params, tokens [B, T], valid [B, T], completion mask [B, N][, routes [B, T, L, k]]) ->
+  [B, N], in the update's pieces of `cfg.pass_rows` rows."""
   n = cfg.rollouts // cfg.pass_rows
 
-  def score(params, tokens_BT, valid_BT, mask_BN):  # the prompt length: from the shapes
+  def score(params, tokens_BT, valid_BT, mask_BN, *routes):  # the prompt length: the shapes
     p_len = tokens_BT.shape[1] - mask_BN.shape[1]
     return map_minibatches(lambda mb: fn(role.graphdef, params, *mb, prompt_len=p_len),
-                           (tokens_BT, valid_BT), n)
+                           (tokens_BT, valid_BT, *routes), n)
   return role.jit(score)
 
 
@@ -96,7 +98,8 @@ class Scoring:
                                     _moved(self.reference, rollout)), "ref logprobs")}
     if self.cfg.needs_old_logprobs:
       calls["old"] = (ex.trainer, (_on, self.actor.role, self.old_logprobs_fn,
-                                   _moved(self.actor.role, rollout)), "old logprobs")
+                                   _moved(self.actor.role, rollout, routes=True)),
+                      "old logprobs")
     if self.critic is not None:
       calls["values"] = (ex.critic, (_on, self.critic.role, self.values_fn,
                                      _moved(self.critic.role, rollout)), "values")

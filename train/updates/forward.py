@@ -3,8 +3,10 @@ tokens, critic values, reward-model scores, sequence log-probs."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxrl.algos.logprobs import chunked_logprobs
+from jaxrl.models.moe import aux_losses
 from jaxrl.models.transformer import positions_from_segments, positions_from_valid
 from train.updates.state import model_of
 
@@ -15,18 +17,46 @@ def token_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT=None, s
   and in chunks (jaxrl/algos/logprobs.py): no [B, T, V] logits tensor, forward or backward.
 
   With `segment_ids_BT` (packed rows) positions restart and attention stays in each segment."""
+  return routed_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT, start)[:2]
+
+
+def routed_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT=None, start: int = 0,
+                    routes_BTLK=None):
+  """`token_logprobs`, and a mixture of experts' router loss (its config's router_aux_loss x
+  the load-balancing loss + router_z_loss x the z-loss; 0 for a dense model) with its
+  metrics. `routes_BTLK`: the experts each token used when it was sampled (replayed under
+  `model.routing_replay="rollout"`, else compared: jaxrl/models/moe.py)."""
   model = model_of(graphdef, params)
   if segment_ids_BT is None:
-    h_BTD, _ = model.decoder(tokens_BT, positions_from_valid(valid_BT), valid_BT)
+    positions_BT = positions_from_valid(valid_BT)
   else:
-    h_BTD, _ = model.decoder(tokens_BT, positions_from_segments(segment_ids_BT), valid_BT,
-                             segment_ids_BT=segment_ids_BT)
-  return chunked_logprobs(h_BTD[:, start:-1], model.head_VD(), tokens_BT[:, start + 1:])
+    positions_BT = positions_from_segments(segment_ids_BT)
+  h_BTD, _, routing = model.decoder.forward(tokens_BT, positions_BT, valid_BT,
+                                            segment_ids_BT=segment_ids_BT,
+                                            routes_BTLK=routes_BTLK)
+  logp, entropy = chunked_logprobs(h_BTD[:, start:-1], model.head_VD(), tokens_BT[:, start + 1:])
+  loss, metrics = router_loss(model.cfg, routing)
+  if routes_BTLK is None:  # nothing recorded to compare with
+    metrics.pop("routing_differs", None)
+  return logp, entropy, loss, metrics
 
 
-def completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int):
+def router_loss(cfg, routing) -> tuple[jax.Array, dict]:
+  """(the router's loss, its metrics) of an MoE forward's stacked `MoEStats`
+  (jaxrl/models/moe.py): the balance and z losses, and the share of tokens (per layer, mean
+  over layers) whose experts in the sampler are not the trainer's own; (0, {}) without one."""
+  if routing is None:
+    return jnp.zeros((), jnp.float32), {}
+  balance, z = aux_losses(routing.load_E, routing.prob_E, routing.z)
+  metrics = {"router_balance": balance, "router_z": z,
+             "routing_differs": routing.replay_differs.mean()}
+  return cfg.router_aux_loss * balance + cfg.router_z_loss * z, metrics
+
+
+def completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int, routes_BTLK=None):
   """Log-probs and entropies of the completion slots (the last T - prompt_len tokens)."""
-  return token_logprobs(graphdef, params, tokens_BT, valid_BT, start=prompt_len - 1)
+  return routed_logprobs(graphdef, params, tokens_BT, valid_BT, start=prompt_len - 1,
+                         routes_BTLK=routes_BTLK)[:2]
 
 
 def completion_values(graphdef, params, tokens_BT, valid_BT, prompt_len: int) -> jax.Array:

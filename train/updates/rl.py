@@ -13,7 +13,7 @@ from jaxrl.algos.correction import mismatch, rollout_weights, tis_capped
 from jaxrl.algos.losses import aggregation_weights, value_loss
 from jaxrl.config import RLConfig
 from train.updates.batching import accumulate_grads, compute_copy, micro_batches, scan_minibatches
-from train.updates.forward import completion_logprobs, completion_values
+from train.updates.forward import completion_values, routed_logprobs
 from train.updates.state import TrainState, apply_gradients
 
 
@@ -27,7 +27,8 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
   """`cfg.policy_loss` (jaxrl/algos/losses.py) times the rollout correction
   (jaxrl/algos/correction.py) plus, with `kl_mode == "loss"`, `kl_coef` * KL(pi || ref), minus
   `entropy_coef` * entropy, summed over completion tokens with `weights_BN`
-  (`cfg.loss_aggregation` over the whole minibatch's `policy_mask_BN`: `aggregation_weights`).
+  (`cfg.loss_aggregation` over the whole minibatch's `policy_mask_BN`: `aggregation_weights`),
+  plus a mixture of experts' router loss (`forward.router_loss`).
 
   `micro` = (exp, weights_BN, token_weights_BN). `exp` (train/rl/experience.py) holds per-token
   [B, N] advantages, the trainer's log-probs before the update (`old`), the reference's, and the
@@ -35,8 +36,10 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
   (|log mu - log pi_old|, KL(mu || pi_old)) over every valid token (`token_weights_BN`: a token
   mean over the minibatch)."""
   exp, weights_BN, token_weights_BN = micro
-  logp_BN, entropy_BN = completion_logprobs(graphdef, params, exp.tokens_BT, exp.valid_BT,
-                                            exp.prompt_len)
+  logp_BN, entropy_BN, router, router_metrics = routed_logprobs(
+      graphdef, params, exp.tokens_BT, exp.valid_BT, start=exp.prompt_len - 1,
+      routes_BTLK=exp.routes_BTLK)
+  share = token_weights_BN.sum()  # this micro-batch's share of the minibatch's tokens
   old_BN = exp.old_logprobs_BN
   if old_BN is None:  # one minibatch: these weights are the ones before the update
     old_BN = jax.lax.stop_gradient(logp_BN)
@@ -62,8 +65,9 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
              "rollout_masked_frac": per_token(1.0 - kept_BN),
              "tis_capped_frac": per_token(tis_capped(old_BN, mu_BN, cfg.tis_cap).astype(
                  jnp.float32)),
-             **mismatch(old_BN, mu_BN, mask_BN, token_weights_BN)}
-  return total(loss_BN), metrics
+             **mismatch(old_BN, mu_BN, mask_BN, token_weights_BN),
+             **{k: share * v for k, v in router_metrics.items()}}
+  return total(loss_BN) + share * router, metrics
 
 
 def rl_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig):

@@ -1,0 +1,158 @@
+"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a softmax router picks `experts_per_token` of
+`n_experts` SwiGLU experts per token and sums their outputs weighted by the router's
+probabilities (renormalised over the chosen experts where `norm_topk`).
+
+Dropless: every token reaches every expert it picked. `moe_impl="ragged"` sorts the (token,
+expert) assignments by expert and runs each projection as one grouped matrix product
+(`jax.lax.ragged_dot_general`: rows [assignments, in] against weights [experts, out, in], each
+expert multiplying its own run of rows), so the FLOPs are the active parameters'; "dense" runs
+every expert over every token and weights the outputs by a one-hot combine matrix, n_experts /
+experts_per_token times the FLOPs: the reference the grouped product is tested and benchmarked
+against (benchmarks/moe.py).
+
+Routing replay (`route(..., routes_RK)`): the experts are given (the sampler's choice for the
+token, recorded at rollout; what verl and NeMo-RL call R3, rollout routing replay) and only
+their weights come from this router, so gradients still reach it. `MoEStats` carries a layer's choices and what the update's auxiliary losses need.
+Expert weights are stored [experts, out, in] with an `expert` logical axis (sharding/rules.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+MOE_IMPLS = ("ragged", "dense")
+_GROUPED = jax.lax.RaggedDotDimensionNumbers(  # [M, in] x [E, out, in] -> [M, out]
+    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEStats:
+  """One MoE layer's routing: the experts each token picked, [B, T, k], and over the valid
+  tokens the share of assignments per expert, [E], the mean router probability per expert,
+  [E], the mean squared log-sum-exp of the router logits (z-loss), and the share of tokens
+  whose recorded experts are not the ones this router picks (0 with none recorded)."""
+  ids: jax.Array  # [B, T, k] (stacked: [B, T, L, k])
+  load_E: jax.Array
+  prob_E: jax.Array
+  z: jax.Array
+  replay_differs: jax.Array
+
+
+def route(x_RD, router_ED, k: int, norm: bool, routes_RK=None, replay: bool = True):
+  """(expert ids [R, k], their weights [R, k] float32, router probabilities [R, E] and logits,
+  float32, whether each token's recorded experts `routes_RK` differ from this router's own top
+  k [R]). Softmax over all experts in float32, then the top k, or with `replay` the recorded
+  ids where a token has them (a row of `routes_RK` below 0: not recorded, routed here)."""
+  logits_RE = jax.lax.dot_general(x_RD, router_ED.astype(x_RD.dtype), (((1,), (1,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+  probs_RE = jax.nn.softmax(logits_RE, axis=-1)
+  top_RK, ids_RK = jax.lax.top_k(probs_RE, k)
+  differs_R = jnp.zeros(ids_RK.shape[:1], bool)
+  if routes_RK is not None:
+    given_RK = routes_RK.astype(jnp.int32)
+    recorded_R = (given_RK >= 0).all(-1)
+    differs_R = recorded_R & (jnp.sort(given_RK, -1) != jnp.sort(ids_RK, -1)).any(-1)
+    if replay:
+      ids_RK = jnp.where(recorded_R[:, None], given_RK, ids_RK)
+      top_RK = jnp.take_along_axis(probs_RE, ids_RK, axis=-1)
+  if norm:
+    top_RK = top_RK / top_RK.sum(-1, keepdims=True)
+  return ids_RK, top_RK, probs_RE, logits_RE, differs_R
+
+
+def grouped_experts(x_RD, ids_RK, weights_RK, w_gate_EFD, w_up_EFD, w_down_EDF, act):
+  """sum_j weights[r, j] * expert_{ids[r, j]}(x[r]) through grouped products over the
+  assignments sorted by expert: [R, D]."""
+  r, k = ids_RK.shape
+  flat_M = ids_RK.reshape(-1)
+  order_M = jnp.argsort(flat_M, stable=True)
+  inverse_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(order_M.shape[0]))
+  sizes_E = jnp.bincount(flat_M, length=w_gate_EFD.shape[0]).astype(jnp.int32)
+  x_MD = jnp.take(x_RD, order_M // k, axis=0)
+  grouped = lambda a, w: jax.lax.ragged_dot_general(a, w.astype(a.dtype), sizes_E, _GROUPED)
+  h_MF = act(grouped(x_MD, w_gate_EFD)) * grouped(x_MD, w_up_EFD)
+  out_RKD = jnp.take(grouped(h_MF, w_down_EDF), inverse_M, axis=0).reshape(r, k, -1)
+  return jnp.einsum("rkd,rk->rd", out_RKD, weights_RK.astype(x_RD.dtype))
+
+
+def dense_experts(x_RD, ids_RK, weights_RK, w_gate_EFD, w_up_EFD, w_down_EDF, act):
+  """The same sum with every expert run over every token and a one-hot combine matrix."""
+  dt = x_RD.dtype
+  combine_RE = jnp.einsum("rke,rk->re", jax.nn.one_hot(ids_RK, w_gate_EFD.shape[0], dtype=dt),
+                          weights_RK.astype(dt))
+  gate_ERF = jnp.einsum("rd,efd->erf", x_RD, w_gate_EFD.astype(dt))
+  up_ERF = jnp.einsum("rd,efd->erf", x_RD, w_up_EFD.astype(dt))
+  out_ERD = jnp.einsum("erf,edf->erd", act(gate_ERF) * up_ERF, w_down_EDF.astype(dt))
+  return jnp.einsum("erd,re->rd", out_ERD, combine_RE)
+
+
+EXPERTS = {"ragged": grouped_experts, "dense": dense_experts}
+
+
+def stats(ids_RK, probs_RE, logits_RE, differs_R, valid_R, shape_BT) -> MoEStats:
+  """`MoEStats` of one layer over its valid tokens (`valid_R` None: all)."""
+  e = probs_RE.shape[-1]
+  w_R = jnp.ones(probs_RE.shape[0], jnp.float32) if valid_R is None else valid_R.astype(
+      jnp.float32)
+  n = jnp.maximum(w_R.sum(), 1.0)
+  mean = lambda x_R: (x_R * w_R).sum() / n
+  load_E = jnp.zeros((e,), jnp.float32).at[ids_RK].add(
+      jnp.broadcast_to(w_R[:, None], ids_RK.shape)) / (n * ids_RK.shape[1])
+  return MoEStats(ids_RK.reshape(*shape_BT, -1), load_E, (probs_RE * w_R[:, None]).sum(0) / n,
+                  mean(jnp.square(jax.nn.logsumexp(logits_RE, axis=-1))),
+                  mean(differs_R.astype(jnp.float32)))
+
+
+def aux_losses(load_LE, prob_LE, z_L) -> tuple[jax.Array, jax.Array]:
+  """(load-balancing loss, router z-loss), each the mean over the MoE layers. The balance loss
+  is Switch Transformer's E * sum_e load_e * prob_e: 1 when the assignments and the
+  probabilities are uniform over the experts (Hugging Face's `load_balancing_loss_func` is k
+  times this, pooled over layers)."""
+  e = load_LE.shape[-1]
+  return (e * (load_LE * prob_LE).sum(-1)).mean(), z_L.mean()
+
+
+def _param(rngs, shape, axes, scale):
+  return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * scale, logical_axes=axes)
+
+
+class MoE(nnx.Module):
+  """The router [E, D] and E SwiGLU experts ([E, F, D] gate and up, [E, D, F] down)."""
+
+  def __init__(self, cfg, rngs: nnx.Rngs):
+    e, f, d = cfg.n_experts, cfg.expert_d_ff, cfg.d_model
+    self.router = _param(rngs, (e, d), (None, "embed"), d**-0.5)
+    self.w_gate = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), d**-0.5)
+    self.w_up = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), d**-0.5)
+    self.w_down = _param(rngs, (e, d, f), ("expert", "embed", "mlp"), f**-0.5 / cfg.n_layers)
+    self.k, self.norm, self.impl = cfg.experts_per_token, cfg.norm_topk, cfg.moe_impl
+    self.replay = cfg.routing_replay == "rollout"
+
+  def __call__(self, x_BTD, valid_BT=None, routes_BTK=None):
+    """(output [B, T, D], `MoEStats`): rows layout only. `routes_BTK`: the experts the sampler
+    used (replayed under `routing_replay="rollout"`, else compared)."""
+    b, t, d = x_BTD.shape
+    x_RD = x_BTD.reshape(b * t, d)
+    routes = None if routes_BTK is None else routes_BTK.reshape(b * t, -1)
+    ids_RK, weights_RK, probs_RE, logits_RE, differs_R = route(
+        x_RD, self.router[...], self.k, self.norm, routes, self.replay)
+    y_RD = EXPERTS[self.impl](x_RD, ids_RK, weights_RK, self.w_gate[...], self.w_up[...],
+                              self.w_down[...], jax.nn.silu)
+    valid_R = None if valid_BT is None else valid_BT.reshape(-1)
+    return y_RD.reshape(b, t, d), stats(ids_RK, probs_RE, logits_RE, differs_R, valid_R, (b, t))
+
+
+def stack_stats(per_layer: list) -> MoEStats | None:
+  """The MoE layers' `MoEStats` stacked: ids [B, T, L, k], the rest with a leading layer axis
+  (None for a model without MoE layers)."""
+  layers = [s for s in per_layer if s is not None]
+  if not layers:
+    return None
+  return MoEStats(jnp.stack([s.ids for s in layers], axis=2),
+                  *(jnp.stack([getattr(s, f) for s in layers])
+                    for f in ("load_E", "prob_E", "z", "replay_differs")))

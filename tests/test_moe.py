@@ -1,0 +1,137 @@
+"""The mixture-of-experts block: the grouped product against the dense one-hot form, experts
+sharded over devices, routing replay, the router's losses and the config's refusals."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.config import ExperimentConfig
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.lora import LoRAConfig
+from jaxrl.models.moe import aux_losses, dense_experts, grouped_experts, route
+from jaxrl.models.transformer import LanguageModel, positions_from_valid
+from sharding.mesh import make_mesh
+from train.roles.role import ModelRole
+
+CFG = ModelConfig(family="qwen3_moe", n_experts=8, experts_per_token=2, expert_d_ff=32,
+                  norm_topk=True, d_ff=64)
+
+
+def _batch(b: int = 4, t: int = 10):
+  tokens_BT = jax.random.randint(jax.random.key(1), (b, t), 0, CFG.vocab_size)
+  valid_BT = jnp.arange(t)[None] >= jnp.array([0, 3, 5, 0])[:b, None]
+  return tokens_BT, positions_from_valid(valid_BT), valid_BT
+
+
+def test_grouped_product_equals_the_dense_one_hot_form():
+  """Outputs and gradients (input, weights, router weights) agree in float32."""
+  keys = jax.random.split(jax.random.key(0), 5)
+  x_RD = jax.random.normal(keys[0], (40, 16))
+  router_ED = jax.random.normal(keys[1], (8, 16))
+  w = [jax.random.normal(k, s) * 0.3 for k, s in zip(keys[2:], [(8, 24, 16), (8, 24, 16),
+                                                                  (8, 16, 24)])]
+
+  def out(experts, x, router, *w):
+    ids, weights, *_ = route(x, router, 3, True)
+    return experts(x, ids, weights, *w, jax.nn.silu)
+  loss = lambda experts: jax.grad(lambda *a: (out(experts, *a) ** 2).sum(), argnums=(0, 1, 2, 4))
+  np.testing.assert_allclose(out(grouped_experts, x_RD, router_ED, *w),
+                             out(dense_experts, x_RD, router_ED, *w), atol=1e-5)
+  for g, d in zip(loss(grouped_experts)(x_RD, router_ED, *w),
+                  loss(dense_experts)(x_RD, router_ED, *w)):
+    np.testing.assert_allclose(g, d, atol=1e-4, rtol=1e-5)
+
+
+def test_experts_sharded_over_four_devices_give_the_unsharded_result():
+  """Experts split 4 ways over the tensor axis (and the batch over data): the logits of the
+  unsharded model, 1e-5."""
+  cfg = dataclasses.replace(CFG, n_kv_heads=4)  # (the KV heads split 4 ways too)
+  tokens_BT, positions_BT, valid_BT = _batch()
+  want = LanguageModel(cfg, rngs=nnx.Rngs(0))(tokens_BT, positions_BT, valid_BT)[0]
+  role = ModelRole("actor", lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)),
+                   make_mesh({"data": 2, "tensor": 4})).initialize()
+  w_gate = role.params["decoder"]["blocks"][0]["mlp"]["w_gate"][...]
+  assert {s.data.shape[0] for s in w_gate.addressable_shards} == {2}  # 8 experts / 4
+  fwd = role.jit(lambda p, *a: nnx.merge(role.graphdef, p)(*a)[0])
+  got = fwd(role.params, tokens_BT, positions_BT, valid_BT)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_routing_replay_uses_the_recorded_experts_and_trains_the_router():
+  """Replayed: the recorded experts are used (-1: routed here), the router still gets a
+  gradient; not replayed: they are only compared (`replay_differs`)."""
+  model = LanguageModel(dataclasses.replace(CFG, routing_replay="rollout"), rngs=nnx.Rngs(0))
+  tokens_BT, positions_BT, valid_BT = _batch()
+  h, _, routing = model.decoder.forward(tokens_BT, positions_BT, valid_BT)
+  assert routing.ids.shape == (4, 10, CFG.n_layers, 2)
+  same, _, replayed = model.decoder.forward(tokens_BT, positions_BT, valid_BT,
+                                            routes_BTLK=routing.ids)
+  np.testing.assert_array_equal(same, h)
+  np.testing.assert_array_equal(replayed.ids, routing.ids)
+  assert float(replayed.replay_differs.max()) == 0.0
+  other_BTLK = (routing.ids + 1) % CFG.n_experts
+  moved, _, differs = model.decoder.forward(tokens_BT, positions_BT, valid_BT,
+                                            routes_BTLK=other_BTLK)
+  assert float(jnp.abs(moved - h).max()) > 1e-3
+  np.testing.assert_allclose(differs.replay_differs, 1.0)
+  unrecorded, _, _ = model.decoder.forward(tokens_BT, positions_BT, valid_BT,
+                                           routes_BTLK=jnp.full_like(other_BTLK, -1))
+  np.testing.assert_array_equal(unrecorded, h)
+
+  def loss(model):
+    out, _, _ = model.decoder.forward(tokens_BT, positions_BT, valid_BT, routes_BTLK=other_BTLK)
+    return (out ** 2).sum()
+  router_grad = nnx.grad(loss)(model).decoder.blocks[0].mlp.router[...]
+  assert float(jnp.abs(router_grad).max()) > 0
+  compared = LanguageModel(CFG, rngs=nnx.Rngs(0))  # routing_replay="off"
+  own, _, seen = compared.decoder.forward(tokens_BT, positions_BT, valid_BT,
+                                          routes_BTLK=other_BTLK)
+  np.testing.assert_array_equal(own, h)
+  np.testing.assert_allclose(seen.replay_differs, 1.0)
+
+
+def test_router_losses():
+  """Balance: 1 for uniform load and probabilities, E when all goes to one expert; only valid
+  tokens count."""
+  uniform = jnp.full((2, 4), 0.25)
+  balance, z = aux_losses(uniform, uniform, jnp.array([1.0, 3.0]))
+  assert float(balance) == pytest.approx(1.0) and float(z) == pytest.approx(2.0)
+  one = jnp.array([[1.0, 0, 0, 0]])
+  assert float(aux_losses(one, one, jnp.zeros(1))[0]) == pytest.approx(4.0)
+  model = LanguageModel(CFG, rngs=nnx.Rngs(0))
+  tokens_BT, positions_BT, valid_BT = _batch()
+  _, _, routing = model.decoder.forward(tokens_BT, positions_BT, valid_BT)
+  np.testing.assert_allclose(routing.load_E.sum(-1), 1.0, rtol=1e-6)
+  np.testing.assert_allclose(routing.prob_E.sum(-1), 1.0, rtol=1e-5)
+  # Padding changes nothing: the padded tokens' routing is left out.
+  padded = jnp.where(valid_BT, tokens_BT, 7)
+  _, _, again = model.decoder.forward(padded, positions_BT, valid_BT)
+  np.testing.assert_allclose(again.load_E, routing.load_E, atol=1e-6)
+
+
+@pytest.mark.parametrize("model, lora, words", [
+    (dict(family="llama", n_experts=8, experts_per_token=2, expert_d_ff=32), None,
+     ["n_experts", "dense family"]),
+    (dict(family="qwen3_moe"), None, ["n_experts", "> 0"]),
+    (dict(CFG.__dict__, experts_per_token=9), None, ["experts_per_token", "1 to n_experts=8"]),
+    (dict(CFG.__dict__, expert_d_ff=0), None, ["expert_d_ff"]),
+    (dict(CFG.__dict__), LoRAConfig(rank=4), ["lora.targets", "w_down,w_gate,w_up"]),
+    (dict(family="qwen3", routing_replay="rollout"), None, ["routing_replay", "n_experts=0"]),
+])
+def test_bad_moe_configs_are_refused(model, lora, words):
+  with pytest.raises(ValueError) as e:
+    ExperimentConfig(model=ModelConfig(**model), lora=lora or LoRAConfig())
+  assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), str(e.value)
+
+
+def test_lora_on_the_attention_of_an_moe():
+  cfg = ExperimentConfig(model=CFG, lora=LoRAConfig(rank=4, targets="wq,wv"))
+  model = LanguageModel(cfg.model, rngs=nnx.Rngs(0), lora=cfg.lora)
+  assert hasattr(model.decoder.blocks[0].attn, "wq_lora")
+  tokens_BT, positions_BT, valid_BT = _batch()
+  base = LanguageModel(dataclasses.replace(cfg.model), rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(model(tokens_BT, positions_BT, valid_BT)[0],
+                             base(tokens_BT, positions_BT, valid_BT)[0], atol=1e-5)
