@@ -1,6 +1,7 @@
 """The mixture-of-experts block: the grouped product against the dense one-hot form, experts
 sharded over devices, routing replay, the router's losses and the config's refusals."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,8 @@ from flax import nnx
 from jaxrl.config import ExperimentConfig
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.lora import LoRAConfig
-from jaxrl.models.moe import aux_losses, dense_experts, grouped_experts, route
+from jaxrl.models.moe import (aux_losses, blocked_experts, dense_experts, grouped_experts,
+                              route)
 from jaxrl.models.transformer import LanguageModel, positions_from_valid
 from sharding.mesh import make_mesh
 from train.roles.role import ModelRole
@@ -26,8 +28,11 @@ def _batch(b: int = 4, t: int = 10):
   return tokens_BT, positions_from_valid(valid_BT), valid_BT
 
 
-def test_grouped_product_equals_the_dense_one_hot_form():
-  """Outputs and gradients (input, weights, router weights) agree in float32."""
+@pytest.mark.parametrize("experts", [grouped_experts, functools.partial(blocked_experts, block=8)],
+                         ids=["ragged", "blocked"])
+def test_grouped_products_equal_the_dense_one_hot_form(experts):
+  """Outputs and gradients (input, weights, router weights) agree in float32; the blocked form
+  with runs that do not fill their blocks."""
   keys = jax.random.split(jax.random.key(0), 5)
   x_RD = jax.random.normal(keys[0], (40, 16))
   router_ED = jax.random.normal(keys[1], (8, 16))
@@ -38,10 +43,9 @@ def test_grouped_product_equals_the_dense_one_hot_form():
     ids, weights, *_ = route(x, router, 3, True)
     return experts(x, ids, weights, *w, jax.nn.silu)
   loss = lambda experts: jax.grad(lambda *a: (out(experts, *a) ** 2).sum(), argnums=(0, 1, 2, 4))
-  np.testing.assert_allclose(out(grouped_experts, x_RD, router_ED, *w),
+  np.testing.assert_allclose(out(experts, x_RD, router_ED, *w),
                              out(dense_experts, x_RD, router_ED, *w), atol=1e-5)
-  for g, d in zip(loss(grouped_experts)(x_RD, router_ED, *w),
-                  loss(dense_experts)(x_RD, router_ED, *w)):
+  for g, d in zip(loss(experts)(x_RD, router_ED, *w), loss(dense_experts)(x_RD, router_ED, *w)):
     np.testing.assert_allclose(g, d, atol=1e-4, rtol=1e-5)
 
 

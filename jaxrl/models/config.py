@@ -73,14 +73,15 @@ class ModelConfig:
   # Mixture of experts (Qwen3-MoE; jaxrl/models/moe.py): n_experts > 0 replaces every block's
   # MLP by a router over n_experts SwiGLU experts of width expert_d_ff, experts_per_token of
   # them per token (top-k of the router's softmax, renormalised over the k if norm_topk);
-  # moe_impl: ragged (sorted assignments, grouped matrix products) | dense (every expert on
-  # every token: a reference). The update adds router_aux_loss x the load-balancing loss and
-  # router_z_loss x the router z-loss.
+  # moe_impl: auto | ragged (sorted assignments, `ragged_dot` grouped products) | blocked (the
+  # same in blocks of rows, batched: faster on CPU and H200) | dense (every expert on every
+  # token); auto: dense for a decode-sized batch, else blocked (moe.experts_impl). The update
+  # adds router_aux_loss x the load-balancing loss and router_z_loss x the router z-loss.
   n_experts: int = 0
   experts_per_token: int = 0
   expert_d_ff: int = 0
   norm_topk: bool = False
-  moe_impl: str = "ragged"
+  moe_impl: str = "auto"
   router_aux_loss: float = 0.0
   router_z_loss: float = 0.0
   # off | rollout: the trainer's passes route each token to the experts the sampler used for it

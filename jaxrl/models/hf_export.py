@@ -30,9 +30,9 @@ __all__ = ["export", "export_peft"]
 
 
 def _hf_tensors(params: nnx.State, cfg: ModelConfig) -> tuple[list, bool]:
-  """[(name, checkpoint shape, parameter, scale, expert or None)] in write order, and whether the files tie the
-  LM head to the embedding. jaxrl's own tied head (embed / sqrt(d_model)) has no HF equivalent,
-  so it is written out as an explicit lm_head: the embedding again, scaled."""
+  """[(name, checkpoint shape, parameter, scale, expert or None)] in write order, and whether
+  the files tie the LM head to the embedding. jaxrl's own tied head (embed / sqrt(d_model)) has
+  no HF equivalent, so it is written out as an explicit lm_head: the embedding again, scaled."""
   tensors = []
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     template, split = hf_tensor(_keys(path), cfg.family)
