@@ -42,8 +42,9 @@ def device_ceilings(dtype: str) -> Ceilings:
 def weight_bytes(cfg: ModelConfig) -> int:
   """Bytes of the weights one decode step reads, in the compute dtype (the sampler's copy): the
   per-token products and the LM head (the tied embedding is read once, as the head; an untied
-  embedding only at the step's tokens). Norms and biases (<0.1%) are left out."""
-  return ITEMSIZE[cfg.dtype] * (flops.matmul_params(cfg) + cfg.d_model * cfg.vocab_size)
+  embedding only at the step's tokens; every expert of a mixture, which a batch of rows
+  touches). Norms and biases (<0.1%) are left out."""
+  return ITEMSIZE[cfg.dtype] * (flops.stored_matmul_params(cfg) + cfg.d_model * cfg.vocab_size)
 
 
 def kv_bytes_per_position(cfg: ModelConfig) -> int:

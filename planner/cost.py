@@ -106,7 +106,7 @@ class Workload:
   def params(self) -> int:
     m = self.model
     heads = 1 if m.tie_embeddings else 2
-    return flops.matmul_params(m) + heads * m.vocab_size * m.d_model
+    return flops.stored_matmul_params(m) + heads * m.vocab_size * m.d_model
 
   @property
   def trained_params(self) -> int:

@@ -69,6 +69,22 @@ def block_bytes(model, seq_len: float, tensor: int = 1, flash_attention: bool = 
   return out
 
 
+def expert_block_bytes(model, tokens: float, tensor: int = 1) -> float:
+  """The expert weights one MoE layer's blocked products gather, one copy per block of rows
+  (jaxrl/models/moe.blocked_experts: gate, up and down for each of at most
+  assignments / block + n_experts blocks), on one device of a `tensor` group splitting the
+  experts; 0 for a dense model or another form of the products."""
+  from jaxrl.models import moe
+  m = model
+  if not m.n_experts:
+    return 0.0
+  assignments = int(tokens) * m.experts_per_token
+  if moe.experts_impl(m.moe_impl, assignments, m.n_experts) != "blocked":
+    return 0.0
+  blocks = assignments / moe.block_rows(assignments, m.n_experts) + m.n_experts
+  return 3 * blocks * m.expert_d_ff * m.d_model * compute_bytes(m) / tensor
+
+
 def saved_bytes(model, remat: str, seq_len: float, tensor: int = 1,
                 flash_attention: bool = False) -> float:
   """Bytes per token one block keeps from its forward to its backward under `remat`."""
@@ -104,8 +120,12 @@ def update_peak(model, *, rows: float, seq_len: float, logit_chunk: int, param_b
                                      param_bytes=param_bytes, tensor=tensor, remat=remat,
                                      accumulate=accumulate, cb=compute_bytes(model), **tpu)
   tokens, n = rows * seq_len, model.n_layers
-  work = tokens * block_bytes(model, seq_len, tensor, flash_attention)
-  saved = tokens * saved_bytes(model, remat, seq_len, tensor, flash_attention)
+  # An MoE layer's blocked products gather expert weights per block: kept for the backward
+  # without remat, and in a layer's backward their gradient as large again.
+  experts = expert_block_bytes(model, tokens, tensor)
+  work = tokens * block_bytes(model, seq_len, tensor, flash_attention) + 2 * experts
+  saved = (tokens * saved_bytes(model, remat, seq_len, tensor, flash_attention)
+           + (experts if remat == "none" else 0.0))
   layer_grads = param_bytes * layer_fraction(model) / n
   head_grads = param_bytes - n * layer_grads
   base = {"gradients": param_bytes if accumulate else 0.0,
@@ -125,7 +145,8 @@ def scoring_peak(model, *, rows: float, seq_len: float, logit_chunk: int, tensor
                  flash_attention: bool = False) -> dict[str, float]:
   """A forward-only pass (old or reference log-probs) on `rows` rows of this device: one block's
   activations at a time, or, at the end, one chunk's logits and their exponent."""
-  block = rows * seq_len * block_bytes(model, seq_len, tensor, flash_attention)
+  block = (rows * seq_len * block_bytes(model, seq_len, tensor, flash_attention)
+           + expert_block_bytes(model, rows * seq_len, tensor))
   logits = logits_bytes(model, rows, logit_chunk, copies=2, tensor=tensor)
   return {"activations": block if block >= logits else 0.0,
           "logits": logits if logits > block else 0.0}

@@ -139,6 +139,7 @@ def test_user_reward_function(tmp_path, monkeypatch):
     ("qwen2_5_0_5b_gsm8k", [], "fits"), ("qwen2_5_7b_gsm8k", [], "fits"),
     ("llama3_1_8b_gsm8k", [], "fits"), ("llama3_1_70b_gsm8k", [], "fits"),
     ("gemma3_4b_gsm8k", [], "fits"), ("gemma3_12b_gsm8k", [], "fits"),
+    ("qwen3_30b_a3b_gsm8k", [], "fits"),
     # What stays (float32 weights, Adam moments, the bf16 reference) outgrows 24 GB x 0.9.
     ("qwen2_5_7b_gsm8k", ["--config.placement.device_memory_gb=24"],
      "DOES NOT FIT: more devices: what stays"),

@@ -39,6 +39,12 @@ def layer_params(cfg: ModelConfig) -> int:
   return d * h * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + mlp_params(cfg) + 2 * d
 
 
+def stored_matmul_params(cfg: ModelConfig) -> int:
+  """`matmul_params` as stored: every expert of a mixture (what memory holds and a decode step
+  over many rows reads)."""
+  return cfg.n_layers * (layer_params(cfg) - 2 * cfg.d_model)
+
+
 def matmul_params(cfg: ModelConfig) -> int:
   """Parameters of the per-token matrix products (projections and MLP, every layer; of a
   mixture of experts, the router and the experts a token uses: the active parameters)."""

@@ -113,7 +113,7 @@ def blocked_experts(x_RD, ids_RK, weights_RK, w_gate_EFD, w_up_EFD, w_down_EDF, 
   x_NbD = jnp.take(x_MD, source_S, axis=0).reshape(n, block, d)
   expert_N = jnp.minimum(jnp.searchsorted(ends_E, jnp.arange(n) * block, side="right"), e - 1)
   per_block = lambda a, w, spec: jnp.einsum(spec, a,
-                                            jnp.take(w, expert_N, axis=0).astype(a.dtype))
+                                            jnp.take(w.astype(a.dtype), expert_N, axis=0))
   h_NbF = (act(per_block(x_NbD, w_gate_EFD, "nbd,nfd->nbf"))
            * per_block(x_NbD, w_up_EFD, "nbd,nfd->nbf"))
   out_SD = per_block(h_NbF, w_down_EDF, "nbf,ndf->nbd").reshape(n * block, d)
