@@ -46,9 +46,6 @@ def sections_agree(cfg) -> None:
       {"w_gate", "w_up", "w_down"} & set(cfg.lora.target_names)):
     raise ValueError(f"lora.targets: {','.join(mlp)} adapt a dense MLP; a mixture of experts' "
                      "experts take no adapters (target wq,wk,wv,wo)")
-  unrecorded = [name for name, on in (("rl.inflight_slots", cfg.rl.inflight_slots),
-                                      ("rl.environment", cfg.rl.environment),
-                                      ("rl.partial_rollouts", cfg.rl.partial_rollouts)) if on]
-  if cfg.model.routing_replay != "off" and unrecorded:
-    raise ValueError(f"model.routing_replay: the rollouts of {unrecorded[0]} do not record "
-                     "their experts yet, expected 'off' with it")
+  if cfg.model.routing_replay != "off" and cfg.rl.environment:
+    raise ValueError("model.routing_replay: multi-turn rollouts (rl.environment) do not record "
+                     "their experts yet, expected 'off' with them")

@@ -62,6 +62,9 @@ class Slots:
   recent_RK: jax.Array  # the last K tokens, K = longest stop sequence (at least 1)
   step_R: jax.Array  # tokens emitted so far
   done_R: jax.Array
+  # A mixture of experts: the row's tokens' experts per layer, its P prompt slots then its N
+  # tokens (-1: not routed), as the static engine's `Rollout.routes_BTLK`.
+  routes_RTLK: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -69,6 +72,7 @@ class Outputs:
   tokens_BN: jax.Array
   mask_BN: jax.Array
   logprobs_BN: jax.Array
+  routes_BTLK: jax.Array | None = None
 
 
 def _slot_axes(model: DecodeModel):
@@ -100,7 +104,9 @@ def row_state(model: DecodeModel, cfg: SamplingConfig, tokens_KP, valid_KP, rows
   (at least the prompt width P): their prefill in the ring layout, their own random draws
   (`row_uniforms`), nothing generated yet."""
   (k, p), n = tokens_KP.shape, cfg.max_new_tokens
-  logits_KV, cache_KP, _ = model.prefill(tokens_KP, valid_KP)
+  logits_KV, cache_KP, routes_KPLK = model.prefill(tokens_KP, valid_KP)
+  routes_KTLK = None if routes_KPLK is None else jnp.concatenate(
+      [routes_KPLK, jnp.full((k, n) + routes_KPLK.shape[2:], -1, routes_KPLK.dtype)], axis=1)
   key_valid_KS = jnp.roll(jnp.pad(valid_KP, ((0, 0), (0, ring - p))), (g - p) % ring, axis=1)
   return Slots(row_R=rows_K, prompt_len_R=valid_KP.sum(axis=1, dtype=jnp.int32),
                budget_R=budget_K, uniforms_RN=uniforms_KN, logits_RV=logits_KV,
@@ -110,7 +116,7 @@ def row_state(model: DecodeModel, cfg: SamplingConfig, tokens_KP, valid_KP, rows
                mask_RN=jnp.zeros((k, n), bool), logprobs_RN=jnp.zeros((k, n)),
                recent_RK=jnp.full((k, max([len(s) for s in cfg.stop_sequences], default=1)), -1,
                                   jnp.int32),
-               step_R=jnp.zeros((k,), jnp.int32), done_R=budget_K <= 0)
+               step_R=jnp.zeros((k,), jnp.int32), done_R=budget_K <= 0, routes_RTLK=routes_KTLK)
 
 
 def put_rows(old, new_K, src_R):
@@ -124,8 +130,9 @@ def harvest(slots: Slots, out: Outputs) -> Outputs:
   """Finished rows copied to their output rows (again and again until refilled: idempotent)."""
   rows_R = jnp.where(slots.done_R & (slots.row_R >= 0), slots.row_R, out.tokens_BN.shape[0])
   put = lambda buf, val: buf.at[rows_R].set(val, mode="drop")
+  routes = None if out.routes_BTLK is None else put(out.routes_BTLK, slots.routes_RTLK)
   return Outputs(put(out.tokens_BN, slots.tokens_RN), put(out.mask_BN, slots.mask_RN),
-                 put(out.logprobs_BN, slots.logprobs_RN))
+                 put(out.logprobs_BN, slots.logprobs_RN), routes)
 
 
 def empty_slots(model: DecodeModel, *, cfg: SamplingConfig, slots: int, p: int,
@@ -139,17 +146,19 @@ def empty_slots(model: DecodeModel, *, cfg: SamplingConfig, slots: int, p: int,
   return state.replace(row_R=zeros_R - 1, done_R=jnp.ones((slots,), bool))
 
 
-def empty_outputs(rows: int, cfg: SamplingConfig) -> Outputs:
+def empty_outputs(rows: int, cfg: SamplingConfig, routes=None) -> Outputs:
+  """Empty output buffers; `routes`: the slots' routes, whose shape (but rows) they take."""
   n = cfg.max_new_tokens
+  routes = None if routes is None else jnp.full((rows,) + routes.shape[1:], -1, routes.dtype)
   return Outputs(jnp.full((rows, n), cfg.pad_id, jnp.int32), jnp.zeros((rows, n), bool),
-                 jnp.zeros((rows, n)))
+                 jnp.zeros((rows, n)), routes)
 
 
 def init(model: DecodeModel, tokens_BP, *, cfg: SamplingConfig, slots: int, n: int):
   """Every slot free, the output buffers empty, global step 0."""
   p = tokens_BP.shape[1]
   state = empty_slots(model, cfg=cfg, slots=slots, p=p, ring=p + cfg.max_new_tokens - 1)
-  return state, empty_outputs(tokens_BP.shape[0] * n, cfg), jnp.int32(0)
+  return state, empty_outputs(tokens_BP.shape[0] * n, cfg, state.routes_RTLK), jnp.int32(0)
 
 
 def refill(model: DecodeModel, state: Slots, out: Outputs, g, tokens_BP, valid_BP, key,
@@ -209,10 +218,17 @@ def decode(model: DecodeModel, state: Slots, g, limit, *, cfg: SamplingConfig):
 
   def body(carry):
     s, g, i = carry
+    live_R = ~s.done_R
     s, tok_R = _emit(_commit(s, g, axes), cfg)
     sin_R1H, cos_R1H = model.rope((s.prompt_len_R + s.step_R - 1)[:, None])
-    logits_RV, cache, _ = forward(tok_R, (sin_R1H[:, 0], cos_R1H[:, 0]), s.key_valid_RS,
-                                  s.kv_cache, ring)  # writes the scratch slot
+    logits_RV, cache, routes_RLK = forward(tok_R, (sin_R1H[:, 0], cos_R1H[:, 0]),
+                                           s.key_valid_RS, s.kv_cache, ring)  # the scratch slot
+    if routes_RLK is not None:  # the experts of the token each live row just emitted
+      t = s.routes_RTLK.shape[1]
+      p = t - s.tokens_RN.shape[1]
+      at_RT = live_R[:, None] & (jnp.arange(t) == (p + s.step_R - 1)[:, None])
+      s = s.replace(routes_RTLK=jnp.where(at_RT[:, :, None, None], routes_RLK[:, None],
+                                          s.routes_RTLK))
     return s.replace(logits_RV=logits_RV, kv_cache=cache), g + 1, i + 1
 
   state, g, _ = jax.lax.while_loop(lambda c: (c[2] < limit) & ~jnp.all(c[0].done_R), body,
@@ -226,7 +242,7 @@ def finish(state: Slots, out: Outputs, tokens_BP, valid_BP, *, n: int) -> Rollou
   return Rollout(tokens_BT=jnp.concatenate([prompt_tokens_BP, out.tokens_BN], axis=1),
                  valid_BT=jnp.concatenate([prompt_valid_BP, out.mask_BN], axis=1),
                  completion_mask_BN=out.mask_BN, logprobs_BN=out.logprobs_BN,
-                 lengths_B=out.mask_BN.sum(axis=1))
+                 lengths_B=out.mask_BN.sum(axis=1), routes_BTLK=out.routes_BTLK)
 
 
 def _plan(done_R: np.ndarray, queued: int, total: int, buckets: tuple[int, ...]):

@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 
 
 def _start(model, *, cfg, slots: int, p: int, ring: int, rows: int):
-  return (inflight.empty_slots(model, cfg=cfg, slots=slots, p=p, ring=ring),
-          inflight.empty_outputs(rows, cfg), jnp.int32(0))
+  state = inflight.empty_slots(model, cfg=cfg, slots=slots, p=p, ring=ring)
+  return state, inflight.empty_outputs(rows, cfg, state.routes_RTLK), jnp.int32(0)
 
 
 def admit_rows(model, state: Slots, g, tokens_KP, valid_KP, rows_K, budget_K, keys_K2, index_K,
@@ -72,7 +72,8 @@ def _take(out: Outputs, start, tokens_BP, valid_BP, *, n: int, rows: int) -> Rol
   return Rollout(tokens_BT=jnp.concatenate([prompt_tokens_BP, cut(out.tokens_BN)], axis=1),
                  valid_BT=jnp.concatenate([prompt_valid_BP, mask_BN], axis=1),
                  completion_mask_BN=mask_BN, logprobs_BN=cut(out.logprobs_BN),
-                 lengths_B=mask_BN.sum(axis=1))
+                 lengths_B=mask_BN.sum(axis=1),
+                 routes_BTLK=None if out.routes_BTLK is None else cut(out.routes_BTLK))
 
 
 @dataclasses.dataclass

@@ -131,6 +131,14 @@ def test_bad_moe_configs_are_refused(model, lora, words):
   assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), str(e.value)
 
 
+def test_replay_with_multi_turn_rollouts_is_refused():
+  from jaxrl.config import RLConfig
+  model = ModelConfig(**dict(CFG.__dict__, routing_replay="rollout"))
+  with pytest.raises(ValueError, match="model.routing_replay: multi-turn"):
+    ExperimentConfig(model=model, rl=RLConfig(environment="calculator"))
+  ExperimentConfig(model=model, rl=RLConfig(inflight_slots=8))  # the in-flight engine records
+
+
 def test_lora_on_the_attention_of_an_moe():
   cfg = ExperimentConfig(model=CFG, lora=LoRAConfig(rank=4, targets="wq,wv"))
   model = LanguageModel(cfg.model, rngs=nnx.Rngs(0), lora=cfg.lora)
@@ -139,3 +147,32 @@ def test_lora_on_the_attention_of_an_moe():
   base = LanguageModel(dataclasses.replace(cfg.model), rngs=nnx.Rngs(0))
   np.testing.assert_allclose(model(tokens_BT, positions_BT, valid_BT)[0],
                              base(tokens_BT, positions_BT, valid_BT)[0], atol=1e-5)
+
+
+def test_both_engines_record_the_experts_the_trainer_picks():
+  """The static engine's and the in-flight sampler's recorded routes agree, and equal the
+  trainer's own routing of the same tokens (float32; -1 where the static engine routed
+  nothing: the prefill's last layer before the last prompt token, the final token)."""
+  from sampler.engine import generate
+  from sampler.methods import SamplingConfig
+  from sampler.sampler import Sampler
+  graphdef, params = nnx.split(LanguageModel(CFG, rngs=nnx.Rngs(0)))
+  tokens_BP = jax.random.randint(jax.random.key(3), (4, 6), 3, CFG.vocab_size)
+  valid_BP = jnp.arange(6)[None] >= jnp.array([0, 2, 0, 4])[:, None]
+  cfg = SamplingConfig(max_new_tokens=5, eos_id=-1, pad_id=0, method="greedy")
+  static = jax.jit(functools.partial(generate, graphdef, cfg=cfg))(params, tokens_BP, valid_BP,
+                                                                   jax.random.key(0))
+  inflight = Sampler(graphdef, cfg, inflight_slots=3).generate(params, tokens_BP, valid_BP,
+                                                              jax.random.key(0))
+  routes, valid = np.asarray(static.routes_BTLK), np.asarray(static.valid_BT)
+  assert routes.shape == (4, 11, CFG.n_layers, 2)
+  assert (routes[:, -1] == -1).all() and (routes[:, :5, -1] == -1).all()  # not routed
+  assert (routes[:, 5:-1] >= 0).all()
+  both = valid[:, :, None, None] & (routes >= 0)  # (in flight, the last token is routed too)
+  np.testing.assert_array_equal(np.asarray(inflight.routes_BTLK)[both], routes[both])
+  model = nnx.merge(graphdef, params)
+  _, _, own = model.decoder.forward(static.tokens_BT, positions_from_valid(static.valid_BT),
+                                    static.valid_BT)
+  recorded = valid[:, :, None, None] & (routes >= 0)
+  np.testing.assert_array_equal(np.sort(np.asarray(own.ids), -1)[recorded[..., 0]],
+                                np.sort(routes, -1)[recorded[..., 0]])
