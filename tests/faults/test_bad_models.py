@@ -58,7 +58,8 @@ BROKEN = {  # how to break a copy of the model directory -> what the error says
                                                   model_type="mamba", architectures=["Mamba"]),
                              "config.json: architectures=[\"Mamba\"] is not supported (expected "
                              "one of ['Gemma3ForCausalLM', 'Gemma3ForConditionalGeneration', "
-                             "'LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'])"),
+                             "'LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', "
+                             "'Qwen3MoeForCausalLM'])"),
     "no weights": (lambda m: os.remove(os.path.join(m, "model.safetensors")),
                    "neither model.safetensors nor model.safetensors.index.json"),
     "truncated weights": (lambda m: _truncate(os.path.join(m, "model.safetensors")),
