@@ -1,7 +1,7 @@
 """The mixture of experts' grouped matrix products against the dense one-hot form, measured
 alternately in one process (jaxrl/models/moe.py: `grouped_experts`, the assignments sorted by
 expert and multiplied by `jax.lax.ragged_dot_general`; `blocked_experts`, the same in blocks of
-64 rows as a batched product; `dense_experts`, every expert over every token, weighted by a
+8 to 64 rows as a batched product; `dense_experts`, every expert over every token, weighted by a
 one-hot combine matrix).
 
   python -m benchmarks.moe --json

@@ -63,7 +63,8 @@ def block_bytes(model, seq_len: float, tensor: int = 1, flash_attention: bool = 
   """Bytes per token of one block's activations that its backward needs (its working set)."""
   m = model
   qkv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tensor
-  out = compute_bytes(m) * (PER_D_MODEL * m.d_model + PER_D_FF * flops.token_ff(m) / tensor + PER_QKV * qkv)
+  out = compute_bytes(m) * (PER_D_MODEL * m.d_model + PER_D_FF * flops.token_ff(m) / tensor
+                            + PER_QKV * qkv)
   if not flash_attention:
     out += 4 * SCORE_COPIES * m.n_heads / tensor * seq_len
   return out

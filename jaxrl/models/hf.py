@@ -114,7 +114,8 @@ def _read(handles, names: list, index: tuple, shape: tuple, split) -> np.ndarray
   experts in the block read from their own tensors and stacked."""
   if split == EXPERTS:
     experts = range(*index[0].indices(shape[0])[:2])
-    return np.stack([_read(handles[e:], names[e:], index[1:], shape[1:], None) for e in experts])
+    return np.stack([_read([handles[e]], [names[e]], index[1:], shape[1:], None)
+                     for e in experts])
   handle, name = handles[0], names[0]
   idx = [slice(*s.indices(d)[:2]) for s, d in zip(index, shape)]
   if split is not None:  # read whole heads' rows, then keep the head_dim slice of each

@@ -69,19 +69,31 @@ def route(x_RD, router_ED, k: int, norm: bool, routes_RK=None, replay: bool = Tr
   return ids_RK, top_RK, probs_RE, logits_RE, differs_R
 
 
+def _sorted(x_RD, ids_RK):
+  """The (token, expert) assignments sorted by expert: each one's expert [M] (unsorted), the
+  sorting order [M] and its inverse [M], and the tokens' rows in that order [M, D]."""
+  flat_M = ids_RK.reshape(-1)
+  order_M = jnp.argsort(flat_M, stable=True)
+  inverse_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(flat_M.size))
+  return flat_M, order_M, inverse_M, jnp.take(x_RD, order_M // ids_RK.shape[1], axis=0)
+
+
+def _combined(out_MD, inverse_M, weights_RK):
+  """The experts' outputs for the sorted assignments [M, D] back in token order, summed over
+  each token's k experts with their weights: [R, D]."""
+  r, k = weights_RK.shape
+  out_RKD = jnp.take(out_MD, inverse_M, axis=0).reshape(r, k, -1)
+  return jnp.einsum("rkd,rk->rd", out_RKD, weights_RK.astype(out_MD.dtype))
+
+
 def grouped_experts(x_RD, ids_RK, weights_RK, w_gate_EFD, w_up_EFD, w_down_EDF, act):
   """sum_j weights[r, j] * expert_{ids[r, j]}(x[r]) through grouped products over the
   assignments sorted by expert: [R, D]."""
-  r, k = ids_RK.shape
-  flat_M = ids_RK.reshape(-1)
-  order_M = jnp.argsort(flat_M, stable=True)
-  inverse_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(order_M.shape[0]))
+  flat_M, _, inverse_M, x_MD = _sorted(x_RD, ids_RK)
   sizes_E = jnp.bincount(flat_M, length=w_gate_EFD.shape[0]).astype(jnp.int32)
-  x_MD = jnp.take(x_RD, order_M // k, axis=0)
   grouped = lambda a, w: jax.lax.ragged_dot_general(a, w.astype(a.dtype), sizes_E, _GROUPED)
   h_MF = act(grouped(x_MD, w_gate_EFD)) * grouped(x_MD, w_up_EFD)
-  out_RKD = jnp.take(grouped(h_MF, w_down_EDF), inverse_M, axis=0).reshape(r, k, -1)
-  return jnp.einsum("rkd,rk->rd", out_RKD, weights_RK.astype(x_RD.dtype))
+  return _combined(grouped(h_MF, w_down_EDF), inverse_M, weights_RK)
 
 
 def block_rows(assignments: int, experts: int) -> int:
@@ -97,19 +109,18 @@ def blocked_experts(x_RD, ids_RK, weights_RK, w_gate_EFD, w_up_EFD, w_down_EDF, 
   assignments sorted by expert, each expert's run padded to whole blocks (at most
   E x (block - 1) padding rows: a static bound), and every block multiplied by its expert's
   weights, gathered per block."""
-  r, k = ids_RK.shape
   e, m, d = w_gate_EFD.shape[0], ids_RK.size, x_RD.shape[1]
   block = block or block_rows(m, e)
-  flat_M = ids_RK.reshape(-1)
-  order_M = jnp.argsort(flat_M, stable=True)
+  flat_M, order_M, inverse_M, x_MD = _sorted(x_RD, ids_RK)
   sizes_E = jnp.bincount(flat_M, length=e)
   padded_E = -(-sizes_E // block) * block
   ends_E = jnp.cumsum(padded_E)
   expert_M = flat_M[order_M]  # each sorted assignment's expert, and its row in the blocks
-  slot_M = (ends_E - padded_E)[expert_M] + jnp.arange(m) - (jnp.cumsum(sizes_E) - sizes_E)[expert_M]
+  first_M = (ends_E - padded_E - (jnp.cumsum(sizes_E) - sizes_E))[expert_M]
+  slot_M = first_M + jnp.arange(m)
   n = -(-(m + e * (block - 1)) // block)
   source_S = jnp.full((n * block,), m).at[slot_M].set(jnp.arange(m))  # m: a zero row
-  x_MD = jnp.concatenate([jnp.take(x_RD, order_M // k, axis=0), jnp.zeros((1, d), x_RD.dtype)])
+  x_MD = jnp.concatenate([x_MD, jnp.zeros((1, d), x_RD.dtype)])
   x_NbD = jnp.take(x_MD, source_S, axis=0).reshape(n, block, d)
   expert_N = jnp.minimum(jnp.searchsorted(ends_E, jnp.arange(n) * block, side="right"), e - 1)
   per_block = lambda a, w, spec: jnp.einsum(spec, a,
@@ -117,9 +128,7 @@ def blocked_experts(x_RD, ids_RK, weights_RK, w_gate_EFD, w_up_EFD, w_down_EDF, 
   h_NbF = (act(per_block(x_NbD, w_gate_EFD, "nbd,nfd->nbf"))
            * per_block(x_NbD, w_up_EFD, "nbd,nfd->nbf"))
   out_SD = per_block(h_NbF, w_down_EDF, "nbf,ndf->nbd").reshape(n * block, d)
-  inverse_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(m))
-  out_RKD = jnp.take(jnp.take(out_SD, slot_M, axis=0), inverse_M, axis=0).reshape(r, k, d)
-  return jnp.einsum("rkd,rk->rd", out_RKD, weights_RK.astype(x_RD.dtype))
+  return _combined(jnp.take(out_SD, slot_M, axis=0), inverse_M, weights_RK)
 
 
 def dense_experts(x_RD, ids_RK, weights_RK, w_gate_EFD, w_up_EFD, w_down_EDF, act):
@@ -198,7 +207,7 @@ class MoE(nnx.Module):
         x_RD, self.router[...], self.k, self.norm, routes, self.replay)
     impl = experts_impl(self.impl, ids_RK.size, self.w_gate.shape[0])
     y_RD = EXPERTS[impl](x_RD, ids_RK, weights_RK, self.w_gate[...], self.w_up[...],
-                              self.w_down[...], jax.nn.silu)
+                         self.w_down[...], jax.nn.silu)
     valid_R = None if valid_BT is None else valid_BT.reshape(-1)
     return y_RD.reshape(b, t, d), stats(ids_RK, probs_RE, logits_RE, differs_R, valid_R, (b, t))
 

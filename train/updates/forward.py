@@ -35,21 +35,21 @@ def routed_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT=None, 
                                             segment_ids_BT=segment_ids_BT,
                                             routes_BTLK=routes_BTLK)
   logp, entropy = chunked_logprobs(h_BTD[:, start:-1], model.head_VD(), tokens_BT[:, start + 1:])
-  loss, metrics = router_loss(model.cfg, routing)
-  if routes_BTLK is None:  # nothing recorded to compare with
-    metrics.pop("routing_differs", None)
+  loss, metrics = router_loss(model.cfg, routing, compared=routes_BTLK is not None)
   return logp, entropy, loss, metrics
 
 
-def router_loss(cfg, routing) -> tuple[jax.Array, dict]:
+def router_loss(cfg, routing, compared: bool = False) -> tuple[jax.Array, dict]:
   """(the router's loss, its metrics) of an MoE forward's stacked `MoEStats`
-  (jaxrl/models/moe.py): the balance and z losses, and the share of tokens (per layer, mean
-  over layers) whose experts in the sampler are not the trainer's own; (0, {}) without one."""
+  (jaxrl/models/moe.py): the balance and z losses and, where the sampler's routes were
+  `compared`, the share of tokens (per layer, mean over layers) whose experts in the sampler
+  are not the trainer's own; (0, {}) without one."""
   if routing is None:
     return jnp.zeros((), jnp.float32), {}
   balance, z = aux_losses(routing.load_E, routing.prob_E, routing.z)
-  metrics = {"router_balance": balance, "router_z": z,
-             "routing_differs": routing.replay_differs.mean()}
+  metrics = {"router_balance": balance, "router_z": z}
+  if compared:
+    metrics["routing_differs"] = routing.replay_differs.mean()
   return cfg.router_aux_loss * balance + cfg.router_z_loss * z, metrics
 
 
