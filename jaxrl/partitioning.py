@@ -55,10 +55,13 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 
 def active_spec(axes: Sequence[str | None]) -> tuple[Mesh, PartitionSpec] | None:
   """The active layout's mesh and its PartitionSpec for logical `axes` (None outside
-  `activation_rules`): what a kernel run per shard (`jax.shard_map`) splits its operands by."""
+  `activation_rules`): what a kernel run per shard (`jax.shard_map`) splits its operands by.
+  Inside a `shard_map` (jit_per_shard's data shards) the mesh is the context's, whose manual
+  axes a nested `shard_map` must see."""
   active = getattr(_ACTIVE, "value", None)
   if active is None:
     return None
   mesh, rules = active
-  return mesh, logical_to_spec(axes, rules, mesh)
+  context = jax.sharding.get_abstract_mesh()
+  return (mesh if context.empty else context), logical_to_spec(axes, rules, mesh)
 

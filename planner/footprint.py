@@ -74,7 +74,7 @@ def expert_block_bytes(model, tokens: float, tensor: int = 1) -> float:
   """The expert weights one MoE layer's blocked products gather, one copy per block of rows
   (jaxrl/models/moe.blocked_experts: gate, up and down for each of at most
   assignments / block + n_experts blocks), on one device of a `tensor` group splitting the
-  experts; 0 for a dense model or another form of the products."""
+  experts' width (sharding/rules.py); 0 for a dense model or another form of the products."""
   from jaxrl.models import moe
   m = model
   if not m.n_experts:

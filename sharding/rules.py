@@ -19,10 +19,11 @@ from jaxrl.partitioning import Rules, activation_rules, logical_to_spec
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
-# Tensor parallelism over heads / mlp / vocab, for weights and activations alike; a mixture of
-# experts' weights split over the tensor axis by expert instead (expert parallelism).
+# Tensor parallelism over heads / mlp / vocab, for weights and activations alike. A mixture of
+# experts' weights split by width (`mlp`) too, not by `expert`: a tensor group holds the same
+# tokens, and split by expert each device would run the blocked products' static worst case,
+# every assignment, on its own experts (jaxrl/models/moe.split_experts; docs/models.md).
 _TENSOR: Rules = (
-    ("expert", "tensor"),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),

@@ -2,6 +2,7 @@
 sharded over devices, routing replay, the router's losses and the config's refusals."""
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +14,11 @@ from jaxrl.config import ExperimentConfig
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.models.moe import (aux_losses, blocked_experts, dense_experts, grouped_experts,
-                              route)
+                              route, split_experts)
+from jaxrl.partitioning import activation_rules
 from jaxrl.models.transformer import LanguageModel, positions_from_valid
-from sharding.mesh import make_mesh
+from sharding.mesh import make_mesh, param_shardings
+from sharding.rules import SAMPLER_RULES
 from train.roles.role import ModelRole
 
 CFG = ModelConfig(family="qwen3_moe", n_experts=8, experts_per_token=2, expert_d_ff=32,
@@ -50,18 +53,50 @@ def test_grouped_products_equal_the_dense_one_hot_form(experts):
 
 
 def test_experts_sharded_over_four_devices_give_the_unsharded_result():
-  """Experts split 4 ways over the tensor axis (and the batch over data): the logits of the
-  unsharded model, 1e-5."""
+  """Experts' width split 4 ways over the tensor axis (and the batch over data): the logits of
+  the unsharded model, 1e-5."""
   cfg = dataclasses.replace(CFG, n_kv_heads=4)  # (the KV heads split 4 ways too)
   tokens_BT, positions_BT, valid_BT = _batch()
   want = LanguageModel(cfg, rngs=nnx.Rngs(0))(tokens_BT, positions_BT, valid_BT)[0]
   role = ModelRole("actor", lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)),
                    make_mesh({"data": 2, "tensor": 4})).initialize()
   w_gate = role.params["decoder"]["blocks"][0]["mlp"]["w_gate"][...]
-  assert {s.data.shape[0] for s in w_gate.addressable_shards} == {2}  # 8 experts / 4
+  assert {s.data.shape[:2] for s in w_gate.addressable_shards} == {(8, 8)}  # width 32 / 4
   fwd = role.jit(lambda p, *a: nnx.merge(role.graphdef, p)(*a)[0])
   got = fwd(role.params, tokens_BT, positions_BT, valid_BT)
   np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("table", [(("expert", "tensor"),), (("mlp", "tensor"),)],
+                         ids=["by_expert", "by_width"])
+def test_split_experts_equal_the_unsplit_products_with_one_all_reduce(table):
+  """Experts split over 4 devices by expert or by width: every form's outputs and gradients are
+  the unsplit ones, and the compiled step's only collectives are all-reduces of [R, D] (and of
+  [R, k] or [R, E], the routing weights' gradient; left to the compiler, the blocked form all-reduced its
+  gathered weights)."""
+  keys = jax.random.split(jax.random.key(0), 5)
+  x_RD, router_ED = jax.random.normal(keys[0], (48, 16)), jax.random.normal(keys[1], (8, 16))
+  w = [jax.random.normal(k, s) * 0.3 for k, s in zip(keys[2:], [(8, 24, 16), (8, 24, 16),
+                                                                  (8, 16, 24)])]
+  mesh = make_mesh({"tensor": 4}, jax.devices()[:4])
+  for impl in ("ragged", "blocked", "dense"):
+    def loss(x, router, *w):
+      ids, weights, *_ = route(x, router, 3, True)
+      return (split_experts(impl, x, ids, weights, *w, jax.nn.silu) ** 2).sum()
+    value_and_grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 4))
+    want = value_and_grad(x_RD, router_ED, *w)
+    with activation_rules(mesh, table):
+      step = jax.jit(value_and_grad)
+      got = step(x_RD, router_ED, *w)
+      hlo = step.lower(x_RD, router_ED, *w).compile().as_text()
+    for g, d in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, d, atol=2e-4, rtol=1e-5)
+    collectives = re.findall(r"= (.+?) (all-gather|all-reduce|all-to-all|reduce-scatter|"
+                             r"collective-permute)(?:-start)?\(", hlo)
+    shapes = {(s, op) for types, op in collectives for s in re.findall(r"\w+\[[\d,]*\]", types)}
+    assert ("f32[48,16]", "all-reduce") in shapes, (impl, collectives)
+    routing = {("f32[48,3]", "all-reduce"), ("f32[48,8]", "all-reduce")}  # [R, k] or [R, E]
+    assert shapes <= {("f32[48,16]", "all-reduce")} | routing, (impl, collectives)
 
 
 def test_routing_replay_uses_the_recorded_experts_and_trains_the_router():
@@ -150,9 +185,10 @@ def test_lora_on_the_attention_of_an_moe():
 
 
 def test_both_engines_record_the_experts_the_trainer_picks():
-  """The static engine's and the in-flight sampler's recorded routes agree, and equal the
-  trainer's own routing of the same tokens (float32; -1 where the static engine routed
-  nothing: the prefill's last layer before the last prompt token, the final token)."""
+  """The static engine's and the in-flight sampler's recorded routes agree (the in-flight one
+  on a data 2 x tensor 2 mesh, the experts' width split), and equal the trainer's own routing
+  of the same tokens (float32; -1 where the static engine routed nothing: the prefill's last
+  layer before the last prompt token, the final token)."""
   from sampler.engine import generate
   from sampler.methods import SamplingConfig
   from sampler.sampler import Sampler
@@ -162,8 +198,12 @@ def test_both_engines_record_the_experts_the_trainer_picks():
   cfg = SamplingConfig(max_new_tokens=5, eos_id=-1, pad_id=0, method="greedy")
   static = jax.jit(functools.partial(generate, graphdef, cfg=cfg))(params, tokens_BP, valid_BP,
                                                                    jax.random.key(0))
-  inflight = Sampler(graphdef, cfg, inflight_slots=3).generate(params, tokens_BP, valid_BP,
-                                                              jax.random.key(0))
+  mesh = make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
+  shardings = param_shardings(params, SAMPLER_RULES, mesh)
+  inflight = Sampler(graphdef, cfg, inflight_slots=4, mesh=mesh, param_shardings=shardings
+                     ).generate(jax.device_put(params, shardings), tokens_BP, valid_BP,
+                                jax.random.key(0))
+  np.testing.assert_array_equal(inflight.tokens_BT, static.tokens_BT)
   routes, valid = np.asarray(static.routes_BTLK), np.asarray(static.valid_BT)
   assert routes.shape == (4, 11, CFG.n_layers, 2)
   assert (routes[:, -1] == -1).all() and (routes[:, :5, -1] == -1).all()  # not routed

@@ -21,10 +21,14 @@ Expert weights are stored [experts, out, in] with an `expert` logical axis (shar
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jaxrl.partitioning import active_spec
 
 MOE_IMPLS = ("auto", "ragged", "blocked", "dense")
 _GROUPED = jax.lax.RaggedDotDimensionNumbers(  # [M, in] x [E, out, in] -> [M, out]
@@ -122,7 +126,9 @@ def blocked_experts(x_RD, ids_RK, weights_RK, w_gate_EFD, w_up_EFD, w_down_EDF, 
   source_S = jnp.full((n * block,), m).at[slot_M].set(jnp.arange(m))  # m: a zero row
   x_MD = jnp.concatenate([x_MD, jnp.zeros((1, d), x_RD.dtype)])
   x_NbD = jnp.take(x_MD, source_S, axis=0).reshape(n, block, d)
-  expert_N = jnp.minimum(jnp.searchsorted(ends_E, jnp.arange(n) * block, side="right"), e - 1)
+  # Each block's expert: the experts whose padded runs end at or before its first row.
+  ends_before_NE = ends_E[None, :] <= (jnp.arange(n) * block)[:, None]
+  expert_N = jnp.minimum(ends_before_NE.sum(-1), e - 1)
   per_block = lambda a, w, spec: jnp.einsum(spec, a,
                                             jnp.take(w.astype(a.dtype), expert_N, axis=0))
   h_NbF = (act(per_block(x_NbD, w_gate_EFD, "nbd,nfd->nbf"))
@@ -143,6 +149,40 @@ def dense_experts(x_RD, ids_RK, weights_RK, w_gate_EFD, w_up_EFD, w_down_EDF, ac
 
 
 EXPERTS = {"ragged": grouped_experts, "blocked": blocked_experts, "dense": dense_experts}
+
+
+def _axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def split_experts(impl: str, x_RD, ids_RK, weights_RK, w_gate_EFD, w_up_EFD, w_down_EDF, act):
+  """`EXPERTS[impl]` under the active layout: where it splits the experts (`expert`: each
+  device holds whole experts) or their width (`mlp`: a slice of every expert), each device runs
+  the products for the tokens it holds on its own share of the weights, the assignments to
+  other devices' experts weighted 0, and one all-reduce of [R, D] sums the shares. Left to the
+  compiler, the blocked form's per-block weight gather became an all-reduce of the gathered
+  weights (blocks x 3 x F x D per layer), the ragged one's of [assignments, F]."""
+  active = active_spec(("expert", "mlp", None))
+  split = () if active is None else _axes(active[1][0]) + _axes(active[1][1])
+  run = functools.partial(EXPERTS[impl], act=act)
+  if not split:
+    return run(x_RD, ids_RK, weights_RK, w_gate_EFD, w_up_EFD, w_down_EDF)
+  mesh, (by_expert, by_width, _) = active
+  e_local = w_gate_EFD.shape[0] // math.prod(mesh.shape[a] for a in _axes(by_expert))
+
+  def per_device(x_RD, ids_RK, weights_RK, w_gate, w_up, w_down):
+    x_RD = jax.lax.pcast(x_RD, split, to="varying")  # (the gathers' transposes then sum over the split)
+    first = jax.lax.axis_index(_axes(by_expert)) * e_local if by_expert else 0
+    local_RK = (ids_RK >= first) & (ids_RK < first + e_local)
+    y_RD = run(x_RD, jnp.where(local_RK, ids_RK - first, 0), jnp.where(local_RK, weights_RK, 0),
+               w_gate, w_up, w_down)
+    return jax.lax.psum(y_RD, split)
+
+  P = jax.sharding.PartitionSpec
+  rows, w_in, w_out = P(), P(by_expert, by_width, None), P(by_expert, None, by_width)
+  return jax.shard_map(per_device, mesh=mesh, in_specs=(rows, rows, rows, w_in, w_in, w_out),
+                       out_specs=rows, axis_names=set(split))(
+                           x_RD, ids_RK, weights_RK, w_gate_EFD, w_up_EFD, w_down_EDF)
 
 
 def stats(ids_RK, probs_RE, logits_RE, differs_R, valid_R, shape_BT) -> MoEStats:
@@ -206,7 +246,7 @@ class MoE(nnx.Module):
     ids_RK, weights_RK, probs_RE, logits_RE, differs_R = route(
         x_RD, self.router[...], self.k, self.norm, routes, self.replay)
     impl = experts_impl(self.impl, ids_RK.size, self.w_gate.shape[0])
-    y_RD = EXPERTS[impl](x_RD, ids_RK, weights_RK, self.w_gate[...], self.w_up[...],
+    y_RD = split_experts(impl, x_RD, ids_RK, weights_RK, self.w_gate[...], self.w_up[...],
                          self.w_down[...], jax.nn.silu)
     valid_R = None if valid_BT is None else valid_BT.reshape(-1)
     return y_RD.reshape(b, t, d), stats(ids_RK, probs_RE, logits_RE, differs_R, valid_R, (b, t))
