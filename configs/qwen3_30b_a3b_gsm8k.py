@@ -1,7 +1,7 @@
 """GRPO on GSM8K from Qwen3-30B-A3B (a mixture of experts: 48 layers of 128 experts, 8 per
 token; 30.5B parameters, 3.3B active) on two nodes of 8 x H200 (141 GB): the trainer
 fsdp-shards the actor, its Adam state and the reference over one node's 8, the sampler decodes
-on the other 8 (tensor parallel over 4: the model's 4 KV heads; its experts split by expert over
+on the other 8 (tensor parallel over 4: the model's 4 KV heads; every expert's width split over
 those 4, 2 groups of rows). The update recomputes all but the matrix products (`remat=dots`):
 without it the blocked expert products' gathered weights, kept for the backward, need 145 GiB.
 On 80 GB devices one node's trainer does not fit: what stays is 49.8 GiB of the 72 usable, and

@@ -142,6 +142,27 @@ def test_rollout_masks_hand_computed():
   assert np.asarray(kept).all()
 
 
+@pytest.mark.parametrize("mode,cap", [("none", 1.05), ("icepop", 0.0), ("icepop", 1.05),
+                                      ("token", 0.0)])
+def test_decoupled_ppo_weight_is_capped_and_masked_never_squared(mode, cap):
+  """Decoupled PPO weights by r = pi_old / mu itself: with TIS or IcePop the loss's weight is
+  min(r, cap) on the kept tokens (what the correction gives a loss without its own weight),
+  not r times that."""
+  from jaxrl.algos.losses import POLICY_LOSSES, ppo_clip_loss
+  old = jnp.asarray([[0.5, -0.5, 0.0], [0.1, 0.1, 0.0]])
+  mu, mask = jnp.zeros((2, 3)), jnp.asarray([[True, True, True], [True, True, False]])
+  logp, adv = old + 0.05, jnp.asarray([[1.0, -2.0, 0.5], [1.5, 1.0, 0.0]])
+  band = dict(mask=mode, low=0.8, high=1.25, tis_cap=cap)
+  loss = POLICY_LOSSES["decoupled_ppo"]
+  weight, _ = rollout_weights(old, mu, mask, in_loss=loss.behaviour_weighted, **band)
+  got = loss(logp, adv, {"old_BN": old, "mu_BN": mu, "eps_low": 0.2, "eps_high": 0.2}) * weight
+  want_weight, _ = rollout_weights(old, mu, mask, **band)  # min(r, cap) where kept
+  if mode == "token":  # a mask alone carries no ratio: the loss's own r stays
+    want_weight = want_weight * jnp.exp(old - mu)
+  want = ppo_clip_loss(logp, adv, old_BN=old, eps_low=0.2, eps_high=0.2) * want_weight
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
 def test_mismatch_metrics_match_numpy():
   tokens = MASK.sum()
   weights = MASK / tokens

@@ -13,7 +13,9 @@ and multiplies the per-token policy loss, whichever loss it is (`POLICY_LOSSES`)
                     ratio: k(r) = r inside [low, high], 0 outside (min(r, cap) with tis_cap)
 
 Dropped tokens keep their place in the loss's normaliser (they add 0), so a batch's other
-tokens weigh the same whatever the mask removes.
+tokens weigh the same whatever the mask removes. A loss that weights by the behaviour ratio
+itself (decoupled PPO's pi_old / mu, AIPO's pi / mu: `PolicyLoss.behaviour_weighted`) takes the
+cap and the mask only (`in_loss`): its own ratio is the one capped, never multiplied twice.
 """
 from __future__ import annotations
 
@@ -31,14 +33,17 @@ def _inside(log_ratio, low: float, high: float):
 
 
 def rollout_weights(old_BN, mu_BN, mask_BN, *, mask: str = "none", low: float = 0.5,
-                    high: float = 2.0, tis_cap: float = 0.0):
+                    high: float = 2.0, tis_cap: float = 0.0, in_loss: bool = False):
   """(weight_BN, kept_BN): the stop-gradient factor on each token's policy loss, and which
-  valid tokens the mask kept (for the masked fraction)."""
+  valid tokens the mask kept (for the masked fraction). `in_loss`: the loss weights by
+  r = pi_old / mu already, so the weight is what turns r into min(r, cap): min(1, cap / r)."""
   maskf_BN = mask_BN.astype(jnp.float32)
   d_BN = jax.lax.stop_gradient((old_BN - mu_BN) * maskf_BN)
-  weight_BN = jnp.exp(d_BN) if tis_cap > 0 or mask == "icepop" else jnp.ones_like(d_BN)
+  weighted = (tis_cap > 0 or mask == "icepop") and not in_loss
+  weight_BN = jnp.exp(d_BN) if weighted else jnp.ones_like(d_BN)
   if tis_cap > 0:
-    weight_BN = jnp.minimum(weight_BN, tis_cap)
+    weight_BN = (jnp.exp(jnp.minimum(0.0, math.log(tis_cap) - d_BN)) if in_loss
+                 else jnp.minimum(weight_BN, tis_cap))
   if mask in ("token", "icepop"):
     kept_BN = _inside(d_BN, low, high)
   elif mask == "sequence":

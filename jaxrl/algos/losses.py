@@ -155,16 +155,20 @@ def sequence_ratio(logp_BN, old_BN, mask_BN):
 
 @dataclasses.dataclass(frozen=True)
 class PolicyLoss:
-  """A policy loss (its keyword-only parameters: what it reads) and the ratio its clip fraction
-  is measured on."""
+  """A policy loss (its keyword-only parameters: what it reads), the ratio its clip fraction
+  is measured on, and whether it weights by the behaviour policy's ratio itself (the rollout
+  correction then only caps and masks it: jaxrl/algos/correction.py)."""
   fn: Callable
   clip_ratio: Callable = token_ratio
+  behaviour_weighted: bool = False
 
   def __call__(self, logp_BN, adv_BN, available: Mapping):
     """The per-token loss [B, N], taking from `available` what `fn` declares."""
     return self.fn(logp_BN, adv_BN, **declared(self.fn, available))
 
 
-POLICY_LOSSES = {"ppo_clip": PolicyLoss(ppo_clip_loss), "aipo": PolicyLoss(aipo_loss),
+POLICY_LOSSES = {"ppo_clip": PolicyLoss(ppo_clip_loss),
+                 "aipo": PolicyLoss(aipo_loss),
                  "gspo": PolicyLoss(gspo_loss, clip_ratio=sequence_ratio),
-                 "cispo": PolicyLoss(cispo_loss), "decoupled_ppo": PolicyLoss(decoupled_ppo_loss)}
+                 "cispo": PolicyLoss(cispo_loss),
+                 "decoupled_ppo": PolicyLoss(decoupled_ppo_loss, behaviour_weighted=True)}

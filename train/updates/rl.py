@@ -49,7 +49,8 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
                {**hyperparameters(cfg), "old_BN": old_BN, "mu_BN": mu_BN, "mask_BN": mask_BN})
   correction_BN, kept_BN = rollout_weights(old_BN, mu_BN, mask_BN, mask=cfg.rollout_mask,
                                            low=cfg.rollout_mask_low,
-                                           high=cfg.rollout_mask_high, tis_cap=cfg.tis_cap)
+                                           high=cfg.rollout_mask_high, tis_cap=cfg.tis_cap,
+                                           in_loss=loss.behaviour_weighted)
   if cfg.tis_cap > 0 or cfg.rollout_mask != "none":
     pg_BN = pg_BN * correction_BN
   kl_BN = KL_ESTIMATORS[cfg.kl_estimator](logp_BN, exp.ref_logprobs_BN)
