@@ -94,6 +94,8 @@ def parse_args(argv: list[str]):
     flags.DEFINE_multi_string("gin_file", [], "gin files applied on top", flag_values=fv)
     flags.DEFINE_multi_string("gin_param", [], "gin bindings applied on top", flag_values=fv)
     flags.DEFINE_bool("resume", False, "continue the run from its checkpoints", flag_values=fv)
+    flags.DEFINE_bool("resume_or_start", False, "continue the run if it has a checkpoint, else "
+                      "start it (a job that restarts itself)", flag_values=fv)
     flags.DEFINE_bool("dry_run", False, "check shardings and memory, run nothing",
                       flag_values=fv)
     flags.DEFINE_string("target", "", "with --dry_run: compile the run's programs for this TPU "
@@ -103,9 +105,12 @@ def parse_args(argv: list[str]):
     fv(argv)
   if fv.target and not fv.dry_run:
     raise UsageError("--target compiles for a TPU slice without running: add --dry_run")
+  if fv.resume and fv.resume_or_start:
+    raise UsageError("--resume and --resume_or_start: pass one (--resume requires a checkpoint)")
   if fv.target_json and not fv.target:
     raise UsageError("--target_json writes what --target compiles: add --target=SLICE")
   return holder.value, fv.gin_file, fv.gin_param, {"resume": fv.resume, "dry_run": fv.dry_run,
+                                                   "resume_or_start": fv.resume_or_start,
                                                    "target": fv.target,
                                                    "target_json": fv.target_json}
 

@@ -5,7 +5,9 @@
   --gin_file=FILE        gin bindings on top (repeatable), e.g. configs/async_reverse.gin
   --gin_param=BINDING    one binding, e.g. --gin_param=rl.steps=5 (repeatable)
   --resume               continue the run in run_dir/run_name from its newest good checkpoint
-                         (a fresh start when it has none)
+                         (an error, exit 2, when it has none)
+  --resume_or_start      the same where there is a checkpoint, else start the run: for a job
+                         that restarts itself after a preemption
   --dry_run              check the config for its target hardware without allocating anything:
                          parameter shardings on a fake mesh of placement.cpu_devices devices,
                          batch divisibility, per-device memory against placement.device_memory_gb
@@ -48,7 +50,8 @@ def _start(argv: list[str]):
     cfg = with_gin(raw, gin_files, gin_params)
     if opts["dry_run"]:
       return _dry_run(cfg, opts["target"], opts["target_json"])
-    return Experiment(cfg, resume_run=opts["resume"])
+    return Experiment(cfg, resume_run=opts["resume"] or opts["resume_or_start"],
+                      start_if_none=opts["resume_or_start"])
   except ConfigError as e:
     return fail(str(e))
 

@@ -145,6 +145,18 @@ def test_run_directories_in_the_way(cli, saved_run, tmp_path):
   rc, line = cli("--resume")
   assert (rc, line) == (2, "config.run_name: --resume continues a named run; set the name the "
                            "run was started with")
+  never = tmp_path / "runs" / "never"  # --resume with nothing to resume: nothing is created
+  rc, line = cli("--resume", "--config.run_name=never")
+  assert (rc, line) == (2, f"config.run_name: --resume found nothing to resume in {never} (no "
+                           f"checkpoint under {never / 'checkpoints'}); check the run name, "
+                           "drop --resume to start the run, or pass --resume_or_start")
+  assert not never.exists()
+  assert cli("--resume", "--resume_or_start") == (2, "--resume and --resume_or_start: pass one "
+                                                  "(--resume requires a checkpoint)")
+  from jaxrl.config import ExperimentConfig
+  from train.io.rundir import prepare
+  assert prepare(ExperimentConfig(run_dir=str(tmp_path / "runs"), run_name="never"),
+                 resume=True, start_if_none=True) == str(never)  # --resume_or_start: a start
   (tmp_path / "afile").write_text("x")
   rc, line = cli(f"--config.run_dir={tmp_path / 'afile'}", "--config.run_name=r")
   assert (rc, line) == (2, f"config.run_dir: cannot write the run directory "

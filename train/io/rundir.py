@@ -44,9 +44,11 @@ def has_checkpoints(run_dir: str) -> bool:
   return os.path.isdir(root) and any(os.scandir(root))
 
 
-def prepare(cfg: ExperimentConfig, *, resume: bool, run_dir: str | None = None) -> str:
+def prepare(cfg: ExperimentConfig, *, resume: bool, run_dir: str | None = None,
+            start_if_none: bool = False) -> str:
   """`run_dir` (default: config.run_dir/run_name), created, with the config written to it
-  (a resumed run's: see `write_config`)."""
+  (a resumed run's: see `write_config`). `resume` with no checkpoint to resume is a
+  ConfigError, unless `start_if_none`."""
   if resume and not (run_dir or cfg.run_name):
     raise ConfigError("config.run_name: --resume continues a named run; set the name the run "
                       "was started with")
@@ -54,6 +56,10 @@ def prepare(cfg: ExperimentConfig, *, resume: bool, run_dir: str | None = None) 
   if has_checkpoints(run_dir) and not resume:
     raise ConfigError(f"config.run_name: {run_dir} already holds checkpoints; pass --resume to "
                       f"continue that run, or pick a new name")
+  if resume and not start_if_none and not has_checkpoints(run_dir):
+    raise ConfigError(f"config.run_name: --resume found nothing to resume in {run_dir} (no "
+                      f"checkpoint under {os.path.join(run_dir, 'checkpoints')}); check the run "
+                      f"name, drop --resume to start the run, or pass --resume_or_start")
   path = os.path.join(run_dir, "config.json")
   if resume and os.path.exists(path):
     with open(path, encoding="utf-8") as f:

@@ -56,8 +56,10 @@ class StageHandle:
 
 class Experiment:
 
-  def __init__(self, config, *, run_dir: str | None = None, resume_run: bool = False):
-    """`resume_run`: continue from the run dir's newest good checkpoint, if it has one."""
+  def __init__(self, config, *, run_dir: str | None = None, resume_run: bool = False,
+               start_if_none: bool = False):
+    """`resume_run`: continue from the run dir's newest good checkpoint (a ConfigError when it
+    has none, unless `start_if_none`)."""
     self.cfg: ExperimentConfig = resolve(config)
     compilation.enable_cache(self.cfg.compilation_cache_dir)
     compilation.watch()
@@ -69,7 +71,8 @@ class Experiment:
     names = [name for name, cls in STAGES.items() if cls.enabled(self.cfg)]
     for name in names:
       STAGES[name].check(self.cfg)
-    self.run_dir = rundir.prepare(self.cfg, resume=resume_run, run_dir=run_dir)
+    self.run_dir = rundir.prepare(self.cfg, resume=resume_run, run_dir=run_dir,
+                                  start_if_none=start_if_none)
     self.checkpointer = RunCheckpointer(self.run_dir, names, keep=self.cfg.keep_checkpoints)
     saved = self.checkpointer.saved() if resume_run else []
     fresh = not saved and not self.cfg.init_checkpoint
