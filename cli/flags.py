@@ -14,6 +14,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
+from jaxrl.config_checks import unknown_field
 from sharding.host import force_cpu_devices, reserve_device_memory, retain_freed_memory
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -57,8 +58,8 @@ def check_overrides(config, argv: list[str]) -> None:
     node, walked = config, "config"
     for name in dotted.split("."):
       if not hasattr(node, "keys") or name not in node.keys():
-        options = sorted(node.keys()) if hasattr(node, "keys") else []
-        raise UsageError(f"{walked}.{name}: unknown field; expected one of {options}")
+        options = node.keys() if hasattr(node, "keys") else []
+        raise UsageError(unknown_field(f"{walked}.{name}", name, options))
       node, walked = node[name], f"{walked}.{name}"
 
 

@@ -2,6 +2,8 @@
 checks every config section's `__post_init__` runs, each a ValueError naming the field."""
 from __future__ import annotations
 
+import difflib
+
 
 class ConfigError(ValueError):
   """A user error in the config: reported in one line, exit code 2."""
@@ -10,6 +12,19 @@ class ConfigError(ValueError):
 def first_line(error: BaseException) -> str:
   """An exception's first line (its type when it has no message): for one-line reports."""
   return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def unknown_field(where: str, name: str, fields) -> str:
+  """`where: unknown field` with the section's nearest field names (all of them when it has
+  at most 8, else how many it has)."""
+  fields = sorted(fields)
+  near = difflib.get_close_matches(name, fields, n=3, cutoff=0.6)
+  if near:
+    return f"{where}: unknown field; did you mean {' or '.join(map(repr, near))}?"
+  if len(fields) <= 8:
+    return f"{where}: unknown field; expected one of {fields}"
+  return (f"{where}: unknown field, and none of the section's {len(fields)} fields is near it "
+          f"(the schema: jaxrl/config.py, the model's jaxrl/models/config.py)")
 
 
 def choice(obj, name: str, options) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import gin
 
 from jaxrl.config import ConfigError, ExperimentConfig, first_line, to_dict
+from jaxrl.config_checks import unknown_field
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.hf_config import HFError, check_config, model_config_from_hf
 
@@ -68,7 +69,7 @@ def from_mapping(cls: type, values: Mapping[str, Any], path: str = "config"):
   for name, value in values.items():
     where = f"{path}.{name}"
     if name not in fields:
-      raise ConfigError(f"{where}: unknown field; expected one of {sorted(fields)}")
+      raise ConfigError(unknown_field(where, name, fields))
     typ = hints[name]
     if dataclasses.is_dataclass(typ):
       if not isinstance(value, Mapping):

@@ -9,7 +9,10 @@ CASES = [
     (["--config.rl.kl_coef=-0.1"], "config.rl.kl_coef: expected >= 0, got -0.1"),
     (["--config.rl.clip_eps_low=1.5"], "config.rl.clip_eps_low: the ratio's lower bound "
      "1 - clip_eps_low cannot be negative, expected <= 1, got 1.5"),
-    (["--config.rl.stepz=3"], "config.rl.stepz: unknown field; expected one of ['advantage'"),
+    (["--config.rl.stepz=3"], "config.rl.stepz: unknown field; did you mean 'steps'?"),
+    (["--config.rl.lerning_rate=3"], "config.rl.lerning_rate: unknown field; did you mean "
+     "'learning_rate' or 'critic_learning_rate'?"),
+    (["--config.rl.zzz=3"], "config.rl.zzz: unknown field, and none of the section's"),
     (["--config.rl.steps=abc"], "flag --config.rl.steps=abc: invalid literal for int()"),
     (["--config.rl.mode=asyncc"], "config.rl.mode: expected one of ['async', 'sync'], got 'asyncc'"),
     (["--config.rl.temperature=0"], "config.rl.temperature: expected > 0, got 0.0"),
