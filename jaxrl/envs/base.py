@@ -36,13 +36,24 @@ class Environment(Protocol):
     ...
 
 
+MAX_OUTPUT_CHARS = 2000  # a tool's output, cut before it is encoded
+
+
+def cut(text: str, limit: int = MAX_OUTPUT_CHARS) -> str:
+  """`text`, or its first `limit` characters and how many more there were."""
+  if len(text) <= limit:
+    return text
+  return f"{text[:limit]} ... [{len(text) - limit} more characters cut]"
+
+
 # (tokenizer, verifier(completion_text, answer) -> reward) -> a new environment
 EnvironmentFactory = Callable[[Tokenizer, Callable[[str, str], float]], Environment]
 
 
 class ToolEnvironment:
   """A model that calls one tool: `<TAG>input</TAG>` at the end of a turn is run by `run(input)`
-  and answered with ` <RESULT>output</RESULT>` (errors too, as text the model can read); a turn
+  and answered with ` <RESULT>output</RESULT>` (errors too, as text the model can read; cut to
+  `MAX_OUTPUT_CHARS` before it is encoded); a turn
   without a call ends the conversation, scored by the verifier on the whole transcript (the
   model's turns and the tool's replies) against the row's answer."""
   tag = result_tag = ""
@@ -68,7 +79,7 @@ class ToolEnvironment:
     if not text.rstrip().endswith(closing) or start < 0:
       return Step([], float(self.verifier("".join(self.transcript), self.example.answer)), True)
     # The leading space keeps the call's closing tag its own tokens (a BPE would merge "><").
-    reply = f" <{self.result_tag}>{self.run(text[start + len(opening):text.rfind(closing)])}" \
-            f"</{self.result_tag}>"
+    output = cut(str(self.run(text[start + len(opening):text.rfind(closing)])))
+    reply = f" <{self.result_tag}>{output}</{self.result_tag}>"
     self.transcript.append(reply)
     return Step(self.tok.encode(reply, bos=False, eos=False), 0.0, False)

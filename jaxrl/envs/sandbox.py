@@ -8,8 +8,11 @@ node by node; there are no attribute lookups, imports, assignments, lambdas or l
 comprehensions over bounded `range`s), names resolve only to the whitelisted functions, and no
 file, network or interpreter state is reachable. Work is bounded: every node checks a deadline
 (`time_limit_s`), integers stay below `MAX_DIGITS` digits (a power is refused before it is
-computed), and sequences below `MAX_ITEMS` items. Any violation is an `EvalError` with a short
-reason, which the environment returns to the model as the tool's output.
+computed), and every value below `MAX_ITEMS` items counted over the whole of it (nested
+lists and strings included, a reference shared n times counted n times: `[[0] * 10**4] * 10**4`
+is refused as it is built, before anything compares or renders it). Any violation is an
+`EvalError` with a short reason, which the environment returns to the model as the tool's
+output. Without `functions` only arithmetic runs: numbers, + - * / // % **, signs, parentheses.
 """
 from __future__ import annotations
 
@@ -59,24 +62,30 @@ class EvalError(ValueError):
   """The expression cannot be evaluated here; the message is what the model gets back."""
 
 
+_ARITHMETIC = ("Expression", "Constant", "BinOp", "UnaryOp")
+
+
 class _Walker:
 
   def __init__(self, functions: dict, deadline: float):
     self.functions, self.deadline, self.scopes = functions, deadline, [{}]
+    self.arithmetic = not functions  # numbers and operators only
 
   def __call__(self, node):
     if time.monotonic() > self.deadline:
       raise EvalError("time limit exceeded")
-    method = getattr(self, "_" + type(node).__name__, None)
-    if method is None:
-      raise EvalError(f"{type(node).__name__} is not allowed")
+    kind = type(node).__name__
+    method = getattr(self, "_" + kind, None)
+    if method is None or (self.arithmetic and kind not in _ARITHMETIC):
+      raise EvalError(f"{kind} is not allowed" + (" (arithmetic only)" if method else ""))
     return _checked(method(node))
 
   def _Expression(self, node):
     return self(node.body)
 
   def _Constant(self, node):
-    if not isinstance(node.value, (int, float, bool, str)) or node.value is None:
+    allowed = (int, float) if self.arithmetic else (int, float, bool, str)
+    if not isinstance(node.value, allowed) or (self.arithmetic and isinstance(node.value, bool)):
       raise EvalError(f"constant {node.value!r} is not allowed")
     return node.value
 
@@ -108,7 +117,7 @@ class _Walker:
       raise EvalError(f"{type(e).__name__}: {e}") from None
 
   def _UnaryOp(self, node):
-    if type(node.op) not in _UNARY:
+    if type(node.op) not in _UNARY or (self.arithmetic and isinstance(node.op, ast.Not)):
       raise EvalError(f"operator {type(node.op).__name__} is not allowed")
     try:
       return _UNARY[type(node.op)](self(node.operand))
@@ -175,12 +184,15 @@ class _Walker:
     gen = node.generators[0]
     if not isinstance(gen.target, ast.Name):
       raise EvalError("comprehension targets are plain names")
-    out = []
+    out, size = [], 0
     for item in self(gen.iter):
       self.scopes.append({gen.target.id: item})
       try:
         if all(self(cond) for cond in gen.ifs):
           out.append(self(node.elt))
+          size += _size(out[-1:], MAX_ITEMS)  # the item and what it holds
+          if size > MAX_ITEMS:  # refused as it grows, not once it is built
+            raise EvalError("sequence too long")
       finally:
         self.scopes.pop()
     return out
@@ -188,10 +200,26 @@ class _Walker:
   _GeneratorExp = _ListComp
 
 
+def _size(value, budget: int) -> int:
+  """Items in `value` counted over all of it (a string's characters, a nested list's items and
+  theirs; shared references each time), stopping once over `budget`: at most `budget` steps."""
+  if isinstance(value, (str, range)):
+    return len(value)
+  if not isinstance(value, (list, tuple)):
+    return 1
+  total = len(value)
+  for item in value:
+    if total > budget:
+      break
+    if isinstance(item, (str, list, tuple, range)):
+      total += _size(item, budget - total)
+  return total
+
+
 def _checked(value):
   if isinstance(value, int) and value.bit_length() > 3.33 * MAX_DIGITS:
     raise EvalError("number too large")
-  if isinstance(value, (str, list, tuple, range)) and len(value) > MAX_ITEMS:
+  if isinstance(value, (str, list, tuple, range)) and _size(value, MAX_ITEMS) > MAX_ITEMS:
     raise EvalError("sequence too long")
   return value
 

@@ -2,7 +2,7 @@
 says why a restricted evaluator rather than a subprocess)."""
 from __future__ import annotations
 
-from jaxrl.envs.base import ToolEnvironment
+from jaxrl.envs.base import ToolEnvironment, cut
 from jaxrl.envs.sandbox import FUNCTIONS, EvalError, run_expression
 
 
@@ -15,16 +15,22 @@ def _shown(value) -> str:
   return str(value)
 
 
+def evaluated(text: str, functions: dict | None, time_limit_s: float) -> str:
+  """The expression's value as the model reads it, or `error: REASON`: rendered inside the
+  error handling (the value is bounded in size by then) and cut to `MAX_OUTPUT_CHARS`."""
+  try:
+    return cut(_shown(run_expression(text, functions=functions, time_limit_s=time_limit_s)))
+  except EvalError as e:
+    return cut(f"error: {e}")
+
+
 class Calculator(ToolEnvironment):
   """`<calc>12*7+3</calc>` -> ` <result>87</result>`: arithmetic only (numbers, + - * / // % **,
   parentheses), for GSM8K-style problems whose numbers outgrow a small model's arithmetic."""
   tag, result_tag = "calc", "result"
 
   def run(self, text: str) -> str:
-    try:
-      return _shown(run_expression(text, time_limit_s=0.1))
-    except EvalError as e:
-      return f"error: {e}"
+    return evaluated(text, None, time_limit_s=0.1)
 
 
 class PythonSandbox(ToolEnvironment):
@@ -34,7 +40,4 @@ class PythonSandbox(ToolEnvironment):
   tag, result_tag = "python", "output"
 
   def run(self, text: str) -> str:
-    try:
-      return _shown(run_expression(text, functions=FUNCTIONS, time_limit_s=1.0))
-    except EvalError as e:
-      return f"error: {e}"
+    return evaluated(text, FUNCTIONS, time_limit_s=1.0)
