@@ -244,9 +244,12 @@ class RLConfig:
   # equivalence) | package.module:function (called with prompts, completions, row fields).
   verifier: str = "exact_match"
   # User code (a package.module verifier or environment): each call's time limit, and what a
-  # raise, hang, wrong type or NaN does: stop | zero (scored 0, counted: `user_code_errors`)
+  # raise, hang, wrong type or NaN does: stop | zero (scored 0, counted: `user_code_errors`).
+  # A user verifier runs in this many worker processes, each limited to this address space.
   user_code_timeout_s: float = 60.0
   on_user_code_error: str = "stop"
+  user_code_workers: int = 2
+  user_code_memory_gb: float = 4.0
 
   def __post_init__(self):
     for name, options in [("mode", MODES), ("advantage", ADVANTAGES), ("reward", REWARDS),
@@ -259,7 +262,7 @@ class RLConfig:
     positive(self, "prompts_per_step", "group_size", "num_minibatches", "temperature",
               "aipo_rho", "max_grad_norm", "max_new_tokens", "learning_rate",
               "critic_learning_rate", "clip_eps_low", "clip_eps_high", "value_clip_eps",
-              "user_code_timeout_s")
+              "user_code_timeout_s", "user_code_workers", "user_code_memory_gb")
     if ":" not in self.verifier:
       choice(self, "verifier", VERIFIERS)
     at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap", "kl_coef",

@@ -7,14 +7,17 @@ A function should accept `**kwargs` so that new dataset columns do not break it.
 """
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from jaxrl.user_code import (UserCodePool, UserCodeTimeout, WorkerDied, columns,  # noqa: F401
+                             load_callable)
 
 POLICIES = ("stop", "zero")  # what a misbehaving user function does to the run
 # Names the call itself passes; dataset fields with these names are not forwarded.
@@ -30,31 +33,6 @@ def load_reward_fn(spec: str) -> Callable[..., Any]:
   return load_callable(spec, "reward function", "package.module:function", RewardFnError)
 
 
-def load_callable(spec: str, what: str, form: str, error: type[Exception]) -> Callable[..., Any]:
-  """The callable `spec` names as "module:attribute"; anything wrong is an `error` whose one
-  line names `what` and `spec`."""
-  module_name, sep, attr = spec.partition(":")
-  if not sep or not module_name or not attr:
-    raise error(f"{what} {spec!r}: expected {form!r}")
-  try:
-    obj = importlib.import_module(module_name)
-  except ModuleNotFoundError as e:
-    if e.name and module_name.startswith(e.name):
-      raise error(f"{what} {spec!r}: no module named {e.name!r}") from None
-    raise error(f"{what} {spec!r}: importing {module_name!r} failed "
-                f"({type(e).__name__}: {e})") from None
-  except Exception as e:  # the module's own code failed at import
-    raise error(f"{what} {spec!r}: importing {module_name!r} failed "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-  for part in attr.split("."):
-    if not hasattr(obj, part):
-      raise error(f"{what} {spec!r}: {module_name!r} has no attribute {attr!r}")
-    obj = getattr(obj, part)
-  if not callable(obj):
-    raise error(f"{what} {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
-  return obj
-
-
 def _name(fn: Callable) -> str:
   return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -65,14 +43,8 @@ def error_line(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
-def _columns(fields: Sequence[Mapping[str, Any]]) -> dict[str, list]:
-  """Per-sample dicts -> one list per field name (None where a sample lacks the field)."""
-  names = dict.fromkeys(k for f in fields for k in f if k not in _RESERVED)
-  return {k: [f.get(k) for f in fields] for k in names}
-
-
 def _call(fn: Callable, prompts: list[str], completions: list[str], fields) -> Any:
-  return fn(prompts=prompts, completions=completions, **_columns(fields))
+  return fn(prompts=prompts, completions=completions, **columns(fields, _RESERVED))
 
 
 def _values(fn: Callable, out: Any, n: int) -> tuple[np.ndarray, list[tuple[int, str]]]:
@@ -99,29 +71,38 @@ def _values(fn: Callable, out: Any, n: int) -> tuple[np.ndarray, list[tuple[int,
 
 def call_reward_fn(fn: Callable, prompts: Sequence[str], completions: Sequence[str],
                    fields: Sequence[Mapping[str, Any]] | None = None, *,
-                   timeout_s: float | None = None, policy: str = "stop",
+                   pool: UserCodePool | None = None, policy: str = "stop",
                    report: Callable[[int], None] | None = None) -> np.ndarray:
-  """rewards_B float32 from one batched call `fn(prompts=, completions=, **field_lists)`, run
-  with `timeout_s` (the call is abandoned when it runs over: a hang cannot stall the run).
+  """rewards_B float32 from batched calls `fn(prompts=, completions=, **field_lists)`: in place,
+  or with `pool` in its worker processes (`fn` found there by its "module:name"), the batch
+  split over the workers, each call under the pool's time limit (over it, the worker is
+  killed).
 
-  What goes wrong is named with the sample's index: a raise (each sample is then retried alone
-  to find it), a timeout, a wrong type, shape or length, a NaN. `policy="stop"` raises a
-  RewardFnError; `"zero"` scores those samples 0 and tells `report(count)`."""
+  What goes wrong is named with the sample's index: a raise (each sample of that part is then
+  retried alone, all at once, within one more time limit), a timeout, a worker that died, a
+  wrong type, shape or length, a NaN. `policy="stop"` raises a RewardFnError; `"zero"` scores
+  those samples 0 and tells `report(count)`."""
   prompts, completions = list(prompts), list(completions)
   fields = list(fields) if fields is not None else [{} for _ in prompts]
   n = len(prompts)
   if not n == len(completions) == len(fields):
     raise ValueError(f"call_reward_fn: {n} prompts, {len(completions)} completions and "
                      f"{len(fields)} field rows")
-  try:
-    rewards, bad = _values(fn, call_with_timeout(_call, timeout_s, fn, prompts, completions,
-                                                 fields), n)
-  except UserCodeTimeout as e:
-    rewards, bad = np.zeros(n, np.float32), [(i, str(e)) for i in range(n)]
-  except Exception as e:
-    rewards, bad = _each_alone(fn, prompts, completions, fields, timeout_s, e)
+  parts = _parts(n, pool.workers if pool else 1)
+  outcomes = _outcomes(fn, pool, prompts, completions, fields, parts)
+  rewards, bad, retry = np.zeros(n, np.float32), [], []
+  for (a, b), (out, error) in zip(parts, outcomes):
+    if error is None:
+      rewards[a:b], wrong = _values(fn, out, b - a)
+      bad += [(a + i, message) for i, message in wrong]
+    elif isinstance(error, (UserCodeTimeout, WorkerDied)):
+      bad += [(i, str(error)) for i in range(a, b)]
+    else:
+      retry += [(i, error) for i in range(a, b)]
+  if retry:
+    bad += _each_alone(fn, pool, prompts, completions, fields, retry, rewards)
   if bad and policy == "stop":
-    at, message = bad[0]
+    at, message = min(bad)
     where = "" if len(bad) == n and at == 0 and n > 1 else f" on sample {at}"
     raise RewardFnError(f"reward function {_name(fn)}{where}: {message}")
   if bad and report is not None:
@@ -129,25 +110,46 @@ def call_reward_fn(fn: Callable, prompts: Sequence[str], completions: Sequence[s
   return rewards
 
 
-def _each_alone(fn, prompts, completions, fields, timeout_s, error: Exception):
-  """After a batched call raised: every sample alone, the ones that raise scored 0."""
-  rewards, bad = np.zeros(len(prompts), np.float32), []
-  for i in range(len(prompts)):
-    try:
-      value, wrong = _values(fn, call_with_timeout(_call, timeout_s, fn, prompts[i:i + 1],
-                                                   completions[i:i + 1], fields[i:i + 1]), 1)
-    except Exception as e:  # noqa: BLE001 - user code: anything, a timeout too
-      bad.append((i, f"raised {error_line(e)}"))
+def _parts(n: int, ways: int) -> list[tuple[int, int]]:
+  """[a, b) ranges splitting n samples `ways` ways (none empty)."""
+  size = -(-n // max(1, ways)) or 1
+  return [(a, min(n, a + size)) for a in range(0, n, size)] or [(0, 0)]
+
+
+def _outcomes(fn, pool, prompts, completions, fields, parts, deadline=None):
+  """(returned value, None) or (None, exception) per [a, b) part."""
+  if pool is None:
+    out = []
+    for a, b in parts:
+      try:
+        out.append((_call(fn, prompts[a:b], completions[a:b], fields[a:b]), None))
+      except Exception as e:  # noqa: BLE001 - user code: anything
+        out.append((None, e))
+    return out
+  futures = [pool.submit(_name(fn), prompts=prompts[a:b], completions=completions[a:b],
+                         **columns(fields[a:b], _RESERVED)) for a, b in parts]
+  return pool.results(futures, deadline)
+
+
+def _each_alone(fn, pool, prompts, completions, fields, retry, rewards):
+  """After parts of the batch raised: each of their samples alone, all at once, the round
+  within one time limit (so a bad batch costs at most two); the ones that fail are scored 0."""
+  deadline = None if pool is None else time.monotonic() + pool.timeout_s
+  outcomes = _outcomes(fn, pool, prompts, completions, fields, [(i, i + 1) for i, _ in retry],
+                       deadline)
+  bad = []
+  for (i, _), (out, error) in zip(retry, outcomes):
+    if error is not None:
+      bad.append((i, f"raised {error_line(error)}" if not isinstance(
+          error, (UserCodeTimeout, WorkerDied)) else str(error)))
       continue
+    value, wrong = _values(fn, out, 1)
     rewards[i] = value[0]
     bad += [(i, message) for _, message in wrong]
   if not bad:  # every sample passes alone: the batch as a whole was the problem
-    bad = [(0, f"raised {error_line(error)} on the batch, not on any sample alone")]
-  return rewards, bad
-
-
-class UserCodeTimeout(TimeoutError):
-  """A user function that did not return in time (its thread is abandoned, not waited for)."""
+    bad = [(retry[0][0], f"raised {error_line(retry[0][1])} on the batch, not on any sample "
+                         "alone")]
+  return bad
 
 
 def call_with_timeout(fn: Callable, timeout_s: float | None, *args, **kwargs):

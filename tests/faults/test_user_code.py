@@ -1,7 +1,12 @@
 """User code contained: a reward function or an environment that raises, hangs past
 `rl.user_code_timeout_s`, returns the wrong type or shape, or a NaN is reported with the
 sample's (or conversation's) index; `rl.on_user_code_error` decides: stop (one line, exit 2) or
-score 0 and count (`user_code_errors`)."""
+score 0 and count (`user_code_errors`). Reward functions run in worker processes
+(jaxrl/user_code.py): a hang that holds the GIL, a spin, a 40 GB allocation, a flood of output
+and a file past the size limit are each contained within about the time limit."""
+import os
+import re
+import tempfile
 import time
 
 import numpy as np
@@ -9,6 +14,7 @@ import pytest
 
 from jaxrl.envs import ContainedEnvironment, EnvError, Step
 from jaxrl.rewards.user import RewardFnError, call_reward_fn
+from jaxrl.user_code import UserCodePool
 
 PROMPTS, COMPLETIONS = ["p0", "p1", "p2"], ["a", "bb", "ccc"]
 
@@ -29,27 +35,71 @@ def wrong_shape(prompts, completions, **_):
   return np.ones((len(completions), 2))
 
 
+def regex_holding_the_gil(prompts, completions, **_):
+  return [float(bool(re.match(r"(\d+)+$", "1" * 40 + "x"))) for _ in completions]
+
+
+def spins(prompts, completions, **_):
+  while True:
+    pass
+
+
+def allocates_40_gb(prompts, completions, **_):
+  return [float(len(bytearray(40 * 2**30)))] * len(completions)
+
+
+def prints_gigabytes(prompts, completions, **_):
+  for _ in range(10**7):
+    print("x" * 1000)
+  return [1.0] * len(completions)
+
+
+def writes_gigabytes(prompts, completions, **_):
+  fd, path = tempfile.mkstemp()
+  try:
+    with os.fdopen(fd, "wb") as f:
+      for _ in range(4096):
+        f.write(b"x" * 2**20)
+  finally:
+    os.remove(path)
+  return [1.0] * len(completions)
+
+
 CASES = [  # fn, the error under "stop", the rewards under "zero", how many samples failed
     (raises_on_bb, " on sample 1: raised ZeroDivisionError: division by zero", [1, 0, 1], 1),
     (hangs, ": did not return within 0.2 s", [0, 0, 0], 3),
     (nan_on_bb, " on sample 1: returned nan, not a finite number", [1, 0, 1], 1),
-    (wrong_shape, ": returned an array of shape (3, 2), not (3,)", [0, 0, 0], 3),
+    (wrong_shape, ": returned an array of shape (2, 2), not (2,)", [0, 0, 0], 3),  # (2 calls)
+    (regex_holding_the_gil, ": did not return within 0.2 s", [0, 0, 0], 3),
+    (spins, ": did not return within 0.2 s", [0, 0, 0], 3),
+    (allocates_40_gb, ": raised MemoryError", [0, 0, 0], 3),
+    (prints_gigabytes, ": did not return within 0.2 s", [0, 0, 0], 3),
+    (writes_gigabytes, ": raised OSError: [Errno 27] File too large", [0, 0, 0], 3),
 ]
+
+
+@pytest.fixture(scope="module")
+def pool():
+  workers = UserCodePool(workers=2, timeout_s=0.2, memory_gb=2.0,
+                         preload=[f"{__name__}:{case[0].__name__}" for case in CASES])
+  yield workers
+  workers.close()
 
 
 @pytest.mark.parametrize("fn,stop_message,zero_rewards,failed", CASES,
                          ids=[c[0].__name__ for c in CASES])
 def test_a_misbehaving_reward_function_under_both_policies(fn, stop_message, zero_rewards,
-                                                           failed):
+                                                           failed, pool, capfd):
   with pytest.raises(RewardFnError) as e:
-    call_reward_fn(fn, PROMPTS, COMPLETIONS, timeout_s=0.2, policy="stop")
+    call_reward_fn(fn, PROMPTS, COMPLETIONS, pool=pool, policy="stop")
   assert str(e.value) == f"reward function {__name__}:{fn.__name__}{stop_message}"
   counted = []
   t0 = time.monotonic()
-  rewards = call_reward_fn(fn, PROMPTS, COMPLETIONS, timeout_s=0.2, policy="zero",
+  rewards = call_reward_fn(fn, PROMPTS, COMPLETIONS, pool=pool, policy="zero",
                            report=counted.append)
   assert rewards.tolist() == zero_rewards and counted == [failed]
-  assert time.monotonic() - t0 < 5  # a hang costs its timeout, not the hang
+  assert time.monotonic() - t0 < 2  # at most the batch's limit and one retry round's, + start
+  assert len(capfd.readouterr().out) < 1000  # a worker's output is discarded
 
 
 class Flaky:
@@ -90,11 +140,13 @@ def test_a_misbehaving_environment_under_both_policies(first, message):
 
 REWARDS = '''
 import time
-calls = []
 
 def slow_sometimes(prompts, completions, **_):
-  calls.append(len(prompts))
-  if len(calls) in (4, 5):  # (after 3 evaluations) the first 2 RL steps' scoring hangs
+  with open(COUNTER, "a+") as f:  # (the calls, counted across worker processes)
+    f.write("x")
+    f.seek(0)
+    calls = len(f.read())
+  if calls in (4, 5):  # (after 3 evaluations) the first 2 RL steps' scoring hangs
     time.sleep(5)
   return [float(len(c) % 2) for c in completions]
 
@@ -105,7 +157,8 @@ def raises_on_a(prompts, completions, answer, **_):
 
 @pytest.fixture
 def user_rewards(tmp_path, monkeypatch):
-  (tmp_path / "faulty_rewards.py").write_text(REWARDS)
+  (tmp_path / "faulty_rewards.py").write_text(f"COUNTER = {str(tmp_path / 'calls')!r}\n"
+                                              + REWARDS)
   monkeypatch.syspath_prepend(str(tmp_path))
   return "faulty_rewards"
 
@@ -115,6 +168,7 @@ def test_a_hanging_reward_function_scores_0_and_the_run_goes_on(cli, user_reward
   import os
   rc, _ = cli(f"--config.rl.verifier={user_rewards}:slow_sometimes",
               "--config.rl.on_user_code_error=zero", "--config.rl.user_code_timeout_s=0.5",
+              "--config.rl.user_code_workers=1",
               "--config.run_name=slow", "--config.sft.steps=1", "--config.rl.steps=3")
   assert rc == 0
   with open(os.path.join(tmp_path, "runs", "slow", "metrics.jsonl")) as f:

@@ -3,6 +3,7 @@ encoding, the RL prompt batches, and its reward (a verifier, or a user's functio
 which `Judge` applies to rollouts."""
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import logging
@@ -21,6 +22,7 @@ from jaxrl.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_
 from jaxrl.envs import ENVIRONMENTS, ContainedEnvironment, EnvError, environment_factory
 from jaxrl.rewards.user import RewardFnError, call_reward_fn, call_with_timeout, load_reward_fn
 from jaxrl.rewards.verifier import VERIFIERS
+from jaxrl.user_code import UserCodePool
 from train.io.host_transfers import to_host
 
 log = logging.getLogger("jaxrl")
@@ -63,12 +65,27 @@ def make_reward(name: str, rl: RLConfig | None = None,
     raise ConfigError(f"config.rl.verifier: {e}") from None
   rl = rl or RLConfig()
 
+  pool = user_code_pool(rl)
+
   def reward(prompts, completions, examples):
     return call_reward_fn(fn, prompts, completions,
                           [{**ex.fields, "answer": ex.answer} for ex in examples],
-                          timeout_s=rl.user_code_timeout_s, policy=rl.on_user_code_error,
-                          report=report)
+                          pool=pool, policy=rl.on_user_code_error, report=report)
   return reward, lambda text, answer: float(reward([""], [text], [Example("", answer)])[0])
+
+
+_POOLS: dict[tuple, UserCodePool] = {}
+
+
+def user_code_pool(rl: RLConfig) -> UserCodePool:
+  """The worker processes of `rl`'s verifier and limits, started once per process (and stopped
+  at its exit): the runs of a notebook or a test session share them."""
+  key = (rl.verifier, rl.user_code_workers, rl.user_code_timeout_s, rl.user_code_memory_gb)
+  if key not in _POOLS:
+    _POOLS[key] = UserCodePool(workers=key[1], timeout_s=key[2], memory_gb=key[3],
+                               preload=(rl.verifier,))
+    atexit.register(_POOLS[key].close)
+  return _POOLS[key]
 
 
 def load_tokenizer_for(cfg: ExperimentConfig) -> Tokenizer:

@@ -1,0 +1,152 @@
+"""User code in worker processes the run can kill: a user's reward function runs in a pool of
+spawned processes (pebble), each limited in address space (`memory_gb`), in the CPU seconds of
+one call and in the size of a file it writes, with its stdout and stderr discarded. A call over
+its time limit has its worker killed and replaced, whether or not the code ever yields the GIL
+(a regex backtracking in C, `while True: pass`). What crosses the process boundary is plain
+data: the function's "module:attribute" name, lists of strings and field values, the returned
+rewards.
+
+A thread could not do this: Python cannot stop a thread, and an abandoned one holding the GIL
+stalls the run. A process costs a round trip per call (benchmarks/user_code.py measures it).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import multiprocessing
+import os
+import resource
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import pebble
+
+_LOADED: dict[str, Callable] = {}  # per worker: the functions it has imported
+
+
+def load_callable(spec: str, what: str, form: str, error: type[Exception]) -> Callable[..., Any]:
+  """The callable `spec` names as "module:attribute"; anything wrong is an `error` whose one
+  line names `what` and `spec`."""
+  module_name, sep, attr = spec.partition(":")
+  if not sep or not module_name or not attr:
+    raise error(f"{what} {spec!r}: expected {form!r}")
+  try:
+    obj = importlib.import_module(module_name)
+  except ModuleNotFoundError as e:
+    if e.name and module_name.startswith(e.name):
+      raise error(f"{what} {spec!r}: no module named {e.name!r}") from None
+    raise error(f"{what} {spec!r}: importing {module_name!r} failed "
+                f"({type(e).__name__}: {e})") from None
+  except Exception as e:  # the module's own code failed at import
+    raise error(f"{what} {spec!r}: importing {module_name!r} failed "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+  for part in attr.split("."):
+    if not hasattr(obj, part):
+      raise error(f"{what} {spec!r}: {module_name!r} has no attribute {attr!r}")
+    obj = getattr(obj, part)
+  if not callable(obj):
+    raise error(f"{what} {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
+  return obj
+
+
+def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Sequence[str]
+             ) -> None:
+  """A worker's start: the parent's import path, the functions it will run imported (before
+  any call's clock starts; a failure shows at the call), its limits, its output discarded."""
+  sys.path[:] = path
+  for spec in preload:
+    try:
+      _LOADED[spec] = load_callable(spec, "user function", "module:attribute", ValueError)
+    except ValueError:
+      pass
+  resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+  resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 1)
+  os.dup2(devnull, 2)
+
+
+def _cpu_limit(seconds: float) -> None:
+  """This call's CPU seconds: the soft limit set to what the worker used so far plus
+  `seconds` (SIGXCPU ends the worker past it)."""
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  soft = int(usage.ru_utime + usage.ru_stime + seconds) + 1
+  resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.RLIM_INFINITY))
+
+
+def _run(spec: str, cpu_s: float, args: tuple, kwargs: dict):
+  """In a worker: the named function called on plain data; an array result as a numpy array."""
+  _cpu_limit(cpu_s)
+  fn = _LOADED.get(spec)
+  if fn is None:
+    fn = _LOADED[spec] = load_callable(spec, "user function", "module:attribute", ValueError)
+  out = fn(*args, **kwargs)
+  if hasattr(out, "__array__") and not isinstance(out, (list, tuple)):
+    import numpy as np
+    out = np.asarray(out)
+  return out
+
+
+class UserCodeTimeout(TimeoutError):
+  """A call of user code that did not return in time (its worker is killed)."""
+
+
+class WorkerDied(RuntimeError):
+  """A worker that ended during a call (a limit's signal, the OOM killer, a crash)."""
+
+
+class UserCodePool:
+  """`workers` spawned processes running named user functions with `timeout_s` per call (a
+  call's clock starts once its worker has imported `preload`, the functions it will run)."""
+
+  def __init__(self, *, workers: int, timeout_s: float, memory_gb: float = 4.0,
+               file_mb: float = 64.0, preload: Sequence[str] = ()):
+    self.timeout_s = timeout_s
+    limits = (list(sys.path), int(memory_gb * 2**30), int(file_mb * 2**20), tuple(preload))
+    self.pool = pebble.ProcessPool(max_workers=workers, initializer=_limited, initargs=limits,
+                                   context=multiprocessing.get_context("spawn"))
+    self.workers = workers
+
+  def submit(self, spec: str, *args, **kwargs) -> concurrent.futures.Future:
+    return self.pool.schedule(_run, args=(spec, self.timeout_s, args, kwargs),
+                              timeout=self.timeout_s)
+
+  def results(self, futures: Sequence[concurrent.futures.Future], deadline: float | None = None
+              ) -> list[tuple[Any, BaseException | None]]:
+    """Each future's (result, None) or (None, what went wrong: UserCodeTimeout, WorkerDied or
+    the user's exception); those not done by `deadline` (time.monotonic()) are cancelled, their
+    workers killed, and reported as timeouts."""
+    out = []
+    for future in futures:
+      wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+      try:
+        out.append((future.result(timeout=wait), None))
+      except (concurrent.futures.TimeoutError, TimeoutError):
+        future.cancel()
+        out.append((None, UserCodeTimeout(f"did not return within {self.timeout_s:g} s")))
+      except pebble.ProcessExpired as e:
+        out.append((None, WorkerDied(f"its worker process ended ({_ended(e.exitcode)})")))
+      except Exception as e:  # noqa: BLE001 - the user's own exception, re-raised here
+        out.append((None, e))
+    return out
+
+  def close(self) -> None:
+    self.pool.stop()
+    self.pool.join(timeout=10)
+
+
+def _ended(code: int | None) -> str:
+  if code is not None and code < 0:
+    name = {signal.SIGXCPU: "its CPU time limit", signal.SIGKILL: "killed"}.get(-code)
+    return f"signal {-code}" + (f": {name}" if name else "")
+  return f"exit code {code}"
+
+
+def columns(fields: Sequence[Mapping[str, Any]], reserved: Sequence[str]) -> dict[str, list]:
+  """Per-sample dicts -> one list per field name (None where a sample lacks the field)."""
+  names = dict.fromkeys(k for f in fields for k in f if k not in reserved)
+  return {k: [f.get(k) for f in fields] for k in names}
