@@ -207,6 +207,11 @@ def test_make_experience_applies_dapos_overlong_penalty_and_filter():
   np.testing.assert_allclose(metrics["reward_mean"], (0 + 1 + 0.5 + 1) / 4)
   np.testing.assert_allclose(metrics["overlong_frac"], 0.25)
   np.testing.assert_array_equal(exp.policy_mask_BN, mask.at[0].set(False))  # row 0 is filtered
+  ends_on_eos = rollout.replace(tokens_BT=rollout.tokens_BT.at[0, -1].set(2))  # on its last slot
+  finished, metrics = make_experience(ends_on_eos, jnp.ones(4), zeros, zeros, None, cfg=cfg,
+                                      stop_ids=(2, 7))
+  np.testing.assert_array_equal(finished.policy_mask_BN, mask)  # finished, not truncated
+  assert float(metrics["overlong_frac"]) == 0.0
   adv = np.asarray(exp.advantages_BN)[:, 0]
   assert adv[0] < 0 < adv[1] and adv[2] < 0  # groups (0, 1) and (2, 3): penalised rows lose
   assert not np.asarray(exp.advantages_BN)[3].any()  # a zero-length response has no advantage

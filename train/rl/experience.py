@@ -67,16 +67,27 @@ def advantages(rewards_B, mask_BN, kl_BN=None, values_BN=None, *, cfg: RLConfig)
   return adv_BN, raw_BN
 
 
-def make_experience(rollout, rewards_B, old_BN, ref_BN, values_BN, *, cfg: RLConfig):
+def truncated(rollout, budget: int, stop_ids: tuple[int, ...]) -> jax.Array:
+  """[B] the rows cut off at the budget: every slot used and the last token not a stop token
+  (EOS, `<|eot_id|>`, ...; a row that ends on its last slot is finished, not truncated)."""
+  n = rollout.completion_mask_BN.shape[1]
+  last_B1 = jnp.maximum(rollout.lengths_B - 1, 0).astype(jnp.int32)[:, None]
+  last_B = jnp.take_along_axis(rollout.tokens_BT[:, -n:], last_B1, axis=1)[:, 0]
+  stopped_B = jnp.isin(last_B, jnp.asarray(stop_ids, last_B.dtype)) if stop_ids else False
+  return (rollout.lengths_B >= budget) & ~stopped_B
+
+
+def make_experience(rollout, rewards_B, old_BN, ref_BN, values_BN, *, cfg: RLConfig,
+                    stop_ids: tuple[int, ...] = ()):
   """Per-token KL to the reference (when the rewards carry it) and advantages from the
   sequence rewards (with DAPO's soft overlong penalty when `cfg.overlong_buffer`);
   (Experience, metrics). `rollout` is the sampler's `Rollout`, already moved onto this mesh;
-  `old_BN` is None when the update computes it itself. A response that used the whole budget
-  (`cfg.max_new_tokens`: truncated, or ending on its last slot) is overlong; with
-  `cfg.overlong_filter` the policy loss skips it."""
+  `old_BN` is None when the update computes it itself. A response cut off at the budget
+  (`truncated`: `cfg.max_new_tokens` used, the last token none of `stop_ids`) is overlong;
+  with `cfg.overlong_filter` the policy loss skips it (DAPO filters truncated samples)."""
   mask_BN = rollout.completion_mask_BN
   maskf_BN = mask_BN.astype(jnp.float32)
-  overlong_B = rollout.lengths_B >= cfg.max_new_tokens
+  overlong_B = truncated(rollout, cfg.max_new_tokens, stop_ids)
   scored_B = rewards_B
   if cfg.overlong_buffer:
     scored_B = rewards_B + overlong_penalty(rollout.lengths_B, budget=cfg.max_new_tokens,
