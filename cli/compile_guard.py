@@ -24,8 +24,13 @@ def _forward(stream, out, log, state) -> None:
     if line.startswith(PROGRESS):
       state["program"] = line[len(PROGRESS):].strip()
     if line.startswith("jaxrl:"):
+      state["reported"] |= line.startswith("jaxrl: error:")
       out.write(line)
       out.flush()
+    elif line.startswith("Traceback"):
+      state["traceback"] = True
+    elif state["traceback"] and line.strip() and not line.startswith(" "):
+      state["raised"] = line.strip()  # the exception's line, after the frames
     elif state["failed"] is None and (m := re.match(r"F\d{4} .*?\] (.*)", line)):
       state["failed"] = m.group(1).strip()
 
@@ -36,7 +41,8 @@ def run(argv: list[str]) -> int:
   env = {**os.environ, CHILD: "1"}
   child = subprocess.Popen([sys.executable, "-m", "cli.train", *argv[1:]], env=env, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-  state = {"program": None, "failed": None}
+  state = {"program": None, "failed": None, "reported": False, "traceback": False,
+           "raised": None}
   log = tempfile.NamedTemporaryFile("w", prefix="jaxrl-target-compile-", suffix=".log",
                                     delete=False)
   with log:
@@ -47,9 +53,15 @@ def run(argv: list[str]) -> int:
     code = child.wait()
     for t in threads:
       t.join()
-  if code >= 0:
+  if code >= 0 and not state["raised"]:
     os.unlink(log.name)
     return code
+  if code >= 0:  # jaxrl's own failure in the child: named, not swallowed with the log's lines
+    where = f"compiling {state['program']}" if state["program"] else "before any program"
+    if not state["reported"]:
+      print(f"jaxrl: error: --target: the compile's process raised {state['raised']} {where} "
+            f"(its log is {log.name})", file=sys.stderr, flush=True)
+    return code if state["reported"] else 1
   name = signal.Signals(-code).name
   where = f"compiling {state['program']}" if state["program"] else "before any program"
   check = f": {state['failed']}" if state["failed"] else ""

@@ -66,7 +66,7 @@ class Scoring:
       self.scores_fn = self.reward_model.jit(functools.partial(sequence_scores,
                                                                self.reward_model.graphdef))
     self.experience_fn = actor.role.jit(functools.partial(
-        make_experience, cfg=cfg, stop_ids=tuple(judge.tok.stop_ids)))
+        make_experience, cfg=cfg, stop_ids=tuple(judge.tok.stop_ids) if judge else ()))
 
   def _rewards(self, rollout, examples_B, verified_B=None, scored=None):
     """(rewards on the trainer's mesh, verified_B on the host; given: already verified).
