@@ -1,7 +1,9 @@
 """No code from data: checkpoints (orbax: tensorstore arrays and JSON), model files
 (safetensors, JSON) and datasets (JSON, parquet) are read without pickle or eval; the Python a
 run executes is its config file and the user modules a config names (a reward function, an
-environment); chat templates run in jinja2's sandbox (jaxrl/data/chat.py). A pickled PyTorch
+environment); chat templates run in jinja2's sandbox (jaxrl/data/chat.py). (User reward
+functions' worker processes get plain data from the run's own process, through
+multiprocessing's pipes: jaxrl/user_code.py; never from a file.) A pickled PyTorch
 checkpoint in a model directory is never opened: tests/faults/test_bad_models.py."""
 import ast
 import os
@@ -11,7 +13,7 @@ PACKAGES = ("jaxrl", "sharding", "sampler", "planner", "train", "cli", "configs"
 FORBIDDEN_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve", "cloudpickle", "joblib"}
 FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__"}
 ALLOWED = {("cli/flags.py", "exec_module"),  # the config file
-           ("jaxrl/rewards/user.py", "import_module")}  # the module a config names
+           ("jaxrl/user_code.py", "import_module")}  # the module a config names
 
 
 def _problems(rel: str, tree: ast.AST) -> list[tuple[str, str]]:
