@@ -8,7 +8,8 @@ The function is GSM8K's answer check (`jaxrl.rewards.math.math_equal` on the com
 `--batch` completions (a gsm8k_tools step's 32 prompts x 8 samples) per call, in `--workers`
 worker processes, the batch split over them. Reported: calls per second and completions per
 second each way, and the pool's extra seconds per call (its round trips, pickling and the
-split), measured as the best of `--repeats` calls over `--rounds` alternating rounds.
+split), measured as the best of `--repeats` calls over `--rounds` alternating rounds; and the
+same for a function that does nothing (`lengths`): the pool's round trip alone.
 """
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ def gsm8k_reward(prompts, completions, answer, **_):
   return [float(math_equal(c, a)) for c, a in zip(completions, answer)]
 
 
+def lengths(prompts, completions, **_):
+  """Next to no work: the pool's cost alone."""
+  return [float(len(c)) for c in completions]
+
+
 def _batch(n: int):
   """Synthetic GSM8K rows: every other completion the worked solution, the rest a wrong number."""
   from jaxrl.data.gsm8k_synth import final_answer, generate
@@ -34,16 +40,16 @@ def _batch(n: int):
 
 
 def measure(args) -> dict:
-  from benchmarks.user_code import gsm8k_reward  # (by its module's name, not __main__'s)
+  from benchmarks.user_code import gsm8k_reward, lengths  # (by module name, not __main__'s)
   from jaxrl.rewards.user import call_reward_fn
   from jaxrl.user_code import UserCodePool
   prompts, completions, fields = _batch(args.batch)
-  pool = UserCodePool(workers=args.workers, timeout_s=60.0,
-                      preload=["benchmarks.user_code:gsm8k_reward"])
+  names = [f"benchmarks.user_code:{f.__name__}" for f in (gsm8k_reward, lengths)]
+  pool = UserCodePool(workers=args.workers, timeout_s=60.0, preload=names)
+  call = lambda fn, **kw: lambda: call_reward_fn(fn, prompts, completions, fields, **kw)
   try:
-    ways = {"in_place": lambda: call_reward_fn(gsm8k_reward, prompts, completions, fields),
-            "pool": lambda: call_reward_fn(gsm8k_reward, prompts, completions, fields,
-                                           pool=pool)}
+    ways = {"in_place": call(gsm8k_reward), "pool": call(gsm8k_reward, pool=pool),
+            "trivial_in_place": call(lengths), "trivial_pool": call(lengths, pool=pool)}
     same = (ways["in_place"]() == ways["pool"]()).all()
     best = dict.fromkeys(ways, float("inf"))
     for _ in range(args.rounds):  # alternate, so that drift on a shared machine hits both
@@ -52,8 +58,10 @@ def measure(args) -> dict:
   finally:
     pool.close()
   return {**{f"{k}_calls_per_s": round(1 / v, 2) for k, v in best.items()},
-          **{f"{k}_completions_per_s": round(args.batch / v, 1) for k, v in best.items()},
-          "pool_overhead_s_per_call": round(best["pool"] - best["in_place"], 5),
+          **{f"{k}_completions_per_s": round(args.batch / v, 1) for k, v in best.items()
+             if not k.startswith("trivial")},
+          "pool_over_in_place": round(best["in_place"] / best["pool"], 2),
+          "pool_round_trip_s": round(best["trivial_pool"] - best["trivial_in_place"], 5),
           "same_rewards": bool(same)}
 
 

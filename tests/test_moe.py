@@ -72,8 +72,8 @@ def test_experts_sharded_over_four_devices_give_the_unsharded_result():
 def test_split_experts_equal_the_unsplit_products_with_one_all_reduce(table):
   """Experts split over 4 devices by expert or by width: every form's outputs and gradients are
   the unsplit ones, and the compiled step's only collectives are all-reduces of [R, D] (and of
-  [R, k] or [R, E], the routing weights' gradient; left to the compiler, the blocked form all-reduced its
-  gathered weights)."""
+  [R, k] or [R, E], the routing weights' gradient; left to the compiler, the blocked form
+  all-reduced its gathered weights)."""
   keys = jax.random.split(jax.random.key(0), 5)
   x_RD, router_ED = jax.random.normal(keys[0], (48, 16)), jax.random.normal(keys[1], (8, 16))
   w = [jax.random.normal(k, s) * 0.3 for k, s in zip(keys[2:], [(8, 24, 16), (8, 24, 16),

@@ -171,7 +171,8 @@ def split_experts(impl: str, x_RD, ids_RK, weights_RK, w_gate_EFD, w_up_EFD, w_d
   e_local = w_gate_EFD.shape[0] // math.prod(mesh.shape[a] for a in _axes(by_expert))
 
   def per_device(x_RD, ids_RK, weights_RK, w_gate, w_up, w_down):
-    x_RD = jax.lax.pcast(x_RD, split, to="varying")  # (the gathers' transposes then sum over the split)
+    # Varying over the split, so that the transposes of its gathers sum over it once.
+    x_RD = jax.lax.pcast(x_RD, split, to="varying")
     first = jax.lax.axis_index(_axes(by_expert)) * e_local if by_expert else 0
     local_RK = (ids_RK >= first) & (ids_RK < first + e_local)
     y_RD = run(x_RD, jnp.where(local_RK, ids_RK - first, 0), jnp.where(local_RK, weights_RK, 0),
