@@ -24,15 +24,14 @@ def _forward(stream, out, log, state) -> None:
     if line.startswith(PROGRESS):
       state["program"] = line[len(PROGRESS):].strip()
     if line.startswith("jaxrl:"):
-      state["reported"] |= line.startswith("jaxrl: error:")
+      # (an error it names, or the verdict: exit 1 is "does not fit")
+      state["reported"] |= line.startswith(("jaxrl: error:", "jaxrl: dry run: verdict"))
       out.write(line)
       out.flush()
-    elif line.startswith("Traceback"):
-      state["traceback"] = True
-    elif state["traceback"] and line.strip() and not line.startswith(" "):
-      state["raised"] = line.strip()  # the exception's line, after the frames
     elif state["failed"] is None and (m := re.match(r"F\d{4} .*?\] (.*)", line)):
       state["failed"] = m.group(1).strip()
+    elif re.match(r"\w+(\.\w+)*(Error|Exception|Exit|Interrupt)\b", line):
+      state["raised"] = line.strip()  # an exception's last line (after a traceback's frames)
 
 
 def run(argv: list[str]) -> int:
@@ -41,8 +40,7 @@ def run(argv: list[str]) -> int:
   env = {**os.environ, CHILD: "1"}
   child = subprocess.Popen([sys.executable, "-m", "cli.train", *argv[1:]], env=env, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-  state = {"program": None, "failed": None, "reported": False, "traceback": False,
-           "raised": None}
+  state = {"program": None, "failed": None, "reported": False, "raised": None}
   log = tempfile.NamedTemporaryFile("w", prefix="jaxrl-target-compile-", suffix=".log",
                                     delete=False)
   with log:
@@ -53,17 +51,16 @@ def run(argv: list[str]) -> int:
     code = child.wait()
     for t in threads:
       t.join()
-  if code >= 0 and not state["raised"]:
+  if code == 0 or (code > 0 and state["reported"]):
     os.unlink(log.name)
     return code
-  if code >= 0:  # jaxrl's own failure in the child: named, not swallowed with the log's lines
-    where = f"compiling {state['program']}" if state["program"] else "before any program"
-    if not state["reported"]:
-      print(f"jaxrl: error: --target: the compile's process raised {state['raised']} {where} "
-            f"(its log is {log.name})", file=sys.stderr, flush=True)
-    return code if state["reported"] else 1
-  name = signal.Signals(-code).name
   where = f"compiling {state['program']}" if state["program"] else "before any program"
+  if code > 0:  # jaxrl's own failure in the child, not reported: named, not swallowed
+    raised = state["raised"] or f"an error (exit code {code})"
+    print(f"jaxrl: error: --target: the compile's process raised {raised} {where} (its log "
+          f"is {log.name})", file=sys.stderr, flush=True)
+    return code
+  name = signal.Signals(-code).name
   check = f": {state['failed']}" if state["failed"] else ""
   print(f"jaxrl: error: --target: the TPU compiler's process died ({name}) {where}{check} "
         f"(a compiler failure, not a config error: its log is {log.name})", file=sys.stderr,

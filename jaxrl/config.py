@@ -245,7 +245,8 @@ class RLConfig:
   verifier: str = "exact_match"
   # User code (a package.module verifier or environment): each call's time limit, and what a
   # raise, hang, wrong type or NaN does: stop | zero (scored 0, counted: `user_code_errors`).
-  # A user verifier runs in this many worker processes, each limited to this address space.
+  # A user verifier runs in this many worker processes, each limited to this address space
+  # (0: none; a function that imports torch or jax needs more than the default).
   user_code_timeout_s: float = 60.0
   on_user_code_error: str = "stop"
   user_code_workers: int = 2
@@ -262,12 +263,13 @@ class RLConfig:
     positive(self, "prompts_per_step", "group_size", "num_minibatches", "temperature",
               "aipo_rho", "max_grad_norm", "max_new_tokens", "learning_rate",
               "critic_learning_rate", "clip_eps_low", "clip_eps_high", "value_clip_eps",
-              "user_code_timeout_s", "user_code_workers", "user_code_memory_gb")
+              "user_code_timeout_s", "user_code_workers")
     if ":" not in self.verifier:
       choice(self, "verifier", VERIFIERS)
     at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap", "kl_coef",
                    "inflight_slots", "micro_batch_size", "length_buckets", "rollout_mask_low",
-                   "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty")
+                   "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty",
+                   "user_code_memory_gb")
     positive(self, "rollout_mask_high", "max_turns")
     for low, high in [("rollout_mask_low", "rollout_mask_high"),
                       ("overlong_buffer", "max_new_tokens")]:

@@ -52,6 +52,14 @@ def load_callable(spec: str, what: str, form: str, error: type[Exception]) -> Ca
   return obj
 
 
+def _lower(limit: int, value: int) -> None:
+  """The soft limit `limit` set to `value` (none: 0), within the inherited hard limit."""
+  _, hard = resource.getrlimit(limit)
+  if value > 0:
+    resource.setrlimit(limit, (value if hard == resource.RLIM_INFINITY else min(value, hard),
+                               hard))
+
+
 def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Sequence[str]
              ) -> None:
   """A worker's start: the parent's import path, the functions it will run imported (before
@@ -62,8 +70,8 @@ def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Seque
       _LOADED[spec] = load_callable(spec, "user function", "module:attribute", ValueError)
     except ValueError:
       pass
-  resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-  resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
+  _lower(resource.RLIMIT_AS, memory_bytes)
+  _lower(resource.RLIMIT_FSIZE, file_bytes)
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
   devnull = os.open(os.devnull, os.O_WRONLY)
   os.dup2(devnull, 1)
@@ -71,11 +79,11 @@ def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Seque
 
 
 def _cpu_limit(seconds: float) -> None:
-  """This call's CPU seconds: the soft limit set to what the worker used so far plus
-  `seconds` (SIGXCPU ends the worker past it)."""
+  """This call's CPU seconds, all its threads together: the soft limit set to what the worker
+  used so far plus `seconds` on every core (SIGXCPU ends the worker past it)."""
   usage = resource.getrusage(resource.RUSAGE_SELF)
-  soft = int(usage.ru_utime + usage.ru_stime + seconds) + 1
-  resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.RLIM_INFINITY))
+  _lower(resource.RLIMIT_CPU,
+         int(usage.ru_utime + usage.ru_stime + seconds * (os.cpu_count() or 1)) + 1)
 
 
 def _run(spec: str, cpu_s: float, args: tuple, kwargs: dict):
@@ -101,11 +109,12 @@ class WorkerDied(RuntimeError):
 
 class UserCodePool:
   """`workers` spawned processes running named user functions with `timeout_s` per call (a
-  call's clock starts once its worker has imported `preload`, the functions it will run)."""
+  call's clock starts once its worker has imported `preload`, the functions it will run;
+  `start_s` more allows for a worker's start). `memory_gb` 0: no address-space limit."""
 
   def __init__(self, *, workers: int, timeout_s: float, memory_gb: float = 4.0,
-               file_mb: float = 64.0, preload: Sequence[str] = ()):
-    self.timeout_s = timeout_s
+               file_mb: float = 64.0, preload: Sequence[str] = (), start_s: float = 60.0):
+    self.timeout_s, self.start_s = timeout_s, start_s
     limits = (list(sys.path), int(memory_gb * 2**30), int(file_mb * 2**20), tuple(preload))
     self.pool = pebble.ProcessPool(max_workers=workers, initializer=_limited, initargs=limits,
                                    context=multiprocessing.get_context("spawn"))
@@ -118,20 +127,24 @@ class UserCodePool:
   def results(self, futures: Sequence[concurrent.futures.Future], deadline: float | None = None
               ) -> list[tuple[Any, BaseException | None]]:
     """Each future's (result, None) or (None, what went wrong: UserCodeTimeout, WorkerDied or
-    the user's exception); those not done by `deadline` (time.monotonic()) are cancelled, their
-    workers killed, and reported as timeouts."""
+    the user's exception); those not done by `deadline` (time.monotonic(); default: one call
+    and a worker's start from now) are cancelled, their workers killed, and reported as
+    timeouts."""
+    deadline = deadline or time.monotonic() + self.timeout_s + self.start_s
     out = []
     for future in futures:
-      wait = None if deadline is None else max(0.0, deadline - time.monotonic())
       try:
-        out.append((future.result(timeout=wait), None))
-      except (concurrent.futures.TimeoutError, TimeoutError):
+        error = future.exception(timeout=max(0.0, deadline - time.monotonic()))
+      except concurrent.futures.TimeoutError:  # not done by the deadline
+        started = future.running()
         future.cancel()
-        out.append((None, UserCodeTimeout(f"did not return within {self.timeout_s:g} s")))
-      except pebble.ProcessExpired as e:
-        out.append((None, WorkerDied(f"its worker process ended ({_ended(e.exitcode)})")))
-      except Exception as e:  # noqa: BLE001 - the user's own exception, re-raised here
-        out.append((None, e))
+        error = UserCodeTimeout(f"did not return within {self.timeout_s:g} s" if started else
+                                "not run: its round's time ran out while it waited")
+      if isinstance(error, TimeoutError) and error.args[:1] == ("Task timeout",):  # pebble's
+        error = UserCodeTimeout(f"did not return within {self.timeout_s:g} s")
+      elif isinstance(error, pebble.ProcessExpired):
+        error = WorkerDied(f"its worker process ended ({_ended(error.exitcode)})")
+      out.append((None, error) if error is not None else (future.result(), None))
     return out
 
   def close(self) -> None:

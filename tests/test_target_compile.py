@@ -265,3 +265,21 @@ def test_a_sliding_window_compiles_into_the_splash_kernel():
         assert "tpu_custom_call" in program.lower().as_text()
         assert compile_program(program).memory.temp_size_in_bytes > 0
   assert 0 < kernel[4] < kernel[0] / 2
+
+
+def test_the_compile_guard_names_what_its_child_raised():
+  """A Python exception in the compiling child (not a config error it reports itself) is named
+  from its traceback's last line; a verdict line marks a normal exit 1 (does not fit)."""
+  import io
+
+  from cli.compile_guard import _forward
+  state = {"program": None, "failed": None, "reported": False, "raised": None}
+  child = ("jaxrl: dry run: compiling old log-probs\nTraceback (most recent call last):\n"
+           '  File "train/rl/scoring.py", line 69, in __init__\n'
+           "AttributeError: 'NoneType' object has no attribute 'tok'\n")
+  _forward(io.StringIO(child), io.StringIO(), io.StringIO(), state)
+  assert state["program"] == "old log-probs" and not state["reported"]
+  assert state["raised"] == "AttributeError: 'NoneType' object has no attribute 'tok'"
+  _forward(io.StringIO("jaxrl: dry run: verdict: DOES NOT FIT\n"), io.StringIO(), io.StringIO(),
+           state)
+  assert state["reported"]

@@ -13,9 +13,10 @@ and multiplies the per-token policy loss, whichever loss it is (`POLICY_LOSSES`)
                     ratio: k(r) = r inside [low, high], 0 outside (min(r, cap) with tis_cap)
 
 Dropped tokens keep their place in the loss's normaliser (they add 0), so a batch's other
-tokens weigh the same whatever the mask removes. A loss that weights by the behaviour ratio
-itself (decoupled PPO's pi_old / mu, AIPO's pi / mu: `PolicyLoss.behaviour_weighted`) takes the
-cap and the mask only (`in_loss`): its own ratio is the one capped, never multiplied twice.
+tokens weigh the same whatever the mask removes. A loss that weights by pi_old / mu itself
+(decoupled PPO: `PolicyLoss.behaviour_weighted`) takes the cap and the mask only (`in_loss`):
+its own ratio is the one capped, never multiplied twice. (AIPO's own weight is min(pi / mu,
+rho); TIS and the masks apply on top of it, as docs/algorithms.md says.)
 """
 from __future__ import annotations
 

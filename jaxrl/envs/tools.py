@@ -2,7 +2,7 @@
 says why a restricted evaluator rather than a subprocess)."""
 from __future__ import annotations
 
-from jaxrl.envs.base import ToolEnvironment, cut
+from jaxrl.envs.base import ToolEnvironment
 from jaxrl.envs.sandbox import FUNCTIONS, EvalError, run_expression
 
 
@@ -17,11 +17,12 @@ def _shown(value) -> str:
 
 def evaluated(text: str, functions: dict | None, time_limit_s: float) -> str:
   """The expression's value as the model reads it, or `error: REASON`: rendered inside the
-  error handling (the value is bounded in size by then) and cut to `MAX_OUTPUT_CHARS`."""
+  error handling (the value is bounded in size by then; the reply is cut to
+  `base.MAX_OUTPUT_CHARS` before it is encoded)."""
   try:
-    return cut(_shown(run_expression(text, functions=functions, time_limit_s=time_limit_s)))
+    return _shown(run_expression(text, functions=functions, time_limit_s=time_limit_s))
   except EvalError as e:
-    return cut(f"error: {e}")
+    return f"error: {e}"
 
 
 class Calculator(ToolEnvironment):

@@ -43,10 +43,6 @@ def error_line(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
-def _call(fn: Callable, prompts: list[str], completions: list[str], fields) -> Any:
-  return fn(prompts=prompts, completions=completions, **columns(fields, _RESERVED))
-
-
 def _values(fn: Callable, out: Any, n: int) -> tuple[np.ndarray, list[tuple[int, str]]]:
   """The rewards a call returned, and what was wrong, per sample ((index, message); a wrong
   type, shape or length is wrong for every sample). Bad samples' rewards are 0."""
@@ -71,12 +67,14 @@ def _values(fn: Callable, out: Any, n: int) -> tuple[np.ndarray, list[tuple[int,
 
 def call_reward_fn(fn: Callable, prompts: Sequence[str], completions: Sequence[str],
                    fields: Sequence[Mapping[str, Any]] | None = None, *,
-                   pool: UserCodePool | None = None, policy: str = "stop",
-                   report: Callable[[int], None] | None = None) -> np.ndarray:
+                   pool: UserCodePool | None = None, spec: str = "", group: int = 1,
+                   policy: str = "stop", report: Callable[[int], None] | None = None
+                   ) -> np.ndarray:
   """rewards_B float32 from batched calls `fn(prompts=, completions=, **field_lists)`: in place,
-  or with `pool` in its worker processes (`fn` found there by its "module:name"), the batch
-  split over the workers, each call under the pool's time limit (over it, the worker is
-  killed).
+  or with `pool` in its worker processes (`fn` found there by `spec`, "module:name", default
+  its own), the batch split over the workers in whole groups of `group` rows (a group's
+  samples, adjacent, stay in one call), each call under the pool's time limit (over it, the
+  worker is killed).
 
   What goes wrong is named with the sample's index: a raise (each sample of that part is then
   retried alone, all at once, within one more time limit), a timeout, a worker that died, a
@@ -88,8 +86,9 @@ def call_reward_fn(fn: Callable, prompts: Sequence[str], completions: Sequence[s
   if not n == len(completions) == len(fields):
     raise ValueError(f"call_reward_fn: {n} prompts, {len(completions)} completions and "
                      f"{len(fields)} field rows")
-  parts = _parts(n, pool.workers if pool else 1)
-  outcomes = _outcomes(fn, pool, prompts, completions, fields, parts)
+  parts = _parts(n, pool.workers if pool else 1, group)
+  call = _caller(fn, pool, spec or _name(fn), prompts, completions, columns(fields, _RESERVED))
+  outcomes = call(parts)
   rewards, bad, retry = np.zeros(n, np.float32), [], []
   for (a, b), (out, error) in zip(parts, outcomes):
     if error is None:
@@ -100,7 +99,7 @@ def call_reward_fn(fn: Callable, prompts: Sequence[str], completions: Sequence[s
     else:
       retry += [(i, error) for i in range(a, b)]
   if retry:
-    bad += _each_alone(fn, pool, prompts, completions, fields, retry, rewards)
+    bad += _each_alone(fn, call, retry, rewards, pool)
   if bad and policy == "stop":
     at, message = min(bad)
     where = "" if len(bad) == n and at == 0 and n > 1 else f" on sample {at}"
@@ -110,33 +109,38 @@ def call_reward_fn(fn: Callable, prompts: Sequence[str], completions: Sequence[s
   return rewards
 
 
-def _parts(n: int, ways: int) -> list[tuple[int, int]]:
-  """[a, b) ranges splitting n samples `ways` ways (none empty)."""
-  size = -(-n // max(1, ways)) or 1
+def _parts(n: int, ways: int, group: int) -> list[tuple[int, int]]:
+  """[a, b) ranges splitting n samples `ways` ways in whole groups (none empty)."""
+  group = max(1, group)
+  size = max(1, -(-(-(-n // max(1, ways))) // group) * group)
   return [(a, min(n, a + size)) for a in range(0, n, size)] or [(0, 0)]
 
 
-def _outcomes(fn, pool, prompts, completions, fields, parts, deadline=None):
-  """(returned value, None) or (None, exception) per [a, b) part."""
-  if pool is None:
+def _caller(fn, pool, spec: str, prompts, completions, field_lists: dict):
+  """`call(parts, deadline=None)`: (returned value, None) or (None, exception) per [a, b)
+  part; the field lists' names are the whole batch's, in every part."""
+  def sliced(a, b):
+    return dict(prompts=prompts[a:b], completions=completions[a:b],
+                **{k: v[a:b] for k, v in field_lists.items()})
+
+  def call(parts, deadline=None):
+    if pool is not None:
+      return pool.results([pool.submit(spec, **sliced(a, b)) for a, b in parts], deadline)
     out = []
     for a, b in parts:
       try:
-        out.append((_call(fn, prompts[a:b], completions[a:b], fields[a:b]), None))
+        out.append((fn(**sliced(a, b)), None))
       except Exception as e:  # noqa: BLE001 - user code: anything
         out.append((None, e))
     return out
-  futures = [pool.submit(_name(fn), prompts=prompts[a:b], completions=completions[a:b],
-                         **columns(fields[a:b], _RESERVED)) for a, b in parts]
-  return pool.results(futures, deadline)
+  return call
 
 
-def _each_alone(fn, pool, prompts, completions, fields, retry, rewards):
+def _each_alone(fn, call, retry, rewards, pool):
   """After parts of the batch raised: each of their samples alone, all at once, the round
-  within one time limit (so a bad batch costs at most two); the ones that fail are scored 0."""
-  deadline = None if pool is None else time.monotonic() + pool.timeout_s
-  outcomes = _outcomes(fn, pool, prompts, completions, fields, [(i, i + 1) for i, _ in retry],
-                       deadline)
+  within two time limits (so a bad batch costs at most three); the ones that fail score 0."""
+  deadline = None if pool is None else time.monotonic() + 2 * pool.timeout_s
+  outcomes = call([(i, i + 1) for i, _ in retry], deadline)
   bad = []
   for (i, _), (out, error) in zip(retry, outcomes):
     if error is not None:

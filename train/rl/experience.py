@@ -73,7 +73,8 @@ def truncated(rollout, budget: int, stop_ids: tuple[int, ...]) -> jax.Array:
   n = rollout.completion_mask_BN.shape[1]
   last_B1 = jnp.maximum(rollout.lengths_B - 1, 0).astype(jnp.int32)[:, None]
   last_B = jnp.take_along_axis(rollout.tokens_BT[:, -n:], last_B1, axis=1)[:, 0]
-  stopped_B = jnp.isin(last_B, jnp.asarray(stop_ids, last_B.dtype)) if stop_ids else False
+  stopped_B = (jnp.isin(last_B, jnp.asarray(stop_ids, last_B.dtype)) if stop_ids
+               else jnp.zeros(last_B.shape, bool))
   return (rollout.lengths_B >= budget) & ~stopped_B
 
 

@@ -75,6 +75,9 @@ class Experiment:
                                   start_if_none=start_if_none)
     self.checkpointer = RunCheckpointer(self.run_dir, names, keep=self.cfg.keep_checkpoints)
     saved = self.checkpointer.saved() if resume_run else []
+    if resume_run and not saved and not start_if_none:  # (only a save that never completed)
+      raise ConfigError(f"config.run_name: --resume found no complete checkpoint in "
+                        f"{self.run_dir}; pass --resume_or_start to start the run")
     fresh = not saved and not self.cfg.init_checkpoint
     self.ctx = RunContext(self.cfg, self.run_dir, initialize=fresh)
     self.writer = MetricsWriter(self.run_dir, enabled=jax.process_index() == 0)

@@ -7,6 +7,7 @@ import atexit
 import collections
 import dataclasses
 import logging
+import sys
 from collections.abc import Callable
 
 import grain
@@ -65,25 +66,27 @@ def make_reward(name: str, rl: RLConfig | None = None,
     raise ConfigError(f"config.rl.verifier: {e}") from None
   rl = rl or RLConfig()
 
-  pool = user_code_pool(rl)
+  pool = user_code_pool(rl, name)
 
   def reward(prompts, completions, examples):
     return call_reward_fn(fn, prompts, completions,
-                          [{**ex.fields, "answer": ex.answer} for ex in examples],
-                          pool=pool, policy=rl.on_user_code_error, report=report)
+                          [{**ex.fields, "answer": ex.answer} for ex in examples], pool=pool,
+                          spec=name, group=rl.group_size, policy=rl.on_user_code_error,
+                          report=report)
   return reward, lambda text, answer: float(reward([""], [text], [Example("", answer)])[0])
 
 
 _POOLS: dict[tuple, UserCodePool] = {}
 
 
-def user_code_pool(rl: RLConfig) -> UserCodePool:
-  """The worker processes of `rl`'s verifier and limits, started once per process (and stopped
-  at its exit): the runs of a notebook or a test session share them."""
-  key = (rl.verifier, rl.user_code_workers, rl.user_code_timeout_s, rl.user_code_memory_gb)
+def user_code_pool(rl: RLConfig, spec: str) -> UserCodePool:
+  """The worker processes running `spec` under `rl`'s limits, started once per process and
+  import path (stopped at its exit): the runs of a notebook or a test session share them."""
+  key = (spec, rl.user_code_workers, rl.user_code_timeout_s, rl.user_code_memory_gb,
+         tuple(sys.path))
   if key not in _POOLS:
     _POOLS[key] = UserCodePool(workers=key[1], timeout_s=key[2], memory_gb=key[3],
-                               preload=(rl.verifier,))
+                               preload=(spec,))
     atexit.register(_POOLS[key].close)
   return _POOLS[key]
 
