@@ -67,7 +67,7 @@ def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Seque
   sys.path[:] = path
   for spec in preload:
     try:
-      _LOADED[spec] = load_callable(spec, "user function", "module:attribute", ValueError)
+      _loaded(spec)
     except ValueError:
       pass
   _lower(resource.RLIMIT_AS, memory_bytes)
@@ -86,13 +86,17 @@ def _cpu_limit(seconds: float) -> None:
          int(usage.ru_utime + usage.ru_stime + seconds * (os.cpu_count() or 1)) + 1)
 
 
+def _loaded(spec: str) -> Callable:
+  """In a worker: the function `spec` names, imported once."""
+  if spec not in _LOADED:
+    _LOADED[spec] = load_callable(spec, "user function", "module:attribute", ValueError)
+  return _LOADED[spec]
+
+
 def _run(spec: str, cpu_s: float, args: tuple, kwargs: dict):
   """In a worker: the named function called on plain data; an array result as a numpy array."""
   _cpu_limit(cpu_s)
-  fn = _LOADED.get(spec)
-  if fn is None:
-    fn = _LOADED[spec] = load_callable(spec, "user function", "module:attribute", ValueError)
-  out = fn(*args, **kwargs)
+  out = _loaded(spec)(*args, **kwargs)
   if hasattr(out, "__array__") and not isinstance(out, (list, tuple)):
     import numpy as np
     out = np.asarray(out)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from jaxrl.envs.base import Environment, EnvironmentFactory, Step, ToolEnvironment
 from jaxrl.envs.contained import ContainedEnvironment, EnvError
 from jaxrl.envs.tools import Calculator, PythonSandbox
-from jaxrl.rewards.user import load_callable
+from jaxrl.user_code import load_callable
 
 ENVIRONMENTS: dict[str, EnvironmentFactory] = {"calculator": Calculator, "python": PythonSandbox}
 

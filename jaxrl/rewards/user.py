@@ -16,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl.user_code import (UserCodePool, UserCodeTimeout, WorkerDied, columns,  # noqa: F401
-                             load_callable)
+from jaxrl.user_code import UserCodePool, UserCodeTimeout, WorkerDied, columns, load_callable
 
 POLICIES = ("stop", "zero")  # what a misbehaving user function does to the run
 # Names the call itself passes; dataset fields with these names are not forwarded.
@@ -77,7 +76,7 @@ def call_reward_fn(fn: Callable, prompts: Sequence[str], completions: Sequence[s
   worker is killed).
 
   What goes wrong is named with the sample's index: a raise (each sample of that part is then
-  retried alone, all at once, within one more time limit), a timeout, a worker that died, a
+  retried alone, all at once, within two more time limits), a timeout, a worker that died, a
   wrong type, shape or length, a NaN. `policy="stop"` raises a RewardFnError; `"zero"` scores
   those samples 0 and tells `report(count)`."""
   prompts, completions = list(prompts), list(completions)
@@ -94,7 +93,7 @@ def call_reward_fn(fn: Callable, prompts: Sequence[str], completions: Sequence[s
     if error is None:
       rewards[a:b], wrong = _values(fn, out, b - a)
       bad += [(a + i, message) for i, message in wrong]
-    elif isinstance(error, (UserCodeTimeout, WorkerDied)):
+    elif isinstance(error, _CONTAINED):
       bad += [(i, str(error)) for i in range(a, b)]
     else:
       retry += [(i, error) for i in range(a, b)]
@@ -109,10 +108,14 @@ def call_reward_fn(fn: Callable, prompts: Sequence[str], completions: Sequence[s
   return rewards
 
 
+_CONTAINED = (UserCodeTimeout, WorkerDied)  # what the pool stopped, not what the code raised
+
+
 def _parts(n: int, ways: int, group: int) -> list[tuple[int, int]]:
   """[a, b) ranges splitting n samples `ways` ways in whole groups (none empty)."""
   group = max(1, group)
-  size = max(1, -(-(-(-n // max(1, ways))) // group) * group)
+  per_way = -(-n // max(1, ways))
+  size = max(1, -(-per_way // group) * group)
   return [(a, min(n, a + size)) for a in range(0, n, size)] or [(0, 0)]
 
 
@@ -144,8 +147,8 @@ def _each_alone(fn, call, retry, rewards, pool):
   bad = []
   for (i, _), (out, error) in zip(retry, outcomes):
     if error is not None:
-      bad.append((i, f"raised {error_line(error)}" if not isinstance(
-          error, (UserCodeTimeout, WorkerDied)) else str(error)))
+      bad.append((i, str(error) if isinstance(error, _CONTAINED) else
+                  f"raised {error_line(error)}"))
       continue
     value, wrong = _values(fn, out, 1)
     rewards[i] = value[0]
