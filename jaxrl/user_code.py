@@ -60,8 +60,47 @@ def _lower(limit: int, value: int) -> None:
                                hard))
 
 
-def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Sequence[str]
-             ) -> None:
+SPARE_UID = 65533  # a root worker's real uid: an account nothing else runs as
+
+
+def limit_processes(processes: int) -> None:
+  """At most `processes` more processes (threads count) started by this one and its children.
+  The kernel counts a real uid's processes and exempts root's, so a root worker takes a spare
+  real uid (`SPARE_UID`; its effective uid stays root: files read as before) and drops the two
+  capabilities that also exempt it (CAP_SYS_RESOURCE, CAP_SYS_ADMIN); a user's worker counts
+  with that user's other processes, so its limit is those plus `processes`. (Where the spare uid
+  does not exist in the user namespace, root's worker has no process limit.)"""
+  import ctypes
+  if os.getuid() == 0:
+    try:
+      os.setresuid(SPARE_UID, 0, 0)
+    except OSError:  # a namespace without that uid: root stays exempt
+      return
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()
+    keep = ~((1 << 21) | (1 << 24)) & 0xFFFFFFFF  # CAP_SYS_ADMIN, CAP_SYS_RESOURCE
+    if libc.capget(header, data) == 0:
+      for i in (0, 1, 3, 4):  # effective and permitted, both 32-bit halves
+        data[i] &= keep
+      libc.capset(header, data)
+  _lower(resource.RLIMIT_NPROC, _tasks_of(os.getuid()) + processes)
+
+
+def _tasks_of(uid: int) -> int:
+  """How many tasks (threads) run as real uid `uid` now."""
+  count = 0
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+      count += int(fields["Uid"].split()[0]) == uid and int(fields["Threads"])
+    except (OSError, KeyError, ValueError):
+      continue
+  return count
+
+
+def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Sequence[str],
+             processes: int = 64) -> None:
   """A worker's start: the parent's import path, the functions it will run imported (before
   any call's clock starts; a failure shows at the call), its limits, its output discarded."""
   sys.path[:] = path
@@ -72,6 +111,7 @@ def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Seque
       pass
   _lower(resource.RLIMIT_AS, memory_bytes)
   _lower(resource.RLIMIT_FSIZE, file_bytes)
+  limit_processes(processes)
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
   devnull = os.open(os.devnull, os.O_WRONLY)
   os.dup2(devnull, 1)
@@ -95,8 +135,13 @@ def _loaded(spec: str) -> Callable:
 
 def _run(spec: str, cpu_s: float, args: tuple, kwargs: dict):
   """In a worker: the named function called on plain data; an array result as a numpy array."""
+  me = os.getpid()
   _cpu_limit(cpu_s)
-  out = _loaded(spec)(*args, **kwargs)
+  try:
+    out = _loaded(spec)(*args, **kwargs)
+  finally:
+    if os.getpid() != me:  # a process the user's code forked never returns into the pool
+      os._exit(1)
   if hasattr(out, "__array__") and not isinstance(out, (list, tuple)):
     import numpy as np
     out = np.asarray(out)

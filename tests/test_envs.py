@@ -1,13 +1,14 @@
 """The tool environments: the restricted evaluator (what it computes, what it refuses, its time
-limit), the calculator and Python conversations token ids in and out, and loading by name."""
+limit), the calculator and Python tool conversations token ids in and out, and loading by name.
+(tests/faults/test_code_tool.py: what the Python tool's sandbox contains.)"""
 import time
 
 import pytest
 
 from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import ByteTokenizer
-from jaxrl.envs import Calculator, EnvError, PythonSandbox, environment_factory
-from jaxrl.envs.sandbox import FUNCTIONS, EvalError, run_expression
+from jaxrl.envs import Calculator, EnvError, PythonTool, environment_factory
+from jaxrl.envs.expression import FUNCTIONS, EvalError, run_expression
 from jaxrl.rewards.math import math_equal
 
 TOK = ByteTokenizer()
@@ -34,18 +35,18 @@ def test_the_calculator_takes_arithmetic_only(expression):
     "[range(10000)] * 10000", "[[0] * 9000] + [[0] * 9000]",
 ])
 def test_large_values_are_refused_within_the_limit(expression):
-  """Sizes count the whole value: each of these answers within the sandbox's 1 s limit."""
+  """Sizes count the whole value: each of these answers within a 1 s limit."""
   t0 = time.monotonic()
-  assert PythonSandbox(TOK, math_equal).run(expression) == "error: sequence too long"
+  with pytest.raises(EvalError, match="sequence too long"):
+    run_expression(expression, functions=FUNCTIONS, time_limit_s=1.0)
   assert time.monotonic() - t0 < 1.0
 
 
-def test_a_long_result_is_cut_before_it_is_encoded():
-  env = PythonSandbox(TOK, math_equal)
+def test_a_long_output_is_cut_before_it_is_encoded():
+  env = PythonTool(TOK, math_equal)
   env.reset(Example("?", "0"))
-  reply = TOK.decode(env.step(TOK.encode("<python>[10 ** 299] * 30</python>")).observation)
-  value = str([10 ** 299] * 30)
-  assert reply == f" <output>{value[:2000]} ... [{len(value) - 2000} more characters cut]</output>"
+  reply = TOK.decode(env.step(TOK.encode("<python>print('9' * 5000)</python>")).observation)
+  assert reply == f" <output>{'9' * 2000} ... [3001 more characters cut]</output>"
 
 
 def test_python_expressions_with_the_whitelist():
@@ -101,13 +102,16 @@ def test_calculator_conversation_is_token_ids_in_and_out():
   assert wrong.done and wrong.reward == 0.0
 
 
-def test_python_sandbox_conversation():
-  env = PythonSandbox(TOK, math_equal)
+def test_python_tool_conversation():
+  env = PythonTool(TOK, math_equal)
   env.reset(Example("Sum of squares below 10?", "285"))
-  step = env.step(TOK.encode("<python>sum(i*i for i in range(10))</python>"))
-  assert TOK.decode(step.observation) == " <output>285</output>" and not step.done
-  step = env.step(TOK.encode("<python>open('x')</python>"))
-  assert TOK.decode(step.observation) == " <output>error: name 'open' is not defined</output>"
+  program = "import math\ntotal = 0\nfor i in range(10):\n  total += i * i\nprint(total)"
+  step = env.step(TOK.encode(f"<python>{program}</python>"))
+  assert TOK.decode(step.observation) == " <output>285\n</output>" and not step.done
+  step = env.step(TOK.encode("<python>print(1 / 0)</python>"))
+  assert TOK.decode(step.observation) == (
+      ' <output>Traceback (most recent call last):\n  File "<program>", line 1, in <module>\n'
+      "ZeroDivisionError: division by zero\n</output>")
   assert env.step(TOK.encode("#### 285")).reward == 1.0
 
 
@@ -129,7 +133,7 @@ class Echo:
 
 def test_environments_load_by_name_or_from_a_module():
   assert environment_factory("calculator") is Calculator
-  assert environment_factory("python") is PythonSandbox
+  assert environment_factory("python") is PythonTool
   assert environment_factory("test_envs:Echo") is Echo
   for spec, message in [("chess", "environment 'chess': expected one of ['calculator', 'python']"),
                         ("no_such_module_xyz:Env", "no module named 'no_such_module_xyz'"),

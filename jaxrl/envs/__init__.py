@@ -1,14 +1,16 @@
-"""Environments for multi-turn rollouts: the protocol (base.py), a calculator and a Python
-sandbox (tools.py), chosen by name from `ENVIRONMENTS`, or a user's class "package.module:Class"
-(constructed with the tokenizer and the run's verifier)."""
+"""Environments for multi-turn rollouts: the protocol (base.py), a calculator and a sandboxed
+Python tool (tools.py), chosen by name from `ENVIRONMENTS`, or a user's class
+"package.module:Class" (constructed with the tokenizer and the run's verifier, in a host
+process: hosted.py)."""
 from __future__ import annotations
 
 from jaxrl.envs.base import Environment, EnvironmentFactory, Step, ToolEnvironment
 from jaxrl.envs.contained import ContainedEnvironment, EnvError
-from jaxrl.envs.tools import Calculator, PythonSandbox
+from jaxrl.envs.hosted import EnvHosts
+from jaxrl.envs.tools import Calculator, PythonTool
 from jaxrl.user_code import load_callable
 
-ENVIRONMENTS: dict[str, EnvironmentFactory] = {"calculator": Calculator, "python": PythonSandbox}
+ENVIRONMENTS: dict[str, EnvironmentFactory] = {"calculator": Calculator, "python": PythonTool}
 
 
 def environment_factory(spec: str) -> EnvironmentFactory:
@@ -21,6 +23,6 @@ def environment_factory(spec: str) -> EnvironmentFactory:
   return load_callable(spec, "environment", "package.module:Class", EnvError)
 
 
-__all__ = ["ENVIRONMENTS", "Calculator", "ContainedEnvironment", "Environment", "EnvError",
-           "EnvironmentFactory", "PythonSandbox", "Step", "ToolEnvironment",
+__all__ = ["ENVIRONMENTS", "Calculator", "ContainedEnvironment", "EnvHosts", "Environment",
+           "EnvError", "EnvironmentFactory", "PythonTool", "Step", "ToolEnvironment",
            "environment_factory"]

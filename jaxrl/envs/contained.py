@@ -1,9 +1,10 @@
-"""A user's environment, contained: every `reset` and `step` runs with a time limit in a thread
-the run can abandon (`jaxrl.rewards.user.call_with_timeout`), and what it returns is checked (a
-list of token ids, a finite reward, a bool). When it raises, hangs or returns something else,
-the policy decides: "stop" raises an EnvError naming the environment, the call and what went
-wrong; "zero" ends that conversation with no further reward and tells `report(1)`. The shipped
-environments run in place: their own sandbox already bounds every call (sandbox.py).
+"""A user's environment, contained: it lives in a host process the run can kill (hosted.py:
+every `reset` and `step` is bounded in time there), and what it returns is checked (a list of
+token ids, a finite reward, a bool). When it raises, hangs, dies or returns something else, the
+policy decides: "stop" raises an EnvError naming the environment, the call and what went wrong;
+"zero" ends that conversation with no further reward and tells `report(1)`. The shipped
+environments run in place: the calculator's evaluator bounds every call itself (expression.py)
+and the python tool runs its programs in a sandbox (code_sandbox.py).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numbers
 from collections.abc import Callable
 
 from jaxrl.envs.base import Environment, Step
-from jaxrl.rewards.user import call_with_timeout, error_line
+from jaxrl.rewards.user import error_line
 
 
 class EnvError(ValueError):
@@ -36,18 +37,17 @@ def _checked_step(step) -> Step:
 class ContainedEnvironment:
   """`env` behind a time limit and the policy (module docstring)."""
 
-  def __init__(self, env: Environment, *, name: str, timeout_s: float, policy: str,
+  def __init__(self, env: Environment, *, name: str, policy: str,
                report: Callable[[int], None]):
-    self.env, self.name, self.timeout_s, self.policy, self.report = (env, name, timeout_s,
-                                                                     policy, report)
+    self.env, self.name, self.policy, self.report = env, name, policy, report
     self.stop_strings = tuple(env.stop_strings)
     self.failed = False
 
   def _call(self, what: str, fn, check, *args):
-    """`check(fn(*args))`, contained: a raise, a hang or a wrong return goes to the policy
-    (None when it says go on)."""
+    """`check(fn(*args))`, contained: a raise, a hang (the host's timeout) or a wrong return
+    goes to the policy (None when it says go on)."""
     try:
-      out = call_with_timeout(fn, self.timeout_s, *args)
+      out = fn(*args)
     except Exception as e:  # noqa: BLE001 - user code: anything, a timeout too
       return self._failed(EnvError(f"environment {self.name}: {what}: {error_line(e)}"))
     try:

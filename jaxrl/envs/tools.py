@@ -1,9 +1,13 @@
-"""The shipped environments: a calculator and a Python-expression sandbox (jaxrl/envs/sandbox.py
-says why a restricted evaluator rather than a subprocess)."""
+"""The shipped environments: a calculator (the restricted evaluator of expression.py) and a
+Python tool that runs whole programs in a sandbox (code_sandbox.py)."""
 from __future__ import annotations
 
+import atexit
+import signal
+
 from jaxrl.envs.base import ToolEnvironment
-from jaxrl.envs.sandbox import FUNCTIONS, EvalError, run_expression
+from jaxrl.envs.code_sandbox import CodeSandbox
+from jaxrl.envs.expression import EvalError, run_expression
 
 
 def _shown(value) -> str:
@@ -15,30 +19,59 @@ def _shown(value) -> str:
   return str(value)
 
 
-def evaluated(text: str, functions: dict | None, time_limit_s: float) -> str:
-  """The expression's value as the model reads it, or `error: REASON`: rendered inside the
-  error handling (the value is bounded in size by then; the reply is cut to
-  `base.MAX_OUTPUT_CHARS` before it is encoded)."""
-  try:
-    return _shown(run_expression(text, functions=functions, time_limit_s=time_limit_s))
-  except EvalError as e:
-    return f"error: {e}"
-
-
 class Calculator(ToolEnvironment):
   """`<calc>12*7+3</calc>` -> ` <result>87</result>`: arithmetic only (numbers, + - * / // % **,
-  parentheses), for GSM8K-style problems whose numbers outgrow a small model's arithmetic."""
+  parentheses), for GSM8K-style problems whose numbers outgrow a small model's arithmetic. The
+  value is rendered inside the error handling (it is bounded in size by then); the reply is cut
+  to `base.MAX_OUTPUT_CHARS` before it is encoded."""
   tag, result_tag = "calc", "result"
 
   def run(self, text: str) -> str:
-    return evaluated(text, None, time_limit_s=0.1)
+    try:
+      return _shown(run_expression(text, functions=None, time_limit_s=0.1))
+    except EvalError as e:
+      return f"error: {e}"
 
 
-class PythonSandbox(ToolEnvironment):
-  """`<python>sum(i*i for i in range(10))</python>` -> ` <output>285</output>`: one Python
-  expression with the whitelisted functions (sandbox.FUNCTIONS), comprehensions over bounded
-  ranges, no statements, attributes, imports, files or network, 1 s at most."""
+_SANDBOXES: dict[int, CodeSandbox] = {}
+
+
+def shared_sandbox(workers: int = 2) -> CodeSandbox:
+  """The process's code sandbox of `workers` servers, started once (stopped at exit)."""
+  if workers not in _SANDBOXES:
+    _SANDBOXES[workers] = CodeSandbox(workers=workers)
+    atexit.register(_SANDBOXES[workers].close)
+  return _SANDBOXES[workers]
+
+
+def _ending(result: dict, cpu_limit_s: int) -> str:
+  """How a program ended, as the model reads it after its output ("" for a clean exit or a
+  traceback, which the output shows)."""
+  status = result["status"]
+  if status in (0, 1):
+    return ""
+  if status == "timeout":
+    return "[killed: the time limit]"
+  if status == 128 + signal.SIGKILL and result["cpu_s"] >= cpu_limit_s:
+    return f"[killed: the CPU time limit, {cpu_limit_s} s]"
+  if isinstance(status, int) and status > 128:
+    return f"[ended by signal {status - 128}]"
+  return f"[exit status {status}]"
+
+
+class PythonTool(ToolEnvironment):
+  """`<python>print(sum(i*i for i in range(10)))</python>` -> ` <output>285\\n</output>`: a whole
+  program (statements, `print`, imports of `code_sandbox.MODULES`) run in the sandbox: its
+  stdout and stderr (a traceback on an error) and how it ended if not cleanly."""
   tag, result_tag = "python", "output"
 
+  def __init__(self, tok, verifier, sandbox: CodeSandbox | None = None):
+    super().__init__(tok, verifier)
+    self.sandbox = sandbox or shared_sandbox()
+
   def run(self, text: str) -> str:
-    return evaluated(text, FUNCTIONS, time_limit_s=1.0)
+    result = self.sandbox.run(text)
+    ending = _ending(result, self.sandbox.config["limits"]["cpu_s"])
+    if result["output_bytes"] > len(result["output"].encode()):
+      ending = f"[{result['output_bytes']} bytes of output or more; cut] {ending}"
+    return result["output"] + ending

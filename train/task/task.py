@@ -20,10 +20,13 @@ from jaxrl.data.pipeline import Encoding, prompt_dataset, prompt_length, target_
 from jaxrl.data.sources import DataOptions, load_examples
 from jaxrl.data.tasks import Example, make_splits
 from jaxrl.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
-from jaxrl.envs import ENVIRONMENTS, ContainedEnvironment, EnvError, environment_factory
-from jaxrl.rewards.user import RewardFnError, call_reward_fn, call_with_timeout, load_reward_fn
+from jaxrl.envs import (ENVIRONMENTS, ContainedEnvironment, EnvError, EnvHosts,
+                        environment_factory)
+from jaxrl.envs.code_sandbox import SandboxUnavailable
+from jaxrl.envs.hosted import EnvCallError
+from jaxrl.rewards.user import RewardFnError, call_reward_fn, load_reward_fn
 from jaxrl.rewards.verifier import VERIFIERS
-from jaxrl.user_code import UserCodePool
+from jaxrl.user_code import UserCodePool, UserCodeTimeout, WorkerDied
 from train.io.host_transfers import to_host
 
 log = logging.getLogger("jaxrl")
@@ -172,29 +175,67 @@ def load_task(cfg: ExperimentConfig, tok: Tokenizer) -> TaskData:
 
 def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData):
   """A zero-argument factory of the run's environment (`rl.environment`), or None; a user's
-  class is contained (jaxrl/envs/contained.py), its failures counted in the task's
-  `user_code_errors`."""
+  class lives in host processes (jaxrl/envs/hosted.py), contained (jaxrl/envs/contained.py),
+  its failures counted in the task's `user_code_errors`. One environment is made here, so a
+  constructor that fails (or a sandbox the kernel refuses) is a one-line config error."""
   rl = cfg.rl
   if not rl.environment:
     return None
   try:
     factory = environment_factory(rl.environment)
-  except EnvError as e:
+    if rl.environment in ENVIRONMENTS:
+      factory(tok, task.verifier)
+      return lambda: factory(tok, task.verifier)
+    hosts = _env_hosts(rl, tok)
+    hosts.new()
+  except (EnvError, SandboxUnavailable) as e:
     raise ConfigError(f"config.rl.environment: {e}") from None
-  if rl.environment in ENVIRONMENTS:
-    return lambda: factory(tok, task.verifier)
-
-  def construct():
-    """A user environment's constructor: what it raises is a one-line config error."""
-    try:
-      return call_with_timeout(lambda: factory(tok, task.verifier), rl.user_code_timeout_s)
-    except Exception as e:  # noqa: BLE001 - user code
-      raise ConfigError(f"config.rl.environment: {rl.environment}: the constructor raised "
-                        f"{type(e).__name__}: {first_line(e)}") from None
+  except (EnvCallError, UserCodeTimeout, WorkerDied) as e:
+    raise ConfigError(f"config.rl.environment: {rl.environment}: the constructor failed: "
+                      f"{first_line(e)}") from None
   count = lambda n: task.user_code_errors.update({"environment": n})
-  return lambda: ContainedEnvironment(construct(), name=rl.environment,
-                                      timeout_s=rl.user_code_timeout_s,
+  return lambda: ContainedEnvironment(_new(hosts), name=rl.environment,
                                       policy=rl.on_user_code_error, report=count)
+
+
+def _new(hosts: EnvHosts):
+  """A new hosted environment; a failure to make it is the conversation's first failure."""
+  try:
+    return hosts.new()
+  except Exception as e:  # noqa: BLE001 - user code: contained at its first call
+    return _Failed(e)
+
+
+class _Failed:
+  """An environment whose construction failed: every call raises what it raised."""
+  stop_strings = ()
+
+  def __init__(self, error: Exception):
+    self.error = error
+
+  def reset(self, example):
+    raise self.error
+
+  def step(self, turn_ids):
+    raise self.error
+
+
+_HOSTS: dict[tuple, tuple] = {}
+
+
+def _env_hosts(rl: RLConfig, tok: Tokenizer) -> EnvHosts:
+  """The host processes of `rl.environment` for tokenizer `tok`, started once per process
+  (stopped at its exit)."""
+  key = (rl.environment, rl.verifier, rl.user_code_workers, rl.user_code_timeout_s,
+         rl.user_code_memory_gb, tuple(sys.path))
+  if key not in _HOSTS or _HOSTS[key][0] is not tok:
+    if key in _HOSTS:  # a later run of this process, with its own tokenizer
+      _HOSTS[key][1].close()
+    hosts = EnvHosts(rl.environment, tok, rl.verifier, workers=key[2], timeout_s=key[3],
+                     memory_gb=key[4])
+    atexit.register(hosts.close)
+    _HOSTS[key] = (tok, hosts)
+  return _HOSTS[key][1]
 
 
 @jax.jit

@@ -1,10 +1,10 @@
-"""A restricted evaluator of Python expressions, for the tool environments.
+"""A restricted evaluator of Python expressions: the calculator's (arithmetic only), and with
+`FUNCTIONS` a whitelist a user's tool environment may offer.
 
-Why not a subprocess with resource limits: a tool call happens per turn per row, thousands per
-RL step, and a process per call costs milliseconds where this costs microseconds; and a
-subprocess runs arbitrary Python, so its safety rests on the OS limits being right everywhere.
-Here nothing outside a small whitelist can run: the expression is parsed with `ast` and walked
-node by node; there are no attribute lookups, imports, assignments, lambdas or loops (only
+Why not the code tool's sandbox (code_sandbox.py): a calculator call happens per turn per row,
+thousands per RL step, and costs microseconds here where a sandboxed program costs
+milliseconds. Here nothing outside a small whitelist can run: the expression is parsed with
+`ast` and walked node by node; there are no attribute lookups, imports, assignments, lambdas or loops (only
 comprehensions over bounded `range`s), names resolve only to the whitelisted functions, and no
 file, network or interpreter state is reachable. Work is bounded: every node checks a deadline
 (`time_limit_s`), integers stay below `MAX_DIGITS` digits (a power is refused before it is

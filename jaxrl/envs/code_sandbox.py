@@ -1,0 +1,286 @@
+"""Python programs a model writes, run in a sandbox: the code tool's engine.
+
+A sandbox server (`python -m jaxrl.envs.code_sandbox`, one per worker) starts once: it enters a
+new network namespace (no interface is up: no address is reachable, the host's localhost
+included) and a new mount namespace with a `disk_mb` tmpfs as its scratch space, imports the
+allowed modules, and tells its client it is ready. Then, per program, it forks a runner (a warm
+interpreter: milliseconds a program, not the ~50 ms of a fresh python):
+
+- the runner starts a new PID namespace and its program runs as that namespace's first
+  process, so every process the program starts dies with it;
+- the program's root is an empty directory of the scratch tmpfs (chroot), removed after the
+  run; it runs as uid/gid `nobody`, so it cannot leave that root, and the kernel's process-count
+  limit (`processes`) binds (a fork bomb fails at it);
+- rlimits: CPU seconds (`cpu_s`), address space (`memory_mb`), file size (`file_mb`), open
+  files; the whole scratch space is `disk_mb`;
+- stdout and stderr go to a pipe the server reads up to `output_bytes` and then closes (a
+  program printing a gigabyte stops at its next write), and the server kills the runner's
+  namespace at `timeout_s` of wall-clock time;
+- `import` finds only the modules the server imported (`modules`); that list is a convenience
+  for the model, not the boundary: the boundary is the kernel's (namespaces, uid, rlimits).
+
+It needs root or unprivileged user namespaces (Linux); where the kernel refuses them, the
+server says so and `CodeSandbox` raises `SandboxUnavailable` with the kernel's reason: nothing
+runs unisolated.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+MODULES = ("math", "cmath", "fractions", "decimal", "statistics", "itertools", "functools",
+           "collections", "heapq", "bisect", "re", "string", "random", "datetime", "json",
+           "operator", "typing", "dataclasses", "copy", "textwrap", "array", "numbers")
+_NEWNS, _NEWNET, _NEWPID, _NEWUSER = 0x20000, 0x40000000, 0x20000000, 0x10000000
+_MS_REC, _MS_PRIVATE = 0x4000, 0x40000
+_NOBODY = 65534
+
+
+class SandboxUnavailable(RuntimeError):
+  """The kernel refuses the sandbox's namespaces (one line: its reason)."""
+
+
+def _libc():
+  return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(rc: int, what: str) -> None:
+  if rc != 0:
+    raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
+def _enter_namespaces(scratch: str, disk_mb: int) -> None:
+  """The server's isolation, once: no network, a private mount table, the scratch tmpfs."""
+  libc, uid, gid = _libc(), os.getuid(), os.getgid()
+  if uid != 0:  # unprivileged: a user namespace where this user is root
+    _check(libc.unshare(_NEWUSER), "unshare(user namespace)")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"),
+                       ("gid_map", f"0 {gid} 1")):
+      with open(f"/proc/self/{name}", "w") as f:
+        f.write(text)
+  _check(libc.unshare(_NEWNS | _NEWNET), "unshare(mount and network namespaces)")
+  _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
+  _check(libc.mount(b"tmpfs", scratch.encode(), b"tmpfs", 0,
+                    f"size={disk_mb}m,mode=755".encode()), "mount tmpfs")
+
+
+def _restricted_import(allowed: frozenset[str]):
+  original = __import__
+
+  def imported(name, globals=None, locals=None, fromlist=(), level=0):
+    if level or name.partition(".")[0] not in allowed or name not in sys.modules:
+      raise ImportError(f"module {name!r} is not available here (allowed: "
+                        f"{', '.join(sorted(allowed))})")
+    return original(name, globals, locals, fromlist, level)
+  return imported
+
+
+def _program(code: str, root: str, limits: dict, allowed: frozenset[str], out_fd: int) -> None:
+  """The runner's program process (PID 1 of its namespace): confined, limited, run; never
+  returns."""
+  import builtins
+  import resource
+  import traceback
+  try:
+    _libc().prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the runner
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.chroot(root)
+    os.chdir("/")
+    if limits["user_namespace"]:  # root of its own namespace only: every capability dropped
+      _drop_capabilities()
+    else:
+      os.setgroups([])
+      os.setgid(_NOBODY)
+      os.setuid(_NOBODY)
+    for limit, value in ((resource.RLIMIT_CPU, limits["cpu_s"]),  # then SIGKILL (PID 1 ignores
+                         (resource.RLIMIT_AS, limits["memory_mb"] << 20),  # SIGXCPU)
+                         (resource.RLIMIT_FSIZE, limits["file_mb"] << 20),
+                         (resource.RLIMIT_NPROC, limits["processes"]),
+                         (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
+      resource.setrlimit(limit, (value, value))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the file limit fails
+    os.dup2(null, 0)
+    os.dup2(out_fd, 1)
+    os.dup2(out_fd, 2)
+    builtins.__import__ = _restricted_import(allowed)
+  except BaseException as e:  # noqa: BLE001 - the confinement failed: run nothing
+    os.write(out_fd, f"sandbox setup failed: {e}".encode())
+    os._exit(125)
+  code_rc = 0
+  try:
+    exec(compile(code, "<program>", "exec"), {"__name__": "__main__"})  # noqa: S102
+  except SystemExit as e:
+    code_rc = e.code if isinstance(e.code, int) else 1
+  except BaseException as e:  # noqa: BLE001 - the program's own error, shown to the model
+    traceback.print_exception(type(e), e, e.__traceback__.tb_next, limit=-4)
+    code_rc = 1
+  try:
+    sys.stdout.flush()
+    sys.stderr.flush()
+  finally:
+    os._exit(code_rc)
+
+
+def _drop_capabilities() -> None:
+  """capset(2) with empty sets, and no new privileges through exec."""
+  libc = _libc()
+  header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+  data = (ctypes.c_uint32 * 6)()
+  _check(libc.capset(header, data), "capset")
+  _check(libc.prctl(38, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+def _runner(code: str, root: str, limits: dict, allowed: frozenset[str], out_fd: int) -> None:
+  """The forked runner: a new session and PID namespace whose first process is the program;
+  exits with the program's status (a signal as 128 + its number); never returns."""
+  try:
+    os.setsid()
+    _check(_libc().unshare(_NEWPID), "unshare(PID namespace)")
+    pid = os.fork()
+    if pid == 0:
+      _program(code, root, limits, allowed, out_fd)
+    os.close(out_fd)
+    _, status = os.waitpid(pid, 0)
+    rc = os.waitstatus_to_exitcode(status)
+    os._exit(128 - rc if rc < 0 else rc)
+  except BaseException as e:  # noqa: BLE001
+    os.write(out_fd, f"sandbox setup failed: {e}".encode())
+    os._exit(125)
+
+
+def _collect(pid: int, out_r: int, output_bytes: int, timeout_s: float) -> dict:
+  """The runner's output (up to `output_bytes`, then the pipe is closed) and how it ended, its
+  session killed at `timeout_s`."""
+  deadline, chunks, size, status, cpu_s = time.monotonic() + timeout_s, [], 0, None, 0.0
+  while status is None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+      os.killpg(pid, signal.SIGKILL)
+      os.waitpid(pid, 0)
+      status = "timeout"
+      break
+    if out_r >= 0 and select.select([out_r], [], [], min(left, 0.05))[0]:
+      chunk = os.read(out_r, 65536)
+      chunks.append(chunk)
+      size += len(chunk)
+      if not chunk or size > output_bytes:
+        os.close(out_r)
+        out_r = -1
+    elif out_r < 0:
+      time.sleep(min(left, 0.001))
+    done, wait_status, usage = os.wait4(pid, os.WNOHANG)
+    if done:
+      status = os.waitstatus_to_exitcode(wait_status)
+      cpu_s = usage.ru_utime + usage.ru_stime
+  if out_r >= 0:
+    os.close(out_r)
+  text = b"".join(chunks)
+  return {"output": text[:output_bytes].decode("utf-8", "replace"),
+          "output_bytes": size, "status": status, "cpu_s": cpu_s}
+
+
+def _serve(config: dict) -> None:
+  """The server: namespaces entered, modules imported, then one program per request line."""
+  scratch = config["scratch"]
+  try:
+    _enter_namespaces(scratch, config["disk_mb"])
+  except OSError as e:
+    print(json.dumps({"ready": False, "reason": str(e)}), flush=True)
+    return
+  import importlib
+  for name in config["modules"]:
+    importlib.import_module(name)
+  limits = {**config["limits"], "user_namespace": os.getuid() != config["launched_uid"]
+            or config["launched_uid"] != 0}
+  allowed = frozenset(config["modules"])
+  channel = sys.stdout
+  sys.stdout = sys.stderr  # nothing else writes to the channel
+  print(json.dumps({"ready": True}), file=channel, flush=True)
+  for n, line in enumerate(sys.stdin):
+    root = os.path.join(scratch, str(n))
+    os.mkdir(root)
+    if not limits["user_namespace"]:
+      os.chown(root, _NOBODY, _NOBODY)
+    out_r, out_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+      os.close(out_r)
+      _runner(json.loads(line), root, limits, allowed, out_w)
+    os.close(out_w)
+    result = _collect(pid, out_r, config["output_bytes"], config["timeout_s"])
+    shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(result), file=channel, flush=True)
+
+
+class CodeSandbox:
+  """`workers` sandbox servers (module docstring); `run(code)` takes a free one (threads may
+  call it at once) and returns {"output": str, "output_bytes": int, "status": exit code or
+  "timeout", "cpu_s": CPU seconds used}; a server that does not answer within `timeout_s` + 10 s is killed and
+  replaced."""
+
+  def __init__(self, *, workers: int = 2, timeout_s: float = 2.0, cpu_s: int = 1,
+               memory_mb: int = 512, file_mb: int = 4, disk_mb: int = 16, processes: int = 32,
+               output_bytes: int = 8192, modules: tuple[str, ...] = MODULES):
+    self.timeout_s = timeout_s
+    self.config = {"disk_mb": disk_mb, "modules": list(modules), "timeout_s": timeout_s,
+                   "output_bytes": output_bytes, "launched_uid": os.getuid(),
+                   "limits": {"cpu_s": cpu_s, "memory_mb": memory_mb, "file_mb": file_mb,
+                              "processes": processes}}
+    self.free: queue.Queue = queue.Queue()
+    self.servers = []
+    for _ in range(workers):
+      self.free.put(self._start())
+
+  def _start(self) -> subprocess.Popen:
+    scratch = tempfile.mkdtemp(prefix="jaxrl-code-")
+    server = subprocess.Popen(
+        [sys.executable, "-I", os.path.abspath(__file__), json.dumps(
+            {**self.config, "scratch": scratch})],  # (stdlib only: no package import)
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    server.scratch = scratch
+    hello = json.loads(server.stdout.readline() or '{"ready": false, "reason": "it exited"}')
+    if not hello["ready"]:
+      self._stop(server)
+      raise SandboxUnavailable(f"the code sandbox needs Linux namespaces (root or "
+                               f"unprivileged user namespaces): {hello['reason']}")
+    self.servers.append(server)
+    return server
+
+  def run(self, code: str) -> dict:
+    server = self.free.get()
+    try:
+      server.stdin.write(json.dumps(code) + "\n")
+      ready = select.select([server.stdout], [], [], self.timeout_s + 10)[0]
+      line = server.stdout.readline() if ready else ""
+      if line:
+        self.free.put(server)
+        return json.loads(line)
+    except (BrokenPipeError, OSError):
+      pass
+    self._stop(server)
+    self.free.put(self._start())
+    return {"output": "", "output_bytes": 0, "status": "sandbox server failed"}
+
+  def _stop(self, server: subprocess.Popen) -> None:
+    server.kill()
+    server.wait()
+    shutil.rmtree(server.scratch, ignore_errors=True)
+    if server in self.servers:
+      self.servers.remove(server)
+
+  def close(self) -> None:
+    for server in list(self.servers):
+      self._stop(server)
+
+
+if __name__ == "__main__":
+  _serve(json.loads(sys.argv[1]))

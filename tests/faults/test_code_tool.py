@@ -1,0 +1,66 @@
+"""The Python tool's sandbox (jaxrl/envs/code_sandbox.py) contains what a model's program does:
+each program here answers within about the time limit with a bounded reply naming what stopped
+it, and the next program runs as usual. The sandbox lets these programs import `os` and
+`socket`: the import list is a convenience, the kernel's namespaces, uid and rlimits are the
+boundary, and these tests check that boundary."""
+import time
+
+import pytest
+
+from jaxrl.data.tokenizer import ByteTokenizer
+from jaxrl.envs import PythonTool
+from jaxrl.envs.code_sandbox import MODULES, CodeSandbox
+from jaxrl.rewards.math import math_equal
+
+FORK_BOMB = """import os
+while True:
+  try:
+    os.fork()
+  except OSError as e:
+    print('fork:', e.strerror)
+    break
+"""
+WRITES_GIGABYTES = """with open('big', 'wb') as f:
+  for _ in range(4096):
+    f.write(b'x' * 2**20)"""
+MANY_FILES = """for i in range(4096):
+  with open(f'f{i}', 'wb') as f:
+    f.write(b'x' * (3 * 2**20))"""
+
+CASES = [  # program, what its reply contains
+    ("import re\nprint(re.match(r'(\\d+)+$', '1' * 40 + 'x'))", "[killed: the CPU time limit, 1 s]"),
+    ("while True:\n  pass", "[killed: the CPU time limit, 1 s]"),
+    ("import time\ntime.sleep(30)", "is not available here"),
+    ("x = bytearray(40 * 2**30)", "MemoryError"),
+    (FORK_BOMB, "fork: Resource temporarily unavailable"),
+    ("while True:\n  print('x' * 1000)", "bytes of output or more; cut]"),
+    ("import socket\nsocket.socket().connect(('1.1.1.1', 443))", "Network is unreachable"),
+    ("import socket\nsocket.socket().connect(('127.0.0.1', 22))", "Network is unreachable"),
+    ("print(open('/etc/passwd').read())", "No such file or directory: '/etc/passwd'"),
+    ("import os\nprint(os.listdir('/'), os.getuid())", "[] 65534"),
+    (WRITES_GIGABYTES, "OSError: [Errno 27] File too large"),
+    (MANY_FILES, "OSError: [Errno 28] No space left on device"),
+    ("import subprocess", "module 'subprocess' is not available here"),
+]
+
+
+@pytest.fixture(scope="module")
+def tool():
+  sandbox = CodeSandbox(workers=1, timeout_s=2.0, cpu_s=1, modules=MODULES + ("os", "socket"))
+  yield PythonTool(ByteTokenizer(), math_equal, sandbox=sandbox)
+  sandbox.close()
+
+
+@pytest.mark.parametrize("program,reply", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_a_program_is_contained(tool, program, reply):
+  t0 = time.monotonic()
+  out = tool.run(program)
+  assert reply in out and len(out) < 9000, out[-500:]
+  assert time.monotonic() - t0 < 2.5  # the CPU limit (1 s) or the wall-clock one (2 s)
+  assert tool.run("print(6 * 7)") == "42\n"  # and the next program runs as usual
+
+
+def test_a_wall_clock_hang_is_killed(tool):
+  t0 = time.monotonic()
+  assert tool.run("import os\nr, w = os.pipe()\nos.read(r, 1)") == "[killed: the time limit]"
+  assert 2.0 <= time.monotonic() - t0 < 3.0
