@@ -2,8 +2,10 @@
 `rl.user_code_timeout_s`, returns the wrong type or shape, or a NaN is reported with the
 sample's (or conversation's) index; `rl.on_user_code_error` decides: stop (one line, exit 2) or
 score 0 and count (`user_code_errors`). Reward functions run in worker processes
-(jaxrl/user_code.py): a hang that holds the GIL, a spin, a 40 GB allocation, a flood of output
-and a file past the size limit are each contained within about the time limit."""
+(jaxrl/user_code.py): a hang that holds the GIL, a spin, a 40 GB allocation, a flood of output,
+a file past the size limit and a fork bomb are each contained within about the time limit; user
+environments run in host processes (jaxrl/envs/hosted.py) with the same limits and the same
+faults."""
 import os
 import re
 import tempfile
@@ -65,6 +67,11 @@ def writes_gigabytes(prompts, completions, **_):
   return [1.0] * len(completions)
 
 
+def fork_bomb(prompts, completions, **_):
+  while True:
+    os.fork()
+
+
 CASES = [  # fn, the error under "stop", the rewards under "zero", how many samples failed
     (raises_on_bb, " on sample 1: raised ZeroDivisionError: division by zero", [1, 0, 1], 1),
     (hangs, ": did not return within 0.2 s", [0, 0, 0], 3),
@@ -75,6 +82,8 @@ CASES = [  # fn, the error under "stop", the rewards under "zero", how many samp
     (allocates_40_gb, ": raised MemoryError", [0, 0, 0], 3),
     (prints_gigabytes, ": did not return within 0.2 s", [0, 0, 0], 3),
     (writes_gigabytes, ": raised OSError: [Errno 27] File too large", [0, 0, 0], 3),
+    (fork_bomb, ": raised BlockingIOError: [Errno 11] Resource temporarily unavailable",
+     [0, 0, 0], 3),
 ]
 
 
@@ -102,40 +111,69 @@ def test_a_misbehaving_reward_function_under_both_policies(fn, stop_message, zer
   assert len(capfd.readouterr().out) < 1000  # a worker's output is discarded
 
 
+FAULTS = {1: lambda: 1 / 0, 2: lambda: time.sleep(30), 3: lambda: {"observation": [1]},
+          4: lambda: regex_holding_the_gil([], [""]), 5: lambda: spins([], []),
+          6: lambda: allocates_40_gb([], []), 7: lambda: fork_bomb([], []),
+          8: lambda: prints_gigabytes([], []), 9: lambda: writes_gigabytes([], [])}
+
+
 class Flaky:
-  """An environment whose step raises, hangs or returns a wrong value, by the turn's first id."""
+  """A user environment whose step misbehaves as `FAULTS` says, by the turn's first id."""
   stop_strings = ("</x>",)
+
+  def __init__(self, tok, verifier):
+    pass
 
   def reset(self, example):
     return [7]
 
   def step(self, turn_ids):
-    if turn_ids[0] == 1:
-      raise RuntimeError("tool crashed")
-    if turn_ids[0] == 2:
-      time.sleep(30)
-    if turn_ids[0] == 3:
-      return {"observation": [1]}
+    if turn_ids[0] in FAULTS:
+      return FAULTS[turn_ids[0]]()
     return Step([5, 6], 0.5, False)
 
 
+@pytest.fixture(scope="module")
+def hosts():
+  from jaxrl.data.tokenizer import ByteTokenizer
+  from jaxrl.envs import EnvHosts
+  hosted = EnvHosts("test_user_code:Flaky", ByteTokenizer(), "math", workers=1, timeout_s=0.5,
+                    memory_gb=2.0)
+  yield hosted
+  hosted.close()
+
+
+def contained(hosts, policy, report=None):
+  return ContainedEnvironment(hosts.new(), name="my:Flaky", policy=policy, report=report)
+
+
 @pytest.mark.parametrize("first,message", [
-    (1, "environment my:Flaky: step: RuntimeError: tool crashed"),
-    (2, "environment my:Flaky: step: UserCodeTimeout: did not return within 0.2 s"),
-    (3, "environment my:Flaky: step returned a dict, not a jaxrl.envs.Step"),
-])
-def test_a_misbehaving_environment_under_both_policies(first, message):
-  stop = ContainedEnvironment(Flaky(), name="my:Flaky", timeout_s=0.2, policy="stop",
-                              report=None)
-  assert stop.reset(None) == [7] and stop.step([4]) == Step([5, 6], 0.5, False)
+    (1, "step: EnvCallError: ZeroDivisionError: division by zero"),
+    (2, "step: UserCodeTimeout: step did not return within 0.5 s (its host process was killed)"),
+    (3, "step returned a dict, not a jaxrl.envs.Step"),
+    (4, "step: UserCodeTimeout: step did not return within 0.5 s (its host process was killed)"),
+    (5, "step: UserCodeTimeout: step did not return within 0.5 s (its host process was killed)"),
+    (6, "step: EnvCallError: MemoryError"),
+    (7, "step: EnvCallError: BlockingIOError: [Errno 11] Resource temporarily unavailable"),
+    (8, "step: UserCodeTimeout: step did not return within 0.5 s (its host process was killed)"),
+    (9, "step: EnvCallError: OSError: [Errno 27] File too large"),
+], ids=["raises", "sleeps", "returns a dict", "regex", "spins", "40 GB", "fork bomb",
+        "prints GBs", "writes GBs"])
+def test_a_misbehaving_environment_under_both_policies(hosts, first, message):
+  """The environment lives in a host process (jaxrl/envs/hosted.py): each fault costs about the
+  time limit, the run goes on (the next environment works), nothing runs on in a thread."""
+  stop = contained(hosts, "stop")
+  assert stop.reset(None) == [7] and stop.step([4 - 4]) == Step([5, 6], 0.5, False)
+  t0 = time.monotonic()
   with pytest.raises(EnvError) as e:
     stop.step([first])
-  assert str(e.value) == message
+  assert str(e.value) == f"environment my:Flaky: {message}"
+  assert time.monotonic() - t0 < 1.5
   counted = []
-  zero = ContainedEnvironment(Flaky(), name="my:Flaky", timeout_s=0.2, policy="zero",
-                              report=counted.append)
+  zero = contained(hosts, "zero", counted.append)
   assert zero.step([first]) == Step([], 0.0, True) and counted == [1]
-  assert zero.step([4]) == Step([], 0.0, True)  # the conversation is over
+  assert zero.step([0]) == Step([], 0.0, True)  # the conversation is over
+  assert contained(hosts, "stop").step([0]) == Step([5, 6], 0.5, False)
 
 
 REWARDS = '''
