@@ -159,32 +159,33 @@ def _runner(code: str, root: str, limits: dict, allowed: frozenset[str], out_fd:
 
 def _collect(pid: int, out_r: int, output_bytes: int, timeout_s: float) -> dict:
   """The runner's output (up to `output_bytes`, then the pipe is closed) and how it ended, its
-  session killed at `timeout_s`."""
-  deadline, chunks, size, status, cpu_s = time.monotonic() + timeout_s, [], 0, None, 0.0
-  while status is None:
-    left = deadline - time.monotonic()
-    if left <= 0:
+  session killed at `timeout_s`: waits on the pipe and on the runner's pidfd, no polling."""
+  deadline, chunks, size, status, cpu_s = time.monotonic() + timeout_s, [], 0, "timeout", 0.0
+  pidfd, reading = os.pidfd_open(pid), True
+  try:
+    while (left := deadline - time.monotonic()) > 0:
+      ready = select.select([pidfd] + [out_r] * reading, [], [], left)[0]
+      while reading and (out_r in ready or pidfd in ready):  # after the exit: what is left
+        chunk = os.read(out_r, 65536)
+        chunks.append(chunk)
+        size += len(chunk)
+        reading = bool(chunk) and size <= output_bytes
+        if not reading:  # past the limit: the program's next write fails (EPIPE)
+          os.close(out_r)
+        if pidfd not in ready:
+          break
+      if pidfd in ready:
+        _, wait_status, usage = os.wait4(pid, 0)
+        status, cpu_s = os.waitstatus_to_exitcode(wait_status), usage.ru_utime + usage.ru_stime
+        break
+    else:
       os.killpg(pid, signal.SIGKILL)
       os.waitpid(pid, 0)
-      status = "timeout"
-      break
-    if out_r >= 0 and select.select([out_r], [], [], min(left, 0.05))[0]:
-      chunk = os.read(out_r, 65536)
-      chunks.append(chunk)
-      size += len(chunk)
-      if not chunk or size > output_bytes:
-        os.close(out_r)
-        out_r = -1
-    elif out_r < 0:
-      time.sleep(min(left, 0.001))
-    done, wait_status, usage = os.wait4(pid, os.WNOHANG)
-    if done:
-      status = os.waitstatus_to_exitcode(wait_status)
-      cpu_s = usage.ru_utime + usage.ru_stime
-  if out_r >= 0:
-    os.close(out_r)
-  text = b"".join(chunks)
-  return {"output": text[:output_bytes].decode("utf-8", "replace"),
+  finally:
+    os.close(pidfd)
+    if reading:
+      os.close(out_r)
+  return {"output": b"".join(chunks)[:output_bytes].decode("utf-8", "replace"),
           "output_bytes": size, "status": status, "cpu_s": cpu_s}
 
 
