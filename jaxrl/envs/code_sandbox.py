@@ -225,8 +225,8 @@ def _serve(config: dict) -> None:
 class CodeSandbox:
   """`workers` sandbox servers (module docstring); `run(code)` takes a free one (threads may
   call it at once) and returns {"output": str, "output_bytes": int, "status": exit code or
-  "timeout", "cpu_s": CPU seconds used}; a server that does not answer within `timeout_s` + 10 s is killed and
-  replaced."""
+  "timeout", "cpu_s": CPU seconds used}; a server that does not answer within `timeout_s` +
+  10 s is killed and replaced."""
 
   def __init__(self, *, workers: int = 2, timeout_s: float = 2.0, cpu_s: int = 1,
                memory_mb: int = 512, file_mb: int = 4, disk_mb: int = 16, processes: int = 32,

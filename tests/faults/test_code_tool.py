@@ -28,7 +28,8 @@ MANY_FILES = """for i in range(4096):
     f.write(b'x' * (3 * 2**20))"""
 
 CASES = [  # program, what its reply contains
-    ("import re\nprint(re.match(r'(\\d+)+$', '1' * 40 + 'x'))", "[killed: the CPU time limit, 1 s]"),
+    ("import re\nprint(re.match(r'(\\d+)+$', '1' * 40 + 'x'))",
+     "[killed: the CPU time limit, 1 s]"),
     ("while True:\n  pass", "[killed: the CPU time limit, 1 s]"),
     ("import time\ntime.sleep(30)", "is not available here"),
     ("x = bytearray(40 * 2**30)", "MemoryError"),
