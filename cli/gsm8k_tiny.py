@@ -1,5 +1,5 @@
-"""The assets of `configs/gsm8k_tiny.py` (and, with `--tools`, of `configs/gsm8k_tools.py`),
-made by code (nothing is downloaded):
+"""The assets of `configs/gsm8k_tiny.py` (and, with `--tools`, of `configs/gsm8k_tools.py`; with
+`--tools python`, of `configs/gsm8k_code.py`), made by code (nothing is downloaded):
 
   DIR/train.jsonl, DIR/test.jsonl   procedural grade-school word problems in GSM8K's format
                                     (jaxrl/data/gsm8k_synth.py: worked solutions ending `#### N`)
@@ -10,6 +10,7 @@ made by code (nothing is downloaded):
 
     python -m cli.gsm8k_tiny --out data/gsm8k_tiny
     python -m cli.gsm8k_tiny --out data/gsm8k_tools --tools
+    python -m cli.gsm8k_tiny --out data/gsm8k_code --tools python
 
 `ensure(DIR)` makes them once, in a subprocess (a config file must not start JAX: the CLI sets up
 its devices after reading the config); DIR appears whole or not at all.
@@ -30,9 +31,10 @@ TEACHER_ERROR = 0.5
 # Small numbers keep the tiny model's arithmetic mostly right after SFT, so the teacher's slips
 # are its main mistake; half the problems take two steps.
 DIFFICULTY = dict(max_operand=10, max_factor=5, two_step=0.5)
-# The calculator variant (`--tools`, configs/gsm8k_tools.py): numbers too large for the tiny
-# model's arithmetic (factors up to 99 x 999, sums of 3-digit numbers), no teacher slips, and
-# worked solutions that call the calculator (gsm8k_synth.tool_calls).
+# The tool variants (`--tools`, configs/gsm8k_tools.py; `--tools python`, configs/gsm8k_code.py):
+# numbers too large for the tiny model's arithmetic (factors up to 99 x 999, sums of 3-digit
+# numbers), no teacher slips, and worked solutions that call the calculator or run a program
+# (gsm8k_synth.tool_calls).
 TOOLS_DIFFICULTY = dict(max_operand=999, max_factor=99, two_step=0.5)
 TOKENIZER_VOCAB = 512
 MODEL = dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384)
@@ -40,9 +42,9 @@ MODEL = dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff
 
 def make(out: str, *, n_train: int = N_TRAIN, n_heldout: int = N_HELDOUT,
          model: dict | None = None, teacher_error: float = TEACHER_ERROR,
-         tools: bool = False) -> None:
+         tools: str = "") -> None:
   """Writes the assets to `out` (atomically); `model`: ModelConfig fields over MODEL's;
-  `tools`: the calculator variant."""
+  `tools`: "calculator" or "python", a tool variant."""
   from flax import nnx
 
   from cli.model_io import generation_config
@@ -58,7 +60,8 @@ def make(out: str, *, n_train: int = N_TRAIN, n_heldout: int = N_HELDOUT,
   difficulty = gsm8k_synth.Difficulty(**(TOOLS_DIFFICULTY if tools else DIFFICULTY))
   rows = gsm8k_synth.generate(n_train + n_heldout, SEED, difficulty)
   if tools:
-    rows, teacher_error = [{**r, "answer": gsm8k_synth.tool_calls(r["answer"])} for r in rows], 0.0
+    rows = [{**r, "answer": gsm8k_synth.tool_calls(r["answer"], tools)} for r in rows]
+    teacher_error = 0.0
   train, heldout = gsm8k_synth.split(rows, n_heldout, SEED)
   train = gsm8k_synth.with_teacher_demos(train, teacher_error, SEED)
   gsm8k_synth.write_jsonl(train, os.path.join(tmp, "train.jsonl"))
@@ -81,11 +84,11 @@ def make(out: str, *, n_train: int = N_TRAIN, n_heldout: int = N_HELDOUT,
     shutil.rmtree(tmp)
 
 
-def ensure(out: str, *, tools: bool = False) -> str:
+def ensure(out: str, *, tools: str = "") -> str:
   """`out`, made first (by a subprocess) if it is not there yet."""
   if not os.path.isdir(out):
     subprocess.run([sys.executable, "-m", "cli.gsm8k_tiny", "--out", out]
-                   + (["--tools"] if tools else []), check=True,
+                   + (["--tools", tools] if tools else []), check=True,
                    env={**os.environ, "JAX_PLATFORMS": "cpu"})
   return out
 
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
   from cli.flags import ArgParser
   parser = ArgParser(prog="python -m cli.gsm8k_tiny", description=__doc__.split("\n")[0])
   parser.add_argument("--out", required=True)
-  parser.add_argument("--tools", action="store_true", help="the calculator variant")
+  parser.add_argument("--tools", nargs="?", const="calculator", default="",
+                      choices=["calculator", "python"], help="a tool variant")
   args = parser.parse_args(argv)
   make(args.out, tools=args.tools)
 

@@ -22,7 +22,7 @@ ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 def get_config():
   c = gsm8k_tiny.get_config()
-  assets = ensure(ASSETS, tools=True)
+  assets = ensure(ASSETS, tools="calculator")
   c.model.update(hf_path=os.path.join(assets, "model"))
   c.data.update(train_path=os.path.join(assets, "train.jsonl"),
                 heldout_path=os.path.join(assets, "test.jsonl"), max_prompt_tokens=64)

@@ -175,3 +175,11 @@ def test_teacher_demos_slip_on_two_step_problems_only():
   one_step = [r for r in rows if r["answer"].count("<<") == 1]
   assert one_step and all(gs.teacher_slip(r["answer"]) is None for r in one_step)
   assert all(d["demo"] == r["answer"] for r, d in zip(rows, gs.with_teacher_demos(rows, 0.0, 0)))
+
+
+def test_tool_calls_in_each_tool_form():
+  answer = "Tom earns 56*35 = <<56*35=1960>>1960 dollars.\n#### 1960"
+  assert gs.tool_calls(answer) == (
+      "Tom earns 56*35 = <calc>56*35</calc> <result>1960</result> dollars.\n#### 1960")
+  assert gs.tool_calls(answer, "python") == (
+      "Tom earns 56*35 = <python>print(56*35)</python> <output>1960\n</output> dollars.\n#### 1960")

@@ -198,11 +198,16 @@ def teacher_slip(answer: str) -> str | None:
 _CALC = re.compile(r"<<([^=>]+)=(\d+)>>\2")
 
 
-def tool_calls(answer: str) -> str:
-  """`answer` with each `<<a*b=c>>c` annotation written as a calculator call and its reply,
-  `<calc>a*b</calc> <result>c</result>`: the form a model with the calculator environment
-  (jaxrl/envs) writes, the result coming from the tool instead of the model's arithmetic."""
-  return _CALC.sub(r"<calc>\1</calc> <result>\2</result>", answer)
+TOOL_FORMS = {"calculator": r"<calc>\1</calc> <result>\2</result>",
+              "python": "<python>print(\\1)</python> <output>\\2\n</output>"}
+
+
+def tool_calls(answer: str, tool: str = "calculator") -> str:
+  """`answer` with each `<<a*b=c>>c` annotation written as a call of `tool` and its reply:
+  `<calc>a*b</calc> <result>c</result>`, or the program `<python>print(a*b)</python>` and its
+  output ` <output>c\n</output>`: the form a model with that environment (jaxrl/envs) writes,
+  the result coming from the tool instead of the model's arithmetic."""
+  return _CALC.sub(TOOL_FORMS[tool], answer)
 
 
 def with_teacher_demos(rows: Sequence[dict[str, str]], fraction: float,

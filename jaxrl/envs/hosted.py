@@ -135,8 +135,10 @@ class EnvHosts:
                             "hung or died")
       timeout = self.timeout_s + (0 if host.started else self.start_s)
       try:
-        if host.dropped:
-          dropped, host.dropped = host.dropped, []
+        dropped = []
+        while host.dropped:  # (pop: an environment collected meanwhile waits for the next)
+          dropped.append(host.dropped.pop())
+        if dropped:
           host.conn.send(("drop", None, dropped))
         host.conn.send((op, key, arg))
         status, out = host.conn.recv() if host.conn.poll(timeout) else ("timeout", None)

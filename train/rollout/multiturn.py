@@ -16,11 +16,14 @@ With in-flight slots (`rl.inflight_slots > 0`) the turns are requests to
 has replied and takes the next free slot while the other rows keep decoding, so no row waits for
 the others' turns (in-flight batching across turns). Otherwise turns decode as static batches
 of the rows still talking (`Sampler.complete`: bucketed, so the batch shrinks through a few
-compiled shapes). Either way every turn's key is fixed (`fold_in(key, turn)`, row r drawing
+compiled shapes). A turn's environment steps run at once, in threads (a hosted environment
+or the Python tool waits on its process, so the processes work in parallel). Either way every
+turn's key is fixed (`fold_in(key, turn)`, row r drawing
 from it as row r), so a batch's conversations are a function of its key.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 from collections.abc import Sequence
@@ -94,11 +97,22 @@ def converse(sampler: Sampler, params, prompts_B: Sequence[Sequence[int]], examp
                   jax.random.fold_in(key, turn),
                   max_new_tokens=[max_new_tokens - len(talks[i].ids) for i in live])
     p = out.tokens_BT.shape[1] - out.completion_mask_BN.shape[1]
-    for row, i in enumerate(live):
-      mask = np.asarray(out.completion_mask_BN[row], bool)
-      talks[i].reply(np.asarray(out.tokens_BT[row, p:])[mask].tolist(),
-                     np.asarray(out.logprobs_BN[row])[mask].tolist(), max_new_tokens)
+    masks = [np.asarray(out.completion_mask_BN[row], bool) for row in range(len(live))]
+    _reply_all(talks, [(i, np.asarray(out.tokens_BT[row, p:])[masks[row]].tolist(),
+                        np.asarray(out.logprobs_BN[row])[masks[row]].tolist())
+                       for row, i in enumerate(live)], max_new_tokens)
   return talks
+
+
+_STEPPERS = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="env-step")
+
+
+def _reply_all(talks: list[_Conversation], turns: Sequence[tuple[int, list, list]],
+               budget: int) -> list[bool]:
+  """Each (row, turn ids, log-probs)'s reply, the environments' steps at once (threads: a
+  hosted environment or the Python tool waits on its process, so the processes work in
+  parallel); whether each row goes on, in order."""
+  return list(_STEPPERS.map(lambda t: talks[t[0]].reply(t[1], t[2], budget), turns))
 
 
 def _converse_inflight(sampler: Sampler, params, prompts_B, talks: list[_Conversation], key,
@@ -120,8 +134,9 @@ def _converse_inflight(sampler: Sampler, params, prompts_B, talks: list[_Convers
   for i in range(len(talks)):
     ask(i)
   while engine.busy:
-    for i, ids, logprobs in engine.poll():
-      if talks[i].reply(ids, logprobs, max_new_tokens):
+    done = engine.poll()
+    for (i, _, _), more in zip(done, _reply_all(talks, done, max_new_tokens)):
+      if more:
         ask(i)
     engine.advance()
   return talks

@@ -8,6 +8,7 @@ import collections
 import dataclasses
 import logging
 import sys
+import threading
 from collections.abc import Callable
 
 import grain
@@ -193,7 +194,11 @@ def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData):
   except (EnvCallError, UserCodeTimeout, WorkerDied) as e:
     raise ConfigError(f"config.rl.environment: {rl.environment}: the constructor failed: "
                       f"{first_line(e)}") from None
-  count = lambda n: task.user_code_errors.update({"environment": n})
+  lock = threading.Lock()  # (a turn's environments step in threads: multiturn.py)
+
+  def count(n: int) -> None:
+    with lock:
+      task.user_code_errors.update({"environment": n})
   return lambda: ContainedEnvironment(_new(hosts), name=rl.environment,
                                       policy=rl.on_user_code_error, report=count)
 
