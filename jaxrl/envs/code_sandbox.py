@@ -1,21 +1,22 @@
 """Python programs a model writes, run in a sandbox: the code tool's engine.
 
-A sandbox server (`python -m jaxrl.envs.code_sandbox`, one per worker) starts once: it enters a
-new network namespace (no interface is up: no address is reachable, the host's localhost
-included) and a new mount namespace with a `disk_mb` tmpfs as its scratch space, imports the
-allowed modules, and tells its client it is ready. Then, per program, it forks a runner (a warm
-interpreter: milliseconds a program, not the ~50 ms of a fresh python):
+A sandbox server (this file run by `sys.executable -I`, one per worker) starts once: it enters
+a new network namespace (no interface is up: no address is reachable, the host's localhost
+included), a new mount namespace with a `disk_mb` tmpfs as its scratch space, and a new PID
+namespace, whose first process (its "init") imports the allowed modules and tells the client
+it is ready. Then, per program, the init forks it (a warm interpreter: milliseconds a program,
+not the ~50 ms of a fresh python):
 
-- the runner starts a new PID namespace and its program runs as that namespace's first
-  process, so every process the program starts dies with it;
 - the program's root is an empty directory of the scratch tmpfs (chroot), removed after the
   run; it runs as uid/gid `nobody`, so it cannot leave that root, and the kernel's process-count
   limit (`processes`) binds (a fork bomb fails at it);
-- rlimits: CPU seconds (`cpu_s`), address space (`memory_mb`), file size (`file_mb`), open
-  files; the whole scratch space is `disk_mb`;
-- stdout and stderr go to a pipe the server reads up to `output_bytes` and then closes (a
-  program printing a gigabyte stops at its next write), and the server kills the runner's
-  namespace at `timeout_s` of wall-clock time;
+- rlimits: CPU seconds (`cpu_s`: SIGXCPU, then SIGKILL a second later), address space
+  (`memory_mb`), file size (`file_mb`), open files; the whole scratch space is `disk_mb`;
+- stdout and stderr go to a pipe the init reads up to `output_bytes` and then closes (a
+  program printing a gigabyte stops at its next write); the program is killed at `timeout_s`
+  of wall-clock time;
+- after each program the init kills every other process in the namespace (`kill(-1)` from PID
+  1), so nothing the program started outlives it;
 - `import` finds only the modules the server imported (`modules`); that list is a convenience
   for the model, not the boundary: the boundary is the kernel's (namespaces, uid, rlimits).
 
@@ -74,6 +75,7 @@ def _enter_namespaces(scratch: str, disk_mb: int) -> None:
 
 
 def _restricted_import(allowed: frozenset[str]):
+  """`__import__` for the program: the modules in `allowed` the server imported, nothing else."""
   original = __import__
 
   def imported(name, globals=None, locals=None, fromlist=(), level=0):
@@ -85,13 +87,12 @@ def _restricted_import(allowed: frozenset[str]):
 
 
 def _program(code: str, root: str, limits: dict, allowed: frozenset[str], out_fd: int) -> None:
-  """The runner's program process (PID 1 of its namespace): confined, limited, run; never
-  returns."""
+  """The program's process: confined, limited, run; never returns."""
   import builtins
   import resource
   import traceback
   try:
-    _libc().prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the runner
+    _libc().prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the namespace's init
     null = os.open(os.devnull, os.O_RDONLY)
     os.chroot(root)
     os.chdir("/")
@@ -101,12 +102,13 @@ def _program(code: str, root: str, limits: dict, allowed: frozenset[str], out_fd
       os.setgroups([])
       os.setgid(_NOBODY)
       os.setuid(_NOBODY)
-    for limit, value in ((resource.RLIMIT_CPU, limits["cpu_s"]),  # then SIGKILL (PID 1 ignores
-                         (resource.RLIMIT_AS, limits["memory_mb"] << 20),  # SIGXCPU)
-                         (resource.RLIMIT_FSIZE, limits["file_mb"] << 20),
-                         (resource.RLIMIT_NPROC, limits["processes"]),
-                         (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
-      resource.setrlimit(limit, (value, value))
+    for limit, soft, hard in ((resource.RLIMIT_CPU, limits["cpu_s"], limits["cpu_s"] + 1),
+                              (resource.RLIMIT_AS, limits["memory_mb"] << 20, None),
+                              (resource.RLIMIT_FSIZE, limits["file_mb"] << 20, None),
+                              (resource.RLIMIT_NPROC, limits["processes"], None),
+                              (resource.RLIMIT_NOFILE, 64, None), (resource.RLIMIT_CORE, 0, None)):
+      resource.setrlimit(limit, (soft, soft if hard is None else hard))  # SIGXCPU at the soft
+    signal.signal(signal.SIGXCPU, signal.SIG_DFL)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the file limit fails
     os.dup2(null, 0)
     os.dup2(out_fd, 1)
@@ -139,27 +141,9 @@ def _drop_capabilities() -> None:
   _check(libc.prctl(38, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
 
 
-def _runner(code: str, root: str, limits: dict, allowed: frozenset[str], out_fd: int) -> None:
-  """The forked runner: a new session and PID namespace whose first process is the program;
-  exits with the program's status (a signal as 128 + its number); never returns."""
-  try:
-    os.setsid()
-    _check(_libc().unshare(_NEWPID), "unshare(PID namespace)")
-    pid = os.fork()
-    if pid == 0:
-      _program(code, root, limits, allowed, out_fd)
-    os.close(out_fd)
-    _, status = os.waitpid(pid, 0)
-    rc = os.waitstatus_to_exitcode(status)
-    os._exit(128 - rc if rc < 0 else rc)
-  except BaseException as e:  # noqa: BLE001
-    os.write(out_fd, f"sandbox setup failed: {e}".encode())
-    os._exit(125)
-
-
 def _collect(pid: int, out_r: int, output_bytes: int, timeout_s: float) -> dict:
-  """The runner's output (up to `output_bytes`, then the pipe is closed) and how it ended, its
-  session killed at `timeout_s`: waits on the pipe and on the runner's pidfd, no polling."""
+  """The program's output (up to `output_bytes`, then the pipe is closed) and how it ended
+  (killed at `timeout_s`): waits on the pipe and on the program's pidfd, no polling."""
   deadline, chunks, size, status, cpu_s = time.monotonic() + timeout_s, [], 0, "timeout", 0.0
   pidfd, reading = os.pidfd_open(pid), True
   try:
@@ -177,9 +161,10 @@ def _collect(pid: int, out_r: int, output_bytes: int, timeout_s: float) -> dict:
       if pidfd in ready:
         _, wait_status, usage = os.wait4(pid, 0)
         status, cpu_s = os.waitstatus_to_exitcode(wait_status), usage.ru_utime + usage.ru_stime
+        status = 128 - status if status < 0 else status  # a signal, as a shell reports it
         break
     else:
-      os.killpg(pid, signal.SIGKILL)
+      os.kill(pid, signal.SIGKILL)
       os.waitpid(pid, 0)
   finally:
     os.close(pidfd)
@@ -190,24 +175,36 @@ def _collect(pid: int, out_r: int, output_bytes: int, timeout_s: float) -> dict:
 
 
 def _serve(config: dict) -> None:
-  """The server: namespaces entered, modules imported, then one program per request line."""
-  scratch = config["scratch"]
+  """The server: namespaces entered, then its child, the first process of a new PID namespace,
+  imports the modules and runs one program per request line."""
   try:
-    _enter_namespaces(scratch, config["disk_mb"])
+    _enter_namespaces(config["scratch"], config["disk_mb"])
+    _check(_libc().unshare(_NEWPID), "unshare(PID namespace)")
   except OSError as e:
     print(json.dumps({"ready": False, "reason": str(e)}), flush=True)
     return
+  pid = os.fork()
+  if pid == 0:
+    _libc().prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the server
+    _init(config)
+    os._exit(0)
+  _, status = os.waitpid(pid, 0)
+  sys.exit(os.waitstatus_to_exitcode(status))
+
+
+def _init(config: dict) -> None:
+  """PID 1 of the namespace: forks each program (PID 2 on: a signal acts on it as usual), and
+  after it kills whatever else runs in the namespace (`kill(-1)` from PID 1) and reaps it."""
   import importlib
   for name in config["modules"]:
     importlib.import_module(name)
-  limits = {**config["limits"], "user_namespace": os.getuid() != config["launched_uid"]
-            or config["launched_uid"] != 0}
+  limits = {**config["limits"], "user_namespace": config["launched_uid"] != 0}
   allowed = frozenset(config["modules"])
   channel = sys.stdout
   sys.stdout = sys.stderr  # nothing else writes to the channel
   print(json.dumps({"ready": True}), file=channel, flush=True)
   for n, line in enumerate(sys.stdin):
-    root = os.path.join(scratch, str(n))
+    root = os.path.join(config["scratch"], str(n))
     os.mkdir(root)
     if not limits["user_namespace"]:
       os.chown(root, _NOBODY, _NOBODY)
@@ -215,11 +212,25 @@ def _serve(config: dict) -> None:
     pid = os.fork()
     if pid == 0:
       os.close(out_r)
-      _runner(json.loads(line), root, limits, allowed, out_w)
+      _program(json.loads(line), root, limits, allowed, out_w)
     os.close(out_w)
     result = _collect(pid, out_r, config["output_bytes"], config["timeout_s"])
+    _clear()
     shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(result), file=channel, flush=True)
+
+
+def _clear() -> None:
+  """Every other process of the namespace killed and reaped (PID 1 only)."""
+  try:
+    os.kill(-1, signal.SIGKILL)
+  except ProcessLookupError:  # none left
+    pass
+  while True:
+    try:
+      os.waitpid(-1, 0)
+    except ChildProcessError:
+      return
 
 
 class CodeSandbox:

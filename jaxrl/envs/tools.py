@@ -52,7 +52,8 @@ def _ending(result: dict, cpu_limit_s: int) -> str:
     return ""
   if status == "timeout":
     return "[killed: the time limit]"
-  if status == 128 + signal.SIGKILL and result["cpu_s"] >= cpu_limit_s:
+  if status == 128 + signal.SIGXCPU or (status == 128 + signal.SIGKILL
+                                        and result["cpu_s"] >= cpu_limit_s + 1):
     return f"[killed: the CPU time limit, {cpu_limit_s} s]"
   if isinstance(status, int) and status > 128:
     return f"[ended by signal {status - 128}]"

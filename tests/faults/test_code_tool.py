@@ -27,10 +27,11 @@ MANY_FILES = """for i in range(4096):
   with open(f'f{i}', 'wb') as f:
     f.write(b'x' * (3 * 2**20))"""
 
-CASES = [  # program, what its reply contains
-    ("import re\nprint(re.match(r'(\\d+)+$', '1' * 40 + 'x'))",
-     "[killed: the CPU time limit, 1 s]"),
-    ("while True:\n  pass", "[killed: the CPU time limit, 1 s]"),
+CPU_OR_WALL = ("[killed: the CPU time limit, 1 s]", "[killed: the time limit]")  # (on a busy
+# machine the program may not get its CPU second within the wall-clock limit)
+CASES = [  # program, what its reply contains (or one of those)
+    ("import re\nprint(re.match(r'(\\d+)+$', '1' * 40 + 'x'))", CPU_OR_WALL),
+    ("while True:\n  pass", CPU_OR_WALL),
     ("import time\ntime.sleep(30)", "is not available here"),
     ("x = bytearray(40 * 2**30)", "MemoryError"),
     (FORK_BOMB, "fork: Resource temporarily unavailable"),
@@ -47,7 +48,7 @@ CASES = [  # program, what its reply contains
 
 @pytest.fixture(scope="module")
 def tool():
-  sandbox = CodeSandbox(workers=1, timeout_s=2.0, cpu_s=1, modules=MODULES + ("os", "socket"))
+  sandbox = CodeSandbox(workers=1, timeout_s=3.0, cpu_s=1, modules=MODULES + ("os", "socket"))
   yield PythonTool(ByteTokenizer(), math_equal, sandbox=sandbox)
   sandbox.close()
 
@@ -56,12 +57,13 @@ def tool():
 def test_a_program_is_contained(tool, program, reply):
   t0 = time.monotonic()
   out = tool.run(program)
-  assert reply in out and len(out) < 9000, out[-500:]
-  assert time.monotonic() - t0 < 2.5  # the CPU limit (1 s) or the wall-clock one (2 s)
+  assert any(r in out for r in ((reply,) if isinstance(reply, str) else reply)), out[-500:]
+  assert len(out) < 9000
+  assert time.monotonic() - t0 < 3.5  # the CPU limit (1 s) or the wall-clock one (3 s)
   assert tool.run("print(6 * 7)") == "42\n"  # and the next program runs as usual
 
 
 def test_a_wall_clock_hang_is_killed(tool):
   t0 = time.monotonic()
   assert tool.run("import os\nr, w = os.pipe()\nos.read(r, 1)") == "[killed: the time limit]"
-  assert 2.0 <= time.monotonic() - t0 < 3.0
+  assert 3.0 <= time.monotonic() - t0 < 4.0
