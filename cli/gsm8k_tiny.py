@@ -37,6 +37,9 @@ DIFFICULTY = dict(max_operand=10, max_factor=5, two_step=0.5)
 # (gsm8k_synth.tool_calls).
 TOOLS_DIFFICULTY = dict(max_operand=999, max_factor=99, two_step=0.5)
 TOKENIZER_VOCAB = 512
+# The Python variant's tags are tokens of their own (a BPE trained on `print(56*35)</python>`
+# merges `)</`, and the turn's stop string would not be found); the calculator's are learnt.
+TOOL_TAGS = {"python": ("<python>", "</python>", "<output>", "</output>")}
 MODEL = dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384)
 
 
@@ -67,7 +70,8 @@ def make(out: str, *, n_train: int = N_TRAIN, n_heldout: int = N_HELDOUT,
   gsm8k_synth.write_jsonl(train, os.path.join(tmp, "train.jsonl"))
   gsm8k_synth.write_jsonl(heldout, os.path.join(tmp, "test.jsonl"))
   tok_dir = os.path.join(tmp, "tokenizer")
-  train_bpe([t for r in train for t in (r["question"], r["answer"])], TOKENIZER_VOCAB, tok_dir)
+  train_bpe([t for r in train for t in (r["question"], r["answer"])], TOKENIZER_VOCAB, tok_dir,
+            atomic=TOOL_TAGS.get(tools, ()))
   tok = load_tokenizer(tok_dir)
   vocab = -(-tok.vocab_size // 64) * 64  # a multiple of common mesh sizes
   cfg = ModelConfig(vocab_size=vocab, tie_embeddings=True, scale_tied_head=False,

@@ -73,16 +73,20 @@ def _with_roles(texts: Iterable[str]) -> Iterable[str]:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike, *,
-              system_prompt: str | None = None, model_max_length: int = 256) -> Tokenizer:
+              system_prompt: str | None = None, model_max_length: int = 256,
+              atomic: Sequence[str] = ()) -> Tokenizer:
   """Trains on `texts` and writes a transformers-loadable tokenizer directory; returns the model.
 
   `vocab_size` counts the 256 byte tokens and the 3 special tokens; the caller may round the model's
-  embedding size up (ids past the vocabulary are never produced).
+  embedding size up (ids past the vocabulary are never produced). `atomic`: strings added as
+  tokens of their own after `vocab_size` (a tool's tags: `)</python>` is `)` and `</python>`, so
+  an environment's stop string is always a token boundary), never split or merged.
   """
   min_size = 256 + len(SPECIAL_TOKENS)
   if vocab_size < min_size:
     raise ValueError(f"vocab_size must be >= {min_size} (bytes + special tokens), got {vocab_size}")
   tok = _build(vocab_size, _with_roles(texts))
+  tok.add_tokens(list(atomic))
   os.makedirs(out_dir, exist_ok=True)
   tok.save(os.path.join(out_dir, "tokenizer.json"))
   special = {"eos_token": IM_END, "pad_token": PAD, "additional_special_tokens": [IM_START]}
