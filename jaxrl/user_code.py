@@ -60,30 +60,34 @@ def _lower(limit: int, value: int) -> None:
                                hard))
 
 
-SPARE_UID = 65533  # a root worker's real uid: an account nothing else runs as
-
-
 def limit_processes(processes: int) -> None:
   """At most `processes` more processes (threads count) started by this one and its children.
-  The kernel counts a real uid's processes and exempts root's, so a root worker takes a spare
-  real uid (`SPARE_UID`; its effective uid stays root: files read as before) and drops the two
-  capabilities that also exempt it (CAP_SYS_RESOURCE, CAP_SYS_ADMIN); a user's worker counts
-  with that user's other processes, so its limit is those plus `processes`. (Where the spare uid
-  does not exist in the user namespace, root's worker has no process limit.)"""
+  The kernel counts a real uid's processes and exempts root's, so a root worker takes a real
+  uid of its own (60000 + its pid mod 5000; its effective uid stays root: files read as
+  before) and drops, from every set, the two capabilities that also exempt it
+  (CAP_SYS_RESOURCE, CAP_SYS_ADMIN; the bounding set too, so an exec does not get them back).
+  A user's worker counts with all of that user's processes, which the run's own threads grow
+  meanwhile, so its limit is those plus `processes` plus 256. (Where that uid does not exist in
+  the user namespace or the capabilities cannot be dropped, root's worker has no limit.)"""
   import ctypes
-  if os.getuid() == 0:
-    try:
-      os.setresuid(SPARE_UID, 0, 0)
-    except OSError:  # a namespace without that uid: root stays exempt
-      return
-    libc = ctypes.CDLL(None, use_errno=True)
-    header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()
-    keep = ~((1 << 21) | (1 << 24)) & 0xFFFFFFFF  # CAP_SYS_ADMIN, CAP_SYS_RESOURCE
-    if libc.capget(header, data) == 0:
-      for i in (0, 1, 3, 4):  # effective and permitted, both 32-bit halves
-        data[i] &= keep
-      libc.capset(header, data)
-  _lower(resource.RLIMIT_NPROC, _tasks_of(os.getuid()) + processes)
+  if os.getuid() != 0:
+    _lower(resource.RLIMIT_NPROC, _tasks_of(os.getuid()) + processes + 256)
+    return
+  libc = ctypes.CDLL(None, use_errno=True)
+  header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()
+  keep = ~((1 << 21) | (1 << 24)) & 0xFFFFFFFF  # CAP_SYS_ADMIN, CAP_SYS_RESOURCE
+  try:
+    os.setresuid(60000 + os.getpid() % 5000, 0, 0)
+  except OSError:
+    return
+  for cap in (21, 24):
+    libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
+  if libc.capget(header, data) != 0:
+    return
+  for i in (0, 1, 3, 4):  # effective and permitted, both 32-bit halves
+    data[i] &= keep
+  if libc.capset(header, data) == 0:
+    _lower(resource.RLIMIT_NPROC, _tasks_of(os.getuid()) + processes)
 
 
 def _tasks_of(uid: int) -> int:

@@ -41,7 +41,8 @@ import time
 MODULES = ("math", "cmath", "fractions", "decimal", "statistics", "itertools", "functools",
            "collections", "heapq", "bisect", "re", "string", "random", "datetime", "json",
            "operator", "typing", "dataclasses", "copy", "textwrap", "array", "numbers")
-_NEWNS, _NEWNET, _NEWPID, _NEWUSER = 0x20000, 0x40000000, 0x20000000, 0x10000000
+_NEWNS, _NEWNET, _NEWPID, _NEWUSER, _NEWIPC = (0x20000, 0x40000000, 0x20000000, 0x10000000,
+                                               0x08000000)
 _MS_REC, _MS_PRIVATE = 0x4000, 0x40000
 _NOBODY = 65534
 
@@ -94,6 +95,7 @@ def _program(code: str, root: str, limits: dict, allowed: frozenset[str], out_fd
   try:
     _libc().prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the namespace's init
     null = os.open(os.devnull, os.O_RDONLY)
+    _check(_libc().unshare(_NEWIPC), "unshare(IPC namespace)")  # its shared memory dies with it
     os.chroot(root)
     os.chdir("/")
     if limits["user_namespace"]:  # root of its own namespace only: every capability dropped
@@ -143,13 +145,19 @@ def _drop_capabilities() -> None:
 
 def _collect(pid: int, out_r: int, output_bytes: int, timeout_s: float) -> dict:
   """The program's output (up to `output_bytes`, then the pipe is closed) and how it ended
-  (killed at `timeout_s`): waits on the pipe and on the program's pidfd, no polling."""
+  (killed at `timeout_s`): waits on the pipe and on the program's pidfd, no polling. When the
+  program ends, whatever it started is killed (PID 1's `kill(-1)`), so the drain ends."""
   deadline, chunks, size, status, cpu_s = time.monotonic() + timeout_s, [], 0, "timeout", 0.0
   pidfd, reading = os.pidfd_open(pid), True
   try:
     while (left := deadline - time.monotonic()) > 0:
       ready = select.select([pidfd] + [out_r] * reading, [], [], left)[0]
-      while reading and (out_r in ready or pidfd in ready):  # after the exit: what is left
+      if pidfd in ready:
+        _, wait_status, usage = os.wait4(pid, 0)
+        status, cpu_s = os.waitstatus_to_exitcode(wait_status), usage.ru_utime + usage.ru_stime
+        status = 128 - status if status < 0 else status  # a signal, as a shell reports it
+        _kill_all()
+      while reading and (out_r in ready or pidfd in ready):  # (after the exit: what is left)
         chunk = os.read(out_r, 65536)
         chunks.append(chunk)
         size += len(chunk)
@@ -159,13 +167,9 @@ def _collect(pid: int, out_r: int, output_bytes: int, timeout_s: float) -> dict:
         if pidfd not in ready:
           break
       if pidfd in ready:
-        _, wait_status, usage = os.wait4(pid, 0)
-        status, cpu_s = os.waitstatus_to_exitcode(wait_status), usage.ru_utime + usage.ru_stime
-        status = 128 - status if status < 0 else status  # a signal, as a shell reports it
         break
     else:
-      os.kill(pid, signal.SIGKILL)
-      os.waitpid(pid, 0)
+      _kill_all()
   finally:
     os.close(pidfd)
     if reading:
@@ -174,13 +178,22 @@ def _collect(pid: int, out_r: int, output_bytes: int, timeout_s: float) -> dict:
           "output_bytes": size, "status": status, "cpu_s": cpu_s}
 
 
+def _kill_all() -> None:
+  """Every other process of the namespace killed (from its PID 1)."""
+  try:
+    os.kill(-1, signal.SIGKILL)
+  except ProcessLookupError:  # none left
+    pass
+
+
 def _serve(config: dict) -> None:
   """The server: namespaces entered, then its child, the first process of a new PID namespace,
   imports the modules and runs one program per request line."""
   try:
     _enter_namespaces(config["scratch"], config["disk_mb"])
     _check(_libc().unshare(_NEWPID), "unshare(PID namespace)")
-  except OSError as e:
+    os.close(os.pidfd_open(os.getpid()))  # (Linux 5.3 on)
+  except (OSError, AttributeError) as e:
     print(json.dumps({"ready": False, "reason": str(e)}), flush=True)
     return
   pid = os.fork()
@@ -196,6 +209,7 @@ def _init(config: dict) -> None:
   """PID 1 of the namespace: forks each program (PID 2 on: a signal acts on it as usual), and
   after it kills whatever else runs in the namespace (`kill(-1)` from PID 1) and reaps it."""
   import importlib
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # a program of the same uid may signal PID 1
   for name in config["modules"]:
     importlib.import_module(name)
   limits = {**config["limits"], "user_namespace": config["launched_uid"] != 0}
@@ -222,10 +236,7 @@ def _init(config: dict) -> None:
 
 def _clear() -> None:
   """Every other process of the namespace killed and reaped (PID 1 only)."""
-  try:
-    os.kill(-1, signal.SIGKILL)
-  except ProcessLookupError:  # none left
-    pass
+  _kill_all()
   while True:
     try:
       os.waitpid(-1, 0)
@@ -257,33 +268,44 @@ class CodeSandbox:
     server = subprocess.Popen(
         [sys.executable, "-I", os.path.abspath(__file__), json.dumps(
             {**self.config, "scratch": scratch})],  # (stdlib only: no package import)
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        env={"PATH": os.defpath, "LANG": "C.UTF-8"})  # none of the run's variables (secrets)
     server.scratch = scratch
-    hello = json.loads(server.stdout.readline() or '{"ready": false, "reason": "it exited"}')
+    self.servers.append(server)
+    ready = select.select([server.stdout], [], [], 60)[0]
+    hello = json.loads((server.stdout.readline() if ready else "") or
+                       '{"ready": false, "reason": "it did not start"}')
     if not hello["ready"]:
       self._stop(server)
       raise SandboxUnavailable(f"the code sandbox needs Linux namespaces (root or "
                                f"unprivileged user namespaces): {hello['reason']}")
-    self.servers.append(server)
     return server
 
   def run(self, code: str) -> dict:
-    server = self.free.get()
+    server = self.free.get()  # None: a slot whose server must be started
     try:
+      server = server or self._start()
       server.stdin.write(json.dumps(code) + "\n")
       ready = select.select([server.stdout], [], [], self.timeout_s + 10)[0]
-      line = server.stdout.readline() if ready else ""
-      if line:
-        self.free.put(server)
-        return json.loads(line)
-    except (BrokenPipeError, OSError):
-      pass
-    self._stop(server)
-    self.free.put(self._start())
-    return {"output": "", "output_bytes": 0, "status": "sandbox server failed"}
+      line, failure = server.stdout.readline() if ready else "", "no answer"
+    except Exception as e:  # noqa: BLE001 - a server that died or would not start
+      line, failure = "", (str(e).splitlines() or [type(e).__name__])[0]
+    except BaseException:  # an interrupt: the server's state is unknown
+      if server:
+        self._stop(server)
+      self.free.put(None)
+      raise
+    if line:
+      self.free.put(server)
+      return json.loads(line)
+    if server:
+      self._stop(server)
+    self.free.put(None)
+    return {"output": "", "output_bytes": 0, "cpu_s": 0.0,
+            "status": f"sandbox server failed: {failure}"}
 
   def _stop(self, server: subprocess.Popen) -> None:
-    server.kill()
+    server.kill()  # (its init dies with it: PR_SET_PDEATHSIG; the namespace with its init)
     server.wait()
     shutil.rmtree(server.scratch, ignore_errors=True)
     if server in self.servers:

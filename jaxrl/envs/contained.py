@@ -29,9 +29,15 @@ def _checked_ids(ids, what: str) -> list[int]:
 def _checked_step(step) -> Step:
   if not isinstance(step, Step):
     raise TypeError(f"step returned a {type(step).__name__}, not a jaxrl.envs.Step")
-  if not isinstance(step.reward, numbers.Real) or not math.isfinite(float(step.reward)):
-    raise TypeError(f"step returned the reward {step.reward!r}, not a finite number")
-  return Step(_checked_ids(step.observation, "step"), float(step.reward), bool(step.done))
+  try:
+    reward = float(step.reward)
+  except (TypeError, ValueError, OverflowError):  # e.g. 10**400
+    reward = math.nan
+  if not isinstance(step.reward, numbers.Real) or not math.isfinite(reward):
+    raise TypeError(f"step returned the reward {step.reward!r:.60}, not a finite number")
+  if not isinstance(step.done, (bool, numbers.Integral)):
+    raise TypeError(f"step returned done={step.done!r:.60}, not a bool")
+  return Step(_checked_ids(step.observation, "step"), reward, bool(step.done))
 
 
 class ContainedEnvironment:

@@ -47,9 +47,13 @@ def host_verifier(spec: str) -> Callable[[str, str], float]:
                                                np.float64).reshape(-1)[0])
 
 
-def _host(conn, spec: str, tok, verifier_spec: str, limits: tuple) -> None:
+def _host(conn, parent: int, spec: str, tok, verifier_spec: str, limits: tuple) -> None:
   """A host's loop: ("new" | "reset" | "step", key, argument) in, ("ok" | "error", value) out;
-  ("drop", keys) forgets environments without a reply."""
+  ("drop", keys) forgets environments without a reply. It dies with the run's process."""
+  import ctypes
+  ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+  if os.getppid() != parent:  # the run ended before that took hold
+    return
   os.setsid()  # its process group: what the client kills
   host = os.getpid()
   _limited(*limits)
@@ -110,19 +114,14 @@ class EnvHosts:
 
   def _start(self) -> _Host:
     mine, theirs = self.ctx.Pipe()
-    process = self.ctx.Process(target=_host, args=(theirs, *self.args), daemon=True)
+    process = self.ctx.Process(target=_host, args=(theirs, os.getpid(), *self.args),
+                               daemon=True)
     process.start()
     theirs.close()
     return _Host(process, mine, next(self.generations))
 
   def _replace(self, index: int) -> None:
-    host = self.hosts[index]
-    try:
-      os.killpg(host.process.pid, signal.SIGKILL)
-    except OSError:
-      host.process.kill()
-    host.process.join(5)
-    host.conn.close()
+    _stop(self.hosts[index])
     self.hosts[index] = self._start()
 
   def call(self, index: int, generation: int, op: str, key: int, arg=None):
@@ -144,6 +143,9 @@ class EnvHosts:
         status, out = host.conn.recv() if host.conn.poll(timeout) else ("timeout", None)
       except (EOFError, OSError):
         status, out = "died", None
+      except BaseException:  # an interrupt: its reply would answer the next call
+        self._replace(index)
+        raise
       host.started = True
       if status == "ok":
         return out
@@ -165,9 +167,17 @@ class EnvHosts:
 
   def close(self) -> None:
     for host in self.hosts:
-      host.conn.close()
-      host.process.kill()
-      host.process.join(5)
+      _stop(host)
+
+
+def _stop(host: _Host) -> None:
+  """The host and every process it started (its process group) killed."""
+  try:
+    os.killpg(host.process.pid, signal.SIGKILL)
+  except OSError:  # already gone, or not yet its group's leader
+    host.process.kill()
+  host.process.join(5)
+  host.conn.close()
 
 
 class HostedEnvironment:

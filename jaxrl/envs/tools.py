@@ -55,7 +55,9 @@ def _ending(result: dict, cpu_limit_s: int) -> str:
   if status == 128 + signal.SIGXCPU or (status == 128 + signal.SIGKILL
                                         and result["cpu_s"] >= cpu_limit_s + 1):
     return f"[killed: the CPU time limit, {cpu_limit_s} s]"
-  if isinstance(status, int) and status > 128:
+  if isinstance(status, str):  # the sandbox's own failure
+    return f"[{status}]"
+  if status > 128:
     return f"[ended by signal {status - 128}]"
   return f"[exit status {status}]"
 

@@ -29,6 +29,12 @@ MANY_FILES = """for i in range(4096):
 
 CPU_OR_WALL = ("[killed: the CPU time limit, 1 s]", "[killed: the time limit]")  # (on a busy
 # machine the program may not get its CPU second within the wall-clock limit)
+HOLDS_THE_PIPE = """import os
+if os.fork() == 0:
+  r, w = os.pipe()
+  os.read(r, 1)  # (it holds the output pipe, and would wait forever)
+print('the parent is done')
+"""
 CASES = [  # program, what its reply contains (or one of those)
     ("import re\nprint(re.match(r'(\\d+)+$', '1' * 40 + 'x'))", CPU_OR_WALL),
     ("while True:\n  pass", CPU_OR_WALL),
@@ -43,6 +49,8 @@ CASES = [  # program, what its reply contains (or one of those)
     (WRITES_GIGABYTES, "OSError: [Errno 27] File too large"),
     (MANY_FILES, "OSError: [Errno 28] No space left on device"),
     ("import subprocess", "module 'subprocess' is not available here"),
+    ("import os\nprint(sorted(os.environ))", "['LANG', 'PATH']"),  # none of the run's secrets
+    (HOLDS_THE_PIPE, "the parent is done"),
 ]
 
 

@@ -24,7 +24,7 @@ from jaxrl.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_
 from jaxrl.envs import (ENVIRONMENTS, ContainedEnvironment, EnvError, EnvHosts,
                         environment_factory)
 from jaxrl.envs.code_sandbox import SandboxUnavailable
-from jaxrl.envs.hosted import EnvCallError
+from jaxrl.envs.hosted import EnvCallError, HostRestarted
 from jaxrl.rewards.user import RewardFnError, call_reward_fn, load_reward_fn
 from jaxrl.rewards.verifier import VERIFIERS
 from jaxrl.user_code import UserCodePool, UserCodeTimeout, WorkerDied
@@ -162,7 +162,7 @@ def load_task(cfg: ExperimentConfig, tok: Tokenizer) -> TaskData:
     (train, heldout), skipped = _synthetic(cfg, enc), {}
   errors = collections.Counter()  # user code that misbehaved, under the "zero" policy
   reward, verifier = make_reward(cfg.rl.verifier, cfg.rl,
-                                 lambda n: errors.update({"reward": n}))
+                                 counter(errors, "reward"))
   p_len, buckets = cfg.data.max_prompt_tokens, cfg.rl.length_buckets
   if buckets:  # the buckets split the lengths that occur: up to the data's longest prompt
     p_len = min(p_len, prompt_length(train + heldout, enc))
@@ -172,6 +172,18 @@ def load_task(cfg: ExperimentConfig, tok: Tokenizer) -> TaskData:
                                          length=p_len, seed=cfg.seed + 1, buckets=buckets),
                   skipped=skipped, user_code_errors=errors,
                   user_code=":" in cfg.rl.verifier or ":" in cfg.rl.environment)
+
+
+_COUNTING = threading.Lock()
+
+
+def counter(errors: collections.Counter, name: str) -> Callable[[int], None]:
+  """`report(n)` adding n to `errors[name]`, from any thread (a turn's environments, and the
+  verifiers they call, step in threads: multiturn.py)."""
+  def report(n: int) -> None:
+    with _COUNTING:
+      errors.update({name: n})
+  return report
 
 
 def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData):
@@ -191,14 +203,10 @@ def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData):
     hosts.new()
   except (EnvError, SandboxUnavailable) as e:
     raise ConfigError(f"config.rl.environment: {e}") from None
-  except (EnvCallError, UserCodeTimeout, WorkerDied) as e:
+  except (EnvCallError, UserCodeTimeout, WorkerDied, HostRestarted) as e:
     raise ConfigError(f"config.rl.environment: {rl.environment}: the constructor failed: "
                       f"{first_line(e)}") from None
-  lock = threading.Lock()  # (a turn's environments step in threads: multiturn.py)
-
-  def count(n: int) -> None:
-    with lock:
-      task.user_code_errors.update({"environment": n})
+  count = counter(task.user_code_errors, "environment")
   return lambda: ContainedEnvironment(_new(hosts), name=rl.environment,
                                       policy=rl.on_user_code_error, report=count)
 
