@@ -5,8 +5,8 @@ Why not the code tool's sandbox (code_sandbox.py): a calculator call happens per
 thousands per RL step, and costs microseconds here where a sandboxed program costs
 milliseconds. Here nothing outside a small whitelist can run: the expression is parsed with
 `ast` and walked node by node; there are no attribute lookups, imports, assignments, lambdas or
-loops (only comprehensions over bounded `range`s), names resolve only to the whitelisted functions, and no
-file, network or interpreter state is reachable. Work is bounded: every node checks a deadline
+loops (only comprehensions over bounded `range`s), names resolve only to the whitelisted
+functions, and no file, network or interpreter state is reachable. Work is bounded: every node checks a deadline
 (`time_limit_s`), integers stay below `MAX_DIGITS` digits (a power is refused before it is
 computed), and every value below `MAX_ITEMS` items counted over the whole of it (nested
 lists and strings included, a reference shared n times counted n times: `[[0] * 10**4] * 10**4`
