@@ -11,20 +11,8 @@ Numbers in docs/environments.md.
 
 Run:  .venv/bin/python -m cli.train --config=configs/gsm8k_code.py
 """
-import os
-
-from cli.gsm8k_tiny import ensure
-from configs import gsm8k_tiny
-
-ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
-                      "gsm8k_code")
+from configs.gsm8k_tools import tool_config
 
 
 def get_config():
-  c = gsm8k_tiny.get_config()
-  assets = ensure(ASSETS, tools="python")
-  c.model.update(hf_path=os.path.join(assets, "model"))
-  c.data.update(train_path=os.path.join(assets, "train.jsonl"),
-                heldout_path=os.path.join(assets, "test.jsonl"), max_prompt_tokens=64)
-  c.rl.update(environment="python", max_turns=4, max_new_tokens=112)
-  return c
+  return tool_config("python", "gsm8k_code", max_new_tokens=112)

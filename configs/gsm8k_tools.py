@@ -16,15 +16,20 @@ import os
 from cli.gsm8k_tiny import ensure
 from configs import gsm8k_tiny
 
-ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
-                      "gsm8k_tools")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+
+
+def tool_config(tool: str, assets: str, max_new_tokens: int):
+  """gsm8k_tiny's config on the `tool` variant's assets (made under data/`assets` on first use),
+  multi-turn with the environment of the same name."""
+  c = gsm8k_tiny.get_config()
+  directory = ensure(os.path.join(DATA, assets), tools=tool)
+  c.model.update(hf_path=os.path.join(directory, "model"))
+  c.data.update(train_path=os.path.join(directory, "train.jsonl"),
+                heldout_path=os.path.join(directory, "test.jsonl"), max_prompt_tokens=64)
+  c.rl.update(environment=tool, max_turns=4, max_new_tokens=max_new_tokens)
+  return c
 
 
 def get_config():
-  c = gsm8k_tiny.get_config()
-  assets = ensure(ASSETS, tools="calculator")
-  c.model.update(hf_path=os.path.join(assets, "model"))
-  c.data.update(train_path=os.path.join(assets, "train.jsonl"),
-                heldout_path=os.path.join(assets, "test.jsonl"), max_prompt_tokens=64)
-  c.rl.update(environment="calculator", max_turns=4, max_new_tokens=96)
-  return c
+  return tool_config("calculator", "gsm8k_tools", max_new_tokens=96)

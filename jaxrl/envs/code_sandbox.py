@@ -27,6 +27,7 @@ runs unisolated.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import queue
@@ -51,6 +52,7 @@ class SandboxUnavailable(RuntimeError):
   """The kernel refuses the sandbox's namespaces (one line: its reason)."""
 
 
+@functools.cache
 def _libc():
   return ctypes.CDLL(None, use_errno=True)
 

@@ -3,6 +3,7 @@ Python tool that runs whole programs in a sandbox (code_sandbox.py)."""
 from __future__ import annotations
 
 import atexit
+import functools
 import signal
 
 from jaxrl.envs.base import ToolEnvironment
@@ -33,15 +34,12 @@ class Calculator(ToolEnvironment):
       return f"error: {e}"
 
 
-_SANDBOXES: dict[int, CodeSandbox] = {}
-
-
-def shared_sandbox(workers: int = 2) -> CodeSandbox:
-  """The process's code sandbox of `workers` servers, started once (stopped at exit)."""
-  if workers not in _SANDBOXES:
-    _SANDBOXES[workers] = CodeSandbox(workers=workers)
-    atexit.register(_SANDBOXES[workers].close)
-  return _SANDBOXES[workers]
+@functools.cache
+def shared_sandbox() -> CodeSandbox:
+  """The process's code sandbox (2 servers), started once (stopped at exit)."""
+  sandbox = CodeSandbox(workers=2)
+  atexit.register(sandbox.close)
+  return sandbox
 
 
 def _ending(result: dict, cpu_limit_s: int) -> str:

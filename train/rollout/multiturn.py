@@ -18,8 +18,8 @@ the others' turns (in-flight batching across turns). Otherwise turns decode as s
 of the rows still talking (`Sampler.complete`: bucketed, so the batch shrinks through a few
 compiled shapes). A turn's environment steps run at once, in threads (a hosted environment
 or the Python tool waits on its process, so the processes work in parallel). Either way every
-turn's key is fixed (`fold_in(key, turn)`, row r drawing
-from it as row r), so a batch's conversations are a function of its key.
+turn's key is fixed (`fold_in(key, turn)`, row r drawing from it as row r), so a batch's
+conversations are a function of its key.
 """
 from __future__ import annotations
 
