@@ -54,6 +54,16 @@ def test_accelerator_targets_and_pytest_counts():
                  "qwen1.5b step_s <= 4.5": False, "qwen1.5b update_mfu >= 0.4": True}
 
 
+def test_accelerator_check_names_the_packages_missing_before_it_starts(tmp_path):
+  """A GPU image without pebble failed every part at import (2026-11-28); the check now names
+  what is missing from pyproject.toml's dependencies in one line, before any part runs."""
+  from benchmarks.accelerator import missing_requirements
+  assert missing_requirements() == []  # this venv has the project installed
+  (tmp_path / "pyproject.toml").write_text(
+      '[project]\ndependencies = ["numpy>=1.26,<3", "no-such-dist-xyz>=5.1,<6"]\n')
+  assert missing_requirements(str(tmp_path / "pyproject.toml")) == ["no-such-dist-xyz"]
+
+
 @pytest.mark.slow
 def test_ignore_eos_runs_every_rollout_to_its_budget_past_sampled_eos(tmp_path):
   raw = tiny.get_config().to_dict()
