@@ -215,6 +215,10 @@ class RLConfig:
   overlong_penalty: float = 1.0
   environment: str = ""  # multi-turn rollouts: calculator | python | package.module:Class
   max_turns: int = 4  # model turns of a multi-turn rollout, all within max_new_tokens
+  max_turn_tokens: int = 0  # one turn's most new tokens (0: what is left of max_new_tokens)
+  # A conversation's KV cache kept in its slot between turns, the environment's reply prefilled
+  # at its end (False: every turn prefills the whole conversation again).
+  keep_turn_cache: bool = True
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.2
   kl_coef: float = 0.02
@@ -269,7 +273,7 @@ class RLConfig:
     at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap", "kl_coef",
                    "inflight_slots", "micro_batch_size", "length_buckets", "rollout_mask_low",
                    "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty",
-                   "user_code_memory_gb")
+                   "user_code_memory_gb", "max_turn_tokens")
     positive(self, "rollout_mask_high", "max_turns")
     for low, high in [("rollout_mask_low", "rollout_mask_high"),
                       ("overlong_buffer", "max_new_tokens")]:

@@ -75,7 +75,7 @@ class Outputs:
   routes_BTLK: jax.Array | None = None
 
 
-def _slot_axes(model: DecodeModel):
+def slot_axes(model: DecodeModel):
   """The slot axis of each KV-cache leaf: the one that grows with the number of slots."""
   one, two = (jax.eval_shape(lambda s=s: model.init_cache(1, s)) for s in (1, 2))
   return jax.tree.map(lambda a, b: [x != y for x, y in zip(a.shape, b.shape)].index(True), one, two)
@@ -89,13 +89,19 @@ def _ring_cache(model: DecodeModel, cache_KP: KVCache, ring: int, g) -> KVCache:
     p = prompt.shape[axis]
     return jnp.concatenate([jnp.roll(grown, (g - p) % ring, axis=axis),
                             jax.lax.slice_in_dim(prompt, p - 1, p, axis=axis)], axis=axis)
-  return jax.tree.map(place, model.grow_cache(cache_KP, ring), cache_KP, _slot_axes(model))
+  return jax.tree.map(place, model.grow_cache(cache_KP, ring), cache_KP, slot_axes(model))
 
 
 def row_uniforms(key, rows_K, n: int):
   """Row r's N uniform draws, one per token index: `fold_in(key, r)`, whatever slot or time it
   decodes in."""
   return jax.vmap(lambda row: jax.random.uniform(jax.random.fold_in(key, row), (n,)))(rows_K)
+
+
+def keyed_uniforms(keys_K2, index_K, n: int):
+  """Row k's N uniform draws from its own key data: `fold_in(keys_K2[k], index_K[k])`."""
+  return jax.vmap(lambda kd, r: jax.random.uniform(
+      jax.random.fold_in(jax.random.wrap_key_data(kd), r), (n,)))(keys_K2, index_K)
 
 
 def row_state(model: DecodeModel, cfg: SamplingConfig, tokens_KP, valid_KP, rows_K, budget_K,
@@ -108,9 +114,19 @@ def row_state(model: DecodeModel, cfg: SamplingConfig, tokens_KP, valid_KP, rows
   routes_KTLK = None if routes_KPLK is None else jnp.concatenate(
       [routes_KPLK, jnp.full((k, n) + routes_KPLK.shape[2:], -1, routes_KPLK.dtype)], axis=1)
   key_valid_KS = jnp.roll(jnp.pad(valid_KP, ((0, 0), (0, ring - p))), (g - p) % ring, axis=1)
-  return Slots(row_R=rows_K, prompt_len_R=valid_KP.sum(axis=1, dtype=jnp.int32),
-               budget_R=budget_K, uniforms_RN=uniforms_KN, logits_RV=logits_KV,
-               kv_cache=_ring_cache(model, cache_KP, ring, g),
+  return new_rows(cfg, rows_K, budget_K, uniforms_KN, logits_KV,
+                  _ring_cache(model, cache_KP, ring, g), key_valid_KS,
+                  valid_KP.sum(axis=1, dtype=jnp.int32), routes_KTLK)
+
+
+def new_rows(cfg: SamplingConfig, rows_K, budget_K, uniforms_KN, logits_KV, kv_cache,
+             key_valid_KS, length_K, routes_KTLK=None) -> Slots:
+  """The state of K rows about to decode: their next-token logits, their cache in the ring
+  layout (`key_valid_KS` over the ring; the scratch slot is added) holding `length_K` tokens
+  (the RoPE position of the first new one), nothing generated yet."""
+  k, n = rows_K.shape[0], cfg.max_new_tokens
+  return Slots(row_R=rows_K, prompt_len_R=length_K, budget_R=budget_K, uniforms_RN=uniforms_KN,
+               logits_RV=logits_KV, kv_cache=kv_cache,
                key_valid_RS=jnp.pad(key_valid_KS, ((0, 0), (0, 1)), constant_values=True),
                tokens_RN=jnp.full((k, n), cfg.pad_id, jnp.int32),
                mask_RN=jnp.zeros((k, n), bool), logprobs_RN=jnp.zeros((k, n)),
@@ -199,22 +215,30 @@ def _emit(s: Slots, cfg: SamplingConfig) -> tuple[Slots, jax.Array]:
 
 
 def _commit(s: Slots, g, axes) -> Slots:
-  """The scratch slot's key and value (the previous step's token) copied to ring slot g - 1.
-  Done before the step rather than after it: reading the scratch slot right after the step's
-  own write made XLA copy the whole cache every step."""
+  """The scratch slot's key and value (the previous step's token) copied to ring slot g - 1,
+  for the live rows only: a row is live at step g when the token it emitted at g - 1 was not
+  its last, so a finished row's ring keeps its context and every token but its last (a kept
+  multi-turn cache, `extend_rows`) instead of filling with the padding it decodes. Done before
+  the step rather than after it: reading the scratch slot right after the step's own write made
+  XLA copy the whole cache every step."""
   ring = s.key_valid_RS.shape[1] - 1
   j = (g - 1) % ring
-  move = lambda x, axis: jax.lax.dynamic_update_slice_in_dim(
-      x, jax.lax.slice_in_dim(x, ring, ring + 1, axis=axis), j, axis=axis)
+  live_R = ~s.done_R
+
+  def move(x, axis):  # rows are every cache leaf's axis 0
+    old = jax.lax.dynamic_slice_in_dim(x, j, 1, axis=axis)
+    new = jax.lax.slice_in_dim(x, ring, ring + 1, axis=axis)
+    pick = jnp.where(live_R.reshape((-1,) + (1,) * (x.ndim - 1)), new, old)
+    return jax.lax.dynamic_update_slice_in_dim(x, pick, j, axis=axis)
   return s.replace(kv_cache=jax.tree.map(move, s.kv_cache, axes),
-                   key_valid_RS=s.key_valid_RS.at[:, j].set(True))
+                   key_valid_RS=s.key_valid_RS.at[:, j].set(s.key_valid_RS[:, j] | live_R))
 
 
 def decode(model: DecodeModel, state: Slots, g, limit, *, cfg: SamplingConfig):
   """Up to `limit` decode steps (fewer once every slot is done); returns the state and the new
   global step."""
   ring = state.key_valid_RS.shape[1] - 1
-  forward, axes = model.decode_fn(resolve_layout(cfg)), _slot_axes(model)
+  forward, axes = model.decode_fn(resolve_layout(cfg)), slot_axes(model)
 
   def body(carry):
     s, g, i = carry

@@ -5,8 +5,10 @@ A request is the token ids of a context (a prompt, or a conversation so far), a 
 tokens, and its random key and row: it waits for a free slot, is prefilled there (its context
 left-padded to one of a few widths), decodes until EOS, a stop sequence or its budget, and
 returns to the host as (tag, token ids, log-probs). The host may submit a follow-up at once (the
-conversation's next turn after the environment's reply), which takes the next free slot while
-the other rows keep decoding: a row whose turn ended never waits for the others' turns to end.
+conversation's next turn after the environment's reply), which continues in the slot that kept
+the conversation's KV cache (only the reply is prefilled, at the cache's end) while the other
+rows keep decoding: a row whose turn ended never waits for the others' turns to end, and a
+conversation of k turns prefills its context once, not k times.
 
 Rows draw as the in-flight engine's do: request row r with key k takes its uniforms from
 `fold_in(k, r)`, indexed by its token index, so a turn's tokens do not depend on which slot or
@@ -20,11 +22,13 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sampler import inflight
 from sampler.engine import bucket
-from sampler.inflight import CHECK_EVERY
+from sampler.inflight import CHECK_EVERY, Slots
 from sampler.stream import admit_rows
 from sharding.reshard import fetch, send
 
@@ -42,7 +46,49 @@ def _programs(sampler: Sampler, ring: int):
   jit = inflight.jitter(sampler.mesh, sampler.rules)
   return (inflight.caster(sampler.graphdef),
           jit(inflight.empty_slots, cfg=cfg, slots=sampler.inflight_slots, p=ring, ring=ring),
-          jit(admit_rows, (1,), cfg=cfg, ring=ring), jit(inflight.decode, (1,), cfg=cfg))
+          jit(admit_rows, (1,), cfg=cfg, ring=ring), jit(extend_rows, (1,), cfg=cfg, ring=ring),
+          jit(inflight.decode, (1,), cfg=cfg))
+
+
+def kept_ring(model, cache_KX, valid_KS, chunk_valid_KW, g, ring: int):
+  """Each continued slot's ring rebuilt for decoding from global step `g`: its kept keys
+  (`valid_KS` over the ring, in any slot order) then the chunk's (the last W slots of `cache_KX`,
+  left-padded) as the newest slots, ending at ring slot g - 1, the chunk's last key in the
+  scratch slot too; so the turn's own tokens go to slots no kept key is in. (cache, the ring's
+  validity [K, ring])."""
+  w = chunk_valid_KW.shape[1]
+  t_K, l_K = (x.sum(axis=1, dtype=jnp.int32)[:, None] for x in (chunk_valid_KW, valid_KS))
+  order_KS = jnp.argsort(~valid_KS, axis=1, stable=True)  # the kept slots first, in slot order
+  age_KS = ((g - 1 - jnp.arange(ring)) % ring)[None]  # 0: the newest slot
+  kept_KS = jnp.take_along_axis(order_KS, jnp.clip(l_K - 1 - (age_KS - t_K), 0, ring - 1), 1)
+  src_KS = jnp.where(age_KS < t_K, ring + w - 1 - age_KS, kept_KS)
+  src_KS = jnp.concatenate([src_KS, jnp.full_like(src_KS[:, :1], ring + w - 1)], axis=1)
+
+  def take(x, axis):
+    shape = [1] * x.ndim
+    shape[0], shape[axis] = src_KS.shape
+    return jnp.take_along_axis(x, src_KS.reshape(shape), axis=axis)
+  return jax.tree.map(take, cache_KX, inflight.slot_axes(model)), age_KS < t_K + l_K
+
+
+def extend_rows(model, state: Slots, g, tokens_KW, valid_KW, slot_K, budget_K, keys_K2, index_K,
+                src_R, *, cfg, ring: int) -> Slots:
+  """Continues the conversations kept in slots `slot_K`: chunk k (left-padded: the turn's last
+  token, whose key a finished row never commits, then the environment's reply) is prefilled
+  after the slot's kept keys, and the row decodes its next turn (budget, uniforms `fold_in(key,
+  index)`) in the slots r with src_R[r] >= 0 (chunk src_R[r])."""
+  axes = inflight.slot_axes(model)
+  valid_KS = jnp.take(state.key_valid_RS, slot_K, axis=0)[:, :ring]
+  cache_KS = jax.tree.map(lambda x, axis: jax.lax.slice_in_dim(
+      jnp.take(x, slot_K, axis=0), 0, ring, axis=axis), state.kv_cache, axes)
+  length_K = valid_KS.sum(axis=1, dtype=jnp.int32)
+  logits_KV, cache_KX = model.extend(tokens_KW, valid_KW, length_K, cache_KS, valid_KS)
+  cache, key_valid_KS = kept_ring(model, cache_KX, valid_KS, valid_KW, g, ring)
+  new = inflight.new_rows(cfg, jnp.zeros_like(slot_K), budget_K,
+                          inflight.keyed_uniforms(keys_K2, index_K, cfg.max_new_tokens),
+                          logits_KV, cache, key_valid_KS,
+                          length_K + valid_KW.sum(axis=1, dtype=jnp.int32))
+  return jax.tree.map(functools.partial(inflight.put_rows, src_R=src_R), state, new)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,31 +102,55 @@ class Request:
 
 class Requests:
   """`sampler.inflight_slots` slots serving requests (`submit`); `poll` returns the finished
-  ones, `advance` admits the waiting ones into free slots and decodes one segment."""
+  ones, `advance` admits the waiting ones into free slots and decodes one segment.
 
-  def __init__(self, sampler: Sampler, params, *, context_width: int):
+  With `keep` (a model without experts), a finished request's slot keeps its cache for its tag:
+  the tag's next request, whose context starts with the kept one (the conversation so far, then
+  the turn and the environment's reply), prefills only its new tokens there (`extend_rows`).
+  A kept slot is freed by `release` (the conversation ended), by a request of its tag that does
+  not continue it, or, oldest first, when a waiting request finds no free slot: then that
+  conversation's next turn prefills its whole context again."""
+
+  def __init__(self, sampler: Sampler, params, *, context_width: int, keep: bool = True):
     cfg, slots = sampler.cfg, sampler.inflight_slots
     self._buckets = inflight.refill_buckets(sampler.mesh, sampler.rules, slots)
     self.cfg, self.ring = cfg, context_width + cfg.max_new_tokens - 1
     self._widths = tuple(WIDTH_STEP << k for k in range(self.ring.bit_length())
                          if WIDTH_STEP << k < self.ring) + (self.ring,)
-    cast, empty, self._admit, self._decode = _programs(sampler, self.ring)
+    cast, empty, self._admit, self._extend, self._decode = _programs(sampler, self.ring)
     self._model = cast(params)
     self.state = empty(self._model)
+    # A mixture of experts records each token's experts from its prefill: whole prefills.
+    self.keep = keep and self.state.routes_RTLK is None
     self.g, self._segment = send(np.int32(0)), send(np.int32(CHECK_EVERY))
     self._pending: collections.deque[Request] = collections.deque()
+    self._continuing: list[tuple[Request, int, int]] = []  # (request, its kept slot, cached)
+    # tag -> (slot, the ids its cache holds), oldest first
+    self._kept: collections.OrderedDict[Any, tuple[int, tuple[int, ...]]] = (
+        collections.OrderedDict())
     self._serving: list[Request | None] = [None] * slots
     self._done_R = np.ones(slots, bool)
+    # prefill_tokens: the prefills' padded [K, W] sizes; new_tokens: the ids they computed
+    self.stats = collections.Counter()
 
   def submit(self, request: Request) -> None:
     if len(request.ids) > self.ring or len(request.ids) + request.budget > self.ring + 1:
       raise ValueError(f"a context of {len(request.ids)} tokens and {request.budget} new ones "
                        f"do not fit a slot of {self.ring + 1}")
-    self._pending.append(request)
+    slot, cached = self._kept.pop(request.tag, (None, ()))
+    if slot is not None and len(request.ids) > len(cached) and (
+        request.ids[:len(cached)] == cached):
+      self._continuing.append((request, slot, len(cached)))
+    else:
+      self._pending.append(request)
+
+  def release(self, tag) -> None:
+    """Frees the slot kept for `tag` (its conversation has ended)."""
+    self._kept.pop(tag, None)
 
   @property
   def busy(self) -> bool:
-    return bool(self._pending) or any(r is not None for r in self._serving)
+    return bool(self._pending or self._continuing) or any(r is not None for r in self._serving)
 
   def poll(self) -> list[tuple[Any, list[int], list[float]]]:
     """The requests that finished since the last look: (tag, token ids, their log-probs)."""
@@ -91,35 +161,51 @@ class Requests:
     tokens, mask, logp = fetch((self.state.tokens_RN, self.state.mask_RN, self.state.logprobs_RN))
     out = []
     for s in finished:
-      out.append((self._serving[s].tag, tokens[s][mask[s]].tolist(), logp[s][mask[s]].tolist()))
+      request, ids = self._serving[s], tokens[s][mask[s]].tolist()
+      out.append((request.tag, ids, logp[s][mask[s]].tolist()))
       self._serving[s] = None
+      if self.keep and ids:  # every id but the last is in the cache (`inflight._commit`)
+        self._kept[request.tag] = (s, request.ids + tuple(ids[:-1]))
     return out
 
   def advance(self) -> None:
-    """Admits waiting requests into the free slots (one prefill call), then decodes one
-    segment of up to CHECK_EVERY steps."""
-    free = [s for s, r in enumerate(self._serving) if r is None]
+    """Continues the kept conversations and admits waiting requests into the free slots
+    (evicting the oldest kept caches if there are too few), then decodes one segment of up to
+    CHECK_EVERY steps."""
+    if self._continuing:
+      items, self._continuing = self._continuing, []
+      self._prefill(self._extend, [(r, s, n) for r, s, n in items])
+    held = {slot for slot, _ in self._kept.values()}
+    free = [s for s, r in enumerate(self._serving) if r is None and s not in held]
+    while len(free) < len(self._pending) and self._kept:
+      free.append(self._kept.popitem(last=False)[1][0])
     take = [self._pending.popleft() for _ in range(min(len(free), len(self._pending)))]
     if take:
-      self._start(take, free[:len(take)])
+      self._prefill(self._admit, [(r, s, 0) for r, s in zip(take, free)])
     if any(r is not None for r in self._serving):
       self.state, self.g = self._decode(self._model, self.state, self.g, self._segment)
 
-  def _start(self, take: list[Request], slots: list[int]) -> None:
-    k = bucket(len(take), self._buckets)
-    width = bucket(max(len(r.ids) for r in take), self._widths)
-    tokens_KP = np.full((k, width), self.cfg.pad_id, np.int32)
-    valid_KP = np.zeros((k, width), bool)
-    budget_K, index_K = np.ones(k, np.int32), np.zeros(k, np.int32)
+  def _prefill(self, fn, items: list[tuple[Request, int, int]]) -> None:
+    """One call of `fn` (`admit_rows` or `extend_rows`) for (request, slot, ids cached there):
+    each request's ids past the cached ones, left-padded to a width bucket."""
+    k = bucket(len(items), self._buckets)
+    width = bucket(max(len(r.ids) - n for r, _, n in items), self._widths)
+    tokens_KW = np.full((k, width), self.cfg.pad_id, np.int32)
+    valid_KW = np.zeros((k, width), bool)
+    budget_K, index_K, slot_K = (np.zeros(k, np.int32) for _ in range(3))
+    budget_K[:] = 1
     keys_K2 = np.zeros((k, 2), np.uint32)
-    for j, r in enumerate(take):
-      tokens_KP[j, width - len(r.ids):], valid_KP[j, width - len(r.ids):] = r.ids, True
-      budget_K[j], index_K[j], keys_K2[j] = r.budget, r.row, r.key
-    valid_KP[len(take):, -1] = True  # bucket padding rows: one token, so attention is defined
     src_R = np.full(len(self._serving), -1, np.int32)
-    src_R[slots] = np.arange(len(take))
-    self.state = self._admit(self._model, self.state, self.g,
-                             *send((tokens_KP, valid_KP, np.zeros(k, np.int32), budget_K,
-                                    keys_K2, index_K, src_R)))
-    for s, r in zip(slots, take):
-      self._serving[s] = r
+    for j, (r, slot, n) in enumerate(items):
+      new = r.ids[n:]
+      tokens_KW[j, width - len(new):], valid_KW[j, width - len(new):] = new, True
+      budget_K[j], index_K[j], keys_K2[j], slot_K[j], src_R[slot] = r.budget, r.row, r.key, slot, j
+      self._serving[slot] = r
+      self.stats["new_tokens"] += len(new)
+    valid_KW[len(items):, -1] = True  # bucket padding rows: one token, so attention is defined
+    self.stats["prefill_tokens"] += k * width
+    self.stats["continued" if fn is self._extend else "admitted"] += len(items)
+    # admit_rows takes output rows (unused here: a request's results come back by its slot)
+    first = slot_K if fn is self._extend else np.zeros(k, np.int32)
+    self.state = fn(self._model, self.state, self.g,
+                    *send((tokens_KW, valid_KW, first, budget_K, keys_K2, index_K, src_R)))

@@ -144,10 +144,11 @@ class Sampler:
     sampler's in-flight slots, up to `live` batches open at once (sampler/stream.py)."""
     return Stream(self, params, prompt_width=prompt_width, batch_prompts=batch_prompts, live=live)
 
-  def requests(self, params, *, context_width: int) -> Requests:
+  def requests(self, params, *, context_width: int, keep: bool = True) -> Requests:
     """This sampler's in-flight slots serving requests of contexts up to `context_width`
-    tokens, one sample each (sampler/requests.py)."""
-    return Requests(self, params, context_width=context_width)
+    tokens, one sample each (sampler/requests.py); `keep`: a finished request's slot keeps its
+    cache for the next request of its tag."""
+    return Requests(self, params, context_width=context_width, keep=keep)
 
   def complete(self, params, prompts: Sequence[Sequence[int]], key: jax.Array,
                max_new_tokens: Sequence[int] | None = None) -> Rollout:

@@ -50,10 +50,8 @@ def admit_rows(model, state: Slots, g, tokens_KP, valid_KP, rows_K, budget_K, ke
            src_R, *, cfg, ring: int) -> Slots:
   """Starts rows `rows_K` (output rows; `index_K` their row in their batch, `keys_K2` their
   batch's key data, `budget_K` their most tokens) in the slots r with src_R[r] >= 0."""
-  uniform = lambda kd, r: jax.random.uniform(
-      jax.random.fold_in(jax.random.wrap_key_data(kd), r), (cfg.max_new_tokens,))
   new = inflight.row_state(model, cfg, tokens_KP, valid_KP, rows_K, budget_K,
-                            jax.vmap(uniform)(keys_K2, index_K), g, ring)
+                           inflight.keyed_uniforms(keys_K2, index_K, cfg.max_new_tokens), g, ring)
   return jax.tree.map(functools.partial(inflight.put_rows, src_R=src_R), state, new)
 
 

@@ -61,6 +61,18 @@ class LMDecoding:
     routes = None if routing is None else routing.ids.astype(ROUTE_DTYPE)
     return self.model.logits(h_B1D, self.head_VD)[:, 0], kv_cache, routes
 
+  def extend(self, tokens_KW, valid_KW, offset_K, kv_cache: KVCache, key_valid_KS):
+    """A prefill of W new tokens (left-padded) after a kept cache of S slots (`key_valid_KS`:
+    which hold keys, `offset_K` of them, in any slot order): the next-token logits [K, V] and
+    the cache grown to S + W slots, the new keys and values in the last W."""
+    s = key_valid_KS.shape[1]
+    grown = self.grow_cache(kv_cache, s + tokens_KW.shape[1])
+    positions_KW = offset_K[:, None] + positions_from_valid(valid_KW)
+    h_K1D, kv_cache, _ = self.model.decoder.forward(
+        tokens_KW, positions_KW, jnp.concatenate([key_valid_KS, valid_KW], axis=1), grown,
+        cache_index=s, last_only=True)
+    return self.model.logits(h_K1D, self.head_VD)[:, 0], kv_cache
+
   def decode_fn(self, layout: str):
     """`step(tok_B, (sin_BH, cos_BH), key_valid_BS, kv_cache, slot) -> (logits_BV, kv_cache,
     routes_BLK or None)`: one new token per row, the model's forward in `layout` ("rows" |

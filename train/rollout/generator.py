@@ -65,7 +65,9 @@ class Generator:
     self.greedy_sampler = self.sampler.variant(n=1, method="greedy", stop_sequences=stops,
                                                ignore_eos=False)
     self._rows = batch_sharding(mesh, SAMPLER_RULES)
-    self.environment, self.max_turns, self.pad_id = environment, rl.max_turns, tok.pad_id
+    self.environment, self.pad_id = environment, tok.pad_id
+    self.turns = dict(max_turns=rl.max_turns, max_turn_tokens=rl.max_turn_tokens,
+                      keep_cache=rl.keep_turn_cache)
     if environment is not None and jax.process_count() > 1:
       raise ConfigError("config.rl.environment: multi-turn rollouts run in one process for now")
     # A turn also ends at the environment's stop strings
@@ -109,7 +111,7 @@ class Generator:
       talks = converse(sampler, params, [tokens_BP[i][valid_BP[i]].tolist() for i in rows],
                        [prompts["examples"][i] for i in rows],
                        [self.environment() for _ in rows], key,
-                       max_new_tokens=sampler.cfg.max_new_tokens, max_turns=self.max_turns)
+                       max_new_tokens=sampler.cfg.max_new_tokens, **self.turns)
     except EnvError as e:  # a user's environment misbehaved (rl.on_user_code_error="stop")
       raise ConfigError(f"config.rl.environment: {e}") from None
     host = as_rollout(talks, tokens_BP[rows], valid_BP[rows], budget=sampler.cfg.max_new_tokens,

@@ -23,6 +23,7 @@ conversations are a function of its key.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -35,7 +36,12 @@ from jaxrl.envs import EnvError, Environment
 from sampler.engine import Rollout
 from sampler.requests import WIDTH_STEP, Request
 from sampler.sampler import Sampler
+from sharding.rules import batch_ways
 from train.io.host_transfers import to_host
+
+# What the in-flight engines prefilled, summed over this process's conversations (read by
+# benchmarks/multiturn.py): prefill_tokens (padded), new_tokens, admitted, continued.
+STATS: collections.Counter = collections.Counter()
 
 
 @dataclasses.dataclass
@@ -81,27 +87,55 @@ class _Conversation:
 
 def converse(sampler: Sampler, params, prompts_B: Sequence[Sequence[int]], examples_B: Sequence,
              envs_B: Sequence[Environment], key: jax.Array, *, max_new_tokens: int,
-             max_turns: int) -> list[_Conversation]:
+             max_turns: int, max_turn_tokens: int = 0, keep_cache: bool = True
+             ) -> list[_Conversation]:
   """Runs each row's conversation (prompt ids `prompts_B[i]`, dataset row `examples_B[i]`) to
-  its end; each turn's budget is what is left of the row's `max_new_tokens`."""
+  its end; each turn's budget is what is left of the row's `max_new_tokens`, at most
+  `max_turn_tokens` (0: no cap). `keep_cache`: turns continue in the slots that kept their
+  conversations' caches (in-flight slots, as many as the rows unless the sampler has its own);
+  else each turn prefills its whole conversation (in-flight slots if the sampler has them,
+  else static batches). A run of several processes decodes static batches."""
   talks = [_Conversation(env, i) for i, env in enumerate(envs_B)]
   for talk, example in zip(talks, examples_B):
     talk.reset(example, max_new_tokens)
+  turns = Turns(max_new_tokens, max_turns, max_turn_tokens)
+  if keep_cache and not sampler.inflight_slots and jax.process_count() == 1:
+    sampler = sampler.variant(inflight_slots=slots_for(sampler, len(talks)))
   if sampler.inflight_slots:
-    return _converse_inflight(sampler, params, prompts_B, talks, key, max_new_tokens, max_turns)
+    return _converse_inflight(sampler, params, prompts_B, talks, key, turns, keep_cache)
   for turn in range(max_turns):
     live = [i for i, t in enumerate(talks) if not t.done and len(t.ids) < max_new_tokens]
     if not live:
       break
     out = sampler.complete(params, [list(prompts_B[i]) + talks[i].ids for i in live],
-                  jax.random.fold_in(key, turn),
-                  max_new_tokens=[max_new_tokens - len(talks[i].ids) for i in live])
+                           jax.random.fold_in(key, turn),
+                           max_new_tokens=[turns.budget(talks[i]) for i in live])
     p = out.tokens_BT.shape[1] - out.completion_mask_BN.shape[1]
+    STATS.update(prefill_tokens=out.tokens_BT.shape[0] * p, admitted=len(live),
+                 new_tokens=sum(len(prompts_B[i]) + len(talks[i].ids) for i in live))
     masks = [np.asarray(out.completion_mask_BN[row], bool) for row in range(len(live))]
     _reply_all(talks, [(i, np.asarray(out.tokens_BT[row, p:])[masks[row]].tolist(),
                         np.asarray(out.logprobs_BN[row])[masks[row]].tolist())
                        for row, i in enumerate(live)], max_new_tokens)
   return talks
+
+
+@dataclasses.dataclass(frozen=True)
+class Turns:
+  max_new_tokens: int  # a conversation's budget: the model's tokens and the replies
+  max_turns: int
+  max_turn_tokens: int = 0  # one turn's most tokens (0: what is left of the budget)
+
+  def budget(self, talk: _Conversation) -> int:
+    left = self.max_new_tokens - len(talk.ids)
+    return min(left, self.max_turn_tokens) if self.max_turn_tokens else left
+
+
+def slots_for(sampler: Sampler, rows: int) -> int:
+  """In-flight slots for `rows` conversations: the data shards times a power of two (a few
+  compiled sizes), at least `rows`."""
+  shards = batch_ways(sampler.mesh, sampler.rules)
+  return shards * 2 ** max(0, -(-rows // shards) - 1).bit_length()
 
 
 _STEPPERS = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="env-step")
@@ -116,29 +150,33 @@ def _reply_all(talks: list[_Conversation], turns: Sequence[tuple[int, list, list
 
 
 def _converse_inflight(sampler: Sampler, params, prompts_B, talks: list[_Conversation], key,
-                       max_new_tokens: int, max_turns: int) -> list[_Conversation]:
+                       turns: Turns, keep_cache: bool) -> list[_Conversation]:
   """The conversations' turns as requests to in-flight slots, each submitted as soon as the
-  previous one's reply is in."""
+  previous one's reply is in (to the slot that kept its cache, with `keep_cache`)."""
   keys = [to_host(jax.random.key_data(jax.random.fold_in(key, t)), "keys")
-          for t in range(max_turns)]
+          for t in range(turns.max_turns)]
   width = -(-max(map(len, prompts_B)) // WIDTH_STEP) * WIDTH_STEP  # a few compiled shapes
-  engine = sampler.requests(params, context_width=width)
-  turns = [0] * len(talks)
+  engine = sampler.requests(params, context_width=width, keep=keep_cache)
+  asked = [0] * len(talks)
 
   def ask(i: int) -> None:
-    if turns[i] < max_turns and not talks[i].done and len(talks[i].ids) < max_new_tokens:
-      engine.submit(Request(i, tuple(prompts_B[i]) + tuple(talks[i].ids),
-                            max_new_tokens - len(talks[i].ids), keys[turns[i]], i))
-      turns[i] += 1
+    """Row i's next turn, or its slot freed: its conversation has ended."""
+    talk = talks[i]
+    if asked[i] < turns.max_turns and not talk.done and len(talk.ids) < turns.max_new_tokens:
+      engine.submit(Request(i, tuple(prompts_B[i]) + tuple(talk.ids), turns.budget(talk),
+                            keys[asked[i]], i))
+      asked[i] += 1
+    else:
+      engine.release(i)
 
   for i in range(len(talks)):
     ask(i)
   while engine.busy:
     done = engine.poll()
-    for (i, _, _), more in zip(done, _reply_all(talks, done, max_new_tokens)):
-      if more:
-        ask(i)
+    for (i, _, _), more in zip(done, _reply_all(talks, done, turns.max_new_tokens)):
+      ask(i) if more else engine.release(i)
     engine.advance()
+  STATS.update(engine.stats)
   return talks
 
 
