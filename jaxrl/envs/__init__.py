@@ -1,5 +1,5 @@
 """Environments for multi-turn rollouts: the protocol (base.py), a calculator and a sandboxed
-Python tool (tools.py), chosen by name from `ENVIRONMENTS`, or a user's class
+Python tool (tools.py), a speed workload (synthetic.py), chosen by name from `ENVIRONMENTS`, or a user's class
 "package.module:Class" (constructed with the tokenizer and the run's verifier, in a host
 process: hosted.py)."""
 from __future__ import annotations
@@ -7,10 +7,12 @@ from __future__ import annotations
 from jaxrl.envs.base import Environment, EnvironmentFactory, Step, ToolEnvironment
 from jaxrl.envs.contained import ContainedEnvironment, EnvError
 from jaxrl.envs.hosted import EnvHosts
+from jaxrl.envs.synthetic import FixedReplies
 from jaxrl.envs.tools import Calculator, PythonTool
 from jaxrl.user_code import load_callable
 
-ENVIRONMENTS: dict[str, EnvironmentFactory] = {"calculator": Calculator, "python": PythonTool}
+ENVIRONMENTS: dict[str, EnvironmentFactory] = {"calculator": Calculator, "python": PythonTool,
+                                               "synthetic": FixedReplies}
 
 
 def environment_factory(spec: str) -> EnvironmentFactory:

@@ -66,8 +66,10 @@ class Generator:
                                                ignore_eos=False)
     self._rows = batch_sharding(mesh, SAMPLER_RULES)
     self.environment, self.pad_id = environment, tok.pad_id
+    # A kept cache continues in in-flight slots, whose ring a sliding window does not fit
+    keep = rl.keep_turn_cache and not cluster.cfg.model.sliding_window
     self.turns = dict(max_turns=rl.max_turns, max_turn_tokens=rl.max_turn_tokens,
-                      keep_cache=rl.keep_turn_cache)
+                      keep_cache=keep)
     if environment is not None and jax.process_count() > 1:
       raise ConfigError("config.rl.environment: multi-turn rollouts run in one process for now")
     # A turn also ends at the environment's stop strings

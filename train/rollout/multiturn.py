@@ -40,7 +40,8 @@ from sharding.rules import batch_ways
 from train.io.host_transfers import to_host
 
 # What the in-flight engines prefilled, summed over this process's conversations (read by
-# benchmarks/multiturn.py): prefill_tokens (padded), new_tokens, admitted, continued.
+# benchmarks/multiturn.py): prefill_tokens (padded), new_tokens, admitted, continued, and
+# emitted: the model's tokens.
 STATS: collections.Counter = collections.Counter()
 
 
@@ -94,12 +95,12 @@ def converse(sampler: Sampler, params, prompts_B: Sequence[Sequence[int]], examp
   `max_turn_tokens` (0: no cap). `keep_cache`: turns continue in the slots that kept their
   conversations' caches (in-flight slots, as many as the rows unless the sampler has its own);
   else each turn prefills its whole conversation (in-flight slots if the sampler has them,
-  else static batches). A run of several processes decodes static batches."""
+  else static batches)."""
   talks = [_Conversation(env, i) for i, env in enumerate(envs_B)]
   for talk, example in zip(talks, examples_B):
     talk.reset(example, max_new_tokens)
   turns = Turns(max_new_tokens, max_turns, max_turn_tokens)
-  if keep_cache and not sampler.inflight_slots and jax.process_count() == 1:
+  if keep_cache and not sampler.inflight_slots:
     sampler = sampler.variant(inflight_slots=slots_for(sampler, len(talks)))
   if sampler.inflight_slots:
     return _converse_inflight(sampler, params, prompts_B, talks, key, turns, keep_cache)
@@ -112,7 +113,8 @@ def converse(sampler: Sampler, params, prompts_B: Sequence[Sequence[int]], examp
                            max_new_tokens=[turns.budget(talks[i]) for i in live])
     p = out.tokens_BT.shape[1] - out.completion_mask_BN.shape[1]
     STATS.update(prefill_tokens=out.tokens_BT.shape[0] * p, admitted=len(live),
-                 new_tokens=sum(len(prompts_B[i]) + len(talks[i].ids) for i in live))
+                 new_tokens=sum(len(prompts_B[i]) + len(talks[i].ids) for i in live),
+                 emitted=int(np.asarray(out.completion_mask_BN)[:len(live)].sum()))
     masks = [np.asarray(out.completion_mask_BN[row], bool) for row in range(len(live))]
     _reply_all(talks, [(i, np.asarray(out.tokens_BT[row, p:])[masks[row]].tolist(),
                         np.asarray(out.logprobs_BN[row])[masks[row]].tolist())
@@ -173,7 +175,8 @@ def _converse_inflight(sampler: Sampler, params, prompts_B, talks: list[_Convers
     ask(i)
   while engine.busy:
     done = engine.poll()
-    for (i, _, _), more in zip(done, _reply_all(talks, done, turns.max_new_tokens)):
+    for (i, ids, _), more in zip(done, _reply_all(talks, done, turns.max_new_tokens)):
+      STATS["emitted"] += len(ids)
       ask(i) if more else engine.release(i)
     engine.advance()
   STATS.update(engine.stats)

@@ -1,0 +1,112 @@
+"""Multi-turn RL steps with the KV cache kept across turns (`keep`) against each turn prefilling
+its whole conversation (`prefill`: `rl.keep_turn_cache=False`), alternately in one process.
+
+  python -m benchmarks.multiturn --json                          # synthetic: 8 turns
+  python -m benchmarks.multiturn --json --workload gsm8k_tools   # the calculator after its SFT
+
+Workloads (sync, colocated on one device, a fresh policy unless SFT runs first):
+  synthetic    `rl.environment=synthetic` (jaxrl/envs/synthetic.py): 8 model turns of
+               `--turn-tokens` (32) tokens each (`rl.ignore_eos`), each answered by the same
+               100-token reply; the w1 model (vocab 264, d_model 256, 4 layers), 16-token
+               prompts, 4 prompts x 4 samples: 956-token conversations.
+  gsm8k_tools  configs/gsm8k_tools.py (the calculator: replies of a few tokens, 2-4 turns),
+               after `--sft-steps` steps of its SFT, 8 prompts x 4 samples.
+  --scale full (the default on an accelerator) runs synthetic on Qwen2.5-0.5B's shape (random,
+  bf16) with 64-token prompts, 8 prompts x 8 samples.
+
+Each round runs one RL step per variant, in alternating order, after one warm-up step each
+(compiles). Reported per variant, medians over `--rounds`: the step's seconds, the rollout's
+(the generate stage), rollout tokens/s (the model's own tokens over the rollout seconds), and
+prefill tokens per generated token (the prefills' padded [rows, width] sizes over the model's
+tokens); then keep over prefill for each.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+from benchmarks.common import emit
+from benchmarks.rl_step import W1_MODEL, Workload, build_config, qwen_model, sig
+
+VARIANTS = {"keep": True, "prefill": False}
+
+
+def workload(name: str, args, full: bool) -> Workload:
+  sync = {"strategy": "colocate", "cpu_devices": 1, "sampler_tensor": 1}
+  if name == "gsm8k_tools":
+    return Workload(1, {"sft": {"steps": args.sft_steps}, "placement": sync,
+                        "rl": {"prompts_per_step": 8, "group_size": 4}}, modes=False)
+  turns = 8
+  model = dict(qwen_model("qwen0.5b")) if full else W1_MODEL
+  prompts, samples, prompt_tokens = (8, 8, 64) if full else (4, 4, 16)
+  rl = {"environment": "synthetic", "max_turns": turns, "max_turn_tokens": args.turn_tokens,
+        "ignore_eos": True, "max_new_tokens": turns * args.turn_tokens + (turns - 1) * 100,
+        "prompts_per_step": prompts, "group_size": samples, "num_minibatches": 1,
+        "kl_coef": 0.0}
+  return Workload(1, {"model": model, "sft": {"steps": 0}, "placement": sync, "rl": rl,
+                      "task": {"num_digits": prompt_tokens - 6},
+                      "data": {"max_prompt_tokens": prompt_tokens}}, modes=False)
+
+
+def one_step(exp, keep: bool) -> dict:
+  from train.rollout.multiturn import STATS
+  exp.ctx.generator.turns["keep_cache"] = keep
+  STATS.clear()
+  start = time.perf_counter()
+  exp.rl.step()
+  step_s = time.perf_counter() - start
+  rollout_s = sum(exp.ctx.timeline.durations(start).get("generate", []))
+  emitted = max(STATS["emitted"], 1)
+  return {"step_s": step_s, "rollout_s": rollout_s, "tokens_per_s": emitted / rollout_s,
+          "prefill_per_token": STATS["prefill_tokens"] / emitted, "emitted": emitted,
+          "continued": STATS["continued"]}
+
+
+def measure(raw: dict, rounds: int) -> dict:
+  from train.run import Experiment
+  with Experiment(raw) as exp:
+    for keep in VARIANTS.values():  # warm-up: compiles
+      one_step(exp, keep)
+    runs = {name: [] for name in VARIANTS}
+    for r in range(rounds):
+      for name in (list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]):
+        runs[name].append(one_step(exp, VARIANTS[name]))
+    device = str(exp.ctx.cluster.meshes["sampler"].devices.flat[0].device_kind)
+  out = {name: {k: sig(statistics.median(r[k] for r in rs)) for k in rs[0]}
+         for name, rs in runs.items()}
+  keep, prefill = out["keep"], out["prefill"]
+  out["keep_over_prefill"] = {k: sig(keep[k] / prefill[k]) for k in
+                              ("step_s", "rollout_s", "tokens_per_s", "prefill_per_token")}
+  return {"device": device, "rounds": rounds, **out}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--json", action="store_true")
+  parser.add_argument("--workload", choices=("synthetic", "gsm8k_tools"), default="synthetic")
+  parser.add_argument("--scale", choices=("auto", "full", "reduced"), default="auto")
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--turn-tokens", type=int, default=32)
+  parser.add_argument("--sft-steps", type=int, default=200)
+  args = parser.parse_args()
+  import jax
+  full = args.scale == "full" or (args.scale == "auto" and jax.default_backend() != "cpu")
+  if args.workload == "gsm8k_tools":
+    from configs import gsm8k_tools
+    raw = gsm8k_tools.get_config().to_dict()
+    for section, fields in workload("gsm8k_tools", args, full).overrides.items():
+      raw[section].update(fields)
+    raw.update(run_dir=tempfile.mkdtemp(prefix="jaxrl-bench-"), progress=False,
+               checkpoint_every=10**6, checkpoint_minutes=0.0)
+    raw["eval"]["every"] = 10**6
+    raw["rl"]["steps"] = 2 * (args.rounds + 1) + 1
+  else:
+    raw = build_config(workload("synthetic", args, full), steps=2 * (args.rounds + 1))
+  emit({"workload": args.workload, "scale": "full" if full else "reduced",
+        **measure(raw, args.rounds)}, args.json)
+
+
+if __name__ == "__main__":
+  main()

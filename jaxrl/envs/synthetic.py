@@ -1,0 +1,36 @@
+"""`synthetic`: a workload for measuring multi-turn speed (benchmarks/multiturn.py), not a task.
+Every model turn is answered with the same `REPLY_TOKENS` token ids, and the conversation ends
+after `TURNS` turns; with `rl.ignore_eos` and `rl.max_turn_tokens` every turn has the same
+length, so each rollout has a known shape: the agentic pattern of long tool outputs between
+short model turns. Its reward (the last step's) is a stand-in that varies between rollouts
+(a function of the turn's ids), so the update has advantages to train on."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jaxrl.data.tasks import Example
+from jaxrl.data.tokenizer import Tokenizer
+from jaxrl.envs.base import Step
+
+TURNS = 8
+REPLY_TOKENS = 100
+_TEXT = " the tool printed the following lines of output, one value a line:"
+
+
+class FixedReplies:
+
+  def __init__(self, tok: Tokenizer, verifier: Callable[[str, str], float]):
+    del verifier  # nothing is checked
+    ids = tok.encode(_TEXT, bos=False, eos=False)
+    self.reply = (ids * (REPLY_TOKENS // len(ids) + 1))[:REPLY_TOKENS]
+    self.stop_strings = ()
+    self.turns = 0
+
+  def reset(self, example: Example) -> list[int]:
+    self.turns = 0
+    return []
+
+  def step(self, turn_ids: list[int]) -> Step:
+    self.turns += 1
+    done = self.turns >= TURNS
+    return Step(list(self.reply), (sum(turn_ids) % 7) / 6 if done else 0.0, done)
