@@ -135,9 +135,19 @@ def test_environments_load_by_name_or_from_a_module():
   assert environment_factory("calculator") is Calculator
   assert environment_factory("python") is PythonTool
   assert environment_factory("test_envs:Echo") is Echo
-  for spec, message in [("chess", "environment 'chess': expected one of ['calculator', 'python']"),
+  for spec, message in [("chess", "environment 'chess': expected one of ['calculator', 'python', "
+                                  "'synthetic']"),
                         ("no_such_module_xyz:Env", "no module named 'no_such_module_xyz'"),
                         ("test_envs:Missing", "has no attribute 'Missing'"),
                         ("test_envs:TOK", "is a ByteTokenizer, not callable")]:
     with pytest.raises(EnvError, match=message.replace("[", r"\[").replace("]", r"\]")):
       environment_factory(spec)
+
+
+def test_the_synthetic_workload_answers_every_turn_alike_for_eight_turns():
+  env = environment_factory("synthetic")(ByteTokenizer(), None)
+  assert env.reset(Example("q", "1")) == [] and env.stop_strings == ()
+  steps = [env.step([65 + t, 66]) for t in range(8)]
+  assert all(len(s.observation) == 100 and s.observation == steps[0].observation for s in steps)
+  assert [s.done for s in steps] == [False] * 7 + [True]
+  assert all(s.reward == 0 for s in steps[:7]) and 0 <= steps[-1].reward <= 1
