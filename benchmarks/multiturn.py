@@ -10,7 +10,7 @@ Workloads (sync, colocated on one device, a fresh policy unless SFT runs first):
                100-token reply; the w1 model (vocab 264, d_model 256, 4 layers), 16-token
                prompts, 4 prompts x 4 samples: 956-token conversations.
   gsm8k_tools  configs/gsm8k_tools.py (the calculator: replies of a few tokens, 2-4 turns),
-               after `--sft-steps` steps of its SFT, 8 prompts x 4 samples.
+               after `--sft-steps` (400) steps of its SFT, 8 prompts x 4 samples.
   --scale full (the default on an accelerator) runs synthetic on Qwen2.5-0.5B's shape (random,
   bf16) with 64-token prompts, 8 prompts x 8 samples.
 
@@ -67,6 +67,8 @@ def one_step(exp, keep: bool) -> dict:
 def measure(raw: dict, rounds: int) -> dict:
   from train.run import Experiment
   with Experiment(raw) as exp:
+    if "sft" in exp.stage_names:
+      exp.stage("sft").run()
     for keep in VARIANTS.values():  # warm-up: compiles
       one_step(exp, keep)
     runs = {name: [] for name in VARIANTS}
@@ -89,7 +91,7 @@ def main() -> None:
   parser.add_argument("--scale", choices=("auto", "full", "reduced"), default="auto")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--turn-tokens", type=int, default=32)
-  parser.add_argument("--sft-steps", type=int, default=200)
+  parser.add_argument("--sft-steps", type=int, default=400)
   args = parser.parse_args()
   import jax
   full = args.scale == "full" or (args.scale == "auto" and jax.default_backend() != "cpu")

@@ -17,6 +17,7 @@ from jaxrl.algos import ADVANTAGES, KL_ESTIMATORS
 from jaxrl.algos.advantages import overlong_penalty
 from jaxrl.algos.registry import declared
 from jaxrl.config import RLConfig
+from train.updates.packing import Pack
 from train.updates.rl import hyperparameters
 
 
@@ -37,6 +38,8 @@ class Experience:
   loss_mask_BN: jax.Array | None = None
   # A mixture of experts: each token's experts in the sampler (replayed or compared).
   routes_BTLK: jax.Array | None = None
+  # `rl.pack_length`: the forward passes' packed rows, per piece (train/updates/packing.py).
+  pack: Pack | None = None
 
   @property
   def policy_mask_BN(self) -> jax.Array:

@@ -14,6 +14,7 @@ from jaxrl.algos.losses import aggregation_weights, value_loss
 from jaxrl.config import RLConfig
 from train.updates.batching import accumulate_grads, compute_copy, micro_batches, scan_minibatches
 from train.updates.forward import completion_values, routed_logprobs
+from train.updates.packing import packed_logprobs
 from train.updates.state import TrainState, apply_gradients
 
 
@@ -36,9 +37,13 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
   (|log mu - log pi_old|, KL(mu || pi_old)) over every valid token (`token_weights_BN`: a token
   mean over the minibatch)."""
   exp, weights_BN, token_weights_BN = micro
-  logp_BN, entropy_BN, router, router_metrics = routed_logprobs(
-      graphdef, params, exp.tokens_BT, exp.valid_BT, start=exp.prompt_len - 1,
-      routes_BTLK=exp.routes_BTLK)
+  if exp.pack is not None:  # its rows packed to a token budget (train/updates/packing.py)
+    logp_BN, entropy_BN, router, router_metrics = packed_logprobs(
+        graphdef, params, exp.tokens_BT, exp.pack, exp.completion_mask_BN, exp.routes_BTLK)
+  else:
+    logp_BN, entropy_BN, router, router_metrics = routed_logprobs(
+        graphdef, params, exp.tokens_BT, exp.valid_BT, start=exp.prompt_len - 1,
+        routes_BTLK=exp.routes_BTLK)
   share = token_weights_BN.sum()  # this micro-batch's share of the minibatch's tokens
   old_BN = exp.old_logprobs_BN
   if old_BN is None:  # one minibatch: these weights are the ones before the update
