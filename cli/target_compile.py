@@ -209,9 +209,11 @@ def _scoring(cfg: ExperimentConfig, cluster: RoleCluster, actor, critic) -> list
   def batch(role, mask=True):
     arrays = (S((b, t), jnp.int32), S((b, t), bool)) + ((S((b, n), bool),) if mask else ())
     return _abstract(arrays, role.batch_shardings(arrays))
-  passes = [("reference log-probs", cluster.get("reference"), scoring.ref_logprobs_fn)]
+  # (the [B, T] passes: a packed pass's rows depend on the lengths a rollout has)
+  ref_fn, old_fn = scoring.logprob_fns[False]
+  passes = [("reference log-probs", cluster.get("reference"), ref_fn)]
   if rl.needs_old_logprobs:
-    passes.append(("old log-probs", actor.role, scoring.old_logprobs_fn))
+    passes.append(("old log-probs", actor.role, old_fn))
   if critic is not None:
     passes.append(("values", critic.role, scoring.values_fn))
   for name, role, fn in passes:

@@ -241,6 +241,9 @@ class RLConfig:
   # Prompt batches padded, rollouts trimmed to the bucket of their longest prompt / response: at
   # most this many lengths each (few compiled shapes). 0: pad to max_prompt_/max_new_tokens.
   length_buckets: int = 8
+  # > 0: the scoring passes and the update run over rows packed to this many tokens (at least
+  # the prompt width + max_new_tokens), not the [B, T] batch (train/updates/packing.py).
+  pack_length: int = 0
   # 0: each prompt batch decodes as one static batch; > 0: in-flight batching in this many row
   # slots, refilled as rows finish (a multiple of the sampler's data shards; uneven lengths).
   inflight_slots: int = 0
@@ -273,7 +276,7 @@ class RLConfig:
     at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap", "kl_coef",
                    "inflight_slots", "micro_batch_size", "length_buckets", "rollout_mask_low",
                    "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty",
-                   "user_code_memory_gb", "max_turn_tokens")
+                   "user_code_memory_gb", "max_turn_tokens", "pack_length")
     positive(self, "rollout_mask_high", "max_turns")
     for low, high in [("rollout_mask_low", "rollout_mask_high"),
                       ("overlong_buffer", "max_new_tokens")]:

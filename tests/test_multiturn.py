@@ -103,9 +103,10 @@ def test_trained_ids_are_the_sampled_and_appended_ids(tmp_path, slots, keep):
 def test_an_rl_run_with_an_environment_trains_on_the_models_tokens_only(tmp_path):
   raw = tiny.get_config().to_dict()
   raw.update(run_dir=str(tmp_path), run_name="env")
-  # in-flight across turns (the static turns' path is the one above with slots=0)
+  # in-flight across turns (the static turns' path is the one above with slots=0); the scoring
+  # passes and the update over packed rows (their log-probs are the sampler's: mismatch_max)
   raw["rl"].update(steps=2, environment="test_multiturn:Recorder", max_turns=3, max_new_tokens=16,
-                   inflight_slots=8)
+                   inflight_slots=8, pack_length=64)
   with Experiment(raw) as exp:
     summary = exp.run()
     rows = [r for r in exp.writer.rows if r["phase"] == "rl" and "mismatch_max" in r]
@@ -118,6 +119,7 @@ def test_an_rl_run_with_an_environment_trains_on_the_models_tokens_only(tmp_path
   assert sampled.scores_EN.shape == (4, 2) and sampled.scores_EN.min() >= 1.0
   assert (sampled.lengths_EN > 0).all() and len(sampled.texts[3]) == 2
   assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
+  assert all(r["padding_fraction"] < 0.5 for r in rows)  # packed: little of the rows is padding
   # the replies' slots hold no sampler log-prob: were they in the loss's mask, the mismatch
   # |log mu - log pi| would be the whole log-prob there
   assert summary["mismatch_max"] <= 1e-5

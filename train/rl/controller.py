@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from jaxrl.config import ExperimentConfig, offload_items
+from jaxrl.config import ConfigError, ExperimentConfig, offload_items
 from train.io.host_transfers import to_host
 from train.io.timeline import Timeline
 from train.rl.batch_fill import FilledBatch, fill_batch
@@ -43,6 +43,9 @@ class Controller:
     self.rollouts = RolloutSource(cfg, generator, cluster.sampler_weights, task.prompts,
                              prompt_len=task.prompt_len, timeline=timeline,
                              run=self.executors.generator, next_index=next_index)
+    if cfg.rl.pack_length and cfg.rl.pack_length < task.prompt_len + cfg.rl.max_new_tokens:
+      raise ConfigError(f"config.rl.pack_length: at least a row's {task.prompt_len} prompt + "
+                        f"{cfg.rl.max_new_tokens} new tokens, got {cfg.rl.pack_length}")
     self.scoring = Scoring(cfg.rl, cluster, actor, critic, judge, self.executors)
     items = offload_items(cfg.placement.offload)
     self.offload = Offloader(items, cluster, [actor, critic], timeline) if items else None

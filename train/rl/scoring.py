@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
 
 from jaxrl.config import RLConfig
@@ -16,7 +17,11 @@ from train.roles.cluster import RoleCluster
 from train.roles.learner import Learner
 from train.task.task import Judge
 from train.updates.batching import map_minibatches
+from sharding.reshard import move
+from sharding.rules import batch_ways
+from train.updates import packing
 from train.updates.forward import completion_logprobs, completion_values, sequence_scores
+from train.updates.packing import packed_logprobs
 
 
 def _moved(role, rollout, *, mask: bool = True, routes: bool = False) -> tuple:
@@ -39,6 +44,17 @@ def logprobs(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_
   return completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, routes_BTLK)[0]
 
 
+def packed_scorer(cfg: RLConfig, role):
+  """`scorer(cfg, role, logprobs)` over packed rows: (params, tokens [B, T], completion mask
+  [B, N], pack[, routes]) -> [B, N], piece p of the pack holding rows p, p + n, ..."""
+  n = cfg.rollouts // cfg.pass_rows
+
+  def score(params, tokens_BT, mask_BN, pack, *routes):
+    return map_minibatches(lambda mb: packed_logprobs(role.graphdef, params, *mb)[0],
+                           (tokens_BT, pack, mask_BN, *routes), n)
+  return role.jit(score)
+
+
 def scorer(cfg: RLConfig, role, fn):
   """`fn` (logprobs, completion_values) over a rollout batch on `role`'s mesh, jitted:
   (params, tokens [B, T], valid [B, T], completion mask [B, N][, routes [B, T, L, k]]) ->
@@ -58,8 +74,10 @@ class Scoring:
                judge: Judge, executors: Executors):
     self.cfg, self.actor, self.critic, self.judge, self.ex = cfg, actor, critic, judge, executors
     self.reference, self.reward_model = cluster.get("reference"), cluster.get("reward")
-    self.ref_logprobs_fn = scorer(cfg, self.reference, logprobs)
-    self.old_logprobs_fn = scorer(cfg, actor.role, logprobs)
+    # (reference, old) log-prob passes over the [B, T] batch, and over packed rows
+    self.logprob_fns = {packed: tuple(packed_scorer(cfg, r) if packed else scorer(cfg, r, logprobs)
+                                      for r in (self.reference, actor.role))
+                        for packed in (False, True)}
     if critic is not None:
       self.values_fn = scorer(cfg, critic.role, completion_values)
     if self.reward_model is not None:
@@ -86,20 +104,45 @@ class Scoring:
     n = bucket_length(longest, budget, self.cfg.length_buckets)
     return rollout if n == budget else trim_rollout(rollout, n)
 
+  def pack(self, rollout):
+    """`rl.pack_length`: the plan of the trimmed rollout's packed rows (train/updates/packing.py,
+    from its [B] prompt and completion lengths), and the share of its slots that are padding."""
+    p = rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]
+    lengths_B, valid_B = to_host((rollout.lengths_B, rollout.valid_BT.sum(axis=1)), "lengths")
+    shards = batch_ways(self.actor.role.mesh, self.actor.role.rules)
+    rows = self.cfg.pass_rows
+    buckets = tuple(shards << k for k in range(rows.bit_length()) if shards << k < rows) + (rows,)
+    pack = packing.plan(valid_B - lengths_B, lengths_B, prompt_width=p,
+                        completion_slots=rollout.completion_mask_BN.shape[1],
+                        pieces=self.cfg.rollouts // rows, length=self.cfg.pack_length,
+                        row_buckets=buckets)
+    return pack, 1.0 - valid_B.sum() / pack.packed_tokens
+
+  def _inputs(self, role, rollout, pack, routes: bool = False):
+    """What `role`'s log-prob pass takes, moved to its mesh (the pack replicated there)."""
+    if pack is None:
+      return _moved(role, rollout, routes=routes)
+    arrays = role.put((rollout.tokens_BT, rollout.completion_mask_BN))
+    extra = role.put((rollout.routes_BTLK,)) if routes and rollout.routes_BTLK is not None else ()
+    return arrays + (move(pack, jax.tree.map(lambda _: role.replicated, pack)),) + extra
+
   def experience(self, rollout, prompts, verified_B=None):
     """Scores one rollout batch (the reward, reference, critic and old-log-prob calls overlap)
     and assembles its Experience on the trainer's mesh: (experience, metrics, verified_B)."""
     examples_B = np.repeat(prompts["examples"], self.cfg.group_size)
     rollout, ex = self.trimmed(rollout), self.ex
+    pack, packed_padding = self.pack(rollout) if self.cfg.pack_length else (None, None)
     scored = (None if self.reward_model is None else
               _moved(self.reward_model, rollout, mask=False))
+    ref_fn, old_fn = self.logprob_fns[pack is not None]
     calls = {"reward": (ex.reward, (self._rewards, rollout, examples_B, verified_B, scored),
                         "score"),
-             "ref": (ex.reference, (_on, self.reference, self.ref_logprobs_fn,
-                                    _moved(self.reference, rollout)), "ref logprobs")}
+             "ref": (ex.reference, (_on, self.reference, ref_fn,
+                                    self._inputs(self.reference, rollout, pack)),
+                     "ref logprobs")}
     if self.cfg.needs_old_logprobs:
-      calls["old"] = (ex.trainer, (_on, self.actor.role, self.old_logprobs_fn,
-                                   _moved(self.actor.role, rollout, routes=True)),
+      calls["old"] = (ex.trainer, (_on, self.actor.role, old_fn,
+                                   self._inputs(self.actor.role, rollout, pack, routes=True)),
                       "old logprobs")
     if self.critic is not None:
       calls["values"] = (ex.critic, (_on, self.critic.role, self.values_fn,
@@ -110,4 +153,8 @@ class Scoring:
     values_BN = on_actor(out["values"]) if "values" in out else None
     exp, metrics = self.experience_fn(on_actor(rollout), rewards_B, out.get("old"),
                                       on_actor(out["ref"]), values_BN)
+    if pack is not None:  # the update's forward runs over the packed rows too
+      role = self.actor.role
+      exp = exp.replace(pack=move(pack, jax.tree.map(lambda _: role.replicated, pack)))
+      metrics = {**metrics, "padding_fraction": packed_padding}
     return exp, metrics, verified_B
