@@ -14,8 +14,12 @@ Workloads (sync, colocated on one device, a fresh policy unless SFT runs first):
   --scale full (the default on an accelerator) runs synthetic on Qwen2.5-0.5B's shape (random,
   bf16) with 64-token prompts, 8 prompts x 8 samples.
 
-Each round runs one RL step per variant, in alternating order, after one warm-up step each
-(compiles). Reported per variant, medians over `--rounds`: the step's seconds, the rollout's
+`--slots K` sets `rl.inflight_slots` (default: as many slots as rows): with fewer slots than
+conversations, kept caches are evicted for waiting conversations (`evicted`), whose next turn
+prefills its whole context again.
+
+Each round runs one RL step per variant, in alternating order, after `--warmup` (2) untimed
+steps each (compiles: in-flight slots compile a prefill program per row count and width met). Reported per variant, medians over `--rounds`: the step's seconds, the rollout's
 (the generate stage), rollout tokens/s (the model's own tokens over the rollout seconds), and
 prefill tokens per generated token (the prefills' padded [rows, width] sizes over the model's
 tokens); then keep over prefill for each.
@@ -61,16 +65,17 @@ def one_step(exp, keep: bool) -> dict:
   emitted = max(STATS["emitted"], 1)
   return {"step_s": step_s, "rollout_s": rollout_s, "tokens_per_s": emitted / rollout_s,
           "prefill_per_token": STATS["prefill_tokens"] / emitted, "emitted": emitted,
-          "continued": STATS["continued"]}
+          "continued": STATS["continued"], "evicted": STATS["evicted"]}
 
 
-def measure(raw: dict, rounds: int) -> dict:
+def measure(raw: dict, rounds: int, warmup: int) -> dict:
   from train.run import Experiment
   with Experiment(raw) as exp:
     if "sft" in exp.stage_names:
       exp.stage("sft").run()
-    for keep in VARIANTS.values():  # warm-up: compiles
-      one_step(exp, keep)
+    for _ in range(warmup):  # compiles (in-flight slots: a prefill program per size met)
+      for keep in VARIANTS.values():
+        one_step(exp, keep)
     runs = {name: [] for name in VARIANTS}
     for r in range(rounds):
       for name in (list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]):
@@ -90,7 +95,11 @@ def main() -> None:
   parser.add_argument("--workload", choices=("synthetic", "gsm8k_tools"), default="synthetic")
   parser.add_argument("--scale", choices=("auto", "full", "reduced"), default="auto")
   parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
   parser.add_argument("--turn-tokens", type=int, default=32)
+  parser.add_argument("--slots", type=int, default=0,
+                      help="rl.inflight_slots (0: as many as the rows); fewer: kept caches "
+                           "are evicted for waiting conversations and prefilled again")
   parser.add_argument("--sft-steps", type=int, default=400)
   args = parser.parse_args()
   import jax
@@ -103,11 +112,12 @@ def main() -> None:
     raw.update(run_dir=tempfile.mkdtemp(prefix="jaxrl-bench-"), progress=False,
                checkpoint_every=10**6, checkpoint_minutes=0.0)
     raw["eval"]["every"] = 10**6
-    raw["rl"]["steps"] = 2 * (args.rounds + 1) + 1
+    raw["rl"]["steps"] = 2 * (args.rounds + args.warmup) + 1
   else:
-    raw = build_config(workload("synthetic", args, full), steps=2 * (args.rounds + 1))
+    raw = build_config(workload("synthetic", args, full), steps=2 * (args.rounds + args.warmup))
+  raw["rl"]["inflight_slots"] = args.slots
   emit({"workload": args.workload, "scale": "full" if full else "reduced",
-        **measure(raw, args.rounds)}, args.json)
+        **measure(raw, args.rounds, args.warmup)}, args.json)
 
 
 if __name__ == "__main__":

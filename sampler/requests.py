@@ -130,7 +130,9 @@ class Requests:
         collections.OrderedDict())
     self._serving: list[Request | None] = [None] * slots
     self._done_R = np.ones(slots, bool)
-    # prefill_tokens: the prefills' padded [K, W] sizes; new_tokens: the ids they computed
+    # prefill_tokens: the prefills' padded [K, W] sizes; new_tokens: the ids they computed;
+    # admitted / continued: requests prefilled whole / after a kept cache; evicted: kept caches
+    # dropped for a waiting request
     self.stats = collections.Counter()
 
   def submit(self, request: Request) -> None:
@@ -179,6 +181,7 @@ class Requests:
     free = [s for s, r in enumerate(self._serving) if r is None and s not in held]
     while len(free) < len(self._pending) and self._kept:
       free.append(self._kept.popitem(last=False)[1][0])
+      self.stats["evicted"] += 1
     take = [self._pending.popleft() for _ in range(min(len(free), len(self._pending)))]
     if take:
       self._prefill(self._admit, [(r, s, 0) for r, s in zip(take, free)])

@@ -103,5 +103,7 @@ def test_kept_slots_are_evicted_oldest_first_when_a_request_finds_none_free(mode
   engine.submit(Request(1, (3, 4, 6) + tuple(outs[1]) + (9,), 4, key, 1))  # continued
   engine.advance()
   assert engine.stats["continued"] == 1 and engine.stats["admitted"] == 6
-  engine.release(2)
-  assert 2 not in engine._kept
+  # conversation 0's whole prefill found no free slot either: the oldest kept one went
+  assert engine.stats["evicted"] == 2 and list(engine._kept) == [3]
+  engine.release(3)
+  assert not engine._kept

@@ -157,7 +157,8 @@ def _converse_inflight(sampler: Sampler, params, prompts_B, talks: list[_Convers
   previous one's reply is in (to the slot that kept its cache, with `keep_cache`)."""
   keys = [to_host(jax.random.key_data(jax.random.fold_in(key, t)), "keys")
           for t in range(turns.max_turns)]
-  width = -(-max(map(len, prompts_B)) // WIDTH_STEP) * WIDTH_STEP  # a few compiled shapes
+  # WIDTH_STEP * 2^k: a few slot shapes, each compiling the engine's programs once
+  width = WIDTH_STEP << max(0, -(-max(map(len, prompts_B)) // WIDTH_STEP) - 1).bit_length()
   engine = sampler.requests(params, context_width=width, keep=keep_cache)
   asked = [0] * len(talks)
 
