@@ -54,6 +54,18 @@ def workload(name: str, args, full: bool) -> Workload:
                       "data": {"max_prompt_tokens": prompt_tokens}}, modes=False)
 
 
+def timed_config(raw: dict, overrides: dict, steps: int) -> dict:
+  """A config file's dict with `overrides`, set up for timing `steps` RL steps (a scratch run
+  directory, no checkpoints, no evaluation before the end)."""
+  for section, fields in overrides.items():
+    raw[section].update(fields)
+  raw.update(run_dir=tempfile.mkdtemp(prefix="jaxrl-bench-"), progress=False,
+             checkpoint_every=10**6, checkpoint_minutes=0.0)
+  raw["eval"]["every"] = 10**6
+  raw["rl"]["steps"] = steps + 1
+  return raw
+
+
 def one_step(exp, keep: bool) -> dict:
   from train.rollout.multiturn import STATS
   exp.ctx.generator.turns["keep_cache"] = keep
@@ -106,13 +118,9 @@ def main() -> None:
   full = args.scale == "full" or (args.scale == "auto" and jax.default_backend() != "cpu")
   if args.workload == "gsm8k_tools":
     from configs import gsm8k_tools
-    raw = gsm8k_tools.get_config().to_dict()
-    for section, fields in workload("gsm8k_tools", args, full).overrides.items():
-      raw[section].update(fields)
-    raw.update(run_dir=tempfile.mkdtemp(prefix="jaxrl-bench-"), progress=False,
-               checkpoint_every=10**6, checkpoint_minutes=0.0)
-    raw["eval"]["every"] = 10**6
-    raw["rl"]["steps"] = 2 * (args.rounds + args.warmup) + 1
+    raw = timed_config(gsm8k_tools.get_config().to_dict(),
+                       workload("gsm8k_tools", args, full).overrides,
+                       steps=2 * (args.rounds + args.warmup))
   else:
     raw = build_config(workload("synthetic", args, full), steps=2 * (args.rounds + args.warmup))
   raw["rl"]["inflight_slots"] = args.slots

@@ -2,18 +2,17 @@
 the [B, T] batch trimmed to its length bucket, alternately in one run.
 
   python -m benchmarks.packing --json                         # longtail
-  python -m benchmarks.packing --json --workload multiturn    # the synthetic multi-turn one
+  python -m benchmarks.packing --json --workload multiturn    # gsm8k_tools (multi-turn)
 
 Workloads:
   longtail   configs/partial_reverse.py (reverse strings of 2-32 letters, P(L) ~ L^-2: most
              answers a few letters, a batch's longest ~30), after `--sft-steps` (300) SFT
              steps, its async RL with partial rollouts; packed to `--pack-length` (96) tokens.
-  multiturn  benchmarks/multiturn.py's synthetic workload (8 turns, 100-token replies, the
-             kept cache); each rollout is 972 tokens, so rows pack to a budget of
-             `--pack-length` = 2048 two by two.
+  multiturn  configs/gsm8k_tools.py (the calculator, 2-4 turns, 64-token prompts, 96 new
+             tokens), after `--sft-steps` (400) SFT steps; packed to `--pack-length` (320) tokens.
 
-After one warm-up step each (compiles), each round runs one RL step per variant in alternating
-order. Reported per variant, medians over `--rounds`: the step's seconds, the update's, the
+After `--warmup` (2) untimed steps each (compiles: the passes compile once per packed row count
+met), each round runs one RL step per variant in alternating order. Reported per variant, medians over `--rounds`: the step's seconds, the update's, the
 scoring passes' (reference and old log-probs), and `padding_fraction` (the share of the
 [B, T] slots, or of the packed rows' slots, that hold no token); then packed over unpacked.
 """
@@ -22,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import tempfile
 import time
 
 from benchmarks.common import emit
@@ -30,19 +28,15 @@ from benchmarks.rl_step import sig
 
 
 def build(args) -> dict:
+  from benchmarks.multiturn import timed_config
+  steps = 2 * (args.rounds + args.warmup) + 1  # (its first step starts the controller)
   if args.workload == "multiturn":
-    from benchmarks.multiturn import workload
-    from benchmarks.rl_step import build_config
-    return build_config(workload("synthetic", argparse.Namespace(turn_tokens=32), False),
-                        steps=2 * (args.rounds + 1))
+    from configs import gsm8k_tools
+    return timed_config(gsm8k_tools.get_config().to_dict(), {"sft": {"steps": args.sft_steps}},
+                        steps)
   from configs import partial_reverse
-  raw = partial_reverse.get_config().to_dict()
-  raw["sft"]["steps"] = args.sft_steps
-  raw.update(run_dir=tempfile.mkdtemp(prefix="jaxrl-bench-"), progress=False,
-             checkpoint_every=10**6, checkpoint_minutes=0.0)
-  raw["eval"]["every"] = 10**6
-  raw["rl"]["steps"] = 2 * (args.rounds + 1) + 1
-  return raw
+  return timed_config(partial_reverse.get_config().to_dict(), {"sft": {"steps": args.sft_steps}},
+                      steps)
 
 
 def one_step(exp, scoring, pack_length: int) -> dict:
@@ -56,7 +50,7 @@ def one_step(exp, scoring, pack_length: int) -> dict:
           "padding_fraction": float(row["padding_fraction"])}
 
 
-def measure(raw: dict, rounds: int, pack_length: int) -> dict:
+def measure(raw: dict, rounds: int, warmup: int, pack_length: int) -> dict:
   from train.run import Experiment
   with Experiment(raw) as exp:
     if "sft" in exp.stage_names:
@@ -64,8 +58,9 @@ def measure(raw: dict, rounds: int, pack_length: int) -> dict:
     exp.rl.step()  # starts the controller
     scoring = exp.stages["rl"].controller.scoring
     variants = {"packed": pack_length, "unpacked": 0}
-    for length in variants.values():  # warm-up: compiles
-      one_step(exp, scoring, length)
+    for _ in range(warmup):  # compiles: a program per packed row count met
+      for length in variants.values():
+        one_step(exp, scoring, length)
     runs = {name: [] for name in variants}
     for r in range(rounds):
       for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
@@ -82,12 +77,16 @@ def main() -> None:
   parser.add_argument("--json", action="store_true")
   parser.add_argument("--workload", choices=("longtail", "multiturn"), default="longtail")
   parser.add_argument("--rounds", type=int, default=3)
-  parser.add_argument("--sft-steps", type=int, default=300)
+  parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
+  parser.add_argument("--sft-steps", type=int, default=0, help="0: 300 (longtail), 400")
   parser.add_argument("--pack-length", type=int, default=None)
   args = parser.parse_args()
-  length = args.pack_length or (2048 if args.workload == "multiturn" else 96)
+  from sharding.host import force_cpu_devices
+  force_cpu_devices(8)  # the configs' placements
+  length = args.pack_length or (320 if args.workload == "multiturn" else 96)
+  args.sft_steps = args.sft_steps or (400 if args.workload == "multiturn" else 300)
   emit({"workload": args.workload, "pack_length": length, "rounds": args.rounds,
-        **measure(build(args), args.rounds, length)}, args.json)
+        **measure(build(args), args.rounds, args.warmup, length)}, args.json)
 
 
 if __name__ == "__main__":
