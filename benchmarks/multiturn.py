@@ -19,10 +19,11 @@ conversations, kept caches are evicted for waiting conversations (`evicted`), wh
 prefills its whole context again.
 
 Each round runs one RL step per variant, in alternating order, after `--warmup` (2) untimed
-steps each (compiles: in-flight slots compile a prefill program per row count and width met). Reported per variant, medians over `--rounds`: the step's seconds, the rollout's
-(the generate stage), rollout tokens/s (the model's own tokens over the rollout seconds), and
-prefill tokens per generated token (the prefills' padded [rows, width] sizes over the model's
-tokens); then keep over prefill for each.
+steps each (compiles: in-flight slots compile a prefill program per row count and width met).
+Reported per variant, medians over `--rounds`: the step's seconds, the rollout's (the generate
+stage), rollout tokens/s (the model's own tokens over the rollout seconds), and prefill tokens
+per generated token (the prefills' padded [rows, width] sizes over the model's tokens); then
+keep over prefill for each.
 """
 from __future__ import annotations
 

@@ -12,9 +12,10 @@ Workloads:
              tokens), after `--sft-steps` (400) SFT steps; packed to `--pack-length` (320) tokens.
 
 After `--warmup` (2) untimed steps each (compiles: the passes compile once per packed row count
-met), each round runs one RL step per variant in alternating order. Reported per variant, medians over `--rounds`: the step's seconds, the update's, the
-scoring passes' (reference and old log-probs), and `padding_fraction` (the share of the
-[B, T] slots, or of the packed rows' slots, that hold no token); then packed over unpacked.
+met), each round runs one RL step per variant in alternating order. Reported per variant,
+medians over `--rounds`: the step's seconds, the update's, the scoring passes' (reference and
+old log-probs), and `padding_fraction` (the share of the [B, T] slots, or of the packed rows'
+slots, that hold no token); then packed over unpacked.
 """
 from __future__ import annotations
 

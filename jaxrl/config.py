@@ -216,9 +216,7 @@ class RLConfig:
   environment: str = ""  # multi-turn rollouts: calculator | python | synthetic | pkg.mod:Class
   max_turns: int = 4  # model turns of a multi-turn rollout, all within max_new_tokens
   max_turn_tokens: int = 0  # one turn's most new tokens (0: what is left of max_new_tokens)
-  # A conversation's KV cache kept in its slot between turns, the environment's reply prefilled
-  # at its end (False: every turn prefills the whole conversation again).
-  keep_turn_cache: bool = True
+  keep_turn_cache: bool = True  # KV cache kept across turns (False: each turn prefills whole)
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.2
   kl_coef: float = 0.02

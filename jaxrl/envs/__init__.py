@@ -1,7 +1,7 @@
 """Environments for multi-turn rollouts: the protocol (base.py), a calculator and a sandboxed
-Python tool (tools.py), a speed workload (synthetic.py), chosen by name from `ENVIRONMENTS`, or a user's class
-"package.module:Class" (constructed with the tokenizer and the run's verifier, in a host
-process: hosted.py)."""
+Python tool (tools.py), a speed workload (synthetic.py), chosen by name from `ENVIRONMENTS`,
+or a user's class "package.module:Class" (constructed with the tokenizer and the run's
+verifier, in a host process: hosted.py)."""
 from __future__ import annotations
 
 from jaxrl.envs.base import Environment, EnvironmentFactory, Step, ToolEnvironment
