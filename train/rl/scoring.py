@@ -111,7 +111,10 @@ class Scoring:
     lengths_B, valid_B = to_host((rollout.lengths_B, rollout.valid_BT.sum(axis=1)), "lengths")
     shards = batch_ways(self.actor.role.mesh, self.actor.role.rules)
     rows = self.cfg.pass_rows
-    buckets = tuple(shards << k for k in range(rows.bit_length()) if shards << k < rows) + (rows,)
+    # eighths of a piece's rows (multiples of the data shards): at most 8 programs a pass,
+    # at most 1/8 of the packed rows padding (powers of two left up to half)
+    buckets = tuple(sorted({min(rows, -(-rows * k // (8 * shards)) * shards)
+                            for k in range(1, 9)}))
     pack = packing.plan(valid_B - lengths_B, lengths_B, prompt_width=p,
                         completion_slots=rollout.completion_mask_BN.shape[1],
                         pieces=self.cfg.rollouts // rows, length=self.cfg.pack_length,
@@ -132,6 +135,8 @@ class Scoring:
     examples_B = np.repeat(prompts["examples"], self.cfg.group_size)
     rollout, ex = self.trimmed(rollout), self.ex
     pack, packed_padding = self.pack(rollout) if self.cfg.pack_length else (None, None)
+    if pack is not None and pack.packed_tokens >= rollout.tokens_BT.size:
+      pack = None  # packing would not save slots (rows near the budget): the [B, T] passes
     scored = (None if self.reward_model is None else
               _moved(self.reward_model, rollout, mask=False))
     ref_fn, old_fn = self.logprob_fns[pack is not None]
