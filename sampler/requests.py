@@ -195,8 +195,7 @@ class Requests:
     width = bucket(max(len(r.ids) - n for r, _, n in items), self._widths)
     tokens_KW = np.full((k, width), self.cfg.pad_id, np.int32)
     valid_KW = np.zeros((k, width), bool)
-    budget_K, index_K, slot_K = (np.zeros(k, np.int32) for _ in range(3))
-    budget_K[:] = 1
+    budget_K, index_K, slot_K = np.ones(k, np.int32), np.zeros(k, np.int32), np.zeros(k, np.int32)
     keys_K2 = np.zeros((k, 2), np.uint32)
     src_R = np.full(len(self._serving), -1, np.int32)
     for j, (r, slot, n) in enumerate(items):

@@ -96,19 +96,19 @@ class Scoring:
       return to_device(verified_B, role.batch_shardings(verified_B), "rewards"), verified_B
     return role.put(_on(self.reward_model, self.scores_fn, scored)), verified_B
 
-  def trimmed(self, rollout):
+  def trimmed(self, rollout, lengths_B: np.ndarray):
     """The rollout with its completion slots cut to the bucket (`rl.length_buckets`) of its
-    longest response: scoring and the update then skip the slots no row reached."""
+    longest response (`lengths_B`: its rows' lengths, fetched): scoring and the update then skip
+    the slots no row reached."""
     budget = rollout.completion_mask_BN.shape[1]
-    longest = int(to_host(rollout.lengths_B, "lengths").max(initial=0))
-    n = bucket_length(longest, budget, self.cfg.length_buckets)
+    n = bucket_length(int(lengths_B.max(initial=0)), budget, self.cfg.length_buckets)
     return rollout if n == budget else trim_rollout(rollout, n)
 
-  def pack(self, rollout):
+  def pack(self, rollout, lengths_B: np.ndarray, valid_B: np.ndarray):
     """`rl.pack_length`: the plan of the trimmed rollout's packed rows (train/updates/packing.py,
-    from its [B] prompt and completion lengths), and the share of its slots that are padding."""
+    from its rows' completion lengths and valid tokens, fetched), and the share of its slots that
+    are padding."""
     p = rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]
-    lengths_B, valid_B = to_host((rollout.lengths_B, rollout.valid_BT.sum(axis=1)), "lengths")
     shards = batch_ways(self.actor.role.mesh, self.actor.role.rules)
     rows = self.cfg.pass_rows
     # eighths of a piece's rows (multiples of the data shards): at most 8 programs a pass,
@@ -122,32 +122,47 @@ class Scoring:
     return pack, 1.0 - valid_B.sum() / pack.packed_tokens
 
   def _inputs(self, role, rollout, pack, routes: bool = False):
-    """What `role`'s log-prob pass takes, moved to its mesh (the pack replicated there)."""
+    """What `role`'s log-prob pass takes, moved to its mesh (`pack`: already there)."""
     if pack is None:
       return _moved(role, rollout, routes=routes)
     arrays = role.put((rollout.tokens_BT, rollout.completion_mask_BN))
     extra = role.put((rollout.routes_BTLK,)) if routes and rollout.routes_BTLK is not None else ()
-    return arrays + (move(pack, jax.tree.map(lambda _: role.replicated, pack)),) + extra
+    return arrays + (pack,) + extra
+
+  def _packed(self, rollout):
+    """(the trimmed rollout, its pack or None, the packed rows' padding share): the rows'
+    lengths fetched once for both."""
+    if not self.cfg.pack_length:
+      return self.trimmed(rollout, to_host(rollout.lengths_B, "lengths")), None, None
+    lengths_B, valid_B = to_host((rollout.lengths_B, rollout.valid_BT.sum(axis=1)), "lengths")
+    rollout = self.trimmed(rollout, lengths_B)
+    pack, padding = self.pack(rollout, lengths_B, valid_B)
+    if pack.packed_tokens >= rollout.tokens_BT.size:
+      return rollout, None, None  # packing would not save slots (rows near the budget)
+    return rollout, pack, padding
 
   def experience(self, rollout, prompts, verified_B=None):
     """Scores one rollout batch (the reward, reference, critic and old-log-prob calls overlap)
     and assembles its Experience on the trainer's mesh: (experience, metrics, verified_B)."""
     examples_B = np.repeat(prompts["examples"], self.cfg.group_size)
-    rollout, ex = self.trimmed(rollout), self.ex
-    pack, packed_padding = self.pack(rollout) if self.cfg.pack_length else (None, None)
-    if pack is not None and pack.packed_tokens >= rollout.tokens_BT.size:
-      pack = None  # packing would not save slots (rows near the budget): the [B, T] passes
+    (rollout, pack, packed_padding), ex = self._packed(rollout), self.ex
+    # the pack, replicated on each log-prob pass's mesh (the actor's also feeds the update)
+    packs = {} if pack is None else {
+        r: move(pack, jax.tree.map(lambda _, r=r: r.replicated, pack))
+        for r in (self.reference, self.actor.role)}
     scored = (None if self.reward_model is None else
               _moved(self.reward_model, rollout, mask=False))
     ref_fn, old_fn = self.logprob_fns[pack is not None]
     calls = {"reward": (ex.reward, (self._rewards, rollout, examples_B, verified_B, scored),
                         "score"),
              "ref": (ex.reference, (_on, self.reference, ref_fn,
-                                    self._inputs(self.reference, rollout, pack)),
+                                    self._inputs(self.reference, rollout,
+                                                 packs.get(self.reference))),
                      "ref logprobs")}
     if self.cfg.needs_old_logprobs:
       calls["old"] = (ex.trainer, (_on, self.actor.role, old_fn,
-                                   self._inputs(self.actor.role, rollout, pack, routes=True)),
+                                   self._inputs(self.actor.role, rollout,
+                                                packs.get(self.actor.role), routes=True)),
                       "old logprobs")
     if self.critic is not None:
       calls["values"] = (ex.critic, (_on, self.critic.role, self.values_fn,
@@ -159,7 +174,6 @@ class Scoring:
     exp, metrics = self.experience_fn(on_actor(rollout), rewards_B, out.get("old"),
                                       on_actor(out["ref"]), values_BN)
     if pack is not None:  # the update's forward runs over the packed rows too
-      role = self.actor.role
-      exp = exp.replace(pack=move(pack, jax.tree.map(lambda _: role.replicated, pack)))
+      exp = exp.replace(pack=packs[self.actor.role])
       metrics = {**metrics, "padding_fraction": packed_padding}
     return exp, metrics, verified_B

@@ -133,11 +133,14 @@ class Turns:
     return min(left, self.max_turn_tokens) if self.max_turn_tokens else left
 
 
+def pow2_multiple(n: int, unit: int) -> int:
+  """The least `unit` * 2^k that is at least `n` (a few compiled sizes)."""
+  return unit << max(0, -(-n // unit) - 1).bit_length()
+
+
 def slots_for(sampler: Sampler, rows: int) -> int:
-  """In-flight slots for `rows` conversations: the data shards times a power of two (a few
-  compiled sizes), at least `rows`."""
-  shards = batch_ways(sampler.mesh, sampler.rules)
-  return shards * 2 ** max(0, -(-rows // shards) - 1).bit_length()
+  """In-flight slots for `rows` conversations: the data shards times a power of two."""
+  return pow2_multiple(rows, batch_ways(sampler.mesh, sampler.rules))
 
 
 _STEPPERS = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="env-step")
@@ -157,8 +160,8 @@ def _converse_inflight(sampler: Sampler, params, prompts_B, talks: list[_Convers
   previous one's reply is in (to the slot that kept its cache, with `keep_cache`)."""
   keys = [to_host(jax.random.key_data(jax.random.fold_in(key, t)), "keys")
           for t in range(turns.max_turns)]
-  # WIDTH_STEP * 2^k: a few slot shapes, each compiling the engine's programs once
-  width = WIDTH_STEP << max(0, -(-max(map(len, prompts_B)) // WIDTH_STEP) - 1).bit_length()
+  # a few slot shapes, each compiling the engine's programs once
+  width = pow2_multiple(max(map(len, prompts_B)), WIDTH_STEP)
   engine = sampler.requests(params, context_width=width, keep=keep_cache)
   asked = [0] * len(talks)
 
@@ -176,9 +179,10 @@ def _converse_inflight(sampler: Sampler, params, prompts_B, talks: list[_Convers
     ask(i)
   while engine.busy:
     done = engine.poll()
-    for (i, ids, _), more in zip(done, _reply_all(talks, done, turns.max_new_tokens)):
+    _reply_all(talks, done, turns.max_new_tokens)
+    for i, ids, _ in done:
       STATS["emitted"] += len(ids)
-      ask(i) if more else engine.release(i)
+      ask(i)  # (a conversation that is over, done or out of budget, frees its slot)
     engine.advance()
   STATS.update(engine.stats)
   return talks

@@ -25,6 +25,7 @@ import numpy as np
 from jaxrl.algos.logprobs import chunked_logprobs
 from jaxrl.models.transformer import positions_from_segments
 from sampler.engine import bucket
+from train.updates.forward import router_loss
 from train.updates.state import model_of
 
 
@@ -95,7 +96,6 @@ def packed_logprobs(graphdef, params, tokens_BT, pack: Pack, completion_mask_BN,
   """(log-probs, entropies) [b, N] of one piece's completion slots (0 after a row's end), its
   model run over the piece's packed rows; with a mixture of experts also its router loss and
   metrics, as `forward.routed_logprobs`."""
-  from train.updates.forward import router_loss
   source_RL, segments_RL, unpack_BN = (x[0] for x in (pack.source_PRL, pack.segment_ids_PRL,
                                                       pack.unpack_PBN))
   b, t = tokens_BT.shape
