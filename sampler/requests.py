@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,7 @@ import numpy as np
 from sampler import inflight
 from sampler.engine import bucket
 from sampler.inflight import CHECK_EVERY, Slots
-from sampler.stream import admit_rows
+from sampler.stream import numbered, unnumbered, admit_rows
 from sharding.reshard import fetch, send
 
 if TYPE_CHECKING:
@@ -99,6 +99,23 @@ class Request:
   key: np.ndarray  # uint32 key data
   row: int  # its uniforms: fold_in(key, row)
 
+  def meta(self) -> list:
+    return [self.tag, list(self.ids), self.budget, np.asarray(self.key).tolist(), self.row]
+
+  @classmethod
+  def of(cls, meta: list) -> Request:
+    """The request `meta` describes (a JSON list tag comes back as a tuple)."""
+    tag, ids, budget, key, row = meta
+    return cls(tuple(tag) if isinstance(tag, list) else tag, tuple(ids), budget,
+               np.asarray(key, np.uint32), row)
+
+
+class Finished(NamedTuple):
+  tag: Any
+  ids: list[int]  # the tokens it drew
+  logprobs: list[float]  # each one's log-prob under the weights that drew it
+  versions: list[int]  # each one's policy version (`install`, `swap`)
+
 
 class Requests:
   """`sampler.inflight_slots` slots serving requests (`submit`); `poll` returns the finished
@@ -109,16 +126,22 @@ class Requests:
   the turn and the environment's reply), prefills only its new tokens there (`extend_rows`).
   A kept slot is freed by `release` (the conversation ended), by a request of its tag that does
   not continue it, or, oldest first, when a waiting request finds no free slot: then that
-  conversation's next turn prefills its whole context again."""
+  conversation's next turn prefills its whole context again.
 
-  def __init__(self, sampler: Sampler, params, *, context_width: int, keep: bool = True):
+  Weights may change between segments (`swap`): the requests in flight continue with them
+  (their caches computed by the older ones), and every token records the version it was drawn
+  from, as `sampler.stream.Stream` does. `snapshot` / `restore` save and put back everything in
+  flight, the caches included, so a restored engine continues bit for bit."""
+
+  def __init__(self, sampler: Sampler, params, *, context_width: int, keep: bool = True,
+               version: int = 0):
     cfg, slots = sampler.cfg, sampler.inflight_slots
     self._buckets = inflight.refill_buckets(sampler.mesh, sampler.rules, slots)
     self.cfg, self.ring = cfg, context_width + cfg.max_new_tokens - 1
     self._widths = tuple(WIDTH_STEP << k for k in range(self.ring.bit_length())
                          if WIDTH_STEP << k < self.ring) + (self.ring,)
-    cast, empty, self._admit, self._extend, self._decode = _programs(sampler, self.ring)
-    self._model = cast(params)
+    self._cast, empty, self._admit, self._extend, self._decode = _programs(sampler, self.ring)
+    self.install(params, version)
     self.state = empty(self._model)
     # A mixture of experts records each token's experts from its prefill: whole prefills.
     self.keep = keep and self.state.routes_RTLK is None
@@ -129,11 +152,25 @@ class Requests:
     self._kept: collections.OrderedDict[Any, tuple[int, tuple[int, ...]]] = (
         collections.OrderedDict())
     self._serving: list[Request | None] = [None] * slots
-    self._done_R = np.ones(slots, bool)
+    # per slot, (first token index, version) each time its request's weights changed
+    self._switches: list[list[tuple[int, int]]] = [[] for _ in range(slots)]
+    self._done_R, self._step_R = np.ones(slots, bool), np.zeros(slots, np.int32)
     # prefill_tokens: the prefills' padded [K, W] sizes; new_tokens: the ids they computed;
     # admitted / continued: requests prefilled whole / after a kept cache; evicted: kept caches
     # dropped for a waiting request
     self.stats = collections.Counter()
+
+  def install(self, params, version: int) -> None:
+    """The weights to decode with, nothing recorded (no request is in flight)."""
+    self._model, self.version = self._cast(params), version
+
+  def swap(self, params, version: int) -> None:
+    """New weights from the next segment on; every request in flight records where they
+    began (the step counts of the last `poll`)."""
+    for s, r in enumerate(self._serving):
+      if r is not None and not self._done_R[s]:
+        self._switches[s].append((int(self._step_R[s]) + 1, version))
+    self.install(params, version)
 
   def submit(self, request: Request) -> None:
     if len(request.ids) > self.ring or len(request.ids) + request.budget > self.ring + 1:
@@ -154,9 +191,21 @@ class Requests:
   def busy(self) -> bool:
     return bool(self._pending or self._continuing) or any(r is not None for r in self._serving)
 
-  def poll(self) -> list[tuple[Any, list[int], list[float]]]:
-    """The requests that finished since the last look: (tag, token ids, their log-probs)."""
-    self._done_R = fetch(self.state.done_R)
+  @property
+  def waiting(self) -> int:
+    """Requests waiting for a free slot (not those continuing a kept cache)."""
+    return len(self._pending)
+
+  @property
+  def free(self) -> int:
+    """Slots neither serving, nor kept, nor held for a continued request."""
+    held = {s for s, _ in self._kept.values()} | {s for _, s, _ in self._continuing}
+    return sum(r is None and s not in held for s, r in enumerate(self._serving))
+
+  def poll(self) -> list[Finished]:
+    """The requests that finished since the last look."""
+    self._done_R, self._step_R = (np.array(x) for x in fetch((self.state.done_R,
+                                                             self.state.step_R)))
     finished = [s for s, r in enumerate(self._serving) if r is not None and self._done_R[s]]
     if not finished:
       return []
@@ -164,19 +213,25 @@ class Requests:
     out = []
     for s in finished:
       request, ids = self._serving[s], tokens[s][mask[s]].tolist()
-      out.append((request.tag, ids, logp[s][mask[s]].tolist()))
+      versions = [0] * len(ids)
+      for first, version in self._switches[s]:
+        versions[first:] = [version] * len(versions[first:])
+      out.append(Finished(request.tag, ids, logp[s][mask[s]].tolist(), versions))
       self._serving[s] = None
       if self.keep and ids:  # every id but the last is in the cache (`inflight._commit`)
         self._kept[request.tag] = (s, request.ids + tuple(ids[:-1]))
     return out
 
   def advance(self) -> None:
+    self.admit()
+    self.decode()
+
+  def admit(self) -> None:
     """Continues the kept conversations and admits waiting requests into the free slots
-    (evicting the oldest kept caches if there are too few), then decodes one segment of up to
-    CHECK_EVERY steps."""
+    (evicting the oldest kept caches if there are too few)."""
     if self._continuing:
       items, self._continuing = self._continuing, []
-      self._prefill(self._extend, [(r, s, n) for r, s, n in items])
+      self._prefill(self._extend, items)
     held = {slot for slot, _ in self._kept.values()}
     free = [s for s, r in enumerate(self._serving) if r is None and s not in held]
     while len(free) < len(self._pending) and self._kept:
@@ -185,6 +240,9 @@ class Requests:
     take = [self._pending.popleft() for _ in range(min(len(free), len(self._pending)))]
     if take:
       self._prefill(self._admit, [(r, s, 0) for r, s in zip(take, free)])
+
+  def decode(self) -> None:
+    """One segment of up to CHECK_EVERY decode steps, if any request is in a slot."""
     if any(r is not None for r in self._serving):
       self.state, self.g = self._decode(self._model, self.state, self.g, self._segment)
 
@@ -202,7 +260,8 @@ class Requests:
       new = r.ids[n:]
       tokens_KW[j, width - len(new):], valid_KW[j, width - len(new):] = new, True
       budget_K[j], index_K[j], keys_K2[j], slot_K[j], src_R[slot] = r.budget, r.row, r.key, slot, j
-      self._serving[slot] = r
+      self._serving[slot], self._switches[slot] = r, [(0, self.version)]
+      self._done_R[slot], self._step_R[slot] = False, 0
       self.stats["new_tokens"] += len(new)
     valid_KW[len(items):, -1] = True  # bucket padding rows: one token, so attention is defined
     self.stats["prefill_tokens"] += k * width
@@ -211,3 +270,27 @@ class Requests:
     first = slot_K if fn is self._extend else np.zeros(k, np.int32)
     self.state = fn(self._model, self.state, self.g,
                     *send((tokens_KW, valid_KW, first, budget_K, keys_K2, index_K, src_R)))
+
+  # -- run state ------------------------------------------------------------------------------
+  def snapshot(self) -> tuple[dict, dict]:
+    """(device arrays, JSON meta) of everything in flight: the slots with their caches, the
+    requests served, continuing and waiting, the kept caches and the token versions."""
+    arrays = {"slots": numbered(self.state), "g": self.g}
+    meta = {"version": self.version, "ring": self.ring,
+            "serving": [None if r is None else r.meta() for r in self._serving],
+            "switches": self._switches, "pending": [r.meta() for r in self._pending],
+            "continuing": [[r.meta(), s, n] for r, s, n in self._continuing],
+            "kept": [[tag, s, list(ids)] for tag, (s, ids) in self._kept.items()]}
+    return arrays, meta
+
+  def restore(self, arrays: dict, meta: dict) -> None:
+    """Puts back a `snapshot` of an engine of the same shape."""
+    self.state, self.g = unnumbered(self.state, arrays["slots"]), arrays["g"]
+    self.version = meta["version"]
+    self._serving = [None if m is None else Request.of(m) for m in meta["serving"]]
+    self._switches = [[tuple(x) for x in row] for row in meta["switches"]]
+    self._pending = collections.deque(Request.of(m) for m in meta["pending"])
+    self._continuing = [(Request.of(m), s, n) for m, s, n in meta["continuing"]]
+    self._kept = collections.OrderedDict(
+        (tuple(t) if isinstance(t, list) else t, (s, tuple(ids))) for t, s, ids in meta["kept"])
+    # The host's copies of the slot flags and step counts are read by the next `poll`.

@@ -204,6 +204,9 @@ class Stream:
       take = min(self.rows - b.admitted, len(free) - len(rows))
       rows += [(b, b.admitted + r) for r in range(take)]
       b.admitted += take
+    for b, r in rows:  # a row starting after a swap decodes with newer weights than its batch's
+      if self.version != b.version:
+        b.switches[r].append((0, self.version))
     if not rows:
       return
     k = bucket(len(rows), self._buckets)
@@ -237,7 +240,7 @@ class Stream:
   def snapshot(self) -> tuple[dict, dict]:
     """(device arrays, JSON meta) of everything in flight: the slot state with its KV cache,
     the output buffers, the open batches' progress and versions."""
-    arrays = {"slots": _numbered(self.state), "out": _numbered(self.out), "g": self.g}
+    arrays = {"slots": numbered(self.state), "out": numbered(self.out), "g": self.g}
     meta = {"version": self.version, "next_index": self.next_index,
             "next_emit": self.next_emit, "batches": [b.meta() for b in self.batches.values()],
             "shape": self.shape}
@@ -250,8 +253,8 @@ class Stream:
 
   def restore(self, arrays: dict, meta: dict, prompts, keys) -> None:
     """Puts back a `snapshot`; `prompts(i)` and `keys(i)` give batch i's prompts and key data."""
-    self.state = _unnumbered(self.state, arrays["slots"])
-    self.out = _unnumbered(self.out, arrays["out"])
+    self.state = unnumbered(self.state, arrays["slots"])
+    self.out = unnumbered(self.out, arrays["out"])
     self.g, self.version = arrays["g"], meta["version"]
     self.next_index, self.next_emit = meta["next_index"], meta["next_emit"]
     self.batches = {}
@@ -263,10 +266,10 @@ class Stream:
     # The host's copies of the slot flags are read by the next `poll`, which comes first.
 
 
-def _numbered(tree) -> dict:
+def numbered(tree) -> dict:
   """A pytree as {"0000": leaf, ...} (an orbax item: plain dicts with string keys)."""
   return {f"{i:04d}": leaf for i, leaf in enumerate(jax.tree.leaves(tree))}
 
 
-def _unnumbered(like, numbered: dict):
+def unnumbered(like, numbered: dict):
   return jax.tree.unflatten(jax.tree.structure(like), [numbered[k] for k in sorted(numbered)])

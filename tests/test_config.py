@@ -87,8 +87,6 @@ def test_bad_gin_bindings_are_named(binding, message):
     ({"rl__partial_rollouts": True, "rl__mode": "async"},
      "config.rl.partial_rollouts: rows continue across weight swaps in in-flight slots; set "
      "inflight_slots > 0"),
-    ({"rl__partial_rollouts": True, "rl__mode": "async", "rl__inflight_slots": 8,
-      "rl__environment": "calculator"}, "config.rl.partial_rollouts: multi-turn rollouts"),
     ({"rl__async_schedule": "fixed", "rl__dynamic_sampling": True},
      "config.rl.async_schedule: 'fixed' ties batch i to version i - max_staleness"),
     ({"rl__async_schedule": "exact"}, "config.rl.async_schedule: expected one of ['fixed', 'free']"),

@@ -136,7 +136,7 @@ def test_environments_load_by_name_or_from_a_module():
   assert environment_factory("python") is PythonTool
   assert environment_factory("test_envs:Echo") is Echo
   for spec, message in [("chess", "environment 'chess': expected one of ['calculator', 'python', "
-                                  "'synthetic']"),
+                                  "'synthetic', 'synthetic_short']"),
                         ("no_such_module_xyz:Env", "no module named 'no_such_module_xyz'"),
                         ("test_envs:Missing", "has no attribute 'Missing'"),
                         ("test_envs:TOK", "is a ByteTokenizer, not callable")]:
@@ -151,3 +151,5 @@ def test_the_synthetic_workload_answers_every_turn_alike_for_eight_turns():
   assert all(len(s.observation) == 100 and s.observation == steps[0].observation for s in steps)
   assert [s.done for s in steps] == [False] * 7 + [True]
   assert all(s.reward == 0 for s in steps[:7]) and 0 <= steps[-1].reward <= 1
+  short = environment_factory("synthetic_short")(ByteTokenizer(), None)
+  assert [len(s.observation) for s in map(short.step, [[65]] * 3)] == [4] * 3 and short.turns == 3

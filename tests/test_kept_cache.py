@@ -31,7 +31,7 @@ def model():
 def _run_until(engine, tag):
   """Advances until request `tag` comes back; (its ids, its log-probs)."""
   for _ in range(100):
-    for t, ids, logp in engine.poll():
+    for t, ids, logp, _ in engine.poll():
       if t == tag:
         return ids, logp
     engine.advance()
@@ -57,7 +57,7 @@ def test_a_continued_turn_sees_exactly_a_fresh_prefill_of_the_conversation(model
     for r in range(fillers, fillers + 3):
       engine.submit(Request(r, tuple(range(2, 14)), 24, key, 10 + r))
     while engine.busy:
-      for tag, _, _ in engine.poll():
+      for tag, *_ in engine.poll():
         engine.release(tag)  # its conversation ended (else its slot would be kept)
       engine.advance()
     fillers += 3
@@ -93,7 +93,7 @@ def test_kept_slots_are_evicted_oldest_first_when_a_request_finds_none_free(mode
   for tag in range(4):  # every slot ends up keeping a conversation
     engine.submit(Request(tag, (3, 4, 5 + tag), 4, key, tag))
   while engine.busy:
-    outs.update({t: ids for t, ids, _ in engine.poll()})
+    outs.update({t: ids for t, ids, *_ in engine.poll()})
     engine.advance()
   assert len(engine._kept) == 4
   engine.submit(Request("new", (7, 8), 4, key, 9))  # evicts conversation 0's cache

@@ -18,11 +18,12 @@ _TEXT = " the tool printed the following lines of output, one value a line:"
 
 
 class FixedReplies:
+  turns_per_conversation, reply_tokens = TURNS, REPLY_TOKENS
 
   def __init__(self, tok: Tokenizer, verifier: Callable[[str, str], float]):
     del verifier  # nothing is checked
-    ids = tok.encode(_TEXT, bos=False, eos=False)
-    self.reply = (ids * (REPLY_TOKENS // len(ids) + 1))[:REPLY_TOKENS]
+    ids, n = tok.encode(_TEXT, bos=False, eos=False), self.reply_tokens
+    self.reply = (ids * (n // len(ids) + 1))[:n]
     self.stop_strings = ()
     self.turns = 0
 
@@ -32,5 +33,11 @@ class FixedReplies:
 
   def step(self, turn_ids: list[int]) -> Step:
     self.turns += 1
-    done = self.turns >= TURNS
+    done = self.turns >= self.turns_per_conversation
     return Step(list(self.reply), (sum(turn_ids) % 7) / 6 if done else 0.0, done)
+
+
+class ShortReplies(FixedReplies):
+  """`synthetic_short`: 3 turns answered with 4 ids each, conversations small enough for a
+  multi-turn run on a laptop CPU (the kill-and-resume tests)."""
+  turns_per_conversation, reply_tokens = 3, 4

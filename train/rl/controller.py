@@ -136,10 +136,13 @@ class Controller:
 
 
 def token_lags(version: int, rollout, versions_BN: np.ndarray) -> dict:
-  """Policy lag of the rollout's tokens behind `version`: mean, max and the count per lag
-  (`token_lags`)."""
+  """Policy lag of the rollout's tokens behind `version` (the model's: not an environment's):
+  mean, max and the count per lag (`token_lags`)."""
   lengths_B = to_host(rollout.lengths_B, "lengths")
-  lags = (version - versions_BN)[np.arange(versions_BN.shape[1]) < lengths_B[:, None]]
+  own_BN = np.arange(versions_BN.shape[1]) < lengths_B[:, None]
+  if rollout.loss_mask_BN is not None:
+    own_BN &= to_host(rollout.loss_mask_BN, "loss mask")[:, :versions_BN.shape[1]]
+  lags = (version - versions_BN)[own_BN]
   counts = np.bincount(lags, minlength=1) if lags.size else np.zeros(1, np.int64)
   return {"token_lag_mean": float(lags.mean()) if lags.size else 0.0,
           "token_lag_max": int(lags.max(initial=0)), "token_lags": counts.tolist()}

@@ -24,7 +24,8 @@ from sharding.mesh import batch_sharding
 from sharding.rules import SAMPLER_RULES
 from train.io.host_transfers import to_device
 from train.roles.cluster import RoleCluster
-from train.rollout.multiturn import as_rollout, converse
+from train.rollout.conversations import ConversationStream
+from train.rollout.multiturn import Turns, as_rollout, converse
 
 
 def rollout_key(seed: int, index: int) -> jax.Array:
@@ -105,19 +106,41 @@ class Generator:
     """Each row's conversation with its own environment, as a rollout on the sampler's
     devices (the host had every id anyway: it ran the environments). A turn is `sampler` with
     one sample per row, ending also at the environment's stop strings."""
-    n = sampler.n
-    sampler = sampler.variant(n=1, stop_sequences=sampler.cfg.stop_sequences + self._turn_stops)
     tokens_BP, valid_BP = prompts["prompt_tokens"], prompts["prompt_valid"]
-    rows = np.repeat(np.arange(len(tokens_BP)), n)
+    rows = np.repeat(np.arange(len(tokens_BP)), sampler.n)
     try:
-      talks = converse(sampler, params, [tokens_BP[i][valid_BP[i]].tolist() for i in rows],
+      talks = converse(self._turn_sampler(sampler), params,
+                       [tokens_BP[i][valid_BP[i]].tolist() for i in rows],
                        [prompts["examples"][i] for i in rows],
                        [self.environment() for _ in rows], key,
                        max_new_tokens=sampler.cfg.max_new_tokens, **self.turns)
     except EnvError as e:  # a user's environment misbehaved (rl.on_user_code_error="stop")
       raise ConfigError(f"config.rl.environment: {e}") from None
-    host = as_rollout(talks, tokens_BP[rows], valid_BP[rows], budget=sampler.cfg.max_new_tokens,
-                      pad_id=self.pad_id)
+    return self._conversations_rollout(talks, prompts)
+
+  def _turn_sampler(self, sampler: Sampler) -> Sampler:
+    return sampler.variant(n=1, stop_sequences=sampler.cfg.stop_sequences + self._turn_stops)
+
+  def _conversations_rollout(self, talks, prompts: dict) -> Rollout:
+    """Conversations (rows group-major) after their prompts, on the sampler's devices."""
+    tokens_BP, valid_BP = prompts["prompt_tokens"], prompts["prompt_valid"]
+    rows = np.arange(len(talks)) // (len(talks) // len(tokens_BP))
+    host = as_rollout(talks, tokens_BP[rows], valid_BP[rows],
+                      budget=self.sampler.cfg.max_new_tokens, pad_id=self.pad_id)
     mesh = self.sampler.mesh
     return to_device(host, jax.tree.map(lambda x: batch_sharding(mesh, SAMPLER_RULES, x.ndim),
                                         host), "conversations")
+
+  def stream(self, params, *, prompt_width: int, batch_prompts: int, live: int):
+    """Partial rollouts: the RL sampler's in-flight slots running a stream of prompt batches,
+    up to `live` open at once (sampler/stream.py), or of batches of conversations with
+    `rl.environment` (train/rollout/conversations.py)."""
+    if self.environment is None:
+      return self.sampler.stream(params, prompt_width=prompt_width,
+                                 batch_prompts=batch_prompts, live=live)
+    turns = dict(self.turns)
+    return ConversationStream(
+        self._turn_sampler(self.sampler), params, n=self.sampler.n, prompt_width=prompt_width,
+        batch_prompts=batch_prompts, live=live, environment=self.environment,
+        keep_cache=turns.pop("keep_cache"), turns=Turns(self.sampler.cfg.max_new_tokens, **turns),
+        finish=self._conversations_rollout)

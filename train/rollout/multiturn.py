@@ -46,7 +46,7 @@ STATS: collections.Counter = collections.Counter()
 
 
 @dataclasses.dataclass
-class _Conversation:
+class Conversation:
   env: Environment
   index: int = 0  # its row (named when its environment fails)
   ids: list[int] = dataclasses.field(default_factory=list)
@@ -54,6 +54,7 @@ class _Conversation:
   logprobs: list[float] = dataclasses.field(default_factory=list)
   reward: float = 0.0  # summed over the steps
   done: bool = False
+  turns: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # the model's spans
 
   def add(self, ids: Sequence[int], logprobs: Sequence[float] | None, budget: int) -> bool:
     """Appends up to the budget; False when the budget is full."""
@@ -77,6 +78,7 @@ class _Conversation:
 
   def reply(self, turn_ids: list[int], logprobs: list[float], budget: int) -> bool:
     """Adds the model's turn and the environment's answer to it; whether the model goes on."""
+    self.turns.append((len(self.ids), len(self.ids) + len(turn_ids)))
     room = self.add(turn_ids, logprobs, budget)
     with self._named():
       step = self.env.step(turn_ids)
@@ -89,14 +91,14 @@ class _Conversation:
 def converse(sampler: Sampler, params, prompts_B: Sequence[Sequence[int]], examples_B: Sequence,
              envs_B: Sequence[Environment], key: jax.Array, *, max_new_tokens: int,
              max_turns: int, max_turn_tokens: int = 0, keep_cache: bool = True
-             ) -> list[_Conversation]:
+             ) -> list[Conversation]:
   """Runs each row's conversation (prompt ids `prompts_B[i]`, dataset row `examples_B[i]`) to
   its end; each turn's budget is what is left of the row's `max_new_tokens`, at most
   `max_turn_tokens` (0: no cap). `keep_cache`: turns continue in the slots that kept their
   conversations' caches (in-flight slots, as many as the rows unless the sampler has its own);
   else each turn prefills its whole conversation (in-flight slots if the sampler has them,
   else static batches)."""
-  talks = [_Conversation(env, i) for i, env in enumerate(envs_B)]
+  talks = [Conversation(env, i) for i, env in enumerate(envs_B)]
   for talk, example in zip(talks, examples_B):
     talk.reset(example, max_new_tokens)
   turns = Turns(max_new_tokens, max_turns, max_turn_tokens)
@@ -116,9 +118,9 @@ def converse(sampler: Sampler, params, prompts_B: Sequence[Sequence[int]], examp
                  new_tokens=sum(len(prompts_B[i]) + len(talks[i].ids) for i in live),
                  emitted=int(np.asarray(out.completion_mask_BN)[:len(live)].sum()))
     masks = [np.asarray(out.completion_mask_BN[row], bool) for row in range(len(live))]
-    _reply_all(talks, [(i, np.asarray(out.tokens_BT[row, p:])[masks[row]].tolist(),
-                        np.asarray(out.logprobs_BN[row])[masks[row]].tolist())
-                       for row, i in enumerate(live)], max_new_tokens)
+    reply_all([(talks[i], np.asarray(out.tokens_BT[row, p:])[masks[row]].tolist(),
+                np.asarray(out.logprobs_BN[row])[masks[row]].tolist())
+               for row, i in enumerate(live)], max_new_tokens)
   return talks
 
 
@@ -128,7 +130,7 @@ class Turns:
   max_turns: int
   max_turn_tokens: int = 0  # one turn's most tokens (0: what is left of the budget)
 
-  def budget(self, talk: _Conversation) -> int:
+  def budget(self, talk: Conversation) -> int:
     left = self.max_new_tokens - len(talk.ids)
     return min(left, self.max_turn_tokens) if self.max_turn_tokens else left
 
@@ -146,20 +148,24 @@ def slots_for(sampler: Sampler, rows: int) -> int:
 _STEPPERS = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="env-step")
 
 
-def _reply_all(talks: list[_Conversation], turns: Sequence[tuple[int, list, list]],
-               budget: int) -> list[bool]:
-  """Each (row, turn ids, log-probs)'s reply, the environments' steps at once (threads: a
-  hosted environment or the Python tool waits on its process, so the processes work in
-  parallel); whether each row goes on, in order."""
-  return list(_STEPPERS.map(lambda t: talks[t[0]].reply(t[1], t[2], budget), turns))
+def reply_all(turns: Sequence[tuple[Conversation, list, list]], budget: int) -> list[bool]:
+  """Each (conversation, turn ids, log-probs)'s reply, the environments' steps at once
+  (threads: a hosted environment or the Python tool waits on its process, so the processes
+  work in parallel); whether each goes on, in order."""
+  return list(_STEPPERS.map(lambda t: t[0].reply(t[1], t[2], budget), turns))
 
 
-def _converse_inflight(sampler: Sampler, params, prompts_B, talks: list[_Conversation], key,
-                       turns: Turns, keep_cache: bool) -> list[_Conversation]:
+def turn_keys(key: jax.Array, max_turns: int) -> list[np.ndarray]:
+  """The key data of each turn of a batch drawn with `key`: turn t's is `fold_in(key, t)`."""
+  return [to_host(jax.random.key_data(jax.random.fold_in(key, t)), "keys")
+          for t in range(max_turns)]
+
+
+def _converse_inflight(sampler: Sampler, params, prompts_B, talks: list[Conversation], key,
+                       turns: Turns, keep_cache: bool) -> list[Conversation]:
   """The conversations' turns as requests to in-flight slots, each submitted as soon as the
   previous one's reply is in (to the slot that kept its cache, with `keep_cache`)."""
-  keys = [to_host(jax.random.key_data(jax.random.fold_in(key, t)), "keys")
-          for t in range(turns.max_turns)]
+  keys = turn_keys(key, turns.max_turns)
   # a few slot shapes, each compiling the engine's programs once
   width = pow2_multiple(max(map(len, prompts_B)), WIDTH_STEP)
   engine = sampler.requests(params, context_width=width, keep=keep_cache)
@@ -179,8 +185,8 @@ def _converse_inflight(sampler: Sampler, params, prompts_B, talks: list[_Convers
     ask(i)
   while engine.busy:
     done = engine.poll()
-    _reply_all(talks, done, turns.max_new_tokens)
-    for i, ids, _ in done:
+    reply_all([(talks[i], ids, logp) for i, ids, logp, _ in done], turns.max_new_tokens)
+    for i, ids, *_ in done:
       STATS["emitted"] += len(ids)
       ask(i)  # (a conversation that is over, done or out of budget, frees its slot)
     engine.advance()
@@ -188,7 +194,7 @@ def _converse_inflight(sampler: Sampler, params, prompts_B, talks: list[_Convers
   return talks
 
 
-def as_rollout(talks: Sequence[_Conversation], tokens_BP: np.ndarray, valid_BP: np.ndarray, *,
+def as_rollout(talks: Sequence[Conversation], tokens_BP: np.ndarray, valid_BP: np.ndarray, *,
                budget: int, pad_id: int) -> Rollout:
   """Host arrays of the conversations after their (left-padded) prompts, `budget` slots each."""
   b = len(talks)

@@ -9,11 +9,15 @@ decodes the next segment.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from train.rollout.conversations import NotReplayable
 from train.rollout.worker import RolloutBatch, Worker, WorkerState
+
+log = logging.getLogger("jaxrl")
 
 
 class PartialRolloutWorker(Worker):
@@ -34,13 +38,21 @@ class PartialRolloutWorker(Worker):
     self._opened: dict[int, float] = {}  # batch index -> when it opened
     self._next: tuple[int, Any] | None = None  # the next batch's prompts, read once
     stream.install(*self._installed)
-    if state is not None and "stream" in state.arrays:
-      # The version its rows decoded with: a newer push is swapped in (and recorded) first.
-      stream.restore(state.arrays["stream"], state.meta["stream"], prompts.__getitem__,
-                     self._keys)
-    else:
+    if not (state is not None and "stream" in state.arrays and self._restore(state)):
       stream.next_index = stream.next_emit = start_index + len(self._queue)
     self._thread.start()
+
+  def _restore(self, state: WorkerState) -> bool:
+    """Puts back the stream's rows in flight; False where an environment did not replay (then
+    their batches are generated again)."""
+    try:
+      # The version its rows decoded with: a newer push is swapped in (and recorded) first.
+      self.stream.restore(state.arrays["stream"], state.meta["stream"],
+                          self._prompts.__getitem__, self._keys)
+    except NotReplayable as e:
+      log.warning("the conversations in flight are generated again: %s", e)
+      return False
+    return True
 
   def _needs_pause(self) -> bool:
     return True  # the stream's arrays change with every device call

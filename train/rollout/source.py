@@ -44,9 +44,9 @@ class RolloutSource:
     common = dict(version=version, max_staleness=self.rl.max_staleness, seed=self.cfg.seed,
                   start_index=self.next_index, schedule=self.rl.async_schedule, state=state)
     if self.rl.partial_rollouts:
-      stream = self.generator.sampler.stream(params, prompt_width=self.prompt_len,
-                                             batch_prompts=self.rl.prompts_per_step,
-                                             live=self.rl.max_staleness + 1)
+      stream = self.generator.stream(params, prompt_width=self.prompt_len,
+                                     batch_prompts=self.rl.prompts_per_step,
+                                     live=self.rl.max_staleness + 1)
       self.worker = PartialRolloutWorker(
           stream, self.prompts, params,
           span=lambda: self.timeline.span("generator", "decode"), **common)

@@ -170,8 +170,9 @@ class RLStage(Stage):
     rl = self.cfg.rl
     if not rl.partial_rollouts:
       return None
-    return {"slots": rl.inflight_slots, "rows": rl.rollouts, "live": rl.max_staleness + 1,
-            "ring": self.ctx.task.prompt_len + rl.max_new_tokens - 1}
+    shape = {"slots": rl.inflight_slots, "rows": rl.rollouts, "live": rl.max_staleness + 1,
+             "ring": self.ctx.task.prompt_len + rl.max_new_tokens - 1}
+    return {"kind": "conversations", **shape} if rl.environment else shape
 
   def close(self) -> None:
     if self.controller is not None:

@@ -1,0 +1,128 @@
+"""Multi-turn partial rollouts (train/rollout/conversations.py driven by
+train/rollout/partial.py): conversations whose turns outlive weight swaps, with every token's
+policy version, the fixed schedule a function of the seed, and a stream paused with
+conversations in flight put back bit for bit (its environments replayed)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.data.tasks import Example
+from jaxrl.data.tokenizer import ByteTokenizer
+from jaxrl.envs import Step
+from jaxrl.models.transformer import LanguageModel
+from sampler.methods import SamplingConfig
+from sampler.sampler import Sampler
+from test_partial import TINY, _same, _train, _weights
+from train.rollout.conversations import ConversationStream, NotReplayable
+from train.rollout.multiturn import Turns, as_rollout, converse
+from train.rollout.partial import PartialRolloutWorker
+
+TOK = ByteTokenizer()
+N_BATCHES, PROMPTS, N, BUDGET = 6, 2, 2, 24
+TURNS = Turns(BUDGET, max_turns=3, max_turn_tokens=6)
+
+
+class Echo:
+  """Answers a turn with its first two ids and a fixed id; done after 3 turns (a function of
+  the turns, so a restored stream can replay it)."""
+
+  def __init__(self, tok=None, verifier=None):
+    self.stop_strings, self.turns = (), 0
+
+  def reset(self, example):
+    self.turns = 0
+    return [int(example.answer)]
+
+  def step(self, turn_ids):
+    self.turns += 1
+    return Step(list(turn_ids[:2]) + [7], float(len(turn_ids)), self.turns >= 3)
+
+
+class Batches:
+  def __getitem__(self, i):
+    if i >= N_BATCHES:
+      raise IndexError(i)
+    ids = [TOK.encode(f"{i}*{j}", bos=True) for j in range(PROMPTS)]
+    tokens, valid = TOK.pad_left(ids, 8)
+    return {"prompt_tokens": tokens, "prompt_valid": valid,
+            "examples": [Example(f"{i}*{j}", str(40 + j)) for j in range(PROMPTS)]}
+
+
+def _finish(talks, prompts):
+  rows = np.repeat(np.arange(PROMPTS), N)
+  return as_rollout(talks, prompts["prompt_tokens"][rows], prompts["prompt_valid"][rows],
+                    budget=BUDGET, pad_id=TOK.pad_id)
+
+
+@pytest.fixture(scope="module")
+def model():
+  graphdef, params = nnx.split(LanguageModel(TINY, rngs=nnx.Rngs(0)))
+  # One token in five ends a turn: turns of uneven lengths, some continuing across segments
+  cfg = SamplingConfig(max_new_tokens=BUDGET, eos_id=-1, pad_id=TOK.pad_id,
+                       stop_sequences=tuple((t,) for t in range(0, TINY.vocab_size, 5)))
+  return Sampler(graphdef, cfg, n=1, inflight_slots=6), params
+
+
+def _stream(sampler, params, live):
+  return ConversationStream(sampler, params, n=N, prompt_width=8, batch_prompts=PROMPTS,
+                            live=live, environment=Echo, turns=TURNS, keep_cache=True,
+                            finish=_finish)
+
+
+def _worker(model, version=0, state=None, start=0):
+  sampler, params = model
+  return PartialRolloutWorker(_stream(sampler, params, 2), Batches(), _weights(params, version),
+                              version=version, max_staleness=1, schedule="fixed", state=state,
+                              start_index=start)
+
+
+def test_a_streamed_batch_is_the_whole_batch_conversation_with_the_same_weights(model):
+  sampler, params = model
+  stream = _stream(sampler, params, 1)
+  stream.open(Batches()[0], jax.random.key_data(jax.random.key(5)))
+  out = []
+  while not out:
+    out = stream.poll()
+    stream.decode()
+  (batch, rollout), = out
+  prompts = Batches()[0]
+  rows = np.repeat(np.arange(PROMPTS), N)
+  talks = converse(sampler, params, [TOK.encode(f"0*{j}", bos=True) for j in rows],
+                   [prompts["examples"][j] for j in rows], [Echo() for _ in rows],
+                   jax.random.key(5), max_new_tokens=BUDGET, max_turns=3, max_turn_tokens=6)
+  assert [t.ids for t in batch.talks] == [t.ids for t in talks]
+  assert max(len(t.turns) for t in talks) == 3  # (several turns, cut by the budget or not)
+  np.testing.assert_allclose(rollout.logprobs_BN, _finish(talks, prompts).logprobs_BN, atol=1e-6)
+  assert (batch.versions_BN(BUDGET) == 0).all()
+
+
+def test_fixed_schedule_is_a_function_of_the_seed_and_resumes_with_conversations_in_flight(
+    model):
+  runs = [_train(_worker(model), model[1], seed=s)[0] for s in (0, 1)]
+  _same(*runs)
+  batches = runs[0]
+  assert [b.version for b in batches] == [max(0, i - 1) for i in range(N_BATCHES)]
+  # Turns in flight took the next version as the following batch opened
+  mixed = [b for b in batches if len(np.unique(b.versions_BN[b.rollout.loss_mask_BN])) == 2]
+  assert mixed
+  for b in batches:  # an environment's ids carry the version of the turn before them
+    v, own = b.versions_BN, b.rollout.loss_mask_BN
+    for r in range(len(v)):
+      replies = np.flatnonzero(~own[r] & b.rollout.completion_mask_BN[r])
+      replies = replies[replies > 0]
+      assert (v[r, replies] == v[r, replies - 1]).all()
+  first, state, version = _train(_worker(model), model[1], stop_after=3)
+  talks = [(t, ended) for b in state.meta["stream"]["batches"]
+           for t, ended in zip(b["talks"], b["ended"])]
+  assert any(t["turns"] and not ended for t, ended in talks), "no conversation in flight"
+  resumed = _worker(model, version=version, state=state, start=version)
+  _same(first + _train(resumed, model[1])[0], batches)
+  # An environment that replies otherwise on replay cannot continue its conversations
+  meta = state.meta["stream"]
+  talk = next(t for b in meta["batches"] for t in b["talks"] if t["turns"])
+  talk["ids"][talk["turns"][0][1]] += 1  # the first reply's first id
+  with pytest.raises(NotReplayable, match="replied otherwise"):
+    _stream(*model, 2).restore(state.arrays["stream"], meta, Batches().__getitem__,
+                               lambda i: jax.random.key_data(jax.random.key(i)))
