@@ -201,3 +201,33 @@ def test_killed_in_rl_async_ahead_resumes_exactly(tmp_path, ahead_reference):
   assert all(queued or in_flight for queued, in_flight in held), held
   assert (True, True) in held, held
   assert (_summary(run_dir)["params_fingerprint"], _comparable(run_dir)) == ahead_reference
+
+
+# Multi-turn partial rollouts (train/rollout/conversations.py) from the start of RL: 3 turns of
+# up to 6 tokens each answered with 4 ids, a batch's 16 conversations as requests in 8 in-flight
+# slots (so that the generator is seldom far ahead of the trainer).
+TALKS = (*AHEAD, "--config.sft.steps=0", "--config.rl.steps=8", "--config.eval.every=4",
+         "--config.rl.inflight_slots=8",
+         "--config.rl.environment=synthetic_short", "--config.rl.max_turn_tokens=6",
+         "--config.rl.max_turns=3")
+
+
+@pytest.mark.slow
+def test_killed_with_conversations_in_flight_resumes_exactly(tmp_path):
+  """Resumed runs replay the conversations in flight into new environments and continue their
+  turns from the saved caches: bit for bit an uninterrupted run."""
+  _finish(_launch(tmp_path, "ref", *TALKS, resume=False))
+  reference = _summary(os.path.join(tmp_path, "ref"))["params_fingerprint"], _comparable(
+      os.path.join(tmp_path, "ref"))
+  run_dir = os.path.join(tmp_path, "run")
+  proc, talking = _launch(tmp_path, "run", *TALKS, resume=False), []
+  for step, delay in [(2, 0.0), (4, 0.2), (6, 0.1)]:
+    _kill_after_checkpoint(proc, run_dir, step, delay)
+    proc, (stage, at) = _resume(tmp_path, "run", *TALKS)
+    assert stage == "rl" and at >= step
+    batches = _generator_state(run_dir, at).get("stream", {}).get("batches", [])
+    talking.append(any(t["turns"] and not ended for b in batches
+                       for t, ended in zip(b["talks"], b["ended"])))
+  _finish(proc)
+  assert any(talking), "no resume had a conversation in flight"
+  assert (_summary(run_dir)["params_fingerprint"], _comparable(run_dir)) == reference
