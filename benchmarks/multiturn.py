@@ -14,6 +14,19 @@ Workloads (sync, colocated on one device, a fresh policy unless SFT runs first):
   --scale full (the default on an accelerator) runs synthetic on Qwen2.5-0.5B's shape (random,
   bf16) with 64-token prompts, 8 prompts x 8 samples.
 
+`--partial` compares instead multi-turn partial rollouts (`rl.partial_rollouts`: conversations
+as requests that outlive weight swaps, train/rollout/conversations.py) with whole batches, both
+async (`rl.max_staleness=1`) on `placement.strategy=separate` (one device each for the trainer
+and the generator), on `synthetic_longtail` (the synthetic workload whose conversations end
+after each turn with probability 1/4: 1-8 turns), in two measurements:
+  generator   the rollouts alone, no trainer (one run, the weights fixed): `--batches` (6)
+              batches generated whole, one after the other, against the same batches as one
+              stream of conversations (up to 2 batches open); conversations/s and the model's
+              tokens/s, alternating, medians of `--rounds`, after one untimed round each;
+  steps       `--steps` (3) async RL steps after `--warmup`, a fresh run per variant and round,
+              alternating: samples/s, seconds per step, the seconds a step waited for its
+              rollout, and the mean token lag (`--steps 0`: not run).
+
 `--slots K` sets `rl.inflight_slots` (default: as many slots as rows): with fewer slots than
 conversations, kept caches are evicted for waiting conversations (`evicted`), whose next turn
 prefills its whole context again.
@@ -53,6 +66,95 @@ def workload(name: str, args, full: bool) -> Workload:
   return Workload(1, {"model": model, "sft": {"steps": 0}, "placement": sync, "rl": rl,
                       "task": {"num_digits": prompt_tokens - 6},
                       "data": {"max_prompt_tokens": prompt_tokens}}, modes=False)
+
+
+def partial_workload(args, full: bool) -> Workload:
+  """`synthetic` on `synthetic_longtail`, async on separate devices."""
+  work = workload("synthetic", args, full)
+  overrides = {**work.overrides, "placement": {"strategy": "separate", "cpu_devices": 2,
+                                               "train_devices": 1, "sampler_tensor": 1}}
+  overrides["rl"] = {**overrides["rl"], "environment": "synthetic_longtail", "mode": "async",
+                     "max_staleness": 1, "async_schedule": "free"}
+  return Workload(2, overrides, modes=False)
+
+
+def partial_run(raw: dict, partial: bool, steps: int, warmup: int) -> dict:
+  """One run of `steps` timed async steps after `warmup`, with or without partial rollouts."""
+  import copy
+
+  from train.run import Experiment
+  raw = copy.deepcopy(raw)
+  raw["rl"]["partial_rollouts"] = partial
+  raw["run_dir"] = tempfile.mkdtemp(prefix="jaxrl-bench-")
+  with Experiment(raw) as exp:
+    for _ in range(warmup):
+      exp.rl.step()
+    t0 = time.perf_counter()
+    rows = [exp.rl.step() for _ in range(steps)]
+    wall = time.perf_counter() - t0
+  return {"samples_per_s": exp.cfg.rl.rollouts * steps / wall, "step_s": wall / steps,
+          "waited_s": statistics.mean(r["time_generate"] for r in rows),
+          "token_lag_mean": statistics.mean(r["token_lag_mean"] for r in rows)}
+
+
+def generate_batches(exp, partial: bool, batches: int) -> dict:
+  """`batches` prompt batches of conversations, whole or streamed: their speed."""
+  import jax
+  import numpy as np
+
+  from train.rollout.generator import rollout_key
+  gen, task, rl = exp.ctx.generator, exp.ctx.task, exp.cfg.rl
+  params = exp.ctx.cluster.sampler_weights.fresh()
+  key = lambda i: rollout_key(exp.cfg.seed, i)
+  start, rollouts = time.perf_counter(), []
+  if not partial:
+    rollouts = [jax.block_until_ready(gen.sample(params, task.prompts[i], key(i)))
+                for i in range(batches)]
+  else:
+    stream = gen.stream(params, prompt_width=task.prompt_len,
+                        batch_prompts=rl.prompts_per_step, live=2)
+    while len(rollouts) < batches:
+      rollouts += [r for _, r in stream.poll()]
+      while (stream.next_index < batches and stream.free > stream.unadmitted
+             and stream.open_batches < stream.live):
+        stream.open(task.prompts[stream.next_index],
+                    np.asarray(jax.random.key_data(key(stream.next_index))))
+      stream.decode()
+  seconds = time.perf_counter() - start
+  tokens = sum(int(np.asarray(r.loss_mask_BN).sum()) for r in rollouts)
+  return {"seconds": seconds, "conversations_per_s": batches * rl.rollouts / seconds,
+          "tokens_per_s": tokens / seconds}
+
+
+def measure_partial(raw: dict, rounds: int, warmup: int, steps: int, batches: int) -> dict:
+  import copy
+
+  from train.run import Experiment
+  sync = copy.deepcopy(raw)
+  sync["rl"].update(mode="sync", partial_rollouts=False)
+  runs = {"whole": [], "partial": []}
+  with Experiment(sync) as exp:
+    for r in range(rounds + 1):  # round 0 compiles
+      for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+        run = generate_batches(exp, name == "partial", batches)
+        if r:
+          runs[name].append(run)
+  out = {"generator": _medians(runs)}
+  if steps:
+    runs = {"whole": [], "partial": []}
+    for r in range(rounds):
+      for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+        runs[name].append(partial_run(raw, name == "partial", steps, warmup))
+    out["steps"] = _medians(runs)
+  return {"rounds": rounds, "steps": steps, "batches": batches, **out}
+
+
+def _medians(runs: dict) -> dict:
+  out = {name: {k: sig(statistics.median(x[k] for x in rs)) for k in rs[0]}
+         for name, rs in runs.items()}
+  out["partial_over_whole"] = {k: sig(out["partial"][k] / out["whole"][k]) for k in out["whole"]
+                               if k != "token_lag_mean"}
+  return out
 
 
 def timed_config(raw: dict, overrides: dict, steps: int) -> dict:
@@ -114,9 +216,24 @@ def main() -> None:
                       help="rl.inflight_slots (0: as many as the rows); fewer: kept caches "
                            "are evicted for waiting conversations and prefilled again")
   parser.add_argument("--sft-steps", type=int, default=400)
+  parser.add_argument("--partial", action="store_true",
+                      help="partial rollouts against whole batches, async (synthetic_longtail)")
+  parser.add_argument("--steps", type=int, default=3, help="timed steps per --partial run")
+  parser.add_argument("--batches", type=int, default=6, help="batches per --partial generator run")
   args = parser.parse_args()
+  if args.partial:
+    from sharding.host import force_cpu_devices
+    force_cpu_devices(2)
   import jax
   full = args.scale == "full" or (args.scale == "auto" and jax.default_backend() != "cpu")
+  if args.partial:
+    raw = build_config(partial_workload(args, full), steps=args.warmup + args.steps)
+    rl = raw["rl"]
+    rl["inflight_slots"] = args.slots or rl["prompts_per_step"] * rl["group_size"]
+    emit({"workload": "synthetic_longtail", "scale": "full" if full else "reduced",
+          "device": str(jax.devices()[0].device_kind),
+          **measure_partial(raw, args.rounds, args.warmup, args.steps, args.batches)}, args.json)
+    return
   if args.workload == "gsm8k_tools":
     from configs import gsm8k_tools
     raw = timed_config(gsm8k_tools.get_config().to_dict(),

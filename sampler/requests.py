@@ -192,6 +192,10 @@ class Requests:
     return bool(self._pending or self._continuing) or any(r is not None for r in self._serving)
 
   @property
+  def slots(self) -> int:
+    return len(self._serving)
+
+  @property
   def waiting(self) -> int:
     """Requests waiting for a free slot (not those continuing a kept cache)."""
     return len(self._pending)

@@ -136,7 +136,8 @@ def test_environments_load_by_name_or_from_a_module():
   assert environment_factory("python") is PythonTool
   assert environment_factory("test_envs:Echo") is Echo
   for spec, message in [("chess", "environment 'chess': expected one of ['calculator', 'python', "
-                                  "'synthetic', 'synthetic_short']"),
+                                  "'synthetic', 'synthetic_longtail', "
+                                  "'synthetic_short']"),
                         ("no_such_module_xyz:Env", "no module named 'no_such_module_xyz'"),
                         ("test_envs:Missing", "has no attribute 'Missing'"),
                         ("test_envs:TOK", "is a ByteTokenizer, not callable")]:
@@ -153,3 +154,6 @@ def test_the_synthetic_workload_answers_every_turn_alike_for_eight_turns():
   assert all(s.reward == 0 for s in steps[:7]) and 0 <= steps[-1].reward <= 1
   short = environment_factory("synthetic_short")(ByteTokenizer(), None)
   assert [len(s.observation) for s in map(short.step, [[65]] * 3)] == [4] * 3 and short.turns == 3
+  tail = environment_factory("synthetic_longtail")(ByteTokenizer(), None)
+  assert [tail.step([65, 66]).done for _ in range(3)] == [False] * 3  # 131: goes on
+  assert tail.step([64]).done and tail.turns == 4  # 64: a multiple of 4 ends it

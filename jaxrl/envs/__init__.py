@@ -7,12 +7,13 @@ from __future__ import annotations
 from jaxrl.envs.base import Environment, EnvironmentFactory, Step, ToolEnvironment
 from jaxrl.envs.contained import ContainedEnvironment, EnvError
 from jaxrl.envs.hosted import EnvHosts
-from jaxrl.envs.synthetic import FixedReplies, ShortReplies
+from jaxrl.envs.synthetic import FixedReplies, LongTail, ShortReplies
 from jaxrl.envs.tools import Calculator, PythonTool
 from jaxrl.user_code import load_callable
 
 ENVIRONMENTS: dict[str, EnvironmentFactory] = {"calculator": Calculator, "python": PythonTool,
                                                "synthetic": FixedReplies,
+                                               "synthetic_longtail": LongTail,
                                                "synthetic_short": ShortReplies}
 
 

@@ -2,7 +2,9 @@
 Every model turn is answered with the same `REPLY_TOKENS` token ids, and the conversation ends
 after `TURNS` turns; with `rl.ignore_eos` and `rl.max_turn_tokens` every turn has the same
 length, so each rollout has a known shape: the agentic pattern of long tool outputs between
-short model turns. Its reward (the last step's) is a stand-in that varies between rollouts
+short model turns. `synthetic_longtail` ends a conversation after each turn with probability
+1/4 (at most `TURNS` turns): conversations of 1 to 8 turns, the long tail that holds a whole
+batch back. `synthetic_short` is a small one for CPU tests. Its reward (the last step's) is a stand-in that varies between rollouts
 (a function of the turn's ids), so the update has advantages to train on."""
 from __future__ import annotations
 
@@ -41,3 +43,14 @@ class ShortReplies(FixedReplies):
   """`synthetic_short`: 3 turns answered with 4 ids each, conversations small enough for a
   multi-turn run on a laptop CPU (the kill-and-resume tests)."""
   turns_per_conversation, reply_tokens = 3, 4
+
+
+class LongTail(FixedReplies):
+  """`synthetic_longtail`: a turn whose ids sum to a multiple of 4 ends the conversation (a
+  random policy: each turn with probability ~1/4), as does the 8th."""
+
+  def step(self, turn_ids: list[int]) -> Step:
+    step = super().step(turn_ids)
+    if step.done or sum(turn_ids) % 4:
+      return step
+    return Step(step.observation, (sum(turn_ids) % 7) / 6, True)

@@ -193,7 +193,7 @@ class ConversationStream:
   @property
   def shape(self) -> dict:
     """What a snapshot's arrays are laid out for: another shape cannot continue them."""
-    return {"kind": "conversations", "slots": len(self.engine._serving), "rows": self.rows,
+    return {"kind": "conversations", "slots": self.engine.slots, "rows": self.rows,
             "live": self.live, "ring": self.engine.ring}
 
   def restore(self, arrays: dict, meta: dict, prompts, keys) -> None:
