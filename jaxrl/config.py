@@ -213,7 +213,7 @@ class RLConfig:
   # `overlong_buffer` tokens of the budget, added to the reward.
   overlong_buffer: int = 0
   overlong_penalty: float = 1.0
-  environment: str = ""  # multi-turn rollouts: calculator|python|synthetic[_short]|pkg.mod:Class
+  environment: str = ""  # multi-turn rollouts: calculator|python|synthetic*|pkg.mod:Class
   max_turns: int = 4  # model turns of a multi-turn rollout, all within max_new_tokens
   max_turn_tokens: int = 0  # one turn's most new tokens (0: what is left of max_new_tokens)
   keep_turn_cache: bool = True  # KV cache kept across turns (False: each turn prefills whole)

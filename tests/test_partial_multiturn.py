@@ -126,3 +126,11 @@ def test_fixed_schedule_is_a_function_of_the_seed_and_resumes_with_conversations
   with pytest.raises(NotReplayable, match="replied otherwise"):
     _stream(*model, 2).restore(state.arrays["stream"], meta, Batches().__getitem__,
                                lambda i: jax.random.key_data(jax.random.key(i)))
+  # ... and a worker given it generates their batches again, with the weights it has (those
+  # of the oldest open batch are gone): nothing waits for them
+  again, rest = _worker(model, version=version, state=state, start=version), []
+  while len(first) + len(rest) < N_BATCHES:
+    rest.append(again.get(timeout=120))
+    again.update_weights(_weights(model[1], version + len(rest)), version + len(rest))
+  again.close()
+  assert [b.index for b in first + rest] == list(range(N_BATCHES))

@@ -12,7 +12,8 @@ version of the turn before them), so the off-policy correction sees where each c
 
 Keys: row r of batch i draws turn t from `fold_in(fold_in(rollout_key(seed, i), t), r)`, as a
 whole batch's conversations do (train/rollout/multiturn.py), so with unchanged weights a batch
-is the same whether it is streamed or generated whole.
+has the same ids whether it is streamed or generated whole (their log-probs equal to rounding:
+the slots' widths differ).
 
 Run state (`snapshot` / `restore`): the engine's slots and caches (bit for bit), the requests in
 flight and waiting, and each open conversation's ids, log-probs, versions and turn spans. An
@@ -26,6 +27,7 @@ each environment for more code, and restarting turns in flight would not continu
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable
 
@@ -33,7 +35,7 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError
-from jaxrl.envs import EnvError, Environment
+from jaxrl.envs import ContainedEnvironment, EnvError, Environment
 from sampler.requests import Request, Requests
 from sampler.sampler import Sampler
 from train.rollout.multiturn import Conversation, Turns, reply_all, turn_keys
@@ -188,7 +190,7 @@ class ConversationStream:
     arrays, engine = self.engine.snapshot()
     meta = {"engine": engine, "next_index": self.next_index, "next_emit": self.next_emit,
             "batches": [b.meta() for b in self.batches.values()], "shape": self.shape}
-    return arrays, meta
+    return arrays, copy.deepcopy(meta)  # (the stream's lists go on changing)
 
   @property
   def shape(self) -> dict:
@@ -200,6 +202,7 @@ class ConversationStream:
     """Puts back a `snapshot`, the environments replayed (NotReplayable: one replied
     otherwise, and nothing was changed); `prompts(i)` and `keys(i)` give batch i's prompts
     and key data."""
+    meta = copy.deepcopy(meta)  # (its lists become the stream's)
     batches = {m["index"]: self._replayed(m, prompts(m["index"]), keys(m["index"]))
                for m in meta["batches"]}
     self.engine.restore(arrays, meta["engine"])
@@ -207,15 +210,27 @@ class ConversationStream:
     self.next_index, self.next_emit = meta["next_index"], meta["next_emit"]
 
   def _replayed(self, m: dict, prompts: dict, key) -> TalkBatch:
-    """Batch `m` of a snapshot, its environments reset and replayed through its turns."""
+    """Batch `m` of a snapshot, its environments reset and replayed through its turns (the
+    conversations' k-th turns at once); NotReplayable if one replies otherwise or fails."""
     b = self._batch(m["index"], prompts, key, m["version"])
     b.versions, b.asked, b.ended = m["versions"], m["asked"], m["ended"]
-    for r, (talk, saved) in enumerate(zip(b.talks, m["talks"])):
-      with _user_errors():
-        for start, end in saved["turns"]:
-          talk.reply(saved["ids"][start:end], saved["logprobs"][start:end],
-                     self.turns.max_new_tokens)
-      if (talk.ids, talk.reward, talk.done) != (saved["ids"], saved["reward"], saved["done"]):
+    saved = m["talks"]
+    counters = [t.env.report for t in b.talks if isinstance(t.env, ContainedEnvironment)]
+    for t in b.talks:  # a failure replayed was counted (user_code_errors) the first time
+      if isinstance(t.env, ContainedEnvironment):
+        t.env.report = lambda n: None
+    try:
+      for k in range(max((len(s["turns"]) for s in saved), default=0)):
+        reply_all([(t, s["ids"][a:e], s["logprobs"][a:e]) for t, s in zip(b.talks, saved)
+                   if len(s["turns"]) > k for a, e in [s["turns"][k]]],
+                  self.turns.max_new_tokens)
+    except EnvError as e:
+      raise NotReplayable(f"batch {b.index}: {e}") from None
+    for t in b.talks:
+      if isinstance(t.env, ContainedEnvironment):
+        t.env.report = counters.pop(0)
+    for r, (talk, s) in enumerate(zip(b.talks, saved)):
+      if (talk.ids, talk.reward, talk.done) != (s["ids"], s["reward"], s["done"]):
         raise NotReplayable(f"batch {b.index}, conversation {r}: its environment replied "
                             "otherwise when its turns were replayed (its replies must be a "
                             "function of its example and the turns)")

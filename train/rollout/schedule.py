@@ -70,10 +70,13 @@ class Fixed(Schedule):
     return index - self.max_staleness - 1 >= next_emit  # its weights need that batch trained
 
   def ready(self, worker, index: int) -> bool:
-    return self.version_for(index) in (worker.installed_version, worker.version)
+    # (Older than the installed weights: a resume dropped the rows in flight, whose weights are
+    # gone; their batches start again with the installed ones.)
+    return self.version_for(index) <= worker.installed_version or (
+        self.version_for(index) == worker.version)
 
   def takes_pending(self, worker, index: int) -> bool:
-    return worker.installed_version != self.version_for(index)
+    return worker.installed_version < self.version_for(index)
 
   def push_ready(self, worker, version: int) -> bool:
     return worker.installed_version >= version - 1 or worker.exhausted
