@@ -181,21 +181,29 @@ def _kill_after_checkpoint(proc, run_dir, step, delay):
   proc.communicate(timeout=60)
 
 
+def _killed_and_resumed(tmp_path, args, kills) -> list[dict]:
+  """Run "run" killed after the RL checkpoint of each (step, delay) of `kills` and resumed; the
+  generator's state each resume started from (what it had done ahead of the trainer)."""
+  run_dir = os.path.join(tmp_path, "run")
+  proc, states = _launch(tmp_path, "run", *args, resume=False), []
+  for step, delay in kills:
+    _kill_after_checkpoint(proc, run_dir, step, delay)
+    proc, (stage, at) = _resume(tmp_path, "run", *args)
+    assert stage == "rl" and at >= step
+    states.append(_generator_state(run_dir, at))
+  _finish(proc)
+  return states
+
+
 @pytest.mark.slow
 def test_killed_in_rl_async_ahead_resumes_exactly(tmp_path, ahead_reference):
   """Partial rollouts on the fixed schedule, killed 3 times (whole batches' queue and older
   weights resume in tests/test_partial.py)."""
-  run_dir = os.path.join(tmp_path, "run")
-  proc, held = _launch(tmp_path, "run", *AHEAD, resume=False), []
-  for step, delay in [(2, 0.0), (4, 0.3), (6, 0.1)]:
-    _kill_after_checkpoint(proc, run_dir, step, delay)
-    proc, (stage, at) = _resume(tmp_path, "run", *AHEAD)
-    assert stage == "rl" and at >= step
-    state = _generator_state(run_dir, at)  # what the generator had done ahead of the trainer
+  run_dir, held = os.path.join(tmp_path, "run"), []
+  for state in _killed_and_resumed(tmp_path, AHEAD, [(2, 0.0), (4, 0.3), (6, 0.1)]):
     in_flight = any(b["admitted"] > b["finished"] for b in state.get("stream", {}).get(
         "batches", []))
     held.append((bool(state["queue"]), in_flight))
-  _finish(proc)
   # Every resume continued batches generated ahead or rows in flight (whether a pause finds a
   # batch finished depends on the two threads' speeds); one continued both.
   assert all(queued or in_flight for queued, in_flight in held), held
@@ -219,15 +227,10 @@ def test_killed_with_conversations_in_flight_resumes_exactly(tmp_path):
   _finish(_launch(tmp_path, "ref", *TALKS, resume=False))
   reference = _summary(os.path.join(tmp_path, "ref"))["params_fingerprint"], _comparable(
       os.path.join(tmp_path, "ref"))
-  run_dir = os.path.join(tmp_path, "run")
-  proc, talking = _launch(tmp_path, "run", *TALKS, resume=False), []
-  for step, delay in [(2, 0.0), (4, 0.2), (6, 0.1)]:
-    _kill_after_checkpoint(proc, run_dir, step, delay)
-    proc, (stage, at) = _resume(tmp_path, "run", *TALKS)
-    assert stage == "rl" and at >= step
-    batches = _generator_state(run_dir, at).get("stream", {}).get("batches", [])
+  run_dir, talking = os.path.join(tmp_path, "run"), []
+  for state in _killed_and_resumed(tmp_path, TALKS, [(2, 0.0), (4, 0.2), (6, 0.1)]):
+    batches = state.get("stream", {}).get("batches", [])
     talking.append(any(t["turns"] and not ended for b in batches
                        for t, ended in zip(b["talks"], b["ended"])))
-  _finish(proc)
   assert any(talking), "no resume had a conversation in flight"
   assert (_summary(run_dir)["params_fingerprint"], _comparable(run_dir)) == reference

@@ -118,7 +118,7 @@ class ConversationStream:
   def _ask(self, b: TalkBatch, r: int) -> None:
     """Row r's next turn, or its slot freed: its conversation has ended."""
     talk, turns = b.talks[r], self.turns
-    if b.asked[r] < turns.max_turns and not talk.done and len(talk.ids) < turns.max_new_tokens:
+    if turns.goes_on(talk, b.asked[r]):
       prompt = b.prompts["prompt_tokens"][r // self.n][b.prompts["prompt_valid"][r // self.n]]
       self.engine.submit(Request((b.index, r), tuple(prompt.tolist()) + tuple(talk.ids),
                                  turns.budget(talk), b.keys[b.asked[r]], r))
@@ -215,20 +215,17 @@ class ConversationStream:
     b = self._batch(m["index"], prompts, key, m["version"])
     b.versions, b.asked, b.ended = m["versions"], m["asked"], m["ended"]
     saved = m["talks"]
-    counters = [t.env.report for t in b.talks if isinstance(t.env, ContainedEnvironment)]
-    for t in b.talks:  # a failure replayed was counted (user_code_errors) the first time
-      if isinstance(t.env, ContainedEnvironment):
-        t.env.report = lambda n: None
     try:
-      for k in range(max((len(s["turns"]) for s in saved), default=0)):
-        reply_all([(t, s["ids"][a:e], s["logprobs"][a:e]) for t, s in zip(b.talks, saved)
-                   if len(s["turns"]) > k for a, e in [s["turns"][k]]],
-                  self.turns.max_new_tokens)
+      with contextlib.ExitStack() as uncounted:  # (a failure replayed was counted the first time)
+        for t in b.talks:
+          if isinstance(t.env, ContainedEnvironment):
+            uncounted.enter_context(t.env.uncounted())
+        for k in range(max((len(s["turns"]) for s in saved), default=0)):
+          reply_all([(t, s["ids"][a:e], s["logprobs"][a:e]) for t, s in zip(b.talks, saved)
+                     if len(s["turns"]) > k for a, e in [s["turns"][k]]],
+                    self.turns.max_new_tokens)
     except EnvError as e:
       raise NotReplayable(f"batch {b.index}: {e}") from None
-    for t in b.talks:
-      if isinstance(t.env, ContainedEnvironment):
-        t.env.report = counters.pop(0)
     for r, (talk, s) in enumerate(zip(b.talks, saved)):
       if (talk.ids, talk.reward, talk.done) != (s["ids"], s["reward"], s["done"]):
         raise NotReplayable(f"batch {b.index}, conversation {r}: its environment replied "

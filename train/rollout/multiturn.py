@@ -107,7 +107,7 @@ def converse(sampler: Sampler, params, prompts_B: Sequence[Sequence[int]], examp
   if sampler.inflight_slots:
     return _converse_inflight(sampler, params, prompts_B, talks, key, turns, keep_cache)
   for turn in range(max_turns):
-    live = [i for i, t in enumerate(talks) if not t.done and len(t.ids) < max_new_tokens]
+    live = [i for i, t in enumerate(talks) if turns.goes_on(t, turn)]
     if not live:
       break
     out = sampler.complete(params, [list(prompts_B[i]) + talks[i].ids for i in live],
@@ -129,6 +129,10 @@ class Turns:
   max_new_tokens: int  # a conversation's budget: the model's tokens and the replies
   max_turns: int
   max_turn_tokens: int = 0  # one turn's most tokens (0: what is left of the budget)
+
+  def goes_on(self, talk: Conversation, asked: int) -> bool:
+    """Whether `talk`, after `asked` turns, has a next one: not done, in budget, turns left."""
+    return asked < self.max_turns and not talk.done and len(talk.ids) < self.max_new_tokens
 
   def budget(self, talk: Conversation) -> int:
     left = self.max_new_tokens - len(talk.ids)
@@ -174,7 +178,7 @@ def _converse_inflight(sampler: Sampler, params, prompts_B, talks: list[Conversa
   def ask(i: int) -> None:
     """Row i's next turn, or its slot freed: its conversation has ended."""
     talk = talks[i]
-    if asked[i] < turns.max_turns and not talk.done and len(talk.ids) < turns.max_new_tokens:
+    if turns.goes_on(talk, asked[i]):
       engine.submit(Request(i, tuple(prompts_B[i]) + tuple(talk.ids), turns.budget(talk),
                             keys[asked[i]], i))
       asked[i] += 1
