@@ -21,12 +21,12 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.rewards.user import POLICIES as USER_CODE_POLICIES
 from jaxrl.rewards.verifier import VERIFIERS
+from jaxrl.schedules import SCHEDULES
 
 # Placement presets (sharding/placement.py builds them); "plan" asks the planner for one.
 STRATEGIES = ("colocate", "interleave", "separate")
 REWARDS = ("verifier", "reward_model")
 MODES = ("sync", "async")
-ASYNC_SCHEDULES = ("free", "fixed")  # train/rollout/schedule.py (SCHEDULES)
 OFFLOADS = ("optimizer", "frozen", "sampler")  # placement.offload's items (train/roles/offload.py)
 KL_MODES = ("loss", "reward")  # KL(pi || ref) as a loss term, or folded into per-token rewards
 
@@ -262,7 +262,7 @@ class RLConfig:
                           ("policy_loss", POLICY_LOSSES), ("kl_estimator", KL_ESTIMATORS),
                           ("kl_mode", KL_MODES), ("loss_aggregation", AGGREGATIONS),
                           ("rollout_mask", ROLLOUT_MASKS),
-                          ("async_schedule", ASYNC_SCHEDULES),
+                          ("async_schedule", SCHEDULES),
                           ("on_user_code_error", USER_CODE_POLICIES)]:
       choice(self, name, options)
     positive(self, "prompts_per_step", "group_size", "num_minibatches", "temperature",

@@ -111,11 +111,3 @@ def test_sync_worker_waits_for_new_weights_or_a_request_within_the_step():
   with pytest.raises(ValueError, match="must increase"):
     worker.update_weights({"w": jnp.zeros(2)}, 1)
   worker.close()
-
-
-def test_the_config_offers_the_schedules_the_rollout_package_has():
-  """`rl.async_schedule` is checked against jaxrl/config.py's list; the schedules themselves are
-  train/rollout/schedule.py's registry: the two name the same ones."""
-  from jaxrl.config import ASYNC_SCHEDULES
-  from train.rollout.schedule import SCHEDULES
-  assert set(ASYNC_SCHEDULES) == set(SCHEDULES)

@@ -1,5 +1,5 @@
 """Partial rollouts: `PartialRolloutWorker` drives a `Sampler.stream` (sampler/stream.py) on the
-worker's thread with the schedule of train/rollout/schedule.py (staleness bound, free or fixed)
+worker's thread with the schedule of jaxrl/schedules.py (staleness bound, free or fixed)
 and the run state of train/rollout/worker.py. Each look between decode segments harvests the
 finished rows (a batch leaves once all its rows are done, in index order, with every token's
 policy version), swaps in newer weights (free schedule; fixed: only as a batch opens), opens the

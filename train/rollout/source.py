@@ -2,7 +2,7 @@
 
 Sync (`rl.mode=sync`): batch i is generated when the loop asks for it, from the sampler's fresh
 copy of the actor, on the generator's executor. Async: a worker thread generates ahead of the
-trainer under the schedule (train/rollout/schedule.py): whole batches (`RolloutWorker`) or, with
+trainer under the schedule (jaxrl/schedules.py): whole batches (`RolloutWorker`) or, with
 `rl.partial_rollouts`, a stream of rows in in-flight slots that takes new weights between decode
 segments (`PartialRolloutWorker`); every push of the trainer's weights reaches it. Either way
 batch i is drawn with `rollout_key(seed, i)`: async with `max_staleness=0` reproduces sync.

@@ -7,7 +7,7 @@ segments: the rows in flight continue with them (partial rollouts), every token 
 policy version and log-prob. Both tag each finished batch with its prompt index and the version
 of its oldest tokens; the trainer pushes weights with `update_weights(params, version)` and takes
 batches, in index order, with `get()`. When a batch may start and which weights it starts with
-is the schedule's (train/rollout/schedule.py: free or fixed, the staleness bound).
+is the schedule's (jaxrl/schedules.py: free or fixed, the staleness bound).
 
 Run state (`paused()` yields a `WorkerState`; `state=` puts one back): the finished batches not
 yet taken, the in-flight decode state (partial rollouts), the version the worker decodes with
@@ -30,7 +30,7 @@ import numpy as np
 from sampler.engine import Rollout
 from sharding.reshard import fetch
 from train.rollout.generator import rollout_key
-from train.rollout.schedule import SCHEDULES
+from jaxrl.schedules import SCHEDULES
 
 
 class RolloutWorkerError(RuntimeError):
