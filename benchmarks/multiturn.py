@@ -1,12 +1,12 @@
 """Multi-turn RL steps with the KV cache kept across turns (`keep`) against each turn prefilling
-its whole conversation (`prefill`: `rl.keep_turn_cache=False`), alternately in one process.
+its whole conversation (`prefill`: `rl.environment.keep_turn_cache=False`), alternately in one process.
 
   python -m benchmarks.multiturn --json                          # synthetic: 8 turns
   python -m benchmarks.multiturn --json --workload gsm8k_tools   # the calculator after its SFT
 
 Workloads (sync, colocated on one device, a fresh policy unless SFT runs first):
-  synthetic    `rl.environment=synthetic` (jaxrl/envs/synthetic.py): 8 model turns of
-               `--turn-tokens` (32) tokens each (`rl.ignore_eos`), each answered by the same
+  synthetic    `rl.environment.name=synthetic` (jaxrl/envs/synthetic.py): 8 model turns of
+               `--turn-tokens` (32) tokens each (`rl.rollout.ignore_eos`), each answered by the same
                100-token reply; the w1 model (vocab 264, d_model 256, 4 layers), 16-token
                prompts, 4 prompts x 4 samples: 956-token conversations.
   gsm8k_tools  configs/gsm8k_tools.py (the calculator: replies of a few tokens, 2-4 turns),
@@ -14,9 +14,9 @@ Workloads (sync, colocated on one device, a fresh policy unless SFT runs first):
   --scale full (the default on an accelerator) runs synthetic on Qwen2.5-0.5B's shape (random,
   bf16) with 64-token prompts, 8 prompts x 8 samples.
 
-`--partial` compares instead multi-turn partial rollouts (`rl.partial_rollouts`: conversations
+`--partial` compares instead multi-turn partial rollouts (`rl.schedule.partial_rollouts`: conversations
 as requests that outlive weight swaps, train/rollout/conversations.py) with whole batches, both
-async (`rl.max_staleness=1`) on `placement.strategy=separate` (one device each for the trainer
+async (`rl.schedule.max_staleness=1`) on `placement.strategy=separate` (one device each for the trainer
 and the generator), on `synthetic_longtail` (the synthetic workload whose conversations end
 after each turn with probability 1/4: 1-8 turns), in two measurements:
   generator   the rollouts alone, no trainer (one run, the weights fixed): `--batches` (6)
@@ -27,7 +27,7 @@ after each turn with probability 1/4: 1-8 turns), in two measurements:
               alternating: samples/s, seconds per step, the seconds a step waited for its
               rollout, and the mean token lag (`--steps 0`: not run).
 
-`--slots K` sets `rl.inflight_slots` (default: as many slots as rows): with fewer slots than
+`--slots K` sets `rl.rollout.inflight_slots` (default: as many slots as rows): with fewer slots than
 conversations, kept caches are evicted for waiting conversations (`evicted`), whose next turn
 prefills its whole context again.
 
@@ -59,10 +59,12 @@ def workload(name: str, args, full: bool) -> Workload:
   turns = 8
   model = dict(qwen_model("qwen0.5b")) if full else W1_MODEL
   prompts, samples, prompt_tokens = (8, 8, 64) if full else (4, 4, 16)
-  rl = {"environment": "synthetic", "max_turns": turns, "max_turn_tokens": args.turn_tokens,
-        "ignore_eos": True, "max_new_tokens": turns * args.turn_tokens + (turns - 1) * 100,
-        "prompts_per_step": prompts, "group_size": samples, "num_minibatches": 1,
-        "kl_coef": 0.0}
+  rl = {"environment": {"name": "synthetic", "max_turns": turns,
+                        "max_turn_tokens": args.turn_tokens},
+        "rollout": {"ignore_eos": True,
+                    "max_new_tokens": turns * args.turn_tokens + (turns - 1) * 100},
+        "prompts_per_step": prompts, "group_size": samples,
+        "batching": {"num_minibatches": 1}, "kl": {"coef": 0.0}}
   return Workload(1, {"model": model, "sft": {"steps": 0}, "placement": sync, "rl": rl,
                       "task": {"num_digits": prompt_tokens - 6},
                       "data": {"max_prompt_tokens": prompt_tokens}}, modes=False)
@@ -70,11 +72,13 @@ def workload(name: str, args, full: bool) -> Workload:
 
 def partial_workload(args, full: bool) -> Workload:
   """`synthetic` on `synthetic_longtail`, async on separate devices."""
+  from jaxrl.config_files import merge
   work = workload("synthetic", args, full)
   overrides = {**work.overrides, "placement": {"strategy": "separate", "cpu_devices": 2,
                                                "train_devices": 1, "sampler_tensor": 1}}
-  overrides["rl"] = {**overrides["rl"], "environment": "synthetic_longtail", "mode": "async",
-                     "max_staleness": 1, "async_schedule": "free"}
+  overrides["rl"] = merge(overrides["rl"], {
+      "environment": {"name": "synthetic_longtail"},
+      "schedule": {"mode": "async", "max_staleness": 1, "name": "free"}})
   return Workload(2, overrides, modes=False)
 
 
@@ -84,7 +88,7 @@ def partial_run(raw: dict, partial: bool, steps: int, warmup: int) -> dict:
 
   from train.run import Experiment
   raw = copy.deepcopy(raw)
-  raw["rl"]["partial_rollouts"] = partial
+  raw["rl"]["schedule"]["partial_rollouts"] = partial
   raw["run_dir"] = tempfile.mkdtemp(prefix="jaxrl-bench-")
   with Experiment(raw) as exp:
     for _ in range(warmup):
@@ -131,7 +135,7 @@ def measure_partial(raw: dict, rounds: int, warmup: int, steps: int, batches: in
 
   from train.run import Experiment
   sync = copy.deepcopy(raw)
-  sync["rl"].update(mode="sync", partial_rollouts=False)
+  sync["rl"]["schedule"].update(mode="sync", partial_rollouts=False)
   runs = {"whole": [], "partial": []}
   with Experiment(sync) as exp:
     for r in range(rounds + 1):  # round 0 compiles
@@ -160,8 +164,8 @@ def _medians(runs: dict) -> dict:
 def timed_config(raw: dict, overrides: dict, steps: int) -> dict:
   """A config file's dict with `overrides`, set up for timing `steps` RL steps (a scratch run
   directory, no checkpoints, no evaluation before the end)."""
-  for section, fields in overrides.items():
-    raw[section].update(fields)
+  from jaxrl.config_files import merge
+  raw = merge(raw, overrides)
   raw.update(run_dir=tempfile.mkdtemp(prefix="jaxrl-bench-"), progress=False,
              checkpoint_every=10**6, checkpoint_minutes=0.0)
   raw["eval"]["every"] = 10**6
@@ -213,7 +217,7 @@ def main() -> None:
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
   parser.add_argument("--turn-tokens", type=int, default=32)
   parser.add_argument("--slots", type=int, default=0,
-                      help="rl.inflight_slots (0: as many as the rows); fewer: kept caches "
+                      help="rl.rollout.inflight_slots (0: as many as the rows); fewer: kept caches "
                            "are evicted for waiting conversations and prefilled again")
   parser.add_argument("--sft-steps", type=int, default=400)
   parser.add_argument("--partial", action="store_true",
@@ -229,7 +233,7 @@ def main() -> None:
   if args.partial:
     raw = build_config(partial_workload(args, full), steps=args.warmup + args.steps)
     rl = raw["rl"]
-    rl["inflight_slots"] = args.slots or rl["prompts_per_step"] * rl["group_size"]
+    rl["rollout"]["inflight_slots"] = args.slots or rl["prompts_per_step"] * rl["group_size"]
     emit({"workload": "synthetic_longtail", "scale": "full" if full else "reduced",
           "device": str(jax.devices()[0].device_kind),
           **measure_partial(raw, args.rounds, args.warmup, args.steps, args.batches)}, args.json)
@@ -241,7 +245,7 @@ def main() -> None:
                        steps=2 * (args.rounds + args.warmup))
   else:
     raw = build_config(workload("synthetic", args, full), steps=2 * (args.rounds + args.warmup))
-  raw["rl"]["inflight_slots"] = args.slots
+  raw["rl"]["rollout"]["inflight_slots"] = args.slots
   emit({"workload": args.workload, "scale": "full" if full else "reduced",
         **measure(raw, args.rounds, args.warmup)}, args.json)
 

@@ -1,4 +1,4 @@
-"""RL steps with the scoring passes and the update over packed rows (`rl.pack_length`) against
+"""RL steps with the scoring passes and the update over packed rows (`rl.batching.pack_length`) against
 the [B, T] batch trimmed to its length bucket, alternately in one run.
 
   python -m benchmarks.packing --json                         # longtail

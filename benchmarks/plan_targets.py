@@ -26,7 +26,7 @@ def ranked_plans(cfg, target, top: int):
   from planner.search import search
   cal = builtin_calibration(DEVICE_OF[target.generation])
   return search(Workload.from_config(cfg), target.chips, cal.device, cal.efficiency,
-                modes=(cfg.rl.mode,), top=top, staleness=cfg.rl.max_staleness)
+                modes=(cfg.rl.schedule.mode,), top=top, staleness=cfg.rl.schedule.max_staleness)
 
 
 def compared(rank: int, ranked, run) -> dict:

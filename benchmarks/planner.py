@@ -30,7 +30,8 @@ LARGE = dict(d_model=384, n_layers=6, n_heads=6, n_kv_heads=2, head_dim=64, d_ff
 
 
 def _config(model: dict, strategy: str, mode: str = "sync") -> dict:
-  return {"model": model, "rl": {**BATCH, "mode": mode}, "placement": {"strategy": strategy}}
+  return {"model": model, "rl": {**BATCH, "schedule": {"mode": mode}},
+          "placement": {"strategy": strategy}}
 
 
 # Other sizes, placements and modes than cli/plan.CALIBRATION_RUNS (small colocate sync,
@@ -89,7 +90,7 @@ def default_plan(cal, cal_path: str, steps: int, warmup: int, rounds: int) -> di
   out["plan_config"] = (f"{plan_cfg.placement.strategy}, train_devices "
                         f"{plan_cfg.placement.train_devices}, sampler_tensor "
                         f"{plan_cfg.placement.sampler_tensor}, micro_batch_size "
-                        f"{plan_cfg.rl.micro_batch_size}")
+                        f"{plan_cfg.rl.batching.micro_batch_size}")
   fastest = min(out[f"{n}_measured_s"] for n in names[:3])
   out["plan_over_fastest_preset"] = round(out["plan_measured_s"] / fastest, 3)
   out["plan_at_least_as_fast"] = out["plan_measured_s"] <= fastest

@@ -21,7 +21,7 @@ fresh policy (so almost every response runs to max_new_tokens):
            embeddings, vocab 151936, bf16 compute; no download) in the GSM8K recipe's step
            (configs/hf_gsm8k.py: 16 prompts x 8 samples, 512 new tokens, 8 minibatches, KL to the
            reference): 96-token prompts (BOS + the reverse task's 90 letters, a GSM8K question's
-           length), every response forced to 512 tokens (`rl.ignore_eos`), colocated on one
+           length), every response forced to 512 tokens (`rl.rollout.ignore_eos`), colocated on one
            device. `--scale reduced` (automatic on a CPU) shrinks them to a smoke run: 2 layers,
            vocab 2048, a quarter of the widths, 16-token prompts, 2 prompts x 2 samples, 16 new
            tokens, 2 minibatches.
@@ -84,8 +84,9 @@ WORKLOADS = {
     "default": Workload(8, {}, modes=True),
     "w1": Workload(1, {"model": W1_MODEL, "task": {"num_digits": 30},
                        "data": {"max_prompt_tokens": 36},
-                       "rl": {"prompts_per_step": 8, "group_size": 8, "max_new_tokens": 32,
-                              "num_minibatches": 1, "kl_coef": 0.02, "micro_batch_size": 8},
+                       "rl": {"prompts_per_step": 8, "group_size": 8,
+                              "rollout": {"max_new_tokens": 32}, "kl": {"coef": 0.02},
+                              "batching": {"num_minibatches": 1, "micro_batch_size": 8}},
                        "placement": {"strategy": "colocate", "cpu_devices": 1,
                                      "sampler_tensor": 1}}, modes=False),
 }
@@ -107,17 +108,20 @@ def gsm8k_workload(name: str) -> Workload:
   """The GSM8K recipe's RL step on a random model of `name`'s shape, colocated on one device."""
   from configs import hf_gsm8k
   recipe = hf_gsm8k.config(model={}, placement={}).rl
-  rl = {k: recipe[k] for k in ("prompts_per_step", "group_size", "num_minibatches",
-                               "max_new_tokens", "learning_rate", "kl_coef", "temperature")}
+  rl = {"prompts_per_step": recipe.prompts_per_step, "group_size": recipe.group_size,
+        "learning_rate": recipe.learning_rate, "kl": {"coef": recipe.kl.coef},
+        "batching": {"num_minibatches": recipe.batching.num_minibatches},
+        "rollout": {"max_new_tokens": recipe.rollout.max_new_tokens,
+                    "temperature": recipe.rollout.temperature, "ignore_eos": True}}
   model = qwen_model(name)
   full = {"model": model, "sft": {"steps": 0}, "eval": {"batch_size": 32},
           "task": {"num_digits": 90}, "data": {"max_prompt_tokens": 96},  # 96 tokens with BOS
-          "rl": {**rl, "ignore_eos": True},
+          "rl": rl,
           "placement": {"strategy": "colocate", "cpu_devices": 1, "sampler_tensor": 1}}
   reduced = {"model": reduced_model(model), "task": {"num_digits": 10},
              "data": {"max_prompt_tokens": 16},
-             "rl": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 16,
-                    "num_minibatches": 2}}
+             "rl": {"prompts_per_step": 2, "group_size": 2, "rollout": {"max_new_tokens": 16},
+                    "batching": {"num_minibatches": 2}}}
   return Workload(1, full, modes=False, reduced=reduced)
 
 
@@ -125,10 +129,13 @@ def find_workload(name: str) -> Workload:
   return WORKLOADS[name] if name in WORKLOADS else gsm8k_workload(name)
 
 
-def build_config(workload: Workload, steps: int, reduced: bool = False, **rl) -> dict:
+def build_config(workload: Workload, steps: int, reduced: bool = False,
+                 rl: dict | None = None) -> dict:
+  """The workload's config, `rl` (nested sections) over its RL section."""
   from cli.plan import bench_config
+  from jaxrl.config_files import merge
   raw = bench_config(workload.sections(reduced), steps)
-  raw["rl"].update(rl)
+  raw["rl"] = merge(raw["rl"], rl or {})
   return raw
 
 
@@ -136,7 +143,7 @@ def step_flops(exp, rows: list[dict], ran_old_pass: bool) -> dict[str, float]:
   """Model FLOPs per stage of one step, from the config and the responses' mean length; the old
   log-prob pass counts only where the step needed it (and so ran it)."""
   from jaxrl.models import flops
-  rl, p, n = exp.cfg.rl, exp.ctx.task.prompt_len, exp.cfg.rl.max_new_tokens
+  rl, p, n = exp.cfg.rl, exp.ctx.task.prompt_len, exp.cfg.rl.rollout.max_new_tokens
   model = exp.cfg.model
   mean_len = sum(r["response_len"] for r in rows) / len(rows)
   forward = flops.forward_flops(model, rl.rollouts, p + n, n)
@@ -227,7 +234,8 @@ def compile_seconds(summary: dict, stages: dict) -> dict:
           "compile_by_label": by_label, "compile_source": "run summary"}
 
 
-def run_stages(workload: Workload, *, steps: int, warmup: int, reduced: bool, **rl) -> dict:
+def run_stages(workload: Workload, *, steps: int, warmup: int, reduced: bool,
+               rl: dict | None = None) -> dict:
   """Per-stage seconds, FLOPs, utilization and compile seconds of the workload's sync RL step,
   its decode against the roofline."""
   import jax
@@ -235,7 +243,7 @@ def run_stages(workload: Workload, *, steps: int, warmup: int, reduced: bool, **
   from benchmarks.roofline import device_ceilings
   from cli.dry_run import busiest_total
   from train.run import Experiment
-  with Experiment(build_config(workload, steps + warmup, reduced, **rl)) as exp:
+  with Experiment(build_config(workload, steps + warmup, reduced, rl)) as exp:
     estimate = busiest_total(exp.cfg, exp.ctx.cluster.devices)  # abstract: allocates nothing
     ceilings = device_ceilings(exp.cfg.model.dtype)
     peak = ceilings.matmul_flops_per_s * (1 if ceilings.shared else jax.device_count())
@@ -254,11 +262,12 @@ def run_stages(workload: Workload, *, steps: int, warmup: int, reduced: bool, **
 
 
 def run_mode(strategy: str, mode: str, *, steps: int, warmup: int, max_staleness: int,
-             **rl) -> dict:
+             rl: dict | None = None) -> dict:
   """The default experiment's RL stage in one placement and mode."""
+  from jaxrl.config_files import merge
   from train.run import Experiment
-  raw = build_config(WORKLOADS["default"], steps + warmup, mode=mode, max_staleness=max_staleness,
-                     **rl)
+  schedule = {"schedule": {"mode": mode, "max_staleness": max_staleness}}
+  raw = build_config(WORKLOADS["default"], steps + warmup, rl=merge(rl or {}, schedule))
   raw["placement"]["strategy"] = strategy
   with Experiment(raw) as exp:
     for _ in range(warmup):
@@ -286,7 +295,7 @@ def parse_args():
                       help="also compare placements and modes (default: on for `default`)")
   parser.add_argument("--max-staleness", type=int, default=1)
   parser.add_argument("--micro-batch-size", type=int, default=None,
-                      help="rl.micro_batch_size (default: the workload's)")
+                      help="rl.batching.micro_batch_size (default: the workload's)")
   add_host_flags(parser)
   args = parser.parse_args()
   if args.warmup < 1 or args.steps < 1:
@@ -303,12 +312,13 @@ def main() -> None:
 
   cpu = jax.default_backend() == "cpu"
   reduced = args.scale == "reduced" or (args.scale == "auto" and cpu and bool(work.reduced))
-  rl = {} if args.micro_batch_size is None else {"micro_batch_size": args.micro_batch_size}
+  rl = ({} if args.micro_batch_size is None
+        else {"batching": {"micro_batch_size": args.micro_batch_size}})
   result = {"workload": args.workload, "scale": "reduced" if reduced else "full",
-            **run_stages(work, steps=args.steps, warmup=args.warmup, reduced=reduced, **rl)}
+            **run_stages(work, steps=args.steps, warmup=args.warmup, reduced=reduced, rl=rl)}
   if work.modes if args.modes is None else args.modes:
     modes = {name: run_mode(strategy, mode, steps=args.steps, warmup=args.warmup,
-                            max_staleness=args.max_staleness, **rl)
+                            max_staleness=args.max_staleness, rl=rl)
              for name, (strategy, mode) in MODES.items()}
     result.update(modes=modes, max_staleness=args.max_staleness,
                   async_over_sync=modes["async-separate"]["samples_per_s"]

@@ -63,7 +63,8 @@ POINTS = (
 
 
 def config(p: Point):
-  from jaxrl.config import DataConfig, ExperimentConfig, RLConfig
+  from jaxrl.config import DataConfig, ExperimentConfig
+  from jaxrl.config_rl import BatchingConfig, KLConfig, RLConfig, RolloutConfig
   from jaxrl.models.config import ModelConfig
   from jaxrl.models.lora import LoRAConfig
   model = ModelConfig(vocab_size=p.vocab, d_model=p.d_model, n_layers=p.layers,
@@ -72,8 +73,10 @@ def config(p: Point):
   return ExperimentConfig(model=model, data=DataConfig(max_prompt_tokens=p.prompt),
                           lora=LoRAConfig(rank=p.lora),
                           rl=RLConfig(prompts_per_step=p.rollouts // 2, group_size=2,
-                                      max_new_tokens=p.new, kl_coef=0.05,
-                                      micro_batch_size=p.micro, num_minibatches=1))
+                                      rollout=RolloutConfig(max_new_tokens=p.new),
+                                      kl=KLConfig(coef=0.05),
+                                      batching=BatchingConfig(micro_batch_size=p.micro,
+                                                              num_minibatches=1)))
 
 
 def _actor(cfg, mesh):

@@ -50,7 +50,7 @@ def _dtype_name(abstract) -> str:
 
 
 def _roles(cfg: ExperimentConfig) -> tuple[list[str], list[str]]:
-  trained = ["actor"] + (["critic"] if cfg.rl.advantage == "gae" else [])
+  trained = ["actor"] + ["critic"] * cfg.rl.trains_critic
   return trained, ["reference"] + (["reward"] if cfg.rl.reward == "reward_model" else [])
 
 
@@ -118,8 +118,8 @@ def _pass(cfg: ExperimentConfig, mesh, rules, lm_head: bool = True) -> dict:
   whether attention is a flash kernel on the target (footprint.flash_attention)."""
   rl, m = cfg.rl, cfg.model
   return dict(rows=rl.pass_rows / batch_ways(mesh, rules),
-              seq_len=cfg.data.max_prompt_tokens + rl.max_new_tokens,
-              logit_chunk=chunk_length(rl.pass_rows, rl.max_new_tokens, m.vocab_size) * lm_head,
+              seq_len=cfg.data.max_prompt_tokens + rl.rollout.max_new_tokens,
+              logit_chunk=chunk_length(rl.pass_rows, rl.rollout.max_new_tokens, m.vocab_size) * lm_head,
               tensor=mesh.shape.get("tensor", 1), flash_attention=footprint.flash_attention(m))
 
 
@@ -134,7 +134,7 @@ def update_footprint(cfg: ExperimentConfig, mesh, rules, param_bytes: float, par
          if platform.backend() == "tpu" else None)  # (building for a TPU target)
   return footprint.update_peak(m, **_pass(cfg, mesh, rules, lm_head), param_bytes=param_bytes,
                                gathered_bytes=gathered, remat=m.remat,
-                               accumulate=bool(cfg.rl.micro_batch_size), tpu=tpu)
+                               accumulate=bool(cfg.rl.batching.micro_batch_size), tpu=tpu)
 
 
 def _update_items(cfg: ExperimentConfig, role, lm_head: bool) -> dict[str, dict]:
@@ -155,14 +155,14 @@ def phase_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict[s
   m, rl = cfg.model, cfg.rl
   smesh = cluster.meshes["sampler"]
   rows = rl.rollouts / batch_ways(smesh, SAMPLER_RULES)
-  slots = cfg.data.max_prompt_tokens + rl.max_new_tokens
+  slots = cfg.data.max_prompt_tokens + rl.rollout.max_new_tokens
   kv = footprint.kv_cache_bytes(m, rows, slots, smesh.shape.get("tensor", 1))
   phases = {"generation": {"KV cache": _per_device(smesh, kv)}}
   for name in trained:
     phases[f"{name} update"] = _update_items(cfg, cluster.get(name), lm_head=name == "actor")
   scoring = [("reference", "reference")] + [("reward", "reward")] * (rl.reward == "reward_model")
   scoring += [("actor", "old log-probs")] * rl.needs_old_logprobs
-  scoring += [("critic", "values")] * (rl.advantage == "gae")
+  scoring += [("critic", "values")] * rl.trains_critic
   phases["scoring"] = {}
   for name, what in scoring:  # started together: on shared devices they add up
     role = cluster.get(name)
@@ -210,7 +210,7 @@ def _micro_batches(cfg: ExperimentConfig, cluster: RoleCluster) -> list[int]:
   rl = cfg.rl
   ways = math.lcm(*(batch_ways(cluster.meshes[r], cluster.actor.rules)
                     for r in ("actor", "reference", "reward", "critic")))
-  minibatch = rl.rollouts // rl.num_minibatches
+  minibatch = rl.rollouts // rl.batching.num_minibatches
   return [m for m in range(rl.pass_rows - 1, 0, -1) if minibatch % m == 0 and m % ways == 0]
 
 
@@ -230,12 +230,13 @@ def remedy(cfg: ExperimentConfig, cluster: RoleCluster, resident: dict, usable: 
       try:
         trial = dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, remat=remat),
-            rl=dataclasses.replace(cfg.rl, micro_batch_size=micro or cfg.rl.micro_batch_size))
+            rl=dataclasses.replace(cfg.rl, batching=dataclasses.replace(
+                cfg.rl.batching, micro_batch_size=micro or cfg.rl.batching.micro_batch_size)))
       except ValueError:
         continue
       smallest = min(smallest, trial.rl.pass_rows)
       if max(_totals(resident, phase_table(trial, cluster))[0].values()) <= usable:
-        changes = ([f"rl.micro_batch_size={micro}"] * bool(micro)
+        changes = ([f"rl.batching.micro_batch_size={micro}"] * bool(micro)
                    + [f"model.remat={remat}"] * (remat != cfg.model.remat))
         return "try " + " and ".join(changes)
   return (f"more devices (or shorter sequences): not even model.remat=full with "

@@ -21,7 +21,8 @@ from cli.flags import ArgParser, UsageError, fail, parse_args
 # Short runs the calibration fits to, in sync mode (each stage's time is its own): the default
 # model and a 4-layer d_model-256 one on 64 rows, in each placement, and the default experiment
 # itself (512 rows in 2 minibatches: the old-log-prob pass runs beside the reference's).
-SHORT_RL = {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 16, "num_minibatches": 1}
+SHORT_RL = {"prompts_per_step": 16, "group_size": 4, "rollout": {"max_new_tokens": 16},
+            "batching": {"num_minibatches": 1}}
 MEDIUM_MODEL = dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024)
 CALIBRATION_RUNS = (
     {"rl": SHORT_RL, "placement": {"strategy": "colocate"}},
@@ -44,9 +45,8 @@ def run_steps(raw: dict, steps: int) -> tuple[str, list[float], object]:
 def bench_config(overrides: dict, steps: int) -> dict:
   """The default experiment with `overrides`, set up for timing `steps` RL steps."""
   from jaxrl.config import ExperimentConfig, to_dict
-  raw = to_dict(ExperimentConfig())
-  for section, fields in overrides.items():
-    raw[section].update(fields)
+  from jaxrl.config_files import merge
+  raw = merge(to_dict(ExperimentConfig()), overrides)
   raw.update(run_dir=tempfile.mkdtemp(prefix="jaxrl-bench-"), progress=False,
              checkpoint_every=10**6, checkpoint_minutes=0.0)
   raw["eval"]["every"] = 10**6

@@ -121,7 +121,7 @@ def _splash_flops(cfg: ExperimentConfig, role, passes: int) -> float:
   twice the forward), 4 under remat=full (the forward recomputed)."""
   if attention_impl(cfg.model) != "splash":
     return 0.0
-  t = cfg.data.max_prompt_tokens + cfg.rl.max_new_tokens
+  t = cfg.data.max_prompt_tokens + cfg.rl.rollout.max_new_tokens
   m = cfg.model
   return _per_piece(cfg, role, passes * flops.attention_flops(
       m, cfg.rl.pass_rows * t, (t + 1) / 2, flops.causal_keys(t, m.sliding_window)))
@@ -130,7 +130,7 @@ def _splash_flops(cfg: ExperimentConfig, role, passes: int) -> float:
 def _counted(cfg: ExperimentConfig, role, kernel: float, adapters: int, update: bool) -> float:
   """jaxrl's FLOPs (jaxrl/models/flops.py) of one piece per device, less the kernel's
   `kernel`. `adapters`: LoRA parameters the role's forward runs (trained in an update)."""
-  rows, n = cfg.rl.pass_rows, cfg.rl.max_new_tokens
+  rows, n = cfg.rl.pass_rows, cfg.rl.rollout.max_new_tokens
   t = cfg.data.max_prompt_tokens + n
   total = (flops.executed_train_flops(cfg.model, rows, t, n, lora_params=adapters) if update
            else flops.forward_flops(cfg.model, rows, t, n) + 2.0 * adapters * rows * t)
@@ -150,7 +150,7 @@ def _abstract(tree, shardings):
 
 def _shapes(cfg: ExperimentConfig) -> tuple[int, int, int]:
   """(rows B, completion slots N, sequence T) of a step's batch at its longest (no trimming)."""
-  n = cfg.rl.max_new_tokens
+  n = cfg.rl.rollout.max_new_tokens
   return cfg.rl.rollouts, n, cfg.data.max_prompt_tokens + n
 
 
@@ -158,13 +158,13 @@ def abstract_experience(cfg: ExperimentConfig, role) -> Experience:
   """The abstract batch an RL update gets, split over the mesh's batch axes."""
   b, n, t = _shapes(cfg)
   rl, f32 = cfg.rl, S((b, n), jnp.float32)
-  gae = rl.advantage == "gae"
+  gae = rl.trains_critic
   exp = Experience(tokens_BT=S((b, t), jnp.int32), valid_BT=S((b, t), bool),
                    completion_mask_BN=S((b, n), bool), sampler_logprobs_BN=f32,
                    ref_logprobs_BN=f32, advantages_BN=f32,
                    old_logprobs_BN=f32 if rl.needs_old_logprobs else None,
                    old_values_BN=f32 if gae else None, returns_BN=f32 if gae else None,
-                   loss_mask_BN=S((b, n), bool) if (rl.overlong_filter or rl.environment) else None)
+                   loss_mask_BN=S((b, n), bool) if (rl.dapo.overlong_filter or rl.environment.name) else None)
   return _abstract(exp, role.batch_shardings(exp))
 
 
@@ -177,16 +177,16 @@ def _sampler(cfg: ExperimentConfig, cluster: RoleCluster) -> Sampler:
     eos, pad, stops = tok.eos_id, tok.pad_id, tuple((i,) for i in tok.stop_ids if i != tok.eos_id)
   except ConfigError:
     eos, pad, stops = 1, 0, ()
-  sampling = rl_sampling(rl, rl.max_new_tokens, eos, pad, stops)
+  sampling = rl_sampling(rl, rl.rollout.max_new_tokens, eos, pad, stops)
   weights = cluster.sampler_weights
   return Sampler(weights.graphdef, sampling, n=rl.group_size, mesh=cluster.meshes["sampler"],
                  param_shardings=weights.shardings)
 
 
 def _generation(cfg: ExperimentConfig, cluster: RoleCluster) -> list[Program]:
-  if cfg.rl.inflight_slots or cfg.rl.mode == "async" or cfg.rl.environment:
+  if cfg.rl.rollout.inflight_slots or cfg.rl.schedule.mode == "async" or cfg.rl.environment.name:
     raise ConfigError("--target: compiles the static decode of sync single-turn RL; "
-                      "config.rl.inflight_slots, rl.mode=async and rl.environment are not "
+                      "config.rl.rollout.inflight_slots, rl.schedule.mode=async and rl.environment.name are not "
                       "covered yet")
   sampler, weights = _sampler(cfg, cluster), cluster.sampler_weights
   mesh = cluster.meshes["sampler"]
@@ -261,7 +261,7 @@ def _updates(cfg: ExperimentConfig, actor, critic) -> list[Program]:
 
 def rl_programs(cfg: ExperimentConfig, cluster: RoleCluster) -> list[Program]:
   """Every program of one sync RL step, to lower for the cluster's devices."""
-  for name in ("reference",) + ("critic",) * (cfg.rl.advantage == "gae") + (
+  for name in ("reference",) + ("critic",) * cfg.rl.trains_critic + (
       ("reward",) if cfg.rl.reward == "reward_model" else ()):
     if cluster.get(name) is None:
       cluster.add(name, initialize=False)

@@ -10,5 +10,6 @@ from configs import default
 
 def get_config():
   c = default.get_config()
-  c.rl.update(mode="async", max_staleness=1, tis_cap=2.0)
+  c.rl.schedule.update(mode="async", max_staleness=1)
+  c.rl.correction.update(tis_cap=2.0)
   return c

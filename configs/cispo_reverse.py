@@ -9,5 +9,5 @@ from configs import default
 
 def get_config():
   c = default.get_config()
-  c.rl.update(policy_loss="cispo", clip_eps_low=1.0, clip_eps_high=2.0)
+  c.rl.loss.update(name="cispo", eps_low=1.0, eps_high=2.0)
   return c

@@ -4,13 +4,14 @@ around the proximal policy (the trainer's weights before each update) and the be
 exceeds 5 dropped (the token rejection mask, band [0, 5]).
 
 Run:  .venv/bin/python -m cli.train --config=configs/decoupled_ppo_async_reverse.py
-Against AIPO at the same staleness: add --config.rl.policy_loss=aipo --config.rl.rollout_mask=none
+Against AIPO at the same staleness: add --config.rl.loss.name=aipo --config.rl.correction.mask=none
 """
 from configs import default
 
 
 def get_config():
   c = default.get_config()
-  c.rl.update(mode="async", max_staleness=2, policy_loss="decoupled_ppo", rollout_mask="token",
-              rollout_mask_low=0.0, rollout_mask_high=5.0)
+  c.rl.schedule.update(mode="async", max_staleness=2)
+  c.rl.loss.update(name="decoupled_ppo")
+  c.rl.correction.update(mask="token", mask_low=0.0, mask_high=5.0)
   return c

@@ -7,5 +7,6 @@ from configs import default
 
 def get_config():
   c = default.get_config()
-  c.rl.update(advantage="dr_grpo", loss_aggregation="seq_mean_token_sum_norm")
+  c.rl.advantage.update(name="dr_grpo")
+  c.rl.loss.update(aggregation="seq_mean_token_sum_norm")
   return c

@@ -10,5 +10,6 @@ from configs import default
 
 def get_config():
   c = default.get_config()
-  c.rl.update(advantage="grpo", kl_mode="loss", kl_estimator="k3", kl_coef=0.02)
+  c.rl.advantage.update(name="grpo")
+  c.rl.kl.update(mode="loss", estimator="k3", coef=0.02)
   return c

@@ -6,7 +6,7 @@ The assets (cli/gsm8k_tiny.py --tools python, made on first use under data/gsm8k
 worked solutions run a program, `... = <python>print(56*35)</python> <output>1960\\n</output>
 dollars`, and SFT learns that form. RL runs multi-turn: a model turn ends at `</python>`, the
 sandbox runs the program and the environment appends its output as token ids (loss mask 0).
-Against: the same config with `--config.rl.environment=` (the model writes the outputs itself).
+Against: the same config with `--config.rl.environment.name=` (the model writes the outputs itself).
 Numbers in docs/environments.md.
 
 Run:  .venv/bin/python -m cli.train --config=configs/gsm8k_code.py

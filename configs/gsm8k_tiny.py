@@ -34,8 +34,10 @@ def get_config():
                 answer_field="answer", answer_format="gsm8k", completion_field="demo", chat=True,
                 max_prompt_tokens=48)
   c.sft.update(steps=400, batch_size=64, learning_rate=1e-3, warmup_steps=20)
-  c.rl.update(steps=40, prompts_per_step=32, group_size=8, num_minibatches=2, max_new_tokens=64,
-              learning_rate=1e-4, warmup_steps=5, kl_coef=0.01, verifier="math")
+  c.rl.update(steps=40, prompts_per_step=32, group_size=8, learning_rate=1e-4, warmup_steps=5, verifier="math")
+  c.rl.batching.update(num_minibatches=2)
+  c.rl.rollout.update(max_new_tokens=64)
+  c.rl.kl.update(coef=0.01)
   c.eval.update(every=10, batch_size=256)
   c.update(checkpoint_every=100)
   return c

@@ -7,7 +7,7 @@ learns that form. RL then runs multi-turn (train/rollout/multiturn.py): a model 
 the calculator environment (jaxrl/envs) appends ` <result>1960</result>` as token ids (trained
 with loss mask 0), the model goes on; a turn without a call ends the conversation, and
 math-verify scores its `#### N` against the reference. Against: the same config with
-`--config.rl.environment=` (the model writes the results itself). Numbers in docs/algorithms.md.
+`--config.rl.environment.name=` (the model writes the results itself). Numbers in docs/algorithms.md.
 
 Run:  .venv/bin/python -m cli.train --config=configs/gsm8k_tools.py
 """
@@ -27,7 +27,8 @@ def tool_config(tool: str, assets: str, max_new_tokens: int):
   c.model.update(hf_path=os.path.join(directory, "model"))
   c.data.update(train_path=os.path.join(directory, "train.jsonl"),
                 heldout_path=os.path.join(directory, "test.jsonl"), max_prompt_tokens=64)
-  c.rl.update(environment=tool, max_turns=4, max_new_tokens=max_new_tokens)
+  c.rl.environment.update(name=tool, max_turns=4)
+  c.rl.rollout.update(max_new_tokens=max_new_tokens)
   return c
 
 

@@ -9,6 +9,5 @@ from configs import default
 
 def get_config():
   c = default.get_config()
-  c.rl.update(policy_loss="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4,
-              loss_aggregation="seq_mean_token_mean")
+  c.rl.loss.update(name="gspo", eps_low=3e-4, eps_high=4e-4, aggregation="seq_mean_token_mean")
   return c

@@ -2,13 +2,13 @@
 P(length L) ~ L^-2 (`task.name="reverse_tail"`: most answers are a few letters, each 512-row
 batch has one of ~30), asynchronous GRPO one policy version ahead with a truncated IS weight
 (as configs/async_reverse.py). The sampler decodes in 128 in-flight slots; with
-`rl.partial_rollouts` its slots stay busy across prompt batches, rows already in flight take
+`rl.schedule.partial_rollouts` its slots stay busy across prompt batches, rows already in flight take
 each new policy version between decode segments, and every token keeps the version and the
 log-prob it was drawn with (docs/algorithms.md, "Partial rollouts").
 
 Run:  .venv/bin/python -m cli.train --config=configs/partial_reverse.py
-Without partial rollouts (whole batches, the same slots):  --config.rl.partial_rollouts=False
-Reproducible (batch i from version i - 1, resumable bit for bit): --config.rl.async_schedule=fixed
+Without partial rollouts (whole batches, the same slots):  --config.rl.schedule.partial_rollouts=False
+Reproducible (batch i from version i - 1, resumable bit for bit): --config.rl.schedule.name=fixed
 """
 from configs import default
 
@@ -18,6 +18,8 @@ def get_config():
   c.task.update(name="reverse_tail", num_digits=32)
   c.data.max_prompt_tokens = 40
   c.sft.steps = 1500
-  c.rl.update(steps=60, mode="async", max_staleness=1, tis_cap=2.0, max_new_tokens=40,
-              inflight_slots=128, partial_rollouts=True)
+  c.rl.update(steps=60)
+  c.rl.schedule.update(mode="async", max_staleness=1, partial_rollouts=True)
+  c.rl.correction.update(tis_cap=2.0)
+  c.rl.rollout.update(max_new_tokens=40, inflight_slots=128)
   return c

@@ -14,7 +14,8 @@ from configs import default
 def get_config():
   c = default.get_config()
   c.reward_model.update(steps=800, batch_size=32, learning_rate=3e-4, pairs_per_prompt=4)
-  c.rl.update(advantage="gae", reward="reward_model", kl_mode="reward", kl_estimator="k1",
-              kl_coef=0.1, gamma=1.0, lam=0.95, whiten_advantages=True,
-              critic_learning_rate=3e-4, value_clip_eps=0.2)
+  c.rl.update(reward="reward_model")
+  c.rl.advantage.update(name="gae", gamma=1.0, lam=0.95, whiten=True)
+  c.rl.kl.update(mode="reward", estimator="k1", coef=0.1)
+  c.rl.critic.update(learning_rate=3e-4, clip_eps=0.2)
   return c

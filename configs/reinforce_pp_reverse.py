@@ -8,5 +8,6 @@ from configs import default
 
 def get_config():
   c = default.get_config()
-  c.rl.update(advantage="reinforce_pp", kl_mode="reward", kl_estimator="k1", kl_coef=0.02)
+  c.rl.advantage.update(name="reinforce_pp")
+  c.rl.kl.update(mode="reward", estimator="k1", coef=0.02)
   return c

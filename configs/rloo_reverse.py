@@ -8,5 +8,5 @@ from configs import default
 
 def get_config():
   c = default.get_config()
-  c.rl.update(advantage="rloo")
+  c.rl.advantage.update(name="rloo")
   return c

@@ -10,7 +10,8 @@ def get_config():
   c.model.update(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16, d_ff=64)
   c.task.update(n_train=256, n_heldout=16)
   c.sft.update(steps=3, batch_size=16, warmup_steps=1)
-  c.rl.update(steps=3, prompts_per_step=8, group_size=2, num_minibatches=2)
+  c.rl.update(steps=3, prompts_per_step=8, group_size=2)
+  c.rl.batching.update(num_minibatches=2)
   c.eval.update(every=2, batch_size=16)
   c.checkpoint_every = 2
   c.progress = False

@@ -11,24 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxrl.algos import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from jaxrl.algos.correction import ROLLOUT_MASKS
 from jaxrl.config_checks import (ConfigError, at_least_zero, choice, first_line,  # noqa: F401
                                  positive, sections_agree, unit)
+from jaxrl.config_rl import RLConfig
 from jaxrl.data.sources import ANSWER_FORMATS
 from jaxrl.data.tasks import TASKS
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.lora import LoRAConfig
-from jaxrl.rewards.user import POLICIES as USER_CODE_POLICIES
-from jaxrl.rewards.verifier import VERIFIERS
-from jaxrl.schedules import SCHEDULES
 
 # Placement presets (sharding/placement.py builds them); "plan" asks the planner for one.
 STRATEGIES = ("colocate", "interleave", "separate")
-REWARDS = ("verifier", "reward_model")
-MODES = ("sync", "async")
 OFFLOADS = ("optimizer", "frozen", "sampler")  # placement.offload's items (train/roles/offload.py)
-KL_MODES = ("loss", "reward")  # KL(pi || ref) as a loss term, or folded into per-token rewards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +56,7 @@ class DataConfig:
   chat: bool = False  # render prompts with the tokenizer's chat template
   system_prompt: str = ""  # with chat: a system message first
   tokenizer_path: str = ""  # empty: model.hf_path's tokenizer when set, else the byte tokenizer
-  # Longer prompts are bad rows; RL batches are padded to their bucket (rl.length_buckets).
+  # Longer prompts are bad rows; RL batches are padded to their bucket (rl.batching.length_buckets).
   max_prompt_tokens: int = 12
   on_bad_row: str = "skip"  # skip (and count in the metrics) | error (stop, naming file and row)
 
@@ -173,154 +166,6 @@ class DPOConfig:
   def __post_init__(self):
     positive(self, "batch_size", "beta", "pairs_per_prompt", "learning_rate")
     at_least_zero(self, "steps", "warmup_steps")
-
-
-@dataclasses.dataclass(frozen=True)
-class RLConfig:
-  """GRPO with the verifier's reward by default; see docs/algorithms.md for the others."""
-  steps: int = 150
-  mode: str = "sync"  # sync | async (generation runs ahead; needs placement.strategy="separate")
-  max_staleness: int = 1  # async: how many policy versions a consumed batch may lag
-  # async: new weights reach the rows in flight between decode segments (needs inflight_slots)
-  partial_rollouts: bool = False
-  # async: "free" takes the newest weights when it looks; "fixed" starts batch i with version
-  # i - max_staleness exactly (reproducible: a resumed run equals an uninterrupted one)
-  async_schedule: str = "free"
-  prompts_per_step: int = 64
-  group_size: int = 8
-  num_minibatches: int = 2
-  # Rows of one gradient micro-batch (whole mesh), accumulated exactly; the scoring passes run
-  # in pieces of the same size (less activation memory). 0: the whole minibatch at once.
-  micro_batch_size: int = 0
-  learning_rate: float = 3e-4
-  warmup_steps: int = 10  # optimizer updates (num_minibatches per RL step) of linear warm-up
-  advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (gae trains a critic)
-  reward: str = "verifier"  # verifier | reward_model
-  policy_loss: str = "ppo_clip"  # ppo_clip | aipo | gspo | cispo | decoupled_ppo
-  aipo_rho: float = 4.0
-  # Rollout correction on any policy loss (jaxrl/algos/correction.py): a truncated IS weight
-  tis_cap: float = 0.0  # > 0: min(pi_old / mu, tis_cap)
-  rollout_mask: str = "none"  # none | token | sequence | geometric | icepop: drop ratios outside
-  rollout_mask_low: float = 0.5  # ... the band [rollout_mask_low, rollout_mask_high]
-  rollout_mask_high: float = 2.0
-  # DAPO: groups whose rewards are all equal are dropped and more prompt batches generated until
-  # the step's batch is full, at most `dynamic_sampling_rounds` extra rounds a step (then the
-  # batch is filled with dropped groups); needs reward="verifier".
-  dynamic_sampling: bool = False
-  dynamic_sampling_rounds: int = 3
-  overlong_filter: bool = False  # responses that use the whole budget get no loss (DAPO)
-  # > 0: DAPO's soft overlong penalty, falling linearly from 0 to -overlong_penalty over the last
-  # `overlong_buffer` tokens of the budget, added to the reward.
-  overlong_buffer: int = 0
-  overlong_penalty: float = 1.0
-  environment: str = ""  # multi-turn rollouts: calculator|python|synthetic*|pkg.mod:Class
-  max_turns: int = 4  # model turns of a multi-turn rollout, all within max_new_tokens
-  max_turn_tokens: int = 0  # one turn's most new tokens (0: what is left of max_new_tokens)
-  keep_turn_cache: bool = True  # KV cache kept across turns (False: each turn prefills whole)
-  clip_eps_low: float = 0.2
-  clip_eps_high: float = 0.2
-  kl_coef: float = 0.02
-  kl_estimator: str = "k3"
-  kl_mode: str = "loss"  # loss | reward (REINFORCE++ and PPO fold it into the rewards)
-  entropy_coef: float = 0.0
-  gamma: float = 1.0
-  lam: float = 0.95
-  whiten_advantages: bool = False
-  critic_learning_rate: float = 1e-4
-  value_clip_eps: float = 0.2
-  loss_aggregation: str = "token_mean"
-  temperature: float = 1.0
-  top_k: int = 0
-  max_grad_norm: float = 1.0
-  max_new_tokens: int = 8  # generation budget per completion (SFT targets must fit it too)
-  # For benchmarks: every rollout runs to max_new_tokens (EOS and stop tokens do not end it), so
-  # a step's work is the same whatever a random policy samples. Evaluation still stops at EOS.
-  ignore_eos: bool = False
-  # Prompt batches padded, rollouts trimmed to the bucket of their longest prompt / response: at
-  # most this many lengths each (few compiled shapes). 0: pad to max_prompt_/max_new_tokens.
-  length_buckets: int = 8
-  # > 0: the scoring passes and the update run over rows packed to this many tokens (at least
-  # the prompt width + max_new_tokens), not the [B, T] batch (train/updates/packing.py).
-  pack_length: int = 0
-  # 0: each prompt batch decodes as one static batch; > 0: in-flight batching in this many row
-  # slots, refilled as rows finish (a multiple of the sampler's data shards; uneven lengths).
-  inflight_slots: int = 0
-  # The reward of `reward="verifier"` and the held-out score: exact_match | math (math-verify
-  # equivalence) | package.module:function (called with prompts, completions, row fields).
-  verifier: str = "exact_match"
-  # User code (a package.module verifier or environment): each call's time limit, and what a
-  # raise, hang, wrong type or NaN does: stop | zero (scored 0, counted: `user_code_errors`).
-  # A user verifier runs in this many worker processes, each limited to this address space
-  # (0: none; a function that imports torch or jax needs more than the default).
-  user_code_timeout_s: float = 60.0
-  on_user_code_error: str = "stop"
-  user_code_workers: int = 2
-  user_code_memory_gb: float = 4.0
-
-  def __post_init__(self):
-    for name, options in [("mode", MODES), ("advantage", ADVANTAGES), ("reward", REWARDS),
-                          ("policy_loss", POLICY_LOSSES), ("kl_estimator", KL_ESTIMATORS),
-                          ("kl_mode", KL_MODES), ("loss_aggregation", AGGREGATIONS),
-                          ("rollout_mask", ROLLOUT_MASKS),
-                          ("async_schedule", SCHEDULES),
-                          ("on_user_code_error", USER_CODE_POLICIES)]:
-      choice(self, name, options)
-    positive(self, "prompts_per_step", "group_size", "num_minibatches", "temperature",
-              "aipo_rho", "max_grad_norm", "max_new_tokens", "learning_rate",
-              "critic_learning_rate", "clip_eps_low", "clip_eps_high", "value_clip_eps",
-              "user_code_timeout_s", "user_code_workers")
-    if ":" not in self.verifier:
-      choice(self, "verifier", VERIFIERS)
-    at_least_zero(self, "steps", "max_staleness", "warmup_steps", "top_k", "tis_cap", "kl_coef",
-                   "inflight_slots", "micro_batch_size", "length_buckets", "rollout_mask_low",
-                   "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty",
-                   "user_code_memory_gb", "max_turn_tokens", "pack_length")
-    positive(self, "rollout_mask_high", "max_turns")
-    for low, high in [("rollout_mask_low", "rollout_mask_high"),
-                      ("overlong_buffer", "max_new_tokens")]:
-      if getattr(self, low) > getattr(self, high):
-        raise ValueError(f"{low}: at most {high} ({getattr(self, high)}), got {getattr(self, low)}")
-    if self.dynamic_sampling and self.reward != "verifier":
-      raise ValueError("dynamic_sampling: needs reward='verifier' (groups of equal verified "
-                       f"rewards are dropped), got reward={self.reward!r}")
-    self._check_async()
-    unit(self, "gamma", "lam")
-    if self.clip_eps_low > 1:  # (1: no lower clip, as CISPO runs)
-      raise ValueError(f"clip_eps_low: the ratio's lower bound 1 - clip_eps_low cannot be "
-                       f"negative, expected <= 1, got {self.clip_eps_low}")
-    minibatch = self.rollouts // self.num_minibatches
-    if self.micro_batch_size and minibatch % self.micro_batch_size:
-      raise ValueError(f"micro_batch_size: must divide a minibatch's {minibatch} rows "
-                       f"(prompts_per_step*group_size/num_minibatches), got {self.micro_batch_size}")
-    if self.advantage == "reinforce_pp" and self.kl_mode != "reward":
-      raise ValueError(f"kl_mode: reinforce_pp folds the KL into the rewards; expected 'reward', "
-                       f"got {self.kl_mode!r}")
-
-  def _check_async(self) -> None:
-    if self.partial_rollouts and self.mode != "async":
-      raise ValueError(f"partial_rollouts: needs mode='async', got mode={self.mode!r}")
-    if self.partial_rollouts and not self.inflight_slots:
-      raise ValueError("partial_rollouts: rows continue across weight swaps in in-flight slots; "
-                       "set inflight_slots > 0")
-    if self.async_schedule == "fixed" and self.dynamic_sampling:
-      raise ValueError("async_schedule: 'fixed' ties batch i to version i - max_staleness, one "
-                       "batch per step; dynamic_sampling takes several, use 'free'")
-
-  @property
-  def rollouts(self) -> int:
-    return self.prompts_per_step * self.group_size
-
-  @property
-  def pass_rows(self) -> int:
-    """Rows an update or scoring pass holds at a time: a micro-batch, or else a minibatch."""
-    return self.micro_batch_size or self.rollouts // self.num_minibatches
-
-  @property
-  def needs_old_logprobs(self) -> bool:
-    """Whether a step needs the trainer's log-probs before its update as a separate pass.
-    With one minibatch the update starts from exactly those weights, so they are its own
-    log-probs, detached (as TRL and verl do); a KL folded into the rewards needs them first."""
-    return self.num_minibatches > 1 or self.kl_mode == "reward"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,14 +46,14 @@ unit = lambda obj, *names: check(obj, names, lambda v: 0 <= v <= 1, "in [0, 1]")
 def sections_agree(cfg) -> None:
   """The checks across an ExperimentConfig's sections (placement and RL mode, reward and
   reward model, LoRA and the model's MLP)."""
-  if cfg.rl.mode == "async" and cfg.placement.strategy not in ("separate", "plan"):
+  if cfg.rl.schedule.mode == "async" and cfg.placement.strategy not in ("separate", "plan"):
     raise ValueError(
-        f"rl.mode: async needs the sampler on devices of its own "
+        f"rl.schedule.mode: async needs the sampler on devices of its own "
         f"(placement.strategy='separate'); with {cfg.placement.strategy!r} generation and "
         f"training share devices and cannot overlap, use mode='sync'")
-  if cfg.placement.offload and cfg.rl.mode == "async":
+  if cfg.placement.offload and cfg.rl.schedule.mode == "async":
     raise ValueError("placement.offload: offloads between the phases of a sync step; with "
-                     "rl.mode='async' generation and training overlap, set offload=''")
+                     "rl.schedule.mode='async' generation and training overlap, set offload=''")
   if cfg.rl.reward == "reward_model" and cfg.reward_model.steps <= 0:
     raise ValueError("reward_model.steps: rl.reward='reward_model' needs a trained reward "
                      f"model, expected > 0, got {cfg.reward_model.steps}")
@@ -61,6 +61,6 @@ def sections_agree(cfg) -> None:
       {"w_gate", "w_up", "w_down"} & set(cfg.lora.target_names)):
     raise ValueError(f"lora.targets: {','.join(mlp)} adapt a dense MLP; a mixture of experts' "
                      "experts take no adapters (target wq,wk,wv,wo)")
-  if cfg.model.routing_replay != "off" and cfg.rl.environment:
-    raise ValueError("model.routing_replay: multi-turn rollouts (rl.environment) do not record "
+  if cfg.model.routing_replay != "off" and cfg.rl.environment.name:
+    raise ValueError("model.routing_replay: multi-turn rollouts (rl.environment.name) do not record "
                      "their experts yet, expected 'off' with them")

@@ -2,8 +2,9 @@
 
 An experiment is an `ExperimentConfig`, or anything that resolves to one: the ConfigDict of a
 `configs/NAME.py` file, a plain (nested) mapping such as a run's config.json, or gin bindings.
-For gin, every section is a configurable of its own name (`rl.steps = 5`, `model.d_model = 64`)
-and the top-level fields belong to `experiment` (`experiment.seed = 1`); bindings apply on top of
+For gin, every section is a configurable of its own dotted name (`rl.steps = 5`,
+`rl.loss.name = "cispo"`, `model.d_model = 64`) and the top-level fields belong to `experiment`
+(`experiment.seed = 1`); bindings apply on top of
 a base config (the schema's defaults unless a config file is given too) and the result goes
 through the same checks as an ml_collections config, so `--gin_param=rl.steps=5` and
 `--config.rl.steps=5` resolve to the same config.
@@ -22,14 +23,55 @@ import gin
 
 from jaxrl.config import ConfigError, ExperimentConfig, first_line, to_dict
 from jaxrl.config_checks import unknown_field
+from jaxrl.config_rl import RLConfig
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.hf_config import HFError, check_config, model_config_from_hf
 
 TOP_LEVEL = "experiment"
 _registered = False
 
-SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(ExperimentConfig)
-            if f.default_factory is not dataclasses.MISSING}
+
+def _sections(cls, prefix: str = "") -> dict[str, type]:
+  """Dotted section name -> its dataclass, for `cls`'s sections and theirs ("rl.loss")."""
+  out = {}
+  for f in dataclasses.fields(cls):
+    if f.default_factory is not dataclasses.MISSING:
+      out[prefix + f.name] = f.default_factory
+      out.update(_sections(f.default_factory, f"{prefix}{f.name}."))
+  return out
+
+
+SECTIONS = _sections(ExperimentConfig)
+# config.json's `rl` fields before the RL settings were split by concern (issue 53): old name ->
+# (section, field). Read so that older run dirs still resume, evaluate and export.
+OLD_RL_FIELDS = {
+    "mode": ("schedule", "mode"), "max_staleness": ("schedule", "max_staleness"),
+    "partial_rollouts": ("schedule", "partial_rollouts"), "async_schedule": ("schedule", "name"),
+    "num_minibatches": ("batching", "num_minibatches"),
+    "micro_batch_size": ("batching", "micro_batch_size"),
+    "length_buckets": ("batching", "length_buckets"), "pack_length": ("batching", "pack_length"),
+    "advantage": ("advantage", "name"), "gamma": ("advantage", "gamma"),
+    "lam": ("advantage", "lam"), "whiten_advantages": ("advantage", "whiten"),
+    "policy_loss": ("loss", "name"), "loss_aggregation": ("loss", "aggregation"),
+    "clip_eps_low": ("loss", "eps_low"), "clip_eps_high": ("loss", "eps_high"),
+    "aipo_rho": ("loss", "rho"), "entropy_coef": ("loss", "entropy_coef"),
+    "kl_coef": ("kl", "coef"), "kl_estimator": ("kl", "estimator"), "kl_mode": ("kl", "mode"),
+    "tis_cap": ("correction", "tis_cap"), "rollout_mask": ("correction", "mask"),
+    "rollout_mask_low": ("correction", "mask_low"),
+    "rollout_mask_high": ("correction", "mask_high"),
+    "critic_learning_rate": ("critic", "learning_rate"), "value_clip_eps": ("critic", "clip_eps"),
+    **{name: ("dapo", name) for name in ("dynamic_sampling", "dynamic_sampling_rounds",
+                                         "overlong_filter", "overlong_buffer",
+                                         "overlong_penalty")},
+    **{name: ("rollout", name) for name in ("max_new_tokens", "temperature", "top_k",
+                                            "ignore_eos", "inflight_slots")},
+    "environment": ("environment", "name"),
+    **{name: ("environment", name) for name in ("max_turns", "max_turn_tokens",
+                                                "keep_turn_cache")},
+    "user_code_timeout_s": ("user_code", "timeout_s"),
+    "on_user_code_error": ("user_code", "on_error"),
+    "user_code_workers": ("user_code", "workers"), "user_code_memory_gb": ("user_code", "memory_gb"),
+}
 
 
 def _check_type(path: str, value: Any, typ: Any) -> Any:
@@ -59,10 +101,25 @@ def _family_of_flags(values: Mapping[str, Any], path: str) -> dict:
   return values
 
 
+def _rl_by_concern(values: Mapping[str, Any]) -> dict:
+  """An `rl` section written before its settings were split by concern (a run's config.json
+  from before issue 53: flat fields, `OLD_RL_FIELDS`), nested into today's sections."""
+  out: dict = {}
+  for name, value in values.items():
+    if name in OLD_RL_FIELDS and not isinstance(value, Mapping):
+      section, field = OLD_RL_FIELDS[name]
+      out.setdefault(section, {})[field] = value
+    else:
+      out[name] = value
+  return out
+
+
 def from_mapping(cls: type, values: Mapping[str, Any], path: str = "config"):
   """Builds dataclass `cls` from a (nested) mapping, naming the first bad field in the error."""
   if cls is ModelConfig and ("qkv_bias" in values or "qk_norm" in values):
     values = _family_of_flags(values, path)
+  if cls is RLConfig:
+    values = _rl_by_concern(values)
   hints = typing.get_type_hints(cls)
   fields = {f.name for f in dataclasses.fields(cls)}
   kwargs = {}
@@ -138,10 +195,14 @@ def gin_overrides(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> di
   except (ValueError, SyntaxError, OSError, KeyError) as e:
     raise ConfigError(f"gin: {first_line(e)}") from None
   out = dict(gin.get_bindings(f"jaxrl.{TOP_LEVEL}"))
-  for name in SECTIONS:
+  for name in SECTIONS:  # (sections before their own sections: "rl" before "rl.loss")
     fields = gin.get_bindings(f"jaxrl.{name}")
     if fields:
-      out[name] = dict(fields)
+      *parents, last = name.split(".")
+      node = out
+      for parent in parents:
+        node = node.setdefault(parent, {})
+      node.setdefault(last, {}).update(fields)
   gin.clear_config()
   return out
 

@@ -1,4 +1,4 @@
-"""The async generator's schedule (`rl.async_schedule`), written once for both workers
+"""The async generator's schedule (`rl.schedule.name`), written once for both workers
 (train/rollout/worker.py: whole batches; partial.py: partial rollouts): when batch i may start,
 which weights it starts with, whether new weights replace old ones mid-batch, and when a push
 may land.
@@ -24,6 +24,8 @@ class Schedule:
   # Partial rollouts: new weights reach the rows in flight between decode segments (else only
   # as a batch opens)
   swaps_between_segments = False
+  # The trainer takes one batch a step (DAPO's dynamic sampling, which takes several, cannot run)
+  one_batch_per_step = False
 
   def __init__(self, max_staleness: int):
     if max_staleness < 0:
@@ -62,6 +64,7 @@ class Free(Schedule):
 
 
 class Fixed(Schedule):
+  one_batch_per_step = True  # batch i belongs to step i: its version is i - max_staleness
 
   def version_for(self, index: int) -> int:
     return max(0, index - self.max_staleness)

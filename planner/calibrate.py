@@ -75,8 +75,8 @@ def preset_plan(cfg: ExperimentConfig, n_devices: int, dev: DeviceSpec) -> Plan:
   ns = n_devices - k if pl.strategy == "separate" else k
   sampler = Mesh(data=ns // cfg.sampler_tensor, tensor=cfg.sampler_tensor)
   scorer = Mesh(fsdp=(n_devices - k) // 2) if pl.strategy == "interleave" else trainer
-  return Plan(pl.strategy, trainer, sampler, scorer, rl.mode, rl.micro_batch_size,
-              cfg.model.remat, staleness=rl.max_staleness)
+  return Plan(pl.strategy, trainer, sampler, scorer, rl.schedule.mode, rl.batching.micro_batch_size,
+              cfg.model.remat, staleness=rl.schedule.max_staleness)
 
 
 def predict(sample: Sample, dev: DeviceSpec, eff: Efficiency) -> float:
@@ -137,7 +137,7 @@ def samples_from_run(run_dir: str, dev: DeviceSpec, n_devices: int | None = None
   steps = _mean_after([r["step_time"] for r in rows if "step_time" in r], skip)
   if steps is not None:
     out.append(Sample(workload, plan, "step", steps, n))
-  if cfg.rl.mode == "async":
+  if cfg.rl.schedule.mode == "async":
     return out
   with open(os.path.join(run_dir, "trace.json"), encoding="utf-8") as f:
     events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]

@@ -55,7 +55,7 @@ class Workload:
   critic: bool = False
   reward_model: bool = False
   mean_new_tokens: float = 0.0  # mean response length; 0: every row runs to the budget
-  inflight: bool = False  # generation refills finished rows' slots (rl.inflight_slots)
+  inflight: bool = False  # generation refills finished rows' slots (rl.rollout.inflight_slots)
   packed: bool = False  # passes over prompt + response tokens only (jaxrl pads to the budget)
   paged: bool = False  # KV cache by the token (vLLM's pages): a row holds its mean length, not
   #                      its budget, as jaxrl's slots do
@@ -67,11 +67,11 @@ class Workload:
   def from_config(cls, cfg: ExperimentConfig) -> Workload:
     rl = cfg.rl
     return cls(model=cfg.model, prompts=rl.prompts_per_step, group_size=rl.group_size,
-               prompt_len=cfg.data.max_prompt_tokens, new_tokens=rl.max_new_tokens,
-               num_minibatches=rl.num_minibatches, micro_batch_size=rl.micro_batch_size,
-               old_pass=rl.needs_old_logprobs, reference=rl.kl_coef > 0,
-               critic=rl.advantage == "gae", reward_model=rl.reward == "reward_model",
-               inflight=rl.inflight_slots > 0,
+               prompt_len=cfg.data.max_prompt_tokens, new_tokens=rl.rollout.max_new_tokens,
+               num_minibatches=rl.batching.num_minibatches, micro_batch_size=rl.batching.micro_batch_size,
+               old_pass=rl.needs_old_logprobs, reference=rl.kl.coef > 0,
+               critic=rl.trains_critic, reward_model=rl.reward == "reward_model",
+               inflight=rl.rollout.inflight_slots > 0,
                flash_attention=footprint.flash_attention(cfg.model),
                lora_params=lora_params(cfg))
 
@@ -169,7 +169,7 @@ class Plan:
   mode: str = "sync"
   micro_batch_size: int = 0
   remat: str = "none"  # none | dots | full: what the update recomputes (model.remat)
-  staleness: int = 1  # async: versions a batch may lag (rl.max_staleness); 0 overlaps nothing
+  staleness: int = 1  # async: versions a batch may lag (rl.schedule.max_staleness); 0 overlaps nothing
   offload: bool = False  # placement.offload="all": idle state in pinned host memory (sync)
 
   def describe(self) -> str:

@@ -61,10 +61,10 @@ def choose(cfg: ExperimentConfig, devices, hosts: int = 1) -> tuple[ExperimentCo
   plan."""
   cal = calibration_for(cfg, devices[0], len(devices) // hosts)
   workload = Workload.from_config(cfg)
-  ranked = search(workload, len(devices), cal.device, cal.efficiency, modes=(cfg.rl.mode,),
-                  top=None, staleness=cfg.rl.max_staleness)
-  if cfg.rl.micro_batch_size:
-    ranked = [r for r in ranked if r.plan.micro_batch_size == cfg.rl.micro_batch_size]
+  ranked = search(workload, len(devices), cal.device, cal.efficiency, modes=(cfg.rl.schedule.mode,),
+                  top=None, staleness=cfg.rl.schedule.max_staleness)
+  if cfg.rl.batching.micro_batch_size:
+    ranked = [r for r in ranked if r.plan.micro_batch_size == cfg.rl.batching.micro_batch_size]
   if cfg.model.remat != "none":
     ranked = [r for r in ranked if r.plan.remat == cfg.model.remat]
   if not ranked:
@@ -84,6 +84,7 @@ def applied(cfg: ExperimentConfig, plan: Plan) -> ExperimentConfig:
                                   else cfg.placement.train_devices,
                                   sampler_tensor=plan.sampler.tensor,
                                   offload="all" if plan.offload else cfg.placement.offload)
-  rl = dataclasses.replace(cfg.rl, micro_batch_size=plan.micro_batch_size)
+  rl = dataclasses.replace(cfg.rl, batching=dataclasses.replace(
+      cfg.rl.batching, micro_batch_size=plan.micro_batch_size))
   model = dataclasses.replace(cfg.model, remat=plan.remat)
   return dataclasses.replace(cfg, placement=placement, rl=rl, model=model)

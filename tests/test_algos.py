@@ -50,14 +50,14 @@ def test_ppo_clip_loss_matches_numpy():
   old = logp + rng.normal(size=(6, 5)) * 0.3
   adv = rng.normal(size=6)
   got = ppo_clip_loss(jnp.asarray(logp), jnp.asarray(adv)[:, None], old_BN=jnp.asarray(old),
-                      eps_low=0.2, eps_high=0.28)
+                      eps_low=0.2, eps_high=0.28)[0]
   np.testing.assert_allclose(got, np_ppo(logp, old, adv, 0.2, 0.28), rtol=1e-5)
 
 
 def test_ppo_clip_blocks_gradient_outside_trust_region():
   old = jnp.zeros((1, 1))
   adv = jnp.ones((1, 1))
-  grad = jax.grad(lambda lp: ppo_clip_loss(lp, adv, old_BN=old, eps_low=0.2, eps_high=0.2).sum())
+  grad = jax.grad(lambda lp: ppo_clip_loss(lp, adv, old_BN=old, eps_low=0.2, eps_high=0.2)[0].sum())
   assert grad(jnp.full((1, 1), 0.5))[0, 0] == 0.0  # ratio e^0.5 > 1.2 with A > 0: clipped
   assert grad(jnp.full((1, 1), 0.05))[0, 0] < 0.0  # inside: pushes logp up
 
@@ -87,8 +87,8 @@ def test_dr_grpo_and_rloo_match_numpy(group_size):
   rng = np.random.default_rng(group_size)
   r = rng.normal(size=16).astype(np.float32)
   mask = np.ones((16, 2), np.float32)
-  dr = np.asarray(ADVANTAGES["dr_grpo"](jnp.asarray(r), jnp.asarray(mask), group_size=group_size))
-  loo = np.asarray(ADVANTAGES["rloo"](jnp.asarray(r), jnp.asarray(mask), group_size=group_size))
+  dr = np.asarray(ADVANTAGES["dr_grpo"](jnp.asarray(r), jnp.asarray(mask), {"group_size": group_size}))
+  loo = np.asarray(ADVANTAGES["rloo"](jnp.asarray(r), jnp.asarray(mask), {"group_size": group_size}))
   for g in range(16 // group_size):
     rg = r[g * group_size:(g + 1) * group_size].astype(np.float64)
     np.testing.assert_allclose(dr[g * group_size:(g + 1) * group_size, 0], rg - rg.mean(), atol=1e-5)
@@ -153,11 +153,11 @@ def test_aipo_gradient_truncation_and_on_policy_limit():
   mu = logp + jnp.asarray(rng.normal(size=(3, 4)) * 2.0)
   adv = jnp.asarray(rng.normal(size=(3, 4)))
   rho = 2.0
-  grad = jax.grad(lambda lp: aipo_loss(lp, adv, mu_BN=mu, rho=rho).sum())(logp)
+  grad = jax.grad(lambda lp: aipo_loss(lp, adv, mu_BN=mu, rho=rho)[0].sum())(logp)
   weight = np.minimum(np.exp(np.asarray(logp - mu)), rho)
   np.testing.assert_allclose(grad, -weight * np.asarray(adv), rtol=1e-5)  # d/dlogp, w held fixed
   assert weight.max() <= rho and (weight == rho).any()  # truncated at rho
-  on_policy = jax.grad(lambda lp: aipo_loss(lp, adv, mu_BN=lp, rho=rho).sum())(logp)
+  on_policy = jax.grad(lambda lp: aipo_loss(lp, adv, mu_BN=lp, rho=rho)[0].sum())(logp)
   np.testing.assert_allclose(on_policy, -np.asarray(adv), rtol=1e-6)  # REINFORCE when pi == mu
 
 

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl.config_rl import BatchingConfig, DAPOConfig, RLConfig, RolloutConfig
 from jaxrl.algos.advantages import informative_groups, overlong_penalty
 from jaxrl.algos.correction import mismatch, rollout_weights
 from jaxrl.algos.losses import cispo_loss, decoupled_ppo_loss, gspo_loss, ppo_clip_loss
@@ -32,14 +33,14 @@ def np_gspo(logp, old, adv, mask, lo, hi):
 
 def test_gspo_matches_numpy_and_clips_whole_sequences():
   got = gspo_loss(jnp.asarray(LOGP), jnp.asarray(ADV), old_BN=jnp.asarray(OLD),
-                  mask_BN=jnp.asarray(MASK), eps_low=0.05, eps_high=0.1)
+                  mask_BN=jnp.asarray(MASK), eps_low=0.05, eps_high=0.1)[0]
   np.testing.assert_allclose(got, np_gspo(LOGP, OLD, ADV, MASK, 0.05, 0.1), rtol=1e-5, atol=1e-7)
   # The gradient of a sequence's mean loss reaches every token equally (1 / |y| of s * A), and
   # none once the sequence ratio leaves the band on the side that the advantage pushes.
   logp, old = jnp.zeros((1, 4)), jnp.zeros((1, 4))
   adv, mask = jnp.ones((1, 4)), jnp.ones((1, 4), bool)
   seq_mean = lambda lp: gspo_loss(lp, adv, old_BN=old, mask_BN=mask, eps_low=0.2,
-                                  eps_high=0.2).mean()
+                                  eps_high=0.2)[0].mean()
   np.testing.assert_allclose(jax.grad(seq_mean)(logp), np.full((1, 4), -1 / 4), rtol=1e-6)
   assert not jax.grad(seq_mean)(jnp.full((1, 4), 0.19)).any()  # s = e^0.19 > 1.2, A > 0
   assert jax.grad(seq_mean)(jnp.full((1, 4), 0.18)).all()  # s = e^0.18 < 1.2: inside
@@ -48,39 +49,39 @@ def test_gspo_matches_numpy_and_clips_whole_sequences():
 def test_gspo_at_the_clip_edge_and_on_policy_equals_the_sequence_advantage():
   adv, mask = jnp.asarray([[2.0, 2.0]]), jnp.ones((1, 2), bool)
   edge = jnp.full((1, 2), np.log(1.2))  # s exactly 1 + eps_high
-  got = gspo_loss(edge, adv, old_BN=jnp.zeros((1, 2)), mask_BN=mask, eps_low=0.2, eps_high=0.2)
+  got = gspo_loss(edge, adv, old_BN=jnp.zeros((1, 2)), mask_BN=mask, eps_low=0.2, eps_high=0.2)[0]
   np.testing.assert_allclose(got, [[-2.4, -2.4]], rtol=1e-6)
   on = gspo_loss(jnp.zeros((1, 2)), adv, old_BN=jnp.zeros((1, 2)), mask_BN=mask, eps_low=0.2,
-                 eps_high=0.2)
+                 eps_high=0.2)[0]
   np.testing.assert_allclose(on, [[-2.0, -2.0]])
 
 
 def test_cispo_keeps_every_tokens_gradient_with_a_clipped_weight():
   lo, hi = 0.1, 0.28
   got = cispo_loss(jnp.asarray(LOGP), jnp.asarray(ADV), old_BN=jnp.asarray(OLD), eps_low=lo,
-                   eps_high=hi)
+                   eps_high=hi)[0]
   w = np.clip(np.exp(LOGP - OLD), 1 - lo, 1 + hi)
   np.testing.assert_allclose(got, -w * ADV * LOGP, rtol=1e-5)
   grad = jax.grad(lambda lp: cispo_loss(lp, jnp.asarray(ADV), old_BN=jnp.asarray(OLD),
-                                        eps_low=lo, eps_high=hi).sum())(jnp.asarray(LOGP))
+                                        eps_low=lo, eps_high=hi)[0].sum())(jnp.asarray(LOGP))
   np.testing.assert_allclose(grad, -w * ADV, rtol=1e-5)  # the weight is a constant
   assert (np.asarray(grad) != 0).all()  # no token loses its gradient, clipped or not
   assert (w == 1 + hi).any() and (w == 1 - lo).any()  # both edges were hit
   # PPO's clip zeroes the gradient of the tokens CISPO keeps
   ppo = jax.grad(lambda lp: ppo_clip_loss(lp, jnp.asarray(ADV), old_BN=jnp.asarray(OLD),
-                                          eps_low=lo, eps_high=hi).sum())(jnp.asarray(LOGP))
+                                          eps_low=lo, eps_high=hi)[0].sum())(jnp.asarray(LOGP))
   assert (np.asarray(ppo) == 0).any()
 
 
 def test_decoupled_ppo_is_the_behaviour_weight_times_ppo_around_the_proximal_policy():
   got = decoupled_ppo_loss(jnp.asarray(LOGP), jnp.asarray(ADV), old_BN=jnp.asarray(OLD),
-                           mu_BN=jnp.asarray(MU), eps_low=0.2, eps_high=0.2)
+                           mu_BN=jnp.asarray(MU), eps_low=0.2, eps_high=0.2)[0]
   ratio = np.exp(LOGP - OLD)
   ppo = -np.minimum(ratio * ADV, np.clip(ratio, 0.8, 1.2) * ADV)
   np.testing.assert_allclose(got, np.exp(OLD - MU) * ppo, rtol=1e-5)
   # behaviour == proximal: plain PPO
   same = decoupled_ppo_loss(jnp.asarray(LOGP), jnp.asarray(ADV), old_BN=jnp.asarray(OLD),
-                            mu_BN=jnp.asarray(OLD), eps_low=0.2, eps_high=0.2)
+                            mu_BN=jnp.asarray(OLD), eps_low=0.2, eps_high=0.2)[0]
   np.testing.assert_allclose(same, ppo, rtol=1e-5)
 
 
@@ -107,7 +108,7 @@ def np_weights(old, mu, mask, mode, low, high, cap):
 def test_rollout_weights_match_numpy(mode, cap):
   low, high = (0.5, 1.3) if mode == "sequence" else (0.9, 1.1)  # each cuts this data somewhere
   got_w, got_kept = rollout_weights(jnp.asarray(OLD), jnp.asarray(MU), jnp.asarray(MASK),
-                                    mask=mode, low=low, high=high, tis_cap=cap)
+                                    mask=mode, mask_low=low, mask_high=high, tis_cap=cap)
   want_w, want_kept = np_weights(OLD, MU, MASK, mode, low, high, cap)
   np.testing.assert_array_equal(got_kept, want_kept)
   np.testing.assert_allclose(got_w, want_w, rtol=1e-5)
@@ -121,14 +122,14 @@ def test_rollout_masks_hand_computed():
   old = jnp.asarray([[0.5, -0.5, 0.0], [0.1, 0.1, 0.0]])
   mu = jnp.zeros((2, 3))
   mask = jnp.asarray([[True, True, True], [True, True, False]])
-  band = dict(low=0.8, high=1.25)
+  band = dict(mask_low=0.8, mask_high=1.25)
   _, kept = rollout_weights(old, mu, mask, mask="token", **band)
   np.testing.assert_array_equal(kept, [[False, False, True], [True, True, False]])
   _, kept = rollout_weights(old, mu, mask, mask="sequence", **band)  # e^0 and e^0.2 (> 1.25? no)
   np.testing.assert_array_equal(kept, [[True, True, True], [True, True, False]])
-  _, kept = rollout_weights(old, mu, mask, mask="sequence", low=0.8, high=1.2)  # e^0.2 > 1.2
+  _, kept = rollout_weights(old, mu, mask, mask="sequence", mask_low=0.8, mask_high=1.2)  # e^0.2 > 1.2
   np.testing.assert_array_equal(kept, [[True, True, True], [False, False, False]])
-  _, kept = rollout_weights(old, mu, mask, mask="geometric", low=0.8, high=1.2)  # e^0.1 inside
+  _, kept = rollout_weights(old, mu, mask, mask="geometric", mask_low=0.8, mask_high=1.2)  # e^0.1 inside
   np.testing.assert_array_equal(kept, [[True, True, True], [True, True, False]])
   w, _ = rollout_weights(old, mu, mask, mask="icepop", **band)
   np.testing.assert_allclose(w, [[0, 0, 1], [np.exp(0.1), np.exp(0.1), 0]], rtol=1e-6)
@@ -152,14 +153,14 @@ def test_decoupled_ppo_weight_is_capped_and_masked_never_squared(mode, cap):
   old = jnp.asarray([[0.5, -0.5, 0.0], [0.1, 0.1, 0.0]])
   mu, mask = jnp.zeros((2, 3)), jnp.asarray([[True, True, True], [True, True, False]])
   logp, adv = old + 0.05, jnp.asarray([[1.0, -2.0, 0.5], [1.5, 1.0, 0.0]])
-  band = dict(mask=mode, low=0.8, high=1.25, tis_cap=cap)
+  band = dict(mask=mode, mask_low=0.8, mask_high=1.25, tis_cap=cap)
   loss = POLICY_LOSSES["decoupled_ppo"]
   weight, _ = rollout_weights(old, mu, mask, in_loss=loss.behaviour_weighted, **band)
-  got = loss(logp, adv, {"old_BN": old, "mu_BN": mu, "eps_low": 0.2, "eps_high": 0.2}) * weight
+  got = loss(logp, adv, {"old_BN": old, "mu_BN": mu, "eps_low": 0.2, "eps_high": 0.2})[0] * weight
   want_weight, _ = rollout_weights(old, mu, mask, **band)  # min(r, cap) where kept
   if mode == "token":  # a mask alone carries no ratio: the loss's own r stays
     want_weight = want_weight * jnp.exp(old - mu)
-  want = ppo_clip_loss(logp, adv, old_BN=old, eps_low=0.2, eps_high=0.2) * want_weight
+  want = ppo_clip_loss(logp, adv, old_BN=old, eps_low=0.2, eps_high=0.2)[0] * want_weight
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
@@ -191,11 +192,9 @@ def test_informative_groups():
 
 
 def test_make_experience_applies_dapos_overlong_penalty_and_filter():
-  from jaxrl.config import RLConfig
   from sampler.engine import Rollout
   from train.rl.experience import make_experience
-  cfg = RLConfig(prompts_per_step=2, group_size=2, num_minibatches=1, max_new_tokens=4,
-                 overlong_filter=True, overlong_buffer=2, overlong_penalty=1.0)
+  cfg = RLConfig(prompts_per_step=2, group_size=2, batching=BatchingConfig(num_minibatches=1), rollout=RolloutConfig(max_new_tokens=4), dapo=DAPOConfig(overlong_filter=True, overlong_buffer=2, overlong_penalty=1.0))
   mask = jnp.asarray([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]], bool)
   rollout = Rollout(tokens_BT=jnp.zeros((4, 6), jnp.int32),
                     valid_BT=jnp.concatenate([jnp.ones((4, 2), bool), mask], 1),

@@ -1,5 +1,5 @@
 """The GPU benchmark's workloads at their reduced CPU size, and the fixed-length rollouts
-(`rl.ignore_eos`) they rely on."""
+(`rl.rollout.ignore_eos`) they rely on."""
 import json
 import os
 import subprocess
@@ -39,7 +39,7 @@ def test_accelerator_check_runs_the_qwen_workload_at_reduced_size():
   for name in MATMUL_STAGES:
     assert 0 < result["stages"][name]["flops_utilization"] <= 1, name
   assert 0 < result["flops_utilization"] <= 1
-  assert result["response_len"] == 16  # forced to the budget (rl.ignore_eos)
+  assert result["response_len"] == 16  # forced to the budget (rl.rollout.ignore_eos)
   assert result["decode"]["tokens_per_s"] > 0 and result["decode"]["roofline_fraction"] > 0
   assert result["compile_s"] >= 0 and result["peak_memory_bytes"] > 0
 

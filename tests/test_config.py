@@ -41,9 +41,9 @@ def test_gin_twin_resolves_to_the_same_config(gin_file):
 
 def test_gin_and_ml_collections_command_lines_agree():
   gin_line = ["x", f"--gin_file={ROOT}/configs/tiny.gin", "--gin_param=rl.steps=5",
-              "--gin_param=experiment.seed=3", "--gin_param=rl.mode='async'"]
+              "--gin_param=experiment.seed=3", "--gin_param=rl.schedule.mode='async'"]
   ml_line = ["x", f"--config={ROOT}/configs/tiny.py", "--config.rl.steps=5", "--config.seed=3",
-             "--config.rl.mode=async"]
+             "--config.rl.schedule.mode=async"]
   resolved = []
   for argv in (gin_line, ml_line):
     raw, files, params, resume = parse_args(argv)
@@ -69,35 +69,35 @@ def test_bad_gin_bindings_are_named(binding, message):
     ({"rl__steps": 2.5}, "config.rl.steps: expected int"),
     ({"sft__learning_rate": True}, "config.sft.learning_rate: expected float"),
     ({"task__name": "chess"}, "config.task.name: expected one of"),
-    ({"rl__advantage": "ppo2"}, "config.rl.advantage: expected one of"),
+    ({"rl__advantage__name": "ppo2"}, "config.rl.advantage.name: expected one of"),
     ({"model__dtype": "fp8"}, "config.model.dtype: expected one of"),
     ({"rl__group_size": 0}, "config.rl.group_size: expected > 0"),
     ({"model": 3}, "config.model: expected a section"),
     ({"model__n_kv_heads": 3}, "config.model.n_heads: 4 must be a multiple of n_kv_heads=3"),
     ({"task__teacher_error": 1.5}, "config.task.teacher_error: expected in [0, 1]"),
-    ({"rl__advantage": "reinforce_pp"}, "config.rl.kl_mode: reinforce_pp folds the KL"),
+    ({"rl__advantage__name": "reinforce_pp"}, "config.rl.kl.mode: reinforce_pp folds the KL"),
     ({"rl__reward": "human"}, "config.rl.reward: expected one of"),
-    ({"rl__policy_loss": "ppo2"}, "config.rl.policy_loss: expected one of"),
-    ({"rl__rollout_mask": "band"}, "config.rl.rollout_mask: expected one of"),
-    ({"rl__rollout_mask_low": 3.0}, "config.rl.rollout_mask_low: at most rollout_mask_high (2.0)"),
-    ({"rl__overlong_buffer": 9}, "config.rl.overlong_buffer: at most max_new_tokens (8), got 9"),
-    ({"rl__dynamic_sampling": True, "rl__reward": "reward_model", "reward_model__steps": 5},
-     "config.rl.dynamic_sampling: needs reward='verifier'"),
-    ({"rl__partial_rollouts": True}, "config.rl.partial_rollouts: needs mode='async'"),
-    ({"rl__partial_rollouts": True, "rl__mode": "async"},
-     "config.rl.partial_rollouts: rows continue across weight swaps in in-flight slots; set "
-     "inflight_slots > 0"),
-    ({"rl__async_schedule": "fixed", "rl__dynamic_sampling": True},
-     "config.rl.async_schedule: 'fixed' ties batch i to version i - max_staleness"),
-    ({"rl__async_schedule": "exact"}, "config.rl.async_schedule: expected one of ['fixed', 'free']"),
-    ({"rl__lam": 1.5}, "config.rl.lam: expected in [0, 1]"),
+    ({"rl__loss__name": "ppo2"}, "config.rl.loss.name: expected one of"),
+    ({"rl__correction__mask": "band"}, "config.rl.correction.mask: expected one of"),
+    ({"rl__correction__mask_low": 3.0}, "config.rl.correction.mask_low: at most mask_high (2.0)"),
+    ({"rl__dapo__overlong_buffer": 9}, "config.rl.dapo.overlong_buffer: at most rollout.max_new_tokens (8), got 9"),
+    ({"rl__dapo__dynamic_sampling": True, "rl__reward": "reward_model", "reward_model__steps": 5},
+     "config.rl.dapo.dynamic_sampling: needs reward='verifier'"),
+    ({"rl__schedule__partial_rollouts": True}, "config.rl.schedule.partial_rollouts: needs mode='async'"),
+    ({"rl__schedule__partial_rollouts": True, "rl__schedule__mode": "async"},
+     "config.rl.schedule.partial_rollouts: rows continue across weight swaps in in-flight slots; "
+     "set rollout.inflight_slots > 0"),
+    ({"rl__schedule__name": "fixed", "rl__dapo__dynamic_sampling": True},
+     "config.rl.schedule.name: 'fixed' ties batch i to version i - max_staleness"),
+    ({"rl__schedule__name": "exact"}, "config.rl.schedule.name: expected one of ['fixed', 'free']"),
+    ({"rl__advantage__lam": 1.5}, "config.rl.advantage.lam: expected in [0, 1]"),
     ({"rl__reward": "reward_model", "reward_model__steps": 0}, "config.reward_model.steps"),
     ({"dpo__beta": 0.0}, "config.dpo.beta: expected > 0"),
-    ({"rl__mode": "async", "placement__strategy": "colocate"},
-     "config.rl.mode: async needs the sampler on devices of its own"),
-    ({"rl__mode": "async", "placement__strategy": "interleave"}, "use mode='sync'"),
-    ({"rl__mode": "later"}, "config.rl.mode: expected one of"),
-    ({"rl__max_staleness": -1}, "config.rl.max_staleness: expected >= 0"),
+    ({"rl__schedule__mode": "async", "placement__strategy": "colocate"},
+     "config.rl.schedule.mode: async needs the sampler on devices of its own"),
+    ({"rl__schedule__mode": "async", "placement__strategy": "interleave"}, "use mode='sync'"),
+    ({"rl__schedule__mode": "later"}, "config.rl.schedule.mode: expected one of"),
+    ({"rl__schedule__max_staleness": -1}, "config.rl.schedule.max_staleness: expected >= 0"),
 ])
 def test_bad_fields_are_named(overrides, message):
   with pytest.raises(ConfigError) as e:

@@ -170,8 +170,8 @@ def test_async_matches_sync_accuracy_within_1_5x_samples(tmp_path, optimised_xla
   init = os.path.join(str(tmp_path), "sft", "checkpoints", "sft")
   results = {}
   for name, rl in [("sync", ["--config.rl.steps=20"]),
-                   ("async", ["--config.rl.steps=30", "--config.rl.mode=async",
-                              "--config.rl.tis_cap=2.0"])]:
+                   ("async", ["--config.rl.steps=30", "--config.rl.schedule.mode=async",
+                              "--config.rl.correction.tis_cap=2.0"])]:
     results[name] = _cli_run(tmp_path, name, "--config.sft.steps=0", "--config.eval.every=1000",
                              f"--config.init_checkpoint={init}", *rl)
   assert results["sync"]["heldout_acc_rl_start"] == results["async"]["heldout_acc_rl_start"]

@@ -21,7 +21,7 @@ def test_tiny_run_through_main(tmp_path, capsys):
   # An entropy bonus: a 3-step SFT policy earns no reward yet, and RL must still move it.
   proc = subprocess.run(
       [sys.executable, "-m", "cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
-       "--config.run_name=smoke", "--config.rl.entropy_coef=0.01"], cwd=ROOT,
+       "--config.run_name=smoke", "--config.rl.loss.entropy_coef=0.01"], cwd=ROOT,
       capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   run_dir = tmp_path / "smoke"

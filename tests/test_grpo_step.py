@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.config_rl import KLConfig, LossConfig, RLConfig
 from jaxrl.algos.losses import aggregation_weights
-from jaxrl.config import RLConfig
 from jaxrl.models.transformer import LanguageModel
 from train.rl.experience import Experience, advantages
 from train.updates.forward import completion_logprobs
@@ -14,7 +14,7 @@ from train.updates.rl import policy_loss
 
 def _weights(exp, cfg):
   """The loss's token weights and the token mean's (for the mismatch metrics)."""
-  return (aggregation_weights(cfg.loss_aggregation, exp.completion_mask_BN),
+  return (aggregation_weights(cfg.loss.aggregation, exp.completion_mask_BN),
           aggregation_weights("token_mean", exp.completion_mask_BN))
 
 
@@ -26,7 +26,7 @@ def test_policy_loss_matches_numpy(tiny_cfg):
   completion_mask = np.ones((b, n), bool)
   completion_mask[1, 2:] = False
   valid = jnp.asarray(np.concatenate([np.ones((b, p), bool), completion_mask], 1))
-  cfg = RLConfig(group_size=2, kl_coef=0.1, clip_eps_low=0.2, clip_eps_high=0.3)
+  cfg = RLConfig(group_size=2, kl=KLConfig(coef=0.1), loss=LossConfig(eps_low=0.2, eps_high=0.3))
   logp, _ = completion_logprobs(graphdef, params, tokens, valid, p)
   logp = np.asarray(logp, np.float64)
   old = logp + rng.normal(size=(b, n)) * 0.2

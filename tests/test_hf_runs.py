@@ -39,8 +39,9 @@ def _config(assets, run_dir, **data):
                 heldout_path=os.path.join(assets, "test.jsonl"), chat=True, max_prompt_tokens=64)
   c.data.update(data)
   c.sft.update(steps=2, batch_size=16, warmup_steps=1)
-  c.rl.update(steps=2, prompts_per_step=8, group_size=2, num_minibatches=2, max_new_tokens=64,
-              verifier="math")
+  c.rl.update(steps=2, prompts_per_step=8, group_size=2, verifier="math")
+  c.rl.batching.update(num_minibatches=2)
+  c.rl.rollout.update(max_new_tokens=64)
   c.eval.update(every=2, batch_size=16)
   c.update(run_dir=str(run_dir), run_name="hf", progress=False, checkpoint_every=2)
   return c
@@ -89,7 +90,7 @@ def test_run_from_hf_dir_then_export_and_sample(assets, tmp_path, capsys):
       ("train_path", os.path.join(assets, "train.jsonl")), ("chat", True),
       ("heldout_path", os.path.join(assets, "test.jsonl")), ("max_prompt_tokens", 64))]
   outs = {}
-  for source, extra in ((checkpoint, []), (out, [*data, "--config.rl.max_new_tokens=64",
+  for source, extra in ((checkpoint, []), (out, [*data, "--config.rl.rollout.max_new_tokens=64",
                                                   "--config.rl.verifier=math",
                                                   "--config.eval.batch_size=16"])):
     samples = tmp_path / f"{len(outs)}.jsonl"
@@ -145,9 +146,9 @@ def test_user_reward_function(tmp_path, monkeypatch):
      "DOES NOT FIT: more devices: what stays"),
     # The update does not fit 16 GB x 0.9; the remedy the verdict names does (next case).
     ("qwen2_5_0_5b_gsm8k", ["--config.placement.device_memory_gb=16"],
-     "DOES NOT FIT: try rl.micro_batch_size=2;"),
+     "DOES NOT FIT: try rl.batching.micro_batch_size=2;"),
     ("qwen2_5_0_5b_gsm8k", ["--config.placement.device_memory_gb=16",
-                            "--config.rl.micro_batch_size=2"], "fits")])
+                            "--config.rl.batching.micro_batch_size=2"], "fits")])
 def test_real_size_dry_run(name, args, verdict):
   """Every sharding resolved on a fake mesh of the target's device count, without weights, and
   the memory verdict against what JAX gets of a device (exit 1 when it does not fit)."""

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrl.config_rl import RLConfig, RolloutConfig
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.models.transformer import positions_from_valid
 from sampler.engine import generate
@@ -91,14 +92,13 @@ def test_samples_every_prompt_once_in_order_with_the_models_logprobs(tiny_model)
 
 
 def test_inflight_slots_config_is_validated():
-  from jaxrl.config import RLConfig
   with pytest.raises(ValueError, match=r"^inflight_slots: expected >= 0, got -1$"):
-    RLConfig(inflight_slots=-1)
+    RLConfig(rollout=RolloutConfig(inflight_slots=-1))
 
 
 @pytest.mark.slow
 def test_rl_step_generates_in_flight_without_hidden_host_transfers(tmp_path, monkeypatch):
-  """`rl.inflight_slots` in a run: sampling and the greedy evaluation go through the in-flight
+  """`rl.rollout.inflight_slots` in a run: sampling and the greedy evaluation go through the in-flight
   generator, whose host loop moves only its own control bytes (as tests/test_transfers.py)."""
   from configs import tiny
   from sampler import sampler
@@ -114,7 +114,8 @@ def test_rl_step_generates_in_flight_without_hidden_host_transfers(tmp_path, mon
   raw = tiny.get_config().to_dict()
   raw.update(run_dir=str(tmp_path), run_name="inflight", checkpoint_every=1000)
   raw["eval"]["every"] = 1000
-  raw["rl"].update(steps=3, inflight_slots=4)  # 8 prompts x 2 samples in 4 slots
+  raw["rl"].update(steps=3)
+  raw["rl"]["rollout"].update(inflight_slots=4)  # 8 prompts x 2 samples in 4 slots
   with Experiment(raw) as exp:
     exp.rl.step()  # compiles, evaluates the starting policy (greedy, in flight)
     RECORD.clear()

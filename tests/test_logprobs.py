@@ -10,9 +10,9 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxrl.config_rl import AdvantageConfig, BatchingConfig, CorrectionConfig, KLConfig, LossConfig, RLConfig
 from jaxrl.algos import logprobs
 from jaxrl.algos.logprobs import chunk_length, chunked_logprobs, dense_logprobs
-from jaxrl.config import RLConfig
 from jaxrl.models.transformer import LanguageModel
 from train.rl.experience import Experience
 from train.updates.forward import completion_logprobs, token_logprobs
@@ -97,11 +97,10 @@ def _experience(graphdef, params, *, with_old: bool, p=3, n=5, b=4):
 @pytest.mark.parametrize("policy_loss,tis_cap", [("ppo_clip", 0.0), ("ppo_clip", 2.0),
                                                  ("aipo", 0.0)])
 def test_on_policy_update_needs_no_old_logprob_pass(tiny_cfg, policy_loss, tis_cap):
-  cfg = RLConfig(num_minibatches=1, kl_coef=0.05, entropy_coef=0.01, policy_loss=policy_loss,
-                 tis_cap=tis_cap)
+  cfg = RLConfig(batching=BatchingConfig(num_minibatches=1), kl=KLConfig(coef=0.05), loss=LossConfig(entropy_coef=0.01, name=policy_loss), correction=CorrectionConfig(tis_cap=tis_cap))
   assert not cfg.needs_old_logprobs
-  assert RLConfig(num_minibatches=2).needs_old_logprobs
-  assert RLConfig(num_minibatches=1, advantage="reinforce_pp", kl_mode="reward").needs_old_logprobs
+  assert RLConfig(batching=BatchingConfig(num_minibatches=2)).needs_old_logprobs
+  assert RLConfig(batching=BatchingConfig(num_minibatches=1), advantage=AdvantageConfig(name="reinforce_pp"), kl=KLConfig(mode="reward")).needs_old_logprobs
   graphdef, params = nnx.split(LanguageModel(tiny_cfg, rngs=nnx.Rngs(4)))
   optimizer = optax.sgd(1.0)  # Adam would blow rounding-level gradient differences up to lr
   results = []

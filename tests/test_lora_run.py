@@ -38,7 +38,7 @@ def run(tmp_path_factory):
   """GRPO straight from the (random) base: the adapters' B is zero as RL starts. The random
   policy earns no reward, so an entropy bonus gives the first steps their gradient."""
   c = _config(tmp_path_factory.mktemp("lora"), "run", sft_steps=0)
-  c.rl.entropy_coef = 0.01
+  c.rl.loss.entropy_coef = 0.01
   out = {}
   with Experiment(c) as exp:
     cluster = exp.ctx.cluster

@@ -20,7 +20,8 @@ from jax.sharding import Mesh
 
 from cli.dry_run import shard_bytes, update_footprint
 from cli.target_compile import abstract_experience
-from jaxrl.config import DataConfig, ExperimentConfig, RLConfig
+from jaxrl.config import DataConfig, ExperimentConfig
+from jaxrl.config_rl import RLConfig
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import LanguageModel
 from sharding.rules import MESH_AXES
@@ -89,7 +90,8 @@ def _llama8b_lora(layers: int = 4) -> ExperimentConfig:
   from jaxrl.config_files import resolve
   raw = load_config_file(os.path.join(ROOT, "configs", "llama3_1_8b_gsm8k_lora.py"))
   raw.model.update(n_layers=layers, attention="xla")
-  raw.rl.update(prompts_per_step=2, num_minibatches=1)
+  raw.rl.update(prompts_per_step=2)
+  raw.rl.batching.update(num_minibatches=1)
   return resolve(raw, hf=False)
 
 

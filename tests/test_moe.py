@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.config import ExperimentConfig
+from jaxrl.config_rl import EnvironmentConfig, RLConfig, RolloutConfig
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.models.moe import (aux_losses, blocked_experts, dense_experts, grouped_experts,
@@ -167,11 +168,10 @@ def test_bad_moe_configs_are_refused(model, lora, words):
 
 
 def test_replay_with_multi_turn_rollouts_is_refused():
-  from jaxrl.config import RLConfig
   model = ModelConfig(**dict(CFG.__dict__, routing_replay="rollout"))
   with pytest.raises(ValueError, match="model.routing_replay: multi-turn"):
-    ExperimentConfig(model=model, rl=RLConfig(environment="calculator"))
-  ExperimentConfig(model=model, rl=RLConfig(inflight_slots=8))  # the in-flight engine records
+    ExperimentConfig(model=model, rl=RLConfig(environment=EnvironmentConfig(name="calculator")))
+  ExperimentConfig(model=model, rl=RLConfig(rollout=RolloutConfig(inflight_slots=8)))  # the in-flight engine records
 
 
 def test_lora_on_the_attention_of_an_moe():

@@ -105,8 +105,10 @@ def test_an_rl_run_with_an_environment_trains_on_the_models_tokens_only(tmp_path
   raw.update(run_dir=str(tmp_path), run_name="env")
   # in-flight across turns (the static turns' path is the one above with slots=0); the scoring
   # passes and the update over packed rows (their log-probs are the sampler's: mismatch_max)
-  raw["rl"].update(steps=2, environment="test_multiturn:Recorder", max_turns=3, max_new_tokens=16,
-                   inflight_slots=8, pack_length=64)
+  raw["rl"].update(steps=2)
+  raw["rl"]["environment"].update(name="test_multiturn:Recorder", max_turns=3)
+  raw["rl"]["rollout"].update(max_new_tokens=16, inflight_slots=8)
+  raw["rl"]["batching"].update(pack_length=64)
   with Experiment(raw) as exp:
     summary = exp.run()
     rows = [r for r in exp.writer.rows if r["phase"] == "rl" and "mismatch_max" in r]

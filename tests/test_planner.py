@@ -184,7 +184,7 @@ def test_remat_is_searched_and_the_plan_sets_it(monkeypatch):
   cfg = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, strategy="plan"))
   resolved, best = choose(cfg, host_major_devices())
   assert resolved.model.remat == best.plan.remat != "none"
-  assert resolved.rl.micro_batch_size == best.plan.micro_batch_size
+  assert resolved.rl.batching.micro_batch_size == best.plan.micro_batch_size
 
 
 def test_a_runs_trace_fed_back_changes_the_factors(tmp_path):

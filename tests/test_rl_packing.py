@@ -8,8 +8,8 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxrl.config_rl import BatchingConfig, CorrectionConfig, KLConfig, LossConfig, RLConfig, RolloutConfig
 from jaxrl.algos.losses import AGGREGATIONS, POLICY_LOSSES, aggregation_weights
-from jaxrl.config import RLConfig
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import LanguageModel
 from train.rl.experience import Experience
@@ -78,9 +78,7 @@ CASES = [(loss, list(AGGREGATIONS)[i % 4], ("none", "sequence", "geometric")[i %
 @pytest.mark.parametrize("loss,aggregation,rollout_mask", CASES)
 def test_packed_loss_and_gradients_equal_the_unpacked(batch, loss, aggregation, rollout_mask):
   graphdef, params, exp, prompt_lens, lengths = batch
-  cfg = RLConfig(policy_loss=loss, loss_aggregation=aggregation, rollout_mask=rollout_mask,
-                 kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0 if rollout_mask == "none" else 0.0,
-                 max_new_tokens=N)
+  cfg = RLConfig(loss=LossConfig(name=loss, aggregation=aggregation, entropy_coef=0.01), correction=CorrectionConfig(mask=rollout_mask, tis_cap=2.0 if rollout_mask == "none" else 0.0), kl=KLConfig(coef=0.1), rollout=RolloutConfig(max_new_tokens=N))
   weights = aggregation_weights(aggregation, exp.policy_mask_BN, horizon=N)
   tokens = aggregation_weights("token_mean", exp.policy_mask_BN)
   fn = jax.jit(jax.value_and_grad(
@@ -98,8 +96,7 @@ def test_packed_loss_and_gradients_equal_the_unpacked(batch, loss, aggregation, 
 
 def test_an_update_over_minibatches_and_micro_batches_moves_the_weights_alike(batch):
   graphdef, params, exp, prompt_lens, lengths = batch
-  cfg = RLConfig(prompts_per_step=2, group_size=4, num_minibatches=2, micro_batch_size=2,
-                 kl_coef=0.1, max_new_tokens=N)
+  cfg = RLConfig(prompts_per_step=2, group_size=4, batching=BatchingConfig(num_minibatches=2, micro_batch_size=2), kl=KLConfig(coef=0.1), rollout=RolloutConfig(max_new_tokens=N))
   optimizer = optax.sgd(1.0)
   update = jax.jit(lambda s, e: rl_update(s, e, graphdef=graphdef, optimizer=optimizer, cfg=cfg))
   new = lambda: TrainState(step=jnp.zeros((), jnp.int32), params=params,

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrl.config_rl import AdvantageConfig, BatchingConfig, CorrectionConfig, CriticConfig, KLConfig, LossConfig, RLConfig
 from jaxrl.algos.losses import aggregation_weights
-from jaxrl.config import RLConfig
 from jaxrl.data.pipeline import Encoding
 from jaxrl.data.preferences import Pair, pair_batch, pair_lengths
 from jaxrl.data.tokenizer import ByteTokenizer
@@ -28,7 +28,7 @@ PAIRS = [Pair("rev abc=", "cba", "bca"), Pair("rev bad=", "dab", "abd"),
 
 def _weights(exp, cfg):
   """The loss's token weights and the token mean's (for the mismatch metrics)."""
-  return (aggregation_weights(cfg.loss_aggregation, exp.completion_mask_BN),
+  return (aggregation_weights(cfg.loss.aggregation, exp.completion_mask_BN),
           aggregation_weights("token_mean", exp.completion_mask_BN))
 
 
@@ -96,7 +96,7 @@ def test_critic_values_align_and_regress(tiny_cfg):
                   completion_mask_BN=batch["completion_mask"], sampler_logprobs_BN=zeros,
                   old_logprobs_BN=zeros, ref_logprobs_BN=zeros, advantages_BN=zeros,
                   old_values_BN=values, returns_BN=returns)
-  cfg = RLConfig(value_clip_eps=10.0, num_minibatches=2)
+  cfg = RLConfig(critic=CriticConfig(clip_eps=10.0), batching=BatchingConfig(num_minibatches=2))
   update = jax.jit(lambda s, b: critic_update(s, b, graphdef=graphdef, optimizer=opt, cfg=cfg))
   state, first = update(state, cb)
   for _ in range(30):
@@ -111,7 +111,7 @@ def test_whitened_advantages_and_raw_returns():
   mask[2, 2:] = 0
   values = jnp.asarray(rng.normal(size=(6, 4)) * mask, jnp.float32)
   kl = jnp.asarray(np.abs(rng.normal(size=(6, 4))) * mask, jnp.float32)
-  cfg = RLConfig(advantage="gae", kl_mode="reward", kl_coef=0.1, whiten_advantages=True, lam=0.9)
+  cfg = RLConfig(advantage=AdvantageConfig(name="gae", whiten=True, lam=0.9), kl=KLConfig(mode="reward", coef=0.1))
   adv, raw = advantages(rewards, jnp.asarray(mask), kl, values, cfg=cfg)
   sel = mask > 0
   assert abs(float(np.asarray(adv)[sel].mean())) < 1e-5
@@ -122,7 +122,7 @@ def test_whitened_advantages_and_raw_returns():
                                       kl_coef=0.1, lam=0.9), rtol=1e-6)
   # kl_mode="loss": the KL stays out of the rewards.
   _, raw_loss = advantages(rewards, jnp.asarray(mask), kl, values,
-                                 cfg=RLConfig(advantage="gae", kl_coef=0.1, lam=0.9))
+                                 cfg=RLConfig(advantage=AdvantageConfig(name="gae", lam=0.9), kl=KLConfig(coef=0.1)))
   np.testing.assert_allclose(raw_loss, gae(rewards, jnp.asarray(mask), values_BN=values, lam=0.9),
                              rtol=1e-6)
 
@@ -145,7 +145,7 @@ def test_policy_loss_aipo_and_kl_in_reward(tiny_cfg):
   graphdef, params, exp, p, logp = _policy_batch(tiny_cfg)
   m = np.asarray(exp.completion_mask_BN, np.float64)
   adv, mu = np.asarray(exp.advantages_BN), np.asarray(exp.sampler_logprobs_BN)
-  cfg = RLConfig(policy_loss="aipo", aipo_rho=1.5, kl_mode="reward", kl_coef=0.5)
+  cfg = RLConfig(loss=LossConfig(name="aipo", rho=1.5), kl=KLConfig(mode="reward", coef=0.5))
   loss, _ = policy_loss(params, (exp, *_weights(exp, cfg)), graphdef=graphdef, cfg=cfg)
   want = -np.minimum(np.exp(logp - mu), 1.5) * adv * logp  # no KL term: it is in the rewards
   np.testing.assert_allclose(loss, (want * m).sum() / m.sum(), rtol=1e-4, atol=1e-6)
@@ -156,7 +156,7 @@ def test_policy_loss_truncated_is_and_entropy(tiny_cfg):
   m = np.asarray(exp.completion_mask_BN, np.float64)
   adv = np.asarray(exp.advantages_BN)
   old, mu = np.asarray(exp.old_logprobs_BN), np.asarray(exp.sampler_logprobs_BN)
-  cfg = RLConfig(tis_cap=1.2, kl_coef=0.0, entropy_coef=0.01)
+  cfg = RLConfig(correction=CorrectionConfig(tis_cap=1.2), kl=KLConfig(coef=0.0), loss=LossConfig(entropy_coef=0.01))
   loss, metrics = policy_loss(params, (exp, *_weights(exp, cfg)), graphdef=graphdef, cfg=cfg)
   ratio = np.exp(logp - old)
   pg = -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv) * np.minimum(np.exp(old - mu), 1.2)

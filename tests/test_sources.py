@@ -111,7 +111,7 @@ def test_bad_rows_are_counted(tmp_path):
   assert counts == {"field 'question': empty": 1, "field 'question': missing": 1,
                     "field 'question': not a string": 1, "answer: no '#### ANSWER'": 1,
                     "prompt longer than data.max_prompt_tokens": 1,
-                    "completion longer than rl.max_new_tokens": 1,
+                    "completion longer than rl.rollout.max_new_tokens": 1,
                     "not valid JSON": 1, "not a JSON object": 1}
   # Without sft, completions are not limited.
   assert len(load_examples(_bad_rows(tmp_path), BYTES, opts)[0]) == 2

@@ -20,7 +20,7 @@ from train.io import compilation
 ROOT = __file__.rsplit("/tests/", 1)[0]
 # The smallest run that still compiles every RL program: no SFT, one step of one minibatch.
 CHEAP = ["--config=configs/tiny.py", "--config.sft.steps=0", "--config.rl.steps=1",
-         "--config.rl.num_minibatches=1", "--config.placement.strategy=colocate"]
+         "--config.rl.batching.num_minibatches=1", "--config.placement.strategy=colocate"]
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.config import RLConfig
+from jaxrl.config_rl import CorrectionConfig, KLConfig, LossConfig, RLConfig, RolloutConfig
 from jaxrl.data.pipeline import bucket_length
 from jaxrl.models import LanguageModel, ModelConfig
 from sampler.engine import Rollout
@@ -59,8 +59,7 @@ def test_trimmed_batch_same_loss_and_gradients(aggregation):
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
   tokens, valid, skip, n = _rows()
   n_max = 7
-  rl = RLConfig(loss_aggregation=aggregation, max_new_tokens=n_max, kl_coef=0.1,
-                entropy_coef=0.01, tis_cap=2.0)
+  rl = RLConfig(loss=LossConfig(aggregation=aggregation, entropy_coef=0.01), rollout=RolloutConfig(max_new_tokens=n_max), kl=KLConfig(coef=0.1), correction=CorrectionConfig(tis_cap=2.0))
   full = _experience(graphdef, params, tokens, valid, n_max)
   end = tokens.shape[1] - (n_max - n)
   short_tokens, short_valid = tokens[:, skip:end], valid[:, skip:end]

@@ -3,16 +3,24 @@
   fn(rewards_B, mask_BN, *, ...) -> adv_BN
 
 each reading the keyword-only parameters it declares (jaxrl/algos/registry.py) from what the
-caller has: `group_size`, `kl_BN`, `kl_coef`, `values_BN`, `gamma`, `lam`.
+caller has: the inputs `group_size`, `kl_BN`, `kl_coef`, `values_BN` and the hyperparameters of
+the config's `rl.advantage.name` section (`gamma`, `lam`), by those names. An entry (`Advantage`) also
+says whether its estimator needs a critic (one is then trained) and whether it takes the KL in
+its rewards (`rl.kl.mode` must then be "reward").
 
 Rows are group-major (rows [g*n, (g+1)*n) share a prompt); `rewards_B` is the sequence reward,
 credited at the last valid token; masked tokens get advantage 0.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxrl.algos.registry import declared
 
 
 def _per_token(adv_B, mask_BN):
@@ -89,8 +97,23 @@ def gae(rewards_B, mask_BN, *, values_BN, kl_BN=None, kl_coef=0.0, gamma=1.0, la
   return discounted_returns(delta_BN, mask, gamma * lam)
 
 
-ADVANTAGES = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
-              "gae": gae}
+@dataclasses.dataclass(frozen=True)
+class Advantage:
+  """An estimator (its keyword-only parameters: what it reads), whether it needs a critic's
+  values (`values_BN`: a critic is trained beside the actor) and whether the KL must reach it
+  folded into the rewards (`kl_BN`)."""
+  fn: Callable
+  critic: bool = False
+  kl_in_reward: bool = False
+
+  def __call__(self, rewards_B, mask_BN, available: Mapping):
+    """Per-token advantages [B, N], taking from `available` what `fn` declares."""
+    return self.fn(rewards_B, mask_BN, **declared(self.fn, available))
+
+
+ADVANTAGES = {"grpo": Advantage(grpo), "dr_grpo": Advantage(dr_grpo), "rloo": Advantage(rloo),
+              "reinforce_pp": Advantage(reinforce_pp, kl_in_reward=True),
+              "gae": Advantage(gae, critic=True)}
 
 
 # -- DAPO's reward and batch shaping -----------------------------------------------------------

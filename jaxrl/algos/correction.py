@@ -6,7 +6,8 @@ Every piece works on the token log-ratio d = log pi_old - log mu, a constant for
 and multiplies the per-token policy loss, whichever loss it is (`POLICY_LOSSES`):
 
   tis_cap > 0   truncated importance sampling: weight min(pi_old / mu, cap)
-  mask "token"      drop the tokens whose ratio pi_old / mu lies outside [low, high]
+  mask (a `ROLLOUT_MASKS` name, the band [mask_low, mask_high]):
+       "token"      drop the tokens whose ratio pi_old / mu lies outside [low, high]
        "sequence"   drop the rows whose sequence ratio prod_t pi_old / mu lies outside it
        "geometric"  drop the rows whose geometric-mean ratio exp(mean_t d) lies outside it
        "icepop"     IcePop's two-sided token mask, with the kept tokens weighted by their
@@ -20,12 +21,12 @@ rho); TIS and the masks apply on top of it, as docs/algorithms.md says.)
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-
-ROLLOUT_MASKS = ("none", "token", "sequence", "geometric", "icepop")
 
 
 def _inside(log_ratio, low: float, high: float):
@@ -33,29 +34,50 @@ def _inside(log_ratio, low: float, high: float):
   return (log_ratio >= jnp.log(low)) & (log_ratio <= jnp.log(high))
 
 
-def rollout_weights(old_BN, mu_BN, mask_BN, *, mask: str = "none", low: float = 0.5,
-                    high: float = 2.0, tis_cap: float = 0.0, in_loss: bool = False):
+def token_kept(d_BN, maskf_BN, low: float, high: float):
+  return _inside(d_BN, low, high)
+
+
+def sequence_kept(d_BN, maskf_BN, low: float, high: float):
+  return jnp.broadcast_to(_inside(d_BN.sum(1), low, high)[:, None], d_BN.shape)
+
+
+def geometric_kept(d_BN, maskf_BN, low: float, high: float):
+  mean_B = d_BN.sum(1) / jnp.maximum(maskf_BN.sum(1), 1.0)
+  return jnp.broadcast_to(_inside(mean_B, low, high)[:, None], d_BN.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutMask:
+  """Which tokens a mask keeps, `kept(d_BN, maskf_BN, low, high)` from the log-ratios d, and
+  whether the kept ones are weighted by their ratio (IcePop)."""
+  kept: Callable
+  weighted: bool = False
+
+
+# `rl.correction.mask`; "none" keeps every token.
+ROLLOUT_MASKS = {"none": None, "token": RolloutMask(token_kept),
+                 "sequence": RolloutMask(sequence_kept),
+                 "geometric": RolloutMask(geometric_kept),
+                 "icepop": RolloutMask(token_kept, weighted=True)}
+
+
+def rollout_weights(old_BN, mu_BN, mask_BN, *, mask: str = "none", mask_low: float = 0.5,
+                    mask_high: float = 2.0, tis_cap: float = 0.0, in_loss: bool = False):
   """(weight_BN, kept_BN): the stop-gradient factor on each token's policy loss, and which
-  valid tokens the mask kept (for the masked fraction). `in_loss`: the loss weights by
-  r = pi_old / mu already, so the weight is what turns r into min(r, cap): min(1, cap / r)."""
+  valid tokens the mask kept (for the masked fraction). The keywords are the config's
+  `rl.correction` fields. `in_loss`: the loss weights by r = pi_old / mu already, so the weight
+  is what turns r into min(r, cap): min(1, cap / r)."""
+  entry = ROLLOUT_MASKS[mask]
   maskf_BN = mask_BN.astype(jnp.float32)
   d_BN = jax.lax.stop_gradient((old_BN - mu_BN) * maskf_BN)
-  weighted = (tis_cap > 0 or mask == "icepop") and not in_loss
+  weighted = (tis_cap > 0 or (entry is not None and entry.weighted)) and not in_loss
   weight_BN = jnp.exp(d_BN) if weighted else jnp.ones_like(d_BN)
   if tis_cap > 0:
     weight_BN = (jnp.exp(jnp.minimum(0.0, math.log(tis_cap) - d_BN)) if in_loss
                  else jnp.minimum(weight_BN, tis_cap))
-  if mask in ("token", "icepop"):
-    kept_BN = _inside(d_BN, low, high)
-  elif mask == "sequence":
-    kept_BN = jnp.broadcast_to(_inside(d_BN.sum(1), low, high)[:, None], d_BN.shape)
-  elif mask == "geometric":
-    mean_B = d_BN.sum(1) / jnp.maximum(maskf_BN.sum(1), 1.0)
-    kept_BN = jnp.broadcast_to(_inside(mean_B, low, high)[:, None], d_BN.shape)
-  elif mask == "none":
-    kept_BN = jnp.ones(d_BN.shape, bool)
-  else:
-    raise ValueError(f"rollout mask: expected one of {list(ROLLOUT_MASKS)}, got {mask!r}")
+  kept_BN = (jnp.ones(d_BN.shape, bool) if entry is None
+             else entry.kept(d_BN, maskf_BN, mask_low, mask_high))
   kept_BN = kept_BN & mask_BN.astype(bool)
   return weight_BN * kept_BN, kept_BN
 

@@ -1,10 +1,13 @@
 """Per-token policy losses, KL estimators and loss aggregation: small pure jnp functions.
 
-A policy loss is `fn(logp_BN, adv_BN, *, ...)` whose keyword-only parameters are what it reads
-(jaxrl/algos/registry.py): `old_BN` (the trainer's policy before the update), `mu_BN` (the
-sampler's, the behaviour policy), `mask_BN` (the policy's own tokens) and the hyperparameters
-`eps_low`, `eps_high`, `rho`. Its `POLICY_LOSSES` entry also names the importance ratio its
-clipping is measured on (`clip_ratio`: per token, or one per sequence for GSPO).
+A policy loss is `fn(logp_BN, adv_BN, *, ...) -> (loss_BN, metrics)` whose keyword-only
+parameters are what it reads (jaxrl/algos/registry.py): `old_BN` (the trainer's policy before the
+update), `mu_BN` (the sampler's, the behaviour policy), `mask_BN` (the policy's own tokens) and
+the hyperparameters of the config's `rl.loss` section (`eps_low`, `eps_high`, `rho`), by those
+names. Its metrics are its own, per token ([B, N], or [B, 1] per sequence), averaged by the
+update with the loss's aggregation weights: `clip_frac` is the share of what the loss clipped
+(the ratio outside the clip band for the PPO family, the sequence ratio for GSPO, the importance
+weight for CISPO, pi / mu above rho for AIPO).
 """
 from __future__ import annotations
 
@@ -17,18 +20,25 @@ import jax.numpy as jnp
 from jaxrl.algos.registry import declared
 
 
+def outside(ratio, eps_low: float, eps_high: float):
+  """Whether a ratio lies outside the clip band [1 - eps_low, 1 + eps_high], as float32."""
+  return ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).astype(jnp.float32)
+
+
 def ppo_clip_loss(logp_BN, adv_BN, *, old_BN, eps_low: float, eps_high: float):
   """Clipped surrogate, per token: -min(r * A, clip(r, 1-eps_low, 1+eps_high) * A), r = pi/pi_old.
   eps_high > eps_low is DAPO's clip-higher."""
   ratio_BN = jnp.exp(logp_BN - old_BN)
   clipped_BN = jnp.clip(ratio_BN, 1.0 - eps_low, 1.0 + eps_high)
-  return -jnp.minimum(ratio_BN * adv_BN, clipped_BN * adv_BN)
+  loss_BN = -jnp.minimum(ratio_BN * adv_BN, clipped_BN * adv_BN)
+  return loss_BN, {"clip_frac": outside(ratio_BN, eps_low, eps_high)}
 
 
 def aipo_loss(logp_BN, adv_BN, *, mu_BN, rho: float):
   """AIPO (LlamaRL): -min(pi/mu, rho) * A * log pi, the weight a stop-gradient constant."""
-  weight_BN = jax.lax.stop_gradient(jnp.minimum(jnp.exp(logp_BN - mu_BN), rho))
-  return -weight_BN * adv_BN * logp_BN
+  ratio_BN = jax.lax.stop_gradient(jnp.exp(logp_BN - mu_BN))
+  loss_BN = -jnp.minimum(ratio_BN, rho) * adv_BN * logp_BN
+  return loss_BN, {"clip_frac": (ratio_BN > rho).astype(jnp.float32)}
 
 
 def sequence_log_ratio(logp_BN, old_BN, mask_BN):
@@ -47,15 +57,16 @@ def gspo_loss(logp_BN, adv_BN, *, old_BN, mask_BN, eps_low: float, eps_high: flo
   adv_B = (adv_BN * maskf_BN).sum(1) / jnp.maximum(maskf_BN.sum(1), 1.0)
   ratio_B = jnp.exp(sequence_log_ratio(logp_BN, old_BN, mask_BN))
   clipped_B = jnp.clip(ratio_B, 1.0 - eps_low, 1.0 + eps_high)
-  return -jnp.minimum(ratio_B * adv_B, clipped_B * adv_B)[:, None] * maskf_BN
+  loss_BN = -jnp.minimum(ratio_B * adv_B, clipped_B * adv_B)[:, None] * maskf_BN
+  return loss_BN, {"clip_frac": outside(ratio_B, eps_low, eps_high)[:, None]}
 
 
 def cispo_loss(logp_BN, adv_BN, *, old_BN, eps_low: float, eps_high: float):
   """CISPO (MiniMax-M1): -sg(clip(r, 1-eps_low, 1+eps_high)) * A * log pi. The importance
   weight is clipped, never the gradient: every token keeps its log-prob gradient."""
-  weight_BN = jax.lax.stop_gradient(
-      jnp.clip(jnp.exp(logp_BN - old_BN), 1.0 - eps_low, 1.0 + eps_high))
-  return -weight_BN * adv_BN * logp_BN
+  ratio_BN = jax.lax.stop_gradient(jnp.exp(logp_BN - old_BN))
+  loss_BN = -jnp.clip(ratio_BN, 1.0 - eps_low, 1.0 + eps_high) * adv_BN * logp_BN
+  return loss_BN, {"clip_frac": outside(ratio_BN, eps_low, eps_high)}
 
 
 def decoupled_ppo_loss(logp_BN, adv_BN, *, old_BN, mu_BN, eps_low: float, eps_high: float):
@@ -64,8 +75,9 @@ def decoupled_ppo_loss(logp_BN, adv_BN, *, old_BN, mu_BN, eps_low: float, eps_hi
   older) enters only as the stop-gradient weight pi_old / mu:
   -(pi_old / mu) * min(r * A, clip(r, 1-eps_low, 1+eps_high) * A), r = pi / pi_old."""
   behaviour_BN = jax.lax.stop_gradient(jnp.exp(old_BN - mu_BN))
-  return behaviour_BN * ppo_clip_loss(logp_BN, adv_BN, old_BN=old_BN, eps_low=eps_low,
-                                      eps_high=eps_high)
+  loss_BN, metrics = ppo_clip_loss(logp_BN, adv_BN, old_BN=old_BN, eps_low=eps_low,
+                                   eps_high=eps_high)
+  return behaviour_BN * loss_BN, metrics
 
 
 def value_loss(values_BN, old_values_BN, returns_BN, *, clip_eps: float) -> jax.Array:
@@ -143,32 +155,21 @@ def aggregation_weights(name: str, mask_BN, horizon: int | None = None) -> jax.A
   return jax.grad(AGGREGATIONS[name])(jnp.zeros_like(mask_BH), mask_BH)[:, :n]
 
 
-def token_ratio(logp_BN, old_BN, mask_BN):
-  """pi / pi_old per token."""
-  return jnp.exp(logp_BN - old_BN)
-
-
-def sequence_ratio(logp_BN, old_BN, mask_BN):
-  """GSPO's sequence ratio, [B, 1]."""
-  return jnp.exp(sequence_log_ratio(logp_BN, old_BN, mask_BN))[:, None]
-
-
 @dataclasses.dataclass(frozen=True)
 class PolicyLoss:
-  """A policy loss (its keyword-only parameters: what it reads), the ratio its clip fraction
-  is measured on, and whether it weights by the behaviour policy's ratio itself (the rollout
-  correction then only caps and masks it: jaxrl/algos/correction.py)."""
+  """A policy loss (its keyword-only parameters: what it reads) and whether it weights by the
+  behaviour policy's ratio itself (the rollout correction then only caps and masks it:
+  jaxrl/algos/correction.py)."""
   fn: Callable
-  clip_ratio: Callable = token_ratio
   behaviour_weighted: bool = False
 
   def __call__(self, logp_BN, adv_BN, available: Mapping):
-    """The per-token loss [B, N], taking from `available` what `fn` declares."""
+    """(the per-token loss [B, N], its metrics), taking from `available` what `fn` declares."""
     return self.fn(logp_BN, adv_BN, **declared(self.fn, available))
 
 
 POLICY_LOSSES = {"ppo_clip": PolicyLoss(ppo_clip_loss),
                  "aipo": PolicyLoss(aipo_loss),
-                 "gspo": PolicyLoss(gspo_loss, clip_ratio=sequence_ratio),
+                 "gspo": PolicyLoss(gspo_loss),
                  "cispo": PolicyLoss(cispo_loss),
                  "decoupled_ppo": PolicyLoss(decoupled_ppo_loss, behaviour_weighted=True)}

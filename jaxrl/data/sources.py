@@ -254,7 +254,7 @@ def load_examples(path: str, tok: Tokenizer, opts: DataOptions = DataOptions(), 
       tally.bad(where, "prompt longer than data.max_prompt_tokens",
                 f" ({prompt_over[n]} > {opts.max_prompt_tokens})")
     elif sft and demo_over[n]:
-      tally.bad(where, "completion longer than rl.max_new_tokens",
+      tally.bad(where, "completion longer than rl.rollout.max_new_tokens",
                 f" ({demo_over[n]} > {opts.max_completion_tokens})")
     else:
       kept.append(ex)
@@ -266,8 +266,8 @@ def _nonempty(path: str, items: list, tally: _Tally, opts: DataOptions) -> list:
   rule used)."""
   if not items:
     limits = {"prompt longer than data.max_prompt_tokens": opts.max_prompt_tokens,
-              "completion longer than rl.max_new_tokens": opts.max_completion_tokens,
-              "response longer than rl.max_new_tokens": opts.max_completion_tokens}
+              "completion longer than rl.rollout.max_new_tokens": opts.max_completion_tokens,
+              "response longer than rl.rollout.max_new_tokens": opts.max_completion_tokens}
     skipped = "; ".join(f"{n} skipped: {reason}" + (f"={limits[reason]}" if reason in limits
                                                       else "")
                         for reason, n in tally.counts.most_common())
@@ -334,7 +334,7 @@ def load_pairs(path: str, tok: Tokenizer,
       tally.bad(where, "prompt longer than data.max_prompt_tokens",
                 f" ({prompt_over[n]} > {opts.max_prompt_tokens})")
     elif longest:
-      tally.bad(where, "response longer than rl.max_new_tokens",
+      tally.bad(where, "response longer than rl.rollout.max_new_tokens",
                 f" ({longest} > {opts.max_completion_tokens})")
     else:
       kept.append(pair)

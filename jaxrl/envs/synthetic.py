@@ -1,6 +1,6 @@
 """`synthetic`: a workload for measuring multi-turn speed (benchmarks/multiturn.py), not a task.
 Every model turn is answered with the same `REPLY_TOKENS` token ids, and the conversation ends
-after `TURNS` turns; with `rl.ignore_eos` and `rl.max_turn_tokens` every turn has the same
+after `TURNS` turns; with `rl.rollout.ignore_eos` and `rl.environment.max_turn_tokens` every turn has the same
 length, so each rollout has a known shape: the agentic pattern of long tool outputs between
 short model turns. `synthetic_longtail` ends a conversation after each turn with probability
 1/4 (at most `TURNS` turns): conversations of 1 to 8 turns, the long tail that holds a whole

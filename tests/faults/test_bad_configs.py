@@ -6,22 +6,22 @@ CASES = [
     (["--config.rl.learning_rate=-1"], "config.rl.learning_rate: expected > 0, got -1.0"),
     (["--config.sft.learning_rate=0"], "config.sft.learning_rate: expected > 0, got 0.0"),
     (["--config.rl.learning_rate=nan"], "config.rl.learning_rate: expected a finite number, got nan"),
-    (["--config.rl.kl_coef=-0.1"], "config.rl.kl_coef: expected >= 0, got -0.1"),
-    (["--config.rl.clip_eps_low=1.5"], "config.rl.clip_eps_low: the ratio's lower bound "
+    (["--config.rl.kl.coef=-0.1"], "config.rl.kl.coef: expected >= 0, got -0.1"),
+    (["--config.rl.loss.eps_low=1.5"], "config.rl.loss.eps_low: the ratio's lower bound "
      "1 - clip_eps_low cannot be negative, expected <= 1, got 1.5"),
     (["--config.rl.stepz=3"], "config.rl.stepz: unknown field; did you mean 'steps'?"),
     (["--config.rl.lerning_rate=3"], "config.rl.lerning_rate: unknown field; did you mean "
      "'learning_rate' or 'critic_learning_rate'?"),
     (["--config.rl.zzz=3"], "config.rl.zzz: unknown field, and none of the section's"),
     (["--config.rl.steps=abc"], "flag --config.rl.steps=abc: invalid literal for int()"),
-    (["--config.rl.mode=asyncc"], "config.rl.mode: expected one of ['async', 'sync'], got 'asyncc'"),
-    (["--config.rl.temperature=0"], "config.rl.temperature: expected > 0, got 0.0"),
+    (["--config.rl.schedule.mode=asyncc"], "config.rl.schedule.mode: expected one of ['async', 'sync'], got 'asyncc'"),
+    (["--config.rl.rollout.temperature=0"], "config.rl.rollout.temperature: expected > 0, got 0.0"),
     (["--config.seed=-1"], "config.seed: expected >= 0, got -1"),
     (["--config.model.d_model=0"], "config.model.d_model: expected > 0, got 0"),
     (["--config.model.n_heads=3"], "config.model.n_heads: 3 must be a multiple of n_kv_heads=2"),
-    (["--config.rl.max_new_tokens=2"], "config.rl.max_new_tokens: the task 'reverse' needs 6 "
+    (["--config.rl.rollout.max_new_tokens=2"], "config.rl.rollout.max_new_tokens: the task 'reverse' needs 6 "
      "tokens, got 2"),
-    (["--config.rl.prompts_per_step=3"], "config.rl.num_minibatches: prompts_per_step*group_size"
+    (["--config.rl.prompts_per_step=3"], "config.rl.batching.num_minibatches: prompts_per_step*group_size"
      "=6 must split into 2 minibatches divisible by the trainer's 4-way batch split"),
     (["--config.placement.strategy=pipeline"], "config.placement.strategy: expected one of "
      "['colocate', 'interleave', 'plan', 'separate'], got 'pipeline'"),
@@ -30,9 +30,9 @@ CASES = [
       "--config.placement.sampler_tensor=2"],
      "config.placement.sampler_tensor: the sampler's mesh axis tensor=2 does not divide "
      "decoder/blocks/0/attn/wk (dimension 3); set placement.sampler_tensor to a divisor of 3"),
-    (["--config.rl.mode=async", "--config.placement.strategy=colocate"],
-     "config.rl.mode: async needs the sampler on devices of its own"),
-    (["--config.rl.partial_rollouts=True"], "config.rl.partial_rollouts: needs mode='async'"),
+    (["--config.rl.schedule.mode=async", "--config.placement.strategy=colocate"],
+     "config.rl.schedule.mode: async needs the sampler on devices of its own"),
+    (["--config.rl.schedule.partial_rollouts=True"], "config.rl.schedule.partial_rollouts: needs mode='async'"),
     (["--config.rl.reward=reward_model", "--config.reward_model.steps=0"],
      "config.reward_model.steps: rl.reward='reward_model' needs a trained reward model"),
     (["--config.task.name=chess"], "config.task.name: expected one of"),
@@ -42,7 +42,7 @@ CASES = [
      "batch split of its mesh"),
     (["--config.placement.sampler_tensor=3"], "config.placement.sampler_tensor: the sampler's "
      "mesh axis tensor=3 does not divide its 4 devices"),
-    (["--config.rl.environment=chess"], "config.rl.environment: environment 'chess': expected "
+    (["--config.rl.environment.name=chess"], "config.rl.environment.name: environment 'chess': expected "
      "one of"),
     (["--config.dpo.steps=2", "--config.dpo.pairs_path=/nonexistent/pairs.jsonl"],
      "/nonexistent/pairs.jsonl: cannot read pairs file"),

@@ -23,7 +23,7 @@ def assets(tmp_path_factory):
 def _data(assets):
   return [f"--config.data.train_path={assets}/train.jsonl",
           f"--config.data.heldout_path={assets}/test.jsonl", "--config.data.chat=True",
-          "--config.data.max_prompt_tokens=64", "--config.rl.max_new_tokens=64"]
+          "--config.data.max_prompt_tokens=64", "--config.rl.rollout.max_new_tokens=64"]
 
 
 def _edit_json(path, **changes):

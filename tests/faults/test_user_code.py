@@ -1,6 +1,6 @@
 """User code contained: a reward function or an environment that raises, hangs past
-`rl.user_code_timeout_s`, returns the wrong type or shape, or a NaN is reported with the
-sample's (or conversation's) index; `rl.on_user_code_error` decides: stop (one line, exit 2) or
+`rl.user_code.timeout_s`, returns the wrong type or shape, or a NaN is reported with the
+sample's (or conversation's) index; `rl.user_code.on_error` decides: stop (one line, exit 2) or
 score 0 and count (`user_code_errors`). Reward functions run in worker processes
 (jaxrl/user_code.py): a hang that holds the GIL, a spin, a 40 GB allocation, a flood of output,
 a file past the size limit and a fork bomb are each contained within about the time limit; user
@@ -205,8 +205,8 @@ def test_a_hanging_reward_function_scores_0_and_the_run_goes_on(cli, user_reward
   import json
   import os
   rc, _ = cli(f"--config.rl.verifier={user_rewards}:slow_sometimes",
-              "--config.rl.on_user_code_error=zero", "--config.rl.user_code_timeout_s=0.5",
-              "--config.rl.user_code_workers=1",
+              "--config.rl.user_code.on_error=zero", "--config.rl.user_code.timeout_s=0.5",
+              "--config.rl.user_code.workers=1",
               "--config.run_name=slow", "--config.sft.steps=1", "--config.rl.steps=3")
   assert rc == 0
   with open(os.path.join(tmp_path, "runs", "slow", "metrics.jsonl")) as f:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxrl.algos.advantages import informative_groups
-from jaxrl.config import RLConfig
+from jaxrl.config_rl import RLConfig
 from train.io.host_transfers import allowed
 from train.rl.experience import combine_rollouts
 from train.rollout.worker import RolloutBatch
@@ -32,13 +32,13 @@ def fill_batch(batch: RolloutBatch, *, cfg: RLConfig, judge: Judge,
   (`next_batch()`) is generated too (at most `dynamic_sampling_rounds` more); the step's batch
   is the informative groups in order, filled up with the others when the rounds run out."""
   g, want, parts, rounds, waited = cfg.group_size, cfg.prompts_per_step, [], 0, 0.0
-  n = cfg.max_new_tokens
+  n = cfg.rollout.max_new_tokens
   while True:
     examples_B = np.repeat(batch.prompts["examples"], g)
     verified_B = judge.rewards(batch.rollout, examples_B)
     parts.append((batch, verified_B, informative_groups(verified_B, g)))
     kept = sum(int(p[2].sum()) for p in parts)
-    if kept >= want or rounds == cfg.dynamic_sampling_rounds:
+    if kept >= want or rounds == cfg.dapo.dynamic_sampling_rounds:
       break
     rounds += 1
     batch, w = next_batch()

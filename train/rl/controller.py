@@ -1,7 +1,7 @@
 """The single controller: one Python loop drives the executors (LlamaRL's design, in JAX).
 
 One step: the next rollout batch (`RolloutSource`, train/rollout/source.py: generated in turn, or
-taken from the async worker that runs ahead by at most `rl.max_staleness` policy versions),
+taken from the async worker that runs ahead by at most `rl.schedule.max_staleness` policy versions),
 DAPO's batch filling (train/rl/batch_fill.py), scoring into an Experience (train/rl/scoring.py:
 reward, reference, critic and old log-probs overlap on their executors), the actor (+ critic)
 update over the minibatches, and the push of the new weights to the sampler (and the worker).
@@ -43,9 +43,9 @@ class Controller:
     self.rollouts = RolloutSource(cfg, generator, cluster.sampler_weights, task.prompts,
                              prompt_len=task.prompt_len, timeline=timeline,
                              run=self.executors.generator, next_index=next_index)
-    if cfg.rl.pack_length and cfg.rl.pack_length < task.prompt_len + cfg.rl.max_new_tokens:
-      raise ConfigError(f"config.rl.pack_length: at least a row's {task.prompt_len} prompt + "
-                        f"{cfg.rl.max_new_tokens} new tokens, got {cfg.rl.pack_length}")
+    if cfg.rl.batching.pack_length and cfg.rl.batching.pack_length < task.prompt_len + cfg.rl.rollout.max_new_tokens:
+      raise ConfigError(f"config.rl.batching.pack_length: at least a row's {task.prompt_len} prompt + "
+                        f"{cfg.rl.rollout.max_new_tokens} new tokens, got {cfg.rl.batching.pack_length}")
     self.scoring = Scoring(cfg.rl, cluster, actor, critic, judge, self.executors)
     items = offload_items(cfg.placement.offload)
     self.offload = Offloader(items, cluster, [actor, critic], timeline) if items else None
@@ -78,12 +78,12 @@ class Controller:
     """The step's batch: the next one, or with dynamic sampling as many as fill it (verifying
     the rounds counts as scoring)."""
     batch, waited = self._next()
-    if self.rl.dynamic_sampling:
+    if self.rl.dapo.dynamic_sampling:
       filled = fill_batch(batch, cfg=self.rl, judge=self.judge, next_batch=self._next)
       filled.waited += waited
       return filled
     return FilledBatch(batch.rollout, batch.prompts, None, batch.version,
-                       batch.token_versions(self.rl.max_new_tokens), waited, {})
+                       batch.token_versions(self.rl.rollout.max_new_tokens), waited, {})
 
   def update(self, exp) -> tuple[dict, dict]:
     """Actor (+ critic) updates over the minibatches, then the new weights go to the sampler."""

@@ -13,12 +13,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxrl.algos import ADVANTAGES, KL_ESTIMATORS
+from jaxrl.algos import KL_ESTIMATORS
 from jaxrl.algos.advantages import overlong_penalty
-from jaxrl.algos.registry import declared
-from jaxrl.config import RLConfig
+from jaxrl.config_rl import RLConfig
 from train.updates.packing import Pack
-from train.updates.rl import hyperparameters
 
 
 @flax.struct.dataclass
@@ -38,7 +36,7 @@ class Experience:
   loss_mask_BN: jax.Array | None = None
   # A mixture of experts: each token's experts in the sampler (replayed or compared).
   routes_BTLK: jax.Array | None = None
-  # `rl.pack_length`: the forward passes' packed rows, per piece (train/updates/packing.py).
+  # `rl.batching.pack_length`: the forward passes' packed rows, per piece (train/updates/packing.py).
   pack: Pack | None = None
 
   @property
@@ -51,18 +49,18 @@ class Experience:
 
 
 def advantages(rewards_B, mask_BN, kl_BN=None, values_BN=None, *, cfg: RLConfig):
-  """Per-token advantages from sequence rewards: `(adv_BN, raw_BN)`, where `raw_BN` is before
-  `cfg.whiten_advantages` (normalising over the batch's valid tokens); with a critic the value
-  targets are `raw_BN + values_BN`. With `cfg.kl_mode == "reward"`, `kl_coef * kl_BN` is taken
-  from the per-token rewards (reinforce_pp, PPO); `gae` needs the critic's `values_BN`."""
+  """Per-token advantages from sequence rewards by `cfg.advantage` (its entry reading the
+  section's hyperparameters): `(adv_BN, raw_BN)`, where `raw_BN` is before `advantage.whiten`
+  (normalising over the batch's valid tokens); with a critic the value targets are
+  `raw_BN + values_BN`. With `cfg.kl.mode == "reward"`, `kl.coef * kl_BN` is taken from the
+  per-token rewards (reinforce_pp, PPO); an estimator with a critic needs its `values_BN`."""
   mask_BN = mask_BN.astype(jnp.float32)
-  estimator = ADVANTAGES[cfg.advantage]
-  # kl_coef: the KL folded into the rewards (kl_mode="reward"; in the loss, policy_loss adds it)
-  available = {**hyperparameters(cfg), "kl_BN": kl_BN, "values_BN": values_BN,
-               "kl_coef": cfg.kl_coef if cfg.kl_mode == "reward" else 0.0}
-  raw_BN = estimator(rewards_B, mask_BN, **declared(estimator, available))
+  # kl_coef: the KL folded into the rewards (kl.mode="reward"; in the loss, policy_loss adds it)
+  available = {**vars(cfg.advantage), "group_size": cfg.group_size, "kl_BN": kl_BN,
+               "values_BN": values_BN, "kl_coef": cfg.kl.coef if cfg.kl.mode == "reward" else 0.0}
+  raw_BN = cfg.advantage.entry(rewards_B, mask_BN, available)
   adv_BN = raw_BN
-  if cfg.whiten_advantages:
+  if cfg.advantage.whiten:
     count = jnp.maximum(mask_BN.sum(), 1.0)
     mean = (raw_BN * mask_BN).sum() / count
     std = jnp.sqrt((((raw_BN - mean) * mask_BN)**2).sum() / count)
@@ -84,29 +82,31 @@ def truncated(rollout, budget: int, stop_ids: tuple[int, ...]) -> jax.Array:
 def make_experience(rollout, rewards_B, old_BN, ref_BN, values_BN, *, cfg: RLConfig,
                     stop_ids: tuple[int, ...] = ()):
   """Per-token KL to the reference (when the rewards carry it) and advantages from the
-  sequence rewards (with DAPO's soft overlong penalty when `cfg.overlong_buffer`);
+  sequence rewards (with DAPO's soft overlong penalty when `cfg.dapo.overlong_buffer`);
   (Experience, metrics). `rollout` is the sampler's `Rollout`, already moved onto this mesh;
   `old_BN` is None when the update computes it itself. A response cut off at the budget
-  (`truncated`: `cfg.max_new_tokens` used, the last token none of `stop_ids`) is overlong;
-  with `cfg.overlong_filter` the policy loss skips it (DAPO filters truncated samples)."""
+  (`truncated`: `cfg.rollout.max_new_tokens` used, the last token none of `stop_ids`) is
+  overlong; with `cfg.dapo.overlong_filter` the policy loss skips it (DAPO filters truncated
+  samples)."""
   mask_BN = rollout.completion_mask_BN
   maskf_BN = mask_BN.astype(jnp.float32)
-  overlong_B = truncated(rollout, cfg.max_new_tokens, stop_ids)
+  budget, dapo = cfg.rollout.max_new_tokens, cfg.dapo
+  overlong_B = truncated(rollout, budget, stop_ids)
   scored_B = rewards_B
-  if cfg.overlong_buffer:
-    scored_B = rewards_B + overlong_penalty(rollout.lengths_B, budget=cfg.max_new_tokens,
-                                            buffer=cfg.overlong_buffer,
-                                            factor=cfg.overlong_penalty)
+  if dapo.overlong_buffer:
+    scored_B = rewards_B + overlong_penalty(rollout.lengths_B, budget=budget,
+                                            buffer=dapo.overlong_buffer,
+                                            factor=dapo.overlong_penalty)
   # The policy's own tokens (multi-turn: not the environment's replies) carry KL and advantages.
   own_BN = mask_BN if rollout.loss_mask_BN is None else rollout.loss_mask_BN
   kl_BN = None
-  if cfg.kl_mode == "reward":
-    kl_BN = KL_ESTIMATORS[cfg.kl_estimator](old_BN, ref_BN) * own_BN.astype(jnp.float32)
+  if cfg.kl.mode == "reward":
+    kl_BN = KL_ESTIMATORS[cfg.kl.estimator](old_BN, ref_BN) * own_BN.astype(jnp.float32)
   if values_BN is not None:
     values_BN = values_BN * maskf_BN
   adv_BN, raw_BN = advantages(scored_B, own_BN, kl_BN, values_BN, cfg=cfg)
   loss_mask_BN = rollout.loss_mask_BN  # None: every completion token (a single turn)
-  if cfg.overlong_filter:
+  if dapo.overlong_filter:
     loss_mask_BN = (mask_BN if loss_mask_BN is None else loss_mask_BN) & ~overlong_B[:, None]
   experience = Experience(
       tokens_BT=rollout.tokens_BT, valid_BT=rollout.valid_BT, completion_mask_BN=mask_BN,

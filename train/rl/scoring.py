@@ -8,7 +8,7 @@ import functools
 import jax
 import numpy as np
 
-from jaxrl.config import RLConfig
+from jaxrl.config_rl import RLConfig
 from jaxrl.data.pipeline import bucket_length
 from train.io.host_transfers import to_device, to_host
 from train.rl.executors import Executors
@@ -97,15 +97,15 @@ class Scoring:
     return role.put(_on(self.reward_model, self.scores_fn, scored)), verified_B
 
   def trimmed(self, rollout, lengths_B: np.ndarray):
-    """The rollout with its completion slots cut to the bucket (`rl.length_buckets`) of its
+    """The rollout with its completion slots cut to the bucket (`rl.batching.length_buckets`) of its
     longest response (`lengths_B`: its rows' lengths, fetched): scoring and the update then skip
     the slots no row reached."""
     budget = rollout.completion_mask_BN.shape[1]
-    n = bucket_length(int(lengths_B.max(initial=0)), budget, self.cfg.length_buckets)
+    n = bucket_length(int(lengths_B.max(initial=0)), budget, self.cfg.batching.length_buckets)
     return rollout if n == budget else trim_rollout(rollout, n)
 
   def pack(self, rollout, lengths_B: np.ndarray, valid_B: np.ndarray):
-    """`rl.pack_length`: the plan of the trimmed rollout's packed rows (train/updates/packing.py,
+    """`rl.batching.pack_length`: the plan of the trimmed rollout's packed rows (train/updates/packing.py,
     from its rows' completion lengths and valid tokens, fetched), and the share of its slots that
     are padding."""
     p = rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]
@@ -117,7 +117,7 @@ class Scoring:
                             for k in range(1, 9)}))
     pack = packing.plan(valid_B - lengths_B, lengths_B, prompt_width=p,
                         completion_slots=rollout.completion_mask_BN.shape[1],
-                        pieces=self.cfg.rollouts // rows, length=self.cfg.pack_length,
+                        pieces=self.cfg.rollouts // rows, length=self.cfg.batching.pack_length,
                         row_buckets=buckets)
     return pack, 1.0 - valid_B.sum() / pack.packed_tokens
 
@@ -132,7 +132,7 @@ class Scoring:
   def _packed(self, rollout):
     """(the trimmed rollout, its pack or None, the packed rows' padding share): the rows'
     lengths fetched once for both."""
-    if not self.cfg.pack_length:
+    if not self.cfg.batching.pack_length:
       return self.trimmed(rollout, to_host(rollout.lengths_B, "lengths")), None, None
     lengths_B, valid_B = to_host((rollout.lengths_B, rollout.valid_BT.sum(axis=1)), "lengths")
     rollout = self.trimmed(rollout, lengths_B)

@@ -52,8 +52,8 @@ class RoleCluster:
           from None
     check_batch_sizes(cfg, self)
     hosts = host_count(self.devices)
-    if cfg.rl.mode == "async" and hosts > 1:
-      raise ConfigError(f"config.rl.mode: async runs its generator on a thread of its own, "
+    if cfg.rl.schedule.mode == "async" and hosts > 1:
+      raise ConfigError(f"config.rl.schedule.mode: async runs its generator on a thread of its own, "
                         f"which on {hosts} processes could launch programs in a "
                         f"different order on each; use mode='sync'")
     self.roles: dict[str, ModelRole] = {"actor": self.actor}
@@ -202,12 +202,12 @@ def check_batch_sizes(cfg: ExperimentConfig, cluster: RoleCluster) -> None:
   train = batch_ways(cluster.meshes["actor"], cluster.actor.rules)
   sampler = batch_ways(cluster.meshes["sampler"], SAMPLER_RULES)
   rl = cfg.rl
-  if rl.rollouts % (rl.num_minibatches * train):
+  if rl.rollouts % (rl.batching.num_minibatches * train):
     raise ConfigError(
-        f"config.rl.num_minibatches: prompts_per_step*group_size={rl.rollouts} must split into "
-        f"{rl.num_minibatches} minibatches divisible by the trainer's {train}-way batch split")
+        f"config.rl.batching.num_minibatches: prompts_per_step*group_size={rl.rollouts} must split into "
+        f"{rl.batching.num_minibatches} minibatches divisible by the trainer's {train}-way batch split")
   checks = [("config.sft.batch_size", cfg.sft.batch_size, train),
-            ("config.rl.micro_batch_size", rl.micro_batch_size, train),
+            ("config.rl.batching.micro_batch_size", rl.batching.micro_batch_size, train),
             ("config.rl.prompts_per_step", rl.prompts_per_step, sampler),
             ("config.eval.batch_size", cfg.eval.batch_size, sampler)]
   if cfg.dpo.steps:
@@ -217,7 +217,7 @@ def check_batch_sizes(cfg: ExperimentConfig, cluster: RoleCluster) -> None:
   for role in ("reference", "reward", "critic"):  # trained-model meshes: the train rules
     ways = batch_ways(cluster.meshes[role], cluster.actor.rules)
     checks += [("config.rl.group_size", rl.rollouts, ways),
-               ("config.rl.micro_batch_size", rl.micro_batch_size, ways)]
+               ("config.rl.batching.micro_batch_size", rl.batching.micro_batch_size, ways)]
   for path, value, ways in checks:
     if value % ways:
       what = "prompts_per_step*group_size=" if path == "config.rl.group_size" else ""

@@ -51,7 +51,7 @@ def _user_errors():
   try:
     yield
   except EnvError as e:
-    raise ConfigError(f"config.rl.environment: {e}") from None
+    raise ConfigError(f"config.rl.environment.name: {e}") from None
 
 
 @dataclasses.dataclass

@@ -3,8 +3,8 @@
 `sample` draws `group_size` completions per prompt at the RL temperature, `greedy` decodes for
 evaluation and `draw` samples for pass@k; each is the RL's `Sampler` (sampler/sampler.py) or one of
 its variants, compiled once for the sampler layout's shardings, and its rollouts stay on the
-sampler's devices. With `rl.inflight_slots > 0` they decode through in-flight batching (row slots
-refilled as rows finish), which returns the same rollouts; with `rl.environment` every rollout is
+sampler's devices. With `rl.rollout.inflight_slots > 0` they decode through in-flight batching (row slots
+refilled as rows finish), which returns the same rollouts; with `rl.environment.name` every rollout is
 a multi-turn conversation (train/rollout/multiturn.py). Prompt batch i of a run is drawn with
 `rollout_key(seed, i)`, in turn or ahead of the trainer (train/rollout/source.py).
 """
@@ -15,7 +15,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxrl.config import ConfigError, RLConfig
+from jaxrl.config import ConfigError
+from jaxrl.config_rl import RLConfig
 from jaxrl.envs import EnvError, Environment
 from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
@@ -38,11 +39,11 @@ def rollout_key(seed: int, index: int) -> jax.Array:
 
 def rl_sampling(rl: RLConfig, max_new_tokens: int, eos_id: int, pad_id: int,
                 stops: tuple[tuple[int, ...], ...]) -> SamplingConfig:
-  """How RL rollouts are sampled: at `rl.temperature` / `rl.top_k`, ending at EOS or a stop
-  sequence (`stops`), unless `rl.ignore_eos` runs every row to its budget."""
+  """How RL rollouts are sampled: at `rl.rollout.temperature` / `rl.rollout.top_k`, ending at EOS or a stop
+  sequence (`stops`), unless `rl.rollout.ignore_eos` runs every row to its budget."""
   return SamplingConfig(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                        stop_sequences=() if rl.ignore_eos else stops, method="temperature",
-                        temperature=rl.temperature, top_k=rl.top_k, ignore_eos=rl.ignore_eos)
+                        stop_sequences=() if rl.rollout.ignore_eos else stops, method="temperature",
+                        temperature=rl.rollout.temperature, top_k=rl.rollout.top_k, ignore_eos=rl.rollout.ignore_eos)
 
 
 class Generator:
@@ -51,28 +52,28 @@ class Generator:
                environment: Callable[[], Environment] | None = None):
     """`tok`: the run's tokenizer (its EOS, PAD and further stop tokens such as `<|eot_id|>`).
     `environment`: a new environment per row makes every rollout a multi-turn conversation
-    (train/rollout/multiturn.py) of up to `rl.max_turns` turns."""
+    (train/rollout/multiturn.py) of up to `rl.environment.max_turns` turns."""
     stops = tuple((i,) for i in tok.stop_ids if i != tok.eos_id)
     sampling = rl_sampling(rl, max_new_tokens, tok.eos_id, tok.pad_id, stops)
     weights, mesh = cluster.sampler_weights, cluster.meshes["sampler"]
-    if rl.inflight_slots and cluster.cfg.model.sliding_window:  # (its slots are a ring)
-      raise ConfigError(f"config.rl.inflight_slots: in-flight batching does not apply a sliding "
+    if rl.rollout.inflight_slots and cluster.cfg.model.sliding_window:  # (its slots are a ring)
+      raise ConfigError(f"config.rl.rollout.inflight_slots: in-flight batching does not apply a sliding "
                         f"window (model.sliding_window={cluster.cfg.model.sliding_window}); set 0")
     try:
       self.sampler = Sampler(weights.graphdef, sampling, n=rl.group_size, mesh=mesh,
-                             param_shardings=weights.shardings, inflight_slots=rl.inflight_slots)
+                             param_shardings=weights.shardings, inflight_slots=rl.rollout.inflight_slots)
     except ValueError as e:
-      raise ConfigError(f"config.rl.inflight_slots: {e}") from None
+      raise ConfigError(f"config.rl.rollout.inflight_slots: {e}") from None
     self.greedy_sampler = self.sampler.variant(n=1, method="greedy", stop_sequences=stops,
                                                ignore_eos=False)
     self._rows = batch_sharding(mesh, SAMPLER_RULES)
     self.environment, self.pad_id = environment, tok.pad_id
     # A kept cache continues in in-flight slots, whose ring a sliding window does not fit
-    keep = rl.keep_turn_cache and not cluster.cfg.model.sliding_window
-    self.turns = dict(max_turns=rl.max_turns, max_turn_tokens=rl.max_turn_tokens,
+    keep = rl.environment.keep_turn_cache and not cluster.cfg.model.sliding_window
+    self.turns = dict(max_turns=rl.environment.max_turns, max_turn_tokens=rl.environment.max_turn_tokens,
                       keep_cache=keep)
     if environment is not None and jax.process_count() > 1:
-      raise ConfigError("config.rl.environment: multi-turn rollouts run in one process for now")
+      raise ConfigError("config.rl.environment.name: multi-turn rollouts run in one process for now")
     # A turn also ends at the environment's stop strings
     self._turn_stops = () if environment is None else tuple(
         tuple(tok.encode(s)) for s in environment().stop_strings)
@@ -114,8 +115,8 @@ class Generator:
                        [prompts["examples"][i] for i in rows],
                        [self.environment() for _ in rows], key,
                        max_new_tokens=sampler.cfg.max_new_tokens, **self.turns)
-    except EnvError as e:  # a user's environment misbehaved (rl.on_user_code_error="stop")
-      raise ConfigError(f"config.rl.environment: {e}") from None
+    except EnvError as e:  # a user's environment misbehaved (rl.user_code.on_error="stop")
+      raise ConfigError(f"config.rl.environment.name: {e}") from None
     return self._conversations_rollout(talks, prompts)
 
   def _turn_sampler(self, sampler: Sampler) -> Sampler:
@@ -134,7 +135,7 @@ class Generator:
   def stream(self, params, *, prompt_width: int, batch_prompts: int, live: int):
     """Partial rollouts: the RL sampler's in-flight slots running a stream of prompt batches,
     up to `live` open at once (sampler/stream.py), or of batches of conversations with
-    `rl.environment` (train/rollout/conversations.py)."""
+    `rl.environment.name` (train/rollout/conversations.py)."""
     if self.environment is None:
       return self.sampler.stream(params, prompt_width=prompt_width,
                                  batch_prompts=batch_prompts, live=live)

@@ -11,7 +11,7 @@ decoded and encoded again. A conversation ends when its environment says so, whe
 it). Its reward is the sum of its steps' rewards (the shipped tool environments reward only the
 last step, so a conversation cut short scores 0 there).
 
-With in-flight slots (`rl.inflight_slots > 0`) the turns are requests to
+With in-flight slots (`rl.rollout.inflight_slots > 0`) the turns are requests to
 `sampler.requests.Requests`: a conversation's next turn is submitted as soon as its environment
 has replied and takes the next free slot while the other rows keep decoding, so no row waits for
 the others' turns (in-flight batching across turns). Otherwise turns decode as static batches

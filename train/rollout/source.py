@@ -1,9 +1,9 @@
 """Where the RL loop's rollout batches come from, and where its new weights go.
 
-Sync (`rl.mode=sync`): batch i is generated when the loop asks for it, from the sampler's fresh
+Sync (`rl.schedule.mode=sync`): batch i is generated when the loop asks for it, from the sampler's fresh
 copy of the actor, on the generator's executor. Async: a worker thread generates ahead of the
 trainer under the schedule (jaxrl/schedules.py): whole batches (`RolloutWorker`) or, with
-`rl.partial_rollouts`, a stream of rows in in-flight slots that takes new weights between decode
+`rl.schedule.partial_rollouts`, a stream of rows in in-flight slots that takes new weights between decode
 segments (`PartialRolloutWorker`); every push of the trainer's weights reaches it. Either way
 batch i is drawn with `rollout_key(seed, i)`: async with `max_staleness=0` reproduces sync.
 """
@@ -37,16 +37,16 @@ class RolloutSource:
     """Async mode: starts the generator ahead of the trainer, from the first batch not yet
     trained on (it draws the same prompts and keys as the sync loop), or from a checkpoint's
     generator `state`."""
-    if self.rl.mode != "async":
+    if self.rl.schedule.mode != "async":
       return
     self.weights.pin()  # the worker may decode with a copy the trainer replaced
     params = self.weights.fresh()
-    common = dict(version=version, max_staleness=self.rl.max_staleness, seed=self.cfg.seed,
-                  start_index=self.next_index, schedule=self.rl.async_schedule, state=state)
-    if self.rl.partial_rollouts:
+    common = dict(version=version, max_staleness=self.rl.schedule.max_staleness, seed=self.cfg.seed,
+                  start_index=self.next_index, schedule=self.rl.schedule.name, state=state)
+    if self.rl.schedule.partial_rollouts:
       stream = self.generator.stream(params, prompt_width=self.prompt_len,
                                      batch_prompts=self.rl.prompts_per_step,
-                                     live=self.rl.max_staleness + 1)
+                                     live=self.rl.schedule.max_staleness + 1)
       self.worker = PartialRolloutWorker(
           stream, self.prompts, params,
           span=lambda: self.timeline.span("generator", "decode"), **common)

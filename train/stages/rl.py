@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 
-from jaxrl.config import RLConfig
+from jaxrl.config_rl import RLConfig
 from train.rl.controller import Controller
 from train.roles.learner import Learner
 from train.roles.role import ModelRole
@@ -35,14 +35,14 @@ def learners(rl: RLConfig, actor: ModelRole, critic: ModelRole | None, *,
   its optimizer and learning-rate schedule; `initialize=False`: abstract state (a restore, or a
   target compile)."""
   optimizer = lambda lr: make_optimizer(lr, warmup_steps=rl.warmup_steps,
-                                        total_steps=rl.steps * rl.num_minibatches,
+                                        total_steps=rl.steps * rl.batching.num_minibatches,
                                         max_grad_norm=rl.max_grad_norm)
   actor_learner = Learner(actor, functools.partial(rl_update, cfg=rl), optimizer(rl.learning_rate),
                           initialize=initialize)
   if critic is None:
     return actor_learner, None
   return actor_learner, Learner(critic, functools.partial(critic_update, cfg=rl),
-                                optimizer(rl.critic_learning_rate), initialize=initialize)
+                                optimizer(rl.critic.learning_rate), initialize=initialize)
 
 
 class RLStage(Stage):
@@ -67,7 +67,7 @@ class RLStage(Stage):
     if cluster.get("reference") is None:  # frozen: the actor as RL starts
       cluster.add_reference(restored=restoring)
     critic = None
-    if rl.advantage == "gae":
+    if rl.trains_critic:
       critic = cluster.get("critic") or self._new_critic()
     self.actor, self.critic = learners(rl, cluster.actor, critic, initialize=not restoring)
 
@@ -154,7 +154,7 @@ class RLStage(Stage):
   def restore(self, state: dict, arrays: dict) -> None:
     self.next_index, self.lags = state["next_index"], state.get("lags", [])
     self.maxima.update(state.get("maxima", {}))
-    if "generator" in state and self.cfg.rl.mode == "async":
+    if "generator" in state and self.cfg.rl.schedule.mode == "async":
       self._generator = async_state.from_checkpoint(
           arrays["generator"], state["generator"], self.ctx.cluster.sampler_weights.abstract())
       stream = self._generator.meta.get("stream")
@@ -168,11 +168,11 @@ class RLStage(Stage):
   def _stream_shape(self) -> dict | None:
     """The layout of partial rollouts' decode state under this config (None: not streaming)."""
     rl = self.cfg.rl
-    if not rl.partial_rollouts:
+    if not rl.schedule.partial_rollouts:
       return None
-    shape = {"slots": rl.inflight_slots, "rows": rl.rollouts, "live": rl.max_staleness + 1,
-             "ring": self.ctx.task.prompt_len + rl.max_new_tokens - 1}
-    return {"kind": "conversations", **shape} if rl.environment else shape
+    shape = {"slots": rl.rollout.inflight_slots, "rows": rl.rollouts, "live": rl.schedule.max_staleness + 1,
+             "ring": self.ctx.task.prompt_len + rl.rollout.max_new_tokens - 1}
+    return {"kind": "conversations", **shape} if rl.environment.name else shape
 
   def close(self) -> None:
     if self.controller is not None:

@@ -15,7 +15,8 @@ import grain
 import jax
 import numpy as np
 
-from jaxrl.config import ConfigError, ExperimentConfig, RLConfig, first_line
+from jaxrl.config import ConfigError, ExperimentConfig, first_line
+from jaxrl.config_rl import RLConfig
 from jaxrl.data.files import DataError
 from jaxrl.data.pipeline import Encoding, prompt_dataset, prompt_length, target_length
 from jaxrl.data.sources import DataOptions, load_examples
@@ -42,13 +43,13 @@ class TaskData:
   enc: Encoding  # prompt and target token ids
   # The longest prompt (at most data.max_prompt_tokens): batches are left-padded to a bucket of it
   prompt_len: int
-  buckets: int  # rl.length_buckets
-  max_new_tokens: int  # rl.max_new_tokens
+  buckets: int  # rl.batching.length_buckets
+  max_new_tokens: int  # rl.rollout.max_new_tokens
   reward: Reward  # rl.verifier: a verifier, or a user function of the rows' fields
   verifier: Callable[[str, str], float]  # one completion against one reference answer
   prompts: grain.MapDataset  # RL prompt batches, read by index (the data position)
   skipped: dict  # bad rows skipped, by reason (the summary's data_skipped_rows)
-  # Calls of user code scored 0 or ended (rl.on_user_code_error="zero"): "reward", "environment"
+  # Calls of user code scored 0 or ended (rl.user_code.on_error="zero"): "reward", "environment"
   user_code_errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   user_code: bool = False  # a user's reward function or environment runs (contained)
 
@@ -59,7 +60,7 @@ def make_reward(name: str, rl: RLConfig | None = None,
   """(batch reward, per-sample verifier) of `rl.verifier`: a built-in verifier of completions
   against reference answers, or `package.module:function` called with the batch's prompts,
   completions and row fields (the reference answer as `answer`), contained by
-  `rl.user_code_timeout_s` and `rl.on_user_code_error` (its failures told to `report`)."""
+  `rl.user_code.timeout_s` and `rl.user_code.on_error` (its failures told to `report`)."""
   if ":" not in name:
     verifier = VERIFIERS[name]
     return (lambda prompts, completions, examples: np.array(
@@ -75,7 +76,7 @@ def make_reward(name: str, rl: RLConfig | None = None,
   def reward(prompts, completions, examples):
     return call_reward_fn(fn, prompts, completions,
                           [{**ex.fields, "answer": ex.answer} for ex in examples], pool=pool,
-                          spec=name, group=rl.group_size, policy=rl.on_user_code_error,
+                          spec=name, group=rl.group_size, policy=rl.user_code.on_error,
                           report=report)
   return reward, lambda text, answer: float(reward([""], [text], [Example("", answer)])[0])
 
@@ -86,7 +87,7 @@ _POOLS: dict[tuple, UserCodePool] = {}
 def user_code_pool(rl: RLConfig, spec: str) -> UserCodePool:
   """The worker processes running `spec` under `rl`'s limits, started once per process and
   import path (stopped at its exit): the runs of a notebook or a test session share them."""
-  key = (spec, rl.user_code_workers, rl.user_code_timeout_s, rl.user_code_memory_gb,
+  key = (spec, rl.user_code.workers, rl.user_code.timeout_s, rl.user_code.memory_gb,
          tuple(sys.path))
   if key not in _POOLS:
     _POOLS[key] = UserCodePool(workers=key[1], timeout_s=key[2], memory_gb=key[3],
@@ -120,7 +121,7 @@ def _synthetic(cfg: ExperimentConfig, enc: Encoding) -> tuple[list, list]:
     raise ConfigError(f"config.{e}") from None
   for field, limit, need in [
       ("data.max_prompt_tokens", cfg.data.max_prompt_tokens, prompt_length(train + heldout, enc)),
-      ("rl.max_new_tokens", cfg.rl.max_new_tokens, target_length(train + heldout, enc))]:
+      ("rl.rollout.max_new_tokens", cfg.rl.rollout.max_new_tokens, target_length(train + heldout, enc))]:
     if need > limit:
       raise ConfigError(f"config.{field}: the task {t.name!r} needs {need} tokens, got {limit}")
   return train, heldout
@@ -129,7 +130,7 @@ def _synthetic(cfg: ExperimentConfig, enc: Encoding) -> tuple[list, list]:
 def _from_files(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[list, list, dict]:
   d = cfg.data
   try:
-    opts = dataclasses.replace(DataOptions.of(d), max_completion_tokens=cfg.rl.max_new_tokens)
+    opts = dataclasses.replace(DataOptions.of(d), max_completion_tokens=cfg.rl.rollout.max_new_tokens)
     train, skipped = load_examples(d.train_path, tok, opts, sft=cfg.sft.steps > 0)
     if d.heldout_path:
       heldout, held_skipped = load_examples(d.heldout_path, tok, opts)
@@ -163,15 +164,15 @@ def load_task(cfg: ExperimentConfig, tok: Tokenizer) -> TaskData:
   errors = collections.Counter()  # user code that misbehaved, under the "zero" policy
   reward, verifier = make_reward(cfg.rl.verifier, cfg.rl,
                                  counter(errors, "reward"))
-  p_len, buckets = cfg.data.max_prompt_tokens, cfg.rl.length_buckets
+  p_len, buckets = cfg.data.max_prompt_tokens, cfg.rl.batching.length_buckets
   if buckets:  # the buckets split the lengths that occur: up to the data's longest prompt
     p_len = min(p_len, prompt_length(train + heldout, enc))
   return TaskData(train=train, heldout=heldout, enc=enc, prompt_len=p_len, buckets=buckets,
-                  max_new_tokens=cfg.rl.max_new_tokens, reward=reward, verifier=verifier,
+                  max_new_tokens=cfg.rl.rollout.max_new_tokens, reward=reward, verifier=verifier,
                   prompts=prompt_dataset(train, enc, batch_size=cfg.rl.prompts_per_step,
                                          length=p_len, seed=cfg.seed + 1, buckets=buckets),
                   skipped=skipped, user_code_errors=errors,
-                  user_code=":" in cfg.rl.verifier or ":" in cfg.rl.environment)
+                  user_code=":" in cfg.rl.verifier or ":" in cfg.rl.environment.name)
 
 
 _COUNTING = threading.Lock()
@@ -187,28 +188,28 @@ def counter(errors: collections.Counter, name: str) -> Callable[[int], None]:
 
 
 def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData):
-  """A zero-argument factory of the run's environment (`rl.environment`), or None; a user's
+  """A zero-argument factory of the run's environment (`rl.environment.name`), or None; a user's
   class lives in host processes (jaxrl/envs/hosted.py), contained (jaxrl/envs/contained.py),
   its failures counted in the task's `user_code_errors`. One environment is made here, so a
   constructor that fails (or a sandbox the kernel refuses) is a one-line config error."""
   rl = cfg.rl
-  if not rl.environment:
+  if not rl.environment.name:
     return None
   try:
-    factory = environment_factory(rl.environment)
-    if rl.environment in ENVIRONMENTS:
+    factory = environment_factory(rl.environment.name)
+    if rl.environment.name in ENVIRONMENTS:
       factory(tok, task.verifier)
       return lambda: factory(tok, task.verifier)
     hosts = _env_hosts(rl, tok)
     hosts.new()
   except (EnvError, SandboxUnavailable) as e:
-    raise ConfigError(f"config.rl.environment: {e}") from None
+    raise ConfigError(f"config.rl.environment.name: {e}") from None
   except (EnvCallError, UserCodeTimeout, WorkerDied, HostRestarted) as e:
-    raise ConfigError(f"config.rl.environment: {rl.environment}: the constructor failed: "
+    raise ConfigError(f"config.rl.environment.name: {rl.environment.name}: the constructor failed: "
                       f"{first_line(e)}") from None
   count = counter(task.user_code_errors, "environment")
-  return lambda: ContainedEnvironment(_new(hosts), name=rl.environment,
-                                      policy=rl.on_user_code_error, report=count)
+  return lambda: ContainedEnvironment(_new(hosts), name=rl.environment.name,
+                                      policy=rl.user_code.on_error, report=count)
 
 
 def _new(hosts: EnvHosts):
@@ -237,14 +238,14 @@ _HOSTS: dict[tuple, tuple] = {}
 
 
 def _env_hosts(rl: RLConfig, tok: Tokenizer) -> EnvHosts:
-  """The host processes of `rl.environment` for tokenizer `tok`, started once per process
+  """The host processes of `rl.environment.name` for tokenizer `tok`, started once per process
   (stopped at its exit)."""
-  key = (rl.environment, rl.verifier, rl.user_code_workers, rl.user_code_timeout_s,
-         rl.user_code_memory_gb, tuple(sys.path))
+  key = (rl.environment.name, rl.verifier, rl.user_code.workers, rl.user_code.timeout_s,
+         rl.user_code.memory_gb, tuple(sys.path))
   if key not in _HOSTS or _HOSTS[key][0] is not tok:
     if key in _HOSTS:  # a later run of this process, with its own tokenizer
       _HOSTS[key][1].close()
-    hosts = EnvHosts(rl.environment, tok, rl.verifier, workers=key[2], timeout_s=key[3],
+    hosts = EnvHosts(rl.environment.name, tok, rl.verifier, workers=key[2], timeout_s=key[3],
                      memory_gb=key[4])
     atexit.register(hosts.close)
     _HOSTS[key] = (tok, hosts)

@@ -1,4 +1,4 @@
-"""Packed RL batches (`rl.pack_length`): the scoring passes and the update run the model over
+"""Packed RL batches (`rl.batching.pack_length`): the scoring passes and the update run the model over
 rows packed to a token budget instead of the [B, T] batch, where long-tailed lengths leave most
 slots of a bucket padding.
 
