@@ -69,7 +69,7 @@ def test_ignore_eos_runs_every_rollout_to_its_budget_past_sampled_eos(tmp_path):
   raw = tiny.get_config().to_dict()
   raw.update(run_dir=str(tmp_path), run_name="eos")
   raw["sft"]["steps"] = 0  # a fresh policy samples EOS as often as any token
-  raw["rl"]["ignore_eos"] = True
+  raw["rl"]["rollout"]["ignore_eos"] = True
   with Experiment(raw) as exp:
     eos = exp.ctx.tok.eos_id
     groups = exp.sample([f"rev {s}=" for s in ("abcde", "jihgf", "aabbc", "cdefg")], n=16,

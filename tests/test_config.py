@@ -9,7 +9,7 @@ import pytest
 from cli.flags import parse_args
 from configs import default
 from jaxrl.config import ConfigError, ExperimentConfig
-from jaxrl.config_files import from_mapping, with_gin
+from jaxrl.config_files import from_mapping, resolve, with_gin
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -116,6 +116,22 @@ def test_a_run_dir_from_before_model_families_still_reads():
   assert from_mapping(ExperimentConfig, {"model": {"qkv_bias": False}}).model.family == "llama"
   with pytest.raises(ConfigError, match="config.model.qkv_bias"):
     from_mapping(ExperimentConfig, {"model": {"qkv_bias": True, "qk_norm": True}})
+
+
+@pytest.mark.parametrize("name", ["default", "partial_reverse", "ppo_rlhf_tiny", "dapo_reverse",
+                                  "gsm8k_tools", "decoupled_ppo_async_reverse"])
+def test_a_run_dir_from_before_the_rl_sections_still_reads(name):
+  """The `rl` section of config.json as runs wrote it before its fields were split by concern
+  (tests/golden/rl_config_before_issue_53.json: written by the commit before, from these config
+  files) reads as today's config of the same file, every field in its new section."""
+  import json
+  with open(os.path.join(ROOT, "tests", "golden", "rl_config_before_issue_53.json")) as f:
+    old = json.load(f)[name]
+  assert "clip_eps_low" in old and "loss" not in old  # (the flat form)
+  today = resolve(importlib.import_module(f"configs.{name}").get_config(), hf=False)
+  assert from_mapping(ExperimentConfig, {"rl": old}).rl == today.rl
+  with pytest.raises(ConfigError, match="config.rl.clip_eps_lo: unknown field"):
+    from_mapping(ExperimentConfig, {"rl": {"clip_eps_lo": 0.1}})  # (a typo stays an error)
 
 
 def test_int_is_accepted_for_float():

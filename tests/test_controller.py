@@ -21,10 +21,11 @@ from train.run import Experiment
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
 
-def _cfg(tmp_path, name, **rl):
+def _cfg(tmp_path, name, steps: int, schedule: dict | None = None):
   raw = tiny.get_config().to_dict()
   raw.update(run_dir=str(tmp_path), run_name=name, checkpoint_every=1)
-  raw["rl"].update(rl)
+  raw["rl"]["steps"] = steps
+  raw["rl"]["schedule"].update(schedule or {})
   return raw, os.path.join(str(tmp_path), name)
 
 
@@ -190,7 +191,8 @@ def test_generator_failure_in_async_mode_is_named(tmp_path, monkeypatch):
     return real(self, params, prompts, key)
 
   monkeypatch.setattr(Generator, "sample", flaky)
-  cfg, run_dir = _cfg(tmp_path, "gen", steps=6, mode="async", max_staleness=1)
+  cfg, run_dir = _cfg(tmp_path, "gen", steps=6,
+                      schedule={"mode": "async", "max_staleness": 1})
   with pytest.raises(ExecutorError, match="generator executor failed: RuntimeError: sampler out of"):
     run(cfg, run_dir)
   assert max(_rl_steps(run_dir)) in (1, 2)  # the steps before the failure were saved

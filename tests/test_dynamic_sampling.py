@@ -26,8 +26,9 @@ def reward(prompts, completions, **_):
 def _raw(tmp_path, name, **rl):
   raw = tiny.get_config().to_dict()
   raw.update(run_dir=str(tmp_path), run_name=name, checkpoint_every=1)
-  raw["rl"].update(group_size=GROUP, prompts_per_step=PROMPTS, dynamic_sampling=True,
-                   dynamic_sampling_rounds=6, verifier="test_dynamic_sampling:reward", **rl)
+  raw["rl"].update(group_size=GROUP, prompts_per_step=PROMPTS,
+                   verifier="test_dynamic_sampling:reward", **rl)
+  raw["rl"]["dapo"].update(dynamic_sampling=True, dynamic_sampling_rounds=6)
   return raw
 
 

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from cli.dry_run import shard_bytes, update_footprint
 from cli.target_compile import abstract_experience
 from jaxrl.config import DataConfig, ExperimentConfig
-from jaxrl.config_rl import RLConfig
+from jaxrl.config_rl import BatchingConfig, KLConfig, RLConfig, RolloutConfig
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import LanguageModel
 from sharding.rules import MESH_AXES
@@ -33,12 +33,13 @@ from train.updates.state import make_optimizer
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
 
-def _config(model: dict, *, prompt: int, new: int, rollouts: int, **rl) -> ExperimentConfig:
+def _config(model: dict, *, prompt: int, new: int, rollouts: int, **batching) -> ExperimentConfig:
   heads = dict(n_heads=4, n_kv_heads=2, head_dim=model["d_model"] // 4, d_ff=4 * model["d_model"])
   return ExperimentConfig(
       model=ModelConfig(**{**heads, **model}), data=DataConfig(max_prompt_tokens=prompt),
-      rl=RLConfig(prompts_per_step=rollouts // 2, group_size=2, max_new_tokens=new, kl_coef=0.05,
-                  **rl))
+      rl=RLConfig(prompts_per_step=rollouts // 2, group_size=2,
+                  rollout=RolloutConfig(max_new_tokens=new), kl=KLConfig(coef=0.05),
+                  batching=BatchingConfig(**batching)))
 
 
 CONFIGS = {  # the per-device rows of one pass, the remat and the fsdp degree all differ
@@ -79,7 +80,8 @@ def test_remat_and_micro_batches_shrink_the_estimate():
   peak = lambda c: sum(update_footprint(c, mesh, role.rules, 4 * params, params).values())
   with_remat = lambda r: dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=r))
   assert peak(with_remat("full")) < peak(with_remat("dots")) < peak(cfg)
-  micro = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, micro_batch_size=2))
+  micro = dataclasses.replace(cfg, rl=dataclasses.replace(
+      cfg.rl, batching=dataclasses.replace(cfg.rl.batching, micro_batch_size=2)))
   assert peak(micro) < peak(cfg)
 
 

@@ -107,5 +107,5 @@ def test_critic_micro_batches_give_the_minibatch_update(tiny_cfg):
 
 
 def test_micro_batch_size_must_divide_the_minibatch():
-  with pytest.raises(ConfigError, match=r"config\.rl\.micro_batch_size: must divide .* 256 rows"):
+  with pytest.raises(ConfigError, match=r"config\.rl\.batching\.micro_batch_size: must divide .* 256 rows"):
     from_mapping(ExperimentConfig, {"rl": {"batching": {"micro_batch_size": 96}}})

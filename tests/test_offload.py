@@ -47,11 +47,11 @@ def test_round_trip_is_bit_identical(tiny_cfg):
   assert moved(back, DEVICE)[1] == 0  # already there: nothing moves
 
 
-def _run(tmp_path, name, offload, **rl):
+def _run(tmp_path, name, offload):
   c = tiny.get_config()
   c.run_dir, c.run_name = str(tmp_path), name
   c.placement.update(strategy="colocate", offload=offload)
-  c.rl.update(steps=4, **rl)
+  c.rl.update(steps=4)
   c.checkpoint_every = 2
   with Experiment(c) as exp:
     summary = exp.run()

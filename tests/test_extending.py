@@ -1,0 +1,108 @@
+"""docs/architecture.md's "where to change what", done: each extension is its registry entry (and
+its config field), nothing else. Each test adds one the way a newcomer would, registering it with
+monkeypatch where the code would have a new line, and runs it through the code that uses it."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl import envs
+from jaxrl.algos import losses
+from jaxrl.algos.losses import PolicyLoss, aggregation_weights
+from jaxrl.config_checks import ConfigError
+from jaxrl.config_files import from_mapping
+from jaxrl.config_rl import EnvironmentConfig, LossConfig, RLConfig
+from jaxrl.data.tasks import Example
+from jaxrl.data.tokenizer import ByteTokenizer
+from jaxrl.envs.base import Step
+from jaxrl.models.transformer import LanguageModel
+from sampler.methods import SamplingConfig
+from sampler.sampler import Sampler
+from train.rl.experience import Experience
+from train.rollout.multiturn import converse
+from train.updates.rl import policy_loss
+
+
+def soft_gate_loss(logp_BN, adv_BN, *, old_BN, tau: float):
+  """A loss with a hyperparameter no other loss has: -A * (1 + tanh(tau (r - 1)) / tau), a soft
+  clip whose gradient fades as the ratio leaves 1; `saturated_frac`: tokens past |tau (r-1)| 2."""
+  x_BN = tau * (jnp.exp(logp_BN - old_BN) - 1.0)
+  return -adv_BN * (1.0 + jnp.tanh(x_BN) / tau), {"saturated_frac": (jnp.abs(x_BN) > 2.0) * 1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftLossConfig(LossConfig):
+  tau: float = 1.0  # (in jaxrl: one more field of LossConfig)
+
+
+def test_a_loss_with_a_new_hyperparameter_is_its_entry_and_its_field(tiny_cfg, monkeypatch):
+  monkeypatch.setitem(losses.POLICY_LOSSES, "soft_gate", PolicyLoss(soft_gate_loss))
+  cfg = RLConfig(loss=SoftLossConfig(name="soft_gate", tau=4.0))  # the name is checked
+  graphdef, params = nnx.split(LanguageModel(tiny_cfg, rngs=nnx.Rngs(0)))
+  rng = np.random.default_rng(0)
+  b, p, n = 2, 3, 4
+  tokens_BT = jnp.asarray(rng.integers(0, 256, (b, p + n)), jnp.int32)
+  mask_BN = jnp.ones((b, n), bool)
+  from train.updates.forward import completion_logprobs
+  logp_BN = completion_logprobs(graphdef, params, tokens_BT, jnp.ones((b, p + n), bool), p)[0]
+  old_BN = logp_BN + jnp.asarray([[0.0, 0.01, 0.5, -0.9]] * b)
+  adv_BN = jnp.asarray(rng.normal(size=(b, n)), jnp.float32)
+  exp = Experience(tokens_BT=tokens_BT, valid_BT=jnp.ones((b, p + n), bool),
+                   completion_mask_BN=mask_BN, sampler_logprobs_BN=old_BN,
+                   ref_logprobs_BN=logp_BN, advantages_BN=adv_BN, old_logprobs_BN=old_BN)
+  weights = aggregation_weights("token_mean", mask_BN)
+  loss, metrics = policy_loss(params, (exp, weights, weights), graphdef=graphdef, cfg=cfg)
+  r = np.exp(np.asarray(logp_BN - old_BN, np.float64))
+  want = (-np.asarray(adv_BN) * (1 + np.tanh(4.0 * (r - 1)) / 4.0)).mean()
+  np.testing.assert_allclose(loss, want, rtol=1e-5)
+  assert metrics["saturated_frac"] == pytest.approx(0.25)  # its own metric (r = e^0.9 only)
+  assert "clip_frac" not in metrics  # (no other loss's bounds are applied to it)
+  with pytest.raises(ConfigError, match=r"config.rl.loss.name: expected one of \[.*'soft_gate'"):
+    from_mapping(RLConfig, {"loss": {"name": "soft_gaet"}}, "config.rl")
+
+
+class Echo:
+  """A tool environment: the model's turn, reversed, is the tool's reply; two turns."""
+
+  def __init__(self, tok, verifier):
+    self.tok, self.stop_strings, self.turns = tok, (")",), 0
+
+  def reset(self, example):
+    self.turns = 0
+    return []
+
+  def step(self, turn_ids):
+    self.turns += 1
+    return Step(list(reversed(turn_ids))[:3], float(self.turns), self.turns >= 2)
+
+
+def test_a_tool_environment_is_one_registry_entry(monkeypatch):
+  monkeypatch.setitem(envs.ENVIRONMENTS, "echo", Echo)
+  assert RLConfig(environment=EnvironmentConfig(name="echo")).environment.name == "echo"
+  with pytest.raises(ValueError, match=r"name: expected one of \[.*'echo'"):
+    EnvironmentConfig(name="ehco")
+  tok = ByteTokenizer()
+  model = LanguageModel(dataclasses.replace(_tiny(), vocab_size=tok.vocab_size),
+                        rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  sampler = Sampler(graphdef, SamplingConfig(max_new_tokens=12, eos_id=tok.eos_id,
+                                             pad_id=tok.pad_id, method="temperature"))
+  prompts = [tok.encode("echo ab"), tok.encode("echo c")]
+  factory = envs.environment_factory("echo")
+  talks = converse(sampler, params, prompts, [Example("x", "1")] * 2,
+                   [factory(tok, None) for _ in prompts], jax.random.key(0), max_new_tokens=12,
+                   max_turns=2, max_turn_tokens=4, keep_cache=False)
+  for talk in talks:  # turn, reply, turn (the last reply ends the conversation: not appended)
+    assert talk.policy == [True] * 4 + [False] * 3 + [True] * 4
+    assert talk.ids[4:7] == talk.ids[3::-1][:3]  # the first turn's ids, reversed
+    assert talk.reward == 1.0 + 2.0 and talk.done  # its rewards (summed) and its end reached it
+
+
+def _tiny():
+  from jaxrl.models.config import ModelConfig
+  return ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16, d_ff=64)
