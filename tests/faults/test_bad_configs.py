@@ -8,10 +8,12 @@ CASES = [
     (["--config.rl.learning_rate=nan"], "config.rl.learning_rate: expected a finite number, got nan"),
     (["--config.rl.kl.coef=-0.1"], "config.rl.kl.coef: expected >= 0, got -0.1"),
     (["--config.rl.loss.eps_low=1.5"], "config.rl.loss.eps_low: the ratio's lower bound "
-     "1 - clip_eps_low cannot be negative, expected <= 1, got 1.5"),
+     "1 - eps_low cannot be negative, expected <= 1, got 1.5"),
     (["--config.rl.stepz=3"], "config.rl.stepz: unknown field; did you mean 'steps'?"),
     (["--config.rl.lerning_rate=3"], "config.rl.lerning_rate: unknown field; did you mean "
-     "'learning_rate' or 'critic_learning_rate'?"),
+     "'learning_rate'?"),
+    (["--config.rl.loss.eps_hihg=3"], "config.rl.loss.eps_hihg: unknown field; did you mean "
+     "'eps_high'?"),
     (["--config.rl.zzz=3"], "config.rl.zzz: unknown field, and none of the section's"),
     (["--config.rl.steps=abc"], "flag --config.rl.steps=abc: invalid literal for int()"),
     (["--config.rl.schedule.mode=asyncc"], "config.rl.schedule.mode: expected one of ['async', 'sync'], got 'asyncc'"),
@@ -42,8 +44,8 @@ CASES = [
      "batch split of its mesh"),
     (["--config.placement.sampler_tensor=3"], "config.placement.sampler_tensor: the sampler's "
      "mesh axis tensor=3 does not divide its 4 devices"),
-    (["--config.rl.environment.name=chess"], "config.rl.environment.name: environment 'chess': expected "
-     "one of"),
+    (["--config.rl.environment.name=chess"], "config.rl.environment.name: expected one of "
+     "['calculator', 'python',"),
     (["--config.dpo.steps=2", "--config.dpo.pairs_path=/nonexistent/pairs.jsonl"],
      "/nonexistent/pairs.jsonl: cannot read pairs file"),
     (["--config.model.vocab_size=256"], "config.model.vocab_size: expected >= 264 for the "
