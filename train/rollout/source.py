@@ -14,12 +14,25 @@ from collections.abc import Callable
 
 import jax
 
-from jaxrl.config import ExperimentConfig
+from jaxrl.config import ExperimentConfig, RLConfig
+from sampler.stream import StreamGeometry
 from train.io.timeline import Timeline
 from train.roles.sampler_weights import SamplerWeights
 from train.rollout.generator import Generator, rollout_key
 from train.rollout.partial import PartialRolloutWorker
 from train.rollout.worker import RolloutBatch, RolloutWorker, WorkerState
+
+
+def stream_geometry(rl: RLConfig, prompt_width: int) -> StreamGeometry | None:
+  """The layout of partial rollouts' stream under this config, for prompts of up to
+  `prompt_width` tokens (None: no stream): a step's rollouts per batch, and open at once the
+  batch the trainer takes next and the `rl.max_staleness` generated ahead of it. The stream is
+  built to it, and a resume continues a checkpoint's rows in flight only where it is theirs."""
+  if not rl.partial_rollouts:
+    return None
+  return StreamGeometry(slots=rl.inflight_slots, rows=rl.rollouts, live=rl.max_staleness + 1,
+                        prompt_width=prompt_width, max_new_tokens=rl.max_new_tokens,
+                        conversations=bool(rl.environment))
 
 
 class RolloutSource:
@@ -31,6 +44,7 @@ class RolloutSource:
     self.cfg, self.rl, self.generator, self.weights = cfg, cfg.rl, generator, weights
     self.prompts, self.prompt_len, self.timeline, self._run = prompts, prompt_len, timeline, run
     self.next_index = next_index
+    self.geometry = stream_geometry(cfg.rl, prompt_len)
     self.worker = None
 
   def start(self, version: int, state: WorkerState | None = None) -> None:
@@ -43,12 +57,9 @@ class RolloutSource:
     params = self.weights.fresh()
     common = dict(version=version, max_staleness=self.rl.max_staleness, seed=self.cfg.seed,
                   start_index=self.next_index, schedule=self.rl.async_schedule, state=state)
-    if self.rl.partial_rollouts:
-      stream = self.generator.stream(params, prompt_width=self.prompt_len,
-                                     batch_prompts=self.rl.prompts_per_step,
-                                     live=self.rl.max_staleness + 1)
+    if self.geometry is not None:
       self.worker = PartialRolloutWorker(
-          stream, self.prompts, params,
+          self.generator.stream(params, self.geometry), self.prompts, params,
           span=lambda: self.timeline.span("generator", "decode"), **common)
       return
 
