@@ -1,6 +1,7 @@
 """Multi-turn partial rollouts: a stream of batches of conversations whose turns are requests to
 in-flight slots (sampler/requests.py) that outlive weight swaps, driven by
-train/rollout/partial.py exactly as single-turn rows are (sampler/stream.py).
+train/rollout/partial.py exactly as single-turn rows are: `ConversationStream` is a
+`sampler.stream.BatchStream`, laid out as its `StreamGeometry` says.
 
 A batch opens with one environment per row (reset with its example) and its first turns
 waiting for slots. At each look between decode segments the turns that finished get their

@@ -1,10 +1,12 @@
-"""Partial rollouts: `PartialRolloutWorker` drives a `Sampler.stream` (sampler/stream.py) on the
-worker's thread with the schedule of jaxrl/schedules.py (staleness bound, free or fixed)
-and the run state of train/rollout/worker.py. Each look between decode segments harvests the
-finished rows (a batch leaves once all its rows are done, in index order, with every token's
-policy version), swaps in newer weights (free schedule; fixed: only as a batch opens), opens the
-batches the schedule allows while free slots outnumber the rows waiting, fills the free slots and
-decodes the next segment.
+"""Partial rollouts: `PartialRolloutWorker` drives a `BatchStream` (sampler/stream.py's protocol:
+`Sampler.stream`'s rows or train/rollout/conversations.py's conversations) on the worker's
+thread with the schedule of jaxrl/schedules.py (staleness bound, free or fixed) and the run
+state of train/rollout/worker.py, whose shared state it reaches only through `Worker`'s methods
+for subclasses. Each look between decode segments harvests the finished rows (a batch leaves
+once all its rows are done, in index order, with every token's policy version), swaps in newer
+weights (free schedule; fixed: only as a batch opens), opens the batches the schedule allows
+while free slots outnumber the rows waiting (at most the geometry's `live`), fills the free
+slots and decodes the next segment.
 """
 from __future__ import annotations
 

@@ -6,6 +6,10 @@ trainer under the schedule (jaxrl/schedules.py): whole batches (`RolloutWorker`)
 `rl.partial_rollouts`, a stream of rows in in-flight slots that takes new weights between decode
 segments (`PartialRolloutWorker`); every push of the trainer's weights reaches it. Either way
 batch i is drawn with `rollout_key(seed, i)`: async with `max_staleness=0` reproduces sync.
+
+`stream_geometry` is the one place the config's numbers become the partial rollouts' stream
+layout (sampler/stream.py's `StreamGeometry`): the stream is built to it, and the RL stage
+compares a checkpoint's rows in flight with it on resume.
 """
 from __future__ import annotations
 

@@ -7,7 +7,10 @@ segments: the rows in flight continue with them (partial rollouts), every token 
 policy version and log-prob. Both tag each finished batch with its prompt index and the version
 of its oldest tokens; the trainer pushes weights with `update_weights(params, version)` and takes
 batches, in index order, with `get()`. When a batch may start and which weights it starts with
-is the schedule's (jaxrl/schedules.py: free or fixed, the staleness bound).
+is the schedule's (jaxrl/schedules.py: free or fixed, the staleness bound), which reads the
+worker through a `WorkerView` of a few numbers taken under the lock. A subclass reaches the
+queue, the weights and the lock through `Worker`'s methods for subclasses (`start_batch`,
+`install_newest`, `put`, `finish`, `pause_point`, `wait_for_change`, ...), not its fields.
 
 Run state (`paused()` yields a `WorkerState`; `state=` puts one back): the finished batches not
 yet taken, the in-flight decode state (partial rollouts), the version the worker decodes with

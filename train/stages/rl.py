@@ -6,7 +6,9 @@ trunk). Its run state: the policy version (= steps done), the first prompt batch
 on (with dynamic sampling a step may generate several: `samples_generated` counts them), the
 run's largest sampler/trainer mismatch so far and its tokens per policy lag, the learners, and
 in async mode the generator's own state (train/rollout/async_state.py): the batches generated
-ahead and the rows in flight, saved with the generator paused, so a resumed run continues them.
+ahead and the rows in flight, saved with the generator paused, so a resumed run continues them
+(the rows in flight only where the checkpoint's stream geometry is this config's:
+train/rollout/source.py's `stream_geometry`).
 """
 from __future__ import annotations
 
