@@ -51,7 +51,7 @@ class PartialRolloutWorker(Worker):
     try:
       # The version its rows decoded with: a newer push is swapped in (and recorded) first.
       self.stream.restore(state.arrays["stream"], state.meta["stream"], self.prompt_batch,
-                          self.batch_key)
+                          self.batch_key_data)
     except NotReplayable as e:
       log.warning("the conversations in flight are generated again: %s", e)
       return False
@@ -89,7 +89,7 @@ class PartialRolloutWorker(Worker):
             return False
           if weights.version != installed:
             s.swap(*weights)
-      s.open(self._next[1], self.batch_key(index))
+      s.open(self._next[1], self.batch_key_data(index))
     return True
 
   def _step(self) -> bool:

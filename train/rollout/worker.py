@@ -64,6 +64,7 @@ class WorkerState:
 
 
 class Weights(NamedTuple):
+  """Weights a worker holds, with their policy version."""
   params: Any  # in the sampler's layout
   version: int
 
@@ -220,9 +221,13 @@ class Worker:
     """Prompt batch `index` (host arrays; IndexError: the stream ended)."""
     return self._prompts[index]
 
-  def batch_key(self, index: int) -> np.ndarray:
-    """Batch `index`'s key data: `rollout_key(seed, index)`."""
-    return fetch(jax.random.key_data(rollout_key(self._seed, index)))
+  def batch_key(self, index: int) -> jax.Array:
+    """Batch `index`'s random key: `rollout_key(seed, index)`."""
+    return rollout_key(self._seed, index)
+
+  def batch_key_data(self, index: int) -> np.ndarray:
+    """Batch `index`'s random key as host key data."""
+    return fetch(jax.random.key_data(self.batch_key(index)))
 
   def start_batch(self, index: int) -> Weights | None:
     """Waits (holding the lock) until the schedule lets batch `index` start, and installs the
@@ -363,7 +368,7 @@ class RolloutWorker(Worker):
       if weights is None:  # closed
         return
       t0 = time.perf_counter()
-      rollout = jax.block_until_ready(self._generate(weights.params, prompts,
-                                                     rollout_key(self._seed, index)))
+      key = self.batch_key(index)
+      rollout = jax.block_until_ready(self._generate(weights.params, prompts, key))
       self.put(RolloutBatch(rollout, prompts, weights.version, index, time.perf_counter() - t0))
       index += 1
