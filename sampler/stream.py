@@ -169,7 +169,7 @@ class BatchStream(Protocol):
 
   @property
   def decoding(self) -> bool:
-    """Some slot has a row to decode."""
+    """`decode` has work: rows in flight (conversations: or turns waiting)."""
 
   @property
   def unadmitted(self) -> int:
@@ -211,18 +211,18 @@ class Stream:
     """`params` (the sampler's layout) give the state's shapes; `install` or `swap` sets the
     weights to decode with."""
     geometry.check(sampler, sampler.n, conversations=False)
-    cfg, slots, g = sampler.cfg, sampler.inflight_slots, geometry
+    cfg, slots, geo = sampler.cfg, sampler.inflight_slots, geometry
     self._buckets = inflight.refill_buckets(sampler.mesh, sampler.rules, slots)
     self.cfg, self.n, self.mesh, self.geometry = cfg, sampler.n, sampler.mesh, geometry
-    self.rows = g.rows  # output rows per batch
+    self.rows = geo.rows  # output rows per batch
     jit = inflight.jitter(sampler.mesh, sampler.rules)
     self._cast = inflight.caster(sampler.graphdef)
-    self._start = jit(_start, cfg=cfg, slots=slots, p=g.prompt_width, ring=g.ring,
-                      rows=g.live * g.rows)
-    self._admit = jit(admit_rows, (1,), cfg=cfg, ring=g.ring)
+    self._start = jit(_start, cfg=cfg, slots=slots, p=geo.prompt_width, ring=geo.ring,
+                      rows=geo.live * geo.rows)
+    self._admit = jit(admit_rows, (1,), cfg=cfg, ring=geo.ring)
     self._harvest = jit(_harvest, (0, 1))
     self._decode = jit(inflight.decode, (1,), cfg=cfg)
-    self._take = jit(_take, n=sampler.n, rows=g.rows)
+    self._take = jit(_take, n=sampler.n, rows=geo.rows)
     self._grid = None if sampler.mesh is None else batch_sharding(sampler.mesh, sampler.rules)
     self._segment = send(np.int32(CHECK_EVERY))
     self.install(params, 0)
