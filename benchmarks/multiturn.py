@@ -106,6 +106,7 @@ def generate_batches(exp, partial: bool, batches: int) -> dict:
   import jax
   import numpy as np
 
+  from sampler.stream import StreamGeometry
   from train.rollout.generator import rollout_key
   gen, task, rl = exp.ctx.generator, exp.ctx.task, exp.cfg.rl
   params = exp.ctx.cluster.sampler_weights.fresh()
@@ -115,12 +116,14 @@ def generate_batches(exp, partial: bool, batches: int) -> dict:
     rollouts = [jax.block_until_ready(gen.sample(params, task.prompts[i], key(i)))
                 for i in range(batches)]
   else:
-    stream = gen.stream(params, prompt_width=task.prompt_len,
-                        batch_prompts=rl.prompts_per_step, live=2)
+    geometry = StreamGeometry(slots=rl.rollout.inflight_slots, rows=rl.rollouts, live=2,
+                              prompt_width=task.prompt_len, max_new_tokens=rl.rollout.max_new_tokens,
+                              conversations=True)
+    stream = gen.stream(params, geometry)
     while len(rollouts) < batches:
       rollouts += [r for _, r in stream.poll()]
       while (stream.next_index < batches and stream.free > stream.unadmitted
-             and stream.open_batches < stream.live):
+             and stream.open_batches < geometry.live):
         stream.open(task.prompts[stream.next_index],
                     np.asarray(jax.random.key_data(key(stream.next_index))))
       stream.decode()

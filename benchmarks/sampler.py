@@ -137,6 +137,7 @@ def _stream_paths(args, graphdef, cfg, mesh, shardings, params):
   import numpy as np
 
   from sampler.sampler import Sampler
+  from sampler.stream import StreamGeometry
   sampler = Sampler(graphdef, cfg, mesh=mesh, param_shardings=shardings,
                     inflight_slots=args.batch)
   rows = args.prompts // args.stream
@@ -148,7 +149,9 @@ def _stream_paths(args, graphdef, cfg, mesh, shardings, params):
                                              jax.random.key(i), budget_B[i:i + rows]))
     return rows * args.stream
 
-  s = sampler.stream(params, prompt_width=args.prompt_len, batch_prompts=rows, live=2)
+  s = sampler.stream(params, StreamGeometry(slots=args.batch, rows=rows * sampler.n, live=2,
+                                            prompt_width=args.prompt_len,
+                                            max_new_tokens=cfg.max_new_tokens))
 
   def stream(tokens_BP, valid_BP, budget_B):  # batches first, .. first + K - 1 of the stream
     tokens_BP, valid_BP = np.asarray(tokens_BP), np.asarray(valid_BP)

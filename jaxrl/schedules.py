@@ -3,8 +3,12 @@
 which weights it starts with, whether new weights replace old ones mid-batch, and when a push
 may land.
 
+A schedule reads the worker through a `WorkerView`, the numbers it needs taken under the
+worker's lock (which batch the trainer takes next, whether a push is coming, the installed and
+newest versions, whether the prompts ran out); it decides from them alone.
+
 Staleness: batch i starts only while at most `max_staleness` policy updates can come before the
-trainer takes it (`Worker.ahead(i)`: the batches before it not yet taken, plus one when the
+trainer takes it (`WorkerView.ahead(i)`: the batches before it not yet taken, plus one when the
 trainer has taken a batch since its last push and is not waiting for another). So no batch is
 ever too stale to train on (none is dropped), and a trainer that takes several batches in one
 step (DAPO's dynamic sampling) is never starved. `max_staleness=0` is synchronous.
@@ -19,6 +23,23 @@ step (DAPO's dynamic sampling) is never starved. `max_staleness=0` is synchronou
 """
 from __future__ import annotations
 
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerView:
+  """What a schedule reads of its worker, taken under the worker's lock."""
+  taken: int  # the index of the next batch the trainer takes
+  push_coming: bool  # the trainer took a batch since its last push and is not waiting for one
+  installed: int  # the policy version the worker decodes with
+  newest: int  # the newest pushed policy version
+  exhausted: bool  # the prompts ran out
+
+  def ahead(self, index: int) -> int:
+    """How many policy updates can come before the trainer takes batch `index`: the batches
+    before it not yet taken, plus one when a push is coming (it lands first)."""
+    return index - self.taken + self.push_coming
+
 
 class Schedule:
   # Partial rollouts: new weights reach the rows in flight between decode segments (else only
@@ -32,20 +53,20 @@ class Schedule:
       raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
     self.max_staleness = max_staleness
 
-  def blocked(self, worker, index: int, next_emit: int) -> bool:
+  def blocked(self, view: WorkerView, index: int, next_emit: int) -> bool:
     """Partial rollouts: batch `index` cannot open yet, and waiting would hold the rows in
     flight (`next_emit`: the next batch to leave the stream)."""
     raise NotImplementedError
 
-  def ready(self, worker, index: int) -> bool:
+  def ready(self, view: WorkerView, index: int) -> bool:
     """Batch `index` may start now (the worker waits for this, holding its lock)."""
     raise NotImplementedError
 
-  def takes_pending(self, worker, index: int) -> bool:
+  def takes_pending(self, view: WorkerView, index: int) -> bool:
     """Batch `index` starts with the newest pushed weights (else with the installed ones)."""
     raise NotImplementedError
 
-  def push_ready(self, worker, version: int) -> bool:
+  def push_ready(self, view: WorkerView, version: int) -> bool:
     """A push of `version` may replace the pending weights now."""
     return True
 
@@ -53,13 +74,13 @@ class Schedule:
 class Free(Schedule):
   swaps_between_segments = True
 
-  def blocked(self, worker, index: int, next_emit: int) -> bool:
-    return not self.ready(worker, index)
+  def blocked(self, view: WorkerView, index: int, next_emit: int) -> bool:
+    return not self.ready(view, index)
 
-  def ready(self, worker, index: int) -> bool:
-    return worker.ahead(index) <= self.max_staleness
+  def ready(self, view: WorkerView, index: int) -> bool:
+    return view.ahead(index) <= self.max_staleness
 
-  def takes_pending(self, worker, index: int) -> bool:
+  def takes_pending(self, view: WorkerView, index: int) -> bool:
     return True
 
 
@@ -69,20 +90,19 @@ class Fixed(Schedule):
   def version_for(self, index: int) -> int:
     return max(0, index - self.max_staleness)
 
-  def blocked(self, worker, index: int, next_emit: int) -> bool:
+  def blocked(self, view: WorkerView, index: int, next_emit: int) -> bool:
     return index - self.max_staleness - 1 >= next_emit  # its weights need that batch trained
 
-  def ready(self, worker, index: int) -> bool:
+  def ready(self, view: WorkerView, index: int) -> bool:
     # (Older than the installed weights: a resume dropped the rows in flight, whose weights are
     # gone; their batches start again with the installed ones.)
-    return self.version_for(index) <= worker.installed_version or (
-        self.version_for(index) == worker.version)
+    return self.version_for(index) <= view.installed or self.version_for(index) == view.newest
 
-  def takes_pending(self, worker, index: int) -> bool:
-    return worker.installed_version < self.version_for(index)
+  def takes_pending(self, view: WorkerView, index: int) -> bool:
+    return view.installed < self.version_for(index)
 
-  def push_ready(self, worker, version: int) -> bool:
-    return worker.installed_version >= version - 1 or worker.exhausted
+  def push_ready(self, view: WorkerView, version: int) -> bool:
+    return view.installed >= version - 1 or view.exhausted
 
 
 SCHEDULES = {"free": Free, "fixed": Fixed}

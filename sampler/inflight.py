@@ -46,6 +46,12 @@ from sharding.rules import SAMPLER_RULES, batch_ways, data_axes, jit_on
 CHECK_EVERY = 8  # decode steps between the host's looks at the done flags
 
 
+def ring_width(prompt_width: int, max_new_tokens: int) -> int:
+  """A slot's ring of KV slots (S): a prompt and what it generates but its last token, whose
+  key and value no step reads. Every user of in-flight slots sizes its ring here."""
+  return prompt_width + max_new_tokens - 1
+
+
 @flax.struct.dataclass
 class Slots:
   """Decode state per row slot; every leaf is batch-first, so a refill is one `where` per leaf."""
@@ -173,7 +179,7 @@ def empty_outputs(rows: int, cfg: SamplingConfig, routes=None) -> Outputs:
 def init(model: DecodeModel, tokens_BP, *, cfg: SamplingConfig, slots: int, n: int):
   """Every slot free, the output buffers empty, global step 0."""
   p = tokens_BP.shape[1]
-  state = empty_slots(model, cfg=cfg, slots=slots, p=p, ring=p + cfg.max_new_tokens - 1)
+  state = empty_slots(model, cfg=cfg, slots=slots, p=p, ring=ring_width(p, cfg.max_new_tokens))
   return state, empty_outputs(tokens_BP.shape[0] * n, cfg, state.routes_RTLK), jnp.int32(0)
 
 
@@ -187,7 +193,8 @@ def refill(model: DecodeModel, state: Slots, out: Outputs, g, tokens_BP, valid_B
     budget_K = jnp.minimum(max_new_B[rows_K], cfg.max_new_tokens)
   p = tokens_BP.shape[1]
   new = row_state(model, cfg, tokens_BP[rows_K // n], valid_BP[rows_K // n], rows_K, budget_K,
-                   row_uniforms(key, rows_K, cfg.max_new_tokens), g, p + cfg.max_new_tokens - 1)
+                   row_uniforms(key, rows_K, cfg.max_new_tokens), g,
+                   ring_width(p, cfg.max_new_tokens))
   return jax.tree.map(functools.partial(put_rows, src_R=src_R), state, new), out
 
 

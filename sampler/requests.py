@@ -137,7 +137,7 @@ class Requests:
                version: int = 0):
     cfg, slots = sampler.cfg, sampler.inflight_slots
     self._buckets = inflight.refill_buckets(sampler.mesh, sampler.rules, slots)
-    self.cfg, self.ring = cfg, context_width + cfg.max_new_tokens - 1
+    self.cfg, self.ring = cfg, inflight.ring_width(context_width, cfg.max_new_tokens)
     self._widths = tuple(WIDTH_STEP << k for k in range(self.ring.bit_length())
                          if WIDTH_STEP << k < self.ring) + (self.ring,)
     self._cast, empty, self._admit, self._extend, self._decode = _programs(sampler, self.ring)

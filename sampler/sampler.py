@@ -32,7 +32,7 @@ from sampler.engine import Rollout, bucket, generate
 from sampler.inflight import jit_inflight
 from sampler.methods import SamplingConfig
 from sampler.requests import Requests
-from sampler.stream import Stream
+from sampler.stream import Stream, StreamGeometry
 from sharding.mesh import batch_sharding
 from sharding.rules import SAMPLER_RULES, data_axes, jit_per_shard
 
@@ -139,10 +139,10 @@ class Sampler:
       self._variants[key] = made
     return self._variants[key]
 
-  def stream(self, params, *, prompt_width: int, batch_prompts: int, live: int) -> Stream:
-    """A stream of batches of `batch_prompts` prompts (at most `prompt_width` tokens) in this
-    sampler's in-flight slots, up to `live` batches open at once (sampler/stream.py)."""
-    return Stream(self, params, prompt_width=prompt_width, batch_prompts=batch_prompts, live=live)
+  def stream(self, params, geometry: StreamGeometry) -> Stream:
+    """A stream of prompt batches in this sampler's in-flight slots, laid out as `geometry`
+    says (sampler/stream.py)."""
+    return Stream(self, params, geometry)
 
   def requests(self, params, *, context_width: int, keep: bool = True) -> Requests:
     """This sampler's in-flight slots serving requests of contexts up to `context_width`

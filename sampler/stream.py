@@ -20,12 +20,18 @@ go to region i mod `live` of the output buffers and a batch leaves (`poll`) once
 harvested and every earlier batch has left. Slots never shrink: the state keeps one shape, which
 `snapshot` / `restore` save and put back exactly (the KV cache included), so a resumed stream
 continues bit for bit.
+
+The contract: a `StreamGeometry` (slots, rows per batch, batches open at once, the slots' ring)
+is what a stream's buffers are laid out for and what its `snapshot` records, so a resume can
+tell whether a checkpoint's rows in flight fit the run's stream; `BatchStream` is what the
+partial-rollout worker drives, implemented by `Stream` (rows) and by
+train/rollout/conversations.py's `ConversationStream` (conversations).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +45,39 @@ from sharding.reshard import fetch, send
 
 if TYPE_CHECKING:
   from sampler.sampler import Sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamGeometry:
+  """The layout of a stream's in-flight state: `slots` slots, `rows` output rows per batch
+  (prompts x samples, group-major), up to `live` batches open at once, prompts of up to
+  `prompt_width` tokens and `max_new_tokens` new ones (they size the slots' `ring`).
+  `conversations`: the slots serve conversations' turns (sampler/requests.py) rather than rows."""
+  slots: int
+  rows: int
+  live: int
+  prompt_width: int
+  max_new_tokens: int
+  conversations: bool = False
+
+  @property
+  def ring(self) -> int:
+    return inflight.ring_width(self.prompt_width, self.max_new_tokens)
+
+  def meta(self) -> dict:
+    """What a `snapshot` records as its `shape`: a stream of another one cannot continue it."""
+    shape = {"slots": self.slots, "rows": self.rows, "live": self.live, "ring": self.ring}
+    return {"kind": "conversations", **shape} if self.conversations else shape
+
+  def check(self, sampler: Sampler, n: int, *, conversations: bool) -> None:
+    """ValueError unless `sampler` (`n` samples per prompt) can run this geometry, in a
+    stream of conversations or of rows."""
+    wanted = {"slots": sampler.inflight_slots, "max_new_tokens": sampler.cfg.max_new_tokens,
+              "conversations": conversations}
+    wrong = {k: getattr(self, k) for k, v in wanted.items() if getattr(self, k) != v}
+    if wrong or self.rows % n:
+      raise ValueError(f"a stream geometry of {wrong or {'rows': self.rows}} does not fit a "
+                       f"sampler of {wanted} and {n} samples per prompt")
 
 
 def _start(model, *, cfg, slots: int, p: int, ring: int, rows: int):
@@ -101,28 +140,89 @@ class Batch:
             "admitted": self.admitted, "finished": self.finished, "switches": self.switches}
 
 
-class Stream:
-  """Row slots decoding a stream of batches of `batch_prompts` prompts (`sampler.n` samples
-  each, prompts at most `prompt_width` tokens), up to `live` batches open at once. Not thread
-  safe: one thread drives it (`poll`, `swap`, `open`, `admit`, `decode`)."""
+class StreamBatch(Protocol):
+  """A batch as `BatchStream.poll` returns it, beside its rollout."""
+  index: int
+  prompts: dict  # its host prompt batch
+  version: int  # the weights' version as it opened (its oldest tokens)
 
-  def __init__(self, sampler: Sampler, params, *, prompt_width: int, batch_prompts: int,
-               live: int):
+  def versions_BN(self, n: int) -> np.ndarray:
+    """The policy version of every token slot of its rows."""
+
+
+@runtime_checkable
+class BatchStream(Protocol):
+  """Batches decoded in in-flight slots while the weights change: what the partial-rollout
+  worker (train/rollout/partial.py) drives, from one thread. Batch `next_index` opens next and
+  batch `next_emit` leaves next; `version` is the weights' version it decodes with."""
+  geometry: StreamGeometry
+  version: int
+  next_index: int
+  next_emit: int
+
+  def poll(self) -> list[tuple[StreamBatch, Any]]:
+    """The look between segments: the batches now complete, in index order, with rollouts."""
+
+  @property
+  def free(self) -> int:
+    """Slots free for a row (or a turn)."""
+
+  @property
+  def decoding(self) -> bool:
+    """`decode` has work: rows in flight (conversations: or turns waiting)."""
+
+  @property
+  def unadmitted(self) -> int:
+    """Rows (turns) of the open batches waiting for a free slot."""
+
+  @property
+  def open_batches(self) -> int:
+    """At most `geometry.live`."""
+
+  def install(self, params, version: int) -> None:
+    """The weights to decode with, nothing recorded (no row is in flight)."""
+
+  def swap(self, params, version: int) -> None:
+    """New weights from the next segment on; the rows in flight record where they began."""
+
+  def open(self, prompts: dict, key: np.ndarray) -> None:
+    """Batch `next_index` joins, its rows waiting for free slots (`key`: its key data)."""
+
+  def admit(self) -> None:
+    """Starts waiting rows in the free slots."""
+
+  def decode(self) -> None:
+    """One segment of up to CHECK_EVERY decode steps."""
+
+  def snapshot(self) -> tuple[dict, dict]:
+    """(device arrays, JSON meta) of everything in flight; the meta's `shape` is
+    `geometry.meta()`."""
+
+  def restore(self, arrays: dict, meta: dict, prompts, keys) -> None:
+    """Puts back a `snapshot`; `prompts(i)` and `keys(i)` give batch i's prompts and keys."""
+
+
+class Stream:
+  """Row slots decoding a stream of batches of `geometry.rows` rows (`sampler.n` samples per
+  prompt), up to `geometry.live` open at once: a `BatchStream`. Not thread safe: one thread
+  drives it (`poll`, `swap`, `open`, `admit`, `decode`)."""
+
+  def __init__(self, sampler: Sampler, params, geometry: StreamGeometry):
     """`params` (the sampler's layout) give the state's shapes; `install` or `swap` sets the
     weights to decode with."""
-    cfg, slots = sampler.cfg, sampler.inflight_slots
+    geometry.check(sampler, sampler.n, conversations=False)
+    cfg, slots, geo = sampler.cfg, sampler.inflight_slots, geometry
     self._buckets = inflight.refill_buckets(sampler.mesh, sampler.rules, slots)
-    self.cfg, self.n, self.mesh, self.live = cfg, sampler.n, sampler.mesh, live
-    self.rows = batch_prompts * sampler.n  # output rows per batch
-    self.ring = prompt_width + cfg.max_new_tokens - 1
+    self.cfg, self.n, self.mesh, self.geometry = cfg, sampler.n, sampler.mesh, geometry
+    self.rows = geo.rows  # output rows per batch
     jit = inflight.jitter(sampler.mesh, sampler.rules)
     self._cast = inflight.caster(sampler.graphdef)
-    self._start = jit(_start, cfg=cfg, slots=slots, p=prompt_width, ring=self.ring,
-                      rows=live * self.rows)
-    self._admit = jit(admit_rows, (1,), cfg=cfg, ring=self.ring)
+    self._start = jit(_start, cfg=cfg, slots=slots, p=geo.prompt_width, ring=geo.ring,
+                      rows=geo.live * geo.rows)
+    self._admit = jit(admit_rows, (1,), cfg=cfg, ring=geo.ring)
     self._harvest = jit(_harvest, (0, 1))
     self._decode = jit(inflight.decode, (1,), cfg=cfg)
-    self._take = jit(_take, n=sampler.n, rows=self.rows)
+    self._take = jit(_take, n=sampler.n, rows=geo.rows)
     self._grid = None if sampler.mesh is None else batch_sharding(sampler.mesh, sampler.rules)
     self._segment = send(np.int32(CHECK_EVERY))
     self.install(params, 0)
@@ -189,10 +289,11 @@ class Stream:
 
   def open(self, prompts: dict, key: np.ndarray) -> None:
     """Batch `next_index` joins the stream (its rows wait for free slots)."""
-    if len(self.batches) >= self.live:
-      raise RuntimeError(f"at most {self.live} batches are open at once")
+    live = self.geometry.live
+    if len(self.batches) >= live:
+      raise RuntimeError(f"at most {live} batches are open at once")
     i = self.next_index
-    self.batches[i] = Batch(i, prompts, np.asarray(key, np.uint32), i % self.live, self.version,
+    self.batches[i] = Batch(i, prompts, np.asarray(key, np.uint32), i % live, self.version,
                             switches=[[] for _ in range(self.rows)])
     self.next_index += 1
 
@@ -243,13 +344,8 @@ class Stream:
     arrays = {"slots": numbered(self.state), "out": numbered(self.out), "g": self.g}
     meta = {"version": self.version, "next_index": self.next_index,
             "next_emit": self.next_emit, "batches": [b.meta() for b in self.batches.values()],
-            "shape": self.shape}
+            "shape": self.geometry.meta()}
     return arrays, meta
-
-  @property
-  def shape(self) -> dict:
-    """What a snapshot's arrays are laid out for: another shape cannot continue them."""
-    return {"slots": len(self._done_R), "rows": self.rows, "live": self.live, "ring": self.ring}
 
   def restore(self, arrays: dict, meta: dict, prompts, keys) -> None:
     """Puts back a `snapshot`; `prompts(i)` and `keys(i)` give batch i's prompts and key data."""

@@ -18,6 +18,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import LanguageModel
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
+from sampler.stream import StreamGeometry
 from train.rollout.partial import PartialRolloutWorker
 from train.rollout.worker import RolloutWorker
 
@@ -52,9 +53,14 @@ def _weights(params, version):
   return jax.tree.map(lambda x: x * (1 + 0.1 * version), params)
 
 
+def _geometry(sampler, live):
+  return StreamGeometry(slots=sampler.inflight_slots, rows=PROMPTS * sampler.n, live=live,
+                        prompt_width=8, max_new_tokens=sampler.cfg.max_new_tokens)
+
+
 def _partial(model, schedule, staleness, version=0, state=None, start=0):
   sampler, params = model
-  stream = sampler.stream(params, prompt_width=8, batch_prompts=PROMPTS, live=staleness + 1)
+  stream = sampler.stream(params, _geometry(sampler, live=staleness + 1))
   return PartialRolloutWorker(stream, Batches(), _weights(params, version), version=version,
                               max_staleness=staleness, schedule=schedule, state=state,
                               start_index=start)

@@ -2,6 +2,9 @@
 train/rollout/partial.py): conversations whose turns outlive weight swaps, with every token's
 policy version, the fixed schedule a function of the seed, and a stream paused with
 conversations in flight put back bit for bit (its environments replayed)."""
+import dataclasses
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +17,7 @@ from jaxrl.envs import Step
 from jaxrl.models.transformer import LanguageModel
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
+from sampler.stream import BatchStream, StreamGeometry
 from test_partial import TINY, _same, _train, _weights
 from train.rollout.conversations import ConversationStream, NotReplayable
 from train.rollout.multiturn import Turns, as_rollout, converse
@@ -65,10 +69,14 @@ def model():
   return Sampler(graphdef, cfg, n=1, inflight_slots=6), params
 
 
+def _geometry(live, conversations=True):
+  return StreamGeometry(slots=6, rows=PROMPTS * N, live=live, prompt_width=8,
+                        max_new_tokens=BUDGET, conversations=conversations)
+
+
 def _stream(sampler, params, live):
-  return ConversationStream(sampler, params, n=N, prompt_width=8, batch_prompts=PROMPTS,
-                            live=live, environment=Echo, turns=TURNS, keep_cache=True,
-                            finish=_finish)
+  return ConversationStream(sampler, params, _geometry(live), n=N, environment=Echo,
+                            turns=TURNS, keep_cache=True, finish=_finish)
 
 
 def _worker(model, version=0, state=None, start=0):
@@ -96,6 +104,34 @@ def test_a_streamed_batch_is_the_whole_batch_conversation_with_the_same_weights(
   assert max(len(t.turns) for t in talks) == 3  # (several turns, cut by the budget or not)
   np.testing.assert_allclose(rollout.logprobs_BN, _finish(talks, prompts).logprobs_BN, atol=1e-6)
   assert (batch.versions_BN(BUDGET) == 0).all()
+
+
+def test_both_streams_are_batch_streams_laid_out_as_their_geometry(model):
+  """Stream (rows) and ConversationStream (conversations) implement the one protocol the
+  partial-rollout worker drives; their buffers are their geometry's, and their snapshots
+  record it as checkpoints always have (what a resume compares)."""
+  sampler, params = model
+  rows = sampler.stream(params, _geometry(2, conversations=False))
+  talks = _stream(sampler, params, 2)
+  for stream in (rows, talks):
+    assert isinstance(stream, BatchStream)
+    for name, member in vars(BatchStream).items():
+      if inspect.isfunction(member) and not name.startswith("_"):
+        assert (list(inspect.signature(getattr(type(stream), name)).parameters)
+                == list(inspect.signature(member).parameters)), (type(stream), name)
+      elif isinstance(member, property):
+        assert isinstance(getattr(type(stream), name), property), (type(stream), name)
+  ring = 8 + BUDGET - 1  # a prompt and its new tokens but the last
+  assert rows.state.key_valid_RS.shape == (6, ring + 1)  # (and the scratch slot)
+  assert (talks.engine.slots, talks.engine.ring) == (6, ring)
+  shape = {"slots": 6, "rows": PROMPTS * N, "live": 2, "ring": ring}
+  assert rows.snapshot()[1]["shape"] == shape
+  assert talks.snapshot()[1]["shape"] == {"kind": "conversations", **shape}
+  with pytest.raises(ValueError, match="does not fit"):  # a conversations' layout for rows
+    sampler.stream(params, _geometry(2))
+  with pytest.raises(ValueError, match="does not fit"):  # more slots than the sampler's
+    ConversationStream(sampler, params, dataclasses.replace(_geometry(2), slots=8), n=N,
+                       environment=Echo, turns=TURNS, keep_cache=True, finish=_finish)
 
 
 def test_fixed_schedule_is_a_function_of_the_seed_and_resumes_with_conversations_in_flight(

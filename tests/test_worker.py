@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.data.tokenizer import ByteTokenizer
+from jaxrl.schedules import SCHEDULES, WorkerView
 from jaxrl.models.transformer import LanguageModel
 from sampler.engine import generate
 from sampler.methods import SamplingConfig
@@ -111,3 +112,26 @@ def test_sync_worker_waits_for_new_weights_or_a_request_within_the_step():
   with pytest.raises(ValueError, match="must increase"):
     worker.update_weights({"w": jnp.zeros(2)}, 1)
   worker.close()
+
+
+def test_schedules_decide_from_the_workers_view_alone():
+  def view(taken, push=False, installed=0, newest=0, exhausted=False):
+    return WorkerView(taken, push, installed, newest, exhausted)
+
+  free, fixed = SCHEDULES["free"](1), SCHEDULES["fixed"](1)
+  # Batch 3 next to take: one update can come before batch 4, two when a push is coming
+  assert (view(3).ahead(4), view(3, push=True).ahead(4)) == (1, 2)
+  assert free.ready(view(3), 4) and not free.ready(view(3, push=True), 4)
+  assert free.blocked(view(3, push=True), 4, 0) and not free.blocked(view(3), 4, 0)
+  # Fixed: batch 4 starts with version 3, the installed weights or the newest push
+  assert not fixed.ready(view(3, installed=2, newest=2), 4)
+  assert fixed.ready(view(3, installed=2, newest=3), 4)
+  assert fixed.takes_pending(view(3, installed=2, newest=3), 4)
+  assert fixed.ready(view(3, installed=3, newest=4), 4)
+  assert not fixed.takes_pending(view(3, installed=3, newest=4), 4)
+  # ... opens only once batch 2 has left the stream (its weights need it trained)
+  assert fixed.blocked(view(0), 4, 2) and not fixed.blocked(view(0), 4, 3)
+  # ... and a push of version 5 waits for version 4 installed, unless the prompts ran out
+  assert not fixed.push_ready(view(0, installed=3), 5)
+  assert fixed.push_ready(view(0, installed=4), 5)
+  assert fixed.push_ready(view(0, installed=3, exhausted=True), 5)

@@ -1,6 +1,7 @@
 """Multi-turn partial rollouts: a stream of batches of conversations whose turns are requests to
 in-flight slots (sampler/requests.py) that outlive weight swaps, driven by
-train/rollout/partial.py exactly as single-turn rows are (sampler/stream.py).
+train/rollout/partial.py exactly as single-turn rows are: `ConversationStream` is a
+`sampler.stream.BatchStream`, laid out as its `StreamGeometry` says.
 
 A batch opens with one environment per row (reset with its example) and its first turns
 waiting for slots. At each look between decode segments the turns that finished get their
@@ -38,6 +39,7 @@ from jaxrl.config import ConfigError
 from jaxrl.envs import ContainedEnvironment, EnvError, Environment
 from sampler.requests import Request, Requests
 from sampler.sampler import Sampler
+from sampler.stream import StreamGeometry
 from train.rollout.multiturn import Conversation, Turns, reply_all, turn_keys
 
 
@@ -82,16 +84,17 @@ class TalkBatch:
 
 class ConversationStream:
   """`sampler`'s in-flight slots (one sample per row, ending at the environment's stop
-  strings) running batches of conversations, up to `live` open at once; `Stream`'s interface
-  for `PartialRolloutWorker`. `finish(talks, prompts)` makes a finished batch's rollout."""
+  strings) running batches of conversations laid out as `geometry` says (`n` per prompt): a
+  `sampler.stream.BatchStream`. `finish(talks, prompts)` makes a finished batch's rollout."""
 
-  def __init__(self, sampler: Sampler, params, *, n: int, prompt_width: int,
-               batch_prompts: int, live: int, environment: Callable[[], Environment],
-               turns: Turns, keep_cache: bool, finish: Callable):
-    self.cfg, self.n, self.live, self.turns = sampler.cfg, n, live, turns
-    self.rows = batch_prompts * n
+  def __init__(self, sampler: Sampler, params, geometry: StreamGeometry, *, n: int,
+               environment: Callable[[], Environment], turns: Turns, keep_cache: bool,
+               finish: Callable):
+    geometry.check(sampler, n, conversations=True)
+    self.n, self.geometry, self.turns = n, geometry, turns
+    self.rows = geometry.rows
     self._environment, self._finish = environment, finish
-    self.engine = Requests(sampler, params, context_width=prompt_width, keep=keep_cache)
+    self.engine = Requests(sampler, params, context_width=geometry.prompt_width, keep=keep_cache)
     self.batches: dict[int, TalkBatch] = {}
     self.next_index = self.next_emit = 0
 
@@ -157,8 +160,8 @@ class ConversationStream:
   def open(self, prompts: dict, key: np.ndarray) -> None:
     """Batch `next_index` joins the stream: its environments reset, its first turns wait for
     free slots."""
-    if len(self.batches) >= self.live:
-      raise RuntimeError(f"at most {self.live} batches are open at once")
+    if len(self.batches) >= self.geometry.live:
+      raise RuntimeError(f"at most {self.geometry.live} batches are open at once")
     b = self._batch(self.next_index, prompts, key, self.version)
     for r, talk in enumerate(b.talks):
       b.versions.append([b.version] * len(talk.ids))
@@ -189,14 +192,9 @@ class ConversationStream:
   def snapshot(self) -> tuple[dict, dict]:
     arrays, engine = self.engine.snapshot()
     meta = {"engine": engine, "next_index": self.next_index, "next_emit": self.next_emit,
-            "batches": [b.meta() for b in self.batches.values()], "shape": self.shape}
+            "batches": [b.meta() for b in self.batches.values()],
+            "shape": self.geometry.meta()}
     return arrays, copy.deepcopy(meta)  # (the stream's lists go on changing)
-
-  @property
-  def shape(self) -> dict:
-    """What a snapshot's arrays are laid out for: another shape cannot continue them."""
-    return {"kind": "conversations", "slots": self.engine.slots, "rows": self.rows,
-            "live": self.live, "ring": self.engine.ring}
 
   def restore(self, arrays: dict, meta: dict, prompts, keys) -> None:
     """Puts back a `snapshot`, the environments replayed (NotReplayable: one replied

@@ -21,6 +21,7 @@ from jaxrl.envs import EnvError, Environment
 from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
+from sampler.stream import BatchStream, StreamGeometry
 from sharding.mesh import batch_sharding
 from sharding.rules import SAMPLER_RULES
 from train.io.host_transfers import to_device
@@ -132,16 +133,14 @@ class Generator:
     return to_device(host, jax.tree.map(lambda x: batch_sharding(mesh, SAMPLER_RULES, x.ndim),
                                         host), "conversations")
 
-  def stream(self, params, *, prompt_width: int, batch_prompts: int, live: int):
-    """Partial rollouts: the RL sampler's in-flight slots running a stream of prompt batches,
-    up to `live` open at once (sampler/stream.py), or of batches of conversations with
+  def stream(self, params, geometry: StreamGeometry) -> BatchStream:
+    """Partial rollouts: the RL sampler's in-flight slots running a stream of prompt batches
+    laid out as `geometry` says (sampler/stream.py), or of batches of conversations with
     `rl.environment.name` (train/rollout/conversations.py)."""
     if self.environment is None:
-      return self.sampler.stream(params, prompt_width=prompt_width,
-                                 batch_prompts=batch_prompts, live=live)
+      return self.sampler.stream(params, geometry)
     turns = dict(self.turns)
     return ConversationStream(
-        self._turn_sampler(self.sampler), params, n=self.sampler.n, prompt_width=prompt_width,
-        batch_prompts=batch_prompts, live=live, environment=self.environment,
-        keep_cache=turns.pop("keep_cache"), turns=Turns(self.sampler.cfg.max_new_tokens, **turns),
-        finish=self._conversations_rollout)
+        self._turn_sampler(self.sampler), params, geometry, n=self.sampler.n,
+        environment=self.environment, keep_cache=turns.pop("keep_cache"),
+        turns=Turns(self.sampler.cfg.max_new_tokens, **turns), finish=self._conversations_rollout)

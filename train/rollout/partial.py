@@ -1,10 +1,12 @@
-"""Partial rollouts: `PartialRolloutWorker` drives a `Sampler.stream` (sampler/stream.py) on the
-worker's thread with the schedule of jaxrl/schedules.py (staleness bound, free or fixed)
-and the run state of train/rollout/worker.py. Each look between decode segments harvests the
-finished rows (a batch leaves once all its rows are done, in index order, with every token's
-policy version), swaps in newer weights (free schedule; fixed: only as a batch opens), opens the
-batches the schedule allows while free slots outnumber the rows waiting, fills the free slots and
-decodes the next segment.
+"""Partial rollouts: `PartialRolloutWorker` drives a `BatchStream` (sampler/stream.py's protocol:
+`Sampler.stream`'s rows or train/rollout/conversations.py's conversations) on the worker's
+thread with the schedule of jaxrl/schedules.py (staleness bound, free or fixed) and the run
+state of train/rollout/worker.py, whose shared state it reaches only through `Worker`'s methods
+for subclasses. Each look between decode segments harvests the finished rows (a batch leaves
+once all its rows are done, in index order, with every token's policy version), swaps in newer
+weights (free schedule; fixed: only as a batch opens), opens the batches the schedule allows
+while free slots outnumber the rows waiting (at most the geometry's `live`), fills the free
+slots and decodes the next segment.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sampler.stream import BatchStream
 from train.rollout.conversations import NotReplayable
 from train.rollout.worker import RolloutBatch, Worker, WorkerState
 
@@ -21,12 +24,12 @@ log = logging.getLogger("jaxrl")
 
 
 class PartialRolloutWorker(Worker):
-  """A `Sampler.stream` driven on the worker's thread: batches open as the schedule
-  allows and slots free up, new weights are swapped in between decode segments (free schedule)
-  or as a batch opens (fixed), and each batch leaves with its rows' token versions. `prompts[i]`
-  is batch i (host arrays; IndexError: the stream ended)."""
+  """A `BatchStream` driven on the worker's thread: batches open as the schedule allows and
+  slots free up, new weights are swapped in between decode segments (free schedule) or as a
+  batch opens (fixed), and each batch leaves with its rows' token versions. `prompts[i]` is
+  batch i (host arrays; IndexError: the stream ended)."""
 
-  def __init__(self, stream, prompts: Sequence, params: Any, *, version: int = 0,
+  def __init__(self, stream: BatchStream, prompts: Sequence, params: Any, *, version: int = 0,
                max_staleness: int = 1, seed: int = 0, start_index: int = 0,
                schedule: str = "free", transfer: Callable | None = None,
                state: WorkerState | None = None, span: Callable | None = None):
@@ -37,18 +40,18 @@ class PartialRolloutWorker(Worker):
     self._span = span or contextlib.nullcontext
     self._opened: dict[int, float] = {}  # batch index -> when it opened
     self._next: tuple[int, Any] | None = None  # the next batch's prompts, read once
-    stream.install(*self._installed)
+    stream.install(*self.installed)
     if not (state is not None and "stream" in state.arrays and self._restore(state)):
-      stream.next_index = stream.next_emit = start_index + len(self._queue)
-    self._thread.start()
+      stream.next_index = stream.next_emit = self.next_to_generate
+    self.launch()
 
   def _restore(self, state: WorkerState) -> bool:
     """Puts back the stream's rows in flight; False where an environment did not replay (then
     their batches are generated again)."""
     try:
       # The version its rows decoded with: a newer push is swapped in (and recorded) first.
-      self.stream.restore(state.arrays["stream"], state.meta["stream"],
-                          self._prompts.__getitem__, self._keys)
+      self.stream.restore(state.arrays["stream"], state.meta["stream"], self.prompt_batch,
+                          self.batch_key_data)
     except NotReplayable as e:
       log.warning("the conversations in flight are generated again: %s", e)
       return False
@@ -59,7 +62,7 @@ class PartialRolloutWorker(Worker):
 
   def _state(self) -> WorkerState:
     state = super()._state()
-    if self._error is not None:  # a device call failed half-way: the queue alone is sound
+    if self.failed:  # a device call failed half-way: the queue alone is sound
       return state
     arrays, meta = self.stream.snapshot()
     state.arrays["stream"], state.meta["stream"] = arrays, meta
@@ -69,24 +72,24 @@ class PartialRolloutWorker(Worker):
     """Opens the batches the schedule allows while free slots outnumber the pending rows;
     False when the worker was closed."""
     s = self.stream
-    while not self._ended and s.free > s.unadmitted and s.open_batches < s.live:
+    while not self._ended and s.free > s.unadmitted and s.open_batches < s.geometry.live:
       index = s.next_index
       if self._next is None or self._next[0] != index:
         try:
-          self._next = (index, self._prompts[index])
+          self._next = (index, self.prompt_batch(index))
         except IndexError:
           self._ended = True
           return True
-      with self._cond:
-        if self.schedule.blocked(self, index, s.next_emit):
+      with self.locked():
+        if self.schedule.blocked(self.view(), index, s.next_emit):
           return True
         if not self.schedule.swaps_between_segments:  # its weights change as a batch opens
-          installed = self.installed_version
-          if not self._start(index):
+          installed = self.installed.version
+          if (weights := self.start_batch(index)) is None:
             return False
-          if self.installed_version != installed:
-            s.swap(*self._installed)
-      s.open(self._next[1], self._keys(index))
+          if weights.version != installed:
+            s.swap(*weights)
+      s.open(self._next[1], self.batch_key_data(index))
     return True
 
   def _step(self) -> bool:
@@ -96,17 +99,16 @@ class PartialRolloutWorker(Worker):
     with self._span():
       done = s.poll()
     for batch, rollout in done:
-      self._put(RolloutBatch(rollout, batch.prompts, batch.version, batch.index,
-                             t - self._opened.pop(batch.index, t),
-                             batch.versions_BN(s.cfg.max_new_tokens)))
-    with self._cond:
-      self._serve_pause()
-      if self._closed:
+      self.put(RolloutBatch(rollout, batch.prompts, batch.version, batch.index,
+                            t - self._opened.pop(batch.index, t),
+                            batch.versions_BN(s.geometry.max_new_tokens)))
+    with self.locked():
+      if not self.pause_point():
         return False
-      if self.schedule.swaps_between_segments and self._pending[1] > s.version:
-        self._installed = self._pending
-        s.swap(*self._installed)
-      changes = self._changes
+      if self.schedule.swaps_between_segments and (
+          weights := self.install_newest(s.version)) is not None:
+        s.swap(*weights)
+      changes = self.changes
     opened = s.next_index
     if not self._open():
       return False
@@ -117,11 +119,11 @@ class PartialRolloutWorker(Worker):
           s.admit()
         s.decode()
     elif self._ended and not s.open_batches:
-      self._finish()
+      self.finish()
       return False
     else:  # nothing to decode until the trainer moves
-      with self._cond:
-        self._wait(lambda: self._changes != changes)
+      with self.locked():
+        self.wait_for_change(changes)
     return True
 
   def _run(self) -> None:

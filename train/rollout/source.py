@@ -6,6 +6,10 @@ trainer under the schedule (jaxrl/schedules.py): whole batches (`RolloutWorker`)
 `rl.schedule.partial_rollouts`, a stream of rows in in-flight slots that takes new weights between decode
 segments (`PartialRolloutWorker`); every push of the trainer's weights reaches it. Either way
 batch i is drawn with `rollout_key(seed, i)`: async with `max_staleness=0` reproduces sync.
+
+`stream_geometry` is the one place the config's numbers become the partial rollouts' stream
+layout (sampler/stream.py's `StreamGeometry`): the stream is built to it, and the RL stage
+compares a checkpoint's rows in flight with it on resume.
 """
 from __future__ import annotations
 
@@ -14,12 +18,27 @@ from collections.abc import Callable
 
 import jax
 
-from jaxrl.config import ExperimentConfig
+from jaxrl.config import ExperimentConfig, RLConfig
+from sampler.stream import StreamGeometry
 from train.io.timeline import Timeline
 from train.roles.sampler_weights import SamplerWeights
 from train.rollout.generator import Generator, rollout_key
 from train.rollout.partial import PartialRolloutWorker
 from train.rollout.worker import RolloutBatch, RolloutWorker, WorkerState
+
+
+def stream_geometry(rl: RLConfig, prompt_width: int) -> StreamGeometry | None:
+  """The layout of partial rollouts' stream under this config, for prompts of up to
+  `prompt_width` tokens (None: no stream): a step's rollouts per batch, and open at once the
+  batch the trainer takes next and the `rl.schedule.max_staleness` generated ahead of it. The
+  stream is built to it, and a resume continues a checkpoint's rows in flight only where it is
+  theirs."""
+  if not rl.schedule.partial_rollouts:
+    return None
+  return StreamGeometry(slots=rl.rollout.inflight_slots, rows=rl.rollouts,
+                        live=rl.schedule.live_batches, prompt_width=prompt_width,
+                        max_new_tokens=rl.rollout.max_new_tokens,
+                        conversations=bool(rl.environment.name))
 
 
 class RolloutSource:
@@ -31,6 +50,7 @@ class RolloutSource:
     self.cfg, self.rl, self.generator, self.weights = cfg, cfg.rl, generator, weights
     self.prompts, self.prompt_len, self.timeline, self._run = prompts, prompt_len, timeline, run
     self.next_index = next_index
+    self.geometry = stream_geometry(cfg.rl, prompt_len)
     self.worker = None
 
   def start(self, version: int, state: WorkerState | None = None) -> None:
@@ -43,12 +63,9 @@ class RolloutSource:
     params = self.weights.fresh()
     common = dict(version=version, max_staleness=self.rl.schedule.max_staleness, seed=self.cfg.seed,
                   start_index=self.next_index, schedule=self.rl.schedule.name, state=state)
-    if self.rl.schedule.partial_rollouts:
-      stream = self.generator.stream(params, prompt_width=self.prompt_len,
-                                     batch_prompts=self.rl.prompts_per_step,
-                                     live=self.rl.schedule.max_staleness + 1)
+    if self.geometry is not None:
       self.worker = PartialRolloutWorker(
-          stream, self.prompts, params,
+          self.generator.stream(params, self.geometry), self.prompts, params,
           span=lambda: self.timeline.span("generator", "decode"), **common)
       return
 

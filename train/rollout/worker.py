@@ -7,7 +7,10 @@ segments: the rows in flight continue with them (partial rollouts), every token 
 policy version and log-prob. Both tag each finished batch with its prompt index and the version
 of its oldest tokens; the trainer pushes weights with `update_weights(params, version)` and takes
 batches, in index order, with `get()`. When a batch may start and which weights it starts with
-is the schedule's (jaxrl/schedules.py: free or fixed, the staleness bound).
+is the schedule's (jaxrl/schedules.py: free or fixed, the staleness bound), which reads the
+worker through a `WorkerView` of a few numbers taken under the lock. A subclass reaches the
+queue, the weights and the lock through `Worker`'s methods for subclasses (`start_batch`,
+`install_newest`, `put`, `finish`, `pause_point`, `wait_for_change`, ...), not its fields.
 
 Run state (`paused()` yields a `WorkerState`; `state=` puts one back): the finished batches not
 yet taken, the in-flight decode state (partial rollouts), the version the worker decodes with
@@ -22,7 +25,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -30,7 +33,7 @@ import numpy as np
 from sampler.engine import Rollout
 from sharding.reshard import fetch
 from train.rollout.generator import rollout_key
-from jaxrl.schedules import SCHEDULES
+from jaxrl.schedules import SCHEDULES, WorkerView
 
 
 class RolloutWorkerError(RuntimeError):
@@ -60,8 +63,19 @@ class WorkerState:
   meta: dict
 
 
+class Weights(NamedTuple):
+  """Weights a worker holds, with their policy version."""
+  params: Any  # in the sampler's layout
+  version: int
+
+
 class Worker:
-  """The schedule, the weights hand-over, the queue and the thread; subclasses generate."""
+  """The schedule, the weights hand-over, the queue and the thread; subclasses generate.
+
+  A subclass implements `_run` (the thread's loop, started by `launch()`) and may extend
+  `_state` and `_needs_pause`; it reaches the shared state only through the methods of "the
+  worker's thread" below, holding `locked()` where they say so. The schedule reads the worker
+  through `view()`."""
 
   def __init__(self, prompts: Sequence, params: Any, *, version: int, max_staleness: int,
                seed: int, start_index: int, schedule: str, transfer: Callable | None,
@@ -72,7 +86,7 @@ class Worker:
     self.schedule = SCHEDULES[schedule](max_staleness)
     self._transfer = transfer or (lambda p: p)
     self._cond = threading.Condition()
-    self._pending = (self._transfer(params), version)  # the newest weights pushed
+    self._pending = Weights(self._transfer(params), version)  # the newest weights pushed
     self._installed = self._pending  # the weights the worker decodes with
     self._queue: collections.deque[RolloutBatch] = collections.deque()
     self._taken = start_index  # = the index of the next batch the trainer takes
@@ -84,28 +98,19 @@ class Worker:
     if state is not None:
       self._queue.extend(_restore_queue(state, prompts))
       if "params" in state.arrays:  # fixed schedule: older weights than the newest push
-        self._installed = (state.arrays["params"], state.meta["installed"])
+        self._installed = Weights(state.arrays["params"], state.meta["installed"])
     self._thread = threading.Thread(target=self._main, name="rollout-worker", daemon=True)
 
   @property
   def version(self) -> int:
     """The newest pushed policy version."""
-    return self._pending[1]
+    return self._pending.version
 
-  @property
-  def installed_version(self) -> int:
-    """The version the worker decodes with."""
-    return self._installed[1]
-
-  @property
-  def exhausted(self) -> bool:
-    return self._exhausted
-
-  def ahead(self, index: int) -> int:
-    """How many policy updates can come before the trainer takes batch `index`: the batches
-    before it not yet taken, plus one when the trainer has taken a batch since its last push
-    and is not waiting for another (its push comes first)."""
-    return index - self._taken + (self._push_due and not self._waiting)
+  def view(self) -> WorkerView:
+    """What the schedule reads (holding the lock)."""
+    return WorkerView(taken=self._taken, push_coming=self._push_due and not self._waiting,
+                      installed=self._installed.version, newest=self._pending.version,
+                      exhausted=self._exhausted)
 
   # -- the trainer's side ---------------------------------------------------------------------
   def update_weights(self, params: Any, version: int) -> None:
@@ -113,10 +118,10 @@ class Worker:
     waits until the worker has installed version - 1)."""
     params = self._transfer(params)  # outside the lock: a reshard can take a while
     with self._cond:
-      if version <= self._pending[1]:
-        raise ValueError(f"policy version must increase: got {version} after {self._pending[1]}")
-      self._wait(lambda: self.schedule.push_ready(self, version))
-      self._pending, self._push_due = (params, version), False
+      if version <= self._pending.version:
+        raise ValueError(f"policy version must increase: got {version} after {self.version}")
+      self._wait(lambda: self.schedule.push_ready(self.view(), version))
+      self._pending, self._push_due = Weights(params, version), False
       self._changed()
 
   def get(self, timeout: float | None = None) -> RolloutBatch:
@@ -183,6 +188,87 @@ class Worker:
   def __exit__(self, *exc) -> None:
     self.close()
 
+  # -- the worker's thread (for subclasses) ---------------------------------------------------
+  def launch(self) -> None:
+    """Starts the thread (the end of a subclass's __init__)."""
+    self._thread.start()
+
+  def locked(self) -> threading.Condition:
+    """The worker's lock, as a context manager."""
+    return self._cond
+
+  @property
+  def installed(self) -> Weights:
+    """The weights the worker decodes with."""
+    return self._installed
+
+  @property
+  def next_to_generate(self) -> int:
+    """The first batch neither taken by the trainer nor queued."""
+    return self._taken + len(self._queue)
+
+  @property
+  def failed(self) -> bool:
+    """The thread failed (its error reaches `get`)."""
+    return self._error is not None
+
+  @property
+  def changes(self) -> int:
+    """The count of events so far (holding the lock): pushes, takes, pauses, closes, ..."""
+    return self._changes
+
+  def prompt_batch(self, index: int):
+    """Prompt batch `index` (host arrays; IndexError: the stream ended)."""
+    return self._prompts[index]
+
+  def batch_key(self, index: int) -> jax.Array:
+    """Batch `index`'s random key: `rollout_key(seed, index)`."""
+    return rollout_key(self._seed, index)
+
+  def batch_key_data(self, index: int) -> np.ndarray:
+    """Batch `index`'s random key as host key data."""
+    return fetch(jax.random.key_data(self.batch_key(index)))
+
+  def start_batch(self, index: int) -> Weights | None:
+    """Waits (holding the lock) until the schedule lets batch `index` start, and installs the
+    weights it starts with; them (None: the worker was closed)."""
+    if not self._wait(lambda: self.schedule.ready(self.view(), index)):
+      return None
+    if self.schedule.takes_pending(self.view(), index):
+      self._installed = self._pending
+    return self._installed
+
+  def install_newest(self, than: int) -> Weights | None:
+    """(Holding the lock) installs the newest pushed weights where they are newer than version
+    `than`; them (None: none are newer)."""
+    if self._pending.version <= than:
+      return None
+    self._installed = self._pending
+    return self._installed
+
+  def pause_point(self) -> bool:
+    """(Holding the lock) serves a pause asked for meanwhile; False when the worker was
+    closed."""
+    self._serve_pause()
+    return not self._closed
+
+  def wait_for_change(self, seen: int) -> bool:
+    """Waits (holding the lock), serving pauses, until `changes` has moved past `seen`; False
+    when the worker was closed."""
+    return self._wait(lambda: self._changes != seen)
+
+  def put(self, batch: RolloutBatch) -> None:
+    """A finished batch, for the trainer."""
+    with self._cond:
+      self._queue.append(batch)
+      self._changed()
+
+  def finish(self) -> None:
+    """The prompts ran out: `get` stops once the queue is empty."""
+    with self._cond:
+      self._exhausted = True
+      self._changed()
+
   # -- the worker's side ----------------------------------------------------------------------
   def _changed(self) -> None:
     self._changes += 1
@@ -214,18 +300,6 @@ class Worker:
     while self._pause is not None and not self._closed:
       self._cond.wait()
 
-  def _start(self, index: int) -> bool:
-    """Waits (holding the lock) until the schedule lets batch `index` start, and installs the
-    weights it starts with; False when the worker was closed."""
-    if not self._wait(lambda: self.schedule.ready(self, index)):
-      return False
-    if self.schedule.takes_pending(self, index):
-      self._installed = self._pending
-    return True
-
-  def _keys(self, index: int) -> np.ndarray:
-    return fetch(jax.random.key_data(rollout_key(self._seed, index)))
-
   def _main(self) -> None:
     try:
       self._run()
@@ -234,19 +308,9 @@ class Worker:
         self._error = e
         self._changed()
 
-  def _finish(self) -> None:
-    with self._cond:
-      self._exhausted = True
-      self._changed()
-
-  def _put(self, batch: RolloutBatch) -> None:
-    with self._cond:
-      self._queue.append(batch)
-      self._changed()
-
   def _state(self) -> WorkerState:
     """The run state now (holding the lock)."""
-    arrays, meta = {}, {"installed": self._installed[1], "queue": []}
+    arrays, meta = {}, {"installed": self._installed.version, "queue": []}
     if self._queue:
       arrays["queue"] = {}
     for batch in self._queue:
@@ -256,9 +320,9 @@ class Worker:
                             "seconds": batch.seconds,
                             "versions": None if batch.versions_BN is None
                             else batch.versions_BN.tolist()})
-    meta["installed_params"] = self._installed[1] != self._pending[1]
+    meta["installed_params"] = self._installed.version != self._pending.version
     if meta["installed_params"]:
-      arrays["params"] = self._installed[0]
+      arrays["params"] = self._installed.params
     return WorkerState(arrays, meta)
 
   def _needs_pause(self) -> bool:
@@ -290,24 +354,21 @@ class RolloutWorker(Worker):
     super().__init__(prompts, params, version=version, max_staleness=max_staleness, seed=seed,
                      start_index=start_index, schedule=schedule, transfer=transfer, state=state)
     self._generate = generate_fn
-    self._thread.start()
-
-  def _weights_for(self, index: int):
-    """Waits until batch `index` may start; the weights to generate it with (None: closed)."""
-    with self._cond:
-      return self._installed if self._start(index) else None
+    self.launch()
 
   def _run(self) -> None:
-    index = self._taken + len(self._queue)
+    index = self.next_to_generate
     while True:
       try:
-        prompts = self._prompts[index]
+        prompts = self.prompt_batch(index)
       except IndexError:
-        return self._finish()
-      if (weights := self._weights_for(index)) is None:
+        return self.finish()
+      with self.locked():
+        weights = self.start_batch(index)
+      if weights is None:  # closed
         return
       t0 = time.perf_counter()
-      rollout = jax.block_until_ready(self._generate(weights[0], prompts,
-                                                     rollout_key(self._seed, index)))
-      self._put(RolloutBatch(rollout, prompts, weights[1], index, time.perf_counter() - t0))
+      key = self.batch_key(index)
+      rollout = jax.block_until_ready(self._generate(weights.params, prompts, key))
+      self.put(RolloutBatch(rollout, prompts, weights.version, index, time.perf_counter() - t0))
       index += 1

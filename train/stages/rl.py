@@ -6,7 +6,9 @@ trunk). Its run state: the policy version (= steps done), the first prompt batch
 on (with dynamic sampling a step may generate several: `samples_generated` counts them), the
 run's largest sampler/trainer mismatch so far and its tokens per policy lag, the learners, and
 in async mode the generator's own state (train/rollout/async_state.py): the batches generated
-ahead and the rows in flight, saved with the generator paused, so a resumed run continues them.
+ahead and the rows in flight, saved with the generator paused, so a resumed run continues them
+(the rows in flight only where the checkpoint's stream geometry is this config's:
+train/rollout/source.py's `stream_geometry`).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from train.rl.controller import Controller
 from train.roles.learner import Learner
 from train.roles.role import ModelRole
 from train.rollout import async_state
+from train.rollout.source import stream_geometry
 from train.stages.base import Stage
 from train.updates.rl import critic_update, rl_update
 from train.updates.state import make_optimizer
@@ -158,21 +161,18 @@ class RLStage(Stage):
       self._generator = async_state.from_checkpoint(
           arrays["generator"], state["generator"], self.ctx.cluster.sampler_weights.abstract())
       stream = self._generator.meta.get("stream")
-      if stream is not None and stream["shape"] != self._stream_shape():
+      if stream is not None and stream["shape"] != self._stream_layout():
         log.warning("the checkpoint's rows in flight were decoded in another layout (%s, now "
                     "%s): their batches are generated again", stream["shape"],
-                    self._stream_shape())
+                    self._stream_layout())
         self._generator.arrays.pop("stream")
         del self._generator.meta["stream"]
 
-  def _stream_shape(self) -> dict | None:
-    """The layout of partial rollouts' decode state under this config (None: not streaming)."""
-    rl = self.cfg.rl
-    if not rl.schedule.partial_rollouts:
-      return None
-    shape = {"slots": rl.rollout.inflight_slots, "rows": rl.rollouts, "live": rl.schedule.max_staleness + 1,
-             "ring": self.ctx.task.prompt_len + rl.rollout.max_new_tokens - 1}
-    return {"kind": "conversations", **shape} if rl.environment.name else shape
+  def _stream_layout(self) -> dict | None:
+    """The layout partial rollouts' stream has under this config, as a checkpoint records it
+    (None: no stream)."""
+    geometry = stream_geometry(self.cfg.rl, self.ctx.task.prompt_len)
+    return None if geometry is None else geometry.meta()
 
   def close(self) -> None:
     if self.controller is not None:
