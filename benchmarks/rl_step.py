@@ -50,7 +50,7 @@ from sharding.host import force_cpu_devices
 
 MODES = {"sync-colocate": ("colocate", "sync"), "sync-separate": ("separate", "sync"),
          "async-separate": ("separate", "async")}
-# Timeline labels (train/rl/controller.py) of each stage.
+# Timeline labels (train/loop/controller.py) of each stage.
 STAGE_LABELS = {"generate": ("generate",), "reward": ("score",), "reference": ("ref logprobs",),
                 "old_logprobs": ("old logprobs",), "update": ("update",),
                 "weight_push": ("reshard", "push")}

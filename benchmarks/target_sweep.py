@@ -135,7 +135,7 @@ def measure_scoring(p: Point, mesh, actor) -> dict:
   import jax.numpy as jnp
 
   from cli.dry_run import scoring_footprint
-  from train.rl.scoring import logprobs, scorer
+  from train.loop.scoring import logprobs, scorer
   from train.roles.role import ModelRole
   cfg = config(p)
   rl = cfg.rl
@@ -167,12 +167,12 @@ def measure(p: Point, devices) -> dict:
   from cli.target_compile import abstract_experience
   from sharding.rules import MESH_AXES
   from train.roles.learner import Learner
-  from train.updates.rl import rl_update
+  from train.updates.policy import policy_update
   from train.updates.state import make_optimizer
   cfg = config(p)
   mesh = Mesh(np.array(devices[:int(np.prod(p.mesh))]).reshape(p.mesh), MESH_AXES)
   role = _actor(cfg, mesh)
-  learner = Learner(role, functools.partial(rl_update, cfg=cfg.rl), make_optimizer(1e-5),
+  learner = Learner(role, functools.partial(policy_update, cfg=cfg.rl), make_optimizer(1e-5),
                     initialize=False)
   with tempfile.TemporaryDirectory() as dump:
     compiled, seconds, live, allocated = _compiled(learner.lower(abstract_experience(cfg, role)),

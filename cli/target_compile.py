@@ -36,8 +36,8 @@ from sharding.host import tpu_chips_here
 from sharding.mesh import batch_sharding
 from sharding.placement import host_count, host_major_devices
 from sharding.rules import SAMPLER_RULES, batch_ways
-from train.rl.experience import Experience
-from train.rl.scoring import Scoring
+from train.loop.experience import Experience
+from train.loop.scoring import Scoring
 from train.roles.cluster import RoleCluster
 from train.rollout.generator import rl_sampling
 from train.stages.rl import learners

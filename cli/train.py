@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
   from jaxrl.config import ConfigError
   from train.io.checkpoint import CheckpointError
-  from train.rl.executors import ExecutorError
+  from train.loop.executors import ExecutorError
   from train.run.hooks import NumericsError
   primary = jax.process_index() == 0
   if primary:

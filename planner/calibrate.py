@@ -21,7 +21,7 @@ from planner.cost import Mesh, Plan, Workload, stage_times, step_time
 from planner.devices import DeviceSpec, Efficiency
 from planner.memory import kv_rows
 
-# Timeline labels (train/rl/controller.py) -> the cost model's stages they time.
+# Timeline labels (train/loop/controller.py) -> the cost model's stages they time.
 TRACE_STAGES = {"generate": ("generate",), "score": ("reward",), "ref logprobs": ("reference",),
                 "old logprobs": ("old_logprobs",), "values": ("values",),
                 "update": ("update", "critic_update"), "reshard": ("weight_push",),

@@ -193,7 +193,7 @@ def test_informative_groups():
 
 def test_make_experience_applies_dapos_overlong_penalty_and_filter():
   from sampler.engine import Rollout
-  from train.rl.experience import make_experience
+  from train.loop.experience import make_experience
   cfg = RLConfig(prompts_per_step=2, group_size=2, batching=BatchingConfig(num_minibatches=1), rollout=RolloutConfig(max_new_tokens=4), dapo=DAPOConfig(overlong_filter=True, overlong_buffer=2, overlong_penalty=1.0))
   mask = jnp.asarray([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]], bool)
   rollout = Rollout(tokens_BT=jnp.zeros((4, 6), jnp.int32),

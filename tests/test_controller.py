@@ -15,7 +15,7 @@ from configs import tiny
 from jaxrl.rewards import verifier as verifier_mod
 from train.io.checkpoint import RunCheckpointer
 from train.io.timeline import Timeline
-from train.rl.executors import Executor, ExecutorError
+from train.loop.executors import Executor, ExecutorError
 from train.run import Experiment
 
 ROOT = __file__.rsplit("/tests/", 1)[0]

@@ -8,8 +8,8 @@ import numpy as np
 
 from configs import tiny
 from jaxrl.algos.advantages import informative_groups
-from train.rl.batch_fill import fill_batch
-from train.rl.controller import Controller
+from train.loop.batch_fill import fill_batch
+from train.loop.controller import Controller
 from train.rollout.generator import Generator
 from train.run import Experiment
 from train.run.hooks import Hook

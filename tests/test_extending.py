@@ -23,10 +23,10 @@ from jaxrl.envs.base import Step
 from jaxrl.models.transformer import LanguageModel
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
-from train.rl.experience import Experience
+from train.loop.experience import Experience
 from train.rollout.multiturn import converse
 from train.rollout.worker import RolloutWorker
-from train.updates.rl import policy_loss
+from train.updates.policy import policy_loss
 
 
 def soft_gate_loss(logp_BN, adv_BN, *, old_BN, tau: float):

@@ -7,9 +7,9 @@ from flax import nnx
 from jaxrl.config_rl import KLConfig, LossConfig, RLConfig
 from jaxrl.algos.losses import aggregation_weights
 from jaxrl.models.transformer import LanguageModel
-from train.rl.experience import Experience, advantages
+from train.loop.experience import Experience, advantages
 from train.updates.forward import completion_logprobs
-from train.updates.rl import policy_loss
+from train.updates.policy import policy_loss
 
 
 def _weights(exp, cfg):

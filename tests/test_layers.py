@@ -29,9 +29,9 @@ TRAIN_MAY_IMPORT = {
     "roles": {"io", "updates"},  # models on their meshes, their weights, learners, offload
     "rollout": {"io", "roles"},  # generation, multi-turn, the async worker and its schedule
     "task": {"io", "roles", "rollout"},  # the run's data, reward and held-out evaluation
-    "rl": {"io", "updates", "roles", "rollout", "task"},  # the RL loop and its executors
-    "stages": {"io", "updates", "roles", "rollout", "task", "rl"},
-    "run": {"io", "updates", "roles", "rollout", "task", "rl", "stages"},  # Experiment
+    "loop": {"io", "updates", "roles", "rollout", "task"},  # the RL loop and its executors
+    "stages": {"io", "updates", "roles", "rollout", "task", "loop"},
+    "run": {"io", "updates", "roles", "rollout", "task", "loop", "stages"},  # Experiment
 }
 
 
@@ -43,7 +43,7 @@ def imported_modules(path: pathlib.Path) -> set[tuple[str, int]]:
       found.update((a.name, node.lineno) for a in node.names)
     elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
       found.add((node.module, node.lineno))
-      if node.module == "train":  # `from train import rl` imports the room train.rl
+      if node.module == "train":  # `from train import loop` imports the room train.loop
         found.update((f"train.{a.name}", node.lineno) for a in node.names)
   return found
 

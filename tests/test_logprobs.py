@@ -14,9 +14,9 @@ from jaxrl.config_rl import AdvantageConfig, BatchingConfig, CorrectionConfig, K
 from jaxrl.algos import logprobs
 from jaxrl.algos.logprobs import chunk_length, chunked_logprobs, dense_logprobs
 from jaxrl.models.transformer import LanguageModel
-from train.rl.experience import Experience
+from train.loop.experience import Experience
 from train.updates.forward import completion_logprobs, token_logprobs
-from train.updates.rl import rl_update
+from train.updates.policy import policy_update
 from train.updates.state import TrainState
 
 
@@ -108,7 +108,7 @@ def test_on_policy_update_needs_no_old_logprob_pass(tiny_cfg, policy_loss, tis_c
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                              opt_state=optimizer.init(params))
     exp = _experience(graphdef, params, with_old=with_old)
-    state, metrics = jax.jit(lambda s, e: rl_update(
+    state, metrics = jax.jit(lambda s, e: policy_update(
         s, e, graphdef=graphdef, optimizer=optimizer, cfg=cfg))(state, exp)
     results.append((state.params, metrics))
   (with_pass, m1), (without, m2) = results

@@ -27,7 +27,7 @@ from jaxrl.models.transformer import LanguageModel
 from sharding.rules import MESH_AXES
 from train.roles.learner import Learner
 from train.roles.role import ModelRole
-from train.updates.rl import rl_update
+from train.updates.policy import policy_update
 from train.updates.state import make_optimizer
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
@@ -60,7 +60,7 @@ def test_update_estimate_is_within_a_quarter_of_xla(name):
   cfg, fsdp = CONFIGS[name]
   mesh = Mesh(np.array(jax.devices()[:fsdp]).reshape(1, fsdp, 1), MESH_AXES)
   role = ModelRole("actor", lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0)), mesh)
-  learner = Learner(role, functools.partial(rl_update, cfg=cfg.rl),
+  learner = Learner(role, functools.partial(policy_update, cfg=cfg.rl),
                     make_optimizer(1e-5), initialize=False)
   xla = learner.lower(abstract_experience(cfg, role)).compile().memory_analysis().temp_size_in_bytes
   params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(role.abstract()))
@@ -113,7 +113,7 @@ def test_lora_update_estimate_is_within_a_quarter_of_xla(name):
   role = ModelRole("actor", lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0), lora=cfg.lora),
                    mesh, stored_dtypes=functools.partial(frozen_base_dtypes, cfg.model),
                    trainable=lora.TRAINABLE)
-  learner = Learner(role, functools.partial(rl_update, cfg=cfg.rl),
+  learner = Learner(role, functools.partial(policy_update, cfg=cfg.rl),
                     make_optimizer(1e-5), initialize=False)
   xla = learner.lower(abstract_experience(cfg, role)).compile().memory_analysis().temp_size_in_bytes
   params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(role.abstract()))

@@ -12,9 +12,9 @@ from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.config_rl import BatchingConfig, CriticConfig, KLConfig, LossConfig, RLConfig
 from jaxrl.config_files import from_mapping
 from jaxrl.models import LanguageModel, ValueModel
-from train.rl.experience import Experience
+from train.loop.experience import Experience
 from train.updates.forward import completion_logprobs
-from train.updates.rl import critic_update, rl_update
+from train.updates.policy import critic_update, policy_update
 from train.updates.state import TrainState
 
 
@@ -68,7 +68,7 @@ def test_micro_batches_give_the_minibatch_update(tiny_cfg, aggregation):
   results = {}
   for micro in (0, 2, 4):
     cfg = RLConfig(prompts_per_step=4, group_size=2, batching=BatchingConfig(num_minibatches=1, micro_batch_size=micro), kl=KLConfig(coef=0.05), loss=LossConfig(entropy_coef=0.01, aggregation=aggregation))
-    update = lambda s, e, optimizer: rl_update(s, e, graphdef=graphdef,
+    update = lambda s, e, optimizer: policy_update(s, e, graphdef=graphdef,
                                                      optimizer=optimizer, cfg=cfg)
     results[micro] = _updated(update, params, exp)
   (whole, m0) = results[0]

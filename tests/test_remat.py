@@ -17,10 +17,10 @@ from jaxrl.config_files import from_mapping
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import LanguageModel, init_kv_cache
 from sharding.rules import MESH_AXES
-from train.rl.experience import Experience
+from train.loop.experience import Experience
 from train.roles.learner import Learner
 from train.roles.role import ModelRole
-from train.updates.rl import rl_update
+from train.updates.policy import policy_update
 from train.updates.sft import sft_update
 from train.updates.state import make_optimizer
 
@@ -52,7 +52,7 @@ def _updated(remat: str, name: str):
   """(new parameters, metrics, old parameters) of one RL or SFT update of TINY with `remat`."""
   exp, sft = _batches()
   rl = RLConfig(prompts_per_step=2, group_size=2, batching=BatchingConfig(num_minibatches=1), rollout=RolloutConfig(max_new_tokens=7), kl=KLConfig(coef=0.05), loss=LossConfig(entropy_coef=0.01))
-  update = functools.partial(rl_update, cfg=rl) if name == "rl" else sft_update
+  update = functools.partial(policy_update, cfg=rl) if name == "rl" else sft_update
   learner = _learner(dataclasses.replace(TINY, remat=remat), update)
   before = jax.tree.map(np.asarray, learner.role.params)  # the update donates them
   metrics = learner.update(exp if name == "rl" else sft)
@@ -85,7 +85,7 @@ def _temp_bytes(remat: str) -> int:
   rl = RLConfig(prompts_per_step=8, group_size=2, batching=BatchingConfig(num_minibatches=1), rollout=RolloutConfig(max_new_tokens=64))
   mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), MESH_AXES)
   role = ModelRole("actor", lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)), mesh)
-  learner = Learner(role, functools.partial(rl_update, cfg=rl), make_optimizer(1e-5),
+  learner = Learner(role, functools.partial(policy_update, cfg=rl), make_optimizer(1e-5),
                     initialize=False)
   b, t, n = 16, 128, 64
   f32 = jax.ShapeDtypeStruct((b, n), jnp.float32)

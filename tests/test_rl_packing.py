@@ -12,10 +12,10 @@ from jaxrl.config_rl import BatchingConfig, CorrectionConfig, KLConfig, LossConf
 from jaxrl.algos.losses import AGGREGATIONS, POLICY_LOSSES, aggregation_weights
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import LanguageModel
-from train.rl.experience import Experience
+from train.loop.experience import Experience
 from train.updates.forward import completion_logprobs
 from train.updates.packing import plan
-from train.updates.rl import policy_loss, rl_update
+from train.updates.policy import policy_loss, policy_update
 from train.updates.state import TrainState
 
 P, N, B = 6, 10, 8
@@ -98,7 +98,7 @@ def test_an_update_over_minibatches_and_micro_batches_moves_the_weights_alike(ba
   graphdef, params, exp, prompt_lens, lengths = batch
   cfg = RLConfig(prompts_per_step=2, group_size=4, batching=BatchingConfig(num_minibatches=2, micro_batch_size=2), kl=KLConfig(coef=0.1), rollout=RolloutConfig(max_new_tokens=N))
   optimizer = optax.sgd(1.0)
-  update = jax.jit(lambda s, e: rl_update(s, e, graphdef=graphdef, optimizer=optimizer, cfg=cfg))
+  update = jax.jit(lambda s, e: policy_update(s, e, graphdef=graphdef, optimizer=optimizer, cfg=cfg))
   new = lambda: TrainState(step=jnp.zeros((), jnp.int32), params=params,
                            opt_state=optimizer.init(params))
   want, want_m = update(new(), exp)

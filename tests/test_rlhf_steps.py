@@ -13,13 +13,13 @@ from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.models import LanguageModel, RewardModel, ValueModel
 from jaxrl.models.transformer import positions_from_valid
 from sharding.mesh import make_mesh
-from train.rl.experience import Experience, advantages
+from train.loop.experience import Experience, advantages
 from train.roles.role import ModelRole
 from train.updates.batching import split_minibatches
 from train.updates.forward import (completion_logprobs, completion_values, sequence_logprobs,
                                    sequence_scores)
 from train.updates.preference import dpo_update, reward_model_update
-from train.updates.rl import critic_update, policy_loss
+from train.updates.policy import critic_update, policy_loss
 from train.updates.state import TrainState, make_optimizer
 
 PAIRS = [Pair("rev abc=", "cba", "bca"), Pair("rev bad=", "dab", "abd"),

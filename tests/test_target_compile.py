@@ -277,7 +277,7 @@ def test_the_compile_guard_names_what_its_child_raised():
   from cli.compile_guard import _forward
   state = {"program": None, "failed": None, "reported": False, "raised": None}
   child = ("jaxrl: dry run: compiling old log-probs\nTraceback (most recent call last):\n"
-           '  File "train/rl/scoring.py", line 69, in __init__\n'
+           '  File "train/loop/scoring.py", line 69, in __init__\n'
            "AttributeError: 'NoneType' object has no attribute 'tok'\n")
   _forward(io.StringIO(child), io.StringIO(), io.StringIO(), state)
   assert state["program"] == "old log-probs" and not state["reported"]

@@ -12,9 +12,9 @@ from jaxrl.config_rl import CorrectionConfig, KLConfig, LossConfig, RLConfig, Ro
 from jaxrl.data.pipeline import bucket_length
 from jaxrl.models import LanguageModel, ModelConfig
 from sampler.engine import Rollout
-from train.rl.experience import Experience, trim_rollout
+from train.loop.experience import Experience, trim_rollout
 from train.updates.forward import completion_logprobs
-from train.updates.rl import policy_loss
+from train.updates.policy import policy_loss
 
 
 def test_bucket_length():

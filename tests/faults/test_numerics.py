@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train.io.checkpoint import RunCheckpointer, params_fingerprint
-from train.rl.scoring import Scoring
+from train.loop.scoring import Scoring
 from train.run import Experiment
 from train.updates.state import TrainState, apply_gradients, make_optimizer
 

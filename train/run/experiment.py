@@ -236,7 +236,7 @@ class Experiment:
     if stage.progress.saved == stage.progress.done:  # already saved (or restored) at this step
       return
     stage.mark_saved()
-    with stage.frozen():  # returns once the arrays are copied off the devices
+    with stage.paused():  # returns once the arrays are copied off the devices
       items, meta, metrics = snapshot(self.ctx, stage, self.summary,
                                              len(self.writer.rows))
       self.checkpointer.save(stage.name, stage.progress.done, items, meta, metrics)

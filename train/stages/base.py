@@ -102,9 +102,9 @@ class Stage:
   def abstract_arrays(self, state: dict) -> dict:
     return {}
 
-  def frozen(self):
-    """A context in which `state()` and `arrays()` stay consistent while a checkpoint copies
-    them (RL: the async generator paused)."""
+  def paused(self):
+    """A context in which the stage is paused for a checkpoint: `state()` and `arrays()` stay
+    consistent while it copies them (RL: the async generator paused)."""
     return contextlib.nullcontext()
 
   def restore(self, state: dict, arrays: dict) -> None:

@@ -1,4 +1,4 @@
-"""RL: the single controller (train/rl/controller.py) in sync or async mode, any algorithm.
+"""RL: the single controller (train/loop/controller.py) in sync or async mode, any algorithm.
 
 On a fresh start the stage freezes the reference (a copy of the actor on the reference mesh)
 and, for `gae`, adds the critic (from the reward model when there is one, else from the actor's
@@ -18,13 +18,13 @@ import logging
 import time
 
 from jaxrl.config_rl import RLConfig
-from train.rl.controller import Controller
+from train.loop.controller import Controller
 from train.roles.learner import Learner
 from train.roles.role import ModelRole
 from train.rollout import async_state
 from train.rollout.source import stream_geometry
 from train.stages.base import Stage
-from train.updates.rl import critic_update, rl_update
+from train.updates.policy import critic_update, policy_update
 from train.updates.state import make_optimizer
 
 log = logging.getLogger("jaxrl")
@@ -40,7 +40,7 @@ def learners(rl: RLConfig, actor: ModelRole, critic: ModelRole | None, *,
   optimizer = lambda lr: make_optimizer(lr, warmup_steps=rl.warmup_steps,
                                         total_steps=rl.steps * rl.batching.num_minibatches,
                                         max_grad_norm=rl.max_grad_norm)
-  actor_learner = Learner(actor, functools.partial(rl_update, cfg=rl), optimizer(rl.learning_rate),
+  actor_learner = Learner(actor, functools.partial(policy_update, cfg=rl), optimizer(rl.learning_rate),
                           initialize=initialize)
   if critic is None:
     return actor_learner, None
@@ -59,8 +59,8 @@ class RLStage(Stage):
     self.lags: list[int] = []  # generated tokens trained on, by policy lag (async)
     self.controller: Controller | None = None
     self.wall0: float | None = None  # when this process's first RL step began
-    self._generator = None  # a checkpoint's generator state, until the controller takes it
-    self._frozen = None  # while a checkpoint is taken: the generator's state
+    self._worker_state = None  # the async worker's state from a checkpoint, until the controller takes it
+    self._paused = None  # while a checkpoint is taken: the generator's state
 
   def eval_due(self, done: int) -> bool:
     return done % self.cfg.eval.every == 0 or done == self.total
@@ -93,8 +93,8 @@ class RLStage(Stage):
                                    task=ctx.task, judge=ctx.judge, timeline=ctx.timeline,
                                    actor=self.actor, critic=self.critic,
                                    next_index=self.next_index, version=self.progress.done)
-      self.controller.start(self._generator)
-      self._generator = None
+      self.controller.start(self._worker_state)
+      self._worker_state = None
     row = self.controller.step()
     self.next_index = self.controller.next_index
     for lag, count in enumerate(row.pop("token_lags", ())):
@@ -124,7 +124,7 @@ class RLStage(Stage):
     return out
 
   @contextlib.contextmanager
-  def frozen(self):
+  def paused(self):
     """The async generator paused at a point it can continue from, while a checkpoint is
     taken (`state` and `arrays` then include it)."""
     worker = None if self.controller is None else self.controller.worker
@@ -132,20 +132,20 @@ class RLStage(Stage):
       yield
       return
     with worker.paused() as generator:
-      self._frozen = async_state.to_checkpoint(generator)
+      self._paused = async_state.to_checkpoint(generator)
       try:
         yield
       finally:
-        self._frozen = None
+        self._paused = None
 
   def state(self) -> dict:
     out = {"next_index": self.next_index, "maxima": self.maxima, "lags": self.lags}
-    if self._frozen is not None:
-      out["generator"] = self._frozen[1]
+    if self._paused is not None:
+      out["generator"] = self._paused[1]
     return out
 
   def arrays(self) -> dict:
-    return {} if self._frozen is None else {"generator": self._frozen[0]}
+    return {} if self._paused is None else {"generator": self._paused[0]}
 
   def abstract_arrays(self, state: dict) -> dict:
     if "generator" not in state:
@@ -158,15 +158,15 @@ class RLStage(Stage):
     self.next_index, self.lags = state["next_index"], state.get("lags", [])
     self.maxima.update(state.get("maxima", {}))
     if "generator" in state and self.cfg.rl.schedule.mode == "async":
-      self._generator = async_state.from_checkpoint(
+      self._worker_state = async_state.from_checkpoint(
           arrays["generator"], state["generator"], self.ctx.cluster.sampler_weights.abstract())
-      stream = self._generator.meta.get("stream")
+      stream = self._worker_state.meta.get("stream")
       if stream is not None and stream["shape"] != self._stream_layout():
         log.warning("the checkpoint's rows in flight were decoded in another layout (%s, now "
                     "%s): their batches are generated again", stream["shape"],
                     self._stream_layout())
-        self._generator.arrays.pop("stream")
-        del self._generator.meta["stream"]
+        self._worker_state.arrays.pop("stream")
+        del self._worker_state.meta["stream"]
 
   def _stream_layout(self) -> dict | None:
     """The layout partial rollouts' stream has under this config, as a checkpoint records it

@@ -25,7 +25,7 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
   tokens with `weights_BN` (`loss.aggregation` over the whole minibatch's `policy_mask_BN`:
   `aggregation_weights`), plus a mixture of experts' router loss (`forward.router_loss`).
 
-  `micro` = (exp, weights_BN, token_weights_BN). `exp` (train/rl/experience.py) holds per-token
+  `micro` = (exp, weights_BN, token_weights_BN). `exp` (train/loop/experience.py) holds per-token
   [B, N] advantages, the trainer's log-probs before the update (`old`), the reference's, and the
   sampler's (mu, what it drew with). The metrics include the sampler/trainer mismatch
   (|log mu - log pi_old|, KL(mu || pi_old)) over every valid token (`token_weights_BN`: a token
@@ -68,7 +68,7 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
   return total(loss_BN) + share * router, metrics
 
 
-def rl_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig):
+def policy_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig):
   """`cfg.batching.num_minibatches` policy updates on one Experience batch, each accumulating
   its gradient over `cfg.batching.micro_batch_size`-row micro-batches."""
   batching = cfg.batching

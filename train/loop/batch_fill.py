@@ -10,7 +10,7 @@ import numpy as np
 from jaxrl.algos.advantages import informative_groups
 from jaxrl.config_rl import RLConfig
 from train.io.host_transfers import allowed
-from train.rl.experience import combine_rollouts
+from train.loop.experience import combine_rollouts
 from train.rollout.worker import RolloutBatch
 from train.task.task import Judge
 

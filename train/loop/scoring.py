@@ -1,6 +1,6 @@
 """Scoring a rollout batch: the reward (the host verifier or the reward model), the reference's
 and the actor's old log-probs, the critic's values, each on its role's executor so they overlap,
-and the Experience they make on the trainer's mesh (train/rl/experience.py)."""
+and the Experience they make on the trainer's mesh (train/loop/experience.py)."""
 from __future__ import annotations
 
 import functools
@@ -11,8 +11,8 @@ import numpy as np
 from jaxrl.config_rl import RLConfig
 from jaxrl.data.pipeline import bucket_length
 from train.io.host_transfers import to_device, to_host
-from train.rl.executors import Executors
-from train.rl.experience import make_experience, trim_rollout
+from train.loop.executors import Executors
+from train.loop.experience import make_experience, trim_rollout
 from train.roles.cluster import RoleCluster
 from train.roles.learner import Learner
 from train.task.task import Judge

@@ -2,7 +2,7 @@
 
 One step: the next rollout batch (`RolloutSource`, train/rollout/source.py: generated in turn, or
 taken from the async worker that runs ahead by at most `rl.schedule.max_staleness` policy versions),
-DAPO's batch filling (train/rl/batch_fill.py), scoring into an Experience (train/rl/scoring.py:
+DAPO's batch filling (train/loop/batch_fill.py), scoring into an Experience (train/loop/scoring.py:
 reward, reference, critic and old log-probs overlap on their executors), the actor (+ critic)
 update over the minibatches, and the push of the new weights to the sampler (and the worker).
 Off-policy samples are corrected by the configured loss (AIPO, or PPO with the truncated-IS
@@ -18,9 +18,9 @@ import numpy as np
 from jaxrl.config import ConfigError, ExperimentConfig, offload_items
 from train.io.host_transfers import to_host
 from train.io.timeline import Timeline
-from train.rl.batch_fill import FilledBatch, fill_batch
-from train.rl.executors import ExecutorError, Executors
-from train.rl.scoring import Scoring
+from train.loop.batch_fill import FilledBatch, fill_batch
+from train.loop.executors import ExecutorError, Executors
+from train.loop.scoring import Scoring
 from train.roles.cluster import RoleCluster
 from train.roles.learner import Learner
 from train.roles.offload import Offloader
