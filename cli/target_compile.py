@@ -177,7 +177,7 @@ def _sampler(cfg: ExperimentConfig, cluster: RoleCluster) -> Sampler:
     eos, pad, stops = tok.eos_id, tok.pad_id, tuple((i,) for i in tok.stop_ids if i != tok.eos_id)
   except ConfigError:
     eos, pad, stops = 1, 0, ()
-  sampling = rl_sampling(rl, rl.rollout.max_new_tokens, eos, pad, stops)
+  sampling = rl_sampling(rl.rollout, rl.rollout.max_new_tokens, eos, pad, stops)
   weights = cluster.sampler_weights
   return Sampler(weights.graphdef, sampling, n=rl.group_size, mesh=cluster.meshes["sampler"],
                  param_shardings=weights.shardings)

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError
-from jaxrl.config_rl import RLConfig
+from jaxrl.config_rl import RLConfig, RolloutConfig
 from jaxrl.envs import EnvError, Environment
 from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
@@ -38,13 +38,14 @@ def rollout_key(seed: int, index: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), index)
 
 
-def rl_sampling(rl: RLConfig, max_new_tokens: int, eos_id: int, pad_id: int,
+def rl_sampling(rollout: RolloutConfig, max_new_tokens: int, eos_id: int, pad_id: int,
                 stops: tuple[tuple[int, ...], ...]) -> SamplingConfig:
-  """How RL rollouts are sampled: at `rl.rollout.temperature` / `rl.rollout.top_k`, ending at EOS or a stop
-  sequence (`stops`), unless `rl.rollout.ignore_eos` runs every row to its budget."""
+  """How RL rollouts are sampled (`rl.rollout`): at its temperature and top k, ending at EOS
+  or a stop sequence (`stops`), unless `ignore_eos` runs every row to its budget."""
   return SamplingConfig(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                        stop_sequences=() if rl.rollout.ignore_eos else stops, method="temperature",
-                        temperature=rl.rollout.temperature, top_k=rl.rollout.top_k, ignore_eos=rl.rollout.ignore_eos)
+                        stop_sequences=() if rollout.ignore_eos else stops, method="temperature",
+                        temperature=rollout.temperature, top_k=rollout.top_k,
+                        ignore_eos=rollout.ignore_eos)
 
 
 class Generator:
@@ -55,7 +56,7 @@ class Generator:
     `environment`: a new environment per row makes every rollout a multi-turn conversation
     (train/rollout/multiturn.py) of up to `rl.environment.max_turns` turns."""
     stops = tuple((i,) for i in tok.stop_ids if i != tok.eos_id)
-    sampling = rl_sampling(rl, max_new_tokens, tok.eos_id, tok.pad_id, stops)
+    sampling = rl_sampling(rl.rollout, max_new_tokens, tok.eos_id, tok.pad_id, stops)
     weights, mesh = cluster.sampler_weights, cluster.meshes["sampler"]
     if rl.rollout.inflight_slots and cluster.cfg.model.sliding_window:  # (its slots are a ring)
       raise ConfigError(f"config.rl.rollout.inflight_slots: in-flight batching does not apply a sliding "
