@@ -13,7 +13,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
-from cli import evaluate, tools
+from cli import evaluate, export, sample
 from cli.gsm8k_tiny import make
 from jaxrl.config import ConfigError, ExperimentConfig, config_dict
 from jaxrl.config_files import resolve
@@ -59,8 +59,8 @@ def test_run_from_hf_dir_then_export_and_sample(assets, tmp_path, capsys):
     params = exp.params
   out = str(tmp_path / "exported")
   checkpoint = os.path.join(exp.run_dir, "checkpoints", "rl")
-  assert tools.export_main(["--checkpoint", checkpoint, "--out", out, "--dtype", "float32"]) == 0
-  assert tools.export_main(["--checkpoint", checkpoint, "--out", out]) == 2  # never overwrites
+  assert export.main(["--checkpoint", checkpoint, "--out", out, "--dtype", "float32"]) == 0
+  assert export.main(["--checkpoint", checkpoint, "--out", out]) == 2  # never overwrites
   # transformers loads the export as is, and computes what jaxrl computes.
   torch_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
   tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -77,8 +77,8 @@ def test_run_from_hf_dir_then_export_and_sample(assets, tmp_path, capsys):
   np.testing.assert_allclose(got_TV, want_TV, atol=1e-4)
   capsys.readouterr()
   for source in (out, checkpoint):
-    assert tools.sample_main(["--model", source, "--prompt", "Tom has 3 apples.", "--chat",
-                              "--greedy", "--max_new_tokens", "64"]) == 0
+    assert sample.main(["--model", source, "--prompt", "Tom has 3 apples.", "--chat",
+                        "--greedy", "--max_new_tokens", "64"]) == 0
   printed = capsys.readouterr().out
   assert printed.count("--- prompt 0, sample 0") == 2
   assert completion[0][0].text in printed  # the run's greedy sample, from both sources

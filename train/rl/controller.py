@@ -5,8 +5,12 @@ taken from the async worker that runs ahead by at most `rl.max_staleness` policy
 DAPO's batch filling (train/rl/batch_fill.py), scoring into an Experience (train/rl/scoring.py:
 reward, reference, critic and old log-probs overlap on their executors), the actor (+ critic)
 update over the minibatches, and the push of the new weights to the sampler (and the worker).
-Off-policy samples are corrected by the configured loss (AIPO, or PPO with the truncated-IS
-weight). The host sees only the completions' token ids (for the verifier), the rewards it
+Off-policy samples are corrected in the update (train/updates/rl.py): the policy loss
+(`rl.policy_loss`, jaxrl/algos/losses.py: PPO's clip around pi_old, AIPO's min(pi / mu, rho),
+GSPO, CISPO, decoupled PPO) times the rollout correction of jaxrl/algos/correction.py (a
+truncated importance weight min(pi_old / mu, `rl.tis_cap`), a token, sequence, geometric or
+IcePop mask, `rl.rollout_mask`; a loss that weights by pi_old / mu itself is only capped
+and masked). The host sees only the completions' token ids (for the verifier), the rewards it
 returns, and the step's metrics; every sample's policy version and its lag are logged.
 """
 from __future__ import annotations
