@@ -36,14 +36,15 @@ def test_uniform_groups_are_refilled_and_the_rounds_counted(tmp_path):
     exp.run()
     ctx = exp.ctx
     ctl = Controller(exp.cfg, cluster=ctx.cluster, generator=ctx.generator, task=ctx.task,
-                     judge=ctx.judge, timeline=ctx.timeline, actor=exp.stages["rl"].actor,
-                     critic=None, next_index=5, version=1)
+                     judge=ctx.judge, timeline=ctx.timeline, transfers=ctx.transfers,
+                     actor=exp.stages["rl"].actor, critic=None, next_index=5, version=1)
     batch, _ = ctl.rollouts.next(ctl.version)
     first = ctx.judge.score(ctx.judge.texts(batch.rollout),
                             np.repeat(batch.prompts["examples"], GROUP))
     assert informative_groups(first, GROUP).sum() < PROMPTS  # this batch needs a refill
     filled = fill_batch(batch, cfg=exp.cfg.rl, judge=ctx.judge,
-                        next_batch=lambda: ctl.rollouts.next(ctl.version))
+                        next_batch=lambda: ctl.rollouts.next(ctl.version),
+                        transfers=ctx.transfers)
     out, out_prompts, verified_B, metrics = (filled.rollout, filled.prompts, filled.verified_B,
                                              filled.metrics)
     assert filled.versions_BN.shape == np.asarray(out.completion_mask_BN).shape

@@ -19,7 +19,7 @@ from jaxrl.config import ConfigError, ExperimentConfig, config_dict
 from jaxrl.config_files import resolve
 from jaxrl.data.tokenizer import HFTokenizer
 from train.run import Experiment
-from train.task.task import make_reward
+from train.task.task import UserProcesses, make_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16, d_ff=64)
@@ -126,13 +126,14 @@ def test_user_reward_function(tmp_path, monkeypatch):
       "def length_match(prompts, completions, answer, **fields):\n"
       "  return [float(len(c) == int(a)) for c, a in zip(completions, answer)]\n")
   monkeypatch.syspath_prepend(str(tmp_path))
-  reward, verifier = make_reward("hf_run_rewards:length_match")
   from jaxrl.data.tasks import Example
-  got = reward(["p", "q"], ["abc", "ab"], [Example("p", "3"), Example("q", "3")])
-  np.testing.assert_array_equal(got, [1.0, 0.0])
-  assert verifier("abcd", "4") == 1.0
-  with pytest.raises(ConfigError, match="config.rl.verifier: .*no_such_module"):
-    make_reward("no_such_module:fn")
+  with UserProcesses() as processes:
+    reward, verifier = make_reward("hf_run_rewards:length_match", processes)
+    got = reward(["p", "q"], ["abc", "ab"], [Example("p", "3"), Example("q", "3")])
+    np.testing.assert_array_equal(got, [1.0, 0.0])
+    assert verifier("abcd", "4") == 1.0
+    with pytest.raises(ConfigError, match="config.rl.verifier: .*no_such_module"):
+      make_reward("no_such_module:fn", processes)
 
 
 @pytest.mark.parametrize("name,args,verdict", [

@@ -15,7 +15,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import LanguageModel
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
-from train.rollout.multiturn import as_rollout, converse
+from train.rollout.multiturn import MultiTurn, as_rollout
 from train.run import Experiment
 from train.task.heldout import evaluate
 from train.updates.forward import completion_logprobs
@@ -63,8 +63,13 @@ def test_trained_ids_are_the_sampled_and_appended_ids(tmp_path, slots, keep):
   Recorder.log, Recorder.order = [], []
   prompts = [tok.encode(t) for t in ("calc 12*7", "the answer", "add 3", "the tool", "12", "x")]
   envs = [Recorder(tok, None) for _ in prompts]
-  talks = converse(sampler, params, prompts, [Example("x", "1")] * len(prompts), envs,
-                   jax.random.key(3), max_new_tokens=40, max_turns=3, keep_cache=keep)
+  with MultiTurn() as multiturn:
+    talks = multiturn.converse(sampler, params, prompts, [Example("x", "1")] * len(prompts),
+                               envs, jax.random.key(3), max_new_tokens=40, max_turns=3,
+                               keep_cache=keep)
+    stats = multiturn.stats()
+  # what the turns decoded: every token the model emitted, counted once
+  assert stats["emitted"] == sum(sum(talk.policy) for talk in talks)
   assert max(turn for _, turn in Recorder.order) == 3
   # In-flight, a conversation's next turn starts as soon as its reply is in: some conversation
   # has its second turn answered before another's first (static turns: never).
