@@ -177,17 +177,18 @@ def timed_config(raw: dict, overrides: dict, steps: int) -> dict:
 
 
 def one_step(exp, keep: bool) -> dict:
-  from train.rollout.multiturn import STATS
-  exp.ctx.generator.turns["keep_cache"] = keep
-  STATS.clear()
+  generator = exp.ctx.generator
+  generator.turns["keep_cache"] = keep
+  generator.multiturn.clear_stats()
   start = time.perf_counter()
   exp.rl.step()
   step_s = time.perf_counter() - start
   rollout_s = sum(exp.ctx.timeline.durations(start).get("generate", []))
-  emitted = max(STATS["emitted"], 1)
+  stats = generator.multiturn.stats()
+  emitted = max(stats.get("emitted", 0), 1)
   return {"step_s": step_s, "rollout_s": rollout_s, "tokens_per_s": emitted / rollout_s,
-          "prefill_per_token": STATS["prefill_tokens"] / emitted, "emitted": emitted,
-          "continued": STATS["continued"], "evicted": STATS["evicted"]}
+          "prefill_per_token": stats.get("prefill_tokens", 0) / emitted, "emitted": emitted,
+          "continued": stats.get("continued", 0), "evicted": stats.get("evicted", 0)}
 
 
 def measure(raw: dict, rounds: int, warmup: int) -> dict:

@@ -136,8 +136,8 @@ def run(raw, checkpoint, fv) -> dict:
   from train.task.heldout import evaluate
   ks = _ks(fv)
   cfg = with_gin(raw)
-  with tempfile.TemporaryDirectory() as scratch:
-    ctx = RunContext(cfg, scratch, initialize=False)
+  with tempfile.TemporaryDirectory() as scratch, RunContext(cfg, scratch,
+                                                           initialize=False) as ctx:
     source = _policy(ctx, checkpoint, fv.model)
     examples = ctx.task.heldout if fv.split == "heldout" else ctx.task.train
     examples = examples[:fv.limit or None]

@@ -7,13 +7,13 @@ import sys
 import numpy as np
 import pytest
 
-from cli import evaluate, plan, tools, train
+from cli import evaluate, export, plan, sample, train
 from jaxrl.data.tasks import Example
 from train.task.heldout import Evaluation, pass_at_k
 
 MAINS = {"jaxrl-train": train.main, "jaxrl-eval": evaluate.main, "jaxrl-plan": plan.main,
-         "jaxrl-export": lambda argv: tools.export_main(argv[1:]),
-         "jaxrl-sample": lambda argv: tools.sample_main(argv[1:])}
+         "jaxrl-export": lambda argv: export.main(argv[1:]),
+         "jaxrl-sample": lambda argv: sample.main(argv[1:])}
 
 
 def _call(main, argv) -> int:

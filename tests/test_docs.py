@@ -18,7 +18,7 @@ import shlex
 
 import pytest
 
-from cli import evaluate, plan, tools, train
+from cli import evaluate, export, plan, sample, train
 from jaxrl.config import ExperimentConfig
 from planner import scaling
 
@@ -32,8 +32,8 @@ PROGRAMS = {"jaxrl-train": TRAIN, "cli.train": TRAIN, "launch/tpu_pod.sh": TRAIN
             "jaxrl-sample": "jaxrl-sample", "jaxrl-plan": "jaxrl-plan", "cli.plan": "jaxrl-plan",
             "planner.scaling": "planner.scaling"}
 MAINS = {TRAIN: train.main, "jaxrl-eval": evaluate.main, "jaxrl-plan": plan.main,
-         "jaxrl-export": lambda argv: tools.export_main(argv[1:]),
-         "jaxrl-sample": lambda argv: tools.sample_main(argv[1:]),
+         "jaxrl-export": lambda argv: export.main(argv[1:]),
+         "jaxrl-sample": lambda argv: sample.main(argv[1:]),
          "planner.scaling": lambda argv: scaling.main(argv[1:])}
 # Tools of the ecosystem a hardware block may use (not jaxrl's to check).
 OTHERS = ("tensorboard", "gcloud", "pip", "git")

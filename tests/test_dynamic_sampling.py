@@ -37,18 +37,22 @@ def test_uniform_groups_are_refilled_and_the_rounds_counted(tmp_path):
     exp.run()
     ctx = exp.ctx
     ctl = Controller(exp.cfg, cluster=ctx.cluster, generator=ctx.generator, task=ctx.task,
-                     judge=ctx.judge, timeline=ctx.timeline, actor=exp.stages["rl"].actor,
-                     critic=None, next_index=5, version=1)
+                     judge=ctx.judge, timeline=ctx.timeline, transfers=ctx.transfers,
+                     actor=exp.stages["rl"].actor, critic=None, next_index=5, version=1)
     batch, _ = ctl.rollouts.next(ctl.version)
     first = ctx.judge.score(ctx.judge.texts(batch.rollout),
                             np.repeat(batch.prompts["examples"], GROUP))
     assert informative_groups(first, GROUP).sum() < PROMPTS  # this batch needs a refill
     filled = fill_batch(batch, cfg=exp.cfg.rl, judge=ctx.judge,
-                        next_batch=lambda: ctl.rollouts.next(ctl.version))
+                        next_batch=lambda: ctl.rollouts.next(ctl.version),
+                        transfers=ctx.transfers)
     out, out_prompts, verified_B, metrics = (filled.rollout, filled.prompts, filled.verified_B,
                                              filled.metrics)
     assert filled.versions_BN.shape == np.asarray(out.completion_mask_BN).shape
     ctl.close()
+    # rows, prompts and rewards still belong together after the batches were stacked and cut
+    # (scored again while the run's reward workers are up: they stop with it)
+    again = ctx.judge.score(ctx.judge.texts(out), np.repeat(out_prompts["examples"], GROUP))
   assert out.tokens_BT.shape[0] == PROMPTS * GROUP == len(verified_B)
   assert metrics["dynamic_rounds"] >= 1 and ctl.next_index == 6 + metrics["dynamic_rounds"]
   informative = np.asarray(informative_groups(verified_B, GROUP))
@@ -56,8 +60,6 @@ def test_uniform_groups_are_refilled_and_the_rounds_counted(tmp_path):
     assert informative.all() and metrics["informative_frac"] == 1.0
   else:  # out of rounds: the informative groups first, then the others
     assert not np.any(np.diff(informative.astype(int)) > 0)
-  # rows, prompts and rewards still belong together after the batches were stacked and cut
-  again = ctx.judge.score(ctx.judge.texts(out), np.repeat(out_prompts["examples"], GROUP))
   np.testing.assert_array_equal(again, verified_B)
   lengths = np.asarray(out.completion_mask_BN).sum(1)
   np.testing.assert_array_equal(np.asarray(out.lengths_B), lengths)

@@ -13,13 +13,13 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
-from cli import evaluate, tools
+from cli import evaluate, export, sample
 from cli.gsm8k_tiny import make
 from jaxrl.config import ConfigError, ExperimentConfig, config_dict
 from jaxrl.config_files import resolve
 from jaxrl.data.tokenizer import HFTokenizer
 from train.run import Experiment
-from train.task.task import make_reward
+from train.task.task import UserProcesses, make_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16, d_ff=64)
@@ -60,8 +60,8 @@ def test_run_from_hf_dir_then_export_and_sample(assets, tmp_path, capsys):
     params = exp.params
   out = str(tmp_path / "exported")
   checkpoint = os.path.join(exp.run_dir, "checkpoints", "rl")
-  assert tools.export_main(["--checkpoint", checkpoint, "--out", out, "--dtype", "float32"]) == 0
-  assert tools.export_main(["--checkpoint", checkpoint, "--out", out]) == 2  # never overwrites
+  assert export.main(["--checkpoint", checkpoint, "--out", out, "--dtype", "float32"]) == 0
+  assert export.main(["--checkpoint", checkpoint, "--out", out]) == 2  # never overwrites
   # transformers loads the export as is, and computes what jaxrl computes.
   torch_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
   tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -78,8 +78,8 @@ def test_run_from_hf_dir_then_export_and_sample(assets, tmp_path, capsys):
   np.testing.assert_allclose(got_TV, want_TV, atol=1e-4)
   capsys.readouterr()
   for source in (out, checkpoint):
-    assert tools.sample_main(["--model", source, "--prompt", "Tom has 3 apples.", "--chat",
-                              "--greedy", "--max_new_tokens", "64"]) == 0
+    assert sample.main(["--model", source, "--prompt", "Tom has 3 apples.", "--chat",
+                        "--greedy", "--max_new_tokens", "64"]) == 0
   printed = capsys.readouterr().out
   assert printed.count("--- prompt 0, sample 0") == 2
   assert completion[0][0].text in printed  # the run's greedy sample, from both sources
@@ -127,13 +127,14 @@ def test_user_reward_function(tmp_path, monkeypatch):
       "def length_match(prompts, completions, answer, **fields):\n"
       "  return [float(len(c) == int(a)) for c, a in zip(completions, answer)]\n")
   monkeypatch.syspath_prepend(str(tmp_path))
-  reward, verifier = make_reward("hf_run_rewards:length_match")
   from jaxrl.data.tasks import Example
-  got = reward(["p", "q"], ["abc", "ab"], [Example("p", "3"), Example("q", "3")])
-  np.testing.assert_array_equal(got, [1.0, 0.0])
-  assert verifier("abcd", "4") == 1.0
-  with pytest.raises(ConfigError, match="config.rl.verifier: .*no_such_module"):
-    make_reward("no_such_module:fn")
+  with UserProcesses() as processes:
+    reward, verifier = make_reward("hf_run_rewards:length_match", processes)
+    got = reward(["p", "q"], ["abc", "ab"], [Example("p", "3"), Example("q", "3")])
+    np.testing.assert_array_equal(got, [1.0, 0.0])
+    assert verifier("abcd", "4") == 1.0
+    with pytest.raises(ConfigError, match="config.rl.verifier: .*no_such_module"):
+      make_reward("no_such_module:fn", processes)
 
 
 @pytest.mark.parametrize("name,args,verdict", [

@@ -103,7 +103,6 @@ def test_rl_step_generates_in_flight_without_hidden_host_transfers(tmp_path, mon
   from configs import tiny
   from sampler import sampler
   from sampler.inflight import jit_inflight
-  from train.io.host_transfers import RECORD
   from train.run import Experiment
   built = []
 
@@ -118,7 +117,7 @@ def test_rl_step_generates_in_flight_without_hidden_host_transfers(tmp_path, mon
   raw["rl"]["rollout"].update(inflight_slots=4)  # 8 prompts x 2 samples in 4 slots
   with Experiment(raw) as exp:
     exp.rl.step()  # compiles, evaluates the starting policy (greedy, in flight)
-    RECORD.clear()
+    exp.ctx.transfers.clear()
     guards = ("jax_transfer_guard_host_to_device", "jax_transfer_guard_device_to_host")
     before = {name: getattr(jax.config, name) for name in guards}
     try:
@@ -129,6 +128,7 @@ def test_rl_step_generates_in_flight_without_hidden_host_transfers(tmp_path, mon
       for name, value in before.items():
         jax.config.update(name, value)
     new_tokens = exp.ctx.task.max_new_tokens
+    record = exp.ctx.transfers.record()
   assert built == [4, 4]  # sample and greedy
   assert row["step"] == 2 and np.isfinite(row["loss"]) and row["response_len"] <= new_tokens
-  assert RECORD["completions"] == 8 * 2 * new_tokens * 4  # int32 token ids, nothing else
+  assert record["completions"] == 8 * 2 * new_tokens * 4  # int32 token ids, nothing else

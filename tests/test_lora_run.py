@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from cli.tools import export_main
+from cli.export import main as export_main
 from configs import tiny
 from jaxrl.models import lora
 from train.run import Experiment

@@ -15,7 +15,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import LanguageModel
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
-from train.rollout.multiturn import as_rollout, converse
+from train.rollout.multiturn import MultiTurn, as_rollout
 from train.run import Experiment
 from train.task.heldout import evaluate
 from train.updates.forward import completion_logprobs
@@ -45,6 +45,41 @@ class Recorder:
     return Step(reply, 1.0, len(self.turns) >= 6)  # one point a turn
 
 
+class Replies:
+  """Answers every turn with [1]; never done."""
+  stop_strings = ()
+
+  def reset(self, example):
+    return []
+
+  def step(self, turn_ids):
+    return Step([1], 1.0, False)
+
+
+def test_each_multiturn_owns_its_threads_and_counts():
+  """A MultiTurn (each Generator's) steps its conversations' environments in threads of its own
+  and counts what they decoded apart from another's, from several threads at once; closing it
+  stops its threads while the other's go on."""
+  import concurrent.futures
+  from train.rollout.multiturn import Conversation
+  first, second = MultiTurn(threads=4), MultiTurn()
+  with second:
+    talks = [Conversation(Replies(), i) for i in range(16)]
+    for talk in talks:
+      talk.reset(None, 100)
+    assert first.reply_all([(t, [5, 6], [-0.5, -0.5]) for t in talks], 100) == [True] * 16
+    assert all(t.ids == [5, 6, 1] and t.policy == [True, True, False] for t in talks)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+      list(pool.map(lambda _: first.count({"emitted": 1, "admitted": 2}), range(4000)))
+    assert first.stats() == {"emitted": 4000, "admitted": 8000} and second.stats() == {}
+    first.close()
+    assert first.closed and not second.closed
+    with pytest.raises(RuntimeError, match="shutdown"):
+      first.reply_all([(talks[0], [5], [-0.5])], 100)
+    assert second.reply_all([(talks[0], [5], [-0.5])], 100) == [True]
+  assert second.closed
+
+
 # static turns, each prefilling its conversation; in-flight across turns, in as many slots as
 # rows, each continuing its kept cache; in 6 slots for 6 rows, prefilling whole
 @pytest.mark.parametrize("slots,keep", [(0, False), (0, True), (6, False)])
@@ -63,8 +98,13 @@ def test_trained_ids_are_the_sampled_and_appended_ids(tmp_path, slots, keep):
   Recorder.log, Recorder.order = [], []
   prompts = [tok.encode(t) for t in ("calc 12*7", "the answer", "add 3", "the tool", "12", "x")]
   envs = [Recorder(tok, None) for _ in prompts]
-  talks = converse(sampler, params, prompts, [Example("x", "1")] * len(prompts), envs,
-                   jax.random.key(3), max_new_tokens=40, max_turns=3, keep_cache=keep)
+  with MultiTurn() as multiturn:
+    talks = multiturn.converse(sampler, params, prompts, [Example("x", "1")] * len(prompts),
+                               envs, jax.random.key(3), max_new_tokens=40, max_turns=3,
+                               keep_cache=keep)
+    stats = multiturn.stats()
+  # what the turns decoded: every token the model emitted, counted once
+  assert stats["emitted"] == sum(sum(talk.policy) for talk in talks)
   assert max(turn for _, turn in Recorder.order) == 3
   # In-flight, a conversation's next turn starts as soon as its reply is in: some conversation
   # has its second turn answered before another's first (static turns: never).
@@ -118,6 +158,8 @@ def test_an_rl_run_with_an_environment_trains_on_the_models_tokens_only(tmp_path
     sampled = evaluate(ctx.generator, ctx.task, ctx.judge, ctx.cluster.sampler_weights.fresh(),
                        ctx.task.heldout[:4], batch_size=ctx.cfg.eval.batch_size, n=2,
                        temperature=1.0)
+  # the run's environment threads and the processes of its user environment stopped with it
+  assert ctx.generator.multiturn.closed and ctx.processes.closed
   assert sampled.scores_EN.shape == (4, 2) and sampled.scores_EN.min() >= 1.0
   assert (sampled.lengths_EN > 0).all() and len(sampled.texts[3]) == 2
   assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)

@@ -20,7 +20,7 @@ from sampler.sampler import Sampler
 from sampler.stream import BatchStream, StreamGeometry
 from test_partial import TINY, _same, _train, _weights
 from train.rollout.conversations import ConversationStream, NotReplayable
-from train.rollout.multiturn import Turns, as_rollout, converse
+from train.rollout.multiturn import MultiTurn, Turns, as_rollout
 from train.rollout.partial import PartialRolloutWorker
 
 TOK = ByteTokenizer()
@@ -74,21 +74,28 @@ def _geometry(live, conversations=True):
                         max_new_tokens=BUDGET, conversations=conversations)
 
 
-def _stream(sampler, params, live):
+@pytest.fixture(scope="module")
+def multiturn():
+  with MultiTurn() as m:
+    yield m
+
+
+def _stream(sampler, params, live, multiturn):
   return ConversationStream(sampler, params, _geometry(live), n=N, environment=Echo,
-                            turns=TURNS, keep_cache=True, finish=_finish)
+                            turns=TURNS, keep_cache=True, finish=_finish, multiturn=multiturn)
 
 
-def _worker(model, version=0, state=None, start=0):
+def _worker(model, multiturn, version=0, state=None, start=0):
   sampler, params = model
-  return PartialRolloutWorker(_stream(sampler, params, 2), Batches(), _weights(params, version),
-                              version=version, max_staleness=1, schedule="fixed", state=state,
-                              start_index=start)
+  return PartialRolloutWorker(_stream(sampler, params, 2, multiturn), Batches(),
+                              _weights(params, version), version=version, max_staleness=1,
+                              schedule="fixed", state=state, start_index=start)
 
 
-def test_a_streamed_batch_is_the_whole_batch_conversation_with_the_same_weights(model):
+def test_a_streamed_batch_is_the_whole_batch_conversation_with_the_same_weights(model,
+                                                                                  multiturn):
   sampler, params = model
-  stream = _stream(sampler, params, 1)
+  stream = _stream(sampler, params, 1, multiturn)
   stream.open(Batches()[0], jax.random.key_data(jax.random.key(5)))
   out = []
   while not out:
@@ -97,9 +104,10 @@ def test_a_streamed_batch_is_the_whole_batch_conversation_with_the_same_weights(
   (batch, rollout), = out
   prompts = Batches()[0]
   rows = np.repeat(np.arange(PROMPTS), N)
-  talks = converse(sampler, params, [TOK.encode(f"0*{j}", bos=True) for j in rows],
-                   [prompts["examples"][j] for j in rows], [Echo() for _ in rows],
-                   jax.random.key(5), max_new_tokens=BUDGET, max_turns=3, max_turn_tokens=6)
+  talks = multiturn.converse(sampler, params, [TOK.encode(f"0*{j}", bos=True) for j in rows],
+                             [prompts["examples"][j] for j in rows], [Echo() for _ in rows],
+                             jax.random.key(5), max_new_tokens=BUDGET, max_turns=3,
+                             max_turn_tokens=6)
   assert [t.ids for t in batch.talks] == [t.ids for t in talks]
   assert max(len(t.turns) for t in talks) == 3  # (several turns, cut by the budget or not)
   np.testing.assert_allclose(rollout.logprobs_BN, _finish(talks, prompts).logprobs_BN, atol=1e-6)
@@ -135,8 +143,8 @@ def test_both_streams_are_batch_streams_laid_out_as_their_geometry(model):
 
 
 def test_fixed_schedule_is_a_function_of_the_seed_and_resumes_with_conversations_in_flight(
-    model):
-  runs = [_train(_worker(model), model[1], seed=s)[0] for s in (0, 1)]
+    model, multiturn):
+  runs = [_train(_worker(model, multiturn), model[1], seed=s)[0] for s in (0, 1)]
   _same(*runs)
   batches = runs[0]
   assert [b.version for b in batches] == [max(0, i - 1) for i in range(N_BATCHES)]
@@ -149,22 +157,22 @@ def test_fixed_schedule_is_a_function_of_the_seed_and_resumes_with_conversations
       replies = np.flatnonzero(~own[r] & b.rollout.completion_mask_BN[r])
       replies = replies[replies > 0]
       assert (v[r, replies] == v[r, replies - 1]).all()
-  first, state, version = _train(_worker(model), model[1], stop_after=3)
+  first, state, version = _train(_worker(model, multiturn), model[1], stop_after=3)
   talks = [(t, ended) for b in state.meta["stream"]["batches"]
            for t, ended in zip(b["talks"], b["ended"])]
   assert any(t["turns"] and not ended for t, ended in talks), "no conversation in flight"
-  resumed = _worker(model, version=version, state=state, start=version)
+  resumed = _worker(model, multiturn, version=version, state=state, start=version)
   _same(first + _train(resumed, model[1])[0], batches)
   # An environment that replies otherwise on replay cannot continue its conversations
   meta = state.meta["stream"]
   talk = next(t for b in meta["batches"] for t in b["talks"] if t["turns"])
   talk["ids"][talk["turns"][0][1]] += 1  # the first reply's first id
   with pytest.raises(NotReplayable, match="replied otherwise"):
-    _stream(*model, 2).restore(state.arrays["stream"], meta, Batches().__getitem__,
-                               lambda i: jax.random.key_data(jax.random.key(i)))
+    _stream(*model, 2, multiturn).restore(state.arrays["stream"], meta, Batches().__getitem__,
+                                          lambda i: jax.random.key_data(jax.random.key(i)))
   # ... and a worker given it generates their batches again, with the weights it has (those
   # of the oldest open batch are gone): nothing waits for them
-  again, rest = _worker(model, version=version, state=state, start=version), []
+  again, rest = _worker(model, multiturn, version=version, state=state, start=version), []
   while len(first) + len(rest) < N_BATCHES:
     rest.append(again.get(timeout=120))
     again.update_weights(_weights(model[1], version + len(rest)), version + len(rest))

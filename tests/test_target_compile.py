@@ -285,3 +285,58 @@ def test_the_compile_guard_names_what_its_child_raised():
   _forward(io.StringIO("jaxrl: dry run: verdict: DOES NOT FIT\n"), io.StringIO(), io.StringIO(),
            state)
   assert state["reported"]
+
+
+def test_a_target_scope_holds_on_every_thread_and_gives_the_platform_back():
+  """jaxrl/platform.py: inside `building_for` programs traced on any thread (an executor's)
+  are built for the target; a nested scope sets its own; each restores what it found, after
+  an error too."""
+  import threading
+  import jax
+  from jaxrl import platform
+  real, seen = jax.default_backend(), []
+  assert platform.backend() == real
+  with platform.building_for("tpu"):
+    reader = threading.Thread(target=lambda: seen.append(platform.backend()))
+    reader.start()
+    reader.join()
+    with platform.building_for("gpu"):
+      assert platform.backend() == "gpu"
+    assert platform.backend() == "tpu"
+  assert seen == ["tpu"] and platform.backend() == real
+  with pytest.raises(ZeroDivisionError), platform.building_for("tpu"):
+    1 / 0
+  assert platform.backend() == real
+
+
+def test_target_scopes_on_two_threads_take_turns():
+  """A scope opened on another thread waits for the one in progress to end: neither builds
+  for the other's target, and the platform before both comes back."""
+  import threading
+  import time
+  import jax
+  from jaxrl import platform
+  inside, release, seen = threading.Event(), threading.Event(), []
+
+  def first():
+    with platform.building_for("tpu"):
+      inside.set()
+      release.wait(10)
+      seen.append(("first", platform.backend()))
+
+  def second():
+    inside.wait(10)
+    with platform.building_for("gpu"):
+      seen.append(("second", platform.backend()))
+
+  threads = [threading.Thread(target=first), threading.Thread(target=second)]
+  for t in threads:
+    t.start()
+  inside.wait(10)
+  time.sleep(0.2)  # the second scope is waiting
+  assert seen == []
+  release.set()
+  for t in threads:
+    t.join(10)
+  assert seen == [("first", "tpu"), ("second", "gpu")]
+  assert platform.backend() == jax.default_backend()

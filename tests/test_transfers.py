@@ -6,7 +6,6 @@ import jax
 import numpy as np
 
 from configs import tiny
-from train.io.host_transfers import RECORD
 from train.run import Experiment
 
 
@@ -16,8 +15,9 @@ def test_rl_step_has_no_hidden_host_round_trip(tmp_path):
   raw["eval"]["every"] = 1000
   raw["rl"]["steps"] = 3
   with Experiment(raw) as exp:
+    assert exp.checkpointer.transfers is exp.ctx.transfers  # one record, the run's
     exp.rl.step()  # compiles, evaluates the starting policy
-    RECORD.clear()
+    exp.ctx.transfers.clear()
     guards = ("jax_transfer_guard_host_to_device", "jax_transfer_guard_device_to_host")
     before = {name: getattr(jax.config, name) for name in guards}
     try:
@@ -28,7 +28,44 @@ def test_rl_step_has_no_hidden_host_round_trip(tmp_path):
       for name, value in before.items():
         jax.config.update(name, value)
     rollouts, new_tokens = 8 * 2, exp.ctx.task.max_new_tokens
+    record = exp.ctx.transfers.record()
   assert row["step"] == 2 and np.isfinite(row["loss"])
-  assert set(RECORD) == {"prompts", "lengths", "completions", "rewards", "metrics", "weights"}
-  assert RECORD["completions"] == rollouts * new_tokens * 4  # int32 token ids, nothing else
-  assert RECORD["lengths"] == RECORD["rewards"] == rollouts * 4  # one int32 / float32 per row
+  assert set(record) == {"prompts", "lengths", "completions", "rewards", "metrics", "weights"}
+  assert record["completions"] == rollouts * new_tokens * 4  # int32 token ids, nothing else
+  assert record["lengths"] == record["rewards"] == rollouts * 4  # one int32 / float32 per row
+
+
+def test_the_record_counts_every_transfer_from_threads_at_once():
+  """The executors' threads count into the run's record at once: none is lost, and another
+  run's record (another HostTransfers) counts apart."""
+  import sys
+  import threading
+  import jax.numpy as jnp
+  from train.io.host_transfers import HostTransfers
+  record, other = HostTransfers(), HostTransfers()
+  x = jnp.ones(4, jnp.float32)
+  start = threading.Barrier(8)
+
+  def work():
+    start.wait()
+    for _ in range(50000):
+      record.count("counted", 1)
+    for _ in range(20):
+      record.to_host(x, "fetched")
+      with record.allowed("allowed", x):
+        pass
+
+  switch = sys.getswitchinterval()
+  sys.setswitchinterval(1e-6)  # threads interleave at every few bytecodes
+  try:
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+  finally:
+    sys.setswitchinterval(switch)
+  assert record.record() == {"counted": 8 * 50000, "fetched": 8 * 20 * 16, "allowed": 8 * 20 * 16}
+  assert other.record() == {}
+  record.clear()
+  assert record.record() == {}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -157,27 +156,3 @@ def _each_alone(fn, call, retry, rewards, pool):
     bad = [(retry[0][0], f"raised {error_line(retry[0][1])} on the batch, not on any sample "
                          "alone")]
   return bad
-
-
-def call_with_timeout(fn: Callable, timeout_s: float | None, *args, **kwargs):
-  """`fn(*args, **kwargs)` in a daemon thread, or UserCodeTimeout after `timeout_s` seconds
-  (None: no limit, called in place). A Python thread cannot be killed: a function that hangs
-  goes on in the background, but the run does not wait for it."""
-  if timeout_s is None:
-    return fn(*args, **kwargs)
-  box: dict = {}
-
-  def run():
-    try:
-      box["out"] = fn(*args, **kwargs)
-    except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-      box["error"] = e
-
-  thread = threading.Thread(target=run, name="user-code", daemon=True)
-  thread.start()
-  thread.join(timeout_s)
-  if thread.is_alive():
-    raise UserCodeTimeout(f"did not return within {timeout_s:g} s")
-  if "error" in box:
-    raise box["error"]
-  return box["out"]

@@ -223,3 +223,36 @@ def test_a_raising_reward_function_stops_the_run_naming_the_sample(cli, user_rew
   rc, line = cli(f"--config.rl.verifier={user_rewards}:raises_on_a", "--config.sft.steps=1")
   assert rc == 2 and line == (f"config.rl.verifier: reward function {user_rewards}:raises_on_a "
                               f"on sample {first}: raised ZeroDivisionError: division by zero")
+
+
+def worker_pid():
+  return os.getpid()
+
+
+def test_a_runs_user_code_processes_are_its_own_and_stop_with_it():
+  """A run's processes of user code (train/task/task.py: `UserProcesses`, its RunContext's):
+  two runs in one process share no worker, and closing one stops its reward workers and
+  environment hosts while the other's go on."""
+  from jaxrl.config import RLConfig
+  from jaxrl.data.tokenizer import ByteTokenizer
+  from train.task.task import UserProcesses
+  rl = RLConfig(environment="test_user_code:Flaky", user_code_workers=1, user_code_timeout_s=5.0,
+                user_code_memory_gb=2.0)
+  spec = f"{__name__}:worker_pid"
+  first, second = UserProcesses(), UserProcesses()
+  with second:
+    pools = [first.pool(rl, spec), second.pool(rl, spec)]
+    hosts = [first.hosts(rl, ByteTokenizer()), second.hosts(rl, ByteTokenizer())]
+    pids = [pool.results([pool.submit(spec)])[0][0] for pool in pools]
+    assert pids[0] != pids[1] and os.getpid() not in pids
+    assert [h.new().reset(None) for h in hosts] == [[7], [7]]
+    first.close()
+    assert first.closed and not second.closed
+    with pytest.raises(RuntimeError):
+      pools[0].submit(spec)
+    assert not hosts[0].hosts[0].process.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+      first.pool(rl, spec)
+    assert pools[1].results([pools[1].submit(spec)])[0][0] == pids[1]  # the same worker
+    assert hosts[1].new().reset(None) == [7]
+  assert not hosts[1].hosts[0].process.is_alive()

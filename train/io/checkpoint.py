@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxrl.config import first_line
-from train.io.host_transfers import RECORD, to_host
+from train.io.host_transfers import HostTransfers
 
 policies = ocp.checkpoint_managers
 
@@ -36,10 +36,13 @@ class CheckpointError(RuntimeError):
 
 class RunCheckpointer:
 
-  def __init__(self, run_dir: str, stages: Sequence[str], *, keep: int = 3):
-    """`stages`: the run's stage names in order (a resume takes the latest stage first)."""
+  def __init__(self, run_dir: str, stages: Sequence[str], *, keep: int = 3,
+               transfers: HostTransfers | None = None):
+    """`stages`: the run's stage names in order (a resume takes the latest stage first);
+    `transfers`: the run's named host transfers, where a save's bytes are counted."""
     self.root = os.path.abspath(os.path.join(run_dir, "checkpoints"))
     self.stages, self.keep = tuple(stages), keep
+    self.transfers = HostTransfers() if transfers is None else transfers
     self._managers: dict[str, ocp.CheckpointManager] = {}
     self._writing: dict[str, int] = {}  # stage -> the step its save in progress writes
 
@@ -70,7 +73,7 @@ class RunCheckpointer:
       raise RuntimeError(f"checkpoints/{stage}/{step} was not saved: the directory already "
                          f"holds step {self._manager(stage).latest_step()}")
     self._writing[stage] = step
-    RECORD["checkpoint"] += sum(x.nbytes for x in jax.tree.leaves(items))
+    self.transfers.count("checkpoint", sum(x.nbytes for x in jax.tree.leaves(items)))
 
   def _finished(self, stage: str) -> None:
     """Waits for `stage`'s save in progress; a CheckpointError if it failed."""
@@ -206,13 +209,15 @@ def _check_shapes(item_dir: str, pure_like: dict, where: str) -> None:
                        f"{saved.get(name, 'missing')} there, {want.get(name, 'missing')} here")
 
 
-def params_fingerprint(params: nnx.State) -> str:
+def params_fingerprint(params: nnx.State, transfers: HostTransfers | None = None) -> str:
   """A hash of the parameters' names, shapes, dtypes and bytes: equal fingerprints mean
-  bit-identical weights, whatever their layout (two runs compare without loading checkpoints)."""
+  bit-identical weights, whatever their layout (two runs compare without loading checkpoints).
+  The parameters' bytes come to the host as `transfers`' "fingerprint"."""
+  transfers = HostTransfers() if transfers is None else transfers
   digest = hashlib.sha256()
   flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(params))
   for path, x in sorted(flat, key=lambda item: jax.tree_util.keystr(item[0])):
-    value = np.ascontiguousarray(to_host(x, "fingerprint"))
+    value = np.ascontiguousarray(transfers.to_host(x, "fingerprint"))
     digest.update(f"{jax.tree_util.keystr(path)}:{value.shape}:{value.dtype}".encode())
     digest.update(value.tobytes())
   return digest.hexdigest()[:16]

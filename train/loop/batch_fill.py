@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxrl.algos.advantages import informative_groups
 from jaxrl.config_rl import RLConfig
-from train.io.host_transfers import allowed
+from train.io.host_transfers import HostTransfers
 from train.loop.experience import combine_rollouts
 from train.rollout.worker import RolloutBatch
 from train.task.task import Judge
@@ -27,10 +27,12 @@ class FilledBatch:
 
 
 def fill_batch(batch: RolloutBatch, *, cfg: RLConfig, judge: Judge,
-               next_batch: Callable[[], tuple[RolloutBatch, float]]) -> FilledBatch:
+               next_batch: Callable[[], tuple[RolloutBatch, float]],
+               transfers: HostTransfers) -> FilledBatch:
   """While fewer than `prompts_per_step` groups have rewards that differ, the next prompt batch
   (`next_batch()`) is generated too (at most `dynamic_sampling_rounds` more); the step's batch
-  is the informative groups in order, filled up with the others when the rounds run out."""
+  is the informative groups in order, filled up with the others when the rounds run out (the
+  kept rows' indices go up as `transfers`' "kept rows")."""
   g, want, parts, rounds, waited = cfg.group_size, cfg.prompts_per_step, [], 0, 0.0
   n = cfg.rollout.max_new_tokens
   while True:
@@ -52,7 +54,7 @@ def fill_batch(batch: RolloutBatch, *, cfg: RLConfig, judge: Judge,
            for j in np.flatnonzero(p[2] == keep)][:want]
   first = np.cumsum([0] + [len(p[0].prompts["examples"]) for p in parts])
   rows = np.concatenate([(first[i] + j) * g + np.arange(g) for i, j in order])
-  with allowed("kept rows", rows):  # the row indices go up; the rollouts stay where they are
+  with transfers.allowed("kept rows", rows):  # the row indices go up; the rollouts stay where they are
     rollout = combine_rollouts(tuple(p[0].rollout for p in parts), rows,
                                parts[0][0].rollout.lengths_B.sharding)
   examples = np.array([parts[i][0].prompts["examples"][j] for i, j in order], dtype=object)

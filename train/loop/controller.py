@@ -5,8 +5,12 @@ taken from the async worker that runs ahead by at most `rl.schedule.max_stalenes
 DAPO's batch filling (train/loop/batch_fill.py), scoring into an Experience (train/loop/scoring.py:
 reward, reference, critic and old log-probs overlap on their executors), the actor (+ critic)
 update over the minibatches, and the push of the new weights to the sampler (and the worker).
-Off-policy samples are corrected by the configured loss (AIPO, or PPO with the truncated-IS
-weight). The host sees only the completions' token ids (for the verifier), the rewards it
+Off-policy samples are corrected in the update (train/updates/policy.py): the policy loss
+(`rl.loss.name`, jaxrl/algos/losses.py: PPO's clip around pi_old, AIPO's min(pi / mu, rho),
+GSPO, CISPO, decoupled PPO) times the rollout correction of jaxrl/algos/correction.py (a
+truncated importance weight min(pi_old / mu, `rl.correction.tis_cap`), a token, sequence, geometric or
+IcePop mask, `rl.correction.mask`; a loss that weights by pi_old / mu itself is only capped
+and masked). The host sees only the completions' token ids (for the verifier), the rewards it
 returns, and the step's metrics; every sample's policy version and its lag are logged.
 """
 from __future__ import annotations
@@ -16,7 +20,7 @@ import time
 import numpy as np
 
 from jaxrl.config import ConfigError, ExperimentConfig, offload_items
-from train.io.host_transfers import to_host
+from train.io.host_transfers import HostTransfers
 from train.io.timeline import Timeline
 from train.loop.batch_fill import FilledBatch, fill_batch
 from train.loop.executors import ExecutorError, Executors
@@ -33,10 +37,12 @@ from train.task.task import Judge, TaskData
 class Controller:
 
   def __init__(self, cfg: ExperimentConfig, *, cluster: RoleCluster, generator: Generator,
-               task: TaskData, judge: Judge, timeline: Timeline, actor: Learner,
-               critic: Learner | None, next_index: int, version: int):
-    """`next_index`: the first prompt batch not yet trained on; `version`: the policy version."""
+               task: TaskData, judge: Judge, timeline: Timeline, transfers: HostTransfers,
+               actor: Learner, critic: Learner | None, next_index: int, version: int):
+    """`next_index`: the first prompt batch not yet trained on; `version`: the policy version;
+    `transfers`: the run's named host transfers."""
     self.rl, self.task, self.judge, self.actor, self.critic = cfg.rl, task, judge, actor, critic
+    self.transfers = transfers
     self.version = version
     self.executors = Executors(cluster, timeline, reward_model=cfg.rl.reward == "reward_model",
                                critic_mesh=None if critic is None else critic.role.mesh)
@@ -46,7 +52,8 @@ class Controller:
     if cfg.rl.batching.pack_length and cfg.rl.batching.pack_length < task.prompt_len + cfg.rl.rollout.max_new_tokens:
       raise ConfigError(f"config.rl.batching.pack_length: at least a row's {task.prompt_len} prompt + "
                         f"{cfg.rl.rollout.max_new_tokens} new tokens, got {cfg.rl.batching.pack_length}")
-    self.scoring = Scoring(cfg.rl, cluster, actor, critic, judge, self.executors)
+    self.scoring = Scoring(cfg.rl, cluster, actor, critic, judge, self.executors,
+                           transfers=transfers)
     items = offload_items(cfg.placement.offload)
     self.offload = Offloader(items, cluster, [actor, critic], timeline) if items else None
 
@@ -79,7 +86,8 @@ class Controller:
     the rounds counts as scoring)."""
     batch, waited = self._next()
     if self.rl.dapo.dynamic_sampling:
-      filled = fill_batch(batch, cfg=self.rl, judge=self.judge, next_batch=self._next)
+      filled = fill_batch(batch, cfg=self.rl, judge=self.judge, next_batch=self._next,
+                          transfers=self.transfers)
       filled.waited += waited
       return filled
     return FilledBatch(batch.rollout, batch.prompts, None, batch.version,
@@ -110,7 +118,7 @@ class Controller:
     batch = self._batch()
     extra, lag = dict(batch.metrics), self.version - batch.version
     if self.worker is not None:  # every generated token's lag behind the policy it trains
-      extra.update(token_lags(self.version, batch.rollout, batch.versions_BN))
+      extra.update(token_lags(self.version, batch.rollout, batch.versions_BN, self.transfers))
     self._enter("score")
     exp, exp_metrics, verified_B = self.scoring.experience(batch.rollout, batch.prompts,
                                                            batch.verified_B)
@@ -122,7 +130,7 @@ class Controller:
       extra["time_offload"] = self.offload.take_seconds()
     if self.task.user_code:  # calls of it scored 0 or ended (async: those of this interval)
       extra["user_code_errors"] = self.task.user_code_errors.total() - errors
-    row = to_host({**exp_metrics, **metrics}, "metrics")
+    row = self.transfers.to_host({**exp_metrics, **metrics}, "metrics")
     step_time = time.perf_counter() - t0
     return {**row, **extra, "verified_mean": float(verified_B.mean()), **times,
             "time_generate": batch.waited, "time_score": t_score,
@@ -135,13 +143,15 @@ class Controller:
     self.executors.close()
 
 
-def token_lags(version: int, rollout, versions_BN: np.ndarray) -> dict:
+def token_lags(version: int, rollout, versions_BN: np.ndarray,
+               transfers: HostTransfers) -> dict:
   """Policy lag of the rollout's tokens behind `version` (the model's: not an environment's):
-  mean, max and the count per lag (`token_lags`)."""
-  lengths_B = to_host(rollout.lengths_B, "lengths")
+  mean, max and the count per lag (`token_lags`); the rows' lengths and masks fetched as
+  `transfers`'."""
+  lengths_B = transfers.to_host(rollout.lengths_B, "lengths")
   own_BN = np.arange(versions_BN.shape[1]) < lengths_B[:, None]
   if rollout.loss_mask_BN is not None:
-    own_BN &= to_host(rollout.loss_mask_BN, "loss mask")[:, :versions_BN.shape[1]]
+    own_BN &= transfers.to_host(rollout.loss_mask_BN, "loss mask")[:, :versions_BN.shape[1]]
   lags = (version - versions_BN)[own_BN]
   counts = np.bincount(lags, minlength=1) if lags.size else np.zeros(1, np.int64)
   return {"token_lag_mean": float(lags.mean()) if lags.size else 0.0,

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxrl.config_rl import RLConfig
 from jaxrl.data.pipeline import bucket_length
-from train.io.host_transfers import to_device, to_host
+from train.io.host_transfers import HostTransfers
 from train.loop.executors import Executors
 from train.loop.experience import make_experience, trim_rollout
 from train.roles.cluster import RoleCluster
@@ -71,8 +71,10 @@ def scorer(cfg: RLConfig, role, fn):
 class Scoring:
 
   def __init__(self, cfg: RLConfig, cluster: RoleCluster, actor: Learner, critic: Learner | None,
-               judge: Judge, executors: Executors):
+               judge: Judge, executors: Executors, *, transfers: HostTransfers | None = None):
+    """`transfers`: the run's named host transfers (rewards up, rows' lengths down)."""
     self.cfg, self.actor, self.critic, self.judge, self.ex = cfg, actor, critic, judge, executors
+    self.transfers = HostTransfers() if transfers is None else transfers
     self.reference, self.reward_model = cluster.get("reference"), cluster.get("reward")
     # (reference, old) log-prob passes over the [B, T] batch, and over packed rows
     self.logprob_fns = {packed: tuple(packed_scorer(cfg, r) if packed else scorer(cfg, r, logprobs)
@@ -93,7 +95,8 @@ class Scoring:
       verified_B = self.judge.rewards(rollout, examples_B)
     role = self.actor.role
     if self.reward_model is None:
-      return to_device(verified_B, role.batch_shardings(verified_B), "rewards"), verified_B
+      return (self.transfers.to_device(verified_B, role.batch_shardings(verified_B), "rewards"),
+              verified_B)
     return role.put(_on(self.reward_model, self.scores_fn, scored)), verified_B
 
   def trimmed(self, rollout, lengths_B: np.ndarray):
@@ -133,8 +136,9 @@ class Scoring:
     """(the trimmed rollout, its pack or None, the packed rows' padding share): the rows'
     lengths fetched once for both."""
     if not self.cfg.batching.pack_length:
-      return self.trimmed(rollout, to_host(rollout.lengths_B, "lengths")), None, None
-    lengths_B, valid_B = to_host((rollout.lengths_B, rollout.valid_BT.sum(axis=1)), "lengths")
+      return self.trimmed(rollout, self.transfers.to_host(rollout.lengths_B, "lengths")), None, None
+    lengths_B, valid_B = self.transfers.to_host((rollout.lengths_B, rollout.valid_BT.sum(axis=1)),
+                                                "lengths")
     rollout = self.trimmed(rollout, lengths_B)
     pack, padding = self.pack(rollout, lengths_B, valid_B)
     if pack.packed_tokens >= rollout.tokens_BT.size:

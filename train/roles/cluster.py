@@ -25,6 +25,7 @@ from sharding.placement import (ROLES, PlacementError, host_count, host_major_de
                                 make_placement)
 from sharding.rules import SAMPLER_RULES, batch_ways
 from train.io.checkpoint import load_actor_params, saved_actor_shapes
+from train.io.host_transfers import HostTransfers
 from train.roles.role import ModelRole
 from train.roles.sampler_weights import SamplerWeights
 
@@ -35,8 +36,10 @@ MODEL_CLASSES = {"actor": LanguageModel, "reference": LanguageModel, "reward": R
 
 class RoleCluster:
 
-  def __init__(self, cfg: ExperimentConfig, devices=None, *, initialize: bool = True):
-    """`initialize=False` leaves the actor abstract (a restore fills it)."""
+  def __init__(self, cfg: ExperimentConfig, devices=None, *, initialize: bool = True,
+               transfers: HostTransfers | None = None):
+    """`initialize=False` leaves the actor abstract (a restore fills it); `transfers`: the
+    run's named host transfers (the weight push's)."""
     self.cfg = cfg
     self.devices = host_major_devices() if devices is None else list(devices)
     self._shapes: dict[tuple, tuple] = {}  # traced modules (`_shape`)
@@ -45,7 +48,8 @@ class RoleCluster:
       self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
       self.actor = self._actor_role()
       plain = self._shape("actor")[0] if cfg.lora.enabled else None  # without adapters
-      self.sampler_weights = SamplerWeights(cfg, self.actor, self.meshes["sampler"], plain)
+      self.sampler_weights = SamplerWeights(cfg, self.actor, self.meshes["sampler"], plain,
+                                            transfers)
     except PlacementError as e:
       message = str(e)
       raise ConfigError(f"config.{message}" if message.startswith("placement") else message) \

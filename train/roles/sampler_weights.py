@@ -26,15 +26,18 @@ from jaxrl.models import lora
 from jaxrl.models.dtypes import compute_dtypes
 from sharding.reshard import TransferStats, reshard
 from sharding.rules import SAMPLER_RULES
-from train.io.host_transfers import allowed
+from train.io.host_transfers import HostTransfers
 from train.roles.role import ModelRole, role_shardings
 
 
 class SamplerWeights:
 
-  def __init__(self, cfg: ExperimentConfig, actor: ModelRole, mesh, plain_graphdef=None):
-    """`plain_graphdef`: the actor's module without adapters."""
+  def __init__(self, cfg: ExperimentConfig, actor: ModelRole, mesh, plain_graphdef=None,
+               transfers: HostTransfers | None = None):
+    """`plain_graphdef`: the actor's module without adapters; `transfers`: the run's named
+    host transfers (a push is "weights")."""
     self.cfg, self.actor = cfg, actor
+    self.transfers = HostTransfers() if transfers is None else transfers
     self.lora = cfg.lora.enabled
     self.adapters = self.lora and cfg.lora.sampler == "adapters"
     self.merging = self.lora and not self.adapters  # decodes the plain model, adapters folded in
@@ -53,7 +56,7 @@ class SamplerWeights:
   def _moved(self, params, shardings, *, donate: bool = False):
     """`params` in the layout `shardings`, matrices in the compute dtype (timed)."""
     dtypes = compute_dtypes(self.cfg.model, params)
-    with allowed("weights", params):  # see train/io/host_transfers.py
+    with self.transfers.allowed("weights", params):  # see train/io/host_transfers.py
       return reshard(params, shardings, dtypes=dtypes, bucket_bytes=self._bucket(),
                      donate=donate)
 

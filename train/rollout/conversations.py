@@ -40,7 +40,7 @@ from jaxrl.envs import ContainedEnvironment, EnvError, Environment
 from sampler.requests import Request, Requests
 from sampler.sampler import Sampler
 from sampler.stream import StreamGeometry
-from train.rollout.multiturn import Conversation, Turns, reply_all, turn_keys
+from train.rollout.multiturn import Conversation, MultiTurn, Turns
 
 
 class NotReplayable(RuntimeError):
@@ -85,13 +85,15 @@ class TalkBatch:
 class ConversationStream:
   """`sampler`'s in-flight slots (one sample per row, ending at the environment's stop
   strings) running batches of conversations laid out as `geometry` says (`n` per prompt): a
-  `sampler.stream.BatchStream`. `finish(talks, prompts)` makes a finished batch's rollout."""
+  `sampler.stream.BatchStream`. `finish(talks, prompts)` makes a finished batch's rollout;
+  `multiturn`: the generator's, whose threads the environments step in."""
 
   def __init__(self, sampler: Sampler, params, geometry: StreamGeometry, *, n: int,
                environment: Callable[[], Environment], turns: Turns, keep_cache: bool,
-               finish: Callable):
+               finish: Callable, multiturn: MultiTurn):
     geometry.check(sampler, n, conversations=True)
     self.n, self.geometry, self.turns = n, geometry, turns
+    self.multiturn = multiturn
     self.rows = geometry.rows
     self._environment, self._finish = environment, finish
     self.engine = Requests(sampler, params, context_width=geometry.prompt_width, keep=keep_cache)
@@ -105,8 +107,9 @@ class ConversationStream:
     done = self.engine.poll()
     where = [self.batches[tag[0]] for tag, *_ in done]
     with _user_errors():
-      reply_all([(b.talks[tag[1]], ids, logp) for b, (tag, ids, logp, _) in zip(where, done)],
-                self.turns.max_new_tokens)
+      self.multiturn.reply_all([(b.talks[tag[1]], ids, logp)
+                                for b, (tag, ids, logp, _) in zip(where, done)],
+                               self.turns.max_new_tokens)
     for b, (tag, ids, _, versions) in zip(where, done):
       row = b.versions[tag[1]]
       row += versions
@@ -172,8 +175,8 @@ class ConversationStream:
   def _batch(self, index: int, prompts: dict, key: np.ndarray, version: int) -> TalkBatch:
     """Batch `index` with its environments reset and nothing asked yet."""
     with jax.transfer_guard_host_to_device("allow"):  # (two integers)
-      keys = turn_keys(jax.random.wrap_key_data(np.asarray(key, np.uint32)),
-                       self.turns.max_turns)
+      keys = self.multiturn.turn_keys(jax.random.wrap_key_data(np.asarray(key, np.uint32)),
+                                      self.turns.max_turns)
     talks = [Conversation(self._environment(), r) for r in range(self.rows)]
     with _user_errors():
       for r, talk in enumerate(talks):
@@ -219,9 +222,9 @@ class ConversationStream:
           if isinstance(t.env, ContainedEnvironment):
             uncounted.enter_context(t.env.uncounted())
         for k in range(max((len(s["turns"]) for s in saved), default=0)):
-          reply_all([(t, s["ids"][a:e], s["logprobs"][a:e]) for t, s in zip(b.talks, saved)
-                     if len(s["turns"]) > k for a, e in [s["turns"][k]]],
-                    self.turns.max_new_tokens)
+          self.multiturn.reply_all(
+              [(t, s["ids"][a:e], s["logprobs"][a:e]) for t, s in zip(b.talks, saved)
+               if len(s["turns"]) > k for a, e in [s["turns"][k]]], self.turns.max_new_tokens)
     except EnvError as e:
       raise NotReplayable(f"batch {b.index}: {e}") from None
     for r, (talk, s) in enumerate(zip(b.talks, saved)):

@@ -24,10 +24,10 @@ from sampler.sampler import Sampler
 from sampler.stream import BatchStream, StreamGeometry
 from sharding.mesh import batch_sharding
 from sharding.rules import SAMPLER_RULES
-from train.io.host_transfers import to_device
+from train.io.host_transfers import HostTransfers
 from train.roles.cluster import RoleCluster
 from train.rollout.conversations import ConversationStream
-from train.rollout.multiturn import Turns, as_rollout, converse
+from train.rollout.multiturn import MultiTurn, Turns, as_rollout
 
 
 def rollout_key(seed: int, index: int) -> jax.Array:
@@ -51,10 +51,13 @@ def rl_sampling(rollout: RolloutConfig, max_new_tokens: int, eos_id: int, pad_id
 class Generator:
 
   def __init__(self, cluster: RoleCluster, *, max_new_tokens: int, tok, rl: RLConfig,
-               environment: Callable[[], Environment] | None = None):
+               environment: Callable[[], Environment] | None = None,
+               transfers: HostTransfers | None = None):
     """`tok`: the run's tokenizer (its EOS, PAD and further stop tokens such as `<|eot_id|>`).
     `environment`: a new environment per row makes every rollout a multi-turn conversation
-    (train/rollout/multiturn.py) of up to `rl.environment.max_turns` turns."""
+    (train/rollout/multiturn.py) of up to `rl.environment.max_turns` turns, driven by `multiturn`, which
+    `close` stops. `transfers`: the run's named host transfers (prompts up, ...)."""
+    self.transfers = HostTransfers() if transfers is None else transfers
     stops = tuple((i,) for i in tok.stop_ids if i != tok.eos_id)
     sampling = rl_sampling(rl.rollout, max_new_tokens, tok.eos_id, tok.pad_id, stops)
     weights, mesh = cluster.sampler_weights, cluster.meshes["sampler"]
@@ -79,11 +82,17 @@ class Generator:
     # A turn also ends at the environment's stop strings
     self._turn_stops = () if environment is None else tuple(
         tuple(tok.encode(s)) for s in environment().stop_strings)
+    self.multiturn = None if environment is None else MultiTurn(self.transfers)
+
+  def close(self) -> None:
+    """Stops the threads its conversations' environments step in."""
+    if self.multiturn is not None:
+      self.multiturn.close()
 
   def put_prompts(self, prompts: dict):
     """A host prompt batch -> (tokens_BP, valid_BP) split over the sampler's data axes."""
-    return to_device((prompts["prompt_tokens"], prompts["prompt_valid"]),
-                     (self._rows, self._rows), "prompts")
+    return self.transfers.to_device((prompts["prompt_tokens"], prompts["prompt_valid"]),
+                                    (self._rows, self._rows), "prompts")
 
   def sample(self, params, prompts: dict, key: jax.Array) -> Rollout:
     """`group_size` samples per prompt (rows group-major), from `params` in the sampler
@@ -112,11 +121,11 @@ class Generator:
     tokens_BP, valid_BP = prompts["prompt_tokens"], prompts["prompt_valid"]
     rows = np.repeat(np.arange(len(tokens_BP)), sampler.n)
     try:
-      talks = converse(self._turn_sampler(sampler), params,
-                       [tokens_BP[i][valid_BP[i]].tolist() for i in rows],
-                       [prompts["examples"][i] for i in rows],
-                       [self.environment() for _ in rows], key,
-                       max_new_tokens=sampler.cfg.max_new_tokens, **self.turns)
+      talks = self.multiturn.converse(self._turn_sampler(sampler), params,
+                                      [tokens_BP[i][valid_BP[i]].tolist() for i in rows],
+                                      [prompts["examples"][i] for i in rows],
+                                      [self.environment() for _ in rows], key,
+                                      max_new_tokens=sampler.cfg.max_new_tokens, **self.turns)
     except EnvError as e:  # a user's environment misbehaved (rl.user_code.on_error="stop")
       raise ConfigError(f"config.rl.environment.name: {e}") from None
     return self._conversations_rollout(talks, prompts)
@@ -131,8 +140,9 @@ class Generator:
     host = as_rollout(talks, tokens_BP[rows], valid_BP[rows],
                       budget=self.sampler.cfg.max_new_tokens, pad_id=self.pad_id)
     mesh = self.sampler.mesh
-    return to_device(host, jax.tree.map(lambda x: batch_sharding(mesh, SAMPLER_RULES, x.ndim),
-                                        host), "conversations")
+    return self.transfers.to_device(
+        host, jax.tree.map(lambda x: batch_sharding(mesh, SAMPLER_RULES, x.ndim), host),
+        "conversations")
 
   def stream(self, params, geometry: StreamGeometry) -> BatchStream:
     """Partial rollouts: the RL sampler's in-flight slots running a stream of prompt batches
@@ -144,4 +154,5 @@ class Generator:
     return ConversationStream(
         self._turn_sampler(self.sampler), params, geometry, n=self.sampler.n,
         environment=self.environment, keep_cache=turns.pop("keep_cache"),
-        turns=Turns(self.sampler.cfg.max_new_tokens, **turns), finish=self._conversations_rollout)
+        turns=Turns(self.sampler.cfg.max_new_tokens, **turns), finish=self._conversations_rollout,
+        multiturn=self.multiturn)

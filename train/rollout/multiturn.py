@@ -20,6 +20,10 @@ compiled shapes). A turn's environment steps run at once, in threads (a hosted e
 or the Python tool waits on its process, so the processes work in parallel). Either way every
 turn's key is fixed (`fold_in(key, turn)`, row r drawing from it as row r), so a batch's
 conversations are a function of its key.
+
+`MultiTurn` drives them and owns what they share: the threads the environments step in, and the
+counts of what the conversations decoded (`stats`, read by benchmarks/multiturn.py). A run's is
+its Generator's (train/rollout/generator.py), closed with it.
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -37,12 +42,7 @@ from sampler.engine import Rollout
 from sampler.requests import WIDTH_STEP, Request
 from sampler.sampler import Sampler
 from sharding.rules import batch_ways
-from train.io.host_transfers import to_host
-
-# What the in-flight engines prefilled, summed over this process's conversations (read by
-# benchmarks/multiturn.py): prefill_tokens (padded), new_tokens, admitted, continued, and
-# emitted: the model's tokens.
-STATS: collections.Counter = collections.Counter()
+from train.io.host_transfers import HostTransfers
 
 
 @dataclasses.dataclass
@@ -88,42 +88,6 @@ class Conversation:
     return room and not self.done
 
 
-def converse(sampler: Sampler, params, prompts_B: Sequence[Sequence[int]], examples_B: Sequence,
-             envs_B: Sequence[Environment], key: jax.Array, *, max_new_tokens: int,
-             max_turns: int, max_turn_tokens: int = 0, keep_cache: bool = True
-             ) -> list[Conversation]:
-  """Runs each row's conversation (prompt ids `prompts_B[i]`, dataset row `examples_B[i]`) to
-  its end; each turn's budget is what is left of the row's `max_new_tokens`, at most
-  `max_turn_tokens` (0: no cap). `keep_cache`: turns continue in the slots that kept their
-  conversations' caches (in-flight slots, as many as the rows unless the sampler has its own);
-  else each turn prefills its whole conversation (in-flight slots if the sampler has them,
-  else static batches)."""
-  talks = [Conversation(env, i) for i, env in enumerate(envs_B)]
-  for talk, example in zip(talks, examples_B):
-    talk.reset(example, max_new_tokens)
-  turns = Turns(max_new_tokens, max_turns, max_turn_tokens)
-  if keep_cache and not sampler.inflight_slots:
-    sampler = sampler.variant(inflight_slots=slots_for(sampler, len(talks)))
-  if sampler.inflight_slots:
-    return _converse_inflight(sampler, params, prompts_B, talks, key, turns, keep_cache)
-  for turn in range(max_turns):
-    live = [i for i, t in enumerate(talks) if turns.goes_on(t, turn)]
-    if not live:
-      break
-    out = sampler.complete(params, [list(prompts_B[i]) + talks[i].ids for i in live],
-                           jax.random.fold_in(key, turn),
-                           max_new_tokens=[turns.budget(talks[i]) for i in live])
-    p = out.tokens_BT.shape[1] - out.completion_mask_BN.shape[1]
-    STATS.update(prefill_tokens=out.tokens_BT.shape[0] * p, admitted=len(live),
-                 new_tokens=sum(len(prompts_B[i]) + len(talks[i].ids) for i in live),
-                 emitted=int(np.asarray(out.completion_mask_BN)[:len(live)].sum()))
-    masks = [np.asarray(out.completion_mask_BN[row], bool) for row in range(len(live))]
-    reply_all([(talks[i], np.asarray(out.tokens_BT[row, p:])[masks[row]].tolist(),
-                np.asarray(out.logprobs_BN[row])[masks[row]].tolist())
-               for row, i in enumerate(live)], max_new_tokens)
-  return talks
-
-
 @dataclasses.dataclass(frozen=True)
 class Turns:
   max_new_tokens: int  # a conversation's budget: the model's tokens and the replies
@@ -149,53 +113,128 @@ def slots_for(sampler: Sampler, rows: int) -> int:
   return pow2_multiple(rows, batch_ways(sampler.mesh, sampler.rules))
 
 
-_STEPPERS = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="env-step")
+class MultiTurn:
+  """Drives conversations (`converse`) and owns what they share: the threads a turn's
+  environment steps run in at once (a hosted environment or the Python tool waits on its
+  process, so the processes work in parallel), and `stats()`, what the conversations decoded
+  (prefill_tokens (padded), new_tokens, admitted, continued, evicted, and emitted: the model's
+  tokens). Used from any thread; `close` stops the threads. `transfers`: the run's named host
+  transfers (the turns' keys come to the host)."""
 
+  def __init__(self, transfers: HostTransfers | None = None, *, threads: int = 8):
+    self.transfers = HostTransfers() if transfers is None else transfers
+    self._steppers = concurrent.futures.ThreadPoolExecutor(threads,
+                                                           thread_name_prefix="env-step")
+    self._lock = threading.Lock()
+    self._stats: collections.Counter = collections.Counter()
+    self.closed = False
 
-def reply_all(turns: Sequence[tuple[Conversation, list, list]], budget: int) -> list[bool]:
-  """Each (conversation, turn ids, log-probs)'s reply, the environments' steps at once
-  (threads: a hosted environment or the Python tool waits on its process, so the processes
-  work in parallel); whether each goes on, in order."""
-  return list(_STEPPERS.map(lambda t: t[0].reply(t[1], t[2], budget), turns))
+  def count(self, counts: Mapping[str, int]) -> None:
+    with self._lock:
+      self._stats.update(counts)
 
+  def stats(self) -> dict[str, int]:
+    """What the conversations decoded so far (a copy)."""
+    with self._lock:
+      return dict(self._stats)
 
-def turn_keys(key: jax.Array, max_turns: int) -> list[np.ndarray]:
-  """The key data of each turn of a batch drawn with `key`: turn t's is `fold_in(key, t)`."""
-  return [to_host(jax.random.key_data(jax.random.fold_in(key, t)), "keys")
-          for t in range(max_turns)]
+  def clear_stats(self) -> None:
+    with self._lock:
+      self._stats.clear()
 
+  def close(self) -> None:
+    """Stops the threads (after the steps they run); later replies raise RuntimeError."""
+    self.closed = True
+    self._steppers.shutdown(wait=True, cancel_futures=True)
 
-def _converse_inflight(sampler: Sampler, params, prompts_B, talks: list[Conversation], key,
-                       turns: Turns, keep_cache: bool) -> list[Conversation]:
-  """The conversations' turns as requests to in-flight slots, each submitted as soon as the
-  previous one's reply is in (to the slot that kept its cache, with `keep_cache`)."""
-  keys = turn_keys(key, turns.max_turns)
-  # a few slot shapes, each compiling the engine's programs once
-  width = pow2_multiple(max(map(len, prompts_B)), WIDTH_STEP)
-  engine = sampler.requests(params, context_width=width, keep=keep_cache)
-  asked = [0] * len(talks)
+  def __enter__(self) -> MultiTurn:
+    return self
 
-  def ask(i: int) -> None:
-    """Row i's next turn, or its slot freed: its conversation has ended."""
-    talk = talks[i]
-    if turns.goes_on(talk, asked[i]):
-      engine.submit(Request(i, tuple(prompts_B[i]) + tuple(talk.ids), turns.budget(talk),
-                            keys[asked[i]], i))
-      asked[i] += 1
-    else:
-      engine.release(i)
+  def __exit__(self, *exc) -> None:
+    self.close()
 
-  for i in range(len(talks)):
-    ask(i)
-  while engine.busy:
-    done = engine.poll()
-    reply_all([(talks[i], ids, logp) for i, ids, logp, _ in done], turns.max_new_tokens)
-    for i, ids, *_ in done:
-      STATS["emitted"] += len(ids)
-      ask(i)  # (a conversation that is over, done or out of budget, frees its slot)
-    engine.advance()
-  STATS.update(engine.stats)
-  return talks
+  def reply_all(self, turns: Sequence[tuple[Conversation, list, list]], budget: int
+                ) -> list[bool]:
+    """Each (conversation, turn ids, log-probs)'s reply, the environments' steps at once;
+    whether each goes on, in order."""
+    return list(self._steppers.map(lambda t: t[0].reply(t[1], t[2], budget), turns))
+
+  def turn_keys(self, key: jax.Array, max_turns: int) -> list[np.ndarray]:
+    """The key data of each turn of a batch drawn with `key`: turn t's is `fold_in(key, t)`."""
+    return [self.transfers.to_host(jax.random.key_data(jax.random.fold_in(key, t)), "keys")
+            for t in range(max_turns)]
+
+  def converse(self, sampler: Sampler, params, prompts_B: Sequence[Sequence[int]],
+               examples_B: Sequence, envs_B: Sequence[Environment], key: jax.Array, *,
+               max_new_tokens: int, max_turns: int, max_turn_tokens: int = 0,
+               keep_cache: bool = True) -> list[Conversation]:
+    """Runs each row's conversation (prompt ids `prompts_B[i]`, dataset row `examples_B[i]`)
+    to its end; each turn's budget is what is left of the row's `max_new_tokens`, at most
+    `max_turn_tokens` (0: no cap). `keep_cache`: turns continue in the slots that kept their
+    conversations' caches (in-flight slots, as many as the rows unless the sampler has its
+    own); else each turn prefills its whole conversation (in-flight slots if the sampler has
+    them, else static batches)."""
+    talks = [Conversation(env, i) for i, env in enumerate(envs_B)]
+    for talk, example in zip(talks, examples_B):
+      talk.reset(example, max_new_tokens)
+    turns = Turns(max_new_tokens, max_turns, max_turn_tokens)
+    if keep_cache and not sampler.inflight_slots:
+      sampler = sampler.variant(inflight_slots=slots_for(sampler, len(talks)))
+    if sampler.inflight_slots:
+      return self._inflight(sampler, params, prompts_B, talks, key, turns, keep_cache)
+    for turn in range(max_turns):
+      live = [i for i, t in enumerate(talks) if turns.goes_on(t, turn)]
+      if not live:
+        break
+      self._static_turn(sampler, params, [list(prompts_B[i]) for i in live],
+                        [talks[i] for i in live], jax.random.fold_in(key, turn), turns)
+    return talks
+
+  def _static_turn(self, sampler: Sampler, params, prompts: list[list[int]],
+                   talks: list[Conversation], key: jax.Array, turns: Turns) -> None:
+    """One turn of the conversations `talks` (prompt ids `prompts`) as a static batch."""
+    out = sampler.complete(params, [q + t.ids for q, t in zip(prompts, talks)], key,
+                           max_new_tokens=[turns.budget(t) for t in talks])
+    p = out.tokens_BT.shape[1] - out.completion_mask_BN.shape[1]
+    self.count(dict(prefill_tokens=out.tokens_BT.shape[0] * p, admitted=len(talks),
+                    new_tokens=sum(len(q) + len(t.ids) for q, t in zip(prompts, talks)),
+                    emitted=int(np.asarray(out.completion_mask_BN)[:len(talks)].sum())))
+    masks = [np.asarray(out.completion_mask_BN[row], bool) for row in range(len(talks))]
+    self.reply_all([(talk, np.asarray(out.tokens_BT[row, p:])[masks[row]].tolist(),
+                     np.asarray(out.logprobs_BN[row])[masks[row]].tolist())
+                    for row, talk in enumerate(talks)], turns.max_new_tokens)
+
+  def _inflight(self, sampler: Sampler, params, prompts_B, talks: list[Conversation], key,
+                turns: Turns, keep_cache: bool) -> list[Conversation]:
+    """The conversations' turns as requests to in-flight slots, each submitted as soon as the
+    previous one's reply is in (to the slot that kept its cache, with `keep_cache`)."""
+    keys = self.turn_keys(key, turns.max_turns)
+    # a few slot shapes, each compiling the engine's programs once
+    width = pow2_multiple(max(map(len, prompts_B)), WIDTH_STEP)
+    engine = sampler.requests(params, context_width=width, keep=keep_cache)
+    asked = [0] * len(talks)
+
+    def ask(i: int) -> None:
+      """Row i's next turn, or its slot freed: its conversation has ended."""
+      talk = talks[i]
+      if turns.goes_on(talk, asked[i]):
+        engine.submit(Request(i, tuple(prompts_B[i]) + tuple(talk.ids), turns.budget(talk),
+                              keys[asked[i]], i))
+        asked[i] += 1
+      else:
+        engine.release(i)
+
+    for i in range(len(talks)):
+      ask(i)
+    while engine.busy:
+      done = engine.poll()
+      self.reply_all([(talks[i], ids, logp) for i, ids, logp, _ in done], turns.max_new_tokens)
+      for i, ids, *_ in done:
+        self.count({"emitted": len(ids)})
+        ask(i)  # (a conversation that is over, done or out of budget, frees its slot)
+      engine.advance()
+    self.count(engine.stats)
+    return talks
 
 
 def as_rollout(talks: Sequence[Conversation], tokens_BP: np.ndarray, valid_BP: np.ndarray, *,

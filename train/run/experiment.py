@@ -28,7 +28,7 @@ from jaxrl.config_files import merge, resolve
 from sharding.placement import host_major_devices
 from train.io import compilation, rundir
 from train.io.checkpoint import CheckpointError, RunCheckpointer, params_fingerprint
-from train.io.host_transfers import to_host
+from train.io.host_transfers import HostTransfers
 from train.io.metrics import MetricsWriter, plain_row, plot_metrics
 from train.io.tracking import Trackers, last_steps
 from train.run.hooks import Checkpoint, Evaluate, Log, NonFinite, Progress, StopRequest
@@ -73,13 +73,15 @@ class Experiment:
       STAGES[name].check(self.cfg)
     self.run_dir = rundir.prepare(self.cfg, resume=resume_run, run_dir=run_dir,
                                   start_if_none=start_if_none)
-    self.checkpointer = RunCheckpointer(self.run_dir, names, keep=self.cfg.keep_checkpoints)
+    transfers = HostTransfers()  # the run's: its context's, its checkpoints'
+    self.checkpointer = RunCheckpointer(self.run_dir, names, keep=self.cfg.keep_checkpoints,
+                                        transfers=transfers)
     saved = self.checkpointer.saved() if resume_run else []
     if resume_run and not saved and not start_if_none:  # (only a save that never completed)
       raise ConfigError(f"config.run_name: --resume found no complete checkpoint in "
                         f"{self.run_dir}; pass --resume_or_start to start the run")
     fresh = not saved and not self.cfg.init_checkpoint
-    self.ctx = RunContext(self.cfg, self.run_dir, initialize=fresh)
+    self.ctx = RunContext(self.cfg, self.run_dir, initialize=fresh, transfers=transfers)
     self.writer = MetricsWriter(self.run_dir, enabled=jax.process_index() == 0)
     kinds = {name: STAGES[name] for name in names}
     resumed = latest_good(self.checkpointer, self.ctx, kinds, saved) if saved else None
@@ -92,7 +94,8 @@ class Experiment:
     self._track()
     self.stop = StopRequest(self._save)
     self.progress = Progress(self.cfg.progress and jax.process_index() == 0)
-    self.hooks = [Evaluate(initial=resumed is None), Log(self.writer, lambda: self.summary),
+    self.hooks = [Evaluate(initial=resumed is None),
+                  Log(self.writer, lambda: self.summary, self.ctx.transfers),
                   NonFinite(self.cfg.max_skipped_updates),
                   Checkpoint(self._save, self.cfg.checkpoint_every, self.cfg.checkpoint_minutes),
                   self.progress, self.stop]
@@ -165,7 +168,7 @@ class Experiment:
       if stage.progress.finished:
         self.position = max(self.position, at + 1)
         self.stop.check()  # a request during the stage's last step ends the run here
-    return plain_row(to_host(row, "metrics"))
+    return plain_row(self.ctx.transfers.to_host(row, "metrics"))
 
   def run(self) -> dict:
     """Every remaining stage to its end; the summary (also written to summary.json)."""
@@ -195,7 +198,8 @@ class Experiment:
       stage.close()
     self.checkpointer.wait()
     summary = {**self.summary, **({"stopped": stopped} if stopped else {}),
-               "params_fingerprint": params_fingerprint(self.ctx.cluster.actor.params),
+               "params_fingerprint": params_fingerprint(self.ctx.cluster.actor.params,
+                                                        self.ctx.transfers),
                **compilation.summary(since=self._compiles_before)}
     if jax.process_index() == 0:
       self.writer.close()
@@ -214,6 +218,7 @@ class Experiment:
     except CheckpointError as e:  # raised to the run already, when it saved or finished
       log.warning("%s", e)
     self.writer.close()
+    self.ctx.close()
 
   def __enter__(self) -> Experiment:
     return self

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from train.io import metrics
-from train.io.host_transfers import to_host
+from train.io.host_transfers import HostTransfers
 from train.stages.base import Stage, Stopped
 
 log = logging.getLogger("jaxrl")
@@ -61,10 +61,10 @@ class Evaluate(Hook):
 class Log(Hook):
   """Every `log_every`-th row, each evaluated row (a stage's step-0 row too) and the last row go
   to metrics.jsonl (their device values fetched then, not every step); a finished stage logs the
-  numbers of the run's `summary()` so far."""
+  numbers of the run's `summary()` so far. `transfers`: the run's named host transfers."""
 
-  def __init__(self, writer, summary: Callable[[], dict[str, Any]]):
-    self.writer, self.summary = writer, summary
+  def __init__(self, writer, summary: Callable[[], dict[str, Any]], transfers: HostTransfers):
+    self.writer, self.summary, self.transfers = writer, summary, transfers
 
   def on_start(self, stage, row):
     if row.keys() - {"phase", "step"}:  # evaluated: host numbers already, in the row's order
@@ -73,7 +73,7 @@ class Log(Hook):
   def after_step(self, stage, row):
     p = stage.progress
     if p.done % stage.log_every == 0 or p.done == stage.total or p.last_eval_step == p.done:
-      row.update(self.writer.write(to_host(row, "metrics")))
+      row.update(self.writer.write(self.transfers.to_host(row, "metrics")))
 
   def after_stage(self, stage):
     shown = {k: v for k, v in self.summary().items() if isinstance(v, float)}

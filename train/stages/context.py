@@ -1,4 +1,5 @@
-"""What every stage shares: config, tokenizer, task data, cluster, generator, timeline.
+"""What every stage shares: config, tokenizer, task data, cluster, generator, timeline, the
+record of named host transfers, the processes of user code.
 
 `RunContext` is built once per experiment (train/run/experiment.py) and handed to each stage; a
 stage never reaches another stage, only this context.
@@ -7,27 +8,43 @@ from __future__ import annotations
 
 from jaxrl.config import ExperimentConfig
 from jaxrl.data.tasks import Example
+from train.io.host_transfers import HostTransfers
 from train.io.timeline import Timeline
 from train.roles.cluster import RoleCluster
 from train.rollout.generator import Generator
 from train.task.heldout import evaluate
-from train.task.task import Judge, environment_for, load_task, load_tokenizer_for
+from train.task.task import (Judge, UserProcesses, environment_for, load_task,
+                             load_tokenizer_for)
 
 
 class RunContext:
   """The run's shared pieces; stages take what they need from it, the collaborators they build
-  get those pieces alone."""
+  get those pieces alone. It owns what the run started beside the models: the processes of
+  user code (`processes`), the generator's environment threads, and the record of the named
+  host transfers (`transfers`); `close` stops them."""
 
-  def __init__(self, cfg: ExperimentConfig, run_dir: str, *, initialize: bool = True):
-    """`initialize=False`: the actor stays abstract (a restore fills it)."""
+  def __init__(self, cfg: ExperimentConfig, run_dir: str, *, initialize: bool = True,
+               transfers: HostTransfers | None = None):
+    """`initialize=False`: the actor stays abstract (a restore fills it). `transfers`: the
+    run's record of named host transfers (default: a new one)."""
     self.cfg, self.run_dir = cfg, run_dir
+    self.transfers = HostTransfers() if transfers is None else transfers
+    self.processes = UserProcesses()
+    try:
+      self._build(cfg, initialize)
+    except BaseException:
+      self.processes.close()
+      raise
+
+  def _build(self, cfg: ExperimentConfig, initialize: bool) -> None:
     self.tok = load_tokenizer_for(cfg)
-    self.task = load_task(cfg, self.tok)
-    self.judge = Judge(self.tok, self.task)
-    self.cluster = RoleCluster(cfg, initialize=initialize)
+    self.task = load_task(cfg, self.tok, self.processes)
+    self.judge = Judge(self.tok, self.task, self.transfers)
+    self.cluster = RoleCluster(cfg, initialize=initialize, transfers=self.transfers)
     self.generator = Generator(self.cluster, max_new_tokens=self.task.max_new_tokens,
-                               tok=self.tok, rl=cfg.rl,
-                               environment=environment_for(cfg, self.tok, self.task))
+                               tok=self.tok, rl=cfg.rl, transfers=self.transfers,
+                               environment=environment_for(cfg, self.tok, self.task,
+                                                           self.processes))
     self.timeline = Timeline()
 
   def evaluate(self, examples: list[Example] | None = None) -> float:
@@ -38,3 +55,14 @@ class RunContext:
                       self.cluster.sampler_weights.fresh(), examples,
                       batch_size=self.cfg.eval.batch_size)
     return float(result.scores_EN.mean())
+
+  def close(self) -> None:
+    """Stops the generator's environment threads and the processes of user code (once)."""
+    self.generator.close()
+    self.processes.close()
+
+  def __enter__(self) -> RunContext:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

@@ -13,7 +13,6 @@ import numpy as np
 
 from jaxrl.config import ExperimentConfig
 from jaxrl.data.preferences import pair_batch, pair_lengths
-from train.io.host_transfers import to_device, to_host
 from train.roles.learner import Learner
 from train.stages.base import Stage
 from train.task.heldout import chunks
@@ -52,12 +51,12 @@ class DPOStage(Stage):
 
   def _logprobs(self, pairs) -> np.ndarray:
     """[n, 2] summed response log-probs (chosen, rejected) of each pair under the actor."""
-    actor, out = self.ctx.cluster.actor, []
+    actor, transfers, out = self.ctx.cluster.actor, self.ctx.transfers, []
     for chunk, n in chunks(pairs, self.cfg.dpo.batch_size):
       b = pair_batch(chunk, self.ctx.task.enc, *self.lengths)
-      b = to_device(b, actor.batch_shardings(b), "pairs")
-      c, r = np.split(to_host(self._seq_logp(actor.params, b["tokens"], b["valid"],
-                                             b["completion_mask"]), "logprobs"), 2)
+      b = transfers.to_device(b, actor.batch_shardings(b), "pairs")
+      c, r = np.split(transfers.to_host(self._seq_logp(actor.params, b["tokens"], b["valid"],
+                                                       b["completion_mask"]), "logprobs"), 2)
       out.append(np.stack([c, r], 1)[:n])
     return np.concatenate(out)
 
@@ -79,8 +78,8 @@ class DPOStage(Stage):
                     .seed(self.cfg.seed + 3).shuffle().repeat()
                     .batch(self.cfg.dpo.batch_size, drop_remainder=True, batch_fn=self._batch))
     batch = self._data[self.progress.done]
-    return self.learner.update(to_device(batch, self.ctx.cluster.actor.batch_shardings(batch),
-                                         "batch"))
+    return self.learner.update(self.ctx.transfers.to_device(
+        batch, self.ctx.cluster.actor.batch_shardings(batch), "batch"))
 
   def evaluate(self) -> dict:
     margin, implicit = self._margins()
@@ -102,8 +101,9 @@ class DPOStage(Stage):
 
   def arrays(self) -> dict:
     rep = self.ctx.cluster.actor.replicated
-    return to_device({"ref_train": self.ref_train, "ref_heldout": self.ref_heldout},
-                     {"ref_train": rep, "ref_heldout": rep}, "checkpoint")
+    return self.ctx.transfers.to_device(
+        {"ref_train": self.ref_train, "ref_heldout": self.ref_heldout},
+        {"ref_train": rep, "ref_heldout": rep}, "checkpoint")
 
   def abstract_arrays(self, state: dict) -> dict:
     sds = lambda n: jax.ShapeDtypeStruct((n, 2), np.float32,
@@ -112,5 +112,5 @@ class DPOStage(Stage):
 
   def restore(self, state: dict, arrays: dict) -> None:
     self.margin0 = state["margin0"]
-    self.ref_train = to_host(arrays["ref_train"], "logprobs")
-    self.ref_heldout = to_host(arrays["ref_heldout"], "logprobs")
+    self.ref_train = self.ctx.transfers.to_host(arrays["ref_train"], "logprobs")
+    self.ref_heldout = self.ctx.transfers.to_host(arrays["ref_heldout"], "logprobs")

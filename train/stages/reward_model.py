@@ -12,7 +12,6 @@ import numpy as np
 
 from jaxrl.config import ExperimentConfig
 from jaxrl.data.preferences import pair_batch, pair_dataset, pair_lengths
-from train.io.host_transfers import to_device, to_host
 from train.roles.learner import Learner
 from train.stages.base import Stage
 from train.task.heldout import chunks
@@ -63,8 +62,9 @@ class RewardModelStage(Stage):
     correct = margin = 0.0
     for chunk, n in chunks(self.heldout_pairs, self.cfg.reward_model.batch_size):
       b = pair_batch(chunk, self.ctx.task.enc, *self.lengths)
-      b = to_device(b, self.role.batch_shardings(b), "pairs")
-      scores = to_host(self._scores(self.role.params, b["tokens"], b["valid"]), "scores")
+      b = self.ctx.transfers.to_device(b, self.role.batch_shardings(b), "pairs")
+      scores = self.ctx.transfers.to_host(self._scores(self.role.params, b["tokens"], b["valid"]),
+                                          "scores")
       chosen_B, rejected_B = np.split(scores, 2)
       correct += float((chosen_B > rejected_B)[:n].sum())
       margin += float((chosen_B - rejected_B)[:n].sum())
@@ -72,7 +72,8 @@ class RewardModelStage(Stage):
 
   def step(self) -> dict:
     batch = self.data[self.progress.done]
-    return self.learner.update(to_device(batch, self.role.batch_shardings(batch), "batch"))
+    return self.learner.update(self.ctx.transfers.to_device(
+        batch, self.role.batch_shardings(batch), "batch"))
 
   def evaluate(self) -> dict:
     accuracy, margin = self._accuracy()

@@ -91,7 +91,7 @@ class RLStage(Stage):
       ctx = self.ctx
       self.controller = Controller(self.cfg, cluster=ctx.cluster, generator=ctx.generator,
                                    task=ctx.task, judge=ctx.judge, timeline=ctx.timeline,
-                                   actor=self.actor, critic=self.critic,
+                                   transfers=ctx.transfers, actor=self.actor, critic=self.critic,
                                    next_index=self.next_index, version=self.progress.done)
       self.controller.start(self._worker_state)
       self._worker_state = None

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from jaxrl.config import ConfigError
 from jaxrl.data.pipeline import sft_dataset
-from train.io.host_transfers import to_device
 from train.roles.learner import Learner
 from train.stages.base import Stage
 from train.updates.sft import sft_update
@@ -30,7 +29,8 @@ class SFTStage(Stage):
   def step(self) -> dict:
     actor = self.ctx.cluster.actor
     batch = self.data[self.progress.done]
-    return self.learner.update(to_device(batch, actor.batch_shardings(batch), "batch"))
+    return self.learner.update(self.ctx.transfers.to_device(batch, actor.batch_shardings(batch),
+                                                            "batch"))
 
   def finish(self) -> dict:
     return {"heldout_acc_sft": self.progress.last_eval["heldout_acc"]}

@@ -16,7 +16,6 @@ import numpy as np
 
 from jaxrl.data.pipeline import prompt_batch
 from jaxrl.data.tasks import Example
-from train.io.host_transfers import to_host
 from train.rollout.generator import rollout_key
 
 
@@ -93,9 +92,7 @@ def evaluate(generator, task, judge, params, examples: list[Example], *, batch_s
     rows = [ex for ex in chunk for _ in range(n)]  # rows are group-major
     chunk_texts = judge.texts(rollout)
     scores.append(judge.rewards(rollout, rows, texts=chunk_texts)[:real * n])
-    policy_mask = rollout.completion_mask_BN if rollout.loss_mask_BN is None \
-        else rollout.loss_mask_BN
-    lengths.append(to_host(policy_mask, "lengths").sum(1)[:real * n])
+    lengths.append(judge.lengths(rollout)[:real * n])
     texts += [chunk_texts[i * n:(i + 1) * n] for i in range(real)]
   return Evaluation(list(examples), np.concatenate(scores).astype(np.float64).reshape(-1, n),
                     np.concatenate(lengths).reshape(-1, n), texts)

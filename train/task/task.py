@@ -1,14 +1,13 @@
 """The run's task: its tokenizer, its examples (data files or the synthetic task) with their
 encoding, the RL prompt batches, and its reward (a verifier, or a user's function, contained),
-which `Judge` applies to rollouts."""
+which `Judge` applies to rollouts; `UserProcesses`, a run's processes of user code."""
 from __future__ import annotations
 
-import atexit
 import collections
 import dataclasses
 import logging
-import sys
 import threading
+import weakref
 from collections.abc import Callable
 
 import grain
@@ -29,7 +28,7 @@ from jaxrl.envs.hosted import EnvCallError, HostRestarted
 from jaxrl.rewards.user import RewardFnError, call_reward_fn, load_reward_fn
 from jaxrl.rewards.verifier import VERIFIERS
 from jaxrl.user_code import UserCodePool, UserCodeTimeout, WorkerDied
-from train.io.host_transfers import to_host
+from train.io.host_transfers import HostTransfers
 
 log = logging.getLogger("jaxrl")
 # (prompts, completions, examples) -> [B] float32 rewards
@@ -54,13 +53,67 @@ class TaskData:
   user_code: bool = False  # a user's reward function or environment runs (contained)
 
 
-def make_reward(name: str, rl: RLConfig | None = None,
+class UserProcesses:
+  """A run's processes of user code: the worker pool of its reward function and the host
+  processes of its environment (`rl.verifier`, `rl.environment.name` as "package.module:name"),
+  each started for its run and stopped by `close` (or, failing that, when this object is
+  collected or the process exits). Two runs in one process never share a worker."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._started: list = []  # what `close` stops (each has its own close())
+    self._closer = weakref.finalize(self, _close_all, self._started, self._lock)
+
+  def pool(self, rl: RLConfig, spec: str) -> UserCodePool:
+    """Worker processes running the function `spec` under `rl`'s limits."""
+    return self._own(UserCodePool(workers=rl.user_code.workers, timeout_s=rl.user_code.timeout_s,
+                                  memory_gb=rl.user_code.memory_gb, preload=(spec,)))
+
+  def hosts(self, rl: RLConfig, tok: Tokenizer) -> EnvHosts:
+    """Host processes of the environment class `rl.environment.name`, for tokenizer `tok`."""
+    return self._own(EnvHosts(rl.environment.name, tok, rl.verifier, workers=rl.user_code.workers,
+                              timeout_s=rl.user_code.timeout_s,
+                              memory_gb=rl.user_code.memory_gb))
+
+  def _own(self, started):
+    with self._lock:
+      if self._closer.alive:
+        self._started.append(started)
+        return started
+    started.close()
+    raise RuntimeError("the run's user-code processes are closed")
+
+  @property
+  def closed(self) -> bool:
+    return not self._closer.alive
+
+  def close(self) -> None:
+    """Stops every process started here (once; later calls do nothing)."""
+    self._closer()
+
+  def __enter__(self) -> UserProcesses:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def _close_all(started: list, lock: threading.Lock) -> None:
+  with lock:
+    stopping = list(started)
+    started.clear()
+  for each in stopping:
+    each.close()
+
+
+def make_reward(name: str, processes: UserProcesses, rl: RLConfig | None = None,
                 report: Callable[[int], None] | None = None
                 ) -> tuple[Reward, Callable[[str, str], float]]:
   """(batch reward, per-sample verifier) of `rl.verifier`: a built-in verifier of completions
   against reference answers, or `package.module:function` called with the batch's prompts,
-  completions and row fields (the reference answer as `answer`), contained by
-  `rl.user_code.timeout_s` and `rl.user_code.on_error` (its failures told to `report`)."""
+  completions and row fields (the reference answer as `answer`), in worker processes of
+  `processes`, contained by `rl.user_code.timeout_s` and `rl.user_code.on_error` (its failures
+  told to `report`)."""
   if ":" not in name:
     verifier = VERIFIERS[name]
     return (lambda prompts, completions, examples: np.array(
@@ -70,8 +123,7 @@ def make_reward(name: str, rl: RLConfig | None = None,
   except RewardFnError as e:
     raise ConfigError(f"config.rl.verifier: {e}") from None
   rl = rl or RLConfig()
-
-  pool = user_code_pool(rl, name)
+  pool = processes.pool(rl, name)
 
   def reward(prompts, completions, examples):
     return call_reward_fn(fn, prompts, completions,
@@ -79,21 +131,6 @@ def make_reward(name: str, rl: RLConfig | None = None,
                           spec=name, group=rl.group_size, policy=rl.user_code.on_error,
                           report=report)
   return reward, lambda text, answer: float(reward([""], [text], [Example("", answer)])[0])
-
-
-_POOLS: dict[tuple, UserCodePool] = {}
-
-
-def user_code_pool(rl: RLConfig, spec: str) -> UserCodePool:
-  """The worker processes running `spec` under `rl`'s limits, started once per process and
-  import path (stopped at its exit): the runs of a notebook or a test session share them."""
-  key = (spec, rl.user_code.workers, rl.user_code.timeout_s, rl.user_code.memory_gb,
-         tuple(sys.path))
-  if key not in _POOLS:
-    _POOLS[key] = UserCodePool(workers=key[1], timeout_s=key[2], memory_gb=key[3],
-                               preload=(spec,))
-    atexit.register(_POOLS[key].close)
-  return _POOLS[key]
 
 
 def load_tokenizer_for(cfg: ExperimentConfig) -> Tokenizer:
@@ -149,8 +186,9 @@ def _from_files(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[list, list, dict
   return train, heldout[:d.heldout_size], skipped
 
 
-def load_task(cfg: ExperimentConfig, tok: Tokenizer) -> TaskData:
-  """The run's examples (data files, or the synthetic task), their encoding and reward."""
+def load_task(cfg: ExperimentConfig, tok: Tokenizer, processes: UserProcesses) -> TaskData:
+  """The run's examples (data files, or the synthetic task), their encoding and reward (a
+  user's function runs in `processes`)."""
   enc = Encoding(tok, chat=cfg.data.chat or bool(cfg.data.messages_field))
   if enc.chat and not cfg.data.train_path:
     raise ConfigError("config.data.chat: the synthetic task's prompts are plain text; chat "
@@ -162,8 +200,7 @@ def load_task(cfg: ExperimentConfig, tok: Tokenizer) -> TaskData:
   else:
     (train, heldout), skipped = _synthetic(cfg, enc), {}
   errors = collections.Counter()  # user code that misbehaved, under the "zero" policy
-  reward, verifier = make_reward(cfg.rl.verifier, cfg.rl,
-                                 counter(errors, "reward"))
+  reward, verifier = make_reward(cfg.rl.verifier, processes, cfg.rl, counter(errors, "reward"))
   p_len, buckets = cfg.data.max_prompt_tokens, cfg.rl.batching.length_buckets
   if buckets:  # the buckets split the lengths that occur: up to the data's longest prompt
     p_len = min(p_len, prompt_length(train + heldout, enc))
@@ -187,9 +224,11 @@ def counter(errors: collections.Counter, name: str) -> Callable[[int], None]:
   return report
 
 
-def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData):
+def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData,
+                    processes: UserProcesses):
   """A zero-argument factory of the run's environment (`rl.environment.name`), or None; a user's
-  class lives in host processes (jaxrl/envs/hosted.py), contained (jaxrl/envs/contained.py),
+  class lives in host processes of `processes` (jaxrl/envs/hosted.py), contained
+  (jaxrl/envs/contained.py),
   its failures counted in the task's `user_code_errors`. One environment is made here, so a
   constructor that fails (or a sandbox the kernel refuses) is a one-line config error."""
   rl = cfg.rl
@@ -200,7 +239,7 @@ def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData):
     if rl.environment.name in ENVIRONMENTS:
       factory(tok, task.verifier)
       return lambda: factory(tok, task.verifier)
-    hosts = _env_hosts(rl, tok)
+    hosts = processes.hosts(rl, tok)
     hosts.new()
   except (EnvError, SandboxUnavailable) as e:
     raise ConfigError(f"config.rl.environment.name: {e}") from None
@@ -234,24 +273,6 @@ class _Failed:
     raise self.error
 
 
-_HOSTS: dict[tuple, tuple] = {}
-
-
-def _env_hosts(rl: RLConfig, tok: Tokenizer) -> EnvHosts:
-  """The host processes of `rl.environment.name` for tokenizer `tok`, started once per process
-  (stopped at its exit)."""
-  key = (rl.environment.name, rl.verifier, rl.user_code.workers, rl.user_code.timeout_s,
-         rl.user_code.memory_gb, tuple(sys.path))
-  if key not in _HOSTS or _HOSTS[key][0] is not tok:
-    if key in _HOSTS:  # a later run of this process, with its own tokenizer
-      _HOSTS[key][1].close()
-    hosts = EnvHosts(rl.environment.name, tok, rl.verifier, workers=key[2], timeout_s=key[3],
-                     memory_gb=key[4])
-    atexit.register(hosts.close)
-    _HOSTS[key] = (tok, hosts)
-  return _HOSTS[key][1]
-
-
 @jax.jit
 def completion_tokens(rollout) -> jax.Array:
   """The generated part of a rollout's tokens, [B, N], sliced where the rollout lives."""
@@ -265,21 +286,28 @@ def completion_texts(tok: Tokenizer, completions_BN: np.ndarray) -> list[str]:
 
 class Judge:
   """The run's reward of rollouts: their environments' (multi-turn) or the task's reward of
-  their completions, decoded on the host (the completions' token ids are all it fetches)."""
+  their completions, decoded on the host (the completions' token ids are all it fetches, as
+  the run's named host transfers `transfers`)."""
 
-  def __init__(self, tok: Tokenizer, task: TaskData):
-    self.tok, self.task = tok, task
+  def __init__(self, tok: Tokenizer, task: TaskData, transfers: HostTransfers):
+    self.tok, self.task, self.transfers = tok, task, transfers
 
   def rewards(self, rollout, examples, texts: list[str] | None = None) -> np.ndarray:
     """[B] rewards of a rollout of `examples` (group-major rows): its environments', or the
     task reward of its decoded `texts` (decoded here when not given)."""
     if rollout.rewards_B is not None:
-      return to_host(rollout.rewards_B, "rewards")
+      return self.transfers.to_host(rollout.rewards_B, "rewards")
     return self.score(self.texts(rollout) if texts is None else texts, examples)
 
   def texts(self, rollout) -> list[str]:
     """The rollout's completions, decoded on the host."""
-    return completion_texts(self.tok, to_host(completion_tokens(rollout), "completions"))
+    return completion_texts(self.tok, self.transfers.to_host(completion_tokens(rollout),
+                                                             "completions"))
+
+  def lengths(self, rollout) -> np.ndarray:
+    """[B] the tokens the policy emitted in each row (an environment's replies left out)."""
+    mask_BN = rollout.completion_mask_BN if rollout.loss_mask_BN is None else rollout.loss_mask_BN
+    return self.transfers.to_host(mask_BN, "lengths").sum(1)
 
   def score(self, texts: list[str], examples) -> np.ndarray:
     """[B] rewards of completions `texts` of `examples` (rl.verifier)."""

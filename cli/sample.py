@@ -1,9 +1,5 @@
-"""`jaxrl-export` and `jaxrl-sample`: hand a trained policy on, or look at one.
+"""`jaxrl-sample`: look at a policy.
 
-  jaxrl-export --checkpoint runs/NAME/checkpoints/rl --out exported/NAME [--dtype bfloat16]
-      writes a directory transformers and vLLM load as is (config.json, safetensors split at
-      --max_shard_gb with an index, generation_config.json, the tokenizer's files); a LoRA
-      run's adapters folded in, or with --peft only the adapters, as a PEFT adapter directory.
   jaxrl-sample --model DIR --prompt TEXT [--prompt TEXT ...] [--chat] [--greedy]
       [--max_new_tokens N] [--n N] [--temperature T] [--seed S]
       prints completions of a Hugging Face directory or a jaxrl checkpoint (cli/model_io.py).
@@ -17,46 +13,13 @@ import sys
 from cli.flags import ArgParser, fail
 
 
-def export_main(argv: list[str] | None = None) -> int:
-  parser = ArgParser(prog="jaxrl-export", description=__doc__.split("\n")[0])
-  parser.add_argument("--checkpoint", required=True,
-                      help="RUN/checkpoints/STAGE (its latest step) or RUN/checkpoints/STAGE/STEP")
-  parser.add_argument("--out", required=True, help="the directory to write (must not exist)")
-  parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-  parser.add_argument("--max_shard_gb", type=float, default=4.0)
-  parser.add_argument("--peft", action="store_true",
-                      help="a LoRA run: write its adapters alone, as a PEFT adapter directory")
-  args = parser.parse_args(argv)
-  from cli.model_io import generation_config, load_policy
-  from jaxrl.config import ConfigError
-  from jaxrl.models.hf import HFError
-  from jaxrl.models.hf_export import export, export_peft
-  try:
-    policy = load_policy(args.checkpoint, what="--checkpoint", merge=not args.peft)
-    if args.peft:
-      if policy.adapters is None:
-        return fail(f"--peft: {policy.source} has no LoRA adapters (its run has lora.rank=0)")
-      export_peft(policy.adapters, policy.lora, args.out, base_model=policy.base_model)
-      print(f"jaxrl: exported the LoRA adapters of {policy.source} to {args.out}")
-      return 0
-    export(policy.params, policy.cfg, args.out, dtype=args.dtype,
-           max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
-           tokenizer_dir=policy.tokenizer_dir or None,
-           generation_config=generation_config(policy.tok, policy.tokenizer_dir))
-  except (ConfigError, HFError, ValueError) as e:  # TokenizerError is a ValueError
-    return fail(str(e))
-  print(f"jaxrl: exported {policy.source} to {args.out}"
-        + ("" if policy.tokenizer_dir else " (byte tokenizer: no tokenizer files)"))
-  return 0
-
-
 def _prompt_ids(tok, text: str, chat: bool) -> list[int]:
   if chat:  # the template writes the special tokens itself, as transformers tokenizes it
     return tok.encode(tok.chat([{"role": "user", "content": text}]), bos=False)
   return tok.encode(text, bos=True)
 
 
-def sample_main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
   parser = ArgParser(prog="jaxrl-sample", description="Print completions.")
   parser.add_argument("--model", required=True,
                       help="a Hugging Face directory or RUN/checkpoints/STAGE[/STEP]")
@@ -98,9 +61,5 @@ def sample_main(argv: list[str] | None = None) -> int:
   return 0
 
 
-def export_cli() -> None:
-  sys.exit(export_main())
-
-
-def sample_cli() -> None:
-  sys.exit(sample_main())
+def cli() -> None:
+  sys.exit(main())
