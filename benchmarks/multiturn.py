@@ -1,5 +1,6 @@
 """Multi-turn RL steps with the KV cache kept across turns (`keep`) against each turn prefilling
-its whole conversation (`prefill`: `rl.environment.keep_turn_cache=False`), alternately in one process.
+its whole conversation (`prefill`: `rl.environment.keep_turn_cache=False`), alternately in one
+process.
 
   python -m benchmarks.multiturn --json                          # synthetic: 8 turns
   python -m benchmarks.multiturn --json --workload gsm8k_tools   # the calculator after its SFT
@@ -14,11 +15,11 @@ Workloads (sync, colocated on one device, a fresh policy unless SFT runs first):
   --scale full (the default on an accelerator) runs synthetic on Qwen2.5-0.5B's shape (random,
   bf16) with 64-token prompts, 8 prompts x 8 samples.
 
-`--partial` compares instead multi-turn partial rollouts (`rl.schedule.partial_rollouts`: conversations
-as requests that outlive weight swaps, train/rollout/conversations.py) with whole batches, both
-async (`rl.schedule.max_staleness=1`) on `placement.strategy=separate` (one device each for the trainer
-and the generator), on `synthetic_longtail` (the synthetic workload whose conversations end
-after each turn with probability 1/4: 1-8 turns), in two measurements:
+`--partial` compares instead multi-turn partial rollouts (`rl.schedule.partial_rollouts`:
+conversations as requests that outlive weight swaps, train/rollout/conversations.py) with whole
+batches, both async (`rl.schedule.max_staleness=1`) on `placement.strategy=separate` (one device
+each for the trainer and the generator), on `synthetic_longtail` (the synthetic workload whose
+conversations end after each turn with probability 1/4: 1-8 turns), in two measurements:
   generator   the rollouts alone, no trainer (one run, the weights fixed): `--batches` (6)
               batches generated whole, one after the other, against the same batches as one
               stream of conversations (up to 2 batches open); conversations/s and the model's
@@ -117,8 +118,8 @@ def generate_batches(exp, partial: bool, batches: int) -> dict:
                 for i in range(batches)]
   else:
     geometry = StreamGeometry(slots=rl.rollout.inflight_slots, rows=rl.rollouts, live=2,
-                              prompt_width=task.prompt_len, max_new_tokens=rl.rollout.max_new_tokens,
-                              conversations=True)
+                              prompt_width=task.prompt_len,
+                              max_new_tokens=rl.rollout.max_new_tokens, conversations=True)
     stream = gen.stream(params, geometry)
     while len(rollouts) < batches:
       rollouts += [r for _, r in stream.poll()]

@@ -1,5 +1,5 @@
-"""RL steps with the scoring passes and the update over packed rows (`rl.batching.pack_length`) against
-the [B, T] batch trimmed to its length bucket, alternately in one run.
+"""RL steps with the scoring passes and the update over packed rows (`rl.batching.pack_length`)
+against the [B, T] batch trimmed to its length bucket, alternately in one run.
 
   python -m benchmarks.packing --json                         # longtail
   python -m benchmarks.packing --json --workload multiturn    # gsm8k_tools (multi-turn)

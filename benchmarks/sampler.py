@@ -56,10 +56,12 @@ def _parse():
                       help="longtail: also decode the prompts as this many RL batches, "
                       "batch by batch and as a stream (partial rollouts)")
   parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
-  parser.add_argument("--devices", type=int, default=0,
-                      help="decode devices (0: one per CPU core with >= 32 rows each on a CPU host)")
-  parser.add_argument("--model", default="256,4,4,2,1024,256",
-                      help="d_model,layers,heads,kv_heads,mlp,vocab (default: the reference config)")
+  parser.add_argument(
+      "--devices", type=int, default=0,
+      help="decode devices (0: one per CPU core with >= 32 rows each on a CPU host)")
+  parser.add_argument(
+      "--model", default="256,4,4,2,1024,256",
+      help="d_model,layers,heads,kv_heads,mlp,vocab (default: the reference config)")
   parser.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
   parser.add_argument("--layout", default="auto", help="decode activation layout: auto, "
                       "features or rows (SamplingConfig.decode_layout)")

@@ -181,12 +181,22 @@ def measure(p: Point, devices) -> dict:
   temp = memory.temp_size_in_bytes
   products, _ = hlo_flops.executed_flops(compiled.as_text())  # (every loop as often as it runs)
   peak, per_call = estimate(p, mesh, role)
-  return {"point": p.name, "temp_bytes": int(temp), "live_bytes": live, "allocated_bytes": allocated, "estimate_bytes": int(peak),
-          "estimate_over_compiler": round(peak / temp, 3), "flops": products,
-          "jaxrl_flops": per_call, "jaxrl_over_compiler": round(per_call / products, 3),
-          "compile_s": round(seconds, 1), "argument_bytes": memory.argument_size_in_bytes,
-          "output_bytes": memory.output_size_in_bytes, "alias_bytes": memory.alias_size_in_bytes,
-          "scoring": measure_scoring(p, mesh, role)}
+  return {
+      "point": p.name,
+      "temp_bytes": int(temp),
+      "live_bytes": live,
+      "allocated_bytes": allocated,
+      "estimate_bytes": int(peak),
+      "estimate_over_compiler": round(peak / temp, 3),
+      "flops": products,
+      "jaxrl_flops": per_call,
+      "jaxrl_over_compiler": round(per_call / products, 3),
+      "compile_s": round(seconds, 1),
+      "argument_bytes": memory.argument_size_in_bytes,
+      "output_bytes": memory.output_size_in_bytes,
+      "alias_bytes": memory.alias_size_in_bytes,
+      "scoring": measure_scoring(p, mesh, role)
+  }
 
 
 def markdown(points: list[dict]) -> list[str]:
@@ -223,7 +233,8 @@ def main() -> None:
   parser.add_argument("--json", action="store_true")
   parser.add_argument("--target", default="v5e-4")
   parser.add_argument("--points", default="", help="comma-separated indices (default: all)")
-  parser.add_argument("--markdown", action="store_true", help="also print docs/benchmarks.md's table")
+  parser.add_argument("--markdown", action="store_true",
+                      help="also print docs/benchmarks.md's table")
   args = parser.parse_args()
   whole_update_in_hbm()
   from sharding.host import cpu_only_here

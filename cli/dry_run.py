@@ -117,10 +117,11 @@ def _pass(cfg: ExperimentConfig, mesh, rules, lm_head: bool = True) -> dict:
   tokens per row, log-prob chunk (0: a value or reward head, no logits), tensor degree, and
   whether attention is a flash kernel on the target (footprint.flash_attention)."""
   rl, m = cfg.rl, cfg.model
-  return dict(rows=rl.pass_rows / batch_ways(mesh, rules),
-              seq_len=cfg.data.max_prompt_tokens + rl.rollout.max_new_tokens,
-              logit_chunk=chunk_length(rl.pass_rows, rl.rollout.max_new_tokens, m.vocab_size) * lm_head,
-              tensor=mesh.shape.get("tensor", 1), flash_attention=footprint.flash_attention(m))
+  return dict(
+      rows=rl.pass_rows / batch_ways(mesh, rules),
+      seq_len=cfg.data.max_prompt_tokens + rl.rollout.max_new_tokens,
+      logit_chunk=chunk_length(rl.pass_rows, rl.rollout.max_new_tokens, m.vocab_size) * lm_head,
+      tensor=mesh.shape.get("tensor", 1), flash_attention=footprint.flash_attention(m))
 
 
 def update_footprint(cfg: ExperimentConfig, mesh, rules, param_bytes: float, params: int,

@@ -159,12 +159,13 @@ def abstract_experience(cfg: ExperimentConfig, role) -> Experience:
   b, n, t = _shapes(cfg)
   rl, f32 = cfg.rl, S((b, n), jnp.float32)
   gae = rl.trains_critic
+  masked = rl.dapo.overlong_filter or rl.environment.name  # a loss mask beside the completions'
   exp = Experience(tokens_BT=S((b, t), jnp.int32), valid_BT=S((b, t), bool),
                    completion_mask_BN=S((b, n), bool), sampler_logprobs_BN=f32,
                    ref_logprobs_BN=f32, advantages_BN=f32,
                    old_logprobs_BN=f32 if rl.needs_old_logprobs else None,
                    old_values_BN=f32 if gae else None, returns_BN=f32 if gae else None,
-                   loss_mask_BN=S((b, n), bool) if (rl.dapo.overlong_filter or rl.environment.name) else None)
+                   loss_mask_BN=S((b, n), bool) if masked else None)
   return _abstract(exp, role.batch_shardings(exp))
 
 
@@ -185,9 +186,10 @@ def _sampler(cfg: ExperimentConfig, cluster: RoleCluster) -> Sampler:
 
 def _generation(cfg: ExperimentConfig, cluster: RoleCluster) -> list[Program]:
   if cfg.rl.rollout.inflight_slots or cfg.rl.schedule.mode == "async" or cfg.rl.environment.name:
-    raise ConfigError("--target: compiles the static decode of sync single-turn RL; "
-                      "config.rl.rollout.inflight_slots, rl.schedule.mode=async and rl.environment.name are not "
-                      "covered yet")
+    raise ConfigError(
+        "--target: compiles the static decode of sync single-turn RL; "
+        "config.rl.rollout.inflight_slots, rl.schedule.mode=async and rl.environment.name are not "
+        "covered yet")
   sampler, weights = _sampler(cfg, cluster), cluster.sampler_weights
   mesh = cluster.meshes["sampler"]
   rows = batch_sharding(mesh, SAMPLER_RULES)

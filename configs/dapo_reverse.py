@@ -11,6 +11,7 @@ from configs import default
 def get_config():
   c = default.get_config()
   c.rl.loss.update(eps_low=0.2, eps_high=0.28, aggregation="token_mean")
-  c.rl.dapo.update(dynamic_sampling=True, dynamic_sampling_rounds=3, overlong_filter=True, overlong_buffer=2, overlong_penalty=1.0)
+  c.rl.dapo.update(dynamic_sampling=True, dynamic_sampling_rounds=3, overlong_filter=True,
+                   overlong_buffer=2, overlong_penalty=1.0)
   c.rl.kl.update(coef=0.0)
   return c

@@ -34,7 +34,8 @@ def get_config():
                 answer_field="answer", answer_format="gsm8k", completion_field="demo", chat=True,
                 max_prompt_tokens=48)
   c.sft.update(steps=400, batch_size=64, learning_rate=1e-3, warmup_steps=20)
-  c.rl.update(steps=40, prompts_per_step=32, group_size=8, learning_rate=1e-4, warmup_steps=5, verifier="math")
+  c.rl.update(steps=40, prompts_per_step=32, group_size=8, learning_rate=1e-4, warmup_steps=5,
+              verifier="math")
   c.rl.batching.update(num_minibatches=2)
   c.rl.rollout.update(max_new_tokens=64)
   c.rl.kl.update(coef=0.01)

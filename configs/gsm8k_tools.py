@@ -7,7 +7,8 @@ learns that form. RL then runs multi-turn (train/rollout/multiturn.py): a model 
 the calculator environment (jaxrl/envs) appends ` <result>1960</result>` as token ids (trained
 with loss mask 0), the model goes on; a turn without a call ends the conversation, and
 math-verify scores its `#### N` against the reference. Against: the same config with
-`--config.rl.environment.name=` (the model writes the results itself). Numbers in docs/algorithms.md.
+`--config.rl.environment.name=` (the model writes the results itself). Numbers in
+docs/algorithms.md.
 
 Run:  .venv/bin/python -m cli.train --config=configs/gsm8k_tools.py
 """

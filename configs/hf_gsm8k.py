@@ -22,7 +22,8 @@ def config(*, model: dict, placement: dict, rl: dict | None = None):
   c.data.update(train_path="data/gsm8k/train.jsonl", heldout_path="data/gsm8k/test.jsonl",
                 prompt_field="question", answer_field="answer", answer_format="gsm8k",
                 prompt_template=PROMPT, chat=True, max_prompt_tokens=256)
-  c.rl.update(steps=200, prompts_per_step=16, group_size=8, learning_rate=1e-6, warmup_steps=10, verifier="math")
+  c.rl.update(steps=200, prompts_per_step=16, group_size=8, learning_rate=1e-6, warmup_steps=10,
+              verifier="math")
   c.rl.batching.update(num_minibatches=8)
   c.rl.kl.update(coef=0.001)
   c.rl.rollout.update(max_new_tokens=512, temperature=1.0)

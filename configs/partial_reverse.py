@@ -2,12 +2,13 @@
 P(length L) ~ L^-2 (`task.name="reverse_tail"`: most answers are a few letters, each 512-row
 batch has one of ~30), asynchronous GRPO one policy version ahead with a truncated IS weight
 (as configs/async_reverse.py). The sampler decodes in 128 in-flight slots; with
-`rl.schedule.partial_rollouts` its slots stay busy across prompt batches, rows already in flight take
-each new policy version between decode segments, and every token keeps the version and the
+`rl.schedule.partial_rollouts` its slots stay busy across prompt batches, rows already in flight
+take each new policy version between decode segments, and every token keeps the version and the
 log-prob it was drawn with (docs/algorithms.md, "Partial rollouts").
 
 Run:  .venv/bin/python -m cli.train --config=configs/partial_reverse.py
-Without partial rollouts (whole batches, the same slots):  --config.rl.schedule.partial_rollouts=False
+Without partial rollouts (whole batches, the same slots):
+  --config.rl.schedule.partial_rollouts=False
 Reproducible (batch i from version i - 1, resumable bit for bit): --config.rl.schedule.name=fixed
 """
 from configs import default

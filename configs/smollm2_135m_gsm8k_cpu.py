@@ -26,7 +26,9 @@ def get_config():
       placement=dict(strategy="colocate", cpu_devices=1, train_devices=1, sampler_tensor=1),
       # 4-row micro-batches: on this CPU the step took 17.0-17.3 s at a 7.35 GB peak, against
       # 21.0 s and 9.89 GB with the 16 rows at once (docs/benchmarks.md); the same update.
-      rl=dict(steps=4, prompts_per_step=4, group_size=4, learning_rate=1e-6, warmup_steps=10, batching=dict(num_minibatches=1, micro_batch_size=4), rollout=dict(max_new_tokens=64), kl=dict(coef=0.001)))
+      rl=dict(steps=4, prompts_per_step=4, group_size=4, learning_rate=1e-6, warmup_steps=10,
+              batching=dict(num_minibatches=1, micro_batch_size=4), rollout=dict(max_new_tokens=64),
+              kl=dict(coef=0.001)))
   c.data.update(max_prompt_tokens=160, heldout_size=8)
   c.eval.update(every=1000, batch_size=8)
   return c

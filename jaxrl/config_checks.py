@@ -62,5 +62,6 @@ def sections_agree(cfg) -> None:
     raise ValueError(f"lora.targets: {','.join(mlp)} adapt a dense MLP; a mixture of experts' "
                      "experts take no adapters (target wq,wk,wv,wo)")
   if cfg.model.routing_replay != "off" and cfg.rl.environment.name:
-    raise ValueError("model.routing_replay: multi-turn rollouts (rl.environment.name) do not record "
-                     "their experts yet, expected 'off' with them")
+    raise ValueError(
+        "model.routing_replay: multi-turn rollouts (rl.environment.name) do not record "
+        "their experts yet, expected 'off' with them")

@@ -68,12 +68,11 @@ class Workload:
     rl = cfg.rl
     return cls(model=cfg.model, prompts=rl.prompts_per_step, group_size=rl.group_size,
                prompt_len=cfg.data.max_prompt_tokens, new_tokens=rl.rollout.max_new_tokens,
-               num_minibatches=rl.batching.num_minibatches, micro_batch_size=rl.batching.micro_batch_size,
-               old_pass=rl.needs_old_logprobs, reference=rl.kl.coef > 0,
-               critic=rl.trains_critic, reward_model=rl.reward == "reward_model",
-               inflight=rl.rollout.inflight_slots > 0,
-               flash_attention=footprint.flash_attention(cfg.model),
-               lora_params=lora_params(cfg))
+               num_minibatches=rl.batching.num_minibatches,
+               micro_batch_size=rl.batching.micro_batch_size, old_pass=rl.needs_old_logprobs,
+               reference=rl.kl.coef > 0, critic=rl.trains_critic,
+               reward_model=rl.reward == "reward_model", inflight=rl.rollout.inflight_slots > 0,
+               flash_attention=footprint.flash_attention(cfg.model), lora_params=lora_params(cfg))
 
   @property
   def rows(self) -> int:
@@ -169,7 +168,8 @@ class Plan:
   mode: str = "sync"
   micro_batch_size: int = 0
   remat: str = "none"  # none | dots | full: what the update recomputes (model.remat)
-  staleness: int = 1  # async: versions a batch may lag (rl.schedule.max_staleness); 0 overlaps nothing
+  # async: versions a batch may lag (rl.schedule.max_staleness); 0 overlaps nothing
+  staleness: int = 1
   offload: bool = False  # placement.offload="all": idle state in pinned host memory (sync)
 
   def describe(self) -> str:

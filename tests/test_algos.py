@@ -87,11 +87,16 @@ def test_dr_grpo_and_rloo_match_numpy(group_size):
   rng = np.random.default_rng(group_size)
   r = rng.normal(size=16).astype(np.float32)
   mask = np.ones((16, 2), np.float32)
-  dr = np.asarray(ADVANTAGES["dr_grpo"](jnp.asarray(r), jnp.asarray(mask), {"group_size": group_size}))
-  loo = np.asarray(ADVANTAGES["rloo"](jnp.asarray(r), jnp.asarray(mask), {"group_size": group_size}))
+  dr = np.asarray(ADVANTAGES["dr_grpo"](jnp.asarray(r), jnp.asarray(mask), {
+      "group_size": group_size
+  }))
+  loo = np.asarray(ADVANTAGES["rloo"](jnp.asarray(r), jnp.asarray(mask), {
+      "group_size": group_size
+  }))
   for g in range(16 // group_size):
     rg = r[g * group_size:(g + 1) * group_size].astype(np.float64)
-    np.testing.assert_allclose(dr[g * group_size:(g + 1) * group_size, 0], rg - rg.mean(), atol=1e-5)
+    np.testing.assert_allclose(dr[g * group_size:(g + 1) * group_size, 0], rg - rg.mean(),
+                               atol=1e-5)
     want = (np.zeros_like(rg) if group_size == 1 else
             np.array([rg[i] - np.delete(rg, i).mean() for i in range(group_size)]))
     np.testing.assert_allclose(loo[g * group_size:(g + 1) * group_size, 0], want, atol=1e-5)
@@ -184,5 +189,6 @@ def test_bradley_terry_and_dpo_losses_match_numpy():
   np.testing.assert_allclose(margin, want_margin, rtol=1e-5)
   np.testing.assert_allclose(loss, np.log1p(np.exp(-want_margin)), rtol=1e-5)
   # Policy equal to the reference: margin 0, loss log 2, gradient pushes chosen up.
-  grad_c = jax.grad(lambda x: dpo_loss(x, jnp.zeros(1), jnp.zeros(1), jnp.zeros(1), beta=0.5)[0].sum())
+  grad_c = jax.grad(
+      lambda x: dpo_loss(x, jnp.zeros(1), jnp.zeros(1), jnp.zeros(1), beta=0.5)[0].sum())
   np.testing.assert_allclose(grad_c(jnp.zeros(1)), [-0.25], rtol=1e-6)

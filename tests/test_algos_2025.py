@@ -127,9 +127,11 @@ def test_rollout_masks_hand_computed():
   np.testing.assert_array_equal(kept, [[False, False, True], [True, True, False]])
   _, kept = rollout_weights(old, mu, mask, mask="sequence", **band)  # e^0 and e^0.2 (> 1.25? no)
   np.testing.assert_array_equal(kept, [[True, True, True], [True, True, False]])
-  _, kept = rollout_weights(old, mu, mask, mask="sequence", mask_low=0.8, mask_high=1.2)  # e^0.2 > 1.2
+  _, kept = rollout_weights(old, mu, mask, mask="sequence", mask_low=0.8,
+                            mask_high=1.2)  # e^0.2 > 1.2
   np.testing.assert_array_equal(kept, [[True, True, True], [False, False, False]])
-  _, kept = rollout_weights(old, mu, mask, mask="geometric", mask_low=0.8, mask_high=1.2)  # e^0.1 inside
+  _, kept = rollout_weights(old, mu, mask, mask="geometric", mask_low=0.8,
+                            mask_high=1.2)  # e^0.1 inside
   np.testing.assert_array_equal(kept, [[True, True, True], [True, True, False]])
   w, _ = rollout_weights(old, mu, mask, mask="icepop", **band)
   np.testing.assert_allclose(w, [[0, 0, 1], [np.exp(0.1), np.exp(0.1), 0]], rtol=1e-6)
@@ -194,7 +196,9 @@ def test_informative_groups():
 def test_make_experience_applies_dapos_overlong_penalty_and_filter():
   from sampler.engine import Rollout
   from train.loop.experience import make_experience
-  cfg = RLConfig(prompts_per_step=2, group_size=2, batching=BatchingConfig(num_minibatches=1), rollout=RolloutConfig(max_new_tokens=4), dapo=DAPOConfig(overlong_filter=True, overlong_buffer=2, overlong_penalty=1.0))
+  cfg = RLConfig(prompts_per_step=2, group_size=2, batching=BatchingConfig(num_minibatches=1),
+                 rollout=RolloutConfig(max_new_tokens=4),
+                 dapo=DAPOConfig(overlong_filter=True, overlong_buffer=2, overlong_penalty=1.0))
   mask = jnp.asarray([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]], bool)
   rollout = Rollout(tokens_BT=jnp.zeros((4, 6), jnp.int32),
                     valid_BT=jnp.concatenate([jnp.ones((4, 2), bool), mask], 1),

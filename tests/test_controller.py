@@ -86,7 +86,9 @@ def test_chrome_trace(tmp_path):
   slices = [e for e in events if e["ph"] == "X"]
   assert set(names) == {"trainer", "generator"} and len(slices) == 2
   update = next(e for e in slices if e["name"] == "update")
-  assert update["tid"] == names["trainer"] and update["dur"] >= 1e4 and update["args"] == {"step": 1}
+  assert update["tid"] == names["trainer"] and update["dur"] >= 1e4 and update["args"] == {
+      "step": 1
+  }
 
 
 def test_failing_executor_is_named_and_checkpoints_survive(tmp_path, monkeypatch):
@@ -111,10 +113,10 @@ def test_failing_executor_is_named_and_checkpoints_survive(tmp_path, monkeypatch
 
 @pytest.mark.slow
 def test_sigterm_stops_cleanly_with_a_checkpoint(tmp_path):
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
-       "--config.run_name=stop", "--config.rl.steps=100000", "--config.checkpoint_every=100000"],
-      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen([
+      sys.executable, "-m", "cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
+      "--config.run_name=stop", "--config.rl.steps=100000", "--config.checkpoint_every=100000"
+  ], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   metrics = tmp_path / "stop" / "metrics.jsonl"
   deadline = time.time() + 300
   while time.time() < deadline and not (metrics.exists() and '"policy_lag"' in metrics.read_text()):
@@ -193,6 +195,7 @@ def test_generator_failure_in_async_mode_is_named(tmp_path, monkeypatch):
   monkeypatch.setattr(Generator, "sample", flaky)
   cfg, run_dir = _cfg(tmp_path, "gen", steps=6,
                       schedule={"mode": "async", "max_staleness": 1})
-  with pytest.raises(ExecutorError, match="generator executor failed: RuntimeError: sampler out of"):
+  with pytest.raises(ExecutorError,
+                     match="generator executor failed: RuntimeError: sampler out of"):
     run(cfg, run_dir)
   assert max(_rl_steps(run_dir)) in (1, 2)  # the steps before the failure were saved

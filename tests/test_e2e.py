@@ -19,10 +19,10 @@ ROOT = __file__.rsplit("/tests/", 1)[0]
 @pytest.mark.slow
 def test_tiny_run_through_main(tmp_path, capsys):
   # An entropy bonus: a 3-step SFT policy earns no reward yet, and RL must still move it.
-  proc = subprocess.run(
-      [sys.executable, "-m", "cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
-       "--config.run_name=smoke", "--config.rl.loss.entropy_coef=0.01"], cwd=ROOT,
-      capture_output=True, text=True, timeout=600)
+  proc = subprocess.run([
+      sys.executable, "-m", "cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
+      "--config.run_name=smoke", "--config.rl.loss.entropy_coef=0.01"
+  ], cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   run_dir = tmp_path / "smoke"
   rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -69,14 +69,19 @@ def test_tiny_run_through_main(tmp_path, capsys):
   assert got["reward_mean"] == pytest.approx(np.mean([s["score"] for s in samples]))
 
   # A second run with the same name refuses to touch the existing checkpoints.
-  before = {os.path.join(dp, p): os.path.getmtime(os.path.join(dp, p)) for dp, _, fs in os.walk(run_dir / "checkpoints")
-            for p in fs}
-  again = subprocess.run(
-      [sys.executable, "-m", "cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
-       "--config.run_name=smoke"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  before = {
+      os.path.join(dp, p): os.path.getmtime(os.path.join(dp, p))
+      for dp, _, fs in os.walk(run_dir / "checkpoints") for p in fs
+  }
+  again = subprocess.run([
+      sys.executable, "-m", "cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
+      "--config.run_name=smoke"
+  ], cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert again.returncode == 2 and "already holds checkpoints" in again.stderr
-  after = {os.path.join(dp, p): os.path.getmtime(os.path.join(dp, p)) for dp, _, fs in os.walk(run_dir / "checkpoints")
-           for p in fs}
+  after = {
+      os.path.join(dp, p): os.path.getmtime(os.path.join(dp, p))
+      for dp, _, fs in os.walk(run_dir / "checkpoints") for p in fs
+  }
   assert after == before and len(before) > 0
 
 

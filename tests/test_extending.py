@@ -24,7 +24,7 @@ from jaxrl.models.transformer import LanguageModel
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
 from train.loop.experience import Experience
-from train.rollout.multiturn import converse
+from train.rollout.multiturn import MultiTurn
 from train.rollout.worker import RolloutWorker
 from train.updates.policy import policy_loss
 
@@ -95,9 +95,10 @@ def test_a_tool_environment_is_one_registry_entry(monkeypatch):
                                              pad_id=tok.pad_id, method="temperature"))
   prompts = [tok.encode("echo ab"), tok.encode("echo c")]
   factory = envs.environment_factory("echo")
-  talks = converse(sampler, params, prompts, [Example("x", "1")] * 2,
-                   [factory(tok, None) for _ in prompts], jax.random.key(0), max_new_tokens=12,
-                   max_turns=2, max_turn_tokens=4, keep_cache=False)
+  with MultiTurn() as multiturn:
+    talks = multiturn.converse(sampler, params, prompts, [Example("x", "1")] * 2,
+                               [factory(tok, None) for _ in prompts], jax.random.key(0),
+                               max_new_tokens=12, max_turns=2, max_turn_tokens=4, keep_cache=False)
   for talk in talks:  # turn, reply, turn (the last reply ends the conversation: not appended)
     assert talk.policy == [True] * 4 + [False] * 3 + [True] * 4
     assert talk.ids[4:7] == talk.ids[3::-1][:3]  # the first turn's ids, reversed

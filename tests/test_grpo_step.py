@@ -35,7 +35,8 @@ def test_policy_loss_matches_numpy(tiny_cfg):
   adv = np.asarray(advantages(jnp.asarray(rewards), jnp.asarray(completion_mask), cfg=cfg)[0])
   np.testing.assert_allclose(adv[:, 0], [0.7071, -0.7071, 0, 0], atol=1e-3)
   assert (adv[1, 2:] == 0).all()  # padding carries no advantage
-  exp = Experience(tokens_BT=tokens, valid_BT=valid, completion_mask_BN=jnp.asarray(completion_mask),
+  exp = Experience(tokens_BT=tokens, valid_BT=valid,
+                   completion_mask_BN=jnp.asarray(completion_mask),
                    old_logprobs_BN=jnp.asarray(old, jnp.float32),
                    ref_logprobs_BN=jnp.asarray(ref, jnp.float32), advantages_BN=jnp.asarray(adv),
                    sampler_logprobs_BN=jnp.asarray(old, jnp.float32))

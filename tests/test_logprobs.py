@@ -97,10 +97,14 @@ def _experience(graphdef, params, *, with_old: bool, p=3, n=5, b=4):
 @pytest.mark.parametrize("policy_loss,tis_cap", [("ppo_clip", 0.0), ("ppo_clip", 2.0),
                                                  ("aipo", 0.0)])
 def test_on_policy_update_needs_no_old_logprob_pass(tiny_cfg, policy_loss, tis_cap):
-  cfg = RLConfig(batching=BatchingConfig(num_minibatches=1), kl=KLConfig(coef=0.05), loss=LossConfig(entropy_coef=0.01, name=policy_loss), correction=CorrectionConfig(tis_cap=tis_cap))
+  cfg = RLConfig(batching=BatchingConfig(num_minibatches=1), kl=KLConfig(coef=0.05),
+                 loss=LossConfig(entropy_coef=0.01,
+                                 name=policy_loss), correction=CorrectionConfig(tis_cap=tis_cap))
   assert not cfg.needs_old_logprobs
   assert RLConfig(batching=BatchingConfig(num_minibatches=2)).needs_old_logprobs
-  assert RLConfig(batching=BatchingConfig(num_minibatches=1), advantage=AdvantageConfig(name="reinforce_pp"), kl=KLConfig(mode="reward")).needs_old_logprobs
+  assert RLConfig(batching=BatchingConfig(num_minibatches=1),
+                  advantage=AdvantageConfig(name="reinforce_pp"),
+                  kl=KLConfig(mode="reward")).needs_old_logprobs
   graphdef, params = nnx.split(LanguageModel(tiny_cfg, rngs=nnx.Rngs(4)))
   optimizer = optax.sgd(1.0)  # Adam would blow rounding-level gradient differences up to lr
   results = []

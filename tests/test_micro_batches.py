@@ -67,7 +67,10 @@ def test_micro_batches_give_the_minibatch_update(tiny_cfg, aggregation):
   exp = _experience(graphdef, params)
   results = {}
   for micro in (0, 2, 4):
-    cfg = RLConfig(prompts_per_step=4, group_size=2, batching=BatchingConfig(num_minibatches=1, micro_batch_size=micro), kl=KLConfig(coef=0.05), loss=LossConfig(entropy_coef=0.01, aggregation=aggregation))
+    cfg = RLConfig(prompts_per_step=4, group_size=2,
+                   batching=BatchingConfig(num_minibatches=1, micro_batch_size=micro),
+                   kl=KLConfig(coef=0.05), loss=LossConfig(entropy_coef=0.01,
+                                                           aggregation=aggregation))
     update = lambda s, e, optimizer: policy_update(s, e, graphdef=graphdef,
                                                      optimizer=optimizer, cfg=cfg)
     results[micro] = _updated(update, params, exp)
@@ -97,7 +100,9 @@ def test_critic_micro_batches_give_the_minibatch_update(tiny_cfg):
   exp = _experience(lm_graphdef, lm_params)
   results = []
   for micro in (0, 2):
-    cfg = RLConfig(prompts_per_step=4, group_size=2, batching=BatchingConfig(num_minibatches=2, micro_batch_size=micro), critic=CriticConfig(clip_eps=0.5))
+    cfg = RLConfig(prompts_per_step=4, group_size=2,
+                   batching=BatchingConfig(num_minibatches=2, micro_batch_size=micro),
+                   critic=CriticConfig(clip_eps=0.5))
     update = lambda s, e, optimizer: critic_update(s, e, graphdef=graphdef,
                                                          optimizer=optimizer, cfg=cfg)
     results.append(_updated(update, params, exp))
@@ -107,5 +112,6 @@ def test_critic_micro_batches_give_the_minibatch_update(tiny_cfg):
 
 
 def test_micro_batch_size_must_divide_the_minibatch():
-  with pytest.raises(ConfigError, match=r"config\.rl\.batching\.micro_batch_size: must divide .* 256 rows"):
+  with pytest.raises(ConfigError,
+                     match=r"config\.rl\.batching\.micro_batch_size: must divide .* 256 rows"):
     from_mapping(ExperimentConfig, {"rl": {"batching": {"micro_batch_size": 96}}})

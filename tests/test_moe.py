@@ -171,7 +171,9 @@ def test_replay_with_multi_turn_rollouts_is_refused():
   model = ModelConfig(**dict(CFG.__dict__, routing_replay="rollout"))
   with pytest.raises(ValueError, match="model.routing_replay: multi-turn"):
     ExperimentConfig(model=model, rl=RLConfig(environment=EnvironmentConfig(name="calculator")))
-  ExperimentConfig(model=model, rl=RLConfig(rollout=RolloutConfig(inflight_slots=8)))  # the in-flight engine records
+  ExperimentConfig(
+      model=model,
+      rl=RLConfig(rollout=RolloutConfig(inflight_slots=8)))  # the in-flight engine records
 
 
 def test_lora_on_the_attention_of_an_moe():

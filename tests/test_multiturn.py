@@ -136,7 +136,8 @@ def test_trained_ids_are_the_sampled_and_appended_ids(tmp_path, slots, keep):
   for r, talk in enumerate(talks):
     n = len(talk.ids)
     assert rollout.tokens_BT[r, p:p + n].tolist() == talk.ids
-    assert rollout.loss_mask_BN[r, :n].tolist() == talk.policy and not rollout.loss_mask_BN[r, n:].any()
+    assert rollout.loss_mask_BN[
+        r, :n].tolist() == talk.policy and not rollout.loss_mask_BN[r, n:].any()
     assert rollout.rewards_B[r] == talk.reward == len(Recorder.log[r]) // 2
 
 

@@ -51,7 +51,9 @@ def _batches(b=4, p=5, n=7):
 def _updated(remat: str, name: str):
   """(new parameters, metrics, old parameters) of one RL or SFT update of TINY with `remat`."""
   exp, sft = _batches()
-  rl = RLConfig(prompts_per_step=2, group_size=2, batching=BatchingConfig(num_minibatches=1), rollout=RolloutConfig(max_new_tokens=7), kl=KLConfig(coef=0.05), loss=LossConfig(entropy_coef=0.01))
+  rl = RLConfig(prompts_per_step=2, group_size=2, batching=BatchingConfig(num_minibatches=1),
+                rollout=RolloutConfig(max_new_tokens=7), kl=KLConfig(coef=0.05),
+                loss=LossConfig(entropy_coef=0.01))
   update = functools.partial(policy_update, cfg=rl) if name == "rl" else sft_update
   learner = _learner(dataclasses.replace(TINY, remat=remat), update)
   before = jax.tree.map(np.asarray, learner.role.params)  # the update donates them
@@ -82,7 +84,8 @@ def _temp_bytes(remat: str) -> int:
   (16 rows of 128 tokens, 1M parameters), compiled as the Learner runs it."""
   cfg = ModelConfig(vocab_size=264, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
                     head_dim=32, d_ff=512, remat=remat)
-  rl = RLConfig(prompts_per_step=8, group_size=2, batching=BatchingConfig(num_minibatches=1), rollout=RolloutConfig(max_new_tokens=64))
+  rl = RLConfig(prompts_per_step=8, group_size=2, batching=BatchingConfig(num_minibatches=1),
+                rollout=RolloutConfig(max_new_tokens=64))
   mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), MESH_AXES)
   role = ModelRole("actor", lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)), mesh)
   learner = Learner(role, functools.partial(policy_update, cfg=rl), make_optimizer(1e-5),

@@ -128,10 +128,11 @@ def test_truncated_latest_checkpoint_falls_back_to_the_one_before(tmp_path, refe
 # of up to 24 tokens decoding in 16 in-flight slots; checkpoints every 2 steps, evaluations every
 # 3. An entropy bonus makes every update depend on the sampled tokens (the verifier scores
 # nothing this early), 4 minibatches keep the trainer behind the generator.
-AHEAD = ("--config.rl.schedule.mode=async", "--config.rl.schedule.max_staleness=2", "--config.rl.steps=10",
-         "--config.rl.schedule.name=fixed", "--config.rl.schedule.partial_rollouts=True",
-         "--config.rl.rollout.inflight_slots=16", "--config.rl.rollout.max_new_tokens=24",
-         "--config.checkpoint_every=2", "--config.eval.every=3", "--config.rl.loss.entropy_coef=0.01",
+AHEAD = ("--config.rl.schedule.mode=async", "--config.rl.schedule.max_staleness=2",
+         "--config.rl.steps=10", "--config.rl.schedule.name=fixed",
+         "--config.rl.schedule.partial_rollouts=True", "--config.rl.rollout.inflight_slots=16",
+         "--config.rl.rollout.max_new_tokens=24", "--config.checkpoint_every=2",
+         "--config.eval.every=3", "--config.rl.loss.entropy_coef=0.01",
          "--config.rl.batching.num_minibatches=4")
 
 
@@ -215,9 +216,8 @@ def test_killed_in_rl_async_ahead_resumes_exactly(tmp_path, ahead_reference):
 # up to 6 tokens each answered with 4 ids, a batch's 16 conversations as requests in 8 in-flight
 # slots (so that the generator is seldom far ahead of the trainer).
 TALKS = (*AHEAD, "--config.sft.steps=0", "--config.rl.steps=8", "--config.eval.every=4",
-         "--config.rl.rollout.inflight_slots=8",
-         "--config.rl.environment.name=synthetic_short", "--config.rl.environment.max_turn_tokens=6",
-         "--config.rl.environment.max_turns=3")
+         "--config.rl.rollout.inflight_slots=8", "--config.rl.environment.name=synthetic_short",
+         "--config.rl.environment.max_turn_tokens=6", "--config.rl.environment.max_turns=3")
 
 
 @pytest.mark.slow

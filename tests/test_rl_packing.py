@@ -78,7 +78,11 @@ CASES = [(loss, list(AGGREGATIONS)[i % 4], ("none", "sequence", "geometric")[i %
 @pytest.mark.parametrize("loss,aggregation,rollout_mask", CASES)
 def test_packed_loss_and_gradients_equal_the_unpacked(batch, loss, aggregation, rollout_mask):
   graphdef, params, exp, prompt_lens, lengths = batch
-  cfg = RLConfig(loss=LossConfig(name=loss, aggregation=aggregation, entropy_coef=0.01), correction=CorrectionConfig(mask=rollout_mask, tis_cap=2.0 if rollout_mask == "none" else 0.0), kl=KLConfig(coef=0.1), rollout=RolloutConfig(max_new_tokens=N))
+  cfg = RLConfig(
+      loss=LossConfig(name=loss, aggregation=aggregation, entropy_coef=0.01),
+      correction=CorrectionConfig(mask=rollout_mask,
+                                  tis_cap=2.0 if rollout_mask == "none" else 0.0),
+      kl=KLConfig(coef=0.1), rollout=RolloutConfig(max_new_tokens=N))
   weights = aggregation_weights(aggregation, exp.policy_mask_BN, horizon=N)
   tokens = aggregation_weights("token_mean", exp.policy_mask_BN)
   fn = jax.jit(jax.value_and_grad(
@@ -96,9 +100,12 @@ def test_packed_loss_and_gradients_equal_the_unpacked(batch, loss, aggregation, 
 
 def test_an_update_over_minibatches_and_micro_batches_moves_the_weights_alike(batch):
   graphdef, params, exp, prompt_lens, lengths = batch
-  cfg = RLConfig(prompts_per_step=2, group_size=4, batching=BatchingConfig(num_minibatches=2, micro_batch_size=2), kl=KLConfig(coef=0.1), rollout=RolloutConfig(max_new_tokens=N))
+  cfg = RLConfig(prompts_per_step=2, group_size=4,
+                 batching=BatchingConfig(num_minibatches=2, micro_batch_size=2),
+                 kl=KLConfig(coef=0.1), rollout=RolloutConfig(max_new_tokens=N))
   optimizer = optax.sgd(1.0)
-  update = jax.jit(lambda s, e: policy_update(s, e, graphdef=graphdef, optimizer=optimizer, cfg=cfg))
+  update = jax.jit(
+      lambda s, e: policy_update(s, e, graphdef=graphdef, optimizer=optimizer, cfg=cfg))
   new = lambda: TrainState(step=jnp.zeros((), jnp.int32), params=params,
                            opt_state=optimizer.init(params))
   want, want_m = update(new(), exp)

@@ -35,7 +35,9 @@ def _weights(exp, cfg):
 def _pair_batch():
   tok = ByteTokenizer()
   lengths = pair_lengths(PAIRS, Encoding(tok))
-  return {k: jnp.asarray(v) for k, v in pair_batch(PAIRS, Encoding(tok), *lengths).items()}, lengths[0]
+  return {
+      k: jnp.asarray(v) for k, v in pair_batch(PAIRS, Encoding(tok), *lengths).items()
+  }, lengths[0]
 
 
 def _state(model, lr=3e-3):
@@ -111,7 +113,8 @@ def test_whitened_advantages_and_raw_returns():
   mask[2, 2:] = 0
   values = jnp.asarray(rng.normal(size=(6, 4)) * mask, jnp.float32)
   kl = jnp.asarray(np.abs(rng.normal(size=(6, 4))) * mask, jnp.float32)
-  cfg = RLConfig(advantage=AdvantageConfig(name="gae", whiten=True, lam=0.9), kl=KLConfig(mode="reward", coef=0.1))
+  cfg = RLConfig(advantage=AdvantageConfig(name="gae", whiten=True, lam=0.9),
+                 kl=KLConfig(mode="reward", coef=0.1))
   adv, raw = advantages(rewards, jnp.asarray(mask), kl, values, cfg=cfg)
   sel = mask > 0
   assert abs(float(np.asarray(adv)[sel].mean())) < 1e-5
@@ -121,8 +124,9 @@ def test_whitened_advantages_and_raw_returns():
   np.testing.assert_allclose(raw, gae(rewards, jnp.asarray(mask), values_BN=values, kl_BN=kl,
                                       kl_coef=0.1, lam=0.9), rtol=1e-6)
   # kl_mode="loss": the KL stays out of the rewards.
-  _, raw_loss = advantages(rewards, jnp.asarray(mask), kl, values,
-                                 cfg=RLConfig(advantage=AdvantageConfig(name="gae", lam=0.9), kl=KLConfig(coef=0.1)))
+  _, raw_loss = advantages(
+      rewards, jnp.asarray(mask), kl, values,
+      cfg=RLConfig(advantage=AdvantageConfig(name="gae", lam=0.9), kl=KLConfig(coef=0.1)))
   np.testing.assert_allclose(raw_loss, gae(rewards, jnp.asarray(mask), values_BN=values, lam=0.9),
                              rtol=1e-6)
 
@@ -156,7 +160,8 @@ def test_policy_loss_truncated_is_and_entropy(tiny_cfg):
   m = np.asarray(exp.completion_mask_BN, np.float64)
   adv = np.asarray(exp.advantages_BN)
   old, mu = np.asarray(exp.old_logprobs_BN), np.asarray(exp.sampler_logprobs_BN)
-  cfg = RLConfig(correction=CorrectionConfig(tis_cap=1.2), kl=KLConfig(coef=0.0), loss=LossConfig(entropy_coef=0.01))
+  cfg = RLConfig(correction=CorrectionConfig(tis_cap=1.2), kl=KLConfig(coef=0.0),
+                 loss=LossConfig(entropy_coef=0.01))
   loss, metrics = policy_loss(params, (exp, *_weights(exp, cfg)), graphdef=graphdef, cfg=cfg)
   ratio = np.exp(logp - old)
   pg = -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv) * np.minimum(np.exp(old - mu), 1.2)
@@ -178,7 +183,8 @@ def test_role_copies_survive_donation_of_the_source(tiny_cfg):
   critic.load(reference.params, subtree="decoder")
   np.testing.assert_array_equal(np.asarray(critic.params["decoder"]["embed"][...]),
                                 np.asarray(reference.params["decoder"]["embed"][...]))
-  assert critic.params["decoder"]["embed"][...].sharding == reference.params["decoder"]["embed"][...].sharding
+  assert critic.params["decoder"]["embed"][...].sharding == reference.params["decoder"]["embed"][
+      ...].sharding
 
 
 def test_minibatches_take_strided_rows_without_moving_data():

@@ -139,7 +139,8 @@ def test_error_messages_for_json_and_limits(tmp_path):
   with pytest.raises(DataError, match=r"u.jsonl:2: prompt longer than data.max_prompt_tokens "
                                       r"\(51 > 40\)$"):
     load_examples(path, BYTES, opts)
-  with pytest.raises(DataError, match=r"u.jsonl: no usable rows \(2 skipped: field 'nope': missing\)"):
+  with pytest.raises(DataError,
+                     match=r"u.jsonl: no usable rows \(2 skipped: field 'nope': missing\)"):
     load_examples(path, BYTES, DataOptions(prompt_field="nope"))
   with pytest.raises(DataError, match=r"missing.jsonl: no such file"):
     load_examples(str(tmp_path / "missing.jsonl"), BYTES)
@@ -195,7 +196,7 @@ def test_preference_pairs(tmp_path, hf_tok):
   pairs, counts = load_pairs(_jsonl(tmp_path / "c.jsonl", conversational), hf_tok,
                              DataOptions(chat=True))
   assert counts == {} and pairs == [Pair(hf_tok.chat([user]), "Hello", "Go away")] * 3
-  with pytest.raises(DataError, match=r"c.jsonl:1: response longer than rl.max_new_"
-                                      r"tokens \(8 > 5\)$"):
+  with pytest.raises(DataError, match=r"c.jsonl:1: response longer than rl.rollout."
+                                      r"max_new_tokens \(8 > 5\)$"):
     load_pairs(str(tmp_path / "c.jsonl"), hf_tok,
                DataOptions(chat=True, max_completion_tokens=5, on_bad_row="error"))

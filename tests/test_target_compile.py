@@ -82,7 +82,8 @@ def _table_from(summary: dict) -> None:
   row = target_table.table_row(target_table.Row("tiny", "configs/tiny.py", "v5e-4"),
                                {"summary": summary, "wall_seconds": 30.0})
   cells = [c.strip() for c in row.strip("|").split("|")]
-  assert cells[:3] == ["tiny", "v5e-4", "colocate: trainer fsdp 4, sampler data 2 x tensor 2"], cells
+  assert cells[:3] == ["tiny", "v5e-4",
+                       "colocate: trainer fsdp 4, sampler data 2 x tensor 2"], cells
   assert cells[3].endswith("(actor update) of 14.9: fits") and len(cells) == 11, cells
   deeper = json.loads(json.dumps(summary))
   for phase in deeper["phases"].values():

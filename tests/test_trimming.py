@@ -59,7 +59,9 @@ def test_trimmed_batch_same_loss_and_gradients(aggregation):
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
   tokens, valid, skip, n = _rows()
   n_max = 7
-  rl = RLConfig(loss=LossConfig(aggregation=aggregation, entropy_coef=0.01), rollout=RolloutConfig(max_new_tokens=n_max), kl=KLConfig(coef=0.1), correction=CorrectionConfig(tis_cap=2.0))
+  rl = RLConfig(loss=LossConfig(aggregation=aggregation,
+                                entropy_coef=0.01), rollout=RolloutConfig(max_new_tokens=n_max),
+                kl=KLConfig(coef=0.1), correction=CorrectionConfig(tis_cap=2.0))
   full = _experience(graphdef, params, tokens, valid, n_max)
   end = tokens.shape[1] - (n_max - n)
   short_tokens, short_valid = tokens[:, skip:end], valid[:, skip:end]

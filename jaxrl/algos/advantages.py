@@ -4,8 +4,8 @@
 
 each reading the keyword-only parameters it declares (jaxrl/algos/registry.py) from what the
 caller has: the inputs `group_size`, `kl_BN`, `kl_coef`, `values_BN` and the hyperparameters of
-the config's `rl.advantage.name` section (`gamma`, `lam`), by those names. An entry (`Advantage`) also
-says whether its estimator needs a critic (one is then trained) and whether it takes the KL in
+the config's `rl.advantage` section (`gamma`, `lam`), by those names. An entry (`Advantage`)
+also says whether its estimator needs a critic (one is then trained) and whether it takes the KL in
 its rewards (`rl.kl.mode` must then be "reward").
 
 Rows are group-major (rows [g*n, (g+1)*n) share a prompt); `rewards_B` is the sequence reward,

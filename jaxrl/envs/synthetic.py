@@ -1,11 +1,11 @@
 """`synthetic`: a workload for measuring multi-turn speed (benchmarks/multiturn.py), not a task.
-Every model turn is answered with the same `REPLY_TOKENS` token ids, and the conversation ends
-after `TURNS` turns; with `rl.rollout.ignore_eos` and `rl.environment.max_turn_tokens` every turn has the same
-length, so each rollout has a known shape: the agentic pattern of long tool outputs between
-short model turns. `synthetic_longtail` ends a conversation after each turn with probability
-1/4 (at most `TURNS` turns): conversations of 1 to 8 turns, the long tail that holds a whole
-batch back. `synthetic_short` is a small one for CPU tests. Its reward (the last step's) is a stand-in that varies between rollouts
-(a function of the turn's ids), so the update has advantages to train on."""
+Every model turn is answered with the same `REPLY_TOKENS` token ids, and the conversation ends after
+`TURNS` turns; with `rl.rollout.ignore_eos` and `rl.environment.max_turn_tokens` every turn has the
+same length, so each rollout has a known shape: the agentic pattern of long tool outputs between
+short model turns. `synthetic_longtail` ends a conversation after each turn with probability 1/4 (at
+most `TURNS` turns): conversations of 1 to 8 turns, the long tail that holds a whole batch back.
+`synthetic_short` is a small one for CPU tests. Its reward (the last step's) is a stand-in that
+varies between rollouts (a function of the turn's ids), so the update has advantages to train on."""
 from __future__ import annotations
 
 from collections.abc import Callable

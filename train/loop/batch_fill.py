@@ -54,7 +54,8 @@ def fill_batch(batch: RolloutBatch, *, cfg: RLConfig, judge: Judge,
            for j in np.flatnonzero(p[2] == keep)][:want]
   first = np.cumsum([0] + [len(p[0].prompts["examples"]) for p in parts])
   rows = np.concatenate([(first[i] + j) * g + np.arange(g) for i, j in order])
-  with transfers.allowed("kept rows", rows):  # the row indices go up; the rollouts stay where they are
+  # The row indices go up; the rollouts stay where they are.
+  with transfers.allowed("kept rows", rows):
     rollout = combine_rollouts(tuple(p[0].rollout for p in parts), rows,
                                parts[0][0].rollout.lengths_B.sharding)
   examples = np.array([parts[i][0].prompts["examples"][j] for i, j in order], dtype=object)

@@ -8,8 +8,8 @@ update over the minibatches, and the push of the new weights to the sampler (and
 Off-policy samples are corrected in the update (train/updates/policy.py): the policy loss
 (`rl.loss.name`, jaxrl/algos/losses.py: PPO's clip around pi_old, AIPO's min(pi / mu, rho),
 GSPO, CISPO, decoupled PPO) times the rollout correction of jaxrl/algos/correction.py (a
-truncated importance weight min(pi_old / mu, `rl.correction.tis_cap`), a token, sequence, geometric or
-IcePop mask, `rl.correction.mask`; a loss that weights by pi_old / mu itself is only capped
+truncated importance weight min(pi_old / mu, `rl.correction.tis_cap`), a token, sequence, geometric
+or IcePop mask, `rl.correction.mask`; a loss that weights by pi_old / mu itself is only capped
 and masked). The host sees only the completions' token ids (for the verifier), the rewards it
 returns, and the step's metrics; every sample's policy version and its lag are logged.
 """
@@ -50,8 +50,9 @@ class Controller:
                              prompt_len=task.prompt_len, timeline=timeline,
                              run=self.executors.generator, next_index=next_index)
     if cfg.rl.batching.pack_length and cfg.rl.batching.pack_length < task.prompt_len + cfg.rl.rollout.max_new_tokens:
-      raise ConfigError(f"config.rl.batching.pack_length: at least a row's {task.prompt_len} prompt + "
-                        f"{cfg.rl.rollout.max_new_tokens} new tokens, got {cfg.rl.batching.pack_length}")
+      raise ConfigError(
+          f"config.rl.batching.pack_length: at least a row's {task.prompt_len} prompt + "
+          f"{cfg.rl.rollout.max_new_tokens} new tokens, got {cfg.rl.batching.pack_length}")
     self.scoring = Scoring(cfg.rl, cluster, actor, critic, judge, self.executors,
                            transfers=transfers)
     items = offload_items(cfg.placement.offload)

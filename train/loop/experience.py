@@ -36,7 +36,8 @@ class Experience:
   loss_mask_BN: jax.Array | None = None
   # A mixture of experts: each token's experts in the sampler (replayed or compared).
   routes_BTLK: jax.Array | None = None
-  # `rl.batching.pack_length`: the forward passes' packed rows, per piece (train/updates/packing.py).
+  # `rl.batching.pack_length`: the forward passes' packed rows, per piece
+  # (train/updates/packing.py).
   pack: Pack | None = None
 
   @property
@@ -130,7 +131,8 @@ def trim_rollout(rollout, n: int):
   p = rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]
   loss_mask = None if rollout.loss_mask_BN is None else rollout.loss_mask_BN[:, :n]
   routes = None if rollout.routes_BTLK is None else rollout.routes_BTLK[:, :p + n]
-  return rollout.replace(tokens_BT=rollout.tokens_BT[:, :p + n], valid_BT=rollout.valid_BT[:, :p + n],
+  return rollout.replace(tokens_BT=rollout.tokens_BT[:, :p + n],
+                         valid_BT=rollout.valid_BT[:, :p + n],
                          completion_mask_BN=rollout.completion_mask_BN[:, :n],
                          logprobs_BN=rollout.logprobs_BN[:, :n], loss_mask_BN=loss_mask,
                          routes_BTLK=routes)

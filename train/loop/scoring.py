@@ -108,9 +108,9 @@ class Scoring:
     return rollout if n == budget else trim_rollout(rollout, n)
 
   def pack(self, rollout, lengths_B: np.ndarray, valid_B: np.ndarray):
-    """`rl.batching.pack_length`: the plan of the trimmed rollout's packed rows (train/updates/packing.py,
-    from its rows' completion lengths and valid tokens, fetched), and the share of its slots that
-    are padding."""
+    """`rl.batching.pack_length`: the plan of the trimmed rollout's packed rows
+    (train/updates/packing.py, from its rows' completion lengths and valid tokens, fetched), and
+    the share of its slots that are padding."""
     p = rollout.tokens_BT.shape[1] - rollout.completion_mask_BN.shape[1]
     shards = batch_ways(self.actor.role.mesh, self.actor.role.rules)
     rows = self.cfg.pass_rows

@@ -57,9 +57,10 @@ class RoleCluster:
     check_batch_sizes(cfg, self)
     hosts = host_count(self.devices)
     if cfg.rl.schedule.mode == "async" and hosts > 1:
-      raise ConfigError(f"config.rl.schedule.mode: async runs its generator on a thread of its own, "
-                        f"which on {hosts} processes could launch programs in a "
-                        f"different order on each; use mode='sync'")
+      raise ConfigError(
+          f"config.rl.schedule.mode: async runs its generator on a thread of its own, "
+          f"which on {hosts} processes could launch programs in a "
+          f"different order on each; use mode='sync'")
     self.roles: dict[str, ModelRole] = {"actor": self.actor}
     self.shared: set[str] = set()  # roles whose parameters are the actor's own arrays
     if initialize:
@@ -209,7 +210,8 @@ def check_batch_sizes(cfg: ExperimentConfig, cluster: RoleCluster) -> None:
   if rl.rollouts % (rl.batching.num_minibatches * train):
     raise ConfigError(
         f"config.rl.batching.num_minibatches: prompts_per_step*group_size={rl.rollouts} must split into "
-        f"{rl.batching.num_minibatches} minibatches divisible by the trainer's {train}-way batch split")
+        f"{rl.batching.num_minibatches} minibatches divisible by the trainer's {train}-way "
+        "batch split")
   checks = [("config.sft.batch_size", cfg.sft.batch_size, train),
             ("config.rl.batching.micro_batch_size", rl.batching.micro_batch_size, train),
             ("config.rl.prompts_per_step", rl.prompts_per_step, sampler),

@@ -3,10 +3,10 @@
 `sample` draws `group_size` completions per prompt at the RL temperature, `greedy` decodes for
 evaluation and `draw` samples for pass@k; each is the RL's `Sampler` (sampler/sampler.py) or one of
 its variants, compiled once for the sampler layout's shardings, and its rollouts stay on the
-sampler's devices. With `rl.rollout.inflight_slots > 0` they decode through in-flight batching (row slots
-refilled as rows finish), which returns the same rollouts; with `rl.environment.name` every rollout is
-a multi-turn conversation (train/rollout/multiturn.py). Prompt batch i of a run is drawn with
-`rollout_key(seed, i)`, in turn or ahead of the trainer (train/rollout/source.py).
+sampler's devices. With `rl.rollout.inflight_slots > 0` they decode through in-flight batching (row
+slots refilled as rows finish), which returns the same rollouts; with `rl.environment.name` every
+rollout is a multi-turn conversation (train/rollout/multiturn.py). Prompt batch i of a run is drawn
+with `rollout_key(seed, i)`, in turn or ahead of the trainer (train/rollout/source.py).
 """
 from __future__ import annotations
 
@@ -55,18 +55,20 @@ class Generator:
                transfers: HostTransfers | None = None):
     """`tok`: the run's tokenizer (its EOS, PAD and further stop tokens such as `<|eot_id|>`).
     `environment`: a new environment per row makes every rollout a multi-turn conversation
-    (train/rollout/multiturn.py) of up to `rl.environment.max_turns` turns, driven by `multiturn`, which
-    `close` stops. `transfers`: the run's named host transfers (prompts up, ...)."""
+    (train/rollout/multiturn.py) of up to `rl.environment.max_turns` turns, driven by `multiturn`,
+    which `close` stops. `transfers`: the run's named host transfers (prompts up, ...)."""
     self.transfers = HostTransfers() if transfers is None else transfers
     stops = tuple((i,) for i in tok.stop_ids if i != tok.eos_id)
     sampling = rl_sampling(rl.rollout, max_new_tokens, tok.eos_id, tok.pad_id, stops)
     weights, mesh = cluster.sampler_weights, cluster.meshes["sampler"]
     if rl.rollout.inflight_slots and cluster.cfg.model.sliding_window:  # (its slots are a ring)
-      raise ConfigError(f"config.rl.rollout.inflight_slots: in-flight batching does not apply a sliding "
-                        f"window (model.sliding_window={cluster.cfg.model.sliding_window}); set 0")
+      raise ConfigError(
+          f"config.rl.rollout.inflight_slots: in-flight batching does not apply a sliding "
+          f"window (model.sliding_window={cluster.cfg.model.sliding_window}); set 0")
     try:
       self.sampler = Sampler(weights.graphdef, sampling, n=rl.group_size, mesh=mesh,
-                             param_shardings=weights.shardings, inflight_slots=rl.rollout.inflight_slots)
+                             param_shardings=weights.shardings,
+                             inflight_slots=rl.rollout.inflight_slots)
     except ValueError as e:
       raise ConfigError(f"config.rl.rollout.inflight_slots: {e}") from None
     self.greedy_sampler = self.sampler.variant(n=1, method="greedy", stop_sequences=stops,
@@ -75,10 +77,11 @@ class Generator:
     self.environment, self.pad_id = environment, tok.pad_id
     # A kept cache continues in in-flight slots, whose ring a sliding window does not fit
     keep = rl.environment.keep_turn_cache and not cluster.cfg.model.sliding_window
-    self.turns = dict(max_turns=rl.environment.max_turns, max_turn_tokens=rl.environment.max_turn_tokens,
-                      keep_cache=keep)
+    self.turns = dict(max_turns=rl.environment.max_turns,
+                      max_turn_tokens=rl.environment.max_turn_tokens, keep_cache=keep)
     if environment is not None and jax.process_count() > 1:
-      raise ConfigError("config.rl.environment.name: multi-turn rollouts run in one process for now")
+      raise ConfigError(
+          "config.rl.environment.name: multi-turn rollouts run in one process for now")
     # A turn also ends at the environment's stop strings
     self._turn_stops = () if environment is None else tuple(
         tuple(tok.encode(s)) for s in environment().stop_strings)

@@ -1,10 +1,10 @@
 """Where the RL loop's rollout batches come from, and where its new weights go.
 
-Sync (`rl.schedule.mode=sync`): batch i is generated when the loop asks for it, from the sampler's fresh
-copy of the actor, on the generator's executor. Async: a worker thread generates ahead of the
+Sync (`rl.schedule.mode=sync`): batch i is generated when the loop asks for it, from the sampler's
+fresh copy of the actor, on the generator's executor. Async: a worker thread generates ahead of the
 trainer under the schedule (jaxrl/schedules.py): whole batches (`RolloutWorker`) or, with
-`rl.schedule.partial_rollouts`, a stream of rows in in-flight slots that takes new weights between decode
-segments (`PartialRolloutWorker`); every push of the trainer's weights reaches it. Either way
+`rl.schedule.partial_rollouts`, a stream of rows in in-flight slots that takes new weights between
+decode segments (`PartialRolloutWorker`); every push of the trainer's weights reaches it. Either way
 batch i is drawn with `rollout_key(seed, i)`: async with `max_staleness=0` reproduces sync.
 
 `stream_geometry` is the one place the config's numbers become the partial rollouts' stream

@@ -40,8 +40,8 @@ def learners(rl: RLConfig, actor: ModelRole, critic: ModelRole | None, *,
   optimizer = lambda lr: make_optimizer(lr, warmup_steps=rl.warmup_steps,
                                         total_steps=rl.steps * rl.batching.num_minibatches,
                                         max_grad_norm=rl.max_grad_norm)
-  actor_learner = Learner(actor, functools.partial(policy_update, cfg=rl), optimizer(rl.learning_rate),
-                          initialize=initialize)
+  actor_learner = Learner(actor, functools.partial(policy_update, cfg=rl),
+                          optimizer(rl.learning_rate), initialize=initialize)
   if critic is None:
     return actor_learner, None
   return actor_learner, Learner(critic, functools.partial(critic_update, cfg=rl),

@@ -167,7 +167,8 @@ def _synthetic(cfg: ExperimentConfig, enc: Encoding) -> tuple[list, list]:
 def _from_files(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[list, list, dict]:
   d = cfg.data
   try:
-    opts = dataclasses.replace(DataOptions.of(d), max_completion_tokens=cfg.rl.rollout.max_new_tokens)
+    opts = dataclasses.replace(DataOptions.of(d),
+                               max_completion_tokens=cfg.rl.rollout.max_new_tokens)
     train, skipped = load_examples(d.train_path, tok, opts, sft=cfg.sft.steps > 0)
     if d.heldout_path:
       heldout, held_skipped = load_examples(d.heldout_path, tok, opts)

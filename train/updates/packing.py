@@ -1,5 +1,5 @@
-"""Packed RL batches (`rl.batching.pack_length`): the scoring passes and the update run the model over
-rows packed to a token budget instead of the [B, T] batch, where long-tailed lengths leave most
+"""Packed RL batches (`rl.batching.pack_length`): the scoring passes and the update run the model
+over rows packed to a token budget instead of the [B, T] batch, where long-tailed lengths leave most
 slots of a bucket padding.
 
 Only the forward pass is packed. Each piece of the batch (the rows one micro-batch of the
