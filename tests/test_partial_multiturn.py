@@ -114,13 +114,13 @@ def test_a_streamed_batch_is_the_whole_batch_conversation_with_the_same_weights(
   assert (batch.versions_BN(BUDGET) == 0).all()
 
 
-def test_both_streams_are_batch_streams_laid_out_as_their_geometry(model):
+def test_both_streams_are_batch_streams_laid_out_as_their_geometry(model, multiturn):
   """Stream (rows) and ConversationStream (conversations) implement the one protocol the
   partial-rollout worker drives; their buffers are their geometry's, and their snapshots
   record it as checkpoints always have (what a resume compares)."""
   sampler, params = model
   rows = sampler.stream(params, _geometry(2, conversations=False))
-  talks = _stream(sampler, params, 2)
+  talks = _stream(sampler, params, 2, multiturn)
   for stream in (rows, talks):
     assert isinstance(stream, BatchStream)
     for name, member in vars(BatchStream).items():
@@ -139,7 +139,8 @@ def test_both_streams_are_batch_streams_laid_out_as_their_geometry(model):
     sampler.stream(params, _geometry(2))
   with pytest.raises(ValueError, match="does not fit"):  # more slots than the sampler's
     ConversationStream(sampler, params, dataclasses.replace(_geometry(2), slots=8), n=N,
-                       environment=Echo, turns=TURNS, keep_cache=True, finish=_finish)
+                       environment=Echo, turns=TURNS, keep_cache=True, finish=_finish,
+                       multiturn=multiturn)
 
 
 def test_fixed_schedule_is_a_function_of_the_seed_and_resumes_with_conversations_in_flight(
