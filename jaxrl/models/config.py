@@ -70,6 +70,9 @@ class ModelConfig:
   rope_local_theta: float = 10_000.0
   # The queries' scale is query_scale**-0.5 (Gemma's query_pre_attn_scalar); 0: head_dim.
   query_scale: float = 0.0
+  # Soft-capped logits (Gemma 2's final_logit_softcapping): logits -> cap * tanh(logits / cap),
+  # applied by the LM head (jaxrl/models/head.py) for the sampler and the trainer alike; 0: none.
+  logit_softcap: float = 0.0
   # Mixture of experts (Qwen3-MoE; jaxrl/models/moe.py): n_experts > 0 replaces every block's
   # MLP by a router over n_experts SwiGLU experts of width expert_d_ff, experts_per_token of
   # them per token (top-k of the router's softmax, renormalised over the k if norm_topk);
@@ -107,8 +110,8 @@ class ModelConfig:
     if self.head_dim % 2:
       raise ValueError(f"head_dim: RoPE rotates pairs, expected an even number, got "
                        f"{self.head_dim}")
-    for name in ("sliding_window", "global_every", "query_scale", "n_experts", "router_aux_loss",
-                 "router_z_loss"):
+    for name in ("sliding_window", "global_every", "query_scale", "logit_softcap", "n_experts",
+                 "router_aux_loss", "router_z_loss"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)!r}")
     if bool(self.n_experts) != self.block.moe:

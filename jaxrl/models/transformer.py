@@ -302,9 +302,11 @@ class LanguageModel(nnx.Module):
     return self.logits(h_BTD), kv_cache
 
   def logits(self, h_BTD, head_VD: jax.Array | None = None):
-    """The LM head over decoder states (float32 logits); `head_VD`: `self.head_VD()` computed
-    ahead (a decode loop does, once per call)."""
-    return ROWS.logits(h_BTD, self.head_VD() if head_VD is None else head_VD)
+    """The LM head over decoder states (float32 logits, soft-capped by `logit_softcap`:
+    jaxrl/models/head.py); `head_VD`: `self.head_VD()` computed ahead (a decode loop does, once
+    per call)."""
+    head_VD = self.head_VD() if head_VD is None else head_VD
+    return ROWS.logits(h_BTD, head_VD, self.cfg.logit_softcap)
 
   def head_VD(self) -> jax.Array:
     """The LM head's weight, [vocab, d_model]."""
