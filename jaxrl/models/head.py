@@ -1,6 +1,6 @@
 """The LM head, written once: hidden states x the head's weight -> float32 logits, soft-capped.
 
-`logits(h, head_VD, softcap=..., product=...)` is the only place logits are made: the sampler's
+`lm_head(h, head_VD, softcap=..., product=...)` is the only place logits are made: the sampler's
 prefill and decode steps (each activation layout of jaxrl/models/layouts.py passes its own matrix
 product: rows, or [V, D] @ [D, B] feature-major on a CPU), `LanguageModel.logits`, and the
 log-probs below. Every product multiplies in the compute dtype with float32 accumulation; the
@@ -78,14 +78,14 @@ def _chunk_product_bwd(res, dz_BnV):
 chunk_product.defvjp(_chunk_product_fwd, _chunk_product_bwd)
 
 
-def logits(h, head_VD, *, softcap: float, product: Callable = rows_product):
+def lm_head(h, head_VD, *, softcap: float, product: Callable = rows_product):
   """The LM head: float32 logits of hidden states `h` (in the compute dtype) under the head's
   weight [V, D], `product(h, head)` in the caller's layout (default: rows, [..., D] -> [..., V]),
   soft-capped to (-softcap, softcap) where `softcap` > 0."""
-  logits_ = product(h, head_VD).astype(jnp.float32)
+  logits = product(h, head_VD).astype(jnp.float32)
   if softcap:
-    logits_ = softcap * jnp.tanh(logits_ / softcap)
-  return logits_
+    logits = softcap * jnp.tanh(logits / softcap)
+  return logits
 
 
 def chunk_length(batch: int, length: int, vocab: int, budget: int | None = None) -> int:
@@ -97,7 +97,7 @@ def chunk_length(batch: int, length: int, vocab: int, budget: int | None = None)
 
 def _chunk_stats(h_BnD, head_VD, targets_Bn, softcap: float):
   """One chunk's target log-probs and entropies [B, n] from its float32 logits."""
-  logits_BnV = logits(h_BnD, head_VD, softcap=softcap, product=chunk_product)
+  logits_BnV = lm_head(h_BnD, head_VD, softcap=softcap, product=chunk_product)
   lse_Bn = jax.nn.logsumexp(logits_BnV, axis=-1)
   hit_BnV = jnp.arange(logits_BnV.shape[-1]) == targets_Bn[..., None]
   logp_Bn = jnp.where(hit_BnV, logits_BnV, 0.0).sum(-1) - lse_Bn
@@ -135,7 +135,7 @@ def chunked_logprobs(h_BND, head_VD, targets_BN, *, softcap: float, chunk: int |
 def dense_logprobs(h_BND, head_VD, targets_BN, *, softcap: float):
   """The same from the full [B, N, V] logits at once: the reference the tests and
   benchmarks/logprob_memory.py compare `chunked_logprobs` with."""
-  logits_BNV = logits(h_BND, head_VD, softcap=softcap, product=chunk_product)
+  logits_BNV = lm_head(h_BND, head_VD, softcap=softcap, product=chunk_product)
   logp_all_BNV = jax.nn.log_softmax(logits_BNV, axis=-1)
   logp_BN = jnp.take_along_axis(logp_all_BNV, targets_BN[..., None], axis=-1)[..., 0]
   return logp_BN, -(jnp.exp(logp_all_BNV) * logp_all_BNV).sum(-1)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl import platform
-from jaxrl.models import head
+from jaxrl.models.head import features_product, lm_head, rows_product
 from jaxrl.models.attention import attend, attend_one, attention_impl, fused, write_cache
 from jaxrl.models.lora import adapted, adapter
 from jaxrl.models.rope import rope, rope_table, table_part
@@ -115,7 +115,7 @@ class Rows:
 
   def logits(self, h_BTD, head_VD, softcap: float):
     """float32 logits [B, T, V] (the LM head: jaxrl/models/head.py)."""
-    logits_BTV = head.logits(h_BTD, head_VD, softcap=softcap, product=head.rows_product)
+    logits_BTV = lm_head(h_BTD, head_VD, softcap=softcap, product=rows_product)
     return constrain(logits_BTV, ("batch", None, "act_vocab"))
 
   def next_logits(self, h_B1D, head_VD, softcap: float):
@@ -195,7 +195,7 @@ class Features:
     """float32 logits [B, V] (the LM head: jaxrl/models/head.py), multiplied as [V, D] @ [D, B].
     The barrier keeps XLA from folding the transpose into the product, which turns it into one
     XLA:CPU runs several times slower (activations as the left operand, contracted on rows)."""
-    logits_VB = head.logits(h_DB, head_VD, softcap=softcap, product=head.features_product)
+    logits_VB = lm_head(h_DB, head_VD, softcap=softcap, product=features_product)
     return jax.lax.optimization_barrier(constrain(logits_VB, ("act_vocab", "batch"))).T
 
   def next_logits(self, h_DB, head_VD, softcap: float):
