@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxrl import platform
-from jaxrl.algos.logprobs import chunk_length
+from jaxrl.models.head import chunk_length
 from jaxrl.config import ConfigError, ExperimentConfig, offload_items, usable_memory_gb
 from planner import footprint, footprint_tpu
 from sharding.placement import PlacementError

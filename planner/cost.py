@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxrl.algos.logprobs import chunk_length
+from jaxrl.models.head import chunk_length
 from jaxrl.config import ExperimentConfig
 from jaxrl.models import flops
 from jaxrl.models.config import ModelConfig
@@ -94,7 +94,7 @@ class Workload:
     return self.rows // rows
 
   def logit_chunk(self, rows: int) -> int:
-    """Positions per log-prob chunk of a pass over `rows` rows (jaxrl/algos/logprobs.py)."""
+    """Positions per log-prob chunk of a pass over `rows` rows (jaxrl/models/head.py)."""
     return chunk_length(rows, self.new_tokens, self.model.vocab_size)
 
   @property

@@ -6,7 +6,7 @@ dimensions only (any object with ModelConfig's fields), so nothing here imports 
 
 An update's backward runs in phases, and its peak is the largest of them:
   head       every layer's saved activations, the log-prob chunk's logits at their largest
-             (logits, probabilities and their gradient: jaxrl/algos/logprobs.py) and the head's
+             (logits, probabilities and their gradient: jaxrl/models/head.py) and the head's
              gradient
   top layer  the layers below's saved activations and the top layer's working set (with remat,
              recomputed) beside the head's and one layer's gradients
@@ -112,7 +112,7 @@ def update_peak(model, *, rows: float, seq_len: float, logit_chunk: int, param_b
                 tpu: dict | None = None) -> dict[str, float]:
   """What one device holds beyond its resident state at an update's peak, by kind (sum: the
   peak). `rows`: rows of one micro-batch (or minibatch) on this device; `logit_chunk`: positions
-  per log-prob chunk (jaxrl/algos/logprobs.chunk_length); `param_bytes`: this device's shard of
+  per log-prob chunk (jaxrl/models/head.chunk_length); `param_bytes`: this device's shard of
   the trained parameters in float32; `gathered_bytes`: the compute-dtype weights an fsdp
   all-gather assembles on it (0 without fsdp); `accumulate`: micro-batches. `tpu` (params,
   fsdp, lora): the TPU compiler's layout instead (planner/footprint_tpu.py)."""

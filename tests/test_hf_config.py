@@ -6,7 +6,7 @@ import pytest
 
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.hf import HFError, check_config, model_config_from_hf
-from jaxrl.models.hf_config import ARCH_FIELDS, USER_FIELDS
+from jaxrl.models.hf_config import ARCH_FIELDS, USER_FIELDS, hf_config_dict
 
 from hf_models import config_dir, one_line
 
@@ -20,8 +20,8 @@ from hf_models import config_dir, one_line
      "rope_type"),
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
     ("qwen3", {"attention_bias": True}, "attention_bias"),
-    # Gemma 2's soft-capping, another activation, bidirectional attention, another layer pattern
-    ("gemma3", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    # Gemma 2's attention soft-capping, another activation, bidirectional attention, another
+    # layer pattern
     ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
     ("gemma3", {"hidden_activation": "gelu"}, "hidden_activation"),
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
@@ -68,3 +68,22 @@ def test_check_config(tmp_path):
   cfg = check_config(ModelConfig(d_model=64, dtype="bfloat16", hf_path=path), hf, ModelConfig())
   assert cfg == dataclasses.replace(hf, dtype="bfloat16")
   assert cfg.scale_tied_head is False and cfg.family == "qwen2" and cfg.block.qkv_bias
+
+
+@pytest.mark.parametrize("cap", [None, 30.0])
+def test_final_logit_softcapping_is_read_and_written_back(tmp_path, cap):
+  """Gemma's final_logit_softcapping (null: none) is `logit_softcap`, and an export writes it
+  back; a family whose config.json has no such field refuses to export soft-capped logits."""
+  cfg = model_config_from_hf(config_dir(tmp_path, "gemma3", final_logit_softcapping=cap))
+  assert cfg.logit_softcap == (cap or 0.0)
+  out = hf_config_dict(cfg, tied=True, dtype="float32", max_positions=64, token_ids={})
+  assert out["final_logit_softcapping"] == cap and out["attn_logit_softcapping"] is None
+  llama = dataclasses.replace(model_config_from_hf(config_dir(tmp_path, "llama")),
+                              logit_softcap=cap or 0.0)
+  if cap:
+    with pytest.raises(HFError) as e:
+      hf_config_dict(llama, tied=True, dtype="float32", max_positions=64, token_ids={})
+    one_line(e, "config.model.logit_softcap", "LlamaForCausalLM", "final_logit_softcapping")
+  else:
+    assert "final_logit_softcapping" not in hf_config_dict(llama, tied=True, dtype="float32",
+                                                           max_positions=64, token_ids={})

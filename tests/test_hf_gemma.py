@@ -1,5 +1,6 @@
-"""A multimodal Gemma 3 checkpoint against transformers: its language model loads (float32 torch
-as the reference, as in tests/test_hf.py)."""
+"""Gemma 3 checkpoints against transformers (float32 torch as the reference, as in
+tests/test_hf.py): a multimodal one's language model loads; soft-capped logits."""
+import dataclasses
 import json
 import os
 
@@ -9,10 +10,11 @@ import transformers
 from flax import nnx
 
 from jaxrl.models.hf import load_params, model_config_from_hf
+from jaxrl.models.hf_export import export
 from jaxrl.models.transformer import LanguageModel
 from train.roles.role import ModelRole
 
-from hf_models import COMMON, batch, jax_logits, randomise, sized_mesh, torch_logits
+from hf_models import ARCHS, COMMON, batch, jax_logits, randomise, sized_mesh, torch_logits
 
 
 def test_multimodal_gemma3_checkpoint_loads_its_language_model(tmp_path):
@@ -52,3 +54,32 @@ def test_multimodal_gemma3_checkpoint_loads_its_language_model(tmp_path):
   want_BTV = torch_logits(model, tokens_BT, valid_BT, positions_BT)
   got_BTV = jax_logits(role, params, tokens_BT, valid_BT, positions_BT)
   np.testing.assert_allclose(got_BTV[valid_BT], want_BTV[valid_BT], atol=1e-4, rtol=0)
+
+
+def test_soft_capped_gemma3_matches_torch_and_exports_its_cap(tmp_path):
+  """final_logit_softcapping (Gemma 2's, which Gemma 3's code applies too): the imported model's
+  logits equal transformers' with the cap at 2, where the uncapped logits reach past 3 (so a cap
+  left out fails), and an export writes it back."""
+  hf_cfg = ARCHS["gemma3"]()
+  hf_cfg.final_logit_softcapping = 2.0
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager")
+  randomise(model, seed=1)
+  model.eval()
+  path = str(tmp_path / "capped")
+  model.save_pretrained(path)
+  cfg = model_config_from_hf(path)
+  assert (cfg.family, cfg.logit_softcap) == ("gemma3", 2.0)
+  role = ModelRole("actor", lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)), sized_mesh())
+  params = load_params(path, cfg, role.abstract())
+  tokens_BT, valid_BT, positions_BT = batch()
+  want_BTV = torch_logits(model, tokens_BT, valid_BT, positions_BT)
+  got_BTV = jax_logits(role, params, tokens_BT, valid_BT, positions_BT)
+  np.testing.assert_allclose(got_BTV[valid_BT], want_BTV[valid_BT], atol=1e-4, rtol=0)
+  model.config.final_logit_softcapping = None
+  assert np.abs(torch_logits(model, tokens_BT, valid_BT, positions_BT)[valid_BT]).max() > 3
+  export(params, cfg, str(tmp_path / "out"))
+  out = json.load(open(tmp_path / "out" / "config.json"))
+  assert out["final_logit_softcapping"] == 2.0
+  assert model_config_from_hf(str(tmp_path / "out")) == dataclasses.replace(
+      cfg, hf_path=str(tmp_path / "out"))

@@ -1,4 +1,4 @@
-"""Chunked log-probs (jaxrl/algos/logprobs.py) against the full-logits version, and the on-policy
+"""Chunked log-probs (jaxrl/models/head.py) against the full-logits version, and the on-policy
 update that takes its old log-probs from its own forward pass."""
 import dataclasses
 import re
@@ -10,9 +10,10 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrl.config_rl import AdvantageConfig, BatchingConfig, CorrectionConfig, KLConfig, LossConfig, RLConfig
-from jaxrl.algos import logprobs
-from jaxrl.algos.logprobs import chunk_length, chunked_logprobs, dense_logprobs
+from jaxrl.config_rl import (AdvantageConfig, BatchingConfig, CorrectionConfig, KLConfig,
+                             LossConfig, RLConfig)
+from jaxrl.models import head
+from jaxrl.models.head import chunk_length, chunked_logprobs, dense_logprobs
 from jaxrl.models.transformer import LanguageModel
 from train.loop.experience import Experience
 from train.updates.forward import completion_logprobs, token_logprobs
@@ -35,18 +36,36 @@ def _loss(fn):
   return loss
 
 
+def _reference(h, w, t, softcap: float = 0.0):
+  """The full logits in plain jnp, the soft cap written out here (not head.py's)."""
+  z = jnp.einsum("bnd,vd->bnv", h, w)
+  if softcap:
+    z = softcap * jnp.tanh(z / softcap)
+  logp_all = jax.nn.log_softmax(z, axis=-1)
+  return (jnp.take_along_axis(logp_all, t[..., None], axis=-1)[..., 0],
+          -(jnp.exp(logp_all) * logp_all).sum(-1))
+
+
 @pytest.mark.parametrize("chunk", [None, 1, 3, 4, 10])
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
 @pytest.mark.accelerator
-def test_chunked_equals_dense_values_and_gradients(chunk):
+def test_chunked_equals_dense_values_and_gradients(chunk, softcap):
+  """Chunked (autodiff per chunk under jax.checkpoint) against head.py's full logits and
+  against autodiff of the plain formula; a cap of 2 bends these logits (std ~1) a lot."""
   h, w, t = _inputs()
-  chunked = lambda h, w, t: chunked_logprobs(h, w, t, chunk=chunk)
-  for got, want in zip(chunked(h, w, t), dense_logprobs(h, w, t)):
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-  got = jax.grad(_loss(chunked), argnums=(0, 1))(h, w, t)
-  want = jax.grad(_loss(dense_logprobs), argnums=(0, 1))(h, w, t)
-  for g, e in zip(got, want):
-    assert float(jnp.abs(e).max()) > 1e-2  # a real gradient, not zeros on both sides
-    np.testing.assert_allclose(g, e, atol=1e-5, rtol=1e-5)
+  chunked = lambda h, w, t: chunked_logprobs(h, w, t, softcap=softcap, chunk=chunk)
+  dense = lambda h, w, t: dense_logprobs(h, w, t, softcap=softcap)
+  reference = lambda h, w, t: _reference(h, w, t, softcap)
+  for want_fn in (dense, reference):
+    for got, want in zip(chunked(h, w, t), want_fn(h, w, t)):
+      np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    got = jax.grad(_loss(chunked), argnums=(0, 1))(h, w, t)
+    want = jax.grad(_loss(want_fn), argnums=(0, 1))(h, w, t)
+    for g, e in zip(got, want):
+      assert float(jnp.abs(e).max()) > 1e-2  # a real gradient, not zeros on both sides
+      np.testing.assert_allclose(g, e, atol=1e-5, rtol=1e-5)
+  if softcap:  # the cap changes what it caps: a head that ignored it would fail above
+    assert float(jnp.abs(chunked(h, w, t)[0] - _reference(h, w, t)[0]).max()) > 0.1
 
 
 def test_chunk_length_keeps_logits_within_budget():
@@ -56,14 +75,38 @@ def test_chunk_length_keeps_logits_within_budget():
   assert chunk_length(1024, 8, 10**7) == 1  # never below one position
 
 
-def test_bfloat16_states_give_float32_results():
+def _dots(jaxpr):
+  """Every dot_general of a jaxpr, inside loops, checkpoints and custom VJPs too."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else [param]:
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns"):
+          yield from _dots(sub)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_bfloat16_states_give_float32_results(softcap):
+  """bf16 hidden states: float32 log-probs; in the backward, too, every product multiplies bf16
+  operands into float32 (not the float32 cotangent, which would make it a float32 product);
+  the hidden states' gradient is bf16, the float32 head's float32."""
   h, w, t = _inputs()
-  logp, ent = chunked_logprobs(h.astype(jnp.bfloat16), w, t, chunk=4)
+  fn = lambda h, w, t: chunked_logprobs(h, w, t, softcap=softcap, chunk=4)
+  logp, ent = fn(h.astype(jnp.bfloat16), w, t)
   assert logp.dtype == ent.dtype == jnp.float32
-  np.testing.assert_allclose(logp, dense_logprobs(h, w, t)[0], atol=0.1)
-  dh = jax.grad(_loss(lambda h, w, t: chunked_logprobs(h, w, t, chunk=4)))(
-      h.astype(jnp.bfloat16), w, t)
-  assert dh.dtype == jnp.bfloat16
+  np.testing.assert_allclose(logp, _reference(h, w, t, softcap)[0], atol=0.1)
+  grad = jax.grad(_loss(fn), argnums=(0, 1))
+  dh, dw = grad(h.astype(jnp.bfloat16), w, t)
+  assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+  want = jax.grad(_loss(lambda h, w, t: _reference(h, w, t, softcap)), argnums=(0, 1))(h, w, t)
+  np.testing.assert_allclose(dw, want[1], atol=0.05 * float(jnp.abs(want[1]).max()))
+  dots = list(_dots(jax.make_jaxpr(grad)(h.astype(jnp.bfloat16), w, t).jaxpr))
+  assert len(dots) >= 3  # the forward's product, the backward's recomputed one, its transposes
+  for eqn in dots:
+    assert [v.aval.dtype for v in eqn.invars] == [jnp.bfloat16] * 2, eqn
+    assert eqn.outvars[0].aval.dtype == jnp.float32, eqn
 
 
 @pytest.mark.accelerator
@@ -138,7 +181,7 @@ def test_train_step_never_holds_the_batch_logits(tiny_cfg, monkeypatch):
   and entropy has no array anywhere near [B, T, V], while the full-logits version does."""
   cfg = dataclasses.replace(tiny_cfg, vocab_size=2048)
   b, t = 4, 64
-  monkeypatch.setattr(logprobs, "LOGITS_BUDGET", b * 8 * cfg.vocab_size)  # 8 positions a chunk
+  monkeypatch.setattr(head, "LOGITS_BUDGET", b * 8 * cfg.vocab_size)  # 8 positions a chunk
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
   tokens = jax.random.randint(jax.random.key(0), (b, t), 0, cfg.vocab_size)
   valid = jnp.ones_like(tokens, bool)
@@ -152,7 +195,8 @@ def test_train_step_never_holds_the_batch_logits(tiny_cfg, monkeypatch):
   def full(graphdef, params, tokens, valid):
     h = nnx.merge(graphdef, params).decoder(tokens, jnp.broadcast_to(jnp.arange(t), (b, t)),
                                             valid)[0]
-    return dense_logprobs(h[:, :-1], nnx.merge(graphdef, params).head_VD(), tokens[:, 1:])
+    return dense_logprobs(h[:, :-1], nnx.merge(graphdef, params).head_VD(), tokens[:, 1:],
+                          softcap=0.0)
 
   batch_logits = b * (t - 1) * cfg.vocab_size
   assert _largest_buffer(grad(full), params) >= batch_logits  # the check can see them

@@ -62,7 +62,7 @@ def test_adapters_start_as_the_base_model(model):
     np.testing.assert_array_equal(a, b)
   batch = _batch(model.vocab_size)
   # (Gemma's norms after each sublayer rescale its output, and the rounding difference with it)
-  tol = 1e-5 if model.block.gemma else 1e-6
+  tol = 1e-5 if model.block.sandwich_norms else 1e-6
   np.testing.assert_allclose(_logits(graph, params, batch), _logits(base_graph, base, batch),
                              atol=tol, rtol=tol)
   moved = nnx.merge_state(_perturbed(adapters), frozen)

@@ -103,7 +103,7 @@ def test_sampler_paths_match_the_model(tiny_model, tiny_cfg):
     sin_B1H, cos_B1H = rope_table(pos_BT[:, i:i + 1], tiny_cfg)
     h_DB, cache = tiny_model.decoder(tokens_BT[:, i], (sin_B1H[:, 0], cos_B1H[:, 0]), valid_BT,
                                      cache, i, layout=FEATURES)
-    logits_BV = FEATURES.logits(h_DB, tiny_model.head_VD())
+    logits_BV = FEATURES.logits(h_DB, tiny_model.head_VD(), tiny_cfg.logit_softcap)
     np.testing.assert_allclose(logits_BV, full_BTV[:, i], atol=1e-4)
 
 

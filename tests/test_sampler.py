@@ -52,6 +52,22 @@ def test_sampled_logprobs_equal_full_forward(tiny_model, layout):
 
 
 @LAYOUTS
+def test_soft_capped_logprobs_of_sampler_and_trainer_agree(tiny_cfg, layout):
+  """`logit_softcap`: the sampler's per-token log-probs (prefill and decode steps) equal the
+  trainer's chunked ones, and both differ from the uncapped model's (the cap of 1 bends these
+  logits, which reach several units)."""
+  capped = dataclasses.replace(tiny_cfg, logit_softcap=1.0)
+  graphdef, params = nnx.split(LanguageModel(capped, rngs=nnx.Rngs(0)))
+  rollout = _gen(nnx.merge(graphdef, params), ["12+34=", "7+5=", "rev ab="], 6,
+                 method="temperature", temperature=1.0, eos_id=-1, decode_layout=layout)
+  logp_BN, _ = completion_logprobs(graphdef, params, rollout.tokens_BT, rollout.valid_BT, 8)
+  np.testing.assert_allclose(logp_BN, rollout.logprobs_BN, atol=1e-4)
+  uncapped, _ = completion_logprobs(nnx.split(LanguageModel(tiny_cfg, rngs=nnx.Rngs(0)))[0],
+                                    params, rollout.tokens_BT, rollout.valid_BT, 8)
+  assert float(np.abs(uncapped - logp_BN).max()) > 0.1
+
+
+@LAYOUTS
 def test_bf16_sampling_stays_close_to_the_float32_forward(tiny_cfg, layout):
   """A bf16 model keeps float32 parameters; the decode loop casts them once per call."""
   cfg16 = dataclasses.replace(tiny_cfg, dtype="bfloat16")

@@ -3,6 +3,7 @@ fixes what a block computes and how Hugging Face checkpoints name it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +23,16 @@ ATTENTIONS = ("auto", "einsum", "xla", "cudnn", "splash")
 REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                   "full": jax.checkpoint_policies.nothing_saveable}
 REMATS = ("none", *REMAT_POLICIES)
+# The gated MLP's activation (a family's `BlockOptions.mlp_activation`), dense and experts alike.
+MLP_ACTIVATIONS = {"silu": jax.nn.silu,
+                   "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   # llama | qwen2 | qwen3 | qwen3_moe | gemma3 (FAMILIES): the block options (Qwen2's q/k/v biases,
-  # Qwen3's q/k norms, Gemma's norms, GeGLU and embedding scale) and the checkpoints'
-  # architecture and tensor names
+  # Qwen3's q/k norms, Gemma's offset and sandwich norms, GeGLU and embedding scale) and the
+  # checkpoints' architecture and tensor names
   family: str = "llama"
   vocab_size: int = 264
   d_model: int = 128
@@ -70,6 +74,9 @@ class ModelConfig:
   rope_local_theta: float = 10_000.0
   # The queries' scale is query_scale**-0.5 (Gemma's query_pre_attn_scalar); 0: head_dim.
   query_scale: float = 0.0
+  # Soft-capped logits (Gemma 2's final_logit_softcapping): logits -> cap * tanh(logits / cap),
+  # applied by the LM head (jaxrl/models/head.py) for the sampler and the trainer alike; 0: none.
+  logit_softcap: float = 0.0
   # Mixture of experts (Qwen3-MoE; jaxrl/models/moe.py): n_experts > 0 replaces every block's
   # MLP by a router over n_experts SwiGLU experts of width expert_d_ff, experts_per_token of
   # them per token (top-k of the router's softmax, renormalised over the k if norm_topk);
@@ -107,10 +114,13 @@ class ModelConfig:
     if self.head_dim % 2:
       raise ValueError(f"head_dim: RoPE rotates pairs, expected an even number, got "
                        f"{self.head_dim}")
-    for name in ("sliding_window", "global_every", "query_scale", "n_experts", "router_aux_loss",
-                 "router_z_loss"):
+    for name in ("sliding_window", "global_every", "query_scale", "logit_softcap", "n_experts",
+                 "router_aux_loss", "router_z_loss"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)!r}")
+    if self.block.mlp_activation not in MLP_ACTIVATIONS:
+      raise ValueError(f"family: {self.family!r} names the MLP activation "
+                       f"{self.block.mlp_activation!r}, expected one of {sorted(MLP_ACTIVATIONS)}")
     if bool(self.n_experts) != self.block.moe:
       raise ValueError(f"n_experts: {self.n_experts} with family={self.family!r}, expected "
                        + ("> 0 (a mixture-of-experts family)" if self.block.moe else

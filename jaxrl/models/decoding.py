@@ -84,5 +84,5 @@ class LMDecoding:
       h, kv_cache, routing = decoder.forward(tokens, rope, key_valid_BS, kv_cache, slot,
                                              layout=lay)
       routes = None if routing is None else routing.ids[:, 0].astype(ROUTE_DTYPE)
-      return lay.next_logits(h, self.head_VD), kv_cache, routes
+      return lay.next_logits(h, self.head_VD, self.model.cfg.logit_softcap), kv_cache, routes
     return step

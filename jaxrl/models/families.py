@@ -19,10 +19,16 @@ from typing import Any
 class BlockOptions:
   qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
   qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3, Gemma 3)
-  # Gemma: every RMSNorm scales by (1 + its weight), the weight stored as the offset; the
-  # attention's and the MLP's outputs are normed before the residual add ("sandwich" norms);
-  # the MLP is GeGLU (tanh-approximated GELU); the embedding is multiplied by sqrt(d_model).
-  gemma: bool = False
+  # Every RMSNorm scales by (1 + its weight), the weight stored as the offset (Gemma).
+  norm_offset: bool = False
+  # The attention's and the MLP's outputs are normed before the residual adds ("sandwich"
+  # norms: Gemma 2 and 3).
+  sandwich_norms: bool = False
+  # The gated MLP's activation, a `MLP_ACTIVATIONS` name (jaxrl/models/config.py): "silu"
+  # (SwiGLU: Llama, Qwen) or "gelu_tanh" (GeGLU with tanh-approximated GELU: Gemma).
+  mlp_activation: str = "silu"
+  # The embedding is multiplied by sqrt(d_model), rounded to the compute dtype (Gemma).
+  scale_embedding: bool = False
   # Mixture of experts: the MLP is a router and experts (jaxrl/models/moe.py; `n_experts` and
   # the other MoE fields of ModelConfig size it).
   moe: bool = False
@@ -95,6 +101,10 @@ class Family:
   # where the text model's config (a config.json key) and tensors (a name prefix) are. Only the
   # text model is read; an export writes the family's own architecture.
   hf_wrappers: dict = dataclasses.field(default_factory=dict)
+  # Sliding-window layers in its config.json's `layer_types` (a global layer every n-th, the
+  # others sliding: Gemma 3), with n's default where transformers 4 left `layer_types` out (as
+  # `sliding_window_pattern`); 0: none, every layer attends globally.
+  hf_sliding_every: int = 0
 
 
 # transformers' Gemma3TextConfig defaults: the multimodal checkpoints' text_config (Gemma 3 4B and
@@ -120,13 +130,15 @@ def layer_types(n_layers: int, every: int) -> list[str]:
 
 def _gemma3_read(raw: dict) -> dict:
   """Gemma 3's own config.json keys: the sliding window, the layers' pattern (checked by
-  hf_config.py), the sliding layers' RoPE base, the queries' scale."""
+  hf_config.py), the sliding layers' RoPE base, the queries' scale, the logits' soft cap (null:
+  none)."""
   every = global_every(raw.get("layer_types") or [])
   rope = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
   return dict(sliding_window=int(raw.get("sliding_window") or 0), global_every=every,
               rope_local_theta=float(rope.get("rope_theta", raw.get("rope_local_base_freq",
                                                                       10_000.0))),
-              query_scale=float(raw.get("query_pre_attn_scalar") or 0.0))
+              query_scale=float(raw.get("query_pre_attn_scalar") or 0.0),
+              logit_softcap=float(raw.get("final_logit_softcapping") or 0.0))
 
 
 def _gemma3_fields(cfg) -> dict:
@@ -135,8 +147,8 @@ def _gemma3_fields(cfg) -> dict:
               rope_local_base_freq=cfg.rope_local_theta,
               query_pre_attn_scalar=int(scale) if scale == int(scale) else scale,
               hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
-              attention_bias=False, final_logit_softcapping=None, attn_logit_softcapping=None,
-              use_bidirectional_attention=False)
+              attention_bias=False, final_logit_softcapping=cfg.logit_softcap or None,
+              attn_logit_softcapping=None, use_bidirectional_attention=False)
 
 
 def _moe_read(raw: dict) -> dict:
@@ -163,10 +175,12 @@ FAMILIES: dict[str, Family] = {
                     hf_fields=lambda cfg: dict(_qwen_fields(cfg), attention_bias=False)),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", BlockOptions(qk_norm=True, moe=True),
                         hf_read=_moe_read, hf_fields=_moe_fields, block_tensors=MOE_TENSORS),
-    "gemma3": Family("Gemma3ForCausalLM", BlockOptions(qk_norm=True, gemma=True),
+    "gemma3": Family("Gemma3ForCausalLM",
+                     BlockOptions(qk_norm=True, norm_offset=True, sandwich_norms=True,
+                                  mlp_activation="gelu_tanh", scale_embedding=True),
                      hf_read=_gemma3_read, hf_fields=_gemma3_fields,
                      block_tensors=GEMMA_TENSORS, hf_model_type="gemma3_text",
-                     hf_defaults=GEMMA3_DEFAULTS,
+                     hf_defaults=GEMMA3_DEFAULTS, hf_sliding_every=6,
                      hf_wrappers={"Gemma3ForConditionalGeneration": ("text_config",
                                                                      "language_model.")}),
 }

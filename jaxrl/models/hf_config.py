@@ -2,11 +2,12 @@
 (jaxrl/models/families.py: Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 text).
 
 Only what the model computes exactly is accepted: anything else in a config.json (another
-architecture, Qwen's sliding-window option, Gemma 2's soft-capping, YaRN, an MLP or
-output-projection bias) is an `HFError` naming the file and the field, never a silent
-approximation. transformers 4 writes `rope_theta` and `rope_scaling`, transformers 5
-`rope_parameters`; both are read, and exports write both, so either version (and vLLM) loads
-them.
+architecture, Qwen's sliding-window option, Gemma 2's attention-logit soft-capping, YaRN, an MLP
+or output-projection bias) is an `HFError` naming the file and the field, never a silent
+approximation; an export of what the family's architecture cannot express (soft-capped logits
+in a Llama) is refused the same way. transformers 4 writes `rope_theta` and `rope_scaling`,
+transformers 5 `rope_parameters`; both are read, and exports write both, so either version (and
+vLLM) loads them.
 """
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ ARCH_FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_h
                "d_ff", "rope_theta", "norm_eps", "tie_embeddings", "scale_tied_head",
                "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                "rope_original_max_positions", "sliding_window", "global_every",
-               "rope_local_theta", "query_scale", "n_experts", "experts_per_token",
-               "expert_d_ff", "norm_topk")
+               "rope_local_theta", "query_scale", "logit_softcap", "n_experts",
+               "experts_per_token", "expert_d_ff", "norm_topk")
 
+# The MLP's activations (`BlockOptions.mlp_activation`) as transformers names them.
+HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 _LLAMA3_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                 "rope_high_freq_factor": "high_freq_factor",
                 "rope_original_max_positions": "original_max_position_embeddings"}
@@ -70,38 +73,39 @@ def _family(raw: dict, path: str) -> str:
 
 def _refuse_unsupported(raw: dict, family: str, path: str) -> None:
   """Fields whose non-default values change the computation in ways the model does not."""
-  if FAMILIES[family].block.moe:
+  block = FAMILIES[family].block
+  if block.moe:
     _refuse_moe(raw, path)
-  if FAMILIES[family].block.gemma:
-    _refuse_gemma(raw, path)
-  elif raw.get("hidden_act", "silu") != "silu":
-    raise _unsupported(path, "hidden_act", raw["hidden_act"], "the MLP is SwiGLU: silu only")
+  for key in ("hidden_act", "hidden_activation"):  # (Gemma's is hidden_activation)
+    if raw.get(key) not in (None, HF_ACTIVATIONS[block.mlp_activation]):
+      raise _unsupported(path, key, raw[key], f"the MLP's activation is "
+                         f"{HF_ACTIVATIONS[block.mlp_activation]} only")
   if raw.get("mlp_bias"):
     raise _unsupported(path, "mlp_bias", True, "the MLP has no biases")
-  if not FAMILIES[family].block.qkv_bias and raw.get("attention_bias"):
+  if not block.qkv_bias and raw.get("attention_bias"):
     # Llama's and Qwen3's attention_bias also adds an o_proj bias, which the model lacks.
     raise _unsupported(path, "attention_bias", True, "no output-projection bias")
   if raw.get("use_sliding_window"):
     raise _unsupported(path, "use_sliding_window", True, "full attention only")
-  layer_types = raw.get("layer_types") or []
-  if not FAMILIES[family].block.gemma and any(t != "full_attention" for t in layer_types):
-    raise _unsupported(path, "layer_types", sorted(set(layer_types)), "full attention only")
+  if raw.get("attn_logit_softcapping") is not None:
+    raise _unsupported(path, "attn_logit_softcapping", raw["attn_logit_softcapping"],
+                       "no attention-logit soft-capping (Gemma 2's)")
+  if raw.get("use_bidirectional_attention"):
+    raise _unsupported(path, "use_bidirectional_attention", True, "causal attention only")
   if raw.get("partial_rotary_factor", 1.0) != 1.0:
     raise _unsupported(path, "partial_rotary_factor", raw["partial_rotary_factor"],
                        "RoPE over the whole head")
+  _refuse_layer_types(raw, FAMILIES[family].hf_sliding_every, path)
 
 
-def _refuse_gemma(raw: dict, path: str) -> None:
-  """Gemma 3 text: GeGLU, no soft-capping (Gemma 2's), causal attention."""
-  for key in ("hidden_activation", "hidden_act"):
-    if raw.get(key) not in (None, "gelu_pytorch_tanh"):
-      raise _unsupported(path, key, raw[key], "the MLP is GeGLU: gelu_pytorch_tanh only")
-  for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-    if raw.get(key) is not None:
-      raise _unsupported(path, key, raw[key], "no soft-capping (Gemma 2's)")
-  if raw.get("use_bidirectional_attention"):
-    raise _unsupported(path, "use_bidirectional_attention", True, "causal attention only")
+def _refuse_layer_types(raw: dict, sliding_every: int, path: str) -> None:
+  """`layer_types`: full attention only, or, for a family with sliding layers
+  (`Family.hf_sliding_every`), a global layer every n-th and sliding ones between."""
   types = raw.get("layer_types") or []
+  if not sliding_every:
+    if any(t != "full_attention" for t in types):
+      raise _unsupported(path, "layer_types", sorted(set(types)), "full attention only")
+    return
   if not types:
     raise HFError(f"{path}: layer_types is missing")
   if types != layer_types(len(types), global_every(types)):
@@ -157,8 +161,9 @@ def text_model(raw: dict, family: str) -> tuple[dict, str]:
     raw.setdefault("tie_word_embeddings", tied)
   raw = {**f.hf_defaults, **{k: v for k, v in raw.items() if v is not None or k not in
                              f.hf_defaults}}
-  if f.block.gemma and not raw.get("layer_types"):  # (transformers 4: a pattern)
-    every = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6))
+  if f.hf_sliding_every and not raw.get("layer_types"):  # (transformers 4: a pattern)
+    every = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern",
+                                                      f.hf_sliding_every))
     raw["layer_types"] = layer_types(raw["num_hidden_layers"], every)
   return raw, prefix
 
@@ -237,7 +242,8 @@ def hf_config_dict(cfg: ModelConfig, *, tied: bool, dtype: str, max_positions: i
       architectures=[family.hf_architecture], model_type=family.hf_model_type or cfg.family,
       vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
       num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-      num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
+      num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+      hidden_act=HF_ACTIVATIONS[family.block.mlp_activation],
       max_position_embeddings=max_positions, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
       rope_scaling=scaling,
       rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta},
@@ -246,4 +252,9 @@ def hf_config_dict(cfg: ModelConfig, *, tied: bool, dtype: str, max_positions: i
   if cfg.sliding_window:  # per layer kind (transformers 5)
     out["rope_parameters"] = {"full_attention": out["rope_parameters"], "sliding_attention": {
         "rope_type": "default", "rope_theta": cfg.rope_local_theta}}
-  return {**out, **family.hf_fields(cfg)}
+  out.update(family.hf_fields(cfg))
+  if cfg.logit_softcap and out.get("final_logit_softcapping") != cfg.logit_softcap:
+    raise HFError(f"config.model.logit_softcap: {cfg.logit_softcap} has no field in a "
+                  f"{family.hf_architecture} config.json (final_logit_softcapping); transformers "
+                  "would compute the logits uncapped")
+  return out

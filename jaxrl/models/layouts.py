@@ -9,7 +9,8 @@ activations [B, in] @ weight [in, out] (docs/benchmarks.md). The weights are sto
 
 A layout owns only how its activations are shaped: a projection, a norm's axis, the heads' split,
 RoPE's rotation, the way queries, keys and values meet the KV cache, the sharding constraints and
-the LM head. The blocks' math is written once, in transformer.py.
+the LM head's matrix product. The blocks' math is written once, in transformer.py, and the
+head's (float32 logits, soft cap) in head.py.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl import platform
+from jaxrl.models.head import features_product, lm_head, rows_product
 from jaxrl.models.attention import attend, attend_one, attention_impl, fused, write_cache
 from jaxrl.models.lora import adapted, adapter
 from jaxrl.models.rope import rope, rope_table, table_part
@@ -30,8 +32,8 @@ def dense(x_BTD: jax.Array, w_OD: jax.Array, *, trained: bool = True) -> jax.Arr
   inputs (the MLP's gate and up) is multiplied as an explicit [in, out] transpose, kept by a
   barrier: its gradient is then computed [in, out] too, which XLA:CPU runs at ~0.88 of its
   matmul peak instead of ~0.62 for [out, in] (the update: -5%; docs/benchmarks.md). Where no
-  gradient reaches `w` (the LM head of `LanguageModel.logits`: sampling, evaluation) the
-  transpose would be a copy for nothing: `trained=False`."""
+  gradient reaches `w` (LoRA's frozen base weights) the transpose would be a copy for nothing:
+  `trained=False`."""
   b, t, d = x_BTD.shape
   x_RD, w_OD = x_BTD.reshape(b * t, d), w_OD.astype(x_BTD.dtype)
   if trained and w_OD.shape[0] > w_OD.shape[1] and platform.backend() == "cpu":
@@ -111,13 +113,13 @@ class Rows:
     new_cache = None if layer_cache is None else (k_BKHS, v_BKSH)
     return out_BTKGH.reshape(b, t, n * h), new_cache
 
-  def logits(self, h_BTD, head_VD):
-    """float32 logits [B, T, V]."""
-    logits_BTV = dense(h_BTD, head_VD, trained=False)
-    return constrain(logits_BTV.astype(jnp.float32), ("batch", None, "act_vocab"))
+  def logits(self, h_BTD, head_VD, softcap: float):
+    """float32 logits [B, T, V] (the LM head: jaxrl/models/head.py)."""
+    logits_BTV = lm_head(h_BTD, head_VD, softcap=softcap, product=rows_product)
+    return constrain(logits_BTV, ("batch", None, "act_vocab"))
 
-  def next_logits(self, h_B1D, head_VD):
-    return self.logits(h_B1D, head_VD)[:, 0]
+  def next_logits(self, h_B1D, head_VD, softcap: float):
+    return self.logits(h_B1D, head_VD, softcap)[:, 0]
 
 
 class Features:
@@ -189,15 +191,15 @@ class Features:
     out_BKGH = attend_one(q_BKGH, k_BKHS.astype(dt), v_BKSH.astype(dt), mask_B1S[:, 0])
     return out_BKGH.reshape(b, n * h).T, (k_BKHS, v_BKSH)
 
-  def logits(self, h_DB, head_VD):
-    """float32 logits [B, V]. The barrier keeps XLA from folding the transpose into the
-    product, which turns it into one XLA:CPU runs several times slower (activations as the left
-    operand, contracted on rows)."""
-    logits_VB = constrain((head_VD @ h_DB).astype(jnp.float32), ("act_vocab", "batch"))
-    return jax.lax.optimization_barrier(logits_VB).T
+  def logits(self, h_DB, head_VD, softcap: float):
+    """float32 logits [B, V] (the LM head: jaxrl/models/head.py), multiplied as [V, D] @ [D, B].
+    The barrier keeps XLA from folding the transpose into the product, which turns it into one
+    XLA:CPU runs several times slower (activations as the left operand, contracted on rows)."""
+    logits_VB = lm_head(h_DB, head_VD, softcap=softcap, product=features_product)
+    return jax.lax.optimization_barrier(constrain(logits_VB, ("act_vocab", "batch"))).T
 
-  def next_logits(self, h_DB, head_VD):
-    return self.logits(h_DB, head_VD)
+  def next_logits(self, h_DB, head_VD, softcap: float):
+    return self.logits(h_DB, head_VD, softcap)
 
 
 ROWS, FEATURES = Rows(), Features()

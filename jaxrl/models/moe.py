@@ -227,9 +227,10 @@ def _param(rngs, shape, axes, scale):
 
 
 class MoE(nnx.Module):
-  """The router [E, D] and E SwiGLU experts ([E, F, D] gate and up, [E, D, F] down)."""
+  """The router [E, D] and E gated experts ([E, F, D] gate and up, [E, D, F] down), `act` on
+  the gate (SwiGLU: silu)."""
 
-  def __init__(self, cfg, rngs: nnx.Rngs):
+  def __init__(self, cfg, rngs: nnx.Rngs, act):
     e, f, d = cfg.n_experts, cfg.expert_d_ff, cfg.d_model
     self.router = _param(rngs, (e, d), (None, "embed"), d**-0.5)
     self.w_gate = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), d**-0.5)
@@ -237,6 +238,7 @@ class MoE(nnx.Module):
     self.w_down = _param(rngs, (e, d, f), ("expert", "embed", "mlp"), f**-0.5 / cfg.n_layers)
     self.k, self.norm, self.impl = cfg.experts_per_token, cfg.norm_topk, cfg.moe_impl
     self.replay = cfg.routing_replay == "rollout"
+    self.act = act
 
   def __call__(self, x_BTD, valid_BT=None, routes_BTK=None):
     """(output [B, T, D], `MoEStats`): rows layout only. `routes_BTK`: the experts the sampler
@@ -248,7 +250,7 @@ class MoE(nnx.Module):
         x_RD, self.router[...], self.k, self.norm, routes, self.replay)
     impl = experts_impl(self.impl, ids_RK.size, self.w_gate.shape[0])
     y_RD = split_experts(impl, x_RD, ids_RK, weights_RK, self.w_gate[...], self.w_up[...],
-                         self.w_down[...], jax.nn.silu)
+                         self.w_down[...], self.act)
     valid_R = None if valid_BT is None else valid_BT.reshape(-1)
     return y_RD.reshape(b, t, d), stats(ids_RK, probs_RE, logits_RE, differs_R, valid_R, (b, t))
 

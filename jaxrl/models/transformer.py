@@ -1,7 +1,8 @@
-"""The decoder in Flax NNX, written once: RMSNorm, RoPE, grouped-query attention, SwiGLU, with the
-block options of the model's family (jaxrl/models/families.py: Qwen2's q/k/v biases, Qwen3's
-q/k norms, Gemma's offset and sandwich norms, GeGLU and scaled embedding) and, where the config
-has one, sliding-window attention in its local layers (each with its own RoPE base).
+"""The decoder in Flax NNX, written once: RMSNorm, RoPE, grouped-query attention, a gated MLP,
+with the block options of the model's family (jaxrl/models/families.py: Qwen2's q/k/v biases,
+Qwen3's q/k norms; Gemma's offset norms, sandwich norms, GeGLU and scaled embedding, each an
+option of its own) and, where the config has one, sliding-window attention in its local layers
+(each with its own RoPE base). The LM head is jaxrl/models/head.py's.
 
 One forward pass serves training, scoring, prefill and the sampler's cached decode step; the
 activation layout it runs in (jaxrl/models/layouts.py: rows everywhere, feature-major for decode
@@ -20,7 +21,7 @@ from flax import nnx
 
 from jaxrl.models.attention import (KVCache, ValidPrefix, attention_impl, attention_mask,
                                     valid_first, windowed)
-from jaxrl.models.config import REMAT_POLICIES, ModelConfig
+from jaxrl.models.config import MLP_ACTIVATIONS, REMAT_POLICIES, ModelConfig
 from jaxrl.models.layouts import ROWS
 from jaxrl.models.lora import LoRA, LoRAConfig
 from jaxrl.models.moe import MoE, stack_stats
@@ -77,8 +78,8 @@ class Attention(nnx.Module):
                                             logical_axes=(axis, "head_dim"))
       self.bq, self.bk, self.bv = zeros(n, "heads"), zeros(k, "kv_heads"), zeros(k, "kv_heads")
     if cfg.block.qk_norm:
-      self.q_norm = RMSNorm(h, cfg.norm_eps, "head_dim", cfg.block.gemma)
-      self.k_norm = RMSNorm(h, cfg.norm_eps, "head_dim", cfg.block.gemma)
+      self.q_norm = RMSNorm(h, cfg.norm_eps, "head_dim", cfg.block.norm_offset)
+      self.k_norm = RMSNorm(h, cfg.norm_eps, "head_dim", cfg.block.norm_offset)
 
   def project(self, x, name: str, bias_name: str, norm_name: str, layout):
     """Queries, keys or values split into heads: the projection `name` (with its adapter), its
@@ -121,14 +122,14 @@ class MLP(nnx.Module):
     self.w_down = _param(rngs, (d, f), ("embed", "mlp"), f**-0.5 / cfg.n_layers)
     _adapters(self, lora, lora_rngs, w_gate=1, w_up=1, w_down=1)
     self.frozen = lora is not None and lora.enabled  # LoRA: no gradient reaches the base
-    self.gelu = cfg.block.gemma  # GeGLU (tanh GELU) instead of SwiGLU
+    self.activation = cfg.block.mlp_activation  # SwiGLU (silu), GeGLU (gelu_tanh)
 
   def __call__(self, x, layout=ROWS):
     def linear(name, x):
       w = getattr(self, name)[...]
       return layout.adapt(self, name, x, layout.dense(x, w, trained=not self.frozen))
     gate = linear("w_gate", x)
-    gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+    gate = MLP_ACTIVATIONS[self.activation](gate)
     return linear("w_down", layout.hidden(gate * linear("w_up", x)))
 
 
@@ -136,16 +137,19 @@ class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None = None,
                lora_rngs: nnx.Rngs | None = None):
-    gemma = cfg.block.gemma
-    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=gemma)
+    offset = cfg.block.norm_offset
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset)
     self.attn = Attention(cfg, rngs, lora, lora_rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=gemma)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset)
     self.moe = bool(cfg.n_experts)
-    self.mlp = MoE(cfg, rngs) if self.moe else MLP(cfg, rngs, lora, lora_rngs)
-    if gemma:  # the sublayers' outputs normed before the residual adds
-      self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=True)
-      self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=True)
-    self.sandwich = gemma
+    if self.moe:
+      self.mlp = MoE(cfg, rngs, MLP_ACTIVATIONS[cfg.block.mlp_activation])
+    else:
+      self.mlp = MLP(cfg, rngs, lora, lora_rngs)
+    self.sandwich = cfg.block.sandwich_norms
+    if self.sandwich:  # the sublayers' outputs normed before the residual adds
+      self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset)
+      self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset)
 
   def __call__(self, x, rope, mask, layer_cache, cache_index, last_only=False, layout=ROWS,
                valid_BT=None, routes_BTK=None):
@@ -185,7 +189,7 @@ class Decoder(nnx.Module):
     lora_rngs = None if lora is None else nnx.Rngs(jax.random.fold_in(rngs.default.key[...],
                                                                        0x10A))
     self.blocks = nnx.List([Block(cfg, rngs, lora, lora_rngs) for _ in range(cfg.n_layers)])
-    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=cfg.block.gemma)
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=cfg.block.norm_offset)
 
   def __call__(self, tokens, positions, key_valid_BS, kv_cache: KVCache | None = None,
                cache_index=0, segment_ids_BT=None, last_only=False, layout=ROWS):
@@ -242,7 +246,7 @@ class Decoder(nnx.Module):
     stacked `MoEStats` or None)."""
     cfg = self.cfg
     x = layout.embed(self.embed[...], tokens, cfg.compute_dtype)
-    if cfg.block.gemma:  # (in the compute dtype, as Gemma rounds it)
+    if cfg.block.scale_embedding:  # (in the compute dtype, as Gemma rounds it)
       x = x * jnp.asarray(cfg.d_model**0.5, cfg.compute_dtype)
     rope = layout.rope_table(positions, cfg)
     local = windowed(mask, cfg.sliding_window, layout.length(tokens), cache_index)
@@ -302,9 +306,11 @@ class LanguageModel(nnx.Module):
     return self.logits(h_BTD), kv_cache
 
   def logits(self, h_BTD, head_VD: jax.Array | None = None):
-    """The LM head over decoder states (float32 logits); `head_VD`: `self.head_VD()` computed
-    ahead (a decode loop does, once per call)."""
-    return ROWS.logits(h_BTD, self.head_VD() if head_VD is None else head_VD)
+    """The LM head over decoder states (float32 logits, soft-capped by `logit_softcap`:
+    jaxrl/models/head.py); `head_VD`: `self.head_VD()` computed ahead (a decode loop does, once
+    per call)."""
+    head_VD = self.head_VD() if head_VD is None else head_VD
+    return ROWS.logits(h_BTD, head_VD, self.cfg.logit_softcap)
 
   def head_VD(self) -> jax.Array:
     """The LM head's weight, [vocab, d_model]."""

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.algos.logprobs import chunked_logprobs
+from jaxrl.models.head import chunked_logprobs
 from jaxrl.models.transformer import positions_from_segments
 from sampler.engine import bucket
 from train.updates.forward import router_loss
@@ -111,7 +111,8 @@ def packed_logprobs(graphdef, params, tokens_BT, pack: Pack, completion_mask_BN,
                                             segments_RL > 0, segment_ids_BT=segments_RL,
                                             routes_BTLK=routes)
   h_BND = h_RLD.reshape(-1, h_RLD.shape[-1])[unpack_BN]
-  logp_BN, entropy_BN = chunked_logprobs(h_BND, model.head_VD(), tokens_BT[:, t - n:])
+  logp_BN, entropy_BN = chunked_logprobs(h_BND, model.head_VD(), tokens_BT[:, t - n:],
+                                         softcap=model.cfg.logit_softcap)
   logp_BN, entropy_BN = (jnp.where(completion_mask_BN, x, 0.0) for x in (logp_BN, entropy_BN))
   loss, metrics = router_loss(model.cfg, routing, compared=routes_BTLK is not None)
   return logp_BN, entropy_BN, loss, metrics

@@ -1,0 +1,140 @@
+"""The LM head, written once: hidden states x the head's weight -> float32 logits, soft-capped.
+
+`lm_head(h, head_VD, softcap=..., product=...)` is the only place logits are made: the sampler's
+prefill and decode steps (each activation layout of jaxrl/models/layouts.py passes its own matrix
+product: rows, or [V, D] @ [D, B] feature-major on a CPU), `LanguageModel.logits`, and the
+log-probs below. Every product multiplies in the compute dtype with float32 accumulation; the
+logits are float32 and, with `softcap` > 0 (`ModelConfig.logit_softcap`, Gemma 2's final-logit
+soft-capping), `softcap * tanh(logits / softcap)`. A change to the logits is a change here, and
+the sampler and the trainer see it alike.
+
+`chunked_logprobs(h_BND, head_VD, targets_BN, softcap=...)` computes, for every position, the
+log-prob of its target token and the entropy of the next-token distribution, in chunks of
+positions along the sequence: a chunk's logits [B, n, V] live only inside its step of a loop, in
+the forward and in the backward. The backward is JAX's autodiff of one chunk under
+`jax.checkpoint`, which recomputes the chunk's logits rather than saving them for all chunks.
+Peak memory is then one chunk's logits (about `LOGITS_BUDGET` floats) instead of B x N x V:
+8 x 1024 tokens of a 152k vocabulary need 5 GB of float32 logits at once, and log-softmax, its
+exponent and their gradients as much again each (benchmarks/logprob_memory.py measures both).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+LOGITS_BUDGET = 1 << 25  # floats of one chunk's logits over the whole batch (128 MB in float32)
+
+
+def _matmul(a, b, contract: tuple):
+  """`dot_general` contracting `contract`, float32 accumulation and result: a bf16 model's
+  logits are not rounded to bf16 (and XLA:CPU runs a 152k x 896 bf16 head 6-10x faster so than
+  with a bf16 result)."""
+  return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+
+# Each product multiplies in the hidden states' dtype and casts the head itself, so that the
+# log-probs' backward returns the head's gradient in the head's own dtype (float32 for a trained
+# head), summed over the chunks in it (XLA moves the cast out of the chunks' loop).
+def rows_product(h_BTD, head_VD):
+  """[B, T, V], one 2-D product over the flattened rows (as `layouts.dense`)."""
+  b, t, d = h_BTD.shape
+  h_RD = h_BTD.reshape(b * t, d)
+  return _matmul(h_RD, head_VD.astype(h_RD.dtype), ((1,), (1,))).reshape(b, t, -1)
+
+
+def features_product(h_DB, head_VD):
+  """[V, B]: weight @ activations, the product XLA:CPU runs fastest for a decode step's few rows
+  (jaxrl/models/layouts.py)."""
+  return _matmul(head_VD.astype(h_DB.dtype), h_DB, ((1,), (0,)))
+
+
+@jax.custom_vjp
+def chunk_product(h_BnD, head_VD):
+  """[B, n, V] as one einsum: the log-probs' product, with the backward below."""
+  return jnp.einsum("bnd,vd->bnv", h_BnD, head_VD.astype(h_BnD.dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def _chunk_product_fwd(h_BnD, head_VD):
+  return chunk_product(h_BnD, head_VD), (h_BnD, head_VD)
+
+
+def _chunk_product_bwd(res, dz_BnV):
+  """The product's two transposes with the cotangent in the compute dtype: autodiff's would
+  multiply the float32 cotangent, so a bf16 model's backward would run float32 products (TF32
+  at best on a GPU) where its forward runs bf16 ones with float32 accumulation."""
+  h_BnD, head_VD = res
+  dz_BnV = dz_BnV.astype(h_BnD.dtype)
+  dh_BnD = jnp.einsum("bnv,vd->bnd", dz_BnV, head_VD.astype(h_BnD.dtype),
+                      preferred_element_type=jnp.float32)
+  dhead_VD = jnp.einsum("bnv,bnd->vd", dz_BnV, h_BnD, preferred_element_type=jnp.float32)
+  return dh_BnD.astype(h_BnD.dtype), dhead_VD.astype(head_VD.dtype)
+
+
+chunk_product.defvjp(_chunk_product_fwd, _chunk_product_bwd)
+
+
+def lm_head(h, head_VD, *, softcap: float, product: Callable = rows_product):
+  """The LM head: float32 logits of hidden states `h` (in the compute dtype) under the head's
+  weight [V, D], `product(h, head)` in the caller's layout (default: rows, [..., D] -> [..., V]),
+  soft-capped to (-softcap, softcap) where `softcap` > 0."""
+  logits = product(h, head_VD).astype(jnp.float32)
+  if softcap:
+    logits = softcap * jnp.tanh(logits / softcap)
+  return logits
+
+
+def chunk_length(batch: int, length: int, vocab: int, budget: int | None = None) -> int:
+  """Positions per chunk: as many as keep [batch, chunk, vocab] within `budget` floats
+  (default `LOGITS_BUDGET`)."""
+  budget = LOGITS_BUDGET if budget is None else budget
+  return max(1, min(length, budget // max(batch * vocab, 1)))
+
+
+def _chunk_stats(h_BnD, head_VD, targets_Bn, softcap: float):
+  """One chunk's target log-probs and entropies [B, n] from its float32 logits."""
+  logits_BnV = lm_head(h_BnD, head_VD, softcap=softcap, product=chunk_product)
+  lse_Bn = jax.nn.logsumexp(logits_BnV, axis=-1)
+  hit_BnV = jnp.arange(logits_BnV.shape[-1]) == targets_Bn[..., None]
+  logp_Bn = jnp.where(hit_BnV, logits_BnV, 0.0).sum(-1) - lse_Bn
+  p_BnV = jnp.exp(logits_BnV - lse_Bn[..., None])
+  return logp_Bn, lse_Bn - (p_BnV * logits_BnV).sum(-1)
+
+
+def _split(x_BN, n: int):
+  """[B, N, ...] -> [N / n, B, n, ...] (N padded with zeros to a multiple of n)."""
+  b, length = x_BN.shape[:2]
+  pad = -length % n
+  x_BN = jnp.pad(x_BN, [(0, 0), (0, pad)] + [(0, 0)] * (x_BN.ndim - 2))
+  return jnp.moveaxis(x_BN.reshape(b, (length + pad) // n, n, *x_BN.shape[2:]), 1, 0)
+
+
+def _join(x_CBn, length: int):
+  """The inverse of `_split`: [C, B, n, ...] -> [B, length, ...]."""
+  c, b, n = x_CBn.shape[:3]
+  return jnp.moveaxis(x_CBn, 0, 1).reshape(b, c * n, *x_CBn.shape[3:])[:, :length]
+
+
+def chunked_logprobs(h_BND, head_VD, targets_BN, *, softcap: float, chunk: int | None = None):
+  """(log p(targets_BN), entropy), each [B, N] float32, from hidden states h_BND (any compute
+  dtype) and the LM head [V, D] with its `softcap`, `chunk` positions at a time (default:
+  `chunk_length`). Differentiable: each chunk's backward recomputes its logits
+  (`jax.checkpoint`; `prevent_cse=False` as inside a loop it needs no barrier)."""
+  b, length, _ = h_BND.shape
+  n = chunk or chunk_length(b, length, head_VD.shape[0])
+  stats = jax.checkpoint(functools.partial(_chunk_stats, softcap=softcap), prevent_cse=False)
+  logp_CBn, entropy_CBn = jax.lax.map(lambda xs: stats(xs[0], head_VD, xs[1]),
+                                      (_split(h_BND, n), _split(targets_BN, n)))
+  return _join(logp_CBn, length), _join(entropy_CBn, length)
+
+
+def dense_logprobs(h_BND, head_VD, targets_BN, *, softcap: float):
+  """The same from the full [B, N, V] logits at once: the reference the tests and
+  benchmarks/logprob_memory.py compare `chunked_logprobs` with."""
+  logits_BNV = lm_head(h_BND, head_VD, softcap=softcap, product=chunk_product)
+  logp_all_BNV = jax.nn.log_softmax(logits_BNV, axis=-1)
+  logp_BN = jnp.take_along_axis(logp_all_BNV, targets_BN[..., None], axis=-1)[..., 0]
+  return logp_BN, -(jnp.exp(logp_all_BNV) * logp_all_BNV).sum(-1)
