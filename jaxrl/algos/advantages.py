@@ -4,7 +4,7 @@
 
 each reading the keyword-only parameters it declares (jaxrl/algos/registry.py) from what the
 caller has: the inputs `group_size`, `kl_BN`, `kl_coef`, `values_BN` and the hyperparameters of
-the config's `rl.advantage.name` section (`gamma`, `lam`), by those names. An entry (`Advantage`)
+the config's `rl.advantage` section (`gamma`, `lam`), by those names. An entry (`Advantage`)
 also says whether its estimator needs a critic (one is then trained) and whether it takes the KL in
 its rewards (`rl.kl.mode` must then be "reward").
 
