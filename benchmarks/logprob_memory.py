@@ -8,7 +8,7 @@ One process builds a Qwen-vocabulary model (151,936 tokens, tied HF-style head; 
 2 layers; `--dtype` its compute dtype) and a train step on `--rows` x `--tokens` tokens whose loss
 uses every position's log-prob and entropy (as SFT plus an entropy bonus does), once per
 `--variants`: `chunked`, `train.updates.forward.token_logprobs` (jaxrl/models/head.py: the LM
-head and softmax in chunks, each chunk's backward by autodiff under `jax.checkpoint`, no
+head and softmax in chunks, each chunk's logits recomputed in its backward, no
 [B, T, V] tensor forward or backward), and `full`, the model's [B, T, V] logits, log-softmax and
 entropy at once (`head.dense_logprobs`).
 For each, the step's peak memory: the rise of the process's peak resident memory while the

@@ -50,8 +50,8 @@ def _reference(h, w, t, softcap: float = 0.0):
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
 @pytest.mark.accelerator
 def test_chunked_equals_dense_values_and_gradients(chunk, softcap):
-  """Chunked (autodiff per chunk under jax.checkpoint) against head.py's full logits and
-  against autodiff of the plain formula; a cap of 2 bends these logits (std ~1) a lot."""
+  """Chunked (its hand-written backward) against autodiff of head.py's full logits and of the
+  plain formula; a cap of 2 bends these logits (std ~1) a lot."""
   h, w, t = _inputs()
   chunked = lambda h, w, t: chunked_logprobs(h, w, t, softcap=softcap, chunk=chunk)
   dense = lambda h, w, t: dense_logprobs(h, w, t, softcap=softcap)

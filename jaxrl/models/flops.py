@@ -109,7 +109,7 @@ def generate_flops(cfg: ModelConfig, prompts: int, prompt_len: int, samples: int
 
 def recomputes_logits(cfg: ModelConfig, rows: int, scored: int) -> bool:
   """Whether an update's backward computes the LM head's logits again: the chunked log-probs'
-  backward recomputes each chunk (`jax.checkpoint`, jaxrl/models/head.py), where a pass of `rows`
+  backward recomputes each chunk (its custom VJP, jaxrl/models/head.py), where a pass of `rows`
   rows takes several chunks; a single chunk's two products are one to the compiler (merged as
   equal)."""
   from jaxrl.models.head import chunk_length

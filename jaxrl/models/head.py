@@ -11,11 +11,19 @@ the sampler and the trainer see it alike.
 `chunked_logprobs(h_BND, head_VD, targets_BN, softcap=...)` computes, for every position, the
 log-prob of its target token and the entropy of the next-token distribution, in chunks of
 positions along the sequence: a chunk's logits [B, n, V] live only inside its step of a loop, in
-the forward and in the backward. The backward is JAX's autodiff of one chunk under
-`jax.checkpoint`, which recomputes the chunk's logits rather than saving them for all chunks.
-Peak memory is then one chunk's logits (about `LOGITS_BUDGET` floats) instead of B x N x V:
-8 x 1024 tokens of a 152k vocabulary need 5 GB of float32 logits at once, and log-softmax, its
-exponent and their gradients as much again each (benchmarks/logprob_memory.py measures both).
+the forward and in the backward (a custom VJP recomputes each chunk's logits with `lm_head`
+rather than saving them). Peak memory is then one chunk's logits (about `LOGITS_BUDGET` floats)
+instead of B x N x V: 8 x 1024 tokens of a 152k vocabulary need 5 GB of float32 logits at once,
+and log-softmax, its exponent and their gradients as much again each
+(benchmarks/logprob_memory.py measures both).
+
+The backward is written by hand, next to the head, rather than left to autodiff of a chunk under
+`jax.checkpoint`: measured at 8 x 1024 tokens of a 152k vocabulary on this CPU, autodiff's
+backward held 4% (float32) to 10% (bfloat16) more memory at its peak (six chunk-sized arrays
+live in its loop against four) at the same speed, and it rounds the gradients differently, so a
+run's weights would no longer be the ones it has always produced (docs/benchmarks.md). It is
+tested against autodiff of `dense_logprobs` and of the plain formula, soft cap included
+(tests/test_logprobs.py).
 """
 from __future__ import annotations
 
@@ -51,30 +59,10 @@ def features_product(h_DB, head_VD):
   return _matmul(head_VD.astype(h_DB.dtype), h_DB, ((1,), (0,)))
 
 
-@jax.custom_vjp
 def chunk_product(h_BnD, head_VD):
-  """[B, n, V] as one einsum: the log-probs' product, with the backward below."""
+  """[B, n, V] as one einsum: the log-probs' product."""
   return jnp.einsum("bnd,vd->bnv", h_BnD, head_VD.astype(h_BnD.dtype),
                     preferred_element_type=jnp.float32)
-
-
-def _chunk_product_fwd(h_BnD, head_VD):
-  return chunk_product(h_BnD, head_VD), (h_BnD, head_VD)
-
-
-def _chunk_product_bwd(res, dz_BnV):
-  """The product's two transposes with the cotangent in the compute dtype: autodiff's would
-  multiply the float32 cotangent, so a bf16 model's backward would run float32 products (TF32
-  at best on a GPU) where its forward runs bf16 ones with float32 accumulation."""
-  h_BnD, head_VD = res
-  dz_BnV = dz_BnV.astype(h_BnD.dtype)
-  dh_BnD = jnp.einsum("bnv,vd->bnd", dz_BnV, head_VD.astype(h_BnD.dtype),
-                      preferred_element_type=jnp.float32)
-  dhead_VD = jnp.einsum("bnv,bnd->vd", dz_BnV, h_BnD, preferred_element_type=jnp.float32)
-  return dh_BnD.astype(h_BnD.dtype), dhead_VD.astype(head_VD.dtype)
-
-
-chunk_product.defvjp(_chunk_product_fwd, _chunk_product_bwd)
 
 
 def lm_head(h, head_VD, *, softcap: float, product: Callable = rows_product):
@@ -95,13 +83,15 @@ def chunk_length(batch: int, length: int, vocab: int, budget: int | None = None)
 
 
 def _chunk_stats(h_BnD, head_VD, targets_Bn, softcap: float):
-  """One chunk's target log-probs and entropies [B, n] from its float32 logits."""
+  """One chunk's float32 logits [B, n, V] (the head's), their log-sum-exp, softmax and target
+  one-hot, and the targets' log-probs and the entropy [B, n]."""
   logits_BnV = lm_head(h_BnD, head_VD, softcap=softcap, product=chunk_product)
   lse_Bn = jax.nn.logsumexp(logits_BnV, axis=-1)
   hit_BnV = jnp.arange(logits_BnV.shape[-1]) == targets_Bn[..., None]
   logp_Bn = jnp.where(hit_BnV, logits_BnV, 0.0).sum(-1) - lse_Bn
   p_BnV = jnp.exp(logits_BnV - lse_Bn[..., None])
-  return logp_Bn, lse_Bn - (p_BnV * logits_BnV).sum(-1)
+  entropy_Bn = lse_Bn - (p_BnV * logits_BnV).sum(-1)
+  return logits_BnV, lse_Bn, p_BnV, hit_BnV, logp_Bn, entropy_Bn
 
 
 def _split(x_BN, n: int):
@@ -118,17 +108,59 @@ def _join(x_CBn, length: int):
   return jnp.moveaxis(x_CBn, 0, 1).reshape(b, c * n, *x_CBn.shape[3:])[:, :length]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked(h_BND, head_VD, targets_BN, n: int, softcap: float):
+  head_VD = head_VD.astype(h_BND.dtype)  # once, not in every chunk's step
+  step = lambda xs: _chunk_stats(xs[0], head_VD, xs[1], softcap)[4:]
+  logp_CBn, entropy_CBn = jax.lax.map(step, (_split(h_BND, n), _split(targets_BN, n)))
+  return _join(logp_CBn, h_BND.shape[1]), _join(entropy_CBn, h_BND.shape[1])
+
+
+def _fwd(h_BND, head_VD, targets_BN, n: int, softcap: float):
+  return _chunked(h_BND, head_VD, targets_BN, n, softcap), (h_BND, head_VD, targets_BN)
+
+
+def _bwd(n: int, softcap: float, res, grads):
+  """Recomputes each chunk's logits z and turns the cotangents of (logp, entropy) into the
+  chunk's hidden-state gradient and its share of the head's: d logp(y) / dz = onehot(y) - p,
+  d H / dz = -p (log p + H), and through the soft cap z = c tanh(y / c), dz / dy = 1 - (z / c)^2."""
+  h_BND, head_VD, targets_BN = res
+  g_logp_BN, g_entropy_BN = grads
+  head_dt_VD = head_VD.astype(h_BND.dtype)  # once, not in every chunk's step
+
+  def step(dhead_VD, xs):
+    h_BnD, targets_Bn, g_logp_Bn, g_ent_Bn = xs
+    logits_BnV, lse_Bn, p_BnV, hit_BnV, _, entropy_Bn = _chunk_stats(h_BnD, head_dt_VD,
+                                                                      targets_Bn, softcap)
+    logp_BnV = logits_BnV - lse_Bn[..., None]
+    dz_BnV = (g_logp_Bn[..., None] * (hit_BnV - p_BnV)
+              - g_ent_Bn[..., None] * p_BnV * (logp_BnV + entropy_Bn[..., None]))
+    if softcap:
+      dz_BnV = dz_BnV * (1.0 - jnp.square(logits_BnV / softcap))
+    # Both products in the compute dtype with float32 accumulation, as the forward's (a bf16
+    # model's backward would otherwise run float32 matrix products: TF32 at best on a GPU).
+    dt = h_BnD.dtype
+    dz_BnV = dz_BnV.astype(dt)
+    dh_BnD = jnp.einsum("bnv,vd->bnd", dz_BnV, head_dt_VD, preferred_element_type=jnp.float32)
+    dhead_VD = dhead_VD + jnp.einsum("bnv,bnd->vd", dz_BnV, h_BnD,
+                                     preferred_element_type=jnp.float32)
+    return dhead_VD, dh_BnD.astype(dt)
+
+  xs = (_split(h_BND, n), _split(targets_BN, n), _split(g_logp_BN, n), _split(g_entropy_BN, n))
+  dhead_VD, dh_CBnD = jax.lax.scan(step, jnp.zeros(head_VD.shape, jnp.float32), xs)
+  return _join(dh_CBnD, h_BND.shape[1]), dhead_VD.astype(head_VD.dtype), None
+
+
+_chunked.defvjp(_fwd, _bwd)
+
+
 def chunked_logprobs(h_BND, head_VD, targets_BN, *, softcap: float, chunk: int | None = None):
   """(log p(targets_BN), entropy), each [B, N] float32, from hidden states h_BND (any compute
   dtype) and the LM head [V, D] with its `softcap`, `chunk` positions at a time (default:
-  `chunk_length`). Differentiable: each chunk's backward recomputes its logits
-  (`jax.checkpoint`; `prevent_cse=False` as inside a loop it needs no barrier)."""
+  `chunk_length`)."""
   b, length, _ = h_BND.shape
   n = chunk or chunk_length(b, length, head_VD.shape[0])
-  stats = jax.checkpoint(functools.partial(_chunk_stats, softcap=softcap), prevent_cse=False)
-  logp_CBn, entropy_CBn = jax.lax.map(lambda xs: stats(xs[0], head_VD, xs[1]),
-                                      (_split(h_BND, n), _split(targets_BN, n)))
-  return _join(logp_CBn, length), _join(entropy_CBn, length)
+  return _chunked(h_BND, head_VD, targets_BN, n, float(softcap))
 
 
 def dense_logprobs(h_BND, head_VD, targets_BN, *, softcap: float):
