@@ -30,9 +30,9 @@ MLP_ACTIVATIONS = {"silu": jax.nn.silu,
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  # llama | qwen2 | qwen3 | qwen3_moe | gemma3 (FAMILIES): the block options (Qwen2's q/k/v biases,
-  # Qwen3's q/k norms, Gemma's offset and sandwich norms, GeGLU and embedding scale) and the
-  # checkpoints' architecture and tensor names
+  # A `FAMILIES` name (jaxrl/models/families.py): the block options its entry names (Qwen2's
+  # q/k/v biases, Qwen3's q/k norms, Gemma's offset and sandwich norms, GeGLU and embedding
+  # scale) and the checkpoints' architecture and tensor names
   family: str = "llama"
   vocab_size: int = 264
   d_model: int = 128

@@ -233,16 +233,15 @@ def test_a_runs_user_code_processes_are_its_own_and_stop_with_it():
   """A run's processes of user code (train/task/task.py: `UserProcesses`, its RunContext's):
   two runs in one process share no worker, and closing one stops its reward workers and
   environment hosts while the other's go on."""
-  from jaxrl.config import RLConfig
+  from jaxrl.config_rl import UserCodeConfig
   from jaxrl.data.tokenizer import ByteTokenizer
   from train.task.task import UserProcesses
-  rl = RLConfig(environment="test_user_code:Flaky", user_code_workers=1, user_code_timeout_s=5.0,
-                user_code_memory_gb=2.0)
-  spec = f"{__name__}:worker_pid"
+  limits = UserCodeConfig(workers=1, timeout_s=5.0, memory_gb=2.0)
+  spec, env = f"{__name__}:worker_pid", "test_user_code:Flaky"
   first, second = UserProcesses(), UserProcesses()
   with second:
-    pools = [first.pool(rl, spec), second.pool(rl, spec)]
-    hosts = [first.hosts(rl, ByteTokenizer()), second.hosts(rl, ByteTokenizer())]
+    pools = [first.pool(limits, spec), second.pool(limits, spec)]
+    hosts = [p.hosts(limits, env, ByteTokenizer(), "exact_match") for p in (first, second)]
     pids = [pool.results([pool.submit(spec)])[0][0] for pool in pools]
     assert pids[0] != pids[1] and os.getpid() not in pids
     assert [h.new().reset(None) for h in hosts] == [[7], [7]]
@@ -252,7 +251,7 @@ def test_a_runs_user_code_processes_are_its_own_and_stop_with_it():
       pools[0].submit(spec)
     assert not hosts[0].hosts[0].process.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
-      first.pool(rl, spec)
+      first.pool(limits, spec)
     assert pools[1].results([pools[1].submit(spec)])[0][0] == pids[1]  # the same worker
     assert hosts[1].new().reset(None) == [7]
   assert not hosts[1].hosts[0].process.is_alive()

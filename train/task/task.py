@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, ExperimentConfig, first_line
-from jaxrl.config_rl import RLConfig
+from jaxrl.config_rl import RLConfig, UserCodeConfig
 from jaxrl.data.files import DataError
 from jaxrl.data.pipeline import Encoding, prompt_dataset, prompt_length, target_length
 from jaxrl.data.sources import DataOptions, load_examples
@@ -64,16 +64,17 @@ class UserProcesses:
     self._started: list = []  # what `close` stops (each has its own close())
     self._closer = weakref.finalize(self, _close_all, self._started, self._lock)
 
-  def pool(self, rl: RLConfig, spec: str) -> UserCodePool:
-    """Worker processes running the function `spec` under `rl`'s limits."""
-    return self._own(UserCodePool(workers=rl.user_code.workers, timeout_s=rl.user_code.timeout_s,
-                                  memory_gb=rl.user_code.memory_gb, preload=(spec,)))
+  def pool(self, limits: UserCodeConfig, spec: str) -> UserCodePool:
+    """Worker processes running the function `spec` under `limits` (`rl.user_code`)."""
+    return self._own(UserCodePool(workers=limits.workers, timeout_s=limits.timeout_s,
+                                  memory_gb=limits.memory_gb, preload=(spec,)))
 
-  def hosts(self, rl: RLConfig, tok: Tokenizer) -> EnvHosts:
-    """Host processes of the environment class `rl.environment.name`, for tokenizer `tok`."""
-    return self._own(EnvHosts(rl.environment.name, tok, rl.verifier, workers=rl.user_code.workers,
-                              timeout_s=rl.user_code.timeout_s,
-                              memory_gb=rl.user_code.memory_gb))
+  def hosts(self, limits: UserCodeConfig, spec: str, tok: Tokenizer,
+            verifier: str) -> EnvHosts:
+    """Host processes of the environment class `spec` under `limits`, for tokenizer `tok` (and
+    the run's `verifier`, which the class is constructed with)."""
+    return self._own(EnvHosts(spec, tok, verifier, workers=limits.workers,
+                              timeout_s=limits.timeout_s, memory_gb=limits.memory_gb))
 
   def _own(self, started):
     with self._lock:
@@ -123,7 +124,7 @@ def make_reward(name: str, processes: UserProcesses, rl: RLConfig | None = None,
   except RewardFnError as e:
     raise ConfigError(f"config.rl.verifier: {e}") from None
   rl = rl or RLConfig()
-  pool = processes.pool(rl, name)
+  pool = processes.pool(rl.user_code, name)
 
   def reward(prompts, completions, examples):
     return call_reward_fn(fn, prompts, completions,
@@ -240,7 +241,7 @@ def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData,
     if rl.environment.name in ENVIRONMENTS:
       factory(tok, task.verifier)
       return lambda: factory(tok, task.verifier)
-    hosts = processes.hosts(rl, tok)
+    hosts = processes.hosts(rl.user_code, rl.environment.name, tok, rl.verifier)
     hosts.new()
   except (EnvError, SandboxUnavailable) as e:
     raise ConfigError(f"config.rl.environment.name: {e}") from None
