@@ -13,13 +13,13 @@ import pytest
 from flax import nnx
 
 from jaxrl.data.tokenizer import ByteTokenizer
-from jaxrl.models.decoding import LMDecoding
 from jaxrl.models.families import FAMILIES, BlockOptions, Family
 from jaxrl.models.hf import model_config_from_hf
 from jaxrl.models.hf_config import hf_config_dict
-from jaxrl.models.transformer import LanguageModel, positions_from_valid
+from jaxrl.models.transformer import LanguageModel
 from sampler.engine import generate
 from sampler.methods import SamplingConfig
+from model_checks import assert_decoding_matches_forward, perturbed
 from train.updates.forward import completion_logprobs
 
 # Gemma's four behaviours, one at a time
@@ -28,33 +28,6 @@ ONE_OPTION = {"norm_offset": dict(norm_offset=True), "sandwich_norms": dict(sand
               "scale_embedding": dict(scale_embedding=True)}
 
 
-def _perturbed(cfg):
-  """A model of `cfg` with every parameter moved off its init (norm scales, offsets too)."""
-  graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
-  keys = iter(jax.random.split(jax.random.key(3), 100))
-  return graphdef, jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape),
-                                params)
-
-
-def _assert_decoding_matches_forward(model):
-  """The sampler's prefill and one-token steps (both layouts) against the full forward."""
-  rng = np.random.default_rng(4)
-  b, p, n = 2, 5, 4
-  tokens_BT = jnp.asarray(rng.integers(0, 256, (b, p + n)), jnp.int32)
-  valid_BT = jnp.ones((b, p + n), bool).at[0, :2].set(False)
-  pos_BT = positions_from_valid(valid_BT)
-  full_BTV = model(tokens_BT, pos_BT, valid_BT)[0]
-  dec = LMDecoding.of(model)
-  logits_BV, cache, _ = dec.prefill(tokens_BT[:, :p], valid_BT[:, :p])
-  np.testing.assert_allclose(logits_BV, full_BTV[:, p - 1], atol=1e-4)
-  sin_BTH, cos_BTH = dec.rope(pos_BT)
-  for layout in ("rows", "features"):
-    step_cache, step = dec.grow_cache(cache, p + n), jax.jit(dec.decode_fn(layout))
-    for i in range(p, p + n):
-      logits_BV, step_cache, _ = step(tokens_BT[:, i], (sin_BTH[:, i], cos_BTH[:, i]),
-                                      valid_BT, step_cache, i)
-      np.testing.assert_allclose(logits_BV, full_BTV[:, i], atol=1e-4, err_msg=layout)
-  return full_BTV, (tokens_BT, pos_BT, valid_BT)
 
 
 @pytest.mark.parametrize("option", sorted(ONE_OPTION))
@@ -67,8 +40,8 @@ def test_a_family_with_one_gemma_block_option(tiny_cfg, monkeypatch, option):
                                              BlockOptions(**ONE_OPTION[option])))
   cfg = dataclasses.replace(tiny_cfg, family=name)
   assert cfg.block == BlockOptions(**ONE_OPTION[option])
-  graphdef, params = _perturbed(cfg)
-  logits_BTV, batch = _assert_decoding_matches_forward(nnx.merge(graphdef, params))
+  graphdef, params = perturbed(cfg)
+  logits_BTV, batch = assert_decoding_matches_forward(nnx.merge(graphdef, params))
   llama_graphdef, llama_params = nnx.split(LanguageModel(tiny_cfg, rngs=nnx.Rngs(0)))
   if option == "sandwich_norms":
     sandwich = {"post_attn_norm", "post_mlp_norm"}

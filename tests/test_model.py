@@ -5,11 +5,11 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import LanguageModel, ModelConfig, RewardModel, ValueModel, init_kv_cache
-from jaxrl.models.decoding import LMDecoding
 from jaxrl.models.layouts import FEATURES
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.models.rope import rope_table
 from jaxrl.models.transformer import positions_from_valid
+from model_checks import assert_decoding_matches_forward, perturbed
 
 
 def _forward(model, tokens_BT, valid_BT=None):
@@ -129,23 +129,4 @@ def test_decoding_protocol_matches_forward(tiny_cfg, variant):
   "lora": LoRA adapters on every projection of a Qwen2-style model, B away from zero)."""
   lora = LoRAConfig(rank=4, alpha=8.0) if variant == "lora" else None
   cfg = ModelConfig(**{**tiny_cfg.__dict__, **VARIANTS["qwen2" if lora else variant]})
-  graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0), lora=lora))
-  keys = iter(jax.random.split(jax.random.key(3), 100))
-  params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape), params)
-  model = nnx.merge(graphdef, params)
-  rng = np.random.default_rng(4)
-  b, p, n = 2, 5, 4
-  tokens_BT = jnp.asarray(rng.integers(0, 256, (b, p + n)), jnp.int32)
-  valid_BT = jnp.ones((b, p + n), bool).at[0, :2].set(False)
-  pos_BT = positions_from_valid(valid_BT)
-  full_BTV = model(tokens_BT, pos_BT, valid_BT)[0]
-  dec = LMDecoding.of(model)
-  logits_BV, cache, _ = dec.prefill(tokens_BT[:, :p], valid_BT[:, :p])
-  np.testing.assert_allclose(logits_BV, full_BTV[:, p - 1], atol=1e-4)
-  sin_BTH, cos_BTH = dec.rope(pos_BT)
-  for layout in ("rows", "features"):
-    step_cache, step = dec.grow_cache(cache, p + n), jax.jit(dec.decode_fn(layout))
-    for i in range(p, p + n):
-      logits_BV, step_cache, _ = step(tokens_BT[:, i], (sin_BTH[:, i], cos_BTH[:, i]),
-                                      valid_BT, step_cache, i)
-      np.testing.assert_allclose(logits_BV, full_BTV[:, i], atol=1e-4, err_msg=layout)
+  assert_decoding_matches_forward(nnx.merge(*perturbed(cfg, lora)))
