@@ -11,39 +11,34 @@ weights differently from the trainer's, `jax.device_put` routes the copy through
 
 A run's `HostTransfers` is its RunContext's (train/stages/context.py), handed to the pieces that
 move data to or from the host; `record()` is the bytes each name moved. The executors' threads
-count into it at once, so the counts are kept under a lock.
+count into it at once (a `Tally`).
 """
 from __future__ import annotations
 
-import collections
 import contextlib
-import threading
 
 import jax
 import numpy as np
 
 from sharding.reshard import fetch, send
+from train.io.tally import Tally
 
 
 class HostTransfers:
   """Named host transfers and the bytes each name moved, counted from any thread."""
 
   def __init__(self):
-    self._lock = threading.Lock()
-    self._bytes: collections.Counter = collections.Counter()  # name -> bytes moved
+    self._bytes = Tally()  # name -> bytes moved
 
   def count(self, what: str, nbytes: int) -> None:
-    with self._lock:
-      self._bytes[what] += int(nbytes)
+    self._bytes.add({what: int(nbytes)})
 
   def record(self) -> dict[str, int]:
     """{name: bytes moved} so far (a copy)."""
-    with self._lock:
-      return dict(self._bytes)
+    return self._bytes.snapshot()
 
   def clear(self) -> None:
-    with self._lock:
-      self._bytes.clear()
+    self._bytes.clear()
 
   def to_host(self, tree, what: str):
     """Device arrays -> numpy (on every process, whole)."""

@@ -27,11 +27,9 @@ its Generator's (train/rollout/generator.py), closed with it.
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -43,6 +41,7 @@ from sampler.requests import WIDTH_STEP, Request
 from sampler.sampler import Sampler
 from sharding.rules import batch_ways
 from train.io.host_transfers import HostTransfers
+from train.io.tally import Tally
 
 
 @dataclasses.dataclass
@@ -125,22 +124,18 @@ class MultiTurn:
     self.transfers = HostTransfers() if transfers is None else transfers
     self._steppers = concurrent.futures.ThreadPoolExecutor(threads,
                                                            thread_name_prefix="env-step")
-    self._lock = threading.Lock()
-    self._stats: collections.Counter = collections.Counter()
+    self._stats = Tally()
     self.closed = False
 
   def count(self, counts: Mapping[str, int]) -> None:
-    with self._lock:
-      self._stats.update(counts)
+    self._stats.add(counts)
 
   def stats(self) -> dict[str, int]:
     """What the conversations decoded so far (a copy)."""
-    with self._lock:
-      return dict(self._stats)
+    return self._stats.snapshot()
 
   def clear_stats(self) -> None:
-    with self._lock:
-      self._stats.clear()
+    self._stats.clear()
 
   def close(self) -> None:
     """Stops the threads (after the steps they run); later replies raise RuntimeError."""

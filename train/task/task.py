@@ -3,7 +3,6 @@ encoding, the RL prompt batches, and its reward (a verifier, or a user's functio
 which `Judge` applies to rollouts; `UserProcesses`, a run's processes of user code."""
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import threading
@@ -29,6 +28,7 @@ from jaxrl.rewards.user import RewardFnError, call_reward_fn, load_reward_fn
 from jaxrl.rewards.verifier import VERIFIERS
 from jaxrl.user_code import UserCodePool, UserCodeTimeout, WorkerDied
 from train.io.host_transfers import HostTransfers
+from train.io.tally import Tally
 
 log = logging.getLogger("jaxrl")
 # (prompts, completions, examples) -> [B] float32 rewards
@@ -49,7 +49,7 @@ class TaskData:
   prompts: grain.MapDataset  # RL prompt batches, read by index (the data position)
   skipped: dict  # bad rows skipped, by reason (the summary's data_skipped_rows)
   # Calls of user code scored 0 or ended (rl.user_code.on_error="zero"): "reward", "environment"
-  user_code_errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  user_code_errors: Tally = dataclasses.field(default_factory=Tally)
   user_code: bool = False  # a user's reward function or environment runs (contained)
 
 
@@ -201,7 +201,7 @@ def load_task(cfg: ExperimentConfig, tok: Tokenizer, processes: UserProcesses) -
       log.warning("data: skipped %d rows (%s)", n, what)
   else:
     (train, heldout), skipped = _synthetic(cfg, enc), {}
-  errors = collections.Counter()  # user code that misbehaved, under the "zero" policy
+  errors = Tally()  # user code that misbehaved, under the "zero" policy
   reward, verifier = make_reward(cfg.rl.verifier, processes, cfg.rl, counter(errors, "reward"))
   p_len, buckets = cfg.data.max_prompt_tokens, cfg.rl.batching.length_buckets
   if buckets:  # the buckets split the lengths that occur: up to the data's longest prompt
@@ -214,16 +214,10 @@ def load_task(cfg: ExperimentConfig, tok: Tokenizer, processes: UserProcesses) -
                   user_code=":" in cfg.rl.verifier or ":" in cfg.rl.environment.name)
 
 
-_COUNTING = threading.Lock()
-
-
-def counter(errors: collections.Counter, name: str) -> Callable[[int], None]:
+def counter(errors: Tally, name: str) -> Callable[[int], None]:
   """`report(n)` adding n to `errors[name]`, from any thread (a turn's environments, and the
   verifiers they call, step in threads: multiturn.py)."""
-  def report(n: int) -> None:
-    with _COUNTING:
-      errors.update({name: n})
-  return report
+  return lambda n: errors.add({name: n})
 
 
 def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData,
