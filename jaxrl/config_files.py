@@ -70,7 +70,8 @@ OLD_RL_FIELDS = {
                                                 "keep_turn_cache")},
     "user_code_timeout_s": ("user_code", "timeout_s"),
     "on_user_code_error": ("user_code", "on_error"),
-    "user_code_workers": ("user_code", "workers"), "user_code_memory_gb": ("user_code", "memory_gb"),
+    "user_code_workers": ("user_code", "workers"),
+    "user_code_memory_gb": ("user_code", "memory_gb"),
 }
 
 

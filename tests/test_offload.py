@@ -97,7 +97,8 @@ def test_resume_from_a_host_checkpoint(runs, tmp_path):
 
 @pytest.mark.parametrize("changes, words", [
     ({"placement": {"offload": "optimizer,weights"}}, "offload: expected a comma-separated"),
-    ({"placement": {"offload": "all", "strategy": "separate"}, "rl": {"schedule": {"mode": "async"}}},
+    ({"placement": {"offload": "all", "strategy": "separate"},
+      "rl": {"schedule": {"mode": "async"}}},
      "placement.offload"),
 ])
 def test_bad_offload_is_one_line(changes, words):

@@ -8,7 +8,8 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrl.config_rl import BatchingConfig, CorrectionConfig, KLConfig, LossConfig, RLConfig, RolloutConfig
+from jaxrl.config_rl import (BatchingConfig, CorrectionConfig, KLConfig, LossConfig, RLConfig,
+                             RolloutConfig)
 from jaxrl.algos.losses import AGGREGATIONS, POLICY_LOSSES, aggregation_weights
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import LanguageModel

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.config_rl import AdvantageConfig, BatchingConfig, CorrectionConfig, CriticConfig, KLConfig, LossConfig, RLConfig
+from jaxrl.config_rl import (AdvantageConfig, BatchingConfig, CorrectionConfig, CriticConfig,
+                             KLConfig, LossConfig, RLConfig)
 from jaxrl.algos.losses import aggregation_weights
 from jaxrl.data.pipeline import Encoding
 from jaxrl.data.preferences import Pair, pair_batch, pair_lengths

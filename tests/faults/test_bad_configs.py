@@ -16,14 +16,17 @@ CASES = [
      "'eps_high'?"),
     (["--config.rl.zzz=3"], "config.rl.zzz: unknown field, and none of the section's"),
     (["--config.rl.steps=abc"], "flag --config.rl.steps=abc: invalid literal for int()"),
-    (["--config.rl.schedule.mode=asyncc"], "config.rl.schedule.mode: expected one of ['async', 'sync'], got 'asyncc'"),
+    (["--config.rl.schedule.mode=asyncc"],
+     "config.rl.schedule.mode: expected one of ['async', 'sync'], got 'asyncc'"),
     (["--config.rl.rollout.temperature=0"], "config.rl.rollout.temperature: expected > 0, got 0.0"),
     (["--config.seed=-1"], "config.seed: expected >= 0, got -1"),
     (["--config.model.d_model=0"], "config.model.d_model: expected > 0, got 0"),
     (["--config.model.n_heads=3"], "config.model.n_heads: 3 must be a multiple of n_kv_heads=2"),
-    (["--config.rl.rollout.max_new_tokens=2"], "config.rl.rollout.max_new_tokens: the task 'reverse' needs 6 "
+    (["--config.rl.rollout.max_new_tokens=2"],
+     "config.rl.rollout.max_new_tokens: the task 'reverse' needs 6 "
      "tokens, got 2"),
-    (["--config.rl.prompts_per_step=3"], "config.rl.batching.num_minibatches: prompts_per_step*group_size"
+    (["--config.rl.prompts_per_step=3"],
+     "config.rl.batching.num_minibatches: prompts_per_step*group_size"
      "=6 must split into 2 minibatches divisible by the trainer's 4-way batch split"),
     (["--config.placement.strategy=pipeline"], "config.placement.strategy: expected one of "
      "['colocate', 'interleave', 'plan', 'separate'], got 'pipeline'"),
@@ -34,7 +37,8 @@ CASES = [
      "decoder/blocks/0/attn/wk (dimension 3); set placement.sampler_tensor to a divisor of 3"),
     (["--config.rl.schedule.mode=async", "--config.placement.strategy=colocate"],
      "config.rl.schedule.mode: async needs the sampler on devices of its own"),
-    (["--config.rl.schedule.partial_rollouts=True"], "config.rl.schedule.partial_rollouts: needs mode='async'"),
+    (["--config.rl.schedule.partial_rollouts=True"],
+     "config.rl.schedule.partial_rollouts: needs mode='async'"),
     (["--config.rl.reward=reward_model", "--config.reward_model.steps=0"],
      "config.reward_model.steps: rl.reward='reward_model' needs a trained reward model"),
     (["--config.task.name=chess"], "config.task.name: expected one of"),

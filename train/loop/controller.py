@@ -47,12 +47,12 @@ class Controller:
     self.executors = Executors(cluster, timeline, reward_model=cfg.rl.reward == "reward_model",
                                critic_mesh=None if critic is None else critic.role.mesh)
     self.rollouts = RolloutSource(cfg, generator, cluster.sampler_weights, task.prompts,
-                             prompt_len=task.prompt_len, timeline=timeline,
-                             run=self.executors.generator, next_index=next_index)
-    if cfg.rl.batching.pack_length and cfg.rl.batching.pack_length < task.prompt_len + cfg.rl.rollout.max_new_tokens:
-      raise ConfigError(
-          f"config.rl.batching.pack_length: at least a row's {task.prompt_len} prompt + "
-          f"{cfg.rl.rollout.max_new_tokens} new tokens, got {cfg.rl.batching.pack_length}")
+                                  prompt_len=task.prompt_len, timeline=timeline,
+                                  run=self.executors.generator, next_index=next_index)
+    pack, new = cfg.rl.batching.pack_length, cfg.rl.rollout.max_new_tokens
+    if pack and pack < task.prompt_len + new:
+      raise ConfigError(f"config.rl.batching.pack_length: at least a row's {task.prompt_len} "
+                        f"prompt + {new} new tokens, got {pack}")
     self.scoring = Scoring(cfg.rl, cluster, actor, critic, judge, self.executors,
                            transfers=transfers)
     items = offload_items(cfg.placement.offload)

@@ -209,9 +209,9 @@ def check_batch_sizes(cfg: ExperimentConfig, cluster: RoleCluster) -> None:
   rl = cfg.rl
   if rl.rollouts % (rl.batching.num_minibatches * train):
     raise ConfigError(
-        f"config.rl.batching.num_minibatches: prompts_per_step*group_size={rl.rollouts} must split into "
-        f"{rl.batching.num_minibatches} minibatches divisible by the trainer's {train}-way "
-        "batch split")
+        f"config.rl.batching.num_minibatches: prompts_per_step*group_size={rl.rollouts} must "
+        f"split into {rl.batching.num_minibatches} minibatches divisible by the trainer's "
+        f"{train}-way batch split")
   checks = [("config.sft.batch_size", cfg.sft.batch_size, train),
             ("config.rl.batching.micro_batch_size", rl.batching.micro_batch_size, train),
             ("config.rl.prompts_per_step", rl.prompts_per_step, sampler),

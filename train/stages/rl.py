@@ -59,7 +59,8 @@ class RLStage(Stage):
     self.lags: list[int] = []  # generated tokens trained on, by policy lag (async)
     self.controller: Controller | None = None
     self.wall0: float | None = None  # when this process's first RL step began
-    self._worker_state = None  # the async worker's state from a checkpoint, until the controller takes it
+    # The async worker's state from a checkpoint, until the controller takes it
+    self._worker_state = None
     self._paused = None  # while a checkpoint is taken: the generator's state
 
   def eval_due(self, done: int) -> bool:

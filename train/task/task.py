@@ -159,7 +159,8 @@ def _synthetic(cfg: ExperimentConfig, enc: Encoding) -> tuple[list, list]:
     raise ConfigError(f"config.{e}") from None
   for field, limit, need in [
       ("data.max_prompt_tokens", cfg.data.max_prompt_tokens, prompt_length(train + heldout, enc)),
-      ("rl.rollout.max_new_tokens", cfg.rl.rollout.max_new_tokens, target_length(train + heldout, enc))]:
+      ("rl.rollout.max_new_tokens", cfg.rl.rollout.max_new_tokens,
+       target_length(train + heldout, enc))]:
     if need > limit:
       raise ConfigError(f"config.{field}: the task {t.name!r} needs {need} tokens, got {limit}")
   return train, heldout
