@@ -65,10 +65,10 @@ def chunk_product(h_BnD, head_VD):
                     preferred_element_type=jnp.float32)
 
 
-def lm_head(h, head_VD, *, softcap: float, product: Callable = rows_product):
+def lm_head(h, head_VD, *, softcap: float, product: Callable):
   """The LM head: float32 logits of hidden states `h` (in the compute dtype) under the head's
-  weight [V, D], `product(h, head)` in the caller's layout (default: rows, [..., D] -> [..., V]),
-  soft-capped to (-softcap, softcap) where `softcap` > 0."""
+  weight [V, D], `product(h, head)` in the caller's layout (`rows_product`, `features_product`,
+  `chunk_product`), soft-capped to (-softcap, softcap) where `softcap` > 0."""
   logits = product(h, head_VD).astype(jnp.float32)
   if softcap:
     logits = softcap * jnp.tanh(logits / softcap)

@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import jax
 
-from jaxrl.config import ExperimentConfig, RLConfig
+from jaxrl.config import ExperimentConfig
+from jaxrl.config_rl import RLConfig
 from sampler.stream import StreamGeometry
 from train.io.timeline import Timeline
 from train.roles.sampler_weights import SamplerWeights
