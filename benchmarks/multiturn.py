@@ -107,8 +107,10 @@ def generate_batches(exp, partial: bool, batches: int) -> dict:
   import jax
   import numpy as np
 
-  from sampler.stream import StreamGeometry
+  import dataclasses
+
   from train.rollout.generator import rollout_key
+  from train.rollout.source import stream_geometry
   gen, task, rl = exp.ctx.generator, exp.ctx.task, exp.cfg.rl
   params = exp.ctx.cluster.sampler_weights.fresh()
   key = lambda i: rollout_key(exp.cfg.seed, i)
@@ -117,9 +119,10 @@ def generate_batches(exp, partial: bool, batches: int) -> dict:
     rollouts = [jax.block_until_ready(gen.sample(params, task.prompts[i], key(i)))
                 for i in range(batches)]
   else:
-    geometry = StreamGeometry(slots=rl.rollout.inflight_slots, rows=rl.rollouts, live=2,
-                              prompt_width=task.prompt_len,
-                              max_new_tokens=rl.rollout.max_new_tokens, conversations=True)
+    # The stream the async run with partial rollouts builds (this run is sync: no generator
+    # thread competes with the measured calls).
+    schedule = dataclasses.replace(rl.schedule, mode="async", partial_rollouts=True)
+    geometry = stream_geometry(dataclasses.replace(rl, schedule=schedule), task.prompt_len)
     stream = gen.stream(params, geometry)
     while len(rollouts) < batches:
       rollouts += [r for _, r in stream.poll()]
