@@ -47,10 +47,10 @@ def _strings(node) -> list[str]:
   return []
 
 
-def name_comparisons(path: pathlib.Path) -> list[str]:
+def name_comparisons(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
   """`path:line registry 'name' compared with <setting>` for each ==, !=, in, not in of a
   setting (an expression naming the registry's setting) with one of a registry's names."""
-  found, rel = [], str(path.relative_to(ROOT))
+  found, rel = [], str(path.relative_to(root))
   for node in ast.walk(ast.parse(path.read_text(), rel)):
     if not isinstance(node, ast.Compare) or not all(
         isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
@@ -79,12 +79,7 @@ def test_the_check_finds_a_comparison(tmp_path):
   src.parent.mkdir()
   src.write_text('if cfg.rl.advantage.name == "gae":\n  pass\n'
                  'fixed = cfg.rl.schedule.name in ("fixed",)\nok = args.lengths == "fixed"\n')
-  global ROOT
-  old, ROOT = ROOT, tmp_path
-  try:
-    found = name_comparisons(src)
-  finally:
-    ROOT = old
+  found = name_comparisons(src, tmp_path)
   assert [f.split(" ")[1] for f in found] == ["ADVANTAGES", "SCHEDULES"]
 
 
