@@ -50,10 +50,24 @@ def _start(argv: list[str]):
     cfg = with_gin(raw, gin_files, gin_params)
     if opts["dry_run"]:
       return _dry_run(cfg, opts["target"], opts["target_json"])
+    if _serves_the_generator(cfg):
+      from train.run.generator_host import serve
+      return serve(cfg)
     return Experiment(cfg, resume_run=opts["resume"] or opts["resume_or_start"],
                       start_if_none=opts["resume_or_start"])
   except ConfigError as e:
     return fail(str(e))
+
+
+def _serves_the_generator(cfg) -> bool:
+  """A process the placement gives only to the sampler (train/rollout/remote.py)."""
+  import jax
+  if jax.process_count() == 1:
+    return False
+  from jaxrl.config_files import resolve
+  from train.roles.cluster import config_split
+  split = config_split(resolve(cfg))
+  return split is not None and split.here == "generator"
 
 
 def _dry_run(cfg, target: str, target_json: str) -> int:

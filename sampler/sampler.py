@@ -100,8 +100,6 @@ class Sampler:
       fn = _jit_static(self.graphdef, self.cfg, n=self.n, mesh=self.mesh, rules=self.rules,
                        param_shardings=self.param_shardings,
                        on_trace=lambda: self._traced.append(None))
-    elif jax.process_count() > 1:
-      raise ValueError("in-flight batching runs in one process; set 0 for multi-host runs")
     else:
       fn = jit_inflight(self.graphdef, self.cfg, slots=self.inflight_slots, n=self.n,
                         mesh=self.mesh, rules=self.rules)

@@ -7,11 +7,21 @@
             gloo collectives.
 A peer that dies is detected by the coordination service's heartbeat, so the survivors stop with
 an error after `heartbeat_timeout_s` instead of hanging.
+
+Arrays cross between meshes on disjoint processes (sharding/crossing.py) through the backend's
+transfer server; on the CPU it needs a socket of its own per process: JAXRL_TRANSFER_ADDRESS
+(host:port), by default this host's address at the coordinator's port + 1 + the process id.
+`agree` gives every caller process 0's value of a small decision (save now? stop? the run's
+timestamp) through the coordination service's key-value store: no device takes part, so the
+processes of another role group, busy with their own programs, never have to join.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 import os
+import socket
 
 import jax
 
@@ -23,6 +33,7 @@ class DistributedConfig:
   process_id: int = 0
   initialization_timeout_s: int = 120
   heartbeat_timeout_s: int = 30
+  transfer_address: str = ""  # host:port of this process's transfer server (CPU); "" = derived
 
 
 def _auto_detectable() -> bool:
@@ -36,7 +47,19 @@ def from_env(cfg: DistributedConfig = DistributedConfig()) -> DistributedConfig:
   return dataclasses.replace(
       cfg, coordinator=env.get("JAXRL_COORDINATOR", cfg.coordinator),
       num_processes=int(env.get("JAXRL_NUM_PROCESSES", cfg.num_processes)),
-      process_id=int(env.get("JAXRL_PROCESS_ID", cfg.process_id)))
+      process_id=int(env.get("JAXRL_PROCESS_ID", cfg.process_id)),
+      transfer_address=env.get("JAXRL_TRANSFER_ADDRESS", cfg.transfer_address))
+
+
+def transfer_address(cfg: DistributedConfig) -> str:
+  """This process's transfer-server socket: the configured one, or this host's address (the
+  loopback where the coordinator is on it) at the coordinator's port + 1 + the process id."""
+  if cfg.transfer_address:
+    return cfg.transfer_address
+  host, port = cfg.coordinator.rsplit(":", 1)
+  if host not in ("127.0.0.1", "localhost"):
+    host = socket.gethostbyname(socket.gethostname())
+  return f"{host}:{int(port) + 1 + cfg.process_id}"
 
 
 def initialize(cfg: DistributedConfig | None = None) -> bool:
@@ -49,7 +72,31 @@ def initialize(cfg: DistributedConfig | None = None) -> bool:
       raise ValueError(f"distributed.process_id: {cfg.process_id} not in [0, {cfg.num_processes})")
     if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu"):
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
+      jax.config.update("jax_cross_host_transfer_socket_address", transfer_address(cfg))
     jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, **timeouts)
   elif _auto_detectable():
     jax.distributed.initialize(**timeouts)
   return jax.process_count() > 1
+
+
+def kv_client():
+  """The coordination service's key-value store (this job's; None on one process)."""
+  from jax._src import distributed  # the client jax.distributed.initialize made
+  return distributed.global_state.client
+
+
+_AGREED: collections.Counter = collections.Counter()  # per name: calls so far (same on all)
+
+
+def agree(value, name: str, *, timeout_s: int = 3600):
+  """Process 0's `value` (JSON) on every process that calls this, in the same order; on one
+  process, `value`."""
+  if jax.process_count() == 1:
+    return value
+  n = _AGREED[name]
+  _AGREED[name] += 1
+  key = f"jaxrl/agree/{name}/{n}"
+  if jax.process_index() == 0:
+    kv_client().key_value_set(key, json.dumps(value))
+    return value
+  return json.loads(kv_client().blocking_key_value_get(key, timeout_s * 1000))

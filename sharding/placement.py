@@ -7,8 +7,12 @@ Strategies (DESIGN.md, "Adaptive placement"):
              reference and reward get exclusive halves of the rest and run concurrently.
   separate   trainer roles on the first `train_devices`, the sampler on the rest, holding a
              shadow copy of the actor refreshed after every update.
-Devices are taken host by host, so on several hosts each host gives its first devices to training
-and the rest to sampling, and the train -> sampler transfer stays inside a host.
+Devices are taken host by host. On several hosts `separate` gives the trainer whole hosts where
+`train_devices` fills them, and the sampler the other hosts: each role group then runs on
+processes of its own (MPMD: train/rollout/remote.py), and the weights and rollouts cross
+between them device to device (sharding/crossing.py). Otherwise, and for `interleave`, each host
+gives its first devices to training and the rest to sampling, every process runs every program,
+and the train -> sampler transfer stays inside a host.
 """
 from __future__ import annotations
 
@@ -92,6 +96,13 @@ def _per_host_split(n_devices: int, n_hosts: int, train_per_host: int):
   return train, rest
 
 
+def whole_hosts(strategy: str, n_devices: int, *, train_devices: int, n_hosts: int) -> bool:
+  """Whether `strategy` puts the trainer and the sampler on hosts of their own: `separate` on
+  several hosts, `train_devices` filling whole ones."""
+  return (strategy == "separate" and n_hosts > 1
+          and 0 < train_devices < n_devices and train_devices % (n_devices // n_hosts) == 0)
+
+
 def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler_tensor: int = 1,
                    n_hosts: int = 1, train_fsdp: int = 0, one_network: bool = False) -> Placement:
   """The preset for `strategy`; `train_devices` counts devices over all hosts. `train_fsdp`: the
@@ -111,7 +122,12 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
           f"placement.train_devices: {train_devices} must be in (0, {n_devices}) and a multiple "
           f"of the {n_hosts} hosts ({strategy} gives the trainer some of the {n_devices} devices "
           f"and the sampler the rest)")
-    train, rest = _per_host_split(n_devices, n_hosts, train_devices // n_hosts)
+    local = n_devices // n_hosts
+    if whole_hosts(strategy, n_devices, train_devices=train_devices, n_hosts=n_hosts):
+      train, rest = everything[:train_devices], everything[train_devices:]
+      n_hosts = train_devices // local  # the trainer's
+    else:
+      train, rest = _per_host_split(n_devices, n_hosts, train_devices // n_hosts)
     sampler_devices = train if strategy == "interleave" else rest
   if len(sampler_devices) % sampler_tensor:
     raise PlacementError(

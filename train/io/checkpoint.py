@@ -37,9 +37,11 @@ class CheckpointError(RuntimeError):
 class RunCheckpointer:
 
   def __init__(self, run_dir: str, stages: Sequence[str], *, keep: int = 3,
-               transfers: HostTransfers | None = None):
+               transfers: HostTransfers | None = None, processes: set[int] | None = None):
     """`stages`: the run's stage names in order (a resume takes the latest stage first);
-    `transfers`: the run's named host transfers, where a save's bytes are counted."""
+    `transfers`: the run's named host transfers, where a save's bytes are counted;
+    `processes`: the processes that save (default: all; not the sampler's own)."""
+    self.processes = processes
     self.root = os.path.abspath(os.path.join(run_dir, "checkpoints"))
     self.stages, self.keep = tuple(stages), keep
     self.transfers = HostTransfers() if transfers is None else transfers
@@ -52,9 +54,12 @@ class RunCheckpointer:
           policies.LatestN(n=self.keep),
           policies.BestN(get_metric_fn=lambda m: m["heldout_acc"], n=1,
                          keep_checkpoints_without_metrics=False)])
-      self._managers[stage] = ocp.CheckpointManager(
-          os.path.join(self.root, stage), options=ocp.CheckpointManagerOptions(
-              preservation_policy=keep, cleanup_tmp_directories=True, create=True))
+      path = os.path.join(self.root, stage)
+      os.makedirs(path, exist_ok=True)  # (orbax will not where only some processes save)
+      self._managers[stage] = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
+          preservation_policy=keep, cleanup_tmp_directories=True, create=False,
+          multiprocessing_options=ocp.options.MultiprocessingOptions(
+              active_processes=self.processes)))
     return self._managers[stage]
 
   def save(self, stage: str, step: int, items: dict, meta: dict,

@@ -13,19 +13,16 @@ import os
 import time
 
 import jax
-import numpy as np
 
 from jaxrl.config import ConfigError, ExperimentConfig, to_dict
+from sharding.distributed import agree
 
 log = logging.getLogger("jaxrl")
 
 
 def _timestamp() -> str:
-  now = np.int64(time.time())
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    now = multihost_utils.broadcast_one_to_all(now)  # process 0's clock names the run
-  return time.strftime("%Y%m%d-%H%M%S", time.localtime(int(now)))
+  now = agree(int(time.time()), "timestamp")  # process 0's clock names the run
+  return time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
 
 
 def _changes(old: dict, new: dict, path: str = "config") -> list[str]:
@@ -83,6 +80,4 @@ def write_config(cfg: ExperimentConfig, run_dir: str) -> None:
     except OSError as e:  # a file in the way, no permission, a full or read-only disk
       raise ConfigError(f"config.run_dir: cannot write the run directory {run_dir} "
                         f"({e.strerror or type(e).__name__}: {e.filename or run_dir})") from None
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices("jaxrl run dir")  # it exists before anyone reads it
+  agree(True, "run dir")  # process 0 wrote it: it exists before anyone reads it

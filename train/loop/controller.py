@@ -48,7 +48,8 @@ class Controller:
                                critic_mesh=None if critic is None else critic.role.mesh)
     self.rollouts = RolloutSource(cfg, generator, cluster.sampler_weights, task.prompts,
                                   prompt_len=task.prompt_len, timeline=timeline,
-                                  run=self.executors.generator, next_index=next_index)
+                                  run=self.executors.generator, next_index=next_index,
+                                  split=cluster.split)
     pack, new = cfg.rl.batching.pack_length, cfg.rl.rollout.max_new_tokens
     if pack and pack < task.prompt_len + new:
       raise ConfigError(f"config.rl.batching.pack_length: at least a row's {task.prompt_len} "

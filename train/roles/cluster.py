@@ -21,6 +21,7 @@ from jaxrl.models.dtypes import compute_dtypes, frozen_base_dtypes
 from jaxrl.models.heads import RewardModel, ValueModel
 from jaxrl.models.hf import HFError, load_params
 from jaxrl.models.transformer import LanguageModel
+from sharding.crossing import ProcessSplit, process_split
 from sharding.placement import (ROLES, PlacementError, host_count, host_major_devices,
                                 make_placement)
 from sharding.rules import SAMPLER_RULES, batch_ways
@@ -46,6 +47,9 @@ class RoleCluster:
     try:  # impossible meshes are user errors, found before anything is allocated
       self.placement = _placement(cfg, self.devices)
       self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
+      self.split = _split(self.meshes)
+      if self.split is not None and self.split.here == "trainer":
+        self.meshes["sampler"] = self.split.mirror  # its copy of the weights; evaluation
       self.actor = self._actor_role()
       plain = self._shape("actor")[0] if cfg.lora.enabled else None  # without adapters
       self.sampler_weights = SamplerWeights(cfg, self.actor, self.meshes["sampler"], plain,
@@ -55,12 +59,7 @@ class RoleCluster:
       raise ConfigError(f"config.{message}" if message.startswith("placement") else message) \
           from None
     check_batch_sizes(cfg, self)
-    hosts = host_count(self.devices)
-    if cfg.rl.schedule.mode == "async" and hosts > 1:
-      raise ConfigError(
-          f"config.rl.schedule.mode: async runs its generator on a thread of its own, "
-          f"which on {hosts} processes could launch programs in a "
-          f"different order on each; use mode='sync'")
+    check_processes(cfg, self.split, self.devices)
     self.roles: dict[str, ModelRole] = {"actor": self.actor}
     self.shared: set[str] = set()  # roles whose parameters are the actor's own arrays
     if initialize:
@@ -173,6 +172,39 @@ class RoleCluster:
 
   def get(self, name: str) -> ModelRole | None:
     return self.roles.get(name)
+
+
+def _split(meshes) -> ProcessSplit | None:
+  try:
+    return process_split(meshes)
+  except ValueError as e:  # the trainer has fewer devices than the sampler
+    raise PlacementError(f"placement.train_devices: {e}") from None
+
+
+def config_split(cfg: ExperimentConfig) -> ProcessSplit | None:
+  """The trainer's and the sampler's processes where `cfg`'s placement puts them apart (None:
+  together, or a placement that cannot work, which the cluster reports)."""
+  devices = host_major_devices()
+  try:
+    placement = _placement(cfg, devices)
+    return _split({role: placement.mesh(role, devices) for role in ROLES})
+  except PlacementError:
+    return None
+
+
+def check_processes(cfg: ExperimentConfig, split: ProcessSplit | None, devices) -> None:
+  """Async generation on several processes needs the sampler on processes of its own; and a
+  sampler on processes of its own generates only asynchronously."""
+  mode, hosts = cfg.rl.schedule.mode, host_count(devices)
+  if mode == "async" and hosts > 1 and split is None:
+    raise ConfigError(
+        f"config.rl.schedule.mode: async on {hosts} processes runs the generator on processes of "
+        f"its own: placement.strategy='separate' with placement.train_devices a multiple of "
+        f"each process's {len(devices) // hosts} devices")
+  if mode == "sync" and split is not None and cfg.rl.steps:
+    raise ConfigError(
+        "config.rl.schedule.mode: the placement gives the sampler processes of its own, which "
+        "generate only in mode='async' (max_staleness=0 is on-policy)")
 
 
 def _placement(cfg: ExperimentConfig, devices):

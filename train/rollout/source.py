@@ -42,38 +42,54 @@ def stream_geometry(rl: RLConfig, prompt_width: int) -> StreamGeometry | None:
                         conversations=bool(rl.environment.name))
 
 
+def make_worker(cfg: ExperimentConfig, generator: Generator, prompts, timeline: Timeline, params,
+                *, prompt_len: int, **common):
+  """The async worker of this config: partial rollouts' (a stream of rows in in-flight slots,
+  prompts of up to `prompt_len` tokens) or whole batches' (`common`: the Worker's settings)."""
+  geometry = stream_geometry(cfg.rl, prompt_len)
+  if geometry is not None:
+    return PartialRolloutWorker(generator.stream(params, geometry), prompts, params,
+                                span=lambda: timeline.span("generator", "decode"), **common)
+
+  def generate(params, prompts, key):
+    with timeline.span("generator", "generate"):  # the device time, not the dispatch
+      return jax.block_until_ready(generator.sample(params, prompts, key))
+  return RolloutWorker(generate, prompts, params, **common)
+
+
 class RolloutSource:
 
   def __init__(self, cfg: ExperimentConfig, generator: Generator, weights: SamplerWeights,
-               prompts, *, prompt_len: int, timeline: Timeline, run: Callable, next_index: int):
+               prompts, *, prompt_len: int, timeline: Timeline, run: Callable, next_index: int,
+               split=None):
     """`prompts[i]`: prompt batch i (host arrays); `run(fn, *args, label=...)`: a call on the
-    generator's executor (sync mode); `next_index`: the first batch not yet trained on."""
+    generator's executor (sync mode); `next_index`: the first batch not yet trained on; `split`: the
+    trainer's and the sampler's processes where they are apart (sharding/crossing.py)."""
     self.cfg, self.rl, self.generator, self.weights = cfg, cfg.rl, generator, weights
     self.prompts, self.prompt_len, self.timeline, self._run = prompts, prompt_len, timeline, run
     self.next_index = next_index
     self.geometry = stream_geometry(cfg.rl, prompt_len)
+    self.split = split
     self.worker = None
 
   def start(self, version: int, state: WorkerState | None = None) -> None:
     """Async mode: starts the generator ahead of the trainer, from the first batch not yet
     trained on (it draws the same prompts and keys as the sync loop), or from a checkpoint's
-    generator `state`."""
+    generator `state`; on the sampler's own processes where the placement gives it some
+    (train/rollout/remote.py)."""
     if self.rl.schedule.mode != "async":
       return
     self.weights.pin()  # the worker may decode with a copy the trainer replaced
     params = self.weights.fresh()
-    common = dict(version=version, max_staleness=self.rl.schedule.max_staleness, seed=self.cfg.seed,
-                  start_index=self.next_index, schedule=self.rl.schedule.name, state=state)
-    if self.geometry is not None:
-      self.worker = PartialRolloutWorker(
-          self.generator.stream(params, self.geometry), self.prompts, params,
-          span=lambda: self.timeline.span("generator", "decode"), **common)
+    worker = dict(start_index=self.next_index, schedule=self.rl.schedule.name,
+                  max_staleness=self.rl.schedule.max_staleness, seed=self.cfg.seed)
+    if self.split is not None:
+      from train.rollout.remote import RemoteWorker
+      self.worker = RemoteWorker(self.split, self.prompts, params, version=version, state=state,
+                                 **worker)
       return
-
-    def generate(params, prompts, key):
-      with self.timeline.span("generator", "generate"):  # the device time, not the dispatch
-        return jax.block_until_ready(self.generator.sample(params, prompts, key))
-    self.worker = RolloutWorker(generate, self.prompts, params, **common)
+    self.worker = make_worker(self.cfg, self.generator, self.prompts, self.timeline, params,
+                              prompt_len=self.prompt_len, version=version, state=state, **worker)
 
   def next(self, version: int) -> tuple[RolloutBatch, float]:
     """The next batch (its rollout, prompts, index, policy version) and the seconds waited."""

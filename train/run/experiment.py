@@ -31,6 +31,8 @@ from train.io.checkpoint import CheckpointError, RunCheckpointer, params_fingerp
 from train.io.host_transfers import HostTransfers
 from train.io.metrics import MetricsWriter, plain_row, plot_metrics
 from train.io.tracking import Trackers, last_steps
+from train.roles.cluster import config_split
+from train.rollout.remote import release_generators
 from train.run.hooks import Checkpoint, Evaluate, Log, NonFinite, Progress, StopRequest
 from train.run.resume import Resumed, latest_good, snapshot
 from train.run.sampling import Completion, sample
@@ -74,8 +76,11 @@ class Experiment:
     self.run_dir = rundir.prepare(self.cfg, resume=resume_run, run_dir=run_dir,
                                   start_if_none=start_if_none)
     transfers = HostTransfers()  # the run's: its context's, its checkpoints'
-    self.checkpointer = RunCheckpointer(self.run_dir, names, keep=self.cfg.keep_checkpoints,
-                                        transfers=transfers)
+    split = config_split(self.cfg)  # the sampler's own processes save nothing
+    self.checkpointer = RunCheckpointer(
+        self.run_dir, names, keep=self.cfg.keep_checkpoints, transfers=transfers,
+        processes=None if split is None else set(range(jax.process_count())) -
+        split.generator_processes)
     saved = self.checkpointer.saved() if resume_run else []
     if resume_run and not saved and not start_if_none:  # (only a save that never completed)
       raise ConfigError(f"config.run_name: --resume found no complete checkpoint in "
@@ -218,6 +223,8 @@ class Experiment:
     except CheckpointError as e:  # raised to the run already, when it saved or finished
       log.warning("%s", e)
     self.writer.close()
+    if self.ctx.cluster.split is not None:
+      release_generators()
     self.ctx.close()
 
   def __enter__(self) -> Experiment:

@@ -15,10 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import numpy as np
 from tqdm import tqdm
 
+from sharding.distributed import agree
 from train.io import metrics
 from train.io.host_transfers import HostTransfers
 from train.stages.base import Stage, Stopped
@@ -118,10 +117,7 @@ class Progress(Hook):
 def agreed(flag: bool) -> bool:
   """Process 0's `flag` on every process: saving and stopping are collective (orbax saves with
   a barrier), so processes must decide them together, not by their own clocks or signals."""
-  if jax.process_count() == 1:
-    return flag
-  from jax.experimental import multihost_utils
-  return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+  return bool(agree(bool(flag), "flag"))
 
 
 class NumericsError(RuntimeError):

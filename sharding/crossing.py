@@ -1,0 +1,160 @@
+"""Arrays between role meshes on disjoint processes (MPMD), device to device.
+
+Where a placement puts the sampler on processes of its own (sharding/placement.py), the trainer's
+processes and the sampler's hand each other arrays: the new weights one way, the rollout batches
+the other. `jax.device_put` moves an array between meshes on disjoint processes when both sides
+have the same shard shapes (the same mesh shape and spec: `mirror` builds the other side's mesh
+shape over one's own devices), through the backend's transfer server
+(`sharding/distributed.py` gives it a socket on the CPU). Every process of both groups calls each
+crossing, in the same order: JAX matches the two ends by their order, not by a name. The sender's
+`device_put` returns at once (the receiver pulls the shards); the receiver's waits for them.
+
+A `Mailbox` carries what goes with the arrays: small JSON messages under numbered keys of the
+coordination service's key-value store (what each array is, which batch, which weight version,
+stop and pause requests). A receiver reads a crossing's description there before it calls
+`device_put`, so it never waits inside the transfer for a sender that has not sent yet.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding.distributed import kv_client
+
+
+def mirror(mesh: Mesh, devices) -> Mesh:
+  """`mesh`'s axes and shape over the first `mesh.size` of `devices` (host-major): the layout
+  the other side of a crossing needs for the same shard shapes."""
+  if len(devices) < mesh.size:
+    raise ValueError(f"a crossing needs {mesh.size} devices on each side ({dict(mesh.shape)}), "
+                     f"this side has {len(devices)}")
+  picked = np.asarray(list(devices)[:mesh.size], dtype=object)
+  return Mesh(picked.reshape(mesh.devices.shape), mesh.axis_names)
+
+
+def _spec(x) -> list | None:
+  """The PartitionSpec of a mesh-split array as JSON (None: not split over a mesh)."""
+  if not isinstance(x.sharding, NamedSharding):
+    return None
+  return [list(e) if isinstance(e, tuple) else e for e in x.sharding.spec]
+
+
+def flat(tree: dict, prefix: str = ""):
+  """(path, leaf) of a nested dict with string keys, paths joined by '/'."""
+  for key, value in tree.items():
+    path = f"{prefix}{key}"
+    if isinstance(value, dict):
+      yield from flat(value, path + "/")
+    else:
+      yield path, value
+
+
+def nest(pairs) -> dict:
+  """The nested dict of (path, leaf) pairs (`flat`'s inverse)."""
+  out: dict = {}
+  for path, value in pairs:
+    *parents, leaf = path.split("/")
+    node = out
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return out
+
+
+def describe(arrays: dict) -> dict:
+  """{path: [shape, dtype, spec]} of a nested dict of arrays (string keys): JSON."""
+  return {path: [list(x.shape), str(x.dtype), _spec(x)] for path, x in flat(arrays)}
+
+
+def _sharding(mesh: Mesh, spec) -> NamedSharding:
+  parts = () if spec is None else tuple(tuple(e) if isinstance(e, list) else e for e in spec)
+  return NamedSharding(mesh, PartitionSpec(*parts))
+
+
+def abstract(described: dict, mesh: Mesh) -> dict:
+  """The nested dict of ShapeDtypeStructs `describe` recorded, laid out on `mesh`."""
+  return nest((path, jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype),
+                                          sharding=_sharding(mesh, spec)))
+              for path, (shape, dtype, spec) in described.items())
+
+
+def send(arrays: dict, to: Mesh) -> dict:
+  """This side's half of a crossing: `arrays` (nested dict, on this side's mesh) to the same
+  specs on mesh `to`; their description, for the receiver. Returns without waiting."""
+  pairs = list(flat(arrays))
+  if pairs:
+    jax.device_put([x for _, x in pairs], [_sharding(to, _spec(x)) for _, x in pairs])
+  return describe(arrays)
+
+
+def receive(described: dict, source: Mesh, to: Mesh) -> dict:
+  """The other half: the arrays `described` (as `send` returned it) that the other side sent
+  from mesh `source`, on mesh `to`."""
+  if not described:
+    return {}
+  paths, placeholders, targets = [], [], []
+  for path, (shape, dtype, spec) in described.items():
+    paths.append(path)
+    placeholders.append(jax.make_array_from_single_device_arrays(
+        tuple(shape), _sharding(source, spec), [], dtype=np.dtype(dtype)))
+    targets.append(_sharding(to, spec))
+  return nest(zip(paths, jax.device_put(placeholders, targets)))
+
+
+class Mailbox:
+  """Numbered JSON messages in the coordination service's key-value store: one writer (a
+  group's first process) posts message n, any number of readers take it. `name` keeps two
+  mailboxes apart."""
+
+  def __init__(self, name: str):
+    self.name, self._client = name, kv_client()
+
+  def post(self, n: int, message: dict) -> None:
+    self._client.key_value_set(f"jaxrl/{self.name}/{n}", json.dumps(message))
+
+  def take(self, n: int, *, poll_s: float = 5.0, timeout_s: float | None = None) -> dict:
+    """Message n, waited for (a peer that died ends the job through the heartbeat first)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+      try:
+        return json.loads(self._client.blocking_key_value_get(f"jaxrl/{self.name}/{n}",
+                                                               int(poll_s * 1000)))
+      except Exception as e:  # noqa: BLE001 - the store's timeout: wait again
+        if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
+          raise
+        if deadline is not None and time.monotonic() > deadline:
+          raise TimeoutError(f"no message {n} in mailbox {self.name} within {timeout_s} s") \
+              from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSplit:
+  """The trainer's processes and the sampler's, apart: the sampler's real mesh, and its
+  `mirror` over the trainer's devices (where the trainer keeps its copy of the sampler's
+  weights and evaluates)."""
+  sampler: Mesh
+  mirror: Mesh
+  generator_processes: frozenset[int]
+
+  @property
+  def here(self) -> str:
+    """This process's group: "generator" or "trainer"."""
+    return "generator" if jax.process_index() in self.generator_processes else "trainer"
+
+
+def process_split(meshes: dict[str, Mesh]) -> ProcessSplit | None:
+  """Where the sampler's mesh lies on processes none of the other roles' meshes touch (on
+  several processes), the split; else None (every process runs every program)."""
+  procs = lambda mesh: {d.process_index for d in mesh.devices.flat}
+  sampler = meshes["sampler"]
+  others = set().union(*(procs(m) for role, m in meshes.items() if role != "sampler"))
+  if jax.process_count() == 1 or procs(sampler) & others:
+    return None
+  trainer = sorted({d for role, m in meshes.items() if role != "sampler" for d in m.devices.flat},
+                   key=lambda d: (d.process_index, d.id))
+  return ProcessSplit(sampler, mirror(sampler, trainer), frozenset(procs(sampler)))

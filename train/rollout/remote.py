@@ -1,0 +1,237 @@
+"""The async generator on processes of its own (MPMD): the trainer's processes and the sampler's
+run different programs, and meet only where the schedule says.
+
+Where the placement gives the sampler whole processes (`separate` on several hosts,
+sharding/placement.py), the sampler's processes run `GeneratorHost.serve` instead of the
+experiment: the worker of one process (train/rollout/worker.py, partial.py: whole batches or
+partial rollouts, either schedule) on the sampler's mesh, driven by requests. The trainer's
+processes run the experiment as on one process, with a `RemoteWorker` in the worker's place;
+their copy of the sampler's weights, and the evaluation, are on `mirror` of the sampler's mesh
+over the trainer's devices (sharding/crossing.py), from where each push crosses as it is.
+
+Control: the trainer's first process is the only one that decides. It posts numbered requests
+(start, batch, weights, pause, resume, close) in the coordination service's key-value store;
+every process of both groups handles request n after n - 1, so the crossings (the weights one
+way, each batch and a paused generator's state the other) come in the same order everywhere.
+The generator's first process answers each request with what the trainer needs on the host
+(a batch's index, version and token versions; an error). Only two waits join the groups: the
+trainer's for its next batch, and the generator's for a push its schedule says to wait for (the
+fixed schedule's). A dead process ends the job through the coordination service's heartbeat.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import jax
+import numpy as np
+
+from sampler.engine import Rollout
+from sharding import crossing
+from sharding.distributed import kv_client
+from train.rollout.worker import RolloutBatch, RolloutWorkerError, WorkerState
+
+log = logging.getLogger("jaxrl")
+EXIT_KEY = "jaxrl/generator/exit"  # set by the trainer's first process when it is done
+_SESSIONS = [0]  # workers started by this process so far (one request mailbox each)
+
+
+def _leaves(params) -> dict:
+  """Weights as a flat dict of their leaves, in tree order (both sides know the tree)."""
+  return {str(i): x for i, x in enumerate(jax.tree.leaves(params))}
+
+
+def _unleaves(like, arrays: dict):
+  return jax.tree.unflatten(jax.tree.structure(like),
+                            [arrays[str(i)] for i in range(len(arrays))])
+
+
+def _state_arrays(state: WorkerState) -> dict:
+  arrays = {k: v for k, v in state.arrays.items() if k != "params"}
+  if "params" in state.arrays:
+    arrays["params"] = _leaves(state.arrays["params"])
+  return arrays
+
+
+def _with_params(arrays: dict, like) -> dict:
+  arrays = dict(arrays)
+  if "params" in arrays:
+    arrays["params"] = _unleaves(like, arrays["params"])
+  return arrays
+
+
+class Link:
+  """One worker's requests and replies, and the two meshes its crossings join."""
+
+  def __init__(self, split):
+    session = _SESSIONS[0]
+    _SESSIONS[0] += 1
+    self.split, self.n = split, 0
+    self.requests = crossing.Mailbox(f"generator/{session}/request")
+    self.replies = crossing.Mailbox(f"generator/{session}/reply")
+
+
+class RemoteWorker:
+  """The trainer's side: what the controller asks of a worker (`get`, `update_weights`,
+  `paused`, `close`, `version`), served by the generator's processes."""
+
+  def __init__(self, split, prompts, params, *, version: int, state: WorkerState | None,
+               **worker):
+    """`split`: the process groups and meshes (sharding/crossing.py `ProcessSplit`);
+    `params`: the first weights, on the mirror; `worker`: the worker's settings (start_index,
+    schedule, max_staleness, seed)."""
+    self._link, self._prompts, self._version = Link(split), prompts, version
+    self._like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    arrays = {"params": _leaves(params)}
+    if state is not None:
+      arrays["state"] = _state_arrays(state)
+    self._request({"op": "start", "version": version, "worker": worker,
+                   "state": None if state is None else state.meta}, arrays)
+
+  @property
+  def version(self) -> int:
+    return self._version
+
+  def _request(self, message: dict, arrays: dict | None = None) -> dict | None:
+    """Posts request n (the first process), sends `arrays` (every process), and returns the
+    generator's reply where the request has one."""
+    link = self._link
+    if arrays is not None:
+      message["arrays"] = crossing.send(arrays, link.split.sampler)
+    if jax.process_index() == 0:
+      link.requests.post(link.n, message)
+    link.n += 1
+    if message["op"] not in ("batch", "pause"):
+      return None
+    reply = link.replies.take(link.n - 1)
+    if "error" in reply:
+      raise RolloutWorkerError(f"rollout worker failed on the generator's processes: "
+                               f"{reply['error']}")
+    return reply
+
+  def _received(self, reply: dict) -> dict:
+    split = self._link.split
+    return crossing.receive(reply["arrays"], split.sampler, split.mirror)
+
+  def get(self) -> RolloutBatch:
+    reply = self._request({"op": "batch"})
+    if reply.get("exhausted"):
+      raise StopIteration
+    versions = reply["versions"]
+    return RolloutBatch(Rollout(**self._received(reply)), self._prompts[reply["index"]],
+                        reply["version"], reply["index"], reply["seconds"],
+                        None if versions is None else np.asarray(versions, np.int32))
+
+  def update_weights(self, params, version: int) -> None:
+    self._request({"op": "weights", "version": version}, {"params": _leaves(params)})
+    self._version = version
+
+  @contextlib.contextmanager
+  def paused(self):
+    """The generator's run state, arrays on the trainer's mirror of the sampler's mesh."""
+    reply = self._request({"op": "pause"})
+    arrays = _with_params(self._received(reply), self._like)
+    try:
+      yield WorkerState(arrays, reply["meta"])
+    finally:
+      self._request({"op": "resume"})
+
+  def close(self) -> None:
+    self._request({"op": "close"})
+
+
+def release_generators() -> None:
+  """The trainer is done: the generator's processes leave their loop (the trainer's first
+  process says it; a no-op elsewhere)."""
+  if jax.process_index() == 0 and kv_client() is not None:
+    kv_client().key_value_set(EXIT_KEY, "1", allow_overwrite=True)
+
+
+class GeneratorHost:
+  """The sampler's side: `serve()` runs the workers the trainer starts until it is done."""
+
+  def __init__(self, ctx):
+    """`ctx`: the run's context on these processes (train/stages/context.py), its cluster
+    abstract: what a worker needs (prompts, generator, the sampler's weights' layout)."""
+    self.ctx, self.split = ctx, ctx.cluster.split
+    self.leader = jax.process_index() == min(self.split.generator_processes)
+    self.worker = None
+    self._held = contextlib.ExitStack()  # a pause the trainer asked for, until it resumes
+
+  def serve(self) -> int:
+    """Workers, one per session the trainer starts, until the trainer says it is done."""
+    while (link := self._next_session()) is not None:
+      self._session(link)
+    return 0
+
+  def _next_session(self) -> Link | None:
+    """The trainer's next worker (None: the trainer is done)."""
+    link = Link(self.split)
+    while True:
+      try:
+        link.requests.take(0, poll_s=2.0, timeout_s=2.0)
+        return link
+      except TimeoutError:
+        try:
+          kv_client().key_value_try_get(EXIT_KEY)
+          return None
+        except Exception:  # noqa: BLE001 - not set: the trainer is still at work
+          continue
+
+  def _session(self, link: Link) -> None:
+    while True:
+      request = link.requests.take(link.n)
+      try:
+        reply = getattr(self, "_" + request["op"])(request)
+      except Exception as e:  # noqa: BLE001 - the trainer raises it, named
+        log.exception("generator: %s failed", request["op"])
+        reply = {"error": f"{type(e).__name__}: {e}"}
+      if self.leader and request["op"] in ("batch", "pause"):
+        link.replies.post(link.n, reply)
+      link.n += 1
+      if request["op"] == "close":
+        return
+
+  def _arrived(self, request: dict) -> dict:
+    return crossing.receive(request["arrays"], self.split.mirror, self.split.sampler)
+
+  def _start(self, request: dict) -> None:
+    from train.rollout.source import make_worker
+    arrays = self._arrived(request)
+    weights = self.ctx.cluster.sampler_weights.abstract()
+    params = _unleaves(weights, arrays["params"])
+    state = None
+    if request["state"] is not None:
+      state = WorkerState(_with_params(arrays["state"], weights), request["state"])
+    self.worker = make_worker(self.ctx.cfg, self.ctx.generator, self.ctx.task.prompts,
+                              self.ctx.timeline, params, prompt_len=self.ctx.task.prompt_len,
+                              version=request["version"], state=state, **request["worker"])
+
+  def _batch(self, request: dict) -> dict:
+    try:
+      batch = self.worker.get()
+    except StopIteration:
+      return {"exhausted": True}
+    arrays = {k: v for k, v in vars(batch.rollout).items() if v is not None}
+    described = crossing.send(arrays, self.split.mirror)
+    return {"arrays": described, "index": batch.index, "version": batch.version,
+            "seconds": batch.seconds,
+            "versions": None if batch.versions_BN is None else batch.versions_BN.tolist()}
+
+  def _weights(self, request: dict) -> None:
+    like = self.ctx.cluster.sampler_weights.abstract()
+    params = _unleaves(like, self._arrived(request)["params"])
+    self.worker.update_weights(params, request["version"])
+
+  def _pause(self, request: dict) -> dict:
+    state = self._held.enter_context(self.worker.paused())
+    described = crossing.send(_state_arrays(state), self.split.mirror)
+    return {"arrays": described, "meta": state.meta}
+
+  def _resume(self, request: dict) -> None:
+    self._held.close()
+
+  def _close(self, request: dict) -> None:
+    self._held.close()
+    self.worker.close()
+    self.worker = None
