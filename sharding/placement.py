@@ -117,13 +117,15 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
     train, rest = everything, everything
     sampler_devices = everything
   else:
-    if train_devices % n_hosts or not 0 < train_devices < n_devices:
+    whole = whole_hosts(strategy, n_devices, train_devices=train_devices, n_hosts=n_hosts)
+    if not whole and (train_devices % n_hosts or not 0 < train_devices < n_devices):
       raise PlacementError(
           f"placement.train_devices: {train_devices} must be in (0, {n_devices}) and a multiple "
-          f"of the {n_hosts} hosts ({strategy} gives the trainer some of the {n_devices} devices "
-          f"and the sampler the rest)")
+          f"of the {n_hosts} hosts, or for separate of each host's {n_devices // n_hosts} "
+          f"devices ({strategy} gives the trainer some of the {n_devices} devices and the "
+          f"sampler the rest)")
     local = n_devices // n_hosts
-    if whole_hosts(strategy, n_devices, train_devices=train_devices, n_hosts=n_hosts):
+    if whole:
       train, rest = everything[:train_devices], everything[train_devices:]
       n_hosts = train_devices // local  # the trainer's
     else:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxrl.schedules import SCHEDULES
 from sampler.stream import BatchStream
 from train.rollout.conversations import NotReplayable
 from train.rollout.worker import RolloutBatch, Worker, WorkerState
@@ -32,10 +33,16 @@ class PartialRolloutWorker(Worker):
   def __init__(self, stream: BatchStream, prompts: Sequence, params: Any, *, version: int = 0,
                max_staleness: int = 1, seed: int = 0, start_index: int = 0,
                schedule: str = "free", transfer: Callable | None = None,
-               state: WorkerState | None = None, span: Callable | None = None):
-    """`span()`: a context manager around each look and segment (a timeline's busy time)."""
+               state: WorkerState | None = None, span: Callable | None = None,
+               decide: Callable | None = None):
+    """`span()`: a context manager around each look and segment (a timeline's busy time);
+    `decide`: the Worker's (the fixed schedule's only: the free one swaps weights and opens
+    batches between segments as timing allows, which a group of processes cannot share)."""
+    if decide is not None and SCHEDULES[schedule].swaps_between_segments:
+      raise ValueError("partial rollouts under the free schedule run on one process")
     super().__init__(prompts, params, version=version, max_staleness=max_staleness, seed=seed,
-                     start_index=start_index, schedule=schedule, transfer=transfer, state=state)
+                     start_index=start_index, schedule=schedule, transfer=transfer, state=state,
+                     decide=decide)
     self.stream, self._ended = stream, False
     self._span = span or contextlib.nullcontext
     self._opened: dict[int, float] = {}  # batch index -> when it opened

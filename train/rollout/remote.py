@@ -66,9 +66,9 @@ class Link:
   def __init__(self, split):
     session = _SESSIONS[0]
     _SESSIONS[0] += 1
-    self.split, self.n = split, 0
-    self.requests = crossing.Mailbox(f"generator/{session}/request")
-    self.replies = crossing.Mailbox(f"generator/{session}/reply")
+    self.split, self.n, self.name = split, 0, f"generator/{session}"
+    self.requests = crossing.Mailbox(f"{self.name}/request")
+    self.replies = crossing.Mailbox(f"{self.name}/reply")
 
 
 class RemoteWorker:
@@ -155,7 +155,7 @@ class GeneratorHost:
     abstract: what a worker needs (prompts, generator, the sampler's weights' layout)."""
     self.ctx, self.split = ctx, ctx.cluster.split
     self.leader = jax.process_index() == min(self.split.generator_processes)
-    self.worker = None
+    self.worker, self.link = None, None
     self._held = contextlib.ExitStack()  # a pause the trainer asked for, until it resumes
 
   def serve(self) -> int:
@@ -179,6 +179,7 @@ class GeneratorHost:
           continue
 
   def _session(self, link: Link) -> None:
+    self.link = link
     while True:
       request = link.requests.take(link.n)
       try:
@@ -203,9 +204,26 @@ class GeneratorHost:
     state = None
     if request["state"] is not None:
       state = WorkerState(_with_params(arrays["state"], weights), request["state"])
+    several = len(self.split.generator_processes) > 1
     self.worker = make_worker(self.ctx.cfg, self.ctx.generator, self.ctx.task.prompts,
                               self.ctx.timeline, params, prompt_len=self.ctx.task.prompt_len,
-                              version=request["version"], state=state, **request["worker"])
+                              version=request["version"], state=state,
+                              decide=self._decider(self.link) if several else None,
+                              **request["worker"])
+
+  def _decider(self, link: Link):
+    """The worker's `decide`: the first process's choice, posted; the others take it."""
+    decisions, count = crossing.Mailbox(f"{link.name}/decide"), [0]
+
+    def decide(key: str, version: int) -> int:
+      n, count[0] = count[0], count[0] + 1
+      if self.leader:
+        decisions.post(n, {"key": key, "version": version})
+        return version
+      agreed = decisions.take(n)
+      assert agreed["key"] == key, (agreed, key)  # the same decisions, in the same order
+      return agreed["version"]
+    return decide
 
   def _batch(self, request: dict) -> dict:
     try:

@@ -79,7 +79,10 @@ class Worker:
 
   def __init__(self, prompts: Sequence, params: Any, *, version: int, max_staleness: int,
                seed: int, start_index: int, schedule: str, transfer: Callable | None,
-               state: WorkerState | None):
+               state: WorkerState | None, decide: Callable[[str, int], int] | None = None):
+    """`decide(key, version)`: where several processes run this worker on one mesh, the
+    version the group's first process chose for `key` (train/rollout/remote.py): each batch
+    then starts with the same weights everywhere, whatever each process's timing."""
     if schedule not in SCHEDULES:
       raise ValueError(f"schedule: expected one of {list(SCHEDULES)}, got {schedule!r}")
     self._prompts, self._seed = prompts, seed
@@ -88,6 +91,7 @@ class Worker:
     self._cond = threading.Condition()
     self._pending = Weights(self._transfer(params), version)  # the newest weights pushed
     self._installed = self._pending  # the weights the worker decodes with
+    self._decide = decide
     self._queue: collections.deque[RolloutBatch] = collections.deque()
     self._taken = start_index  # = the index of the next batch the trainer takes
     self._push_due = self._waiting = False
@@ -99,6 +103,8 @@ class Worker:
       self._queue.extend(_restore_queue(state, prompts))
       if "params" in state.arrays:  # fixed schedule: older weights than the newest push
         self._installed = Weights(state.arrays["params"], state.meta["installed"])
+    # (`decide`) the weights a batch may yet start with, by version
+    self._kept = {w.version: w for w in (self._installed, self._pending)}
     self._thread = threading.Thread(target=self._main, name="rollout-worker", daemon=True)
 
   @property
@@ -122,6 +128,8 @@ class Worker:
         raise ValueError(f"policy version must increase: got {version} after {self.version}")
       self._wait(lambda: self.schedule.push_ready(self.view(), version))
       self._pending, self._push_due = Weights(params, version), False
+      if self._decide is not None:
+        self._kept[version] = self._pending
       self._changed()
 
   def get(self, timeout: float | None = None) -> RolloutBatch:
@@ -234,9 +242,24 @@ class Worker:
     weights it starts with; them (None: the worker was closed)."""
     if not self._wait(lambda: self.schedule.ready(self.view(), index)):
       return None
-    if self.schedule.takes_pending(self.view(), index):
-      self._installed = self._pending
+    chosen = self._pending if self.schedule.takes_pending(self.view(), index) else self._installed
+    if self._decide is not None and (chosen := self._agreed(f"batch {index}", chosen)) is None:
+      return None
+    self._installed = chosen
     return self._installed
+
+  def _agreed(self, key: str, weights: Weights) -> Weights | None:
+    """(Holding the lock) the weights of the version `decide` agreed on for `key`, once they
+    arrived; the older ones kept are dropped. None: the worker was closed."""
+    self._cond.release()  # the group's first process may be waiting on this one's pushes
+    try:
+      version = self._decide(key, weights.version)
+    finally:
+      self._cond.acquire()
+    if not self._wait(lambda: version in self._kept):
+      return None
+    self._kept = {v: w for v, w in self._kept.items() if v >= version}
+    return self._kept[version]
 
   def install_newest(self, than: int) -> Weights | None:
     """(Holding the lock) installs the newest pushed weights where they are newer than version
@@ -350,9 +373,10 @@ class RolloutWorker(Worker):
   def __init__(self, generate_fn: Callable[[Any, Any, jax.Array], Any], prompts: Sequence,
                params: Any, *, version: int = 0, max_staleness: int = 1, seed: int = 0,
                start_index: int = 0, schedule: str = "free", transfer: Callable | None = None,
-               state: WorkerState | None = None):
+               state: WorkerState | None = None, decide: Callable | None = None):
     super().__init__(prompts, params, version=version, max_staleness=max_staleness, seed=seed,
-                     start_index=start_index, schedule=schedule, transfer=transfer, state=state)
+                     start_index=start_index, schedule=schedule, transfer=transfer, state=state,
+                     decide=decide)
     self._generate = generate_fn
     self.launch()
 
