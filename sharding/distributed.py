@@ -4,7 +4,7 @@
             detects the coordinator, the process count and this process's id itself;
   explicit  otherwise from `DistributedConfig` or the environment (JAXRL_COORDINATOR,
             JAXRL_NUM_PROCESSES, JAXRL_PROCESS_ID), e.g. 2 processes on 127.0.0.1 on a CPU, with
-            gloo collectives.
+            gloo collectives. JAXRL_HEARTBEAT_S sets the heartbeat timeout.
 A peer that dies is detected by the coordination service's heartbeat, so the survivors stop with
 an error after `heartbeat_timeout_s` instead of hanging.
 
@@ -48,7 +48,8 @@ def from_env(cfg: DistributedConfig = DistributedConfig()) -> DistributedConfig:
       cfg, coordinator=env.get("JAXRL_COORDINATOR", cfg.coordinator),
       num_processes=int(env.get("JAXRL_NUM_PROCESSES", cfg.num_processes)),
       process_id=int(env.get("JAXRL_PROCESS_ID", cfg.process_id)),
-      transfer_address=env.get("JAXRL_TRANSFER_ADDRESS", cfg.transfer_address))
+      transfer_address=env.get("JAXRL_TRANSFER_ADDRESS", cfg.transfer_address),
+      heartbeat_timeout_s=int(env.get("JAXRL_HEARTBEAT_S", cfg.heartbeat_timeout_s)))
 
 
 def transfer_address(cfg: DistributedConfig) -> str:

@@ -79,9 +79,6 @@ class Generator:
     keep = rl.environment.keep_turn_cache and not cluster.cfg.model.sliding_window
     self.turns = dict(max_turns=rl.environment.max_turns,
                       max_turn_tokens=rl.environment.max_turn_tokens, keep_cache=keep)
-    if environment is not None and jax.process_count() > 1:
-      raise ConfigError(
-          "config.rl.environment.name: multi-turn rollouts run in one process for now")
     # A turn also ends at the environment's stop strings
     self._turn_stops = () if environment is None else tuple(
         tuple(tok.encode(s)) for s in environment().stop_strings)

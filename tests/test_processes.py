@@ -1,0 +1,141 @@
+"""The async generator on processes of its own: the CLI as 4 CPU processes of one device each,
+the trainer on 2 and the sampler on 2 (`separate` on whole hosts), weights and batches crossing
+device to device. Each run ends as the same run on one process with the same meshes does (the
+fixed schedule: the same params_fingerprint and metrics rows), under partial rollouts and with a
+multi-turn environment; the free schedule keeps its staleness bound; a sampler process killed
+mid-run stops the others, and the resumed run ends bit for bit as the uninterrupted one."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+ARGS = ["--config=configs/tiny.py", "--config.placement.strategy=separate",
+        "--config.placement.train_devices=2", "--config.placement.train_fsdp=1",
+        "--config.rl.schedule.mode=async", "--config.rl.loss.entropy_coef=0.01",
+        "--config.rl.steps=4"]
+TIMING = ("step_time", "tokens_per_s", "reshard_gbps")
+
+
+def _port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env(**extra) -> dict:
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  return {**env, **extra}
+
+
+def _launch(run_dir, name, *extra, resume=False) -> list[subprocess.Popen]:
+  """The run on 4 processes (ports apart by more than the 4 transfer sockets)."""
+  port = _port()
+  return [subprocess.Popen(
+      [sys.executable, "-m", "cli.train", *ARGS, *extra, "--config.placement.cpu_devices=1",
+       f"--config.run_dir={run_dir}", f"--config.run_name={name}",
+       *(["--resume"] if resume else [])], cwd=ROOT,
+      env=_env(JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES="4",
+               JAXRL_PROCESS_ID=str(i), JAXRL_HEARTBEAT_S="10"),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+
+
+def _finish(procs) -> list[tuple[str, str]]:
+  outs = [p.communicate(timeout=600) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  return outs
+
+
+def _one_process(run_dir, name, *extra):
+  """The same run on one process of 4 devices: the same meshes."""
+  subprocess.run([sys.executable, "-m", "cli.train", *ARGS, *extra,
+                  "--config.placement.cpu_devices=4", f"--config.run_dir={run_dir}",
+                  f"--config.run_name={name}"], cwd=ROOT, env=_env(), check=True,
+                 capture_output=True, timeout=600)
+
+
+def _result(run_dir, name):
+  """(params_fingerprint, metrics rows without wall-clock values)."""
+  path = os.path.join(run_dir, name)
+  with open(os.path.join(path, "summary.json")) as f:
+    summary = json.load(f)
+  with open(os.path.join(path, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return summary["params_fingerprint"], [
+      {k: v for k, v in r.items() if k not in TIMING and not k.startswith("time_")}
+      for r in rows]
+
+
+PARTIAL = ("--config.rl.schedule.name=fixed", "--config.rl.schedule.partial_rollouts=True",
+           "--config.rl.rollout.inflight_slots=8")
+
+
+@pytest.fixture(scope="module")
+def partial_run(tmp_path_factory):
+  """Partial rollouts under the fixed schedule, on 4 processes (the kill-and-resume test's
+  reference too)."""
+  tmp = tmp_path_factory.mktemp("partial")
+  outs = _finish(_launch(tmp, "four", *PARTIAL))
+  return tmp, outs
+
+
+@pytest.mark.slow
+def test_partial_rollouts_on_four_processes_match_one_process(partial_run):
+  tmp, outs = partial_run
+  _one_process(tmp, "one", *PARTIAL)
+  four, one = _result(tmp, "four"), _result(tmp, "one")
+  assert four == one
+  assert any(r.get("grad_norm", 0) > 0 for r in four[1])  # the policy did move
+  lags = [r["policy_lag"] for r in four[1] if r["phase"] == "rl" and "loss" in r]
+  assert lags[1:] == [1] * (len(lags) - 1)  # generated ahead
+  assert "params_fingerprint" in outs[0][0]  # the trainer's first process reports
+  assert not any("params_fingerprint" in out for out, _ in outs[1:])
+
+
+@pytest.mark.slow
+def test_multi_turn_whole_batches_on_four_processes_match_one_process(tmp_path):
+  extra = ("--config.rl.schedule.name=fixed", "--config.rl.environment.name=synthetic",
+           "--config.rl.steps=2")
+  _finish(_launch(tmp_path, "four", *extra))
+  _one_process(tmp_path, "one", *extra)
+  assert _result(tmp_path, "four") == _result(tmp_path, "one")
+
+
+@pytest.mark.slow
+def test_free_schedule_on_four_processes_keeps_its_staleness_bound(tmp_path):
+  _finish(_launch(tmp_path, "free", "--config.rl.schedule.name=free",
+                  "--config.rl.schedule.max_staleness=2"))
+  _, rows = _result(tmp_path, "free")
+  steps = [r for r in rows if r["phase"] == "rl" and "loss" in r]
+  assert [r["step"] for r in steps] == [1, 2, 3, 4]
+  assert all(r["token_lag_max"] <= 2 for r in steps)
+
+
+@pytest.mark.slow
+def test_a_killed_sampler_process_stops_the_run_and_it_resumes_exactly(partial_run, tmp_path):
+  procs = _launch(tmp_path, "killed", *PARTIAL)
+  metrics = tmp_path / "killed" / "metrics.jsonl"
+  deadline = time.time() + 600
+  while not (metrics.exists() and any(json.loads(line)["phase"] == "rl" and
+                                       json.loads(line)["step"] >= 3
+                                       for line in metrics.read_text().splitlines()
+                                       if line.endswith("}"))):
+    assert all(p.poll() is None for p in procs) and time.time() < deadline
+    time.sleep(0.05)
+  procs[3].send_signal(signal.SIGKILL)  # a sampler process, mid-run
+  t0 = time.time()
+  for p in procs:
+    p.communicate(timeout=120)
+  assert all(p.returncode != 0 for p in procs)
+  assert time.time() - t0 < 60  # within the heartbeat (10 s here), not a hang
+  outs = _finish(_launch(tmp_path, "killed", *PARTIAL,
+                         resume=True))
+  assert "resumed from checkpoints/rl/" in outs[0][1]
+  reference, _ = _result(partial_run[0], "four")
+  assert _result(tmp_path, "killed")[0] == reference
