@@ -70,7 +70,7 @@ def main():
   if len(sys.argv) > 3 and sys.argv[3] == "die" and pid == 1:
     os._exit(17)  # a crashed peer: the survivor must stop, not hang
   assert jax.process_count() == 2 and len(jax.devices()) == 8
-  placement = make_placement("separate", 8, train_devices=4, sampler_tensor=2, n_hosts=2)
+  placement = make_placement("interleave", 8, train_devices=4, sampler_tensor=2, n_hosts=2)
   devices = host_major_devices()
   loss, checksum = run(placement.mesh("actor", devices), placement.mesh("sampler", devices))
   print(json.dumps({"process": pid, "loss": loss, "checksum": checksum}), flush=True)

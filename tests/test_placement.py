@@ -69,9 +69,20 @@ def test_bad_placements_fail_with_one_line(kwargs, message):
     (dict(train_fsdp=1), {"data": 4, "fsdp": 1}),
 ])
 def test_the_trainer_mesh_over_two_hosts(kwargs, mesh):
-  placement = make_placement("separate", 8, train_devices=4, n_hosts=2, **kwargs)
+  placement = make_placement("interleave", 8, train_devices=4, n_hosts=2, **kwargs)
   assert placement.roles["actor"].devices == (0, 1, 4, 5)  # each host's first two
   assert {k: v for k, v in placement.roles["actor"].shape.items() if k != "tensor"} == mesh
+
+
+def test_separate_on_whole_hosts_gives_each_group_hosts_of_its_own():
+  """`train_devices` filling whole hosts: the trainer on the first ones, the sampler on the rest
+  (each group on processes of its own); otherwise each host is split."""
+  placement = make_placement("separate", 16, train_devices=8, n_hosts=4)
+  assert placement.roles["actor"].devices == tuple(range(8))  # hosts 0 and 1
+  assert placement.roles["sampler"].devices == tuple(range(8, 16))
+  assert placement.roles["actor"].shape["fsdp"] == 4  # inside a host; data-parallel over two
+  split = make_placement("separate", 16, train_devices=4, n_hosts=2)
+  assert split.roles["actor"].devices == (0, 1, 8, 9)  # each host's first two
 
 
 def test_plan_buckets():

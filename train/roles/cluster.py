@@ -194,8 +194,8 @@ def config_split(cfg: ExperimentConfig) -> ProcessSplit | None:
 
 
 def check_processes(cfg: ExperimentConfig, split: ProcessSplit | None, devices) -> None:
-  """Async generation on several processes needs the sampler on processes of its own; and a
-  sampler on processes of its own generates only asynchronously."""
+  """Async generation on several processes needs the sampler on processes of its own, and there
+  a sync step takes one batch."""
   mode, hosts = cfg.rl.schedule.mode, host_count(devices)
   if mode == "async" and hosts > 1 and split is None:
     raise ConfigError(
@@ -209,10 +209,10 @@ def check_processes(cfg: ExperimentConfig, split: ProcessSplit | None, devices) 
         f"swap weights and open batches as each process's timing allows, which the sampler's "
         f"{len(split.generator_processes)} processes cannot share; use 'fixed', or give the "
         f"sampler one process")
-  if mode == "sync" and split is not None and cfg.rl.steps:
+  if mode == "sync" and split is not None and cfg.rl.dapo.dynamic_sampling:
     raise ConfigError(
-        "config.rl.schedule.mode: the placement gives the sampler processes of its own, which "
-        "generate only in mode='async' (max_staleness=0 is on-policy)")
+        "config.rl.dapo.dynamic_sampling: the placement gives the sampler processes of its own, "
+        "whose sync generation takes one batch a step; use placement.strategy='colocate'")
 
 
 def _placement(cfg: ExperimentConfig, devices):

@@ -75,15 +75,18 @@ class RolloutSource:
   def start(self, version: int, state: WorkerState | None = None) -> None:
     """Async mode: starts the generator ahead of the trainer, from the first batch not yet
     trained on (it draws the same prompts and keys as the sync loop), or from a checkpoint's
-    generator `state`; on the sampler's own processes where the placement gives it some
-    (train/rollout/remote.py)."""
-    if self.rl.schedule.mode != "async":
+    generator `state`. Where the placement gives the sampler processes of its own, the generator
+    runs there (train/rollout/remote.py), in sync mode as the fixed schedule with
+    `max_staleness=0` (the same rollouts as generated in turn)."""
+    sync = self.rl.schedule.mode != "async"
+    if sync and self.split is None:
       return
     self.weights.pin()  # the worker may decode with a copy the trainer replaced
     params = self.weights.fresh()
     worker = dict(start_index=self.next_index, schedule=self.rl.schedule.name,
                   max_staleness=self.rl.schedule.max_staleness, seed=self.cfg.seed)
-    if self.split is not None:
+    if self.split is not None:  # sync there: the fixed schedule that never runs ahead
+      worker.update(dict(schedule="fixed", max_staleness=0) if sync else {})
       from train.rollout.remote import RemoteWorker
       self.worker = RemoteWorker(self.split, self.prompts, params, version=version, state=state,
                                  **worker)
