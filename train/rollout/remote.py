@@ -150,10 +150,11 @@ def release_generators() -> None:
 class GeneratorHost:
   """The sampler's side: `serve()` runs the workers the trainer starts until it is done."""
 
-  def __init__(self, ctx):
+  def __init__(self, ctx, make_worker):
     """`ctx`: the run's context on these processes (train/stages/context.py), its cluster
-    abstract: what a worker needs (prompts, generator, the sampler's weights' layout)."""
-    self.ctx, self.split = ctx, ctx.cluster.split
+    abstract: what a worker needs (prompts, generator, the sampler's weights' layout);
+    `make_worker`: train/rollout/source.py's."""
+    self.ctx, self.split, self._make_worker = ctx, ctx.cluster.split, make_worker
     self.leader = jax.process_index() == min(self.split.generator_processes)
     self.worker, self.link = None, None
     self._held = contextlib.ExitStack()  # a pause the trainer asked for, until it resumes
@@ -197,7 +198,6 @@ class GeneratorHost:
     return crossing.receive(request["arrays"], self.split.mirror, self.split.sampler)
 
   def _start(self, request: dict) -> None:
-    from train.rollout.source import make_worker
     arrays = self._arrived(request)
     weights = self.ctx.cluster.sampler_weights.abstract()
     params = _unleaves(weights, arrays["params"])
@@ -205,7 +205,7 @@ class GeneratorHost:
     if request["state"] is not None:
       state = WorkerState(_with_params(arrays["state"], weights), request["state"])
     several = len(self.split.generator_processes) > 1
-    self.worker = make_worker(self.ctx.cfg, self.ctx.generator, self.ctx.task.prompts,
+    self.worker = self._make_worker(self.ctx.cfg, self.ctx.generator, self.ctx.task.prompts,
                               self.ctx.timeline, params, prompt_len=self.ctx.task.prompt_len,
                               version=request["version"], state=state,
                               decide=self._decider(self.link) if several else None,

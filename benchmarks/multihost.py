@@ -1,0 +1,137 @@
+"""The async generator on processes of its own: async over sync steps/s, and the cross-process
+weight push against memcpy.
+
+  python -m benchmarks.multihost --json
+
+Both parts run 4 CPU processes of one device each on loopback, the trainer on 2 and the sampler
+on 2 (`separate` on whole hosts: train/rollout/remote.py).
+  steps   the CLI on a generation-bound workload (configs/tiny.py, multi-turn
+          `synthetic_longtail` conversations, long completions), sync (the remote worker at
+          max_staleness 0) and async (fixed, max_staleness 1), alternately `--repeats` times;
+          RL steps per second from each run's `rl_wall_s`.
+  push    a float32 model of `--push-mb` MB crossing from the trainer's 2 processes to the
+          sampler's 2 (sharding/crossing.py: the same shard shapes on both sides), timed on the
+          receivers until the arrays are ready, against memcpy of the bytes each receiver gets,
+          in the same process.
+On a 2-core machine the 4 processes share the cores, so the ratio there says little about
+accelerators, whose generator and trainer do not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKLOAD = ["--config=configs/tiny.py", "--config.sft.steps=0", "--config.eval.every=100",
+            "--config.checkpoint_every=100", "--config.placement.strategy=separate",
+            "--config.placement.train_devices=2", "--config.placement.train_fsdp=1",
+            "--config.placement.cpu_devices=1", "--config.rl.environment.name=synthetic_longtail",
+            "--config.rl.rollout.max_new_tokens=48", "--config.rl.rollout.ignore_eos=True"]
+
+
+def _port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _launch(argv: list[str], n: int = 4) -> list[str]:
+  """`argv` as `n` processes joined on loopback; their stdouts (each must succeed)."""
+  port = _port()
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  procs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**env, "JAXRL_COORDINATOR": f"127.0.0.1:{port}",
+                                            "JAXRL_NUM_PROCESSES": str(n),
+                                            "JAXRL_PROCESS_ID": str(i)}) for i in range(n)]
+  outs = [p.communicate(timeout=1200) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    if p.returncode:
+      raise SystemExit(f"benchmarks.multihost: a process failed:\n{err[-3000:]}")
+  return [out for out, _ in outs]
+
+
+def steps_per_s(mode: str, steps: int, run_dir: str) -> float:
+  extra = [f"--config.rl.steps={steps}", f"--config.rl.schedule.mode={mode}",
+           "--config.rl.schedule.name=fixed", f"--config.run_dir={run_dir}",
+           f"--config.run_name={mode}-{os.urandom(4).hex()}"]
+  out = _launch([sys.executable, "-m", "cli.train", *WORKLOAD, *extra])[0]
+  wall = float(re.search(r"rl_wall_s=([0-9.]+)", out).group(1))
+  return steps / wall
+
+
+def push_worker(mb: int, repeats: int) -> None:
+  """One process of the push part (run by `_launch`): prints its JSON timings."""
+  from sharding.distributed import initialize
+  from sharding.host import force_cpu_devices
+  force_cpu_devices(1)
+  initialize()
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  from planner.measure import best_seconds
+  from sharding import crossing
+  devices = sorted(jax.devices(), key=lambda d: d.process_index)
+  train, sampler = (Mesh(np.asarray(devices[i:i + 2]), ("fsdp",)) for i in (0, 2))
+  rows = (mb << 20) // 4 // 1024
+  spec = NamedSharding(train, PartitionSpec("fsdp"))
+  sender = jax.process_index() < 2
+  arrays = {str(i): jax.jit(lambda: jnp.ones((rows // 8, 1024), jnp.float32),
+                            out_shardings=spec)() for i in range(8)} if sender else {}
+  described = {str(i): [[rows // 8, 1024], "float32", ["fsdp"]] for i in range(8)}
+
+  def push():
+    if sender:
+      crossing.send(arrays, sampler)
+      return
+    jax.block_until_ready(crossing.receive(described, train, sampler))
+
+  seconds = best_seconds(push, repeats=repeats)
+  received = (mb << 20) // 2  # each receiver gets half the model
+  src = np.ones(received // 4, np.float32)
+  dst = np.empty_like(src)
+  memcpy_s = best_seconds(lambda: np.copyto(dst, src), repeats=repeats)
+  print(json.dumps({"process": jax.process_index(), "seconds": seconds, "memcpy_s": memcpy_s,
+                    "bytes": received}), flush=True)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--json", action="store_true")
+  parser.add_argument("--steps", type=int, default=6)
+  parser.add_argument("--repeats", type=int, default=2)
+  parser.add_argument("--push-mb", type=int, default=256)
+  parser.add_argument("--push-worker", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.push_worker:
+    return push_worker(args.push_mb, args.repeats + 2)
+  from benchmarks.common import emit
+  sync, asynchronous = [], []
+  with tempfile.TemporaryDirectory() as run_dir:
+    for _ in range(args.repeats):  # alternately: the machine's drift hits both
+      sync.append(steps_per_s("sync", args.steps, run_dir))
+      asynchronous.append(steps_per_s("async", args.steps, run_dir))
+  outs = _launch([sys.executable, "-m", "benchmarks.multihost", "--push-worker",
+                  f"--push-mb={args.push_mb}", f"--repeats={args.repeats}"])
+  receivers = [json.loads(out.strip().splitlines()[-1]) for out in outs[2:]]
+  push_s = max(r["seconds"] for r in receivers)
+  memcpy_s = max(r["memcpy_s"] for r in receivers)
+  nbytes = receivers[0]["bytes"]
+  emit({"sync_steps_per_s": round(max(sync), 4), "async_steps_per_s": round(max(asynchronous), 4),
+        "async_over_sync": round(max(asynchronous) / max(sync), 3),
+        "push_bytes": args.push_mb << 20, "push_seconds": round(push_s, 4),
+        "push_gbps_per_receiver": round(nbytes / push_s / 1e9, 3),
+        "memcpy_gbps": round(nbytes / memcpy_s / 1e9, 3),
+        "push_ratio_to_memcpy": round(memcpy_s / push_s, 4), "processes": 4,
+        "cores": os.cpu_count()}, args.json)
+
+
+if __name__ == "__main__":
+  main()
