@@ -11,52 +11,11 @@ older than the trainer's (in the sampler's layout).
 from __future__ import annotations
 
 import jax
-import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
+from sharding.crossing import abstract, describe
 from train.rollout.worker import WorkerState
-
-
-def _spec(x) -> list | None:
-  """The PartitionSpec of a mesh-split array as JSON (None: not split over a mesh)."""
-  if not isinstance(x.sharding, NamedSharding):
-    return None
-  return [list(e) if isinstance(e, tuple) else e for e in x.sharding.spec]
-
-
-def _flat(tree: dict, prefix: str = ""):
-  for key, value in tree.items():
-    path = f"{prefix}{key}"
-    if isinstance(value, dict):
-      yield from _flat(value, path + "/")
-    else:
-      yield path, value
-
-
-def _nest(flat: dict) -> dict:
-  out: dict = {}
-  for path, value in flat.items():
-    *parents, leaf = path.split("/")
-    node = out
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = value
-  return out
-
-
-def describe(arrays: dict) -> dict:
-  """{path: [shape, dtype, spec]} of a nested dict of arrays (string keys)."""
-  return {path: [list(x.shape), str(x.dtype), _spec(x)] for path, x in _flat(arrays)}
-
-
-def abstract(described: dict, mesh: Mesh) -> dict:
-  """The nested dict of ShapeDtypeStructs `describe` recorded, laid out on `mesh`."""
-  def one(shape, dtype, spec):
-    parts = () if spec is None else tuple(tuple(e) if isinstance(e, list) else e for e in spec)
-    return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype),
-                                sharding=NamedSharding(mesh, PartitionSpec(*parts)))
-  return _nest({path: one(*d) for path, d in described.items()})
 
 
 def to_checkpoint(state: WorkerState) -> tuple[dict, dict]:

@@ -205,11 +205,10 @@ class GeneratorHost:
     if request["state"] is not None:
       state = WorkerState(_with_params(arrays["state"], weights), request["state"])
     several = len(self.split.generator_processes) > 1
-    self.worker = self._make_worker(self.ctx.cfg, self.ctx.generator, self.ctx.task.prompts,
-                              self.ctx.timeline, params, prompt_len=self.ctx.task.prompt_len,
-                              version=request["version"], state=state,
-                              decide=self._decider(self.link) if several else None,
-                              **request["worker"])
+    self.worker = self._make_worker(
+        self.ctx.cfg, self.ctx.generator, self.ctx.task.prompts, self.ctx.timeline, params,
+        prompt_len=self.ctx.task.prompt_len, version=request["version"], state=state,
+        decide=self._decider(self.link) if several else None, **request["worker"])
 
   def _decider(self, link: Link):
     """The worker's `decide`: the first process's choice, posted; the others take it."""
