@@ -8,7 +8,7 @@ Strategies (DESIGN.md, "Adaptive placement"):
   separate   trainer roles on the first `train_devices`, the sampler on the rest, holding a
              shadow copy of the actor refreshed after every update.
 Devices are taken host by host. On several hosts `separate` gives the trainer whole hosts where
-`train_devices` fills two or more, and the sampler the other hosts: each role group then runs on
+`train_devices` fills them, and the sampler the other hosts: each role group then runs on
 processes of its own (MPMD: train/rollout/remote.py), and the weights and rollouts cross
 between them device to device (sharding/crossing.py). Otherwise, and for `interleave`, each host
 gives its first devices to training and the rest to sampling, every process runs every program,
@@ -98,12 +98,9 @@ def _per_host_split(n_devices: int, n_hosts: int, train_per_host: int):
 
 def whole_hosts(strategy: str, n_devices: int, *, train_devices: int, n_hosts: int) -> bool:
   """Whether `strategy` puts the trainer and the sampler on hosts of their own: `separate` on
-  several hosts, `train_devices` filling at least two whole ones. (A trainer on one process of
-  several cannot checkpoint: orbax refuses arrays local to one process in a multi-process job;
-  it keeps the per-host split.)"""
-  local = n_devices // n_hosts
-  return (strategy == "separate" and n_hosts > 2 and 0 < train_devices < n_devices
-          and train_devices % local == 0 and train_devices // local >= 2)
+  several hosts, `train_devices` filling whole ones."""
+  return (strategy == "separate" and n_hosts > 1 and 0 < train_devices < n_devices
+          and train_devices % (n_devices // n_hosts) == 0)
 
 
 def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler_tensor: int = 1,

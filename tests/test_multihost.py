@@ -67,8 +67,9 @@ def _launch(script: str, port: int, pid: int, run_dir, *extra):
 
 @pytest.mark.slow
 def test_launch_scripts_run_an_experiment_on_two_processes_and_resume_it(tmp_path):
-  """launch/slurm_gpu.sbatch runs the experiment on 2 processes x 4 CPU devices, and
-  launch/tpu_pod.sh resumes it (run from another directory: the scripts find the repo)."""
+  """launch/slurm_gpu.sbatch runs the experiment on 2 processes x 4 CPU devices (the trainer on
+  one, the generator on the other, in sync mode), and launch/tpu_pod.sh resumes it (run from
+  another directory: the scripts find the repo)."""
   outs = []
   for script, extra in (("slurm_gpu.sbatch", ()), ("tpu_pod.sh", ("--resume",))):
     port = _free_port()
@@ -84,7 +85,9 @@ def test_launch_scripts_run_an_experiment_on_two_processes_and_resume_it(tmp_pat
   assert (run_dir / "metrics.png").exists() and (run_dir / "trace.json").exists()
   assert (run_dir / "tensorboard" / "rl").is_dir()
   actor = run_dir / "checkpoints" / "rl" / "3" / "actor"
-  assert (actor / "ocdbt.process_0").is_dir() and (actor / "ocdbt.process_1").is_dir()
+  # The default placement (separate, 4 trainer devices) gives each process a role group: the
+  # trainer's one process saves (host arrays), the sampler's saves nothing (docs/hosts.md)
+  assert (actor / "ocdbt.process_0").is_dir() and not (actor / "ocdbt.process_1").exists()
   fingerprint = first0.rsplit("params_fingerprint=", 1)[1].split()[0]
   assert f"params_fingerprint={fingerprint}" in outs[1][0][0]  # the resumed run: same weights
   assert "resumed from checkpoints/rl/3" in outs[1][0][1]

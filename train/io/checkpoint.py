@@ -67,9 +67,9 @@ class RunCheckpointer:
     """Asynchronous: returns once the arrays are copied off the devices. A CheckpointError
     when this save, or the one before it still being written, failed."""
     self._finished(stage)
-    args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
     try:
       with jax.transfer_guard("allow"):  # a deliberate copy to the host
+        args = {name: ocp.args.StandardSave(self._local(tree)) for name, tree in items.items()}
         saved = self._manager(stage).save(step, args=ocp.args.Composite(
             **args, meta=ocp.args.JsonSave(meta)), metrics=metrics)
     except Exception as e:  # noqa: BLE001 - a full disk, a failing write, ...
@@ -122,10 +122,27 @@ class RunCheckpointer:
   def restore(self, stage: str, step: int, abstract: dict) -> dict:
     """The items named in `abstract` (name -> abstract tree), each array straight into the
     sharding its abstract leaf carries."""
-    args = {name: ocp.args.StandardRestore(tree) for name, tree in abstract.items()}
+    args = {name: ocp.args.StandardRestore(self._local(tree)) for name, tree in abstract.items()}
     with jax.transfer_guard("allow"):
       restored = self._manager(stage).restore(step, args=ocp.args.Composite(**args))
+      if self._one_of_several:  # host arrays onto the shardings
+        return {name: jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), restored[name],
+                                   abstract[name]) for name in abstract}
     return {name: restored[name] for name in abstract}
+
+  @property
+  def _one_of_several(self) -> bool:
+    return self.processes is not None and len(self.processes) == 1
+
+  def _local(self, tree):
+    """`tree` as orbax takes it from these processes: where one process of several saves,
+    its arrays (local to it, which orbax refuses in a multi-process job) as host arrays, and
+    abstract arrays as host-array targets."""
+    if not self._one_of_several:
+      return tree
+    host = lambda x: (np.empty(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else
+                      np.asarray(x) if isinstance(x, jax.Array) else x)
+    return jax.tree.map(host, tree)
 
   def wait(self) -> None:
     for stage in list(self._managers):
