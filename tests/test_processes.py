@@ -100,7 +100,7 @@ def test_partial_rollouts_on_four_processes_match_one_process(partial_run):
 
 @pytest.mark.slow
 def test_multi_turn_whole_batches_on_four_processes_match_one_process(tmp_path):
-  extra = ("--config.rl.schedule.name=fixed", "--config.rl.environment.name=synthetic",
+  extra = ("--config.rl.schedule.name=fixed", "--config.rl.environment.name=synthetic_short",
            "--config.rl.steps=2")
   _finish(_launch(tmp_path, "four", *extra))
   _one_process(tmp_path, "one", *extra)
@@ -139,3 +139,40 @@ def test_a_killed_sampler_process_stops_the_run_and_it_resumes_exactly(partial_r
   assert "resumed from checkpoints/rl/" in outs[0][1]
   reference, _ = _result(partial_run[0], "four")
   assert _result(tmp_path, "killed")[0] == reference
+
+
+class _Store:
+  """The coordination service's key-value store, as two processes' mailboxes see it."""
+
+  def __init__(self):
+    self.values = {}
+
+  def post(self, n, message):
+    assert n not in self.values
+    self.values[n] = json.loads(json.dumps(message))  # (JSON, as the store holds it)
+
+  def take(self, n):
+    return self.values[n]
+
+
+def test_a_shared_environment_is_stepped_by_the_first_process_only():
+  from jaxrl.data.tasks import Example
+  from jaxrl.data.tokenizer import ByteTokenizer
+  from jaxrl.envs.synthetic import ShortReplies
+  from train.rollout.shared_env import SharedEnvironment
+
+  class Counted(ShortReplies):
+    steps = 0
+
+    def step(self, turn_ids):
+      Counted.steps += 1
+      return super().step(turn_ids)
+
+  store, tok = _Store(), ByteTokenizer()
+  leader = SharedEnvironment(Counted(tok, None), store, leader=True)
+  follower = SharedEnvironment(Counted(tok, None), store, leader=False)
+  example = Example(prompt="1+1", answer="2")
+  assert leader.reset(example) == follower.reset(example) == []
+  for ids in ([5, 6], [7], [8, 9, 10]):
+    assert leader.step(ids) == follower.step(ids)
+  assert Counted.steps == 3  # the follower took the leader's steps

@@ -174,6 +174,16 @@ class RoleCluster:
   def get(self, name: str) -> ModelRole | None:
     return self.roles.get(name)
 
+  def process_group(self) -> tuple[str, frozenset[int]]:
+    """This process's group ("trainer", "generator", or "all" where every process runs every
+    program) and its processes."""
+    everyone = frozenset(range(jax.process_count()))
+    if self.split is None:
+      return "all", everyone
+    here = self.split.here
+    return here, (self.split.generator_processes if here == "generator" else
+                  everyone - self.split.generator_processes)
+
 
 def _split(meshes) -> ProcessSplit | None:
   try:

@@ -6,12 +6,15 @@ stage never reaches another stage, only this context.
 """
 from __future__ import annotations
 
+import jax
+
 from jaxrl.config import ExperimentConfig
 from jaxrl.data.tasks import Example
 from train.io.host_transfers import HostTransfers
 from train.io.timeline import Timeline
 from train.roles.cluster import RoleCluster
 from train.rollout.generator import Generator
+from train.rollout.shared_env import shared
 from train.task.heldout import evaluate
 from train.task.task import (Judge, UserProcesses, environment_for, load_task,
                              load_tokenizer_for)
@@ -41,10 +44,13 @@ class RunContext:
     self.task = load_task(cfg, self.tok, self.processes)
     self.judge = Judge(self.tok, self.task, self.transfers)
     self.cluster = RoleCluster(cfg, initialize=initialize, transfers=self.transfers)
+    environment = environment_for(cfg, self.tok, self.task, self.processes)
+    name, group = self.cluster.process_group()
+    if environment is not None and len(group) > 1:  # stepped once, by the group's first
+      environment = shared(environment, name, jax.process_index() == min(group))
     self.generator = Generator(self.cluster, max_new_tokens=self.task.max_new_tokens,
                                tok=self.tok, rl=cfg.rl, transfers=self.transfers,
-                               environment=environment_for(cfg, self.tok, self.task,
-                                                           self.processes))
+                               environment=environment)
     self.timeline = Timeline()
 
   def evaluate(self, examples: list[Example] | None = None) -> float:
