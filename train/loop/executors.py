@@ -5,8 +5,8 @@ share that role's devices); different executors run concurrently, so independent
 reward scoring, reference log-probs and critic values overlap (interleaving). Every call is a busy
 interval on the timeline; a failure surfaces as `ExecutorError` naming the executor, with the
 original exception as its cause. `inline=True` runs calls in the caller's thread, in program
-order: on several processes every process must launch the same programs in the same order
-(JAX's multi-controller model), which concurrent threads cannot promise.
+order: where several processes hold the trainer's meshes, each must launch the same programs in
+the same order (JAX's multi-controller model), which concurrent threads cannot promise.
 """
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ class Executors:
   one) and trainer (actor + critic updates and the weight push)."""
 
   def __init__(self, cluster, timeline: Timeline, *, reward_model: bool, critic_mesh=None):
-    inline = jax.process_count() > 1  # every process must launch the same programs in order
+    # Several processes holding these meshes must launch the same programs in the same order
+    inline = len(cluster.process_group()[1]) > 1
     ex = lambda name, mesh: Executor(name, timeline, mesh, inline=inline)
     self.generator = ex("generator", cluster.meshes["sampler"])
     self.reward = ex("reward", cluster.meshes["reward"] if reward_model else None)
