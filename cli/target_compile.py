@@ -185,11 +185,11 @@ def _sampler(cfg: ExperimentConfig, cluster: RoleCluster) -> Sampler:
 
 
 def _generation(cfg: ExperimentConfig, cluster: RoleCluster) -> list[Program]:
-  if cfg.rl.rollout.inflight_slots or cfg.rl.schedule.mode == "async" or cfg.rl.environment.name:
+  # (async whole batches decode with this same program, ahead of the trainer)
+  if cfg.rl.rollout.inflight_slots or cfg.rl.environment.name:
     raise ConfigError(
-        "--target: compiles the static decode of sync single-turn RL; "
-        "config.rl.rollout.inflight_slots, rl.schedule.mode=async and rl.environment.name are not "
-        "covered yet")
+        "--target: compiles the static decode of single-turn RL (sync, or async whole batches); "
+        "config.rl.rollout.inflight_slots and rl.environment.name are not covered yet")
   sampler, weights = _sampler(cfg, cluster), cluster.sampler_weights
   mesh = cluster.meshes["sampler"]
   rows = batch_sharding(mesh, SAMPLER_RULES)

@@ -95,6 +95,21 @@ def _table_from(summary: dict) -> None:
       in line, line
 
 
+def test_async_on_whole_hosts_compiles_for_a_multi_host_slice(tmp_path):
+  """`separate` on whole hosts of a v5e-16 (4 hosts of 4 chips): the trainer on hosts 0-1, the
+  sampler on hosts 2-3 (docs/hosts.md), async (whole batches: sync's programs), compiles."""
+  from cli.target_report import report
+  raw = load_config_file("configs/tiny.py")
+  raw.placement.update(strategy="separate", train_devices=8)
+  raw.rl.schedule.update(mode="async")
+  lines, fits = report(resolve(raw, hf=False), parse_target("v5e-16"), str(tmp_path / "t.json"))
+  assert fits, lines
+  summary = json.loads((tmp_path / "t.json").read_text())
+  assert summary["hosts"] == 4 and summary["meshes"]["actor"]["fsdp"] == 8
+  assert {p["name"] for p in summary["programs"]} >= {"generate (prefill + decode loop)",
+                                                      "actor update"}
+
+
 def test_a_topology_the_placement_cannot_use_names_the_field(capsys):
   """configs/tiny.py gives the trainer 4 devices: a 4-chip slice leaves the sampler none."""
   rc = train.main(["train", "--config=configs/tiny.py", "--dry_run", "--target=v5e-4"])

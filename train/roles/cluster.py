@@ -60,7 +60,7 @@ class RoleCluster:
       raise ConfigError(f"config.{message}" if message.startswith("placement") else message) \
           from None
     check_batch_sizes(cfg, self)
-    check_processes(cfg, self.split, self.devices)
+    check_processes(cfg, self.split, self.meshes, self.devices)
     self.roles: dict[str, ModelRole] = {"actor": self.actor}
     self.shared: set[str] = set()  # roles whose parameters are the actor's own arrays
     if initialize:
@@ -203,11 +203,16 @@ def config_split(cfg: ExperimentConfig) -> ProcessSplit | None:
     return None
 
 
-def check_processes(cfg: ExperimentConfig, split: ProcessSplit | None, devices) -> None:
+def check_processes(cfg: ExperimentConfig, split: ProcessSplit | None, meshes: dict,
+                    devices) -> None:
   """Async generation on several processes needs the sampler on processes of its own, and there
   a sync step takes one batch."""
   mode, hosts = cfg.rl.schedule.mode, host_count(devices)
-  if mode == "async" and hosts > 1 and split is None:
+  sampler = meshes["sampler"] if split is None else split.sampler  # (not the trainer's mirror)
+  sampler_hosts = {d.process_index for d in sampler.devices.flat}
+  apart = not sampler_hosts & {d.process_index for role, m in meshes.items() if role != "sampler"
+                               for d in m.devices.flat}  # (a target's hosts too)
+  if mode == "async" and hosts > 1 and not apart:
     raise ConfigError(
         f"config.rl.schedule.mode: async on {hosts} processes runs the generator on processes of "
         f"its own: placement.strategy='separate' with placement.train_devices a multiple of "
