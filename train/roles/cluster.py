@@ -16,7 +16,6 @@ import jax
 from flax import nnx
 
 from jaxrl.config import ConfigError, ExperimentConfig
-from jaxrl.schedules import SCHEDULES
 from jaxrl.models import lora
 from jaxrl.models.dtypes import compute_dtypes, frozen_base_dtypes
 from jaxrl.models.heads import RewardModel, ValueModel
@@ -217,13 +216,6 @@ def check_processes(cfg: ExperimentConfig, split: ProcessSplit | None, meshes: d
         f"config.rl.schedule.mode: async on {hosts} processes runs the generator on processes of "
         f"its own: placement.strategy='separate' with placement.train_devices a multiple of "
         f"each process's {len(devices) // hosts} devices")
-  if (split is not None and len(split.generator_processes) > 1 and
-      cfg.rl.schedule.partial_rollouts and SCHEDULES[cfg.rl.schedule.name].swaps_between_segments):
-    raise ConfigError(
-        f"config.rl.schedule.name: partial rollouts under the {cfg.rl.schedule.name!r} schedule "
-        f"swap weights and open batches as each process's timing allows, which the sampler's "
-        f"{len(split.generator_processes)} processes cannot share; use 'fixed', or give the "
-        f"sampler one process")
   if mode == "sync" and split is not None and cfg.rl.dapo.dynamic_sampling:
     raise ConfigError(
         "config.rl.dapo.dynamic_sampling: the placement gives the sampler processes of its own, "

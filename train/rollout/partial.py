@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxrl.schedules import SCHEDULES
 from sampler.stream import BatchStream
 from train.rollout.conversations import NotReplayable
 from train.rollout.worker import RolloutBatch, Worker, WorkerState
@@ -36,10 +35,8 @@ class PartialRolloutWorker(Worker):
                state: WorkerState | None = None, span: Callable | None = None,
                decide: Callable | None = None):
     """`span()`: a context manager around each look and segment (a timeline's busy time);
-    `decide`: the Worker's (the fixed schedule's only: the free one swaps weights and opens
-    batches between segments as timing allows, which a group of processes cannot share)."""
-    if decide is not None and SCHEDULES[schedule].swaps_between_segments:
-      raise ValueError("partial rollouts under the free schedule run on one process")
+    `decide`: the Worker's; here also whether each batch opens, and (free schedule) which
+    weights each segment decodes with, so that a group of processes runs the same segments."""
     super().__init__(prompts, params, version=version, max_staleness=max_staleness, seed=seed,
                      start_index=start_index, schedule=schedule, transfer=transfer, state=state,
                      decide=decide)
@@ -88,7 +85,8 @@ class PartialRolloutWorker(Worker):
           self._ended = True
           return True
       with self.locked():
-        if self.schedule.blocked(self.view(), index, s.next_emit):
+        blocked = self.schedule.blocked(self.view(), index, s.next_emit)
+        if self.agreed(f"open {index}", int(blocked)):
           return True
         if not self.schedule.swaps_between_segments:  # its weights change as a batch opens
           installed = self.installed.version

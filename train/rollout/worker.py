@@ -248,14 +248,21 @@ class Worker:
     self._installed = chosen
     return self._installed
 
-  def _agreed(self, key: str, weights: Weights) -> Weights | None:
-    """(Holding the lock) the weights of the version `decide` agreed on for `key`, once they
-    arrived; the older ones kept are dropped. None: the worker was closed."""
+  def agreed(self, key: str, value: int) -> int:
+    """(Holding the lock) `value` where this process decides alone; else the value the group's
+    first process chose for `key` (`decide`: the same keys in the same order everywhere)."""
+    if self._decide is None:
+      return value
     self._cond.release()  # the group's first process may be waiting on this one's pushes
     try:
-      version = self._decide(key, weights.version)
+      return self._decide(key, value)
     finally:
       self._cond.acquire()
+
+  def _agreed(self, key: str, weights: Weights) -> Weights | None:
+    """(Holding the lock) the weights of the version agreed on for `key`, once they arrived;
+    the older ones kept are dropped. None: the worker was closed."""
+    version = self.agreed(key, weights.version)
     if not self._wait(lambda: version in self._kept):
       return None
     self._kept = {v: w for v, w in self._kept.items() if v >= version}
@@ -263,10 +270,14 @@ class Worker:
 
   def install_newest(self, than: int) -> Weights | None:
     """(Holding the lock) installs the newest pushed weights where they are newer than version
-    `than`; them (None: none are newer)."""
-    if self._pending.version <= than:
+    `than` (`decide`: the version the group's first process installed); them (None: none are
+    newer)."""
+    newest = self._pending if self._pending.version > than else self._installed
+    if self._decide is not None:
+      newest = self._agreed("segment", newest)
+    if newest is None or newest.version <= than:
       return None
-    self._installed = self._pending
+    self._installed = newest
     return self._installed
 
   def pause_point(self) -> bool:
