@@ -22,10 +22,11 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
+
+from sharding.distributed import loopback_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOAD = ["--config=configs/tiny.py", "--config.sft.steps=0", "--config.eval.every=100",
@@ -35,15 +36,9 @@ WORKLOAD = ["--config=configs/tiny.py", "--config.sft.steps=0", "--config.eval.e
             "--config.rl.rollout.max_new_tokens=48", "--config.rl.rollout.ignore_eos=True"]
 
 
-def _port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _launch(argv: list[str], n: int = 4) -> list[str]:
   """`argv` as `n` processes joined on loopback; their stdouts (each must succeed)."""
-  port = _port()
+  port = loopback_port(n)
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   procs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**env, "JAXRL_COORDINATOR": f"127.0.0.1:{port}",

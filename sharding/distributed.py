@@ -101,3 +101,20 @@ def agree(value, name: str, *, timeout_s: int = 3600):
     kv_client().key_value_set(key, json.dumps(value))
     return value
   return json.loads(kv_client().blocking_key_value_get(key, timeout_s * 1000))
+
+
+def loopback_port(processes: int) -> int:
+  """A coordinator port on 127.0.0.1 whose `processes` following ports (the transfer servers'
+  sockets, `transfer_address`) are free as well."""
+  for _ in range(100):
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      port = s.getsockname()[1]
+    try:
+      for p in range(port, port + processes + 1):
+        with socket.socket() as s:
+          s.bind(("127.0.0.1", p))
+      return port
+    except OSError:
+      continue
+  raise RuntimeError(f"no {processes + 1} free consecutive ports on 127.0.0.1")

@@ -3,7 +3,6 @@ step and a reshard agree with one process; the launch scripts run a whole experi
 devices and resume it; a survivor stops when its peer dies."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import multihost_worker  # noqa: E402
 
+from sharding.distributed import loopback_port  # noqa: E402
 from sharding.mesh import make_mesh  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
@@ -21,9 +21,7 @@ ROOT = __file__.rsplit("/tests/", 1)[0]
 
 
 def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  return loopback_port(2)
 
 
 def _start(port, pid, *extra):

@@ -8,12 +8,13 @@ mid-run stops the others, and the resumed run ends bit for bit as the uninterrup
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+
+from sharding.distributed import loopback_port
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 ARGS = ["--config=configs/tiny.py", "--config.placement.strategy=separate",
@@ -24,9 +25,7 @@ TIMING = ("step_time", "tokens_per_s", "reshard_gbps")
 
 
 def _port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  return loopback_port(4)
 
 
 def _env(**extra) -> dict:
