@@ -45,6 +45,7 @@ class Row:
 
 
 COLOCATE = ("--config.placement.strategy=colocate",)
+SEPARATE = ("--config.placement.strategy=separate", "--config.rl.schedule.mode=async")
 ROWS = {
     "qwen2.5-0.5b": Row("Qwen2.5-0.5B", "configs/qwen2_5_0_5b_gsm8k.py", "v5p-8"),
     "qwen2.5-7b": Row("Qwen2.5-7B", "configs/qwen2_5_7b_gsm8k.py", "v5p-8", COLOCATE),
@@ -52,6 +53,12 @@ ROWS = {
     "llama3.1-8b": Row("Llama-3.1-8B", "configs/llama3_1_8b_gsm8k.py", "v5p-8", COLOCATE),
     "llama3.1-8b-lora": Row("Llama-3.1-8B LoRA", "configs/llama3_1_8b_gsm8k_lora.py", "v5p-8"),
     "gemma3-4b": Row("Gemma-3-4B", "configs/gemma3_4b_gsm8k.py", "v5p-8", COLOCATE),
+    # The trainer and the sampler on hosts of their own, async (docs/hosts.md)
+    "qwen2.5-7b-separate": Row("Qwen2.5-7B, separate hosts, async", "configs/qwen2_5_7b_gsm8k.py",
+                               "v5p-16", SEPARATE + ("--config.placement.train_devices=4",)),
+    "llama3.1-8b-separate": Row("Llama-3.1-8B, separate hosts, async",
+                                "configs/llama3_1_8b_gsm8k.py", "v5p-32",
+                                SEPARATE + ("--config.placement.train_devices=8",)),
     "llama3.1-70b-8": Row("Llama-3.1-70B", "configs/llama3_1_70b_gsm8k.py", "v5p-64",
                           ("--config.model.n_layers=8",), layers=8),
     "llama3.1-70b-16": Row("Llama-3.1-70B", "configs/llama3_1_70b_gsm8k.py", "v5p-64",

@@ -34,6 +34,14 @@ class Timeline:
       self._executors.setdefault(executor, ())
       self._events.append((executor, label, start, end, args))
 
+  def since(self, count: int, executor: str) -> tuple[list[tuple[str, float, float]], int]:
+    """`executor`'s (label, start, end) among the events after the first `count`, and how many
+    events there are now (the next call's `count`)."""
+    with self._lock:
+      new = [(label, start, end) for ex, label, start, end, _ in self._events[count:]
+             if ex == executor]
+      return new, len(self._events)
+
   @contextlib.contextmanager
   def span(self, executor: str, label: str, **args):
     """A busy interval; what compiles in it on this thread counts as `label`'s compiles."""

@@ -79,7 +79,9 @@ class Executors:
     # Several processes holding these meshes must launch the same programs in the same order
     inline = len(cluster.process_group()[1]) > 1
     ex = lambda name, mesh: Executor(name, timeline, mesh, inline=inline)
-    self.generator = ex("generator", cluster.meshes["sampler"])
+    # (the sampler's own processes' devices where it has some: its busy time comes from there)
+    sampler = cluster.meshes["sampler"] if cluster.split is None else cluster.split.sampler
+    self.generator = ex("generator", sampler)
     self.reward = ex("reward", cluster.meshes["reward"] if reward_model else None)
     self.reference = ex("reference", cluster.meshes["reference"])
     self.critic = None if critic_mesh is None else ex("critic", critic_mesh)

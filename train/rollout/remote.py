@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import jax
 import numpy as np
@@ -76,11 +77,13 @@ class RemoteWorker:
   `paused`, `close`, `version`), served by the generator's processes."""
 
   def __init__(self, split, prompts, params, *, version: int, state: WorkerState | None,
-               **worker):
+               timeline, **worker):
     """`split`: the process groups and meshes (sharding/crossing.py `ProcessSplit`);
-    `params`: the first weights, on the mirror; `worker`: the worker's settings (start_index,
-    schedule, max_staleness, seed)."""
+    `params`: the first weights, on the mirror; `timeline`: where the generator's busy
+    intervals go; `worker`: the worker's settings (start_index, schedule, max_staleness,
+    seed)."""
     self._link, self._prompts, self._version = Link(split), prompts, version
+    self._timeline = timeline
     self._like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     arrays = {"params": _leaves(params)}
     if state is not None:
@@ -117,6 +120,9 @@ class RemoteWorker:
     reply = self._request({"op": "batch"})
     if reply.get("exhausted"):
       raise StopIteration
+    now = time.perf_counter()  # the generator's busy intervals, as of this reply
+    for label, ago_start, ago_end in reply["spans"]:
+      self._timeline.add("generator", label, now - ago_start, now - ago_end)
     versions = reply["versions"]
     return RolloutBatch(Rollout(**self._received(reply)), self._prompts[reply["index"]],
                         reply["version"], reply["index"], reply["seconds"],
@@ -157,6 +163,7 @@ class GeneratorHost:
     self.ctx, self.split, self._make_worker = ctx, ctx.cluster.split, make_worker
     self.leader = jax.process_index() == min(self.split.generator_processes)
     self.worker, self.link = None, None
+    self._spans_sent = 0  # the timeline's events the trainer has (its generator's busy time)
     self._held = contextlib.ExitStack()  # a pause the trainer asked for, until it resumes
 
   def serve(self) -> int:
@@ -231,8 +238,11 @@ class GeneratorHost:
       return {"exhausted": True}
     arrays = {k: v for k, v in vars(batch.rollout).items() if v is not None}
     described = crossing.send(arrays, self.split.mirror)
+    spans, self._spans_sent = self.ctx.timeline.since(self._spans_sent, "generator")
+    now = time.perf_counter()  # (the trainer places them before its own now)
+    ago = [(label, now - start, now - end) for label, start, end in spans]
     return {"arrays": described, "index": batch.index, "version": batch.version,
-            "seconds": batch.seconds,
+            "seconds": batch.seconds, "spans": ago,
             "versions": None if batch.versions_BN is None else batch.versions_BN.tolist()}
 
   def _weights(self, request: dict) -> None:

@@ -89,7 +89,7 @@ class RolloutSource:
       worker.update(dict(schedule="fixed", max_staleness=0) if sync else {})
       from train.rollout.remote import RemoteWorker
       self.worker = RemoteWorker(self.split, self.prompts, params, version=version, state=state,
-                                 **worker)
+                                 timeline=self.timeline, **worker)
       return
     self.worker = make_worker(self.cfg, self.generator, self.prompts, self.timeline, params,
                               prompt_len=self.prompt_len, version=version, state=state, **worker)
