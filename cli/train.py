@@ -59,6 +59,13 @@ def _start(argv: list[str]):
     return fail(str(e))
 
 
+def _release_generators() -> None:
+  from sharding.distributed import kv_client
+  if kv_client() is not None:  # (a job of several processes was joined)
+    from train.rollout.remote import release_generators
+    release_generators()
+
+
 def _serves_the_generator(cfg) -> bool:
   """A process the placement gives only to the sampler (train/rollout/remote.py)."""
   import jax
@@ -101,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     return compile_guard.run(argv)
   exp = _start(argv)
   if isinstance(exp, int):
+    _release_generators()  # (a trainer that stopped early: the sampler's processes leave too)
     return exp
   import jax
 

@@ -94,6 +94,8 @@ def test_partial_rollouts_on_four_processes_match_one_process(partial_run):
   assert any(r.get("grad_norm", 0) > 0 for r in four[1])  # the policy did move
   lags = [r["policy_lag"] for r in four[1] if r["phase"] == "rl" and "loss" in r]
   assert lags[1:] == [1] * (len(lags) - 1)  # generated ahead
+  with open(os.path.join(tmp, "four", "summary.json")) as f:
+    assert json.load(f)["busy_generator"] > 0  # the sampler's busy time, on the timeline
   assert "params_fingerprint" in outs[0][0]  # the trainer's first process reports
   assert not any("params_fingerprint" in out for out, _ in outs[1:])
 
