@@ -187,18 +187,21 @@ class GeneratorHost:
           continue
 
   def _session(self, link: Link) -> None:
-    self.link = link
+    """Request after request until "close"; a failure answers the next request that has a
+    reply (the trainer raises it), and every one after it."""
+    self.link, failed = link, None
     while True:
       request = link.requests.take(link.n)
+      op = request["op"]
       try:
-        reply = getattr(self, "_" + request["op"])(request)
+        reply = failed if failed and op != "close" else getattr(self, "_" + op)(request)
       except Exception as e:  # noqa: BLE001 - the trainer raises it, named
-        log.exception("generator: %s failed", request["op"])
-        reply = {"error": f"{type(e).__name__}: {e}"}
-      if self.leader and request["op"] in ("batch", "pause"):
+        log.exception("generator: %s failed", op)
+        reply = failed = {"error": f"{op}: {type(e).__name__}: {e}"}
+      if self.leader and op in ("batch", "pause"):
         link.replies.post(link.n, reply)
       link.n += 1
-      if request["op"] == "close":
+      if op == "close":
         return
 
   def _arrived(self, request: dict) -> dict:
@@ -260,5 +263,6 @@ class GeneratorHost:
 
   def _close(self, request: dict) -> None:
     self._held.close()
-    self.worker.close()
+    if self.worker is not None:
+      self.worker.close()
     self.worker = None
