@@ -27,6 +27,7 @@ import time
 import jax
 import numpy as np
 
+from jaxrl.config import ConfigError
 from sampler.engine import Rollout
 from sharding import crossing
 from sharding.distributed import kv_client
@@ -107,9 +108,10 @@ class RemoteWorker:
     if message["op"] not in ("batch", "pause"):
       return None
     reply = link.replies.take(link.n - 1)
-    if "error" in reply:
+    if "error" in reply:  # (a user's error, such as an environment's, stays one)
+      cause = ConfigError(reply["error"]) if reply.get("config") else None
       raise RolloutWorkerError(f"rollout worker failed on the generator's processes: "
-                               f"{reply['error']}")
+                               f"{reply['error']}") from cause
     return reply
 
   def _received(self, reply: dict) -> dict:
@@ -197,7 +199,9 @@ class GeneratorHost:
         reply = failed if failed and op != "close" else getattr(self, "_" + op)(request)
       except Exception as e:  # noqa: BLE001 - the trainer raises it, named
         log.exception("generator: %s failed", op)
-        reply = failed = {"error": f"{op}: {type(e).__name__}: {e}"}
+        user = next((c for c in (e, e.__cause__) if isinstance(c, ConfigError)), None)
+        reply = failed = ({"error": str(user), "config": True} if user is not None else
+                          {"error": f"{op}: {type(e).__name__}: {e}"})
       if self.leader and op in ("batch", "pause"):
         link.replies.post(link.n, reply)
       link.n += 1
