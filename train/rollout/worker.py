@@ -7,15 +7,13 @@ segments: the rows in flight continue with them (partial rollouts), every token 
 policy version and log-prob. Both tag each finished batch with its prompt index and the version
 of its oldest tokens; the trainer pushes weights with `update_weights(params, version)` and takes
 batches, in index order, with `get()`. When a batch may start and which weights it starts with
-is the schedule's (jaxrl/schedules.py: free or fixed, the staleness bound), which reads the
-worker through a `WorkerView` of a few numbers taken under the lock. A subclass reaches the
-queue, the weights and the lock through `Worker`'s methods for subclasses (`start_batch`,
-`install_newest`, `put`, `finish`, `pause_point`, `wait_for_change`, ...), not its fields.
+is the schedule's (jaxrl/schedules.py), which reads a `WorkerView` taken under the lock. A
+subclass reaches the queue, the weights and the lock through `Worker`'s methods for subclasses
+(`start_batch`, `install_newest`, `put`, `finish`, `pause_point`, ...), not its fields.
 
-Run state (`paused()` yields a `WorkerState`; `state=` puts one back): the finished batches not
-yet taken, the in-flight decode state (partial rollouts), the version the worker decodes with
-and, where it is older than the newest push, its weights. Keys need no saving: batch i draws
-from `rollout_key(seed, i)`.
+Run state (`paused()` yields a `WorkerState`; `state=` puts one back): the batches not yet taken,
+the in-flight decode state, the installed version and, where older than the newest push, its
+weights. Keys need no saving: batch i draws from `rollout_key(seed, i)`.
 """
 from __future__ import annotations
 
@@ -80,9 +78,8 @@ class Worker:
   def __init__(self, prompts: Sequence, params: Any, *, version: int, max_staleness: int,
                seed: int, start_index: int, schedule: str, transfer: Callable | None,
                state: WorkerState | None, decide: Callable[[str, int], int] | None = None):
-    """`decide(key, version)`: where several processes run this worker on one mesh, the
-    version the group's first process chose for `key` (train/rollout/remote.py): each batch
-    then starts with the same weights everywhere, whatever each process's timing."""
+    """`decide(key, version)`: the group's first process's choice where several processes run
+    this worker on one mesh (train/rollout/remote.py), whatever each process's timing."""
     if schedule not in SCHEDULES:
       raise ValueError(f"schedule: expected one of {list(SCHEDULES)}, got {schedule!r}")
     self._prompts, self._seed = prompts, seed
@@ -103,8 +100,7 @@ class Worker:
       self._queue.extend(_restore_queue(state, prompts))
       if "params" in state.arrays:  # fixed schedule: older weights than the newest push
         self._installed = Weights(state.arrays["params"], state.meta["installed"])
-    # (`decide`) the weights a batch may yet start with, by version
-    self._kept = {w.version: w for w in (self._installed, self._pending)}
+    self._kept = {w.version: w for w in (self._installed, self._pending)}  # (`decide`'s)
     self._thread = threading.Thread(target=self._main, name="rollout-worker", daemon=True)
 
   @property
@@ -249,8 +245,7 @@ class Worker:
     return self._installed
 
   def agreed(self, key: str, value: int) -> int:
-    """(Holding the lock) `value` where this process decides alone; else the value the group's
-    first process chose for `key` (`decide`: the same keys in the same order everywhere)."""
+    """(Holding the lock) `value`, or with `decide` the group's first process's for `key`."""
     if self._decide is None:
       return value
     self._cond.release()  # the group's first process may be waiting on this one's pushes
@@ -260,8 +255,7 @@ class Worker:
       self._cond.acquire()
 
   def _agreed(self, key: str, weights: Weights) -> Weights | None:
-    """(Holding the lock) the weights of the version agreed on for `key`, once they arrived;
-    the older ones kept are dropped. None: the worker was closed."""
+    """(Holding the lock) the agreed version's weights once here (None: closed)."""
     version = self.agreed(key, weights.version)
     if not self._wait(lambda: version in self._kept):
       return None
@@ -269,9 +263,8 @@ class Worker:
     return self._kept[version]
 
   def install_newest(self, than: int) -> Weights | None:
-    """(Holding the lock) installs the newest pushed weights where they are newer than version
-    `than` (`decide`: the version the group's first process installed); them (None: none are
-    newer)."""
+    """(Holding the lock) installs the newest pushed weights (with `decide`: the agreed ones)
+    where newer than version `than`; them (None: none are newer)."""
     newest = self._pending if self._pending.version > than else self._installed
     if self._decide is not None:
       newest = self._agreed("segment", newest)
@@ -366,14 +359,12 @@ class Worker:
     raise NotImplementedError
 
 
-def _restore_queue(state: WorkerState, prompts: Sequence) -> list[RolloutBatch]:
-  out = []
+def _restore_queue(state: WorkerState, prompts: Sequence):
   for m in state.meta["queue"]:
     rollout = Rollout(**state.arrays["queue"][str(m["index"])])
     versions = None if m["versions"] is None else np.asarray(m["versions"], np.int32)
-    out.append(RolloutBatch(rollout, prompts[m["index"]], m["version"], m["index"],
-                            m["seconds"], versions))
-  return out
+    yield RolloutBatch(rollout, prompts[m["index"]], m["version"], m["index"], m["seconds"],
+                       versions)
 
 
 class RolloutWorker(Worker):
