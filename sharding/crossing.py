@@ -16,8 +16,10 @@ stop and pause requests). A receiver reads a crossing's description there before
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import threading
 import time
 
 import jax
@@ -107,28 +109,39 @@ def receive(described: dict, source: Mesh, to: Mesh) -> dict:
 
 
 class Mailbox:
-  """Numbered JSON messages in the coordination service's key-value store: one writer (a
-  group's first process) posts message n, any number of readers take it. `name` keeps two
-  mailboxes apart."""
+  """JSON messages under keys in the coordination service's key-value store: one writer (a
+  group's first process) posts message `key`, any number of readers take it. `name` keeps two
+  mailboxes apart. The writer deletes a message once `keep` newer ones were posted: its
+  readers, which take part in the same programs between messages, are never that far behind,
+  and the store's memory stays bounded over a long run."""
 
-  def __init__(self, name: str):
-    self.name, self._client = name, kv_client()
+  def __init__(self, name: str, *, keep: int = 1024):
+    self.name, self._client, self._keep = name, kv_client(), keep
+    self._posted: collections.deque[str] = collections.deque()
+    self._lock = threading.Lock()  # (environments post from several threads)
 
-  def post(self, n: int, message: dict) -> None:
-    self._client.key_value_set(f"jaxrl/{self.name}/{n}", json.dumps(message))
+  def post(self, key, message: dict) -> None:
+    path = f"jaxrl/{self.name}/{key}"
+    self._client.key_value_set(path, json.dumps(message))
+    with self._lock:
+      self._posted.append(path)
+      old = self._posted.popleft() if len(self._posted) > self._keep else None
+    if old is not None:
+      self._client.key_value_delete(old)
 
-  def take(self, n: int, *, poll_s: float = 5.0, timeout_s: float | None = None) -> dict:
-    """Message n, waited for (a peer that died ends the job through the heartbeat first)."""
+  def take(self, key, *, poll_s: float = 5.0, timeout_s: float | None = None) -> dict:
+    """Message `key`, waited for (a peer that died ends the job through the heartbeat
+    first)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
       try:
-        return json.loads(self._client.blocking_key_value_get(f"jaxrl/{self.name}/{n}",
+        return json.loads(self._client.blocking_key_value_get(f"jaxrl/{self.name}/{key}",
                                                                int(poll_s * 1000)))
       except Exception as e:  # noqa: BLE001 - the store's timeout: wait again
         if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
           raise
         if deadline is not None and time.monotonic() > deadline:
-          raise TimeoutError(f"no message {n} in mailbox {self.name} within {timeout_s} s") \
+          raise TimeoutError(f"no message {key} in mailbox {self.name} within {timeout_s} s") \
               from None
 
 

@@ -99,6 +99,8 @@ def agree(value, name: str, *, timeout_s: int = 3600):
   key = f"jaxrl/agree/{name}/{n}"
   if jax.process_index() == 0:
     kv_client().key_value_set(key, json.dumps(value))
+    if n >= 64:  # (taken long ago: every caller takes them in order, between the same steps)
+      kv_client().key_value_delete(f"jaxrl/agree/{name}/{n - 64}")
     return value
   return json.loads(kv_client().blocking_key_value_get(key, timeout_s * 1000))
 

@@ -175,8 +175,8 @@ def test_a_shared_environment_is_stepped_by_the_first_process_only():
       return super().step(turn_ids)
 
   store, tok = _Store(), ByteTokenizer()
-  leader = SharedEnvironment(Counted(tok, None), store, leader=True)
-  follower = SharedEnvironment(Counted(tok, None), store, leader=False)
+  leader = SharedEnvironment(Counted(tok, None), store, "0", leader=True)
+  follower = SharedEnvironment(Counted(tok, None), store, "0", leader=False)
   example = Example(prompt="1+1", answer="2")
   assert leader.reset(example) == follower.reset(example) == []
   for ids in ([5, 6], [7], [8, 9, 10]):

@@ -17,20 +17,21 @@ from sharding import crossing
 class SharedEnvironment:
   """One conversation's environment, stepped by the group's first process (`leader`)."""
 
-  def __init__(self, env: Environment, mailbox: crossing.Mailbox, leader: bool):
+  def __init__(self, env: Environment, mailbox: crossing.Mailbox, name: str, leader: bool):
+    """`mailbox`: the group's, shared by its environments; `name`: this one's, in it."""
     self._env, self._mailbox, self._leader, self._calls = env, mailbox, leader, 0
-    self.stop_strings = env.stop_strings
+    self._name, self.stop_strings = name, env.stop_strings
 
   def _shared(self, call: Callable[[], dict]) -> dict:
-    n, self._calls = self._calls, self._calls + 1
+    key, self._calls = f"{self._name}/{self._calls}", self._calls + 1
     if not self._leader:
-      return self._mailbox.take(n)
+      return self._mailbox.take(key)
     try:
       out = call()
     except EnvError as e:  # (every process raises it: the run stops or scores 0 alike)
-      self._mailbox.post(n, {"error": str(e)})
+      self._mailbox.post(key, {"error": str(e)})
       raise
-    self._mailbox.post(n, out)
+    self._mailbox.post(key, out)
     return out
 
   def reset(self, example) -> list[int]:
@@ -54,6 +55,5 @@ def shared(factory: Callable[[], Environment], group: str,
            leader: bool) -> Callable[[], SharedEnvironment]:
   """`factory`'s environments, stepped once for the processes of `group` (named apart from
   other groups), by its first process (`leader`)."""
-  ids = itertools.count()
-  return lambda: SharedEnvironment(factory(), crossing.Mailbox(f"env/{group}/{next(ids)}"),
-                                   leader)
+  ids, mailbox = itertools.count(), crossing.Mailbox(f"env/{group}", keep=1 << 16)
+  return lambda: SharedEnvironment(factory(), mailbox, str(next(ids)), leader)
