@@ -68,7 +68,6 @@ class RolloutSource:
     self.cfg, self.rl, self.generator, self.weights = cfg, cfg.rl, generator, weights
     self.prompts, self.prompt_len, self.timeline, self._run = prompts, prompt_len, timeline, run
     self.next_index = next_index
-    self.geometry = stream_geometry(cfg.rl, prompt_len)
     self.split = split
     self.worker = None
 
