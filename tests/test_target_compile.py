@@ -110,6 +110,18 @@ def test_async_on_whole_hosts_compiles_for_a_multi_host_slice(tmp_path):
                                                       "actor update"}
 
 
+def test_async_where_every_process_runs_every_program_is_refused_in_one_line(capsys):
+  """`separate` with 2 trainer chips of a v5p-16's 2 hosts splits each host: the generator would
+  have no processes of its own, so async is a config error naming the placement that gives it
+  some (docs/hosts.md)."""
+  rc = train.main(["train", "--config=configs/tiny.py", "--dry_run", "--target=v5p-16",
+                   "--config.placement.train_devices=2", "--config.rl.schedule.mode=async"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert rc == 2 and len(err) == 1, err
+  assert "config.rl.schedule.mode: async on 2 processes" in err[0]
+  assert "placement.strategy='separate'" in err[0]
+
+
 def test_a_topology_the_placement_cannot_use_names_the_field(capsys):
   """configs/tiny.py gives the trainer 4 devices: a 4-chip slice leaves the sampler none."""
   rc = train.main(["train", "--config=configs/tiny.py", "--dry_run", "--target=v5e-4"])

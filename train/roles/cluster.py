@@ -58,8 +58,8 @@ class RoleCluster:
       message = str(e)
       raise ConfigError(f"config.{message}" if message.startswith("placement") else message) \
           from None
+    check_processes(cfg, self.split, self.meshes, self.devices)  # (the placement's mode first)
     check_batch_sizes(cfg, self)
-    check_processes(cfg, self.split, self.meshes, self.devices)
     self.roles: dict[str, ModelRole] = {"actor": self.actor}
     self.shared: set[str] = set()  # roles whose parameters are the actor's own arrays
     if initialize:
