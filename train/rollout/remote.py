@@ -9,12 +9,14 @@ processes run the experiment as on one process, with a `RemoteWorker` in the wor
 their copy of the sampler's weights, and the evaluation, are on `mirror` of the sampler's mesh
 over the trainer's devices (sharding/crossing.py), from where each push crosses as it is.
 
-Control: the trainer's first process is the only one that decides. It posts numbered requests
+Control: the trainer's first process decides what is asked. It posts numbered requests
 (start, batch, weights, pause, resume, close) in the coordination service's key-value store;
 every process of both groups handles request n after n - 1, so the crossings (the weights one
 way, each batch and a paused generator's state the other) come in the same order everywhere.
 The generator's first process answers each request with what the trainer needs on the host
-(a batch's index, version and token versions; an error). Only two waits join the groups: the
+(a batch's index, version and token versions; an error), and decides for its group what timing
+decides (`Worker.agreed`: which weights a batch or segment decodes with, when a batch opens);
+the others take its choices. Only two waits join the groups: the
 trainer's for its next batch, and the generator's for a push its schedule says to wait for (the
 fixed schedule's). A dead process ends the job through the coordination service's heartbeat.
 """
