@@ -16,14 +16,20 @@ def perturbed(cfg, lora=None):
                                 params)
 
 
+def forward_batch(model, b: int, t: int, seed: int):
+  """`b` random rows of `t` tokens, row 0 left-padded by 2, and the model's full forward over
+  them: (tokens_BT, pos_BT, valid_BT), logits_BTV."""
+  rng = np.random.default_rng(seed)
+  tokens_BT = jnp.asarray(rng.integers(0, 256, (b, t)), jnp.int32)
+  valid_BT = jnp.ones((b, t), bool).at[0, :2].set(False)
+  pos_BT = positions_from_valid(valid_BT)
+  return (tokens_BT, pos_BT, valid_BT), model(tokens_BT, pos_BT, valid_BT)[0]
+
+
 def assert_decoding_matches_forward(model):
   """The sampler's prefill and one-token steps (both layouts) against the full forward."""
-  rng = np.random.default_rng(4)
   b, p, n = 2, 5, 4
-  tokens_BT = jnp.asarray(rng.integers(0, 256, (b, p + n)), jnp.int32)
-  valid_BT = jnp.ones((b, p + n), bool).at[0, :2].set(False)
-  pos_BT = positions_from_valid(valid_BT)
-  full_BTV = model(tokens_BT, pos_BT, valid_BT)[0]
+  (tokens_BT, pos_BT, valid_BT), full_BTV = forward_batch(model, b, p + n, seed=4)
   dec = LMDecoding.of(model)
   logits_BV, cache, _ = dec.prefill(tokens_BT[:, :p], valid_BT[:, :p])
   np.testing.assert_allclose(logits_BV, full_BTV[:, p - 1], atol=1e-4)

@@ -9,7 +9,7 @@ from jaxrl.models.layouts import FEATURES
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.models.rope import rope_table
 from jaxrl.models.transformer import positions_from_valid
-from model_checks import assert_decoding_matches_forward, perturbed
+from model_checks import assert_decoding_matches_forward, forward_batch, perturbed
 
 
 def _forward(model, tokens_BT, valid_BT=None):
@@ -85,12 +85,8 @@ def test_kv_cache_decode_matches_full_forward(tiny_model, tiny_cfg):
 
 def test_sampler_paths_match_the_model(tiny_model, tiny_cfg):
   """The sampler's prefill (`last_only`) and its feature-major decode step against the model."""
-  rng = np.random.default_rng(2)
   b, p, n = 3, 5, 4
-  tokens_BT = jnp.asarray(rng.integers(0, 256, (b, p + n)), jnp.int32)
-  valid_BT = jnp.ones((b, p + n), bool).at[0, :2].set(False)
-  pos_BT = positions_from_valid(valid_BT)
-  full_BTV = tiny_model(tokens_BT, pos_BT, valid_BT)[0]
+  (tokens_BT, pos_BT, valid_BT), full_BTV = forward_batch(tiny_model, b, p + n, seed=2)
   prefill = lambda last_only: tiny_model.decoder(tokens_BT[:, :p], pos_BT[:, :p], valid_BT,
                                                  init_kv_cache(tiny_cfg, b, p + n), 0,
                                                  last_only=last_only)
