@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sharding.distributed import kv_client
+from sharding.placement import host_major_devices
 
 
 def mirror(mesh: Mesh, devices) -> Mesh:
@@ -78,11 +79,13 @@ def _sharding(mesh: Mesh, spec) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(*parts))
 
 
+def _struct(shape, dtype, spec, mesh: Mesh) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=_sharding(mesh, spec))
+
+
 def abstract(described: dict, mesh: Mesh) -> dict:
   """The nested dict of ShapeDtypeStructs `describe` recorded, laid out on `mesh`."""
-  return nest((path, jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype),
-                                          sharding=_sharding(mesh, spec)))
-              for path, (shape, dtype, spec) in described.items())
+  return nest((path, _struct(*d, mesh)) for path, d in described.items())
 
 
 def send(arrays: dict, to: Mesh) -> dict:
@@ -99,13 +102,11 @@ def receive(described: dict, source: Mesh, to: Mesh) -> dict:
   from mesh `source`, on mesh `to`."""
   if not described:
     return {}
-  paths, placeholders, targets = [], [], []
-  for path, (shape, dtype, spec) in described.items():
-    paths.append(path)
-    placeholders.append(jax.make_array_from_single_device_arrays(
-        tuple(shape), _sharding(source, spec), [], dtype=np.dtype(dtype)))
-    targets.append(_sharding(to, spec))
-  return nest(zip(paths, jax.device_put(placeholders, targets)))
+  sent = {path: _struct(*d, source) for path, d in described.items()}  # (not on this side)
+  arrived = jax.device_put(
+      [jax.make_array_from_single_device_arrays(x.shape, x.sharding, [], dtype=x.dtype)
+       for x in sent.values()], [_sharding(to, spec) for _, _, spec in described.values()])
+  return nest(zip(sent, arrived))
 
 
 class Mailbox:
@@ -155,19 +156,31 @@ class ProcessSplit:
   generator_processes: frozenset[int]
 
   @property
+  def trainer_processes(self) -> frozenset[int]:
+    """The processes that are not the sampler's: the trainer's (and the scoring roles')."""
+    return frozenset(range(jax.process_count())) - self.generator_processes
+
+  @property
   def here(self) -> str:
     """This process's group: "generator" or "trainer"."""
     return "generator" if jax.process_index() in self.generator_processes else "trainer"
 
 
+def sampler_apart(meshes: dict[str, Mesh]) -> bool:
+  """Whether the sampler's mesh lies on processes (hosts: a target topology's too) that none of
+  the other roles' meshes touch."""
+  hosts = lambda mesh: {d.process_index for d in mesh.devices.flat}
+  others = set().union(*(hosts(m) for role, m in meshes.items() if role != "sampler"))
+  return hosts(meshes["sampler"]).isdisjoint(others)
+
+
 def process_split(meshes: dict[str, Mesh]) -> ProcessSplit | None:
-  """Where the sampler's mesh lies on processes none of the other roles' meshes touch (on
-  several processes), the split; else None (every process runs every program)."""
-  procs = lambda mesh: {d.process_index for d in mesh.devices.flat}
-  sampler = meshes["sampler"]
-  others = set().union(*(procs(m) for role, m in meshes.items() if role != "sampler"))
-  if jax.process_count() == 1 or procs(sampler) & others:
+  """Where the sampler's mesh lies on processes of its own (on several processes), the split;
+  else None (every process runs every program)."""
+  if jax.process_count() == 1 or not sampler_apart(meshes):
     return None
-  trainer = sorted({d for role, m in meshes.items() if role != "sampler" for d in m.devices.flat},
-                   key=lambda d: (d.process_index, d.id))
-  return ProcessSplit(sampler, mirror(sampler, trainer), frozenset(procs(sampler)))
+  sampler = meshes["sampler"]
+  trainer = host_major_devices({d for role, m in meshes.items() if role != "sampler"
+                                for d in m.devices.flat})
+  return ProcessSplit(sampler, mirror(sampler, trainer),
+                      frozenset(d.process_index for d in sampler.devices.flat))

@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxrl.config import first_line
+from sharding.reshard import send
 from train.io.host_transfers import HostTransfers
 
 policies = ocp.checkpoint_managers
@@ -126,8 +127,8 @@ class RunCheckpointer:
     with jax.transfer_guard("allow"):
       restored = self._manager(stage).restore(step, args=ocp.args.Composite(**args))
       if self._one_of_several:  # host arrays onto the shardings
-        return {name: jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), restored[name],
-                                   abstract[name]) for name in abstract}
+        return {name: send(restored[name], jax.tree.map(lambda a: a.sharding, abstract[name]))
+                for name in abstract}
     return {name: restored[name] for name in abstract}
 
   @property

@@ -21,7 +21,7 @@ from jaxrl.models.dtypes import compute_dtypes, frozen_base_dtypes
 from jaxrl.models.heads import RewardModel, ValueModel
 from jaxrl.models.hf import HFError, load_params
 from jaxrl.models.transformer import LanguageModel
-from sharding.crossing import ProcessSplit, process_split
+from sharding.crossing import ProcessSplit, process_split, sampler_apart
 from sharding.placement import (ROLES, PlacementError, host_count, host_major_devices,
                                 make_placement)
 from sharding.rules import SAMPLER_RULES, batch_ways
@@ -176,12 +176,11 @@ class RoleCluster:
   def process_group(self) -> tuple[str, frozenset[int]]:
     """This process's group ("trainer", "generator", or "all" where every process runs every
     program) and its processes."""
-    everyone = frozenset(range(jax.process_count()))
     if self.split is None:
-      return "all", everyone
+      return "all", frozenset(range(jax.process_count()))
     here = self.split.here
     return here, (self.split.generator_processes if here == "generator" else
-                  everyone - self.split.generator_processes)
+                  self.split.trainer_processes)
 
 
 def _split(meshes) -> ProcessSplit | None:
@@ -207,11 +206,8 @@ def check_processes(cfg: ExperimentConfig, split: ProcessSplit | None, meshes: d
   """Async generation on several processes needs the sampler on processes of its own, and there
   a sync step takes one batch."""
   mode, hosts = cfg.rl.schedule.mode, host_count(devices)
-  sampler = meshes["sampler"] if split is None else split.sampler  # (not the trainer's mirror)
-  sampler_hosts = {d.process_index for d in sampler.devices.flat}
-  apart = not sampler_hosts & {d.process_index for role, m in meshes.items() if role != "sampler"
-                               for d in m.devices.flat}  # (a target's hosts too)
-  if mode == "async" and hosts > 1 and not apart:
+  real = meshes if split is None else {**meshes, "sampler": split.sampler}  # (not the mirror)
+  if mode == "async" and hosts > 1 and not sampler_apart(real):
     raise ConfigError(
         f"config.rl.schedule.mode: async on {hosts} processes runs the generator on processes of "
         f"its own: placement.strategy='separate' with placement.train_devices a multiple of "

@@ -84,8 +84,9 @@ class RolloutSource:
     params = self.weights.fresh()
     worker = dict(start_index=self.next_index, schedule=self.rl.schedule.name,
                   max_staleness=self.rl.schedule.max_staleness, seed=self.cfg.seed)
-    if self.split is not None:  # sync there: the fixed schedule that never runs ahead
-      worker.update(dict(schedule="fixed", max_staleness=0) if sync else {})
+    if self.split is not None:
+      if sync:  # the fixed schedule that never runs ahead
+        worker.update(schedule="fixed", max_staleness=0)
       from train.rollout.remote import RemoteWorker
       self.worker = RemoteWorker(self.split, self.prompts, params, version=version, state=state,
                                  timeline=self.timeline, **worker)

@@ -79,8 +79,7 @@ class Experiment:
     split = config_split(self.cfg)  # the sampler's own processes save nothing
     self.checkpointer = RunCheckpointer(
         self.run_dir, names, keep=self.cfg.keep_checkpoints, transfers=transfers,
-        processes=None if split is None else set(range(jax.process_count())) -
-        split.generator_processes)
+        processes=None if split is None else set(split.trainer_processes))
     saved = self.checkpointer.saved() if resume_run else []
     if resume_run and not saved and not start_if_none:  # (only a save that never completed)
       raise ConfigError(f"config.run_name: --resume found no complete checkpoint in "
