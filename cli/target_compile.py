@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 from cli import compile_guard, dry_run, hlo_flops
 from jaxrl import platform
@@ -30,18 +31,15 @@ from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.models import flops
 from jaxrl.models.attention import attention_impl
 from planner.targets import Target
+from cli.target_generation import generation
 from sampler.engine import Rollout
-from sampler.sampler import Sampler
 from sharding.host import tpu_chips_here
-from sharding.mesh import batch_sharding
 from sharding.placement import host_count, host_major_devices
-from sharding.rules import SAMPLER_RULES, batch_ways
+from sharding.rules import batch_ways
 from train.loop.experience import Experience
 from train.loop.scoring import Scoring
 from train.roles.cluster import RoleCluster
-from train.rollout.generator import rl_sampling
 from train.stages.rl import learners
-from train.task.task import load_tokenizer_for
 
 GIB = 1 << 30
 S = jax.ShapeDtypeStruct
@@ -59,6 +57,8 @@ class Program:
   kernel_flops: float = 0.0  # per device and piece, in Pallas kernels XLA's count misses
   jaxrl_flops: float = 0.0  # jaxrl's count of the rest, per device and piece (0: not counted)
   pieces: int = 1  # pieces of `rl.pass_rows` rows one call runs (a scoring pass, an update)
+  # Programs of one phase and step run at the same time; a phase's steps one after another
+  step: int = 0
 
 
 @dataclasses.dataclass
@@ -169,38 +169,6 @@ def abstract_experience(cfg: ExperimentConfig, role) -> Experience:
   return _abstract(exp, role.batch_shardings(exp))
 
 
-def _sampler(cfg: ExperimentConfig, cluster: RoleCluster) -> Sampler:
-  """The RL sampler as the Generator builds it (the run's tokenizer for its stop tokens when it
-  is here; else placeholder ids, which change no shape)."""
-  rl = cfg.rl
-  try:
-    tok = load_tokenizer_for(cfg)
-    eos, pad, stops = tok.eos_id, tok.pad_id, tuple((i,) for i in tok.stop_ids if i != tok.eos_id)
-  except ConfigError:
-    eos, pad, stops = 1, 0, ()
-  sampling = rl_sampling(rl.rollout, rl.rollout.max_new_tokens, eos, pad, stops)
-  weights = cluster.sampler_weights
-  return Sampler(weights.graphdef, sampling, n=rl.group_size, mesh=cluster.meshes["sampler"],
-                 param_shardings=weights.shardings)
-
-
-def _generation(cfg: ExperimentConfig, cluster: RoleCluster) -> list[Program]:
-  # (async whole batches decode with this same program, ahead of the trainer)
-  if cfg.rl.rollout.inflight_slots or cfg.rl.environment.name:
-    raise ConfigError(
-        "--target: compiles the static decode of single-turn RL (sync, or async whole batches); "
-        "config.rl.rollout.inflight_slots and rl.environment.name are not covered yet")
-  sampler, weights = _sampler(cfg, cluster), cluster.sampler_weights
-  mesh = cluster.meshes["sampler"]
-  rows = batch_sharding(mesh, SAMPLER_RULES)
-  prompts = S((cfg.rl.prompts_per_step, cfg.data.max_prompt_tokens), jnp.int32, sharding=rows)
-  valid = S(prompts.shape, bool, sharding=rows)
-  key = jax.eval_shape(lambda: jax.random.key(0))
-  lower = lambda: sampler.lower(weights.abstract(), prompts, valid, key)
-  return [Program("generate (prefill + decode loop)", "generation", mesh, lower,
-                  weights.abstract())]
-
-
 def _scoring(cfg: ExperimentConfig, cluster: RoleCluster, actor, critic) -> list[Program]:
   """The scoring passes, as Scoring jits them, and the experience they make."""
   rl, b = cfg.rl, cfg.rl.rollouts
@@ -268,7 +236,10 @@ def rl_programs(cfg: ExperimentConfig, cluster: RoleCluster) -> list[Program]:
     if cluster.get(name) is None:
       cluster.add(name, initialize=False)
   actor, critic = learners(cfg.rl, cluster.actor, cluster.get("critic"), initialize=False)
-  programs = _generation(cfg, cluster) + _scoring(cfg, cluster, actor, critic)
+  mesh = cluster.meshes["sampler"]
+  programs = [Program(name, "generation", mesh, lower, state, step=i)
+              for i, (name, lower, state) in enumerate(generation(cfg, cluster))]
+  programs += _scoring(cfg, cluster, actor, critic)
   programs += _updates(cfg, actor, critic)
   weights = cluster.sampler_weights
   if weights.merging:  # LoRA, lora.sampler=merged: the adapters folded in before the push
@@ -284,13 +255,13 @@ def compile_program(program: Program, memo: dict | None = None) -> Compiled:
   text and devices (plans that differ only in the update compile the rest once)."""
   start = time.perf_counter()
   try:
-    lowered = program.lower()
-    if memo is not None:
-      key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(),
-             tuple(d.id for d in program.mesh.devices.flat))
-      if key in memo:
-        return dataclasses.replace(memo[key], program=program)
-    with no_persistent_cache():
+    with no_persistent_cache():  # (a lowering may compile the programs it takes outputs of)
+      lowered = program.lower()
+      if memo is not None:
+        key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(),
+               tuple(d.id for d in program.mesh.devices.flat))
+        if key in memo:
+          return dataclasses.replace(memo[key], program=program)
       compiled = lowered.compile()
   except Exception as e:  # noqa: BLE001  (XlaRuntimeError, Mosaic errors, ...)
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
@@ -313,20 +284,24 @@ def compile_program(program: Program, memo: dict | None = None) -> Compiled:
 def phase_peaks(compiled: list[Compiled], resident: dict, phases: dict) -> dict[str, dict]:
   """{phase: {device id: bytes}}: on each device of a phase's programs, what stays through the
   step and what `placement.offload` brings back for the phase (the dry run's tables, less the
-  programs' own arguments, which they count) plus the programs of the phase together (they run
-  at the same time)."""
-  stays, out = dry_run.summed(resident), {}
+  programs' own arguments, which they count) plus the programs of the phase's step together
+  (they run at the same time); of a phase's steps, which run in turn, the largest."""
+  stays, steps = dry_run.summed(resident), {}
   onloaded = {p: dry_run.summed({k: v for k, v in items.items() if k.endswith("(onloaded)")})
               for p, items in phases.items()}
   for c in compiled:
     state = dry_run.shard_bytes(c.program.state) if c.program.state is not None else {}
-    per_device = out.setdefault(c.program.phase, {})
+    per_device = steps.setdefault((c.program.phase, c.program.step), {})
     for d in c.program.mesh.devices.flat:
       own, held = per_device.get(d.id, (0, 0))
       per_device[d.id] = (own + c.bytes, held + state.get(d.id, 0))
   back = lambda phase, d: stays.get(d, 0) + onloaded.get(phase, {}).get(d, 0)
-  return {phase: {d: max(0, back(phase, d) - held) + own for d, (own, held) in v.items()}
-          for phase, v in out.items()}
+  out = {}
+  for (phase, _), v in steps.items():
+    peak = out.setdefault(phase, {})
+    for d, (own, held) in v.items():
+      peak[d] = max(peak.get(d, 0), max(0, back(phase, d) - held) + own)
+  return out
 
 
 @contextlib.contextmanager
@@ -335,10 +310,12 @@ def no_persistent_cache():
   compiler without a client (a target's) can neither load nor usefully store."""
   before = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
+  reset_cache()  # whether the cache is used is decided once per process: decided again
   try:
     yield
   finally:
     jax.config.update("jax_enable_compilation_cache", before)
+    reset_cache()
 
 
 @dataclasses.dataclass

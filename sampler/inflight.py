@@ -28,6 +28,8 @@ automatic partitioning, with one queue of pending rows; other axes follow `rules
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -335,35 +337,52 @@ def caster(graphdef: nnx.GraphDef):
   return jax.jit(lambda params: LMDecoding.of(nnx.merge(graphdef, params)))
 
 
-def jit_inflight(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, slots: int, n: int = 1,
-                 mesh: Mesh | None = None, rules: Rules = SAMPLER_RULES):
-  """`fn(params, tokens_BP, valid_BP, key, max_new_B=None) -> Rollout` as the static engine's,
-  decoding in `slots` row slots that are refilled as their rows finish."""
+class RowPrograms(NamedTuple):
+  """`jit_inflight`'s programs: the host loop calls them with refills of `buckets` rows and,
+  once no row is pending, tails of `tails` slots."""
+  cast: Callable
+  start: Callable
+  refill: Callable
+  decode: Callable
+  shrink: Callable
+  finish: Callable
+  buckets: tuple[int, ...]
+  tails: tuple[int, ...]
+
+
+def row_programs(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, slots: int, n: int = 1,
+                 mesh: Mesh | None = None, rules: Rules = SAMPLER_RULES) -> RowPrograms:
   buckets, shards = refill_buckets(mesh, rules, slots), batch_ways(mesh, rules)
   # The tail: a quarter at a time (each batch size is another decode program to compile).
   tails = tuple(sorted(slots // 4**i for i in range(slots.bit_length())
                        if slots % 4**i == 0 and (slots // 4**i) % shards == 0))
   jit = jitter(mesh, rules)
-  cast = caster(graphdef)
-  start, stop = jit(init, cfg=cfg, slots=slots, n=n), jit(finish, n=n)
-  refill_fn, decode_fn = jit(refill, (1, 2), cfg=cfg, n=n), jit(decode, (1,), cfg=cfg)
-  shrink_fn = jit(shrink, (1,))
+  return RowPrograms(caster(graphdef), jit(init, cfg=cfg, slots=slots, n=n),
+                     jit(refill, (1, 2), cfg=cfg, n=n), jit(decode, (1,), cfg=cfg),
+                     jit(shrink, (1,)), jit(finish, n=n), buckets, tails)
+
+
+def jit_inflight(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, slots: int, n: int = 1,
+                 mesh: Mesh | None = None, rules: Rules = SAMPLER_RULES):
+  """`fn(params, tokens_BP, valid_BP, key, max_new_B=None) -> Rollout` as the static engine's,
+  decoding in `slots` row slots that are refilled as their rows finish."""
+  p = row_programs(graphdef, cfg, slots=slots, n=n, mesh=mesh, rules=rules)
 
   def run(params, tokens_BP, valid_BP, key, max_new_B=None) -> Rollout:
-    model = cast(params)  # weights in the compute dtype once per call
-    state, out, g = start(model, tokens_BP)
+    model = p.cast(params)  # weights in the compute dtype once per call
+    state, out, g = p.start(model, tokens_BP)
     segment, total, queued = send(np.int32(CHECK_EVERY)), tokens_BP.shape[0] * n, 0
     while True:
       done_R = fetch(state.done_R)  # the host's look, every CHECK_EVERY steps
       if queued == total and done_R.all():
         break
       if queued < total and done_R.any():
-        rows_K, src_R = _plan(done_R, queued, total, buckets)
-        state, out = refill_fn(model, state, out, g, tokens_BP, valid_BP, key, max_new_B,
-                               send(rows_K), send(src_R))
+        rows_K, src_R = _plan(done_R, queued, total, p.buckets)
+        state, out = p.refill(model, state, out, g, tokens_BP, valid_BP, key, max_new_B,
+                              send(rows_K), send(src_R))
         queued += int((src_R >= 0).sum())
-      elif queued == total and (keep_K := _keep(done_R, tails)) is not None:
-        state, out = shrink_fn(state, out, send(keep_K))
-      state, g = decode_fn(model, state, g, segment)
-    return stop(state, out, tokens_BP, valid_BP)
+      elif queued == total and (keep_K := _keep(done_R, p.tails)) is not None:
+        state, out = p.shrink(state, out, send(keep_K))
+      state, g = p.decode(model, state, g, segment)
+    return p.finish(state, out, tokens_BP, valid_BP)
   return run

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -38,16 +39,27 @@ if TYPE_CHECKING:
 WIDTH_STEP = 16  # contexts are left-padded to WIDTH_STEP * 2^k tokens (a prefill program each)
 
 
+class RequestPrograms(NamedTuple):
+  """`Requests`' programs: the host loop prefills buckets of up to the slots' count, of widths
+  up to the ring's."""
+  cast: Callable
+  empty: Callable
+  admit: Callable
+  extend: Callable
+  decode: Callable
+
+
 @functools.lru_cache(maxsize=32)
-def _programs(sampler: Sampler, ring: int):
+def request_programs(sampler: Sampler, ring: int) -> RequestPrograms:
   """The jitted pieces for `sampler` with slots of `ring` tokens, built once (a `Requests` is
   made per batch of conversations)."""
   cfg = sampler.cfg
   jit = inflight.jitter(sampler.mesh, sampler.rules)
-  return (inflight.caster(sampler.graphdef),
-          jit(inflight.empty_slots, cfg=cfg, slots=sampler.inflight_slots, p=ring, ring=ring),
-          jit(admit_rows, (1,), cfg=cfg, ring=ring), jit(extend_rows, (1,), cfg=cfg, ring=ring),
-          jit(inflight.decode, (1,), cfg=cfg))
+  return RequestPrograms(
+      inflight.caster(sampler.graphdef),
+      jit(inflight.empty_slots, cfg=cfg, slots=sampler.inflight_slots, p=ring, ring=ring),
+      jit(admit_rows, (1,), cfg=cfg, ring=ring), jit(extend_rows, (1,), cfg=cfg, ring=ring),
+      jit(inflight.decode, (1,), cfg=cfg))
 
 
 def kept_ring(model, cache_KX, valid_KS, chunk_valid_KW, g, ring: int):
@@ -140,7 +152,7 @@ class Requests:
     self.cfg, self.ring = cfg, inflight.ring_width(context_width, cfg.max_new_tokens)
     self._widths = tuple(WIDTH_STEP << k for k in range(self.ring.bit_length())
                          if WIDTH_STEP << k < self.ring) + (self.ring,)
-    self._cast, empty, self._admit, self._extend, self._decode = _programs(sampler, self.ring)
+    self._cast, empty, self._admit, self._extend, self._decode = request_programs(sampler, self.ring)
     self.install(params, version)
     self.state = empty(self._model)
     # A mixture of experts records each token's experts from its prefill: whole prefills.

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -111,6 +112,25 @@ def _take(out: Outputs, start, tokens_BP, valid_BP, *, n: int, rows: int) -> Rol
                  completion_mask_BN=mask_BN, logprobs_BN=cut(out.logprobs_BN),
                  lengths_B=mask_BN.sum(axis=1),
                  routes_BTLK=None if out.routes_BTLK is None else cut(out.routes_BTLK))
+
+
+class StreamPrograms(NamedTuple):
+  """A stream's programs: the host loop admits rows in buckets of up to the slots' count."""
+  cast: Callable
+  start: Callable
+  admit: Callable
+  harvest: Callable
+  decode: Callable
+  take: Callable
+
+
+def stream_programs(sampler: Sampler, geo: StreamGeometry) -> StreamPrograms:
+  cfg, jit = sampler.cfg, inflight.jitter(sampler.mesh, sampler.rules)
+  return StreamPrograms(inflight.caster(sampler.graphdef),
+                        jit(_start, cfg=cfg, slots=sampler.inflight_slots, p=geo.prompt_width,
+                            ring=geo.ring, rows=geo.live * geo.rows),
+                        jit(admit_rows, (1,), cfg=cfg, ring=geo.ring), jit(_harvest, (0, 1)),
+                        jit(inflight.decode, (1,), cfg=cfg), jit(_take, n=sampler.n, rows=geo.rows))
 
 
 @dataclasses.dataclass
@@ -211,18 +231,12 @@ class Stream:
     """`params` (the sampler's layout) give the state's shapes; `install` or `swap` sets the
     weights to decode with."""
     geometry.check(sampler, sampler.n, conversations=False)
-    cfg, slots, geo = sampler.cfg, sampler.inflight_slots, geometry
+    cfg, slots = sampler.cfg, sampler.inflight_slots
     self._buckets = inflight.refill_buckets(sampler.mesh, sampler.rules, slots)
     self.cfg, self.n, self.mesh, self.geometry = cfg, sampler.n, sampler.mesh, geometry
-    self.rows = geo.rows  # output rows per batch
-    jit = inflight.jitter(sampler.mesh, sampler.rules)
-    self._cast = inflight.caster(sampler.graphdef)
-    self._start = jit(_start, cfg=cfg, slots=slots, p=geo.prompt_width, ring=geo.ring,
-                      rows=geo.live * geo.rows)
-    self._admit = jit(admit_rows, (1,), cfg=cfg, ring=geo.ring)
-    self._harvest = jit(_harvest, (0, 1))
-    self._decode = jit(inflight.decode, (1,), cfg=cfg)
-    self._take = jit(_take, n=sampler.n, rows=geo.rows)
+    self.rows = geometry.rows  # output rows per batch
+    (self._cast, self._start, self._admit, self._harvest, self._decode,
+     self._take) = stream_programs(sampler, geometry)
     self._grid = None if sampler.mesh is None else batch_sharding(sampler.mesh, sampler.rules)
     self._segment = send(np.int32(CHECK_EVERY))
     self.install(params, 0)

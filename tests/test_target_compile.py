@@ -97,17 +97,55 @@ def _table_from(summary: dict) -> None:
 
 def test_async_on_whole_hosts_compiles_for_a_multi_host_slice(tmp_path):
   """`separate` on whole hosts of a v5e-16 (4 hosts of 4 chips): the trainer on hosts 0-1, the
-  sampler on hosts 2-3 (docs/hosts.md), async (whole batches: sync's programs), compiles."""
+  sampler on hosts 2-3 (docs/hosts.md), async with partial rollouts of multi-turn conversations
+  (turns in slots that keep their caches), compiles; the slots' programs run one after another,
+  so the generation phase holds the largest of them, not their sum."""
   from cli.target_report import report
   raw = load_config_file("configs/tiny.py")
   raw.placement.update(strategy="separate", train_devices=8)
-  raw.rl.schedule.update(mode="async")
+  raw.rl.schedule.update(mode="async", partial_rollouts=True)
+  raw.rl.rollout.update(inflight_slots=8)
+  raw.rl.environment.update(name="synthetic_short")
   lines, fits = report(resolve(raw, hf=False), parse_target("v5e-16"), str(tmp_path / "t.json"))
   assert fits, lines
   summary = json.loads((tmp_path / "t.json").read_text())
   assert summary["hosts"] == 4 and summary["meshes"]["actor"]["fsdp"] == 8
-  assert {p["name"] for p in summary["programs"]} >= {"generate (prefill + decode loop)",
-                                                      "actor update"}
+  turns = [p for p in summary["programs"] if p["phase"] == "generation"]
+  assert [p["name"] for p in turns] == [
+      "turns: cast weights", "turns: empty slots", "turns: admit (every slot)",
+      "turns: extend kept caches", "turns: decode segment"]
+  held = lambda p: p["argument_bytes"] + p["output_bytes"] + p["temp_bytes"] + p["code_bytes"]
+  generation = summary["phases"]["generation"]["compiler_bytes"]
+  assert max(map(held, turns)) <= generation < sum(map(held, turns))
+
+
+@pytest.mark.parametrize("settings, programs", [
+    (dict(inflight_slots=8), ["slots: cast weights", "slots: start", "slots: refill (every slot)",
+                              "slots: decode segment", "slots: finish"]),
+    (dict(inflight_slots=8, partial_rollouts=True),
+     ["stream: cast weights", "stream: start", "stream: admit (every slot)", "stream: harvest",
+      "stream: decode segment", "stream: take a batch"]),
+], ids=["inflight", "partial"])
+def test_in_flight_programs_compile_for_a_slice(settings, programs):
+  """In-flight batching and partial rollouts' stream: the programs of their host loops, each at
+  its largest (every slot prefilled at once), compiled for a v5e-4; the slot state's layout
+  comes from the program that makes it."""
+  from cli.target_compile import compile_program, rl_programs, topology_devices
+  from jaxrl import platform
+  from train.roles.cluster import RoleCluster
+  raw = load_config_file("configs/tiny.py")
+  raw.placement.update(train_devices=2)
+  raw.rl.rollout.update(inflight_slots=settings["inflight_slots"])
+  if settings.get("partial_rollouts"):
+    raw.rl.schedule.update(mode="async", partial_rollouts=True)
+  cfg = resolve(raw, hf=False)
+  with platform.building_for("tpu"):
+    cluster = RoleCluster(cfg, topology_devices(parse_target("v5e-4")), initialize=False)
+    found = [p for p in rl_programs(cfg, cluster) if p.phase == "generation"]
+    assert [p.name for p in found] == programs and [p.step for p in found] == list(range(
+        len(programs)))
+    for p in found:
+      assert compile_program(p).bytes > 0, p.name
 
 
 def test_async_where_every_process_runs_every_program_is_refused_in_one_line(capsys):

@@ -48,6 +48,20 @@ def rl_sampling(rollout: RolloutConfig, max_new_tokens: int, eos_id: int, pad_id
                         ignore_eos=rollout.ignore_eos)
 
 
+def check_slots(rl: RLConfig, sliding_window: int) -> None:
+  """In-flight slots are rings of keys, which a sliding window does not fit: a ConfigError."""
+  if rl.rollout.inflight_slots and sliding_window:
+    raise ConfigError(
+        f"config.rl.rollout.inflight_slots: in-flight batching does not apply a sliding "
+        f"window (model.sliding_window={sliding_window}); set 0")
+
+
+def keeps_turn_cache(rl: RLConfig, sliding_window: int) -> bool:
+  """Whether turns continue in the slots that kept their conversations' caches (a ring, which a
+  sliding window does not fit)."""
+  return rl.environment.keep_turn_cache and not sliding_window
+
+
 class Generator:
 
   def __init__(self, cluster: RoleCluster, *, max_new_tokens: int, tok, rl: RLConfig,
@@ -61,10 +75,7 @@ class Generator:
     stops = tuple((i,) for i in tok.stop_ids if i != tok.eos_id)
     sampling = rl_sampling(rl.rollout, max_new_tokens, tok.eos_id, tok.pad_id, stops)
     weights, mesh = cluster.sampler_weights, cluster.meshes["sampler"]
-    if rl.rollout.inflight_slots and cluster.cfg.model.sliding_window:  # (its slots are a ring)
-      raise ConfigError(
-          f"config.rl.rollout.inflight_slots: in-flight batching does not apply a sliding "
-          f"window (model.sliding_window={cluster.cfg.model.sliding_window}); set 0")
+    check_slots(rl, cluster.cfg.model.sliding_window)
     try:
       self.sampler = Sampler(weights.graphdef, sampling, n=rl.group_size, mesh=mesh,
                              param_shardings=weights.shardings,
@@ -75,8 +86,7 @@ class Generator:
                                                ignore_eos=False)
     self._rows = batch_sharding(mesh, SAMPLER_RULES)
     self.environment, self.pad_id = environment, tok.pad_id
-    # A kept cache continues in in-flight slots, whose ring a sliding window does not fit
-    keep = rl.environment.keep_turn_cache and not cluster.cfg.model.sliding_window
+    keep = keeps_turn_cache(rl, cluster.cfg.model.sliding_window)
     self.turns = dict(max_turns=rl.environment.max_turns,
                       max_turn_tokens=rl.environment.max_turn_tokens, keep_cache=keep)
     # A turn also ends at the environment's stop strings
