@@ -2,6 +2,7 @@
 
   jaxrl-plan --config=configs/default.py                 # plans for this machine's devices
   jaxrl-plan --config=FILE --device=h100 --devices=256   # a cluster we do not have (simulated)
+  jaxrl-plan --config=FILE --device=tpu_v5p --devices=64 --slices=2   # Multislice: DCN between
   jaxrl-plan --calibrate=cal.json                        # measure this machine, short runs, fit
   jaxrl-plan --calibration=cal.json --fit=runs/NAME      # re-fit from a finished run's trace
   --all_meshes   also trainer meshes the presets do not build (tensor axis, fsdp across nodes)
@@ -86,6 +87,14 @@ def _table(cfg, args) -> list[str]:
   if args.calibration:
     cal = Calibration.load(args.calibration)
   n = args.devices or jax.device_count()
+  if args.slices > 1:  # TPU Multislice: collectives across slices take the data-center network
+    if n % args.slices:
+      raise UsageError(f"--slices: {args.slices} does not divide the {n} devices")
+    try:
+      cal = dataclasses.replace(cal, device=dataclasses.replace(cal.device,
+                                                                slice_devices=n // args.slices))
+    except ValueError as e:
+      raise UsageError(f"--slices: {e}") from None
   ranked = search(Workload.from_config(cfg), n, cal.device, cal.efficiency,
                   presets_only=not args.all_meshes, top=args.top)
   lines = [f"{n} x {cal.device.name}, model d_model {cfg.model.d_model} x {cfg.model.n_layers} "
@@ -104,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--calibration", default="", help="a calibration JSON to plan with")
   parser.add_argument("--calibrate", default="", help="measure and fit, write this JSON")
   parser.add_argument("--fit", action="append", default=[], help="run dir to re-fit from")
+  parser.add_argument("--slices", type=int, default=1,
+                      help="TPU slices the devices are split over (Multislice)")
   parser.add_argument("--top", type=int, default=10)
   parser.add_argument("--all_meshes", action="store_true")
   args, rest = parser.parse_known_args(argv[1:])

@@ -34,6 +34,7 @@ from jaxrl.models import flops
 from jaxrl.models.config import ModelConfig
 from planner import footprint
 from planner.devices import DeviceSpec, Efficiency
+from sharding.placement import whole_hosts
 
 STAGES = ("generate", "reward", "reference", "old_logprobs", "values", "update", "critic_update",
           "weight_push", "host")
@@ -182,9 +183,30 @@ class Plan:
 
 
 def _bandwidth(dev: DeviceSpec, eff: Efficiency, span: int) -> float:
-  """Per-device bandwidth of a collective over `span` neighbouring devices."""
-  link = dev.link_bytes_per_s if span <= dev.devices_per_node else dev.network_bytes_per_s
+  """Per-device bandwidth of a collective over `span` neighbouring devices: a node's links, the
+  network between nodes (a TPU slice's ICI), or across TPU slices the data-center network."""
+  if span <= dev.devices_per_node:
+    link = dev.link_bytes_per_s
+  elif not dev.slice_devices or span <= dev.slice_devices:
+    link = dev.network_bytes_per_s
+  else:
+    link = dev.dcn_bytes_per_s
   return link * eff.link
+
+
+def crossing_bytes_per_s(dev: DeviceSpec) -> float:
+  """Per device, one way, a crossing between processes gets (sharding/crossing.py): the node's
+  network (a TPU's data-center network: JAX's cross-host transfers are no ICI collective); 0
+  where the table has no figure."""
+  return dev.dcn_bytes_per_s if dev.platform == "tpu" else dev.network_bytes_per_s
+
+
+def apart(plan: Plan, dev: DeviceSpec) -> bool:
+  """Whether `plan` puts the sampler on hosts of its own (sharding/placement.whole_hosts)."""
+  n = plan.trainer.size + plan.sampler.size
+  return plan.strategy == "separate" and not dev.shared_compute and whole_hosts(
+      "separate", n, train_devices=plan.trainer.size,
+      n_hosts=max(1, -(-n // dev.devices_per_node)))
 
 
 def _compute_s(dev: DeviceSpec, eff: Efficiency, flop: float, mesh: Mesh, mfu: float,
@@ -291,16 +313,24 @@ def generate_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh,
 
 
 def push_s(w: Workload, dev: DeviceSpec, eff: Efficiency, plan: Plan) -> float:
-  """The trainer -> sampler weight copy: in place (colocate) at memory speed, else each trainer
-  device sends its shard over the links (fake CPU devices: memory copies in one process)."""
+  """The trainer -> sampler weight copy (fake CPU devices: memory copies in one process). In
+  place (colocate) at memory speed. Beside the trainer (on each host, where the trainer has part
+  of each) each trainer device sends its shard over the links one copy of the weights spans
+  (fsdp x tensor: a GPU node's, a TPU slice's). To hosts of the sampler's own (separate on
+  whole hosts) a reshard into the sampler's layout on the trainer's devices (the mirror), then
+  each of those sends the sampler's shard across (sharding/crossing.py)."""
   nbytes = w.params * w.sampler_weight_bytes
   if dev.shared_compute:  # fake devices: one process's copies, at the measured transfer rate
     return nbytes / (dev.link_bytes_per_s * eff.link) + eff.call_overhead_s
+  t = plan.trainer.size
   if plan.strategy == "colocate":
-    per_device = nbytes / plan.trainer.size
-    return 2 * per_device / (dev.hbm_bytes_per_s * eff.decode_hbm) + eff.call_overhead_s
-  span = plan.trainer.size + plan.sampler.size
-  return nbytes / plan.trainer.size / _bandwidth(dev, eff, span) + eff.call_overhead_s
+    return 2 * nbytes / t / (dev.hbm_bytes_per_s * eff.decode_hbm) + eff.call_overhead_s
+  span = plan.trainer.fsdp * plan.trainer.tensor  # the devices one copy of the weights is over
+  if apart(plan, dev):
+    shard = nbytes / plan.sampler.tensor
+    return (shard / _bandwidth(dev, eff, span) + shard / (crossing_bytes_per_s(dev) * eff.link)
+            + 2 * eff.call_overhead_s)
+  return nbytes / t / _bandwidth(dev, eff, span) + eff.call_overhead_s
 
 
 def offload_s(w: Workload, dev: DeviceSpec, plan: Plan) -> float:

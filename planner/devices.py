@@ -10,7 +10,10 @@ the machine at hand (planner/calibrate.py).
 TPU links: `link` is what a ring over one torus axis gets inside a host (two ICI links, one way
 each, the scaling book's "bidi per link"); `network` is every ICI port of the chip one way (half
 of Google's bidirectional per-chip ICI figure), what a collective spanning a multi-host slice
-can use. Multislice DCN (e.g. v5p 50 Gb/s per chip) is not modelled.
+can use; `dcn` is the chip's share of its host's data-center network, what a collective across
+slices (Multislice) gets, and what a crossing between processes (sharding/crossing.py: JAX's
+cross-host transfers, not ICI collectives) gets on a TPU. `slice_devices` says where a slice
+ends (0: every device in one).
 """
 from __future__ import annotations
 
@@ -37,10 +40,18 @@ class DeviceSpec:
   # are planner/footprint_tpu.py's.
   platform: str = "gpu"
   source: str = ""  # where each number comes from
+  # TPU: per chip, one direction, across slices over the data-center network (0: no figure)
+  dcn_bytes_per_s: float = 0.0
+  slice_devices: int = 0  # devices per TPU slice in a Multislice job; 0: one slice (or a GPU)
   # Device <-> pinned host memory, one direction (placement.offload): PCIe 5.0 x16 is 64 GB/s
   # in theory, ~50 GB/s measured by NVIDIA's bandwidthTest on H100 hosts; a round 25 GB/s
   # leaves room for a shared PCIe switch.
   host_bytes_per_s: float = 25 * GB
+
+  def __post_init__(self):
+    if self.slice_devices and not self.dcn_bytes_per_s:
+      raise ValueError(f"{self.name}: no figure for the data-center network between slices "
+                       f"(dcn_bytes_per_s), which a job of several slices needs")
 
 
 DEVICES: dict[str, DeviceSpec] = {
@@ -56,23 +67,23 @@ DEVICES: dict[str, DeviceSpec] = {
                               "(usual DGX A100 NIC, not confirmed here)"),
     "tpu_v4": DeviceSpec("TPU v4", 275e12, 1.2e12, 32 * GIB, 90 * GB, 270 * GB, 4,
                          source=_TPU + "v4 (275 TFLOP/s bf16, 32 GiB, 1200 GBps; 2x2x1 host); "
-                                + _BOOK + " 45 GB/s x 2 in host, x 6 ports",
+                                + _BOOK + " 45 GB/s x 2 in host, x 6 ports; no DCN figure found",
                          platform="tpu"),
     "tpu_v5e": DeviceSpec("TPU v5e", 197e12, 0.819e12, 16 * GB, 100 * GB, 200 * GB, 8,
                           source=_TPU + "v5e (197 TFLOP/s, 16 GB, 819 GBps, ICI 400 GBps "
-                                 "bidirectional per chip, 8 chips per host); "
-                                 + _BOOK + " 50 GB/s",
-                         platform="tpu"),
+                                 "bidirectional per chip, 8 chips per host; 2 x 100 Gbps NIC per "
+                                 "host: 25 Gb/s per chip); " + _BOOK + " 50 GB/s",
+                         platform="tpu", dcn_bytes_per_s=3.125 * GB),
     "tpu_v5p": DeviceSpec("TPU v5p", 459e12, 2.765e12, 95 * GB, 200 * GB, 600 * GB, 4,
                           source=_TPU + "v5p (459 TFLOP/s, 95 GB, 2765 GBps, ICI 1200 GBps "
-                                 "bidirectional per chip, 4 chips per VM); "
+                                 "bidirectional per chip, 4 chips per VM, DCN 50 Gbps per chip); "
                                  + _BOOK + " 100 GB/s",
-                         platform="tpu"),
+                         platform="tpu", dcn_bytes_per_s=6.25 * GB),
     "tpu_v6e": DeviceSpec("TPU v6e", 918e12, 1.638e12, 32 * GB, 200 * GB, 400 * GB, 8,
                           source=_TPU + "v6e (918 TFLOP/s, 32 GB, 1638 GBps, ICI 800 GBps "
-                                 "bidirectional per chip, 8 chips per host); "
-                                 + _BOOK + " 100 GB/s",
-                         platform="tpu"),
+                                 "bidirectional per chip, 8 chips per host; 4 x 200 Gbps NIC per "
+                                 "host: 100 Gb/s per chip); " + _BOOK + " 100 GB/s",
+                         platform="tpu", dcn_bytes_per_s=12.5 * GB),
     "cpu": DeviceSpec("CPU (fake devices)", 2.2e11, 1.0e10, 24 * GIB, 1.0e10, 1.0e10, 8,
                       shared_compute=True, platform="cpu",
                       source="measured on the 2-core dev machine; calibration replaces these"),

@@ -38,7 +38,8 @@ def builtin_calibration(key: str) -> Calibration:
   return Calibration(DEVICES[key], CPU_EFFICIENCY if key == "cpu" else Efficiency())
 
 
-def calibration_for(cfg: ExperimentConfig, device, local_devices: int) -> Calibration:
+def calibration_for(cfg: ExperimentConfig, device, local_devices: int,
+                    slice_devices: int = 0) -> Calibration:
   path = cfg.placement.calibration
   if path:
     try:
@@ -52,14 +53,23 @@ def calibration_for(cfg: ExperimentConfig, device, local_devices: int) -> Calibr
           f"config.placement.strategy: 'plan' has no device table for {device.device_kind!r}; "
           f"write one with `jaxrl-plan --calibrate FILE` and set placement.calibration=FILE")
     cal = builtin_calibration(key)
-  return dataclasses.replace(cal, device=dataclasses.replace(cal.device,
-                                                             devices_per_node=local_devices))
+  try:
+    return dataclasses.replace(cal, device=dataclasses.replace(
+        cal.device, devices_per_node=local_devices, slice_devices=slice_devices))
+  except ValueError as e:
+    raise ConfigError(f"config.placement.strategy: 'plan' on several slices: {e}") from None
+
+
+def slice_devices(devices) -> int:
+  """Devices per TPU slice where `devices` span several (Multislice: `slice_index`), else 0."""
+  slices = {getattr(d, "slice_index", 0) for d in devices}
+  return len(devices) // len(slices) if len(slices) > 1 else 0
 
 
 def choose(cfg: ExperimentConfig, devices, hosts: int = 1) -> tuple[ExperimentConfig, Ranked]:
   """`cfg` with the best plan's placement, micro-batch size and remat filled in, and that
   plan."""
-  cal = calibration_for(cfg, devices[0], len(devices) // hosts)
+  cal = calibration_for(cfg, devices[0], len(devices) // hosts, slice_devices(devices))
   workload = Workload.from_config(cfg)
   ranked = search(workload, len(devices), cal.device, cal.efficiency, modes=(cfg.rl.schedule.mode,),
                   top=None, staleness=cfg.rl.schedule.max_staleness)

@@ -15,7 +15,8 @@ import dataclasses
 import itertools
 
 from sharding.placement import PlacementError, make_placement
-from planner.cost import Mesh, Plan, Workload, stage_times, step_time
+from planner.cost import (Mesh, Plan, Workload, apart, crossing_bytes_per_s, stage_times,
+                          step_time)
 from planner.devices import DeviceSpec, Efficiency
 from planner.footprint import REMATS
 from planner.memory import HEADROOM, kv_rows, memory, total_bytes
@@ -106,6 +107,10 @@ def problem(w: Workload, plan: Plan, n: int, dev: DeviceSpec, presets_only: bool
   if not (_divides_model(w, t.tensor, t.fsdp) and _divides_model(w, r.tensor, r.fsdp)
           and _divides_model(w, s.tensor, replicate_kv=not presets_only)):
     return "a mesh axis does not divide the model's dimensions"
+  if apart(plan, dev) and t.size < s.size:
+    return "the trainer has fewer devices than the sampler it mirrors (sharding/crossing.py)"
+  if apart(plan, dev) and not crossing_bytes_per_s(dev):
+    return f"no figure for the network between {dev.name} hosts (a crossing)"
   if presets_only:
     try:
       make_placement(plan.strategy, n, train_devices=t.size if plan.strategy != "colocate"

@@ -126,6 +126,11 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
           f"sampler the rest)")
     local = n_devices // n_hosts
     if whole:
+      if 2 * train_devices < n_devices:
+        raise PlacementError(
+            f"placement.train_devices: {train_devices} gives the sampler hosts of its own with "
+            f"{n_devices - train_devices} devices, whose layout the trainer mirrors on as many of "
+            f"its own (sharding/crossing.py); give the trainer at least half the devices")
       train, rest = everything[:train_devices], everything[train_devices:]
       n_hosts = train_devices // local  # the trainer's
     else:

@@ -10,8 +10,8 @@ from configs import tiny
 from jaxrl.config import ExperimentConfig
 from jaxrl.models.config import ModelConfig
 from planner import calibrate as cal
-from planner.cost import (Mesh, Plan, Workload, decode_steps, forward_s, generate_s, step_time,
-                          update_s)
+from planner.cost import (Mesh, Plan, Workload, apart, decode_steps, forward_s, generate_s,
+                          push_s, step_time, update_s)
 from planner.devices import CPU_EFFICIENCY, DEVICES, DeviceSpec, Efficiency
 from planner.memory import HEADROOM, kv_row_bytes, kv_rows, memory, total_bytes
 from planner.plan import choose
@@ -106,6 +106,44 @@ def test_collectives_cross_the_network_once_their_group_leaves_the_node():
   assert inside == pytest.approx(0.0, abs=1e-12)
   across = forward_s(w, node, IDEAL, Mesh(tensor=4)) - 791_552e-9 / 4
   assert across == pytest.approx(2 * 2 * 3 / 4 * 8 * 64 * 4 / 1e8)
+
+
+def test_a_collective_across_slices_takes_the_data_center_network():
+  """A TPU job of two slices of 4 chips: tensor 4 stays in a slice (its ICI), tensor 8 spans
+  both and runs at the DCN figure; a device with no DCN figure cannot be split into slices."""
+  w, ici = _workload(), dataclasses.replace(UNIT, devices_per_node=2, network_bytes_per_s=1e8)
+  sliced = dataclasses.replace(ici, slice_devices=4, dcn_bytes_per_s=1e7)
+  assert forward_s(w, sliced, IDEAL, Mesh(tensor=4)) == forward_s(w, ici, IDEAL, Mesh(tensor=4))
+  ici_part = forward_s(w, ici, IDEAL, Mesh(tensor=8)) - 791_552e-9 / 8
+  dcn_part = forward_s(w, sliced, IDEAL, Mesh(tensor=8)) - 791_552e-9 / 8
+  assert dcn_part == pytest.approx(10 * ici_part)
+  with pytest.raises(ValueError, match="TPU v4: no figure for the data-center network"):
+    dataclasses.replace(DEVICES["tpu_v4"], slice_devices=4)
+
+
+def test_the_push_to_hosts_of_the_samplers_own_is_a_reshard_then_a_crossing():
+  """On 4 H100 nodes: the sampler beside the trainer on each node (a per-host split) gets the
+  weights over NVLink; on nodes of its own (sharding/crossing.py) first the trainer's reshard
+  into the sampler's layout (NVLink), then each device's shard over its NIC; a trainer smaller
+  than the sampler it must mirror is no plan, nor is a crossing on a TPU with no DCN figure."""
+  h100, eff = DEVICES["h100"], dataclasses.replace(IDEAL, link=1.0)
+  w = _workload(model=ModelConfig(vocab_size=256, d_model=1024, n_layers=4, n_heads=8,
+                                  n_kv_heads=8, head_dim=128, d_ff=4096, dtype="bfloat16"))
+  nbytes = w.params * 2
+  beside = Plan("separate", Mesh(data=4, fsdp=3), Mesh(data=20), Mesh(data=4, fsdp=3))
+  assert not apart(beside, h100)  # 12 of 32: 3 per node, a per-host split
+  assert push_s(w, h100, eff, beside) == pytest.approx(nbytes / 12 / h100.link_bytes_per_s)
+  hosts = Plan("separate", Mesh(data=2, fsdp=8), Mesh(data=8, tensor=2), Mesh(data=2, fsdp=8))
+  assert apart(hosts, h100)  # nodes 0-1 train, nodes 2-3 sample
+  shard = nbytes / 2
+  assert push_s(w, h100, eff, hosts) == pytest.approx(
+      shard / h100.link_bytes_per_s + shard / h100.network_bytes_per_s)
+  small = Plan("separate", Mesh(fsdp=8), Mesh(data=24), Mesh(fsdp=8))
+  assert "fewer devices than the sampler" in problem(dataclasses.replace(w, prompts=24), small,
+                                                    32, h100, presets_only=False)
+  v4 = Plan("separate", Mesh(fsdp=4), Mesh(data=4), Mesh(fsdp=4))
+  assert "no figure for the network between TPU v4 hosts" in problem(
+      dataclasses.replace(w, prompts=4), v4, 8, DEVICES["tpu_v4"], presets_only=False)
 
 
 def test_calibration_times_a_stage_only_from_calls_that_ran_alone():
@@ -217,6 +255,8 @@ def test_plan_cli_simulates_and_names_bad_devices(capsys):
   assert "16 x H100" in out and out.count(" s  ") == 3
   assert plan_main(["jaxrl-plan", "--device", "h101"]) == 2
   assert "--device: expected one of" in capsys.readouterr().err
+  assert plan_main(["jaxrl-plan", "--device", "tpu_v4", "--devices", "16", "--slices", "2"]) == 2
+  assert "--slices: TPU v4: no figure for the data-center network" in capsys.readouterr().err
 
 
 def test_docs_scaling_tables_are_what_the_simulator_computes():
