@@ -114,7 +114,8 @@ def problem(w: Workload, plan: Plan, n: int, dev: DeviceSpec, presets_only: bool
   if presets_only:
     try:
       make_placement(plan.strategy, n, train_devices=t.size if plan.strategy != "colocate"
-                     else 1, sampler_tensor=s.tensor, n_hosts=_hosts(n, dev))
+                     else 1, sampler_tensor=s.tensor, n_hosts=_hosts(n, dev),
+                     one_network=dev.platform == "tpu")
     except PlacementError as e:
       return str(e)
   return ""

@@ -12,7 +12,8 @@ Devices are taken host by host. On several hosts `separate` gives the trainer wh
 processes of its own (MPMD: train/rollout/remote.py), and the weights and rollouts cross
 between them device to device (sharding/crossing.py). Otherwise, and for `interleave`, each host
 gives its first devices to training and the rest to sampling, every process runs every program,
-and the train -> sampler transfer stays inside a host.
+and the train -> sampler transfer stays inside a host: on GPU nodes; a TPU slice's compiler
+refuses collectives over part of several hosts' chips, so there it is a PlacementError.
 """
 from __future__ import annotations
 
@@ -133,6 +134,12 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
             f"its own (sharding/crossing.py); give the trainer at least half the devices")
       train, rest = everything[:train_devices], everything[train_devices:]
       n_hosts = train_devices // local  # the trainer's
+    elif one_network and n_hosts > 1:
+      raise PlacementError(
+          f"placement.strategy: {strategy} on {n_hosts} hosts of a TPU slice gives each role "
+          f"part of every host's {local} chips, which the TPU compiler refuses (collectives over "
+          f"part of several hosts' chips, docs/hosts.md); use 'separate' with "
+          f"placement.train_devices a multiple of {local} (hosts of their own), or 'colocate'")
     else:
       train, rest = _per_host_split(n_devices, n_hosts, train_devices // n_hosts)
     sampler_devices = train if strategy == "interleave" else rest

@@ -65,13 +65,17 @@ def test_bad_placements_fail_with_one_line(kwargs, message):
 
 @pytest.mark.parametrize("kwargs,mesh", [
     (dict(), {"data": 2, "fsdp": 2}),  # GPU hosts: fsdp inside a host, data-parallel across
-    (dict(one_network=True), {"data": 1, "fsdp": 4}),  # a TPU slice: fsdp over its ICI
     (dict(train_fsdp=1), {"data": 4, "fsdp": 1}),
 ])
 def test_the_trainer_mesh_over_two_hosts(kwargs, mesh):
   placement = make_placement("interleave", 8, train_devices=4, n_hosts=2, **kwargs)
   assert placement.roles["actor"].devices == (0, 1, 4, 5)  # each host's first two
   assert {k: v for k, v in placement.roles["actor"].shape.items() if k != "tensor"} == mesh
+  # a TPU slice: fsdp over its ICI, on hosts of the trainer's own (part of each is refused)
+  tpu = make_placement("separate", 8, train_devices=4, n_hosts=2, one_network=True)
+  assert tpu.roles["actor"].devices == (0, 1, 2, 3) and tpu.roles["actor"].shape["fsdp"] == 4
+  with pytest.raises(PlacementError, match="interleave on 2 hosts of a TPU slice"):
+    make_placement("interleave", 8, train_devices=4, n_hosts=2, one_network=True)
 
 
 def test_separate_on_whole_hosts_gives_each_group_hosts_of_its_own():
