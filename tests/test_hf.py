@@ -341,3 +341,27 @@ def test_failed_export_leaves_nothing(hf, tmp_path, monkeypatch):
     export(hf.params, hf.cfg, out)
   one_line(e, out, "exists")
 
+
+
+def test_a_scanned_model_reads_and_writes_the_same_files(hf, tmp_path, mesh):
+  """`model.scan_layers` (jaxrl/models/scan.py): the checkpoint loads into the stacked blocks,
+  each device reading its block of every layer's tensors, to the unrolled import's values and
+  logits; and exported, the files are the unrolled model's byte for byte."""
+  from jaxrl.models import scan
+  cfg = dataclasses.replace(hf.cfg, scan_layers=True)
+  role = _role(cfg, mesh)
+  params = load_params(hf.path, cfg, role.abstract())
+  flat = lambda state: {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(state)}
+  unrolled = flat(hf.params)
+  for path, value in scan.unstacked(flat(params), cfg.n_layers).items():
+    np.testing.assert_array_equal(value, unrolled[path], err_msg=str(path))
+  tokens_BT, valid_BT, positions_BT = batch()
+  np.testing.assert_allclose(jax_logits(role, params, tokens_BT, valid_BT, positions_BT),
+                             jax_logits(hf.role, hf.params, tokens_BT, valid_BT, positions_BT),
+                             atol=1e-5, rtol=1e-5)
+  export(params, cfg, str(tmp_path / "scanned"), max_shard_bytes=100_000)
+  export(hf.params, hf.cfg, str(tmp_path / "unrolled"), max_shard_bytes=100_000)
+  names = sorted(os.listdir(tmp_path / "unrolled"))
+  assert sorted(os.listdir(tmp_path / "scanned")) == names and len(names) > 2
+  for name in names:
+    assert (tmp_path / "scanned" / name).read_bytes() == (tmp_path / "unrolled" / name).read_bytes()

@@ -234,3 +234,29 @@ def test_killed_with_conversations_in_flight_resumes_exactly(tmp_path):
                        for t, ended in zip(b["talks"], b["ended"])))
   assert any(talking), "no resume had a conversation in flight"
   assert (_summary(run_dir)["params_fingerprint"], _comparable(run_dir)) == reference
+
+
+@pytest.mark.slow
+def test_a_run_dir_of_an_unrolled_decoder_resumes_with_a_scanned_one(tmp_path, reference):
+  """`model.scan_layers` changes how the blocks are stored (stacked) and computed (a scan):
+  a run killed mid-RL resumes with it from its per-layer checkpoint (the actor, the reference
+  and the optimizer's moments converted on the devices: jaxrl/models/scan.py) and ends with
+  every row once. Its weights then differ from the uninterrupted run by rounding only: the
+  scan sums in another order."""
+  run_dir = os.path.join(tmp_path, "run")
+  proc, saved = _launch(tmp_path, "run", resume=False), os.path.join(run_dir, "checkpoints/rl/4")
+  deadline = time.time() + 600
+  while not os.path.isdir(saved):  # (orbax renames a finished save into place)
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  err = _finish(_launch(tmp_path, "run", "--config.model.scan_layers=True"))
+  assert _resumed_from(err) == ("rl", 4), err[-3000:]
+  rows = _comparable(run_dir)
+  assert [(r["phase"], r["step"]) for r in rows] == [(r["phase"], r["step"]) for r in reference[1]]
+  ref = {(r["phase"], r["step"]): r for r in reference[1]}
+  for row in rows:
+    for key in ("entropy", "heldout_acc"):
+      if key in row:
+        assert row[key] == pytest.approx(ref[(row["phase"], row["step"])][key], abs=1e-3), key

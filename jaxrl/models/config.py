@@ -59,6 +59,10 @@ class ModelConfig:
   # none | dots | full: recompute the decoder blocks' activations in the backward instead of
   # keeping them (REMAT_POLICIES); training only: the sampler's cached passes never remat.
   remat: str = "none"
+  # The decoder's blocks stacked along a `layers` axis and the cacheless passes (training,
+  # scoring) one scan over them: traced and compiled once whatever the depth
+  # (jaxrl/models/scan.py). Checkpoints and Hugging Face files stay per layer.
+  scan_layers: bool = False
   # Training, scoring and prefill attention (decode steps always use the einsum form over the
   # cache): auto | einsum (explicit products, float32 softmax) | xla | cudnn, the last two
   # through `jax.nn.dot_product_attention` (cudnn: fused flash attention, GPU, bf16/fp16 only)

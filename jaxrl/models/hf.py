@@ -27,6 +27,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.families import EXPERTS, FAMILIES, TOP_TENSORS
 from jaxrl.models.hf_config import (ARCH_FIELDS, HFError, check_config, model_config_from_hf,
                                     tensor_prefix)
+from jaxrl.models.scan import stacked_keys
 
 __all__ = ["HFError", "check_config", "load_params", "model_config_from_hf"]
 
@@ -137,21 +138,40 @@ def _plan(hf_dir: str, leaves, handles: dict, weights: dict, where: str, family:
   plan = []
   for path, leaf in leaves:
     keys = _keys(path)
-    param = ".".join(map(str, keys))
-    template, split = hf_tensor(keys, family)
-    shorts = _names(template, split, leaf.shape)
-    files = [_handle(hf_dir, short, prefix, handles, weights, where, param) for short in shorts]
-    want = _merged(leaf.shape, split)
-    for short, f in zip(shorts, files):
-      info = f.get_slice(prefix + short)
-      if info.get_dtype() not in _READABLE:
-        raise HFError(f"{prefix}{short}: dtype {info.get_dtype()} is not one of "
-                      f"{list(_READABLE)}")
-      if tuple(info.get_shape()) != want:
-        raise HFError(f"{prefix}{short}: shape {tuple(info.get_shape())} does not match the "
-                      f"model's {want} (parameter {param})")
-    plan.append((shorts, files, split, [prefix + short for short in shorts]))
+    if stacked_keys(keys):  # a scanned decoder: one plan per layer, stacked on axis 0
+      plan.append([_plan_one(hf_dir, keys[:2] + (i,) + keys[2:], leaf.shape[1:], handles,
+                             weights, where, family, prefix) for i in range(leaf.shape[0])])
+    else:
+      plan.append(_plan_one(hf_dir, keys, leaf.shape, handles, weights, where, family, prefix))
   return plan
+
+
+def _plan_one(hf_dir: str, keys: tuple, shape: tuple, handles: dict, weights: dict, where: str,
+              family: str, prefix: str) -> tuple:
+  param = ".".join(map(str, keys))
+  template, split = hf_tensor(keys, family)
+  shorts = _names(template, split, shape)
+  files = [_handle(hf_dir, short, prefix, handles, weights, where, param) for short in shorts]
+  want = _merged(shape, split)
+  for short, f in zip(shorts, files):
+    info = f.get_slice(prefix + short)
+    if info.get_dtype() not in _READABLE:
+      raise HFError(f"{prefix}{short}: dtype {info.get_dtype()} is not one of "
+                    f"{list(_READABLE)}")
+    if tuple(info.get_shape()) != want:
+      raise HFError(f"{prefix}{short}: shape {tuple(info.get_shape())} does not match the "
+                    f"model's {want} (parameter {param})")
+  return shorts, files, split, [prefix + short for short in shorts]
+
+
+def _read_planned(plan, index: tuple, shape: tuple) -> np.ndarray:
+  """The block `index` of a parameter of `shape` as `plan` reads it (a stacked block's: each
+  layer in the block read from its own tensors, stacked)."""
+  if isinstance(plan, list):
+    layers = range(*index[0].indices(shape[0])[:2])
+    return np.stack([_read_planned(plan[i], index[1:], shape[1:]) for i in layers])
+  _, files, split, names = plan
+  return _read(files, names, index, shape, split)
 
 
 def _handle(hf_dir: str, short: str, prefix: str, handles: dict, weights: dict, where: str,
@@ -208,11 +228,11 @@ def load_params(hf_dir: str, cfg: ModelConfig, abstract: nnx.State, *,
   weights = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
   handles: dict = {}
   plan = _plan(hf_dir, leaves, handles, weights, where, cfg.family, prefix)
-  _check_unused(weights, {short for shorts, *_ in plan for short in shorts}, subtree,
+  each = [p for entry in plan for p in (entry if isinstance(entry, list) else [entry])]
+  _check_unused(weights, {short for shorts, *_ in each for short in shorts}, subtree,
                 cfg.tie_embeddings, where)
   arrays = []
-  for (_, leaf), (_, files, split, names) in zip(leaves, plan):
-    read = lambda index, names=names, files=files, split=split, shape=leaf.shape: _read(
-        files, names, index, shape, split)
+  for (_, leaf), entry in zip(leaves, plan):
+    read = lambda index, entry=entry, shape=leaf.shape: _read_planned(entry, index, shape)
     arrays.append(jax.make_array_from_callback(leaf.shape, leaf.sharding, read))
   return jax.tree_util.tree_unflatten(treedef, arrays)

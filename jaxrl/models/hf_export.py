@@ -24,6 +24,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.families import EXPERTS
 from jaxrl.models.hf import (INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, HFError, _keys, _merged,
                              _names, hf_tensor)
+from jaxrl.models.scan import stacked_keys
 from jaxrl.models.hf_config import default_max_positions, hf_config_dict
 
 __all__ = ["export", "export_peft"]
@@ -35,10 +36,20 @@ def _hf_tensors(params: nnx.State, cfg: ModelConfig) -> tuple[list, bool]:
   no HF equivalent, so it is written out as an explicit lm_head: the embedding again, scaled."""
   tensors = []
   for path, x in jax.tree_util.tree_leaves_with_path(params):
-    template, split = hf_tensor(_keys(path), cfg.family)
-    names = _names(template, split, x.shape)
-    parts = range(len(names)) if split == EXPERTS else [None]
-    tensors += [(name, _merged(x.shape, split), x, None, part) for name, part in zip(names, parts)]
+    keys = _keys(path)
+    # a scanned decoder's stacked block: each layer's tensors (part: (layer, expert or None))
+    layers = [(keys[:2] + (i,) + keys[2:], i) for i in range(x.shape[0])] if stacked_keys(
+        keys) else [(keys, None)]
+    for layer_keys, layer in layers:
+      template, split = hf_tensor(layer_keys, cfg.family)
+      shape = x.shape if layer is None else x.shape[1:]
+      names = _names(template, split, shape)
+      experts = range(len(names)) if split == EXPERTS else [None]
+      tensors += [(layer_keys, (name, _merged(shape, split), x, None,
+                                None if (layer, e) == (None, None) else (layer, e)))
+                  for name, e in zip(names, experts)]
+  # the unrolled model's order (its tree's: sorted keys), whichever form the blocks are in
+  tensors = [t for _, t in sorted(tensors, key=lambda t: _order(t[0]))]
   has_head = any(t[0] == "lm_head.weight" for t in tensors)
   if has_head == cfg.tie_embeddings:
     raise HFError(f"params {'have' if has_head else 'lack'} lm_head but tie_embeddings="
@@ -48,6 +59,10 @@ def _hf_tensors(params: nnx.State, cfg: ModelConfig) -> tuple[list, bool]:
     tensors.append(("lm_head.weight", shape, embed, cfg.d_model**-0.5, None))
     return tensors, False
   return tensors, cfg.tie_embeddings
+
+
+def _order(keys: tuple) -> tuple:
+  return tuple((0, k, "") if isinstance(k, int) else (1, 0, str(k)) for k in keys)
 
 
 def _to_host(x, shape: tuple, scale: float | None, dtype) -> np.ndarray:
@@ -92,9 +107,12 @@ def _write_shard(path: str | None, tensors: list, st_dtype: str, dtype) -> None:
     for _, shape, x, scale, part in tensors:
       if part is None:
         host = _to_host(x, shape, scale, dtype)
-      else:
-        last = last if last[0] is x else (x, _to_host(x, x.shape, scale, dtype))
-        host = last[1][part]
+      else:  # (layer of a stacked block, expert): a layer is sliced on the devices first
+        layer, expert = part
+        if last[0] is None or last[0][0] is not x or last[0][1] != layer:
+          one = x if layer is None else x[layer]
+          last = ((x, layer), _to_host(one, one.shape, scale, dtype))
+        host = last[1] if expert is None else last[1][expert]
       if f:
         np.ascontiguousarray(host).tofile(f)
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.families import HF_PROJECTIONS
+from jaxrl.models.scan import LAYERS
 
 TARGETS = tuple(HF_PROJECTIONS)
 TRAINABLE = nnx.LoRAParam  # the nnx filter of the adapters' parameters
@@ -98,12 +99,15 @@ class LoRA(nnx.Module):
     return (out_1RO[0] * jnp.asarray(self.scale, x_BTI.dtype)).reshape(b, t, -1)
 
   def delta(self) -> jax.Array:
-    """scale * B A in the weight's own shape [*out, *in], float32."""
-    r = self.a.shape[0]
-    out_shape, in_shape = self.b.shape[:-1], self.a.shape[1:]
-    b_OR = self.b[...].astype(jnp.float32).reshape(-1, r)
-    a_RI = self.a[...].astype(jnp.float32).reshape(r, -1)
-    return (self.scale * (b_OR @ a_RI)).reshape(*out_shape, *in_shape)
+    """scale * B A in the weight's own shape [*out, *in], float32 (a scanned decoder's stacked
+    adapters: every layer's, stacked)."""
+    def one(a, b):
+      r = a.shape[0]
+      b_OR, a_RI = b.astype(jnp.float32).reshape(-1, r), a.astype(jnp.float32).reshape(r, -1)
+      return (self.scale * (b_OR @ a_RI)).reshape(*b.shape[:-1], *a.shape[1:])
+    if self.a.get_metadata()["logical_axes"][0] == LAYERS:
+      return jax.vmap(one)(self.a[...], self.b[...])
+    return one(self.a[...], self.b[...])
 
 
 def adapter(module: nnx.Module, name: str) -> LoRA | None:
@@ -154,7 +158,8 @@ def peft_tensors(graphdef: nnx.GraphDef, params: nnx.State) -> dict[str, jax.Arr
   weight` [r, in], `lora_B.weight` [out, r]), float32, still on the devices."""
   model = nnx.merge(graphdef, params)
   out = {}
-  for i, block in enumerate(model.decoder.blocks):
+  for i in range(model.cfg.n_layers):
+    block = model.decoder.layer(i)
     for name, module in HF_PROJECTIONS.items():
       owner = block.attn if module.startswith("self_attn") else block.mlp
       lora = adapter(owner, name)

@@ -24,6 +24,7 @@ from jaxrl.models.attention import (KVCache, ValidPrefix, attention_impl, attent
 from jaxrl.models.config import MLP_ACTIVATIONS, REMAT_POLICIES, ModelConfig
 from jaxrl.models.layouts import ROWS
 from jaxrl.models.lora import LoRA, LoRAConfig
+from jaxrl.models.scan import layer_view, period, scan_periods, stack_blocks
 from jaxrl.models.moe import MoE, stack_stats
 from jaxrl.models.splash import Segments
 
@@ -188,7 +189,8 @@ class Decoder(nnx.Module):
     # The adapters draw from a stream of their own: the base weights are the same with or without.
     lora_rngs = None if lora is None else nnx.Rngs(jax.random.fold_in(rngs.default.key[...],
                                                                        0x10A))
-    self.blocks = nnx.List([Block(cfg, rngs, lora, lora_rngs) for _ in range(cfg.n_layers)])
+    blocks = [Block(cfg, rngs, lora, lora_rngs) for _ in range(cfg.n_layers)]
+    self.blocks = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=cfg.block.norm_offset)
 
   def __call__(self, tokens, positions, key_valid_BS, kv_cache: KVCache | None = None,
@@ -250,17 +252,21 @@ class Decoder(nnx.Module):
       x = x * jnp.asarray(cfg.d_model**0.5, cfg.compute_dtype)
     rope = layout.rope_table(positions, cfg)
     local = windowed(mask, cfg.sliding_window, layout.length(tokens), cache_index)
+    kind = lambda i: (layout.rope_part(rope, cfg, cfg.is_local(i)),
+                      local if cfg.is_local(i) else mask)
+    if cfg.scan_layers and kv_cache is None:
+      x, stats = self.scanned(x, kind, valid_BT, routes_BTLK)
+      return self.final_norm(x, layout.feature_axis), None, stats
     new_cache, stats = [], []
-    for i, block in enumerate(self.blocks):
-      last = last_only and i == len(self.blocks) - 1
-      rope_i = layout.rope_part(rope, cfg, cfg.is_local(i))
-      mask_i = local if cfg.is_local(i) else mask
+    for i in range(cfg.n_layers):
+      last = last_only and i == cfg.n_layers - 1
       routes = None if routes_BTLK is None else routes_BTLK[:, :, i]
-      if kv_cache is None and cfg.remat != "none":  # a cached pass is never differentiated
-        x, layer_cache, st = self.remat_block(block, x, rope_i, mask_i, last, valid_BT, routes)
+      if kv_cache is None:  # (a cached pass is never differentiated: no remat)
+        x, st = self.cacheless(self.layer(i), x, *kind(i), valid_BT, routes)
+        layer_cache = None
       else:
-        x, layer_cache, st = block(x, rope_i, mask_i, None if kv_cache is None else kv_cache[i],
-                                   cache_index, last, layout, valid_BT, routes)
+        x, layer_cache, st = self.layer(i)(x, *kind(i), kv_cache[i], cache_index, last, layout,
+                                           valid_BT, routes)
       new_cache.append(layer_cache)
       stats.append(st)
     h = self.final_norm(x, layout.feature_axis)
@@ -269,6 +275,41 @@ class Decoder(nnx.Module):
       ids = jnp.pad(stats[-1].ids, ((0, 0), (t - 1, 0), (0, 0)), constant_values=-1)
       stats[-1] = dataclasses.replace(stats[-1], ids=ids)
     return h, (None if kv_cache is None else tuple(new_cache)), stack_stats(stats)
+
+  def layer(self, i: int) -> Block:
+    """Decoder layer `i` (of a scanned decoder: its slice of the stacked block)."""
+    return layer_view(self.blocks, i) if self.cfg.scan_layers else self.blocks[i]
+
+  def cacheless(self, block: Block, x_BTD, rope_BTH, mask_BTS, valid_BT, routes_BTK):
+    """`block` on a pass without a cache, under `model.remat`: (output, its `MoEStats`)."""
+    if self.cfg.remat != "none":
+      x_BTD, _, stats = self.remat_block(block, x_BTD, rope_BTH, mask_BTS, False, valid_BT,
+                                         routes_BTK)
+    else:
+      x_BTD, _, stats = block(x_BTD, rope_BTH, mask_BTS, None, 0, False, ROWS, valid_BT,
+                              routes_BTK)
+    return x_BTD, stats
+
+  def scanned(self, x_BTD, kind, valid_BT, routes_BTLK):
+    """The blocks of a cacheless pass as a scan over whole periods of the layer pattern, the
+    layers after the last whole period unrolled (jaxrl/models/scan.py); `kind(i)`: layer i's
+    (rope, mask). (output, the MoE layers' stacked `MoEStats` or None)."""
+    cfg, size = self.cfg, period(self.cfg)
+    whole = cfg.n_layers // size
+    routes_LBTK = None if routes_BTLK is None else jnp.moveaxis(routes_BTLK, 2, 0)
+    x_BTD, stats = scan_periods(
+        self.blocks, whole, size, x_BTD,
+        lambda j, block, x, routes: self.cacheless(block, x, *kind(j), valid_BT, routes),
+        routes_LBTK)
+    parts = [stats]
+    for i in range(whole * size, cfg.n_layers):
+      routes = None if routes_LBTK is None else routes_LBTK[i]
+      x_BTD, st = self.cacheless(self.layer(i), x_BTD, *kind(i), valid_BT, routes)
+      parts.append(None if st is None else jax.tree.map(lambda a: a[None], st))
+    if stats is None:
+      return x_BTD, None
+    stats = jax.tree.map(lambda *a: jnp.concatenate(a), *[p for p in parts if p is not None])
+    return x_BTD, dataclasses.replace(stats, ids=jnp.moveaxis(stats.ids, 0, 2))
 
   def remat_block(self, block: Block, x_BTD, rope_BTH, mask_BTS, last_only: bool, valid_BT,
                   routes_BTK):

@@ -24,7 +24,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxrl.config import first_line
+from jaxrl.models.scan import stacked_keys
 from sharding.reshard import send
+from train.io import layer_forms
 from train.io.host_transfers import HostTransfers
 
 policies = ocp.checkpoint_managers
@@ -122,14 +124,23 @@ class RunCheckpointer:
 
   def restore(self, stage: str, step: int, abstract: dict) -> dict:
     """The items named in `abstract` (name -> abstract tree), each array straight into the
-    sharding its abstract leaf carries."""
-    args = {name: ocp.args.StandardRestore(self._local(tree)) for name, tree in abstract.items()}
+    sharding its abstract leaf carries. An item saved with the decoder's blocks in the other
+    form (per layer, or stacked: `model.scan_layers`) is read in its own and converted on the
+    devices (train/io/layer_forms.py)."""
+    targets = {name: self.saved_like(stage, step, name, tree) for name, tree in abstract.items()}
+    args = {name: ocp.args.StandardRestore(self._local(tree)) for name, tree in targets.items()}
     with jax.transfer_guard("allow"):
       restored = self._manager(stage).restore(step, args=ocp.args.Composite(**args))
       if self._one_of_several:  # host arrays onto the shardings
-        return {name: send(restored[name], jax.tree.map(lambda a: a.sharding, abstract[name]))
-                for name in abstract}
-    return {name: restored[name] for name in abstract}
+        restored = {name: send(restored[name], jax.tree.map(lambda a: a.sharding, targets[name]))
+                    for name in abstract}
+      return {name: restored[name] if targets[name] is tree else
+              layer_forms.from_disk(restored[name], tree) for name, tree in abstract.items()}
+
+  def saved_like(self, stage: str, step: int, name: str, tree):
+    """Abstract `tree` of item `name` as it was saved: itself, or where the decoder's blocks
+    are in the other form on disk, the saved structure (`layer_forms.disk_target`)."""
+    return _saved_like(os.path.join(self.root, stage, str(step), name), tree)
 
   @property
   def _one_of_several(self) -> bool:
@@ -163,6 +174,15 @@ class RunCheckpointer:
       self._managers.clear()
 
 
+def _saved_like(item_dir: str, tree):
+  want = layer_forms.form(tree)
+  if not want or not os.path.isdir(item_dir):
+    return tree
+  metadata = _item_metadata(item_dir)
+  have = layer_forms.form(metadata)
+  return layer_forms.disk_target(tree, metadata) if have and have != want else tree
+
+
 def load_actor_params(directory: str, like: nnx.State, *, step: int | None = None,
                       what: str = "config.init_checkpoint") -> tuple[nnx.State, int]:
   """The actor's parameters of a checkpoint under a stage directory (e.g. a run's
@@ -178,16 +198,22 @@ def load_actor_params(directory: str, like: nnx.State, *, step: int | None = Non
       raise ValueError(f"{what}: no checkpoint{'' if step is None else f' {step}'} under "
                        f"{directory!r}")
     where = f"{what}: {directory!r} step {step}"
-    pure = nnx.to_pure_dict(like)
-    _check_shapes(os.path.join(manager.directory, str(step), "actor"), pure, where)
+    pure, item = nnx.to_pure_dict(like), os.path.join(manager.directory, str(step), "actor")
+    try:
+      target = _saved_like(item, pure)  # (the other form of the blocks: model.scan_layers)
+    except ValueError as e:
+      raise ValueError(f"{where} does not fit this model ({first_line(e)})") from None
+    _check_shapes(item, target, where)
     try:
       with jax.transfer_guard("allow"):
         restored = manager.restore(step, args=ocp.args.Composite(
-            actor=ocp.args.StandardRestore(pure)))
+            actor=ocp.args.StandardRestore(target)))["actor"]
+        if target is not pure:
+          restored = layer_forms.from_disk(restored, pure)
     except (ValueError, KeyError, TypeError) as e:
       raise ValueError(f"{where} does not fit this model ({first_line(e)})") from None
     params = jax.tree.map(lambda x: x, like)
-    nnx.replace_by_pure_dict(params, restored["actor"])
+    nnx.replace_by_pure_dict(params, restored)
     return params, step
   finally:
     manager.close()
@@ -238,9 +264,25 @@ def params_fingerprint(params: nnx.State, transfers: HostTransfers | None = None
   The parameters' bytes come to the host as `transfers`' "fingerprint"."""
   transfers = HostTransfers() if transfers is None else transfers
   digest = hashlib.sha256()
-  flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(params))
-  for path, x in sorted(flat, key=lambda item: jax.tree_util.keystr(item[0])):
-    value = np.ascontiguousarray(transfers.to_host(x, "fingerprint"))
-    digest.update(f"{jax.tree_util.keystr(path)}:{value.shape}:{value.dtype}".encode())
+  for name, value in sorted(_per_layer(params, transfers), key=lambda item: item[0]):
+    value = np.ascontiguousarray(value)
+    digest.update(f"{name}:{value.shape}:{value.dtype}".encode())
     digest.update(value.tobytes())
   return digest.hexdigest()[:16]
+
+
+def _per_layer(params: nnx.State, transfers: HostTransfers) -> list[tuple[str, np.ndarray]]:
+  """(name, host value) of each parameter, a scanned decoder's stacked ones per layer under
+  the unrolled model's names (jaxrl/models/scan.py): a fingerprint does not depend on the
+  form."""
+  out = []
+  for path, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(params)):
+    keys = tuple(getattr(k, "key", k) for k in path)
+    value = transfers.to_host(x, "fingerprint")
+    if not stacked_keys(keys):
+      out.append((jax.tree_util.keystr(path), value))
+      continue
+    for i in range(value.shape[0]):
+      layer = path[:2] + (jax.tree_util.DictKey(i),) + path[2:]
+      out.append((jax.tree_util.keystr(layer), value[i]))
+  return out

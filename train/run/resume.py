@@ -72,7 +72,7 @@ def _check_models_fit(ckpt, where: str, stage_name: str, step: int, abstract: di
   for name, tree in abstract.items():
     if name not in saved:  # damage, not another config: the meta lists the models it saved
       raise FileNotFoundError(f"{where}: its {name} item is missing")
-    have, want = saved[name], shapes(tree)
+    have, want = saved[name], shapes(ckpt.saved_like(stage_name, step, name, tree))
     for path in sorted(set(have) | set(want)):
       if have.get(path) != want.get(path):
         raise ConfigError(f"{where} does not fit this config: {name}/{path} is "

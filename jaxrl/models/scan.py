@@ -1,0 +1,133 @@
+"""A scanned decoder (`model.scan_layers`): the blocks' parameters stacked along a leading
+`layers` axis, and the cacheless passes (training, scoring) as one `jax.lax.scan` over them, so
+the block is traced and compiled once whatever the depth (MaxText's `scan_layers`).
+
+The stacked block is built from the same per-layer blocks as the unrolled decoder (the same
+random streams, so the same weights), each variable's value stacked and `layers` prepended to
+its logical axes (no rule names it: the axis is never split). A layer pattern (Gemma 3's local
+and global layers, every `global_every`-th global) repeats with a period: the scan runs over whole
+periods, its body the period's layers in turn (each with its own kind of attention), and the
+layers after the last whole period run unrolled. Passes with a KV cache (prefill, decode) take
+each layer's slice of the stack in turn.
+
+`stacked` / `unstacked` convert a model state between the two forms, by name: `blocks/{i}/...`
+<-> `blocks/...` with the layer on axis 0 (checkpoints and Hugging Face names are per layer).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+LAYERS = "layers"  # the logical name of the stacked axis (in no rules table: never split)
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def stack_blocks(blocks: list[nnx.Module]) -> nnx.Module:
+  """One module like `blocks[0]` whose every variable holds all the blocks' values, stacked."""
+  graphdef, first = nnx.split(blocks[0])
+  states = [first] + [nnx.state(b) for b in blocks[1:]]
+
+  def stack(*vs):
+    axes = vs[0].get_metadata().get("logical_axes")
+    extra = {} if axes is None else {"logical_axes": (LAYERS, *axes)}
+    return vs[0].replace(jnp.stack([v[...] for v in vs]), **extra)
+  return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=_is_variable))
+
+
+def layer_view(stacked: nnx.Module, i) -> nnx.Module:
+  """Layer `i` of a stacked block, as an unstacked block (its variables' slices)."""
+  graphdef, state = nnx.split(stacked)
+  return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+
+
+def period(cfg) -> int:
+  """Layers per repeat of the decoder's layer pattern: 1 unless local and global layers
+  alternate (`global_every`)."""
+  return cfg.global_every if cfg.sliding_window and cfg.global_every else 1
+
+
+def scan_periods(stacked: nnx.Module, n_periods: int, size: int, x, layer_fn, routes_LBTK=None):
+  """`layer_fn(j, block, x, routes_BTK) -> (x, stats)` over the first `n_periods` x `size`
+  layers of `stacked` (j: the layer's place in its period), one scan step per period: (x, the
+  layers' stats stacked on a leading axis, or None)."""
+  graphdef, state = nnx.split(stacked)
+  cut = lambda a: a[:n_periods * size].reshape(n_periods, size, *a.shape[1:])
+  xs = (jax.tree.map(cut, state), None if routes_LBTK is None else cut(routes_LBTK))
+
+  def body(x, period_xs):
+    period_state, routes = period_xs
+    stats = []
+    for j in range(size):
+      block = nnx.merge(graphdef, jax.tree.map(lambda a: a[j], period_state))
+      x, st = layer_fn(j, block, x, None if routes is None else routes[j])
+      stats.append(st)
+    return x, None if stats[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *stats)
+
+  x, stats = jax.lax.scan(body, x, xs)
+  merge = lambda a: a.reshape(n_periods * size, *a.shape[2:])
+  return x, None if stats is None else jax.tree.map(merge, stats)
+
+
+def stacked_keys(keys: tuple) -> bool:
+  """Whether `keys` name a scanned decoder's stacked block parameter (`decoder.blocks.attn.wq`,
+  every layer's on axis 0) rather than one layer's (`decoder.blocks.0.attn.wq`)."""
+  return keys[:2] == ("decoder", "blocks") and len(keys) > 2 and _layer_key(keys[2]) is None
+
+
+def _layer_key(key) -> int | None:
+  return key if isinstance(key, int) else int(key) if isinstance(key, str) and key.isdigit() \
+      else None
+
+
+def unstacked(flat: dict, n_layers: int, prefix=("decoder", "blocks")) -> dict:
+  """A flat {path tuple: array} of a scanned model as the unrolled model's: each
+  `prefix + rest` split into `prefix + (i,) + rest` along axis 0."""
+  out, k = {}, len(prefix)
+  for path, value in flat.items():
+    if tuple(path[:k]) != prefix:
+      out[path] = value
+      continue
+    for i in range(n_layers):
+      out[tuple(path[:k]) + (i,) + tuple(path[k:])] = value[i]
+  return out
+
+
+def stacked(flat: dict, n_layers: int, prefix=("decoder", "blocks")) -> dict:
+  """The inverse of `unstacked`: per-layer paths `prefix + (i,) + rest` stacked into
+  `prefix + rest`; a ValueError names a layer that is missing."""
+  out, groups, k = {}, {}, len(prefix)
+  for path, value in flat.items():
+    i = _layer_key(path[k]) if len(path) > k and tuple(path[:k]) == prefix else None
+    if i is None:
+      out[path] = value
+    else:
+      groups.setdefault(tuple(path[:k]) + tuple(path[k + 1:]), {})[i] = value
+  for path, layers in groups.items():
+    missing = sorted(set(range(n_layers)) - set(layers))
+    if missing:
+      raise ValueError(f"{'/'.join(map(str, path))}: layers {missing} missing of {n_layers}")
+    out[path] = jnp.stack([layers[i] for i in range(n_layers)])
+  return out
+
+
+# -- abstract leaves of one form as the other's (train/io/layer_forms.py) ----------------------
+def abstract_take(x, i):
+  """Layer i of an abstract stacked leaf: its shape and sharding less the layer axis."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    sharding = jax.sharding.NamedSharding(sharding.mesh,
+                                          jax.sharding.PartitionSpec(*sharding.spec[1:]))
+  return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
+
+
+def abstract_stack(xs):
+  """The abstract stacked leaf of abstract layers: a leading layer axis, never split."""
+  x, sharding = xs[0], getattr(xs[0], "sharding", None)
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    sharding = jax.sharding.NamedSharding(sharding.mesh,
+                                          jax.sharding.PartitionSpec(None, *sharding.spec))
+  return jax.ShapeDtypeStruct((len(xs),) + tuple(x.shape), x.dtype, sharding=sharding)

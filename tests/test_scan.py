@@ -1,0 +1,157 @@
+"""The scanned decoder (`model.scan_layers`, jaxrl/models/scan.py) against the unrolled one of
+the same seed: the same weights, and float32 forward, gradient, prefill and cached decode equal
+to 1e-5 for every family (Gemma 3's local and global layers with a tail after the last whole
+period, a mixture of experts with its routes replayed) and under remat."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.models import scan
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.decoding import LMDecoding
+from jaxrl.models.transformer import LanguageModel, positions_from_valid
+
+BASE = dict(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48)
+FAMILIES = {
+    "llama": ModelConfig(**BASE),
+    "qwen2": ModelConfig(**BASE, family="qwen2"),
+    "gemma3": ModelConfig(**{**BASE, "n_layers": 5}, family="gemma3", sliding_window=3,
+                          global_every=2),  # periods of 2 layers, then a local layer
+    "qwen3_moe": ModelConfig(**BASE, family="qwen3_moe", n_experts=4, experts_per_token=2,
+                             expert_d_ff=16, routing_replay="rollout"),
+}
+
+
+def _models(cfg: ModelConfig):
+  unrolled = LanguageModel(cfg, rngs=nnx.Rngs(3))
+  return unrolled, LanguageModel(dataclasses.replace(cfg, scan_layers=True), rngs=nnx.Rngs(3))
+
+
+def _flat(state) -> dict:
+  return {tuple(p): v[...] if isinstance(v, nnx.Variable) else v
+          for p, v in nnx.to_flat_state(state)}
+
+
+def _assert_close(a: dict, b: dict, atol=1e-5):
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b[k]), atol=atol, rtol=1e-5,
+                               err_msg=str(k))
+
+
+def _batch(b=2, t=7):
+  tokens = jax.random.randint(jax.random.key(1), (b, t), 0, BASE["vocab_size"])
+  valid = jnp.ones((b, t), bool).at[0, :2].set(False)  # a left-padded row
+  return tokens, valid
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_scanned_and_unrolled_decoders_agree(family):
+  unrolled, scanned = _models(FAMILIES[family])
+  cfg = scanned.cfg
+  _, u_state = nnx.split(unrolled)
+  graphdef, s_state = nnx.split(scanned)
+  _assert_close(_flat(u_state), scan.unstacked(_flat(s_state), cfg.n_layers), atol=0)
+  assert scanned.decoder.blocks.attn.wq.get_metadata()["logical_axes"][0] == scan.LAYERS
+  tokens, valid = _batch()
+  positions = positions_from_valid(valid)
+
+  def loss(model, routes=None):
+    h, _, routing = model.decoder.forward(tokens, positions, valid, routes_BTLK=routes)
+    return (model.logits(h) * jnp.cos(jnp.arange(cfg.vocab_size))).sum(), routing
+
+  (u_loss, u_routing), u_grads = nnx.value_and_grad(loss, has_aux=True)(unrolled)
+  (s_loss, s_routing), s_grads = nnx.value_and_grad(loss, has_aux=True)(scanned)
+  np.testing.assert_allclose(s_loss, u_loss, rtol=1e-5)
+  _assert_close(_flat(u_grads), scan.unstacked(_flat(s_grads), cfg.n_layers))
+  if cfg.n_experts:  # the routes recorded, then replayed: the same experts either way
+    np.testing.assert_array_equal(s_routing.ids, u_routing.ids)
+    replayed = [jax.jit(loss)(m, u_routing.ids)[0] for m in (unrolled, scanned)]
+    np.testing.assert_allclose(replayed[1], replayed[0], rtol=1e-5)
+  # prefill into a cache, then one cached decode step
+  outs = []
+  for model in (unrolled, scanned):
+    dec = LMDecoding.of(model)
+    logits, cache, _ = dec.prefill(tokens, valid)
+    sin, cos = dec.rope(positions[:, -1:] + 1)
+    step_valid = jnp.concatenate([valid, jnp.ones((2, 1), bool)], axis=1)
+    nxt, _, _ = dec.decode_fn("rows")(tokens[:, -1], (sin[:, 0], cos[:, 0]), step_valid,
+                                      dec.grow_cache(cache, 8), 7)
+    outs.append((logits, nxt))
+  for u, s in zip(*outs):
+    np.testing.assert_allclose(s, u, atol=1e-5, rtol=1e-5)
+
+
+def test_a_scanned_update_under_remat_matches_the_unrolled_one():
+  cfg = dataclasses.replace(FAMILIES["llama"], remat="dots")
+  grads = []
+  tokens, valid = _batch()
+  for model in _models(cfg):
+    fn = lambda m: m.logits(m.decoder(tokens, positions_from_valid(valid), valid)[0]).std()
+    grads.append(_flat(nnx.grad(fn)(model)))
+  _assert_close(grads[0], scan.unstacked(grads[1], cfg.n_layers))
+
+
+def test_stacked_and_unstacked_are_inverse_and_name_a_missing_layer():
+  flat = {("decoder", "blocks", i, "w"): jnp.full((2,), i) for i in range(3)}
+  flat[("decoder", "embed")] = jnp.ones(3)
+  back = scan.unstacked(scan.stacked(flat, 3), 3)
+  _assert_close(flat, back, atol=0)
+  del flat[("decoder", "blocks", 1, "w")]
+  with pytest.raises(ValueError, match=r"decoder/blocks/w: layers \[1\] missing of 3"):
+    scan.stacked(flat, 3)
+
+
+def test_lora_adapters_scan_and_merge_as_the_unrolled_ones():
+  """Adapters stacked with their layers: the same forward, and merged into the base (the
+  sampler's push) the same weights."""
+  from jaxrl.models import lora
+  cfg = dict(rank=2, alpha=4.0, targets="wq,wv,w_up")
+  models = [LanguageModel(dataclasses.replace(FAMILIES["llama"], scan_layers=s), rngs=nnx.Rngs(3),
+                          lora=lora.LoRAConfig(**cfg)) for s in (False, True)]
+  tokens, valid = _batch()
+  for m in models:  # B starts at zero: give the adapters a value
+    for _, v in nnx.to_flat_state(nnx.state(m, nnx.LoRAParam)):
+      v[...] = v[...] + 0.1
+  outs = [m.logits(m.decoder(tokens, positions_from_valid(valid), valid)[0]) for m in models]
+  np.testing.assert_allclose(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+  merged = [_flat(lora.merged(*nnx.split(m))) for m in models]
+  _assert_close(merged[0], scan.unstacked(merged[1], 3))
+  peft = [lora.peft_tensors(*nnx.split(m)) for m in models]
+  _assert_close(peft[0], peft[1], atol=0)
+
+
+def test_checkpoints_restore_into_either_form(tmp_path):
+  """A run dir saved by an unrolled model resumes a scanned one and the other way round (every
+  item holding a decoder, an optimizer's moments too: converted on the devices), and
+  `init_checkpoint` loads across forms; the fingerprint does not depend on the form."""
+  from train.io import layer_forms
+  from train.io.checkpoint import RunCheckpointer, load_actor_params, params_fingerprint
+  models = _models(FAMILIES["llama"])
+  states = [nnx.state(m, nnx.Param) for m in models]
+  assert params_fingerprint(states[0]) == params_fingerprint(states[1])
+  device = jax.devices()[0]
+  abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device)), tree)
+  for i, (saved, wanted) in enumerate([(0, 1), (1, 0)]):
+    pure = [nnx.to_pure_dict(s) for s in states]
+    items = {"actor": pure[saved], "opt": {"mu": pure[saved]}}
+    ckpt = RunCheckpointer(str(tmp_path / str(i)), ["rl"])
+    ckpt.save("rl", 3, items, {"step": 3})
+    ckpt.wait()
+    want = {"actor": abstract(pure[wanted]), "opt": {"mu": abstract(pure[wanted])}}
+    got = ckpt.restore("rl", 3, want)
+    ckpt.close()
+    for tree in (got["actor"], got["opt"]["mu"]):
+      flat = {tuple(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+      expected = {tuple(p): x for p, x in jax.tree_util.tree_leaves_with_path(pure[wanted])}
+      assert layer_forms.form(tree) == layer_forms.form(pure[wanted])
+      _assert_close(flat, expected, atol=0)
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device)), states[wanted])
+    loaded, step = load_actor_params(str(tmp_path / str(i) / "checkpoints" / "rl"), like)
+    assert step == 3 and params_fingerprint(loaded) == params_fingerprint(states[wanted])
