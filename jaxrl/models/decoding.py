@@ -30,6 +30,8 @@ class LMDecoding:
     # The head from the float32 embedding, as the trainer's forward computes it; then every
     # matrix in the compute dtype (norm scales stay float32, as the model uses them).
     head_VD = model.head_VD().astype(dt)
+    model = nnx.merge(*nnx.split(model))  # a copy, whose scanned decoder's layers are
+    model.decoder.unstack()                 # sliced once here (not in every decode step)
     graphdef, params = nnx.split(model)
     cast = jax.tree.map(lambda x: x.astype(dt) if x.ndim > 1 else x, params)
     return cls(nnx.merge(graphdef, cast), head_VD)

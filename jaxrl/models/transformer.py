@@ -254,7 +254,7 @@ class Decoder(nnx.Module):
     local = windowed(mask, cfg.sliding_window, layout.length(tokens), cache_index)
     kind = lambda i: (layout.rope_part(rope, cfg, cfg.is_local(i)),
                       local if cfg.is_local(i) else mask)
-    if cfg.scan_layers and kv_cache is None:
+    if self.stacked and kv_cache is None:
       x, stats = self.scanned(x, kind, valid_BT, routes_BTLK)
       return self.final_norm(x, layout.feature_axis), None, stats
     new_cache, stats = [], []
@@ -276,9 +276,20 @@ class Decoder(nnx.Module):
       stats[-1] = dataclasses.replace(stats[-1], ids=ids)
     return h, (None if kv_cache is None else tuple(new_cache)), stack_stats(stats)
 
+  @property
+  def stacked(self) -> bool:
+    """Whether the blocks are one stacked block (`model.scan_layers`)."""
+    return not isinstance(self.blocks, nnx.List)
+
   def layer(self, i: int) -> Block:
     """Decoder layer `i` (of a scanned decoder: its slice of the stacked block)."""
-    return layer_view(self.blocks, i) if self.cfg.scan_layers else self.blocks[i]
+    return layer_view(self.blocks, i) if self.stacked else self.blocks[i]
+
+  def unstack(self) -> None:
+    """The stacked block replaced by its layers (a decode loop's model: each layer's weights
+    sliced once per call, not once per step)."""
+    if self.stacked:
+      self.blocks = nnx.List([self.layer(i) for i in range(self.cfg.n_layers)])
 
   def cacheless(self, block: Block, x_BTD, rope_BTH, mask_BTS, valid_BT, routes_BTK):
     """`block` on a pass without a cache, under `model.remat`: (output, its `MoEStats`)."""
