@@ -26,7 +26,7 @@ class HFError(ValueError):
 # The ModelConfig fields a checkpoint fixes, and those that stay the user's (a new ModelConfig
 # field must join one of them: tests/test_hf.py checks).
 USER_FIELDS = ("dtype", "hf_path", "frozen_float32", "remat", "attention", "moe_impl",
-               "router_aux_loss", "router_z_loss", "routing_replay")
+               "router_aux_loss", "router_z_loss", "routing_replay", "scan_layers")
 ARCH_FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                "d_ff", "rope_theta", "norm_eps", "tie_embeddings", "scale_tied_head",
                "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",

@@ -89,7 +89,9 @@ CASES = [  # fn, the error under "stop", the rewards under "zero", how many samp
 
 @pytest.fixture(scope="module")
 def pool():
-  workers = UserCodePool(workers=2, timeout_s=0.2, memory_gb=2.0,
+  # A 4 MB file limit (64 by default): writing up to 64 MB took more than the 0.2 s limit once
+  # on a loaded 2-core machine, and the time limit answered first
+  workers = UserCodePool(workers=2, timeout_s=0.2, memory_gb=2.0, file_mb=4.0,
                          preload=[f"{__name__}:{case[0].__name__}" for case in CASES])
   yield workers
   workers.close()
