@@ -54,6 +54,8 @@ def scan_periods(stacked: nnx.Module, n_periods: int, size: int, x, layer_fn, ro
   """`layer_fn(j, block, x, routes_BTK) -> (x, stats)` over the first `n_periods` x `size`
   layers of `stacked` (j: the layer's place in its period), one scan step per period: (x, the
   layers' stats stacked on a leading axis, or None)."""
+  if n_periods == 0:  # (fewer layers than one period: all of them unrolled by the caller)
+    return x, None
   graphdef, state = nnx.split(stacked)
   cut = lambda a: a[:n_periods * size].reshape(n_periods, size, *a.shape[1:])
   xs = (jax.tree.map(cut, state), None if routes_LBTK is None else cut(routes_LBTK))

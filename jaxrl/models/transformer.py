@@ -317,9 +317,10 @@ class Decoder(nnx.Module):
       routes = None if routes_LBTK is None else routes_LBTK[i]
       x_BTD, st = self.cacheless(self.layer(i), x_BTD, *kind(i), valid_BT, routes)
       parts.append(None if st is None else jax.tree.map(lambda a: a[None], st))
-    if stats is None:
+    found = [p for p in parts if p is not None]
+    if not found:  # (a dense model)
       return x_BTD, None
-    stats = jax.tree.map(lambda *a: jnp.concatenate(a), *[p for p in parts if p is not None])
+    stats = jax.tree.map(lambda *a: jnp.concatenate(a), *found)
     return x_BTD, dataclasses.replace(stats, ids=jnp.moveaxis(stats.ids, 0, 2))
 
   def remat_block(self, block: Block, x_BTD, rope_BTH, mask_BTS, last_only: bool, valid_BT,
