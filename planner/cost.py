@@ -201,12 +201,16 @@ def crossing_bytes_per_s(dev: DeviceSpec) -> float:
   return dev.dcn_bytes_per_s if dev.platform == "tpu" else dev.network_bytes_per_s
 
 
+def hosts(devices: int, dev: DeviceSpec) -> int:
+  """The hosts (nodes) `devices` devices of kind `dev` fill."""
+  return max(1, -(-devices // dev.devices_per_node))
+
+
 def apart(plan: Plan, dev: DeviceSpec) -> bool:
   """Whether `plan` puts the sampler on hosts of its own (sharding/placement.whole_hosts)."""
   n = plan.trainer.size + plan.sampler.size
   return plan.strategy == "separate" and not dev.shared_compute and whole_hosts(
-      "separate", n, train_devices=plan.trainer.size,
-      n_hosts=max(1, -(-n // dev.devices_per_node)))
+      "separate", n, train_devices=plan.trainer.size, n_hosts=hosts(n, dev))
 
 
 def _compute_s(dev: DeviceSpec, eff: Efficiency, flop: float, mesh: Mesh, mfu: float,

@@ -15,8 +15,8 @@ import dataclasses
 import itertools
 
 from sharding.placement import PlacementError, make_placement
-from planner.cost import (Mesh, Plan, Workload, apart, crossing_bytes_per_s, stage_times,
-                          step_time)
+from planner.cost import (Mesh, Plan, Workload, apart, crossing_bytes_per_s, hosts,
+                          stage_times, step_time)
 from planner.devices import DeviceSpec, Efficiency
 from planner.footprint import REMATS
 from planner.memory import HEADROOM, kv_rows, memory, total_bytes
@@ -44,14 +44,10 @@ def _divides_model(w: Workload, tensor: int, fsdp: int = 1, replicate_kv: bool =
   return kv and all(d % tensor == 0 for d in dims) and m.d_model % fsdp == 0
 
 
-def _hosts(k: int, dev: DeviceSpec) -> int:
-  return max(1, -(-k // dev.devices_per_node))
-
-
 def _trainer_meshes(devices: int, dev: DeviceSpec, presets_only: bool):
   if presets_only:  # fsdp inside each host, data parallel across hosts; a TPU slice: fsdp
-    hosts = 1 if dev.platform == "tpu" else _hosts(devices, dev)
-    yield Mesh(data=hosts, fsdp=devices // hosts)
+    data = 1 if dev.platform == "tpu" else hosts(devices, dev)
+    yield Mesh(data=data, fsdp=devices // data)
     return
   for tensor in _powers_of_two(min(devices, dev.devices_per_node)):
     for fsdp in _powers_of_two(devices // tensor):
@@ -68,8 +64,8 @@ def _sampler_meshes(devices: int, dev: DeviceSpec, presets_only: bool):
 
 def _splits(n: int, dev: DeviceSpec) -> list[int]:
   """Trainer device counts for separate / interleave: eighths of the devices, whole per host."""
-  hosts = _hosts(n, dev)
-  return sorted({n * i // 8 for i in range(1, 8) if (n * i // 8) % hosts == 0 and n * i % 8 == 0})
+  h = hosts(n, dev)
+  return sorted({n * i // 8 for i in range(1, 8) if (n * i // 8) % h == 0 and n * i % 8 == 0})
 
 
 def candidates(w: Workload, n: int, dev: DeviceSpec, *, modes=("sync", "async"),
@@ -114,7 +110,7 @@ def problem(w: Workload, plan: Plan, n: int, dev: DeviceSpec, presets_only: bool
   if presets_only:
     try:
       make_placement(plan.strategy, n, train_devices=t.size if plan.strategy != "colocate"
-                     else 1, sampler_tensor=s.tensor, n_hosts=_hosts(n, dev),
+                     else 1, sampler_tensor=s.tensor, n_hosts=hosts(n, dev),
                      one_network=dev.platform == "tpu")
     except PlacementError as e:
       return str(e)

@@ -152,7 +152,8 @@ class Requests:
     self.cfg, self.ring = cfg, inflight.ring_width(context_width, cfg.max_new_tokens)
     self._widths = tuple(WIDTH_STEP << k for k in range(self.ring.bit_length())
                          if WIDTH_STEP << k < self.ring) + (self.ring,)
-    self._cast, empty, self._admit, self._extend, self._decode = request_programs(sampler, self.ring)
+    (self._cast, empty, self._admit, self._extend,
+     self._decode) = request_programs(sampler, self.ring)
     self.install(params, version)
     self.state = empty(self._model)
     # A mixture of experts records each token's experts from its prefill: whole prefills.

@@ -41,3 +41,18 @@ def assert_decoding_matches_forward(model):
                                       valid_BT, step_cache, i)
       np.testing.assert_allclose(logits_BV, full_BTV[:, i], atol=1e-4, err_msg=layout)
   return full_BTV, (tokens_BT, pos_BT, valid_BT)
+
+
+def per_layer(flat: dict, n_layers: int) -> dict:
+  """A flat {path tuple: array} of a scanned model (`model.scan_layers`) under the unrolled
+  model's names: each stacked `decoder/blocks/...` leaf split along axis 0 into
+  `decoder/blocks/{i}/...`."""
+  from jaxrl.models.scan import layer_keys, stacked_keys
+  out = {}
+  for path, value in flat.items():
+    if not stacked_keys(tuple(path)):
+      out[path] = value
+      continue
+    for i in range(n_layers):
+      out[layer_keys(path, i)] = value[i]
+  return out

@@ -34,6 +34,7 @@ from train.roles.role import ModelRole
 
 from hf_models import (ARCHS, LENGTHS, T, batch, jax_logits, one_line, randomise, sized_mesh,
                        torch_logits)
+from model_checks import per_layer
 
 GENERATION = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
@@ -347,13 +348,12 @@ def test_a_scanned_model_reads_and_writes_the_same_files(hf, tmp_path, mesh):
   """`model.scan_layers` (jaxrl/models/scan.py): the checkpoint loads into the stacked blocks,
   each device reading its block of every layer's tensors, to the unrolled import's values and
   logits; and exported, the files are the unrolled model's byte for byte."""
-  from jaxrl.models import scan
   cfg = dataclasses.replace(hf.cfg, scan_layers=True)
   role = _role(cfg, mesh)
   params = load_params(hf.path, cfg, role.abstract())
   flat = lambda state: {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(state)}
   unrolled = flat(hf.params)
-  for path, value in scan.unstacked(flat(params), cfg.n_layers).items():
+  for path, value in per_layer(flat(params), cfg.n_layers).items():
     np.testing.assert_array_equal(value, unrolled[path], err_msg=str(path))
   tokens_BT, valid_BT, positions_BT = batch()
   np.testing.assert_allclose(jax_logits(role, params, tokens_BT, valid_BT, positions_BT),

@@ -15,6 +15,8 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.decoding import LMDecoding
 from jaxrl.models.transformer import LanguageModel, positions_from_valid
 
+from model_checks import per_layer
+
 BASE = dict(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48)
 FAMILIES = {
     "llama": ModelConfig(**BASE),
@@ -55,7 +57,7 @@ def test_scanned_and_unrolled_decoders_agree(family):
   cfg = scanned.cfg
   _, u_state = nnx.split(unrolled)
   graphdef, s_state = nnx.split(scanned)
-  _assert_close(_flat(u_state), scan.unstacked(_flat(s_state), cfg.n_layers), atol=0)
+  _assert_close(_flat(u_state), per_layer(_flat(s_state), cfg.n_layers), atol=0)
   assert scanned.decoder.blocks.attn.wq.get_metadata()["logical_axes"][0] == scan.LAYERS
   tokens, valid = _batch()
   positions = positions_from_valid(valid)
@@ -67,7 +69,7 @@ def test_scanned_and_unrolled_decoders_agree(family):
   (u_loss, u_routing), u_grads = nnx.value_and_grad(loss, has_aux=True)(unrolled)
   (s_loss, s_routing), s_grads = nnx.value_and_grad(loss, has_aux=True)(scanned)
   np.testing.assert_allclose(s_loss, u_loss, rtol=1e-5)
-  _assert_close(_flat(u_grads), scan.unstacked(_flat(s_grads), cfg.n_layers))
+  _assert_close(_flat(u_grads), per_layer(_flat(s_grads), cfg.n_layers))
   if cfg.n_experts:  # the routes recorded, then replayed: the same experts either way
     np.testing.assert_array_equal(s_routing.ids, u_routing.ids)
     replayed = [jax.jit(loss)(m, u_routing.ids)[0] for m in (unrolled, scanned)]
@@ -93,17 +95,7 @@ def test_a_scanned_update_under_remat_matches_the_unrolled_one():
   for model in _models(cfg):
     fn = lambda m: m.logits(m.decoder(tokens, positions_from_valid(valid), valid)[0]).std()
     grads.append(_flat(nnx.grad(fn)(model)))
-  _assert_close(grads[0], scan.unstacked(grads[1], cfg.n_layers))
-
-
-def test_stacked_and_unstacked_are_inverse_and_name_a_missing_layer():
-  flat = {("decoder", "blocks", i, "w"): jnp.full((2,), i) for i in range(3)}
-  flat[("decoder", "embed")] = jnp.ones(3)
-  back = scan.unstacked(scan.stacked(flat, 3), 3)
-  _assert_close(flat, back, atol=0)
-  del flat[("decoder", "blocks", 1, "w")]
-  with pytest.raises(ValueError, match=r"decoder/blocks/w: layers \[1\] missing of 3"):
-    scan.stacked(flat, 3)
+  _assert_close(grads[0], per_layer(grads[1], cfg.n_layers))
 
 
 def test_lora_adapters_scan_and_merge_as_the_unrolled_ones():
@@ -120,7 +112,7 @@ def test_lora_adapters_scan_and_merge_as_the_unrolled_ones():
   outs = [m.logits(m.decoder(tokens, positions_from_valid(valid), valid)[0]) for m in models]
   np.testing.assert_allclose(outs[1], outs[0], atol=1e-5, rtol=1e-5)
   merged = [_flat(lora.merged(*nnx.split(m))) for m in models]
-  _assert_close(merged[0], scan.unstacked(merged[1], 3))
+  _assert_close(merged[0], per_layer(merged[1], 3))
   peft = [lora.peft_tensors(*nnx.split(m)) for m in models]
   _assert_close(peft[0], peft[1], atol=0)
 

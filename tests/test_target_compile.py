@@ -95,30 +95,6 @@ def _table_from(summary: dict) -> None:
       in line, line
 
 
-def test_async_on_whole_hosts_compiles_for_a_multi_host_slice(tmp_path):
-  """`separate` on whole hosts of a v5e-16 (4 hosts of 4 chips): the trainer on hosts 0-1, the
-  sampler on hosts 2-3 (docs/hosts.md), async with partial rollouts of multi-turn conversations
-  (turns in slots that keep their caches), compiles; the slots' programs run one after another,
-  so the generation phase holds the largest of them, not their sum."""
-  from cli.target_report import report
-  raw = load_config_file("configs/tiny.py")
-  raw.placement.update(strategy="separate", train_devices=8)
-  raw.rl.schedule.update(mode="async", partial_rollouts=True)
-  raw.rl.rollout.update(inflight_slots=8)
-  raw.rl.environment.update(name="synthetic_short")
-  lines, fits = report(resolve(raw, hf=False), parse_target("v5e-16"), str(tmp_path / "t.json"))
-  assert fits, lines
-  summary = json.loads((tmp_path / "t.json").read_text())
-  assert summary["hosts"] == 4 and summary["meshes"]["actor"]["fsdp"] == 8
-  turns = [p for p in summary["programs"] if p["phase"] == "generation"]
-  assert [p["name"] for p in turns] == [
-      "turns: cast weights", "turns: empty slots", "turns: admit (every slot)",
-      "turns: extend kept caches", "turns: decode segment"]
-  held = lambda p: p["argument_bytes"] + p["output_bytes"] + p["temp_bytes"] + p["code_bytes"]
-  generation = summary["phases"]["generation"]["compiler_bytes"]
-  assert max(map(held, turns)) <= generation < sum(map(held, turns))
-
-
 @pytest.mark.parametrize("settings, programs", [
     (dict(inflight_slots=8), ["slots: cast weights", "slots: start", "slots: refill (every slot)",
                               "slots: decode segment", "slots: finish"]),
@@ -146,37 +122,6 @@ def test_in_flight_programs_compile_for_a_slice(settings, programs):
         len(programs)))
     for p in found:
       assert compile_program(p).bytes > 0, p.name
-
-
-def test_async_where_every_process_runs_every_program_is_refused_in_one_line():
-  """Each of 2 hosts split between the trainer and the sampler (as on GPU nodes) runs every
-  program on every process: the generator would have no processes of its own, so async is a
-  config error naming the placement that gives it some (docs/hosts.md)."""
-  from cli.target_compile import topology_devices
-  from sharding.placement import ROLES, make_placement
-  from train.roles.cluster import check_processes
-  raw = load_config_file("configs/tiny.py")
-  raw.rl.schedule.update(mode="async")
-  devices = topology_devices(parse_target("v5p-16"))
-  placement = make_placement("separate", 8, train_devices=2, n_hosts=2)
-  meshes = {role: placement.mesh(role, devices) for role in ROLES}
-  with pytest.raises(ConfigError, match=r"^config.rl.schedule.mode: async on 2 processes .*"
-                                        r"placement.strategy='separate'"):
-    check_processes(resolve(raw, hf=False), None, meshes, devices)
-
-
-@pytest.mark.parametrize("strategy", ["separate", "interleave"])
-def test_part_of_each_host_of_a_tpu_slice_is_refused_before_any_compile(capsys, strategy):
-  """2 trainer chips of a v5p-16's 2 hosts of 4 would split each host, whose collectives the TPU
-  compiler refuses (`test_a_program_the_compiler_refuses_is_named_in_one_line`): one line,
-  before minutes of compiling, naming what compiles instead."""
-  rc = train.main(["train", "--config=configs/tiny.py", "--dry_run", "--target=v5p-16",
-                   f"--config.placement.strategy={strategy}",
-                   "--config.placement.train_devices=2"])
-  err = capsys.readouterr().err.strip().splitlines()
-  assert rc == 2 and len(err) == 1, err
-  assert f"placement.strategy: {strategy} on 2 hosts of a TPU slice" in err[0]
-  assert "'separate' with placement.train_devices a multiple of 4" in err[0]
 
 
 def test_a_topology_the_placement_cannot_use_names_the_field(capsys):

@@ -27,7 +27,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.families import EXPERTS, FAMILIES, TOP_TENSORS
 from jaxrl.models.hf_config import (ARCH_FIELDS, HFError, check_config, model_config_from_hf,
                                     tensor_prefix)
-from jaxrl.models.scan import stacked_keys
+from jaxrl.models.scan import layer_keys, stacked_keys
 
 __all__ = ["HFError", "check_config", "load_params", "model_config_from_hf"]
 
@@ -139,8 +139,8 @@ def _plan(hf_dir: str, leaves, handles: dict, weights: dict, where: str, family:
   for path, leaf in leaves:
     keys = _keys(path)
     if stacked_keys(keys):  # a scanned decoder: one plan per layer, stacked on axis 0
-      plan.append([_plan_one(hf_dir, keys[:2] + (i,) + keys[2:], leaf.shape[1:], handles,
-                             weights, where, family, prefix) for i in range(leaf.shape[0])])
+      plan.append([_plan_one(hf_dir, layer_keys(keys, i), leaf.shape[1:], handles, weights,
+                             where, family, prefix) for i in range(leaf.shape[0])])
     else:
       plan.append(_plan_one(hf_dir, keys, leaf.shape, handles, weights, where, family, prefix))
   return plan

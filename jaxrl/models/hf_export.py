@@ -24,7 +24,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.families import EXPERTS
 from jaxrl.models.hf import (INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, HFError, _keys, _merged,
                              _names, hf_tensor)
-from jaxrl.models.scan import stacked_keys
+from jaxrl.models.scan import layer_keys, stacked_keys
 from jaxrl.models.hf_config import default_max_positions, hf_config_dict
 
 __all__ = ["export", "export_peft"]
@@ -38,15 +38,15 @@ def _hf_tensors(params: nnx.State, cfg: ModelConfig) -> tuple[list, bool]:
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     keys = _keys(path)
     # a scanned decoder's stacked block: each layer's tensors (part: (layer, expert or None))
-    layers = [(keys[:2] + (i,) + keys[2:], i) for i in range(x.shape[0])] if stacked_keys(
-        keys) else [(keys, None)]
-    for layer_keys, layer in layers:
-      template, split = hf_tensor(layer_keys, cfg.family)
+    layers = [(layer_keys(keys, i), i) for i in range(x.shape[0])] if stacked_keys(keys) else [
+        (keys, None)]
+    for one, layer in layers:
+      template, split = hf_tensor(one, cfg.family)
       shape = x.shape if layer is None else x.shape[1:]
       names = _names(template, split, shape)
       experts = range(len(names)) if split == EXPERTS else [None]
-      tensors += [(layer_keys, (name, _merged(shape, split), x, None,
-                                None if (layer, e) == (None, None) else (layer, e)))
+      tensors += [(one, (name, _merged(shape, split), x, None,
+                         None if (layer, e) == (None, None) else (layer, e)))
                   for name, e in zip(names, experts)]
   # the unrolled model's order (its tree's: sorted keys), whichever form the blocks are in
   tensors = [t for _, t in sorted(tensors, key=lambda t: _order(t[0]))]

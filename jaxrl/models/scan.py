@@ -10,8 +10,8 @@ periods, its body the period's layers in turn (each with its own kind of attenti
 layers after the last whole period run unrolled. Passes with a KV cache (prefill, decode) take
 each layer's slice of the stack in turn.
 
-`stacked` / `unstacked` convert a model state between the two forms, by name: `blocks/{i}/...`
-<-> `blocks/...` with the layer on axis 0 (checkpoints and Hugging Face names are per layer).
+Checkpoints and Hugging Face files name the weights per layer (`decoder/blocks/{i}/...`,
+`layer_keys`); train/io/layer_forms.py converts checkpoint items between the two forms.
 """
 from __future__ import annotations
 
@@ -80,40 +80,15 @@ def stacked_keys(keys: tuple) -> bool:
   return keys[:2] == ("decoder", "blocks") and len(keys) > 2 and _layer_key(keys[2]) is None
 
 
+def layer_keys(keys: tuple, i) -> tuple:
+  """The keys (or tree path) of layer `i`'s part of a stacked block parameter: the layer after
+  `decoder, blocks`, as the unrolled model names it."""
+  return tuple(keys[:2]) + (i,) + tuple(keys[2:])
+
+
 def _layer_key(key) -> int | None:
   return key if isinstance(key, int) else int(key) if isinstance(key, str) and key.isdigit() \
       else None
-
-
-def unstacked(flat: dict, n_layers: int, prefix=("decoder", "blocks")) -> dict:
-  """A flat {path tuple: array} of a scanned model as the unrolled model's: each
-  `prefix + rest` split into `prefix + (i,) + rest` along axis 0."""
-  out, k = {}, len(prefix)
-  for path, value in flat.items():
-    if tuple(path[:k]) != prefix:
-      out[path] = value
-      continue
-    for i in range(n_layers):
-      out[tuple(path[:k]) + (i,) + tuple(path[k:])] = value[i]
-  return out
-
-
-def stacked(flat: dict, n_layers: int, prefix=("decoder", "blocks")) -> dict:
-  """The inverse of `unstacked`: per-layer paths `prefix + (i,) + rest` stacked into
-  `prefix + rest`; a ValueError names a layer that is missing."""
-  out, groups, k = {}, {}, len(prefix)
-  for path, value in flat.items():
-    i = _layer_key(path[k]) if len(path) > k and tuple(path[:k]) == prefix else None
-    if i is None:
-      out[path] = value
-    else:
-      groups.setdefault(tuple(path[:k]) + tuple(path[k + 1:]), {})[i] = value
-  for path, layers in groups.items():
-    missing = sorted(set(range(n_layers)) - set(layers))
-    if missing:
-      raise ValueError(f"{'/'.join(map(str, path))}: layers {missing} missing of {n_layers}")
-    out[path] = jnp.stack([layers[i] for i in range(n_layers)])
-  return out
 
 
 # -- abstract leaves of one form as the other's (train/io/layer_forms.py) ----------------------

@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxrl.config import first_line
-from jaxrl.models.scan import stacked_keys
+from jaxrl.models.scan import layer_keys, stacked_keys
 from sharding.reshard import send
 from train.io import layer_forms
 from train.io.host_transfers import HostTransfers
@@ -264,25 +264,23 @@ def params_fingerprint(params: nnx.State, transfers: HostTransfers | None = None
   The parameters' bytes come to the host as `transfers`' "fingerprint"."""
   transfers = HostTransfers() if transfers is None else transfers
   digest = hashlib.sha256()
-  for name, value in sorted(_per_layer(params, transfers), key=lambda item: item[0]):
-    value = np.ascontiguousarray(value)
+  for name, x, layer in sorted(_per_layer(params), key=lambda item: item[0]):
+    one = x if layer is None else x[layer]  # (sliced on the devices, one at a time)
+    value = np.ascontiguousarray(transfers.to_host(one, "fingerprint"))
     digest.update(f"{name}:{value.shape}:{value.dtype}".encode())
     digest.update(value.tobytes())
   return digest.hexdigest()[:16]
 
 
-def _per_layer(params: nnx.State, transfers: HostTransfers) -> list[tuple[str, np.ndarray]]:
-  """(name, host value) of each parameter, a scanned decoder's stacked ones per layer under
-  the unrolled model's names (jaxrl/models/scan.py): a fingerprint does not depend on the
-  form."""
+def _per_layer(params: nnx.State) -> list[tuple[str, jax.Array, int | None]]:
+  """(name, array, layer or None) of each parameter, a scanned decoder's stacked ones per layer
+  under the unrolled model's names (jaxrl/models/scan.py): a fingerprint does not depend on
+  the form."""
   out = []
   for path, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(params)):
-    keys = tuple(getattr(k, "key", k) for k in path)
-    value = transfers.to_host(x, "fingerprint")
-    if not stacked_keys(keys):
-      out.append((jax.tree_util.keystr(path), value))
+    if not stacked_keys(tuple(getattr(k, "key", k) for k in path)):
+      out.append((jax.tree_util.keystr(path), x, None))
       continue
-    for i in range(value.shape[0]):
-      layer = path[:2] + (jax.tree_util.DictKey(i),) + path[2:]
-      out.append((jax.tree_util.keystr(layer), value[i]))
+    out += [(jax.tree_util.keystr(layer_keys(path, jax.tree_util.DictKey(i))), x, i)
+            for i in range(x.shape[0])]
   return out

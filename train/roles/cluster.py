@@ -47,7 +47,7 @@ class RoleCluster:
     try:  # impossible meshes are user errors, found before anything is allocated
       self.placement = _placement(cfg, self.devices)
       self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
-      self.split = _split(self.meshes)
+      self.split = process_split(self.meshes)  # (the placement gave the trainer enough)
       if self.split is not None and self.split.here == "trainer":
         self.meshes["sampler"] = self.split.mirror  # its copy of the weights; evaluation
       self.actor = self._actor_role()
@@ -183,20 +183,13 @@ class RoleCluster:
                   self.split.trainer_processes)
 
 
-def _split(meshes) -> ProcessSplit | None:
-  try:
-    return process_split(meshes)
-  except ValueError as e:  # the trainer has fewer devices than the sampler
-    raise PlacementError(f"placement.train_devices: {e}") from None
-
-
 def config_split(cfg: ExperimentConfig) -> ProcessSplit | None:
   """The trainer's and the sampler's processes where `cfg`'s placement puts them apart (None:
   together, or a placement that cannot work, which the cluster reports)."""
   devices = host_major_devices()
   try:
     placement = _placement(cfg, devices)
-    return _split({role: placement.mesh(role, devices) for role in ROLES})
+    return process_split({role: placement.mesh(role, devices) for role in ROLES})
   except PlacementError:
     return None
 
