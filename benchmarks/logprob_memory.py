@@ -75,7 +75,8 @@ def main() -> None:
 
   from jaxrl.models.config import ModelConfig
   from jaxrl.models.head import dense_logprobs
-  from jaxrl.models.transformer import LanguageModel, positions_from_valid
+  from jaxrl.models.transformer import LanguageModel
+  from jaxrl.models.rope import positions_from_valid
   from train.updates.forward import token_logprobs
 
   cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,

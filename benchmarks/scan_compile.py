@@ -37,7 +37,8 @@ def measure(depth: int, scan: bool, remat: str) -> dict:
   from flax import nnx
 
   from jaxrl.models.config import ModelConfig
-  from jaxrl.models.transformer import LanguageModel, positions_from_valid
+  from jaxrl.models.transformer import LanguageModel
+  from jaxrl.models.rope import positions_from_valid
   cfg = ModelConfig(**MODEL, n_layers=depth, remat=remat, scan_layers=scan)
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
   tokens = jax.random.randint(jax.random.key(1), (8, 128), 0, cfg.vocab_size)

@@ -256,7 +256,7 @@ def decode(model: DecodeModel, state: Slots, g, limit, *, cfg: SamplingConfig):
     sin_R1H, cos_R1H = model.rope((s.prompt_len_R + s.step_R - 1)[:, None])
     logits_RV, cache, routes_RLK = forward(tok_R, (sin_R1H[:, 0], cos_R1H[:, 0]),
                                            s.key_valid_RS, s.kv_cache, ring)  # the scratch slot
-    if routes_RLK is not None:  # the experts of the token each live row just emitted
+    if s.routes_RTLK is not None:  # the experts of the token each live row just emitted
       t = s.routes_RTLK.shape[1]
       p = t - s.tokens_RN.shape[1]
       at_RT = live_R[:, None] & (jnp.arange(t) == (p + s.step_R - 1)[:, None])

@@ -57,9 +57,16 @@ def request_programs(sampler: Sampler, ring: int) -> RequestPrograms:
   jit = inflight.jitter(sampler.mesh, sampler.rules)
   return RequestPrograms(
       inflight.caster(sampler.graphdef),
-      jit(inflight.empty_slots, cfg=cfg, slots=sampler.inflight_slots, p=ring, ring=ring),
+      jit(_unrouted_slots, cfg=cfg, slots=sampler.inflight_slots, p=ring, ring=ring),
       jit(admit_rows, (1,), cfg=cfg, ring=ring), jit(extend_rows, (1,), cfg=cfg, ring=ring),
       jit(inflight.decode, (1,), cfg=cfg))
+
+
+def _unrouted_slots(model, **kw) -> Slots:
+  """Empty slots that record no experts: a request returns none (multi-turn rollouts replay no
+  routes: jaxrl/config_checks.py), so a mixture of experts' prefills of any width and its
+  kept caches fit the slots as a dense model's do."""
+  return inflight.empty_slots(model, **kw).replace(routes_RTLK=None)
 
 
 def kept_ring(model, cache_KX, valid_KS, chunk_valid_KW, g, ring: int):
@@ -133,7 +140,7 @@ class Requests:
   """`sampler.inflight_slots` slots serving requests (`submit`); `poll` returns the finished
   ones, `advance` admits the waiting ones into free slots and decodes one segment.
 
-  With `keep` (a model without experts), a finished request's slot keeps its cache for its tag:
+  With `keep`, a finished request's slot keeps its cache for its tag:
   the tag's next request, whose context starts with the kept one (the conversation so far, then
   the turn and the environment's reply), prefills only its new tokens there (`extend_rows`).
   A kept slot is freed by `release` (the conversation ended), by a request of its tag that does
@@ -156,8 +163,7 @@ class Requests:
      self._decode) = request_programs(sampler, self.ring)
     self.install(params, version)
     self.state = empty(self._model)
-    # A mixture of experts records each token's experts from its prefill: whole prefills.
-    self.keep = keep and self.state.routes_RTLK is None
+    self.keep = keep
     self.g, self._segment = send(np.int32(0)), send(np.int32(CHECK_EVERY))
     self._pending: collections.deque[Request] = collections.deque()
     self._continuing: list[tuple[Request, int, int]] = []  # (request, its kept slot, cached)

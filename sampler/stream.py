@@ -92,6 +92,8 @@ def admit_rows(model, state: Slots, g, tokens_KP, valid_KP, rows_K, budget_K, ke
   batch's key data, `budget_K` their most tokens) in the slots r with src_R[r] >= 0."""
   new = inflight.row_state(model, cfg, tokens_KP, valid_KP, rows_K, budget_K,
                            inflight.keyed_uniforms(keys_K2, index_K, cfg.max_new_tokens), g, ring)
+  if state.routes_RTLK is None:  # (slots that record no experts: sampler/requests.py)
+    new = new.replace(routes_RTLK=None)
   return jax.tree.map(functools.partial(inflight.put_rows, src_R=src_R), state, new)
 
 

@@ -8,7 +8,7 @@ import torch
 import transformers
 from flax import nnx
 
-from jaxrl.models.transformer import positions_from_valid
+from jaxrl.models.rope import positions_from_valid
 
 COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-5,

@@ -5,7 +5,8 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.models.decoding import LMDecoding
-from jaxrl.models.transformer import LanguageModel, positions_from_valid
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.rope import positions_from_valid
 
 
 def perturbed(cfg, lora=None):

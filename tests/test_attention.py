@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxrl.models import LanguageModel, ModelConfig
 from jaxrl.models.attention import attention_impl
-from jaxrl.models.transformer import positions_from_segments, positions_from_valid
+from jaxrl.models.rope import positions_from_segments, positions_from_valid
 
 CFG = ModelConfig(vocab_size=64, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8,
                   d_ff=96, family="qwen2")

@@ -27,7 +27,8 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.heads import ValueModel
 from jaxrl.models.hf import HFError, load_params, model_config_from_hf
 from jaxrl.models.hf_export import export
-from jaxrl.models.transformer import LanguageModel, init_kv_cache
+from jaxrl.models.attention import init_kv_cache
+from jaxrl.models.transformer import LanguageModel
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
 from train.roles.role import ModelRole

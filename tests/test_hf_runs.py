@@ -70,7 +70,8 @@ def test_run_from_hf_dir_then_export_and_sample(assets, tmp_path, capsys):
     want_TV = torch_model(torch.tensor([ids])).logits[0].numpy()
   from flax import nnx
 
-  from jaxrl.models.transformer import LanguageModel, positions_from_valid
+  from jaxrl.models.transformer import LanguageModel
+  from jaxrl.models.rope import positions_from_valid
   model = nnx.merge(nnx.graphdef(LanguageModel(exp.cfg.model, rngs=nnx.Rngs(0))), params)
   tokens_BT = np.asarray([ids], np.int32)
   valid_BT = np.ones_like(tokens_BT, bool)

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxrl.config_rl import RLConfig, RolloutConfig
 from jaxrl.data.tokenizer import ByteTokenizer
-from jaxrl.models.transformer import positions_from_valid
+from jaxrl.models.rope import positions_from_valid
 from sampler.engine import generate
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler

@@ -19,7 +19,8 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.hf import HFError, load_params, model_config_from_hf
 from jaxrl.models.hf_export import export, export_peft
 from jaxrl.models.lora import LoRAConfig
-from jaxrl.models.transformer import LanguageModel, positions_from_valid
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.rope import positions_from_valid
 from sharding.mesh import make_mesh
 from train.roles.role import ModelRole
 

@@ -8,7 +8,7 @@ from jaxrl.models import LanguageModel, ModelConfig, RewardModel, ValueModel, in
 from jaxrl.models.layouts import FEATURES
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.models.rope import rope_table
-from jaxrl.models.transformer import positions_from_valid
+from jaxrl.models.rope import positions_from_valid
 from model_checks import assert_decoding_matches_forward, forward_batch, perturbed
 
 

@@ -17,7 +17,8 @@ from jaxrl.models.lora import LoRAConfig
 from jaxrl.models.moe import (aux_losses, blocked_experts, dense_experts, grouped_experts,
                               route, split_experts)
 from jaxrl.partitioning import activation_rules
-from jaxrl.models.transformer import LanguageModel, positions_from_valid
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.rope import positions_from_valid
 from sharding.mesh import make_mesh, param_shardings
 from sharding.rules import SAMPLER_RULES
 from train.roles.role import ModelRole

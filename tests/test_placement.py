@@ -8,7 +8,8 @@ from flax import nnx
 
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.dtypes import compute_dtypes
-from jaxrl.models.transformer import LanguageModel, positions_from_valid
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.rope import positions_from_valid
 from jaxrl.partitioning import activation_rules
 from sharding.mesh import param_shardings
 from sharding.placement import PlacementError, make_placement

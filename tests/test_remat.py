@@ -15,7 +15,8 @@ from jaxrl.config import ConfigError, ExperimentConfig, to_dict
 from jaxrl.config_rl import BatchingConfig, KLConfig, LossConfig, RLConfig, RolloutConfig
 from jaxrl.config_files import from_mapping
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.transformer import LanguageModel, init_kv_cache
+from jaxrl.models.attention import init_kv_cache
+from jaxrl.models.transformer import LanguageModel
 from sharding.rules import MESH_AXES
 from train.loop.experience import Experience
 from train.roles.learner import Learner

@@ -12,7 +12,7 @@ from jaxrl.data.pipeline import Encoding
 from jaxrl.data.preferences import Pair, pair_batch, pair_lengths
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.models import LanguageModel, RewardModel, ValueModel
-from jaxrl.models.transformer import positions_from_valid
+from jaxrl.models.rope import positions_from_valid
 from sharding.mesh import make_mesh
 from train.loop.experience import Experience, advantages
 from train.roles.role import ModelRole

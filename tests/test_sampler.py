@@ -9,7 +9,8 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 from jaxrl.data.tokenizer import ByteTokenizer
-from jaxrl.models.transformer import LanguageModel, positions_from_valid
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.rope import positions_from_valid
 from sampler.engine import generate
 from sampler.methods import SamplingConfig, temperature
 from train.updates.forward import completion_logprobs

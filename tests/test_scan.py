@@ -13,7 +13,8 @@ from flax import nnx
 from jaxrl.models import scan
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.decoding import LMDecoding
-from jaxrl.models.transformer import LanguageModel, positions_from_valid
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.rope import positions_from_valid
 
 from model_checks import per_layer
 
@@ -74,18 +75,56 @@ def test_scanned_and_unrolled_decoders_agree(family):
     np.testing.assert_array_equal(s_routing.ids, u_routing.ids)
     replayed = [jax.jit(loss)(m, u_routing.ids)[0] for m in (unrolled, scanned)]
     np.testing.assert_allclose(replayed[1], replayed[0], rtol=1e-5)
-  # prefill into a cache, then one cached decode step
+  # prefill into a cache, a cached decode step in each layout, a kept cache extended
   outs = []
   for model in (unrolled, scanned):
     dec = LMDecoding.of(model)
-    logits, cache, _ = dec.prefill(tokens, valid)
+    logits, cache, routes = dec.prefill(tokens, valid)
+    got = [logits, routes]
     sin, cos = dec.rope(positions[:, -1:] + 1)
     step_valid = jnp.concatenate([valid, jnp.ones((2, 1), bool)], axis=1)
-    nxt, _, _ = dec.decode_fn("rows")(tokens[:, -1], (sin[:, 0], cos[:, 0]), step_valid,
-                                      dec.grow_cache(cache, 8), 7)
-    outs.append((logits, nxt))
+    for layout in ("rows", "features"):
+      nxt, stepped, step_routes = dec.decode_fn(layout)(
+          tokens[:, -1], (sin[:, 0], cos[:, 0]), step_valid, dec.grow_cache(cache, 8), 7)
+      got += [nxt, step_routes]
+    got.append(dec.extend(tokens[:, :2], jnp.ones((2, 2), bool), step_valid.sum(1), stepped,
+                          step_valid)[0])
+    outs.append([g for g in got if g is not None])
   for u, s in zip(*outs):
     np.testing.assert_allclose(s, u, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+def test_every_engine_decodes_a_scanned_model_as_the_unrolled_one(family):
+  """The stacked KV cache (attention.StackedLayer) in the static engine, in-flight slots and a
+  conversation's kept cache (sampler/requests.py): the unrolled model's tokens, log-probs and
+  experts."""
+  from sampler.methods import SamplingConfig
+  from sampler.requests import Request
+  from sampler.sampler import Sampler
+  sampling = SamplingConfig(max_new_tokens=5, eos_id=-1, pad_id=0, method="greedy")
+  tokens, valid = _batch(4, 7)
+  key, key_data = jax.random.key(0), np.asarray(jax.random.key_data(jax.random.key(1)))
+  runs = []
+  for model in _models(FAMILIES[family]):
+    graphdef, params = nnx.split(model)
+    static = Sampler(graphdef, sampling).generate(params, tokens, valid, key)
+    slots = Sampler(graphdef, sampling, inflight_slots=2)
+    rollout = slots.generate(params, tokens, valid, key)
+    engine, turns = slots.requests(params, context_width=16), []
+    context = (5, 6, 7)
+    for index in range(2):  # a turn, then one continued in the slot that kept its cache
+      engine.submit(Request("a", context, 4, key_data, index))
+      while not (done := [(ids, logp) for t, ids, logp, _ in engine.poll() if t == "a"]):
+        engine.advance()
+      turns += [np.asarray(done[0][0]), np.asarray(done[0][1])]
+      context += tuple(done[0][0]) + (9,)
+    assert engine.stats["continued"] == 1
+    runs.append([static.tokens_BT, static.logprobs_BN, rollout.tokens_BT, rollout.logprobs_BN,
+                 *turns] + ([static.routes_BTLK, rollout.routes_BTLK] if family == "qwen3_moe"
+                            else []))
+  for u, s in zip(*runs):
+    np.testing.assert_allclose(np.asarray(s), np.asarray(u), atol=1e-5, rtol=1e-5)
 
 
 def test_a_scanned_update_under_remat_matches_the_unrolled_one():

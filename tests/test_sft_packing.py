@@ -8,7 +8,8 @@ from jaxrl.data.pipeline import (Encoding, _sft_row, pack_rows, prompt_length, s
                                  target_length)
 from jaxrl.data.tasks import make_splits
 from jaxrl.data.tokenizer import ByteTokenizer
-from jaxrl.models.transformer import LanguageModel, positions_from_segments
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.rope import positions_from_segments
 from train.updates.forward import token_logprobs
 
 

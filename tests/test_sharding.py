@@ -6,7 +6,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.transformer import LanguageModel, positions_from_valid
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.rope import positions_from_valid
 from jaxrl.partitioning import activation_rules, logical_to_spec
 from sharding.mesh import make_mesh, param_specs
 from sharding.rules import SAMPLER_RULES, TRAIN_RULES

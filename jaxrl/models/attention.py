@@ -24,7 +24,20 @@ if TYPE_CHECKING:
   from jaxrl.models.config import ModelConfig
 
 # One (k_BKHS, v_BKSH) pair per layer: kv heads first; keys transposed (head_dim before slots).
-KVCache = tuple[tuple[jax.Array, jax.Array], ...]
+# A scanned decoder's (`model.scan_layers`) is one pair, every layer's on axis 1: (k_BLKHS,
+# v_BLKSH), rows still first.
+KVCache = tuple
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k_BLKHS", "v_BLKSH", "layer"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class StackedLayer:
+  """Layer `layer` (an int, or traced inside a scan) of a stacked KV cache: `write_cache`
+  writes its new keys and values at [:, layer] of the whole cache, in place."""
+  k_BLKHS: jax.Array
+  v_BLKSH: jax.Array
+  layer: jax.Array | int
 
 
 def attention_mask(key_valid_BS: jax.Array, t: int, cache_index,
@@ -103,15 +116,27 @@ def fused(q_BTNH, k_BTKH, v_BTKH, mask, impl: str) -> jax.Array:
 
 
 def write_cache(layer_cache, k_BKHT, v_BKTH, cache_index):
-  """The layer's cache with T new keys and values written from slot `cache_index` (no cache:
-  the new ones are the whole of it)."""
+  """T new keys and values written from slot `cache_index`: (the layer's keys and values to
+  attend over, its updated cache). No cache: the new ones are all there is; a `StackedLayer`:
+  written into the whole stacked cache, the layer's slice read back."""
   if layer_cache is None:
-    return k_BKHT, v_BKTH
+    return k_BKHT, v_BKTH, None
+  if isinstance(layer_cache, StackedLayer):
+    i, s = jnp.asarray(layer_cache.layer, jnp.int32), jnp.asarray(cache_index, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    k_all = jax.lax.dynamic_update_slice(
+        layer_cache.k_BLKHS, k_BKHT[:, None].astype(layer_cache.k_BLKHS.dtype),
+        (zero, i, zero, zero, s))
+    v_all = jax.lax.dynamic_update_slice(
+        layer_cache.v_BLKSH, v_BKTH[:, None].astype(layer_cache.v_BLKSH.dtype),
+        (zero, i, zero, s, zero))
+    layer = lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=1, keepdims=False)
+    return layer(k_all), layer(v_all), StackedLayer(k_all, v_all, layer_cache.layer)
   k_BKHS = jax.lax.dynamic_update_slice_in_dim(layer_cache[0], k_BKHT.astype(layer_cache[0].dtype),
                                                cache_index, axis=3)
   v_BKSH = jax.lax.dynamic_update_slice_in_dim(layer_cache[1], v_BKTH.astype(layer_cache[1].dtype),
                                                cache_index, axis=2)
-  return k_BKHS, v_BKSH
+  return k_BKHS, v_BKSH, (k_BKHS, v_BKSH)
 
 
 def attend(q_BTKGH, k_BKHS, v_BKSH, mask_BTS):
@@ -127,3 +152,26 @@ def attend_one(q_BKGH, k_BKHS, v_BKSH, mask_BS):
   logits_BKGS = jnp.where(mask_BS[:, None, None, :], logits_BKGS, jnp.finfo(jnp.float32).min)
   probs_BKGS = jax.nn.softmax(logits_BKGS, axis=-1).astype(q_BKGH.dtype)
   return jnp.einsum("bkgs,bksh->bkgh", probs_BKGS, v_BKSH)
+
+
+def init_kv_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
+  """Zeros: per layer keys [B, K, H, S] and values [B, K, S, H]; a scanned decoder's stacked,
+  [B, L, K, H, S] and [B, L, K, S, H] (attention.KVCache)."""
+  k_shape = (batch, cfg.n_kv_heads, cfg.head_dim, slots)
+  v_shape = (batch, cfg.n_kv_heads, slots, cfg.head_dim)
+  if cfg.scan_layers:
+    k_shape, v_shape = ((batch, cfg.n_layers) + s[1:] for s in (k_shape, v_shape))
+    return jnp.zeros(k_shape, cfg.compute_dtype), jnp.zeros(v_shape, cfg.compute_dtype)
+  return tuple((jnp.zeros(k_shape, cfg.compute_dtype), jnp.zeros(v_shape, cfg.compute_dtype))
+               for _ in range(cfg.n_layers))
+
+
+def grow_kv_cache(cfg: ModelConfig, kv_cache: KVCache, slots: int) -> KVCache:
+  """The cache with its slot axis (keys' last, values' second last) zero-padded to `slots`."""
+  def grow(x, axis):
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, slots - x.shape[axis])
+    return jnp.pad(x, pad)
+  pairs = (kv_cache,) if cfg.scan_layers else kv_cache
+  grown = tuple((grow(k, k.ndim - 1), grow(v, v.ndim - 2)) for k, v in pairs)
+  return grown[0] if cfg.scan_layers else grown

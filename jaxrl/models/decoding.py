@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.attention import KVCache
+from jaxrl.models.attention import KVCache, grow_kv_cache, init_kv_cache
 from jaxrl.models.layouts import LAYOUTS
 from jaxrl.models.rope import rope_table
-from jaxrl.models.transformer import LanguageModel, init_kv_cache, positions_from_valid
+from jaxrl.models.scan import path_keys, stacked_keys
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.rope import positions_from_valid
 
 ROUTE_DTYPE = jnp.int16  # recorded expert ids (-1: none), up to 32767 experts
 
@@ -30,22 +32,17 @@ class LMDecoding:
     # The head from the float32 embedding, as the trainer's forward computes it; then every
     # matrix in the compute dtype (norm scales stay float32, as the model uses them).
     head_VD = model.head_VD().astype(dt)
-    model = nnx.merge(*nnx.split(model))  # a copy, whose scanned decoder's layers are
-    model.decoder.unstack()                 # sliced once here (not in every decode step)
     graphdef, params = nnx.split(model)
-    cast = jax.tree.map(lambda x: x.astype(dt) if x.ndim > 1 else x, params)
+    cast = jax.tree.map_with_path(
+        lambda path, x: x.astype(dt) if x.ndim > 1 + stacked_keys(path_keys(path)) else x, params)
     return cls(nnx.merge(graphdef, cast), head_VD)
 
   def init_cache(self, batch: int, slots: int) -> KVCache:
     return init_kv_cache(self.model.cfg, batch, slots)
 
   def grow_cache(self, kv_cache: KVCache, slots: int) -> KVCache:
-    """The cache with its slot axis zero-padded to `slots` (keys [B,K,H,S], values [B,K,S,H])."""
-    def grow(x, axis):
-      pad = [(0, 0)] * x.ndim
-      pad[axis] = (0, slots - x.shape[axis])
-      return jnp.pad(x, pad)
-    return tuple((grow(k, 3), grow(v, 2)) for k, v in kv_cache)
+    """The cache with its slot axis zero-padded to `slots`."""
+    return grow_kv_cache(self.model.cfg, kv_cache, slots)
 
   def rope(self, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(sin, cos) [B, T, head_dim / 2] for any positions (a decode loop computes them ahead)."""

@@ -27,7 +27,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.families import EXPERTS, FAMILIES, TOP_TENSORS
 from jaxrl.models.hf_config import (ARCH_FIELDS, HFError, check_config, model_config_from_hf,
                                     tensor_prefix)
-from jaxrl.models.scan import layer_keys, stacked_keys
+from jaxrl.models.scan import layer_keys, path_keys, stacked_keys
 
 __all__ = ["HFError", "check_config", "load_params", "model_config_from_hf"]
 
@@ -36,13 +36,6 @@ SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt",
                    "added_tokens.json")
-
-
-def _keys(path) -> tuple:
-  """A parameter's keys (`('decoder', 'blocks', 0, 'attn', 'wq')`) from a tree path of an
-  nnx.State (Variables add a `.value` attribute key, dropped here) or of a pure dict."""
-  return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path
-               if not isinstance(k, jax.tree_util.GetAttrKey))
 
 
 def hf_tensor(keys: tuple, family: str) -> tuple[str, int | None]:
@@ -137,7 +130,7 @@ def _plan(hf_dir: str, leaves, handles: dict, weights: dict, where: str, family:
   `prefix`)."""
   plan = []
   for path, leaf in leaves:
-    keys = _keys(path)
+    keys = path_keys(path)
     if stacked_keys(keys):  # a scanned decoder: one plan per layer, stacked on axis 0
       plan.append([_plan_one(hf_dir, layer_keys(keys, i), leaf.shape[1:], handles, weights,
                              where, family, prefix) for i in range(leaf.shape[0])])

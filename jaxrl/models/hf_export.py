@@ -22,9 +22,9 @@ from jax.experimental import multihost_utils
 
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.families import EXPERTS
-from jaxrl.models.hf import (INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, HFError, _keys, _merged,
+from jaxrl.models.hf import (INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, HFError, _merged,
                              _names, hf_tensor)
-from jaxrl.models.scan import layer_keys, stacked_keys
+from jaxrl.models.scan import layer_keys, path_keys, stacked_keys
 from jaxrl.models.hf_config import default_max_positions, hf_config_dict
 
 __all__ = ["export", "export_peft"]
@@ -36,7 +36,7 @@ def _hf_tensors(params: nnx.State, cfg: ModelConfig) -> tuple[list, bool]:
   no HF equivalent, so it is written out as an explicit lm_head: the embedding again, scaled."""
   tensors = []
   for path, x in jax.tree_util.tree_leaves_with_path(params):
-    keys = _keys(path)
+    keys = path_keys(path)
     # a scanned decoder's stacked block: each layer's tensors (part: (layer, expert or None))
     layers = [(layer_keys(keys, i), i) for i in range(x.shape[0])] if stacked_keys(keys) else [
         (keys, None)]

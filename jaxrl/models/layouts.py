@@ -97,8 +97,8 @@ class Rows:
     """(attention output [B, T, N * H], the layer's updated cache). `mask_BTS`: a dense mask, or
     a cacheless pass's `ValidPrefix` (cuDNN) or `Segments` (splash): attention.fused."""
     q_BTNH = constrain(q_BTNH, ("batch", None, "act_heads", None))
-    k_BKHS, v_BKSH = write_cache(layer_cache, k_BTKH.transpose(0, 2, 3, 1),
-                                     v_BTKH.transpose(0, 2, 1, 3), cache_index)
+    k_BKHS, v_BKSH, new_cache = write_cache(layer_cache, k_BTKH.transpose(0, 2, 3, 1),
+                                            v_BTKH.transpose(0, 2, 1, 3), cache_index)
     b, t, n, h = q_BTNH.shape
     dt, kh = q_BTNH.dtype, cfg.n_kv_heads
     impl = attention_impl(cfg)
@@ -110,7 +110,6 @@ class Rows:
     else:
       out_BTKGH = attend(q_BTNH.reshape(b, t, kh, n // kh, h), k_BKHS.astype(dt),
                              v_BKSH.astype(dt), mask_BTS)
-    new_cache = None if layer_cache is None else (k_BKHS, v_BKSH)
     return out_BTKGH.reshape(b, t, n * h), new_cache
 
   def logits(self, h_BTD, head_VD, softcap: float):
@@ -186,10 +185,10 @@ class Features:
     kh, dt = cfg.n_kv_heads, q_NHB.dtype
     q_BKGH = constrain(q_NHB.reshape(kh, n // kh, h, b).transpose(3, 0, 1, 2),
                        ("batch", "act_kv_heads", None, None))
-    k_BKHS, v_BKSH = write_cache(layer_cache, k_KHB.transpose(2, 0, 1)[..., None],
-                                     v_KHB.transpose(2, 0, 1)[:, :, None], slot)
+    k_BKHS, v_BKSH, new_cache = write_cache(layer_cache, k_KHB.transpose(2, 0, 1)[..., None],
+                                            v_KHB.transpose(2, 0, 1)[:, :, None], slot)
     out_BKGH = attend_one(q_BKGH, k_BKHS.astype(dt), v_BKSH.astype(dt), mask_B1S[:, 0])
-    return out_BKGH.reshape(b, n * h).T, (k_BKHS, v_BKSH)
+    return out_BKGH.reshape(b, n * h).T, new_cache
 
   def logits(self, h_DB, head_VD, softcap: float):
     """float32 logits [B, V] (the LM head: jaxrl/models/head.py), multiplied as [V, D] @ [D, B].

@@ -65,3 +65,17 @@ def rope(x_BTNH: jax.Array, table: tuple[jax.Array, jax.Array], scale: float = 1
   sin, cos = (a[:, :, None, :] * scale for a in table)
   x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BTNH.dtype)
+
+
+def positions_from_segments(segment_ids_BT: jax.Array) -> jax.Array:
+  """Positions restarting at 0 where a packed row's segment id changes."""
+  t = segment_ids_BT.shape[1]
+  idx_BT = jnp.broadcast_to(jnp.arange(t), segment_ids_BT.shape)
+  starts_BT = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], bool),
+                               segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+  return idx_BT - jax.lax.cummax(jnp.where(starts_BT, idx_BT, 0), axis=1)
+
+
+def positions_from_valid(valid_BT: jax.Array) -> jax.Array:
+  """RoPE positions counting only valid tokens, so left padding does not shift a row."""
+  return jnp.maximum(jnp.cumsum(valid_BT.astype(jnp.int32), axis=1) - 1, 0)

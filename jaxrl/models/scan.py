@@ -7,8 +7,9 @@ random streams, so the same weights), each variable's value stacked and `layers`
 its logical axes (no rule names it: the axis is never split). A layer pattern (Gemma 3's local
 and global layers, every `global_every`-th global) repeats with a period: the scan runs over whole
 periods, its body the period's layers in turn (each with its own kind of attention), and the
-layers after the last whole period run unrolled. Passes with a KV cache (prefill, decode) take
-each layer's slice of the stack in turn.
+layers after the last whole period run unrolled. Passes with a KV cache (prefill, decode) scan
+too: the cache is stacked per layer (rows first, then layers: attention.StackedLayer), carried
+through the scan, each layer's new keys and values written at [rows, layer, ..., slot] in place.
 
 Checkpoints and Hugging Face files name the weights per layer (`decoder/blocks/{i}/...`,
 `layer_keys`); train/io/layer_forms.py converts checkpoint items between the two forms.
@@ -50,28 +51,37 @@ def period(cfg) -> int:
   return cfg.global_every if cfg.sliding_window and cfg.global_every else 1
 
 
-def scan_periods(stacked: nnx.Module, n_periods: int, size: int, x, layer_fn, routes_LBTK=None):
-  """`layer_fn(j, block, x, routes_BTK) -> (x, stats)` over the first `n_periods` x `size`
-  layers of `stacked` (j: the layer's place in its period), one scan step per period: (x, the
-  layers' stats stacked on a leading axis, or None)."""
+def scan_periods(stacked: nnx.Module, n_periods: int, size: int, carry, layer_fn,
+                 routes_LBTK=None):
+  """`layer_fn(j, i, block, carry, routes_BTK) -> (carry, stats)` over the first `n_periods` x
+  `size` layers of `stacked` (i: the layer, traced; j: its place in its period), one scan step
+  per period: (carry, the layers' stats stacked on a leading axis, or None)."""
   if n_periods == 0:  # (fewer layers than one period: all of them unrolled by the caller)
-    return x, None
+    return carry, None
   graphdef, state = nnx.split(stacked)
   cut = lambda a: a[:n_periods * size].reshape(n_periods, size, *a.shape[1:])
-  xs = (jax.tree.map(cut, state), None if routes_LBTK is None else cut(routes_LBTK))
+  xs = (jnp.arange(n_periods, dtype=jnp.int32), jax.tree.map(cut, state),
+        None if routes_LBTK is None else cut(routes_LBTK))
 
-  def body(x, period_xs):
-    period_state, routes = period_xs
+  def body(carry, period_xs):
+    p, period_state, routes = period_xs
     stats = []
     for j in range(size):
       block = nnx.merge(graphdef, jax.tree.map(lambda a: a[j], period_state))
-      x, st = layer_fn(j, block, x, None if routes is None else routes[j])
+      carry, st = layer_fn(j, p * size + j, block, carry, None if routes is None else routes[j])
       stats.append(st)
-    return x, None if stats[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *stats)
+    return carry, None if stats[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *stats)
 
-  x, stats = jax.lax.scan(body, x, xs)
+  carry, stats = jax.lax.scan(body, carry, xs)
   merge = lambda a: a.reshape(n_periods * size, *a.shape[2:])
-  return x, None if stats is None else jax.tree.map(merge, stats)
+  return carry, None if stats is None else jax.tree.map(merge, stats)
+
+
+def path_keys(path) -> tuple:
+  """A parameter's keys (`('decoder', 'blocks', 0, 'attn', 'wq')`) from a tree path of an
+  nnx.State (Variables add a `.value` attribute key, dropped here) or of a pure dict."""
+  return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path
+               if not isinstance(k, jax.tree_util.GetAttrKey))
 
 
 def stacked_keys(keys: tuple) -> bool:

@@ -14,13 +14,14 @@ sharding/rules.py); no mesh axis is named here. Projection weights are stored [o
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.attention import (KVCache, ValidPrefix, attention_impl, attention_mask,
-                                    valid_first, windowed)
+from jaxrl.models.attention import (KVCache, StackedLayer, ValidPrefix, attention_impl,
+                                    attention_mask, valid_first, windowed)
 from jaxrl.models.config import MLP_ACTIVATIONS, REMAT_POLICIES, ModelConfig
 from jaxrl.models.layouts import ROWS
 from jaxrl.models.lora import LoRA, LoRAConfig
@@ -176,6 +177,19 @@ class Block(nnx.Module):
     return layout.residual(x), layer_cache, stats
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+  """What every layer of one pass shares: `kind(j)` (layer j's rope table and mask), where the
+  new tokens' keys go, whether the last layer runs for the last position alone, the layout,
+  which tokens count in routing statistics, tokens per row."""
+  kind: Callable
+  cache_index: Any
+  last_only: bool
+  layout: Any
+  valid_BT: Any
+  length: int
+
+
 class Decoder(nnx.Module):
   """Embedding + blocks + final norm; returns hidden states (heads are separate modules)."""
 
@@ -254,27 +268,36 @@ class Decoder(nnx.Module):
     local = windowed(mask, cfg.sliding_window, layout.length(tokens), cache_index)
     kind = lambda i: (layout.rope_part(rope, cfg, cfg.is_local(i)),
                       local if cfg.is_local(i) else mask)
-    if self.stacked and kv_cache is None:
-      x, stats = self.scanned(x, kind, valid_BT, routes_BTLK)
-      return self.final_norm(x, layout.feature_axis), None, stats
-    new_cache, stats = [], []
-    for i in range(cfg.n_layers):
-      last = last_only and i == cfg.n_layers - 1
-      routes = None if routes_BTLK is None else routes_BTLK[:, :, i]
-      if kv_cache is None:  # (a cached pass is never differentiated: no remat)
-        x, st = self.cacheless(self.layer(i), x, *kind(i), valid_BT, routes)
-        layer_cache = None
-      else:
-        x, layer_cache, st = self.layer(i)(x, *kind(i), kv_cache[i], cache_index, last, layout,
-                                           valid_BT, routes)
-      new_cache.append(layer_cache)
-      stats.append(st)
-    h = self.final_norm(x, layout.feature_axis)
-    if last_only and stats[-1] is not None:  # the last block routed the last position alone:
-      t = layout.length(tokens)              # the others' experts are not recorded (-1)
-      ids = jnp.pad(stats[-1].ids, ((0, 0), (t - 1, 0), (0, 0)), constant_values=-1)
-      stats[-1] = dataclasses.replace(stats[-1], ids=ids)
-    return h, (None if kv_cache is None else tuple(new_cache)), stack_stats(stats)
+    run = _Pass(kind, cache_index, last_only, layout, valid_BT, layout.length(tokens))
+    if self.stacked:
+      x, kv_cache, stats = self.scanned(run, x, kv_cache, routes_BTLK)
+    else:
+      stats = []
+      for i in range(cfg.n_layers):
+        routes = None if routes_BTLK is None else routes_BTLK[:, :, i]
+        x, kv_cache, st = self.layer_step(run, self.blocks[i], i, i, x, kv_cache, routes)
+        stats.append(st)
+      stats = stack_stats(stats)
+    return self.final_norm(x, layout.feature_axis), kv_cache, stats
+
+  def layer_step(self, run: _Pass, block: Block, j: int, i, x, kv_cache, routes_BTK):
+    """Layer `i` (an int, or traced in a scan; its kind of attention that of layer `j`) of a
+    pass: (output, the whole updated cache or None, its `MoEStats` or None). A cacheless pass
+    runs under `model.remat`; a cached one (never differentiated) writes the layer's keys and
+    values into the cache (a stacked one in place: attention.StackedLayer)."""
+    if kv_cache is None:
+      x, st = self.cacheless(block, x, *run.kind(j), run.valid_BT, routes_BTK)
+      return x, None, st
+    last = run.last_only and isinstance(i, int) and i == self.cfg.n_layers - 1
+    layer_cache = StackedLayer(*kv_cache, i) if self.stacked else kv_cache[i]
+    x, layer_cache, st = block(x, *run.kind(j), layer_cache, run.cache_index, last, run.layout,
+                               run.valid_BT, routes_BTK)
+    if last and st is not None:  # the last block routed the last position alone: the
+      ids = jnp.pad(st.ids, ((0, 0), (run.length - 1, 0), (0, 0)), constant_values=-1)
+      st = dataclasses.replace(st, ids=ids)  # others' experts are not recorded (-1)
+    if self.stacked:
+      return x, (layer_cache.k_BLKHS, layer_cache.v_BLKSH), st
+    return x, kv_cache[:i] + (layer_cache,) + kv_cache[i + 1:], st
 
   @property
   def stacked(self) -> bool:
@@ -284,12 +307,6 @@ class Decoder(nnx.Module):
   def layer(self, i: int) -> Block:
     """Decoder layer `i` (of a scanned decoder: its slice of the stacked block)."""
     return layer_view(self.blocks, i) if self.stacked else self.blocks[i]
-
-  def unstack(self) -> None:
-    """The stacked block replaced by its layers (a decode loop's model: each layer's weights
-    sliced once per call, not once per step)."""
-    if self.stacked:
-      self.blocks = nnx.List([self.layer(i) for i in range(self.cfg.n_layers)])
 
   def cacheless(self, block: Block, x_BTD, rope_BTH, mask_BTS, valid_BT, routes_BTK):
     """`block` on a pass without a cache, under `model.remat`: (output, its `MoEStats`)."""
@@ -301,27 +318,29 @@ class Decoder(nnx.Module):
                               routes_BTK)
     return x_BTD, stats
 
-  def scanned(self, x_BTD, kind, valid_BT, routes_BTLK):
-    """The blocks of a cacheless pass as a scan over whole periods of the layer pattern, the
-    layers after the last whole period unrolled (jaxrl/models/scan.py); `kind(i)`: layer i's
-    (rope, mask). (output, the MoE layers' stacked `MoEStats` or None)."""
+  def scanned(self, run: _Pass, x, kv_cache, routes_BTLK):
+    """The blocks of a pass as a scan over whole periods of the layer pattern, the layers after
+    the last whole period (and, for `last_only`, the last layer) unrolled (jaxrl/models/scan.py):
+    (output, the updated stacked cache or None, the MoE layers' stacked `MoEStats` or None)."""
     cfg, size = self.cfg, period(self.cfg)
-    whole = cfg.n_layers // size
+    whole = (cfg.n_layers - run.last_only) // size
     routes_LBTK = None if routes_BTLK is None else jnp.moveaxis(routes_BTLK, 2, 0)
-    x_BTD, stats = scan_periods(
-        self.blocks, whole, size, x_BTD,
-        lambda j, block, x, routes: self.cacheless(block, x, *kind(j), valid_BT, routes),
-        routes_LBTK)
+
+    def step(j, i, block, carry, routes):
+      x, cache, st = self.layer_step(run, block, j, i, *carry, routes)
+      return (x, cache), st
+    (x, kv_cache), stats = scan_periods(self.blocks, whole, size, (x, kv_cache), step,
+                                        routes_LBTK)
     parts = [stats]
     for i in range(whole * size, cfg.n_layers):
       routes = None if routes_LBTK is None else routes_LBTK[i]
-      x_BTD, st = self.cacheless(self.layer(i), x_BTD, *kind(i), valid_BT, routes)
+      x, kv_cache, st = self.layer_step(run, self.layer(i), i % size, i, x, kv_cache, routes)
       parts.append(None if st is None else jax.tree.map(lambda a: a[None], st))
     found = [p for p in parts if p is not None]
     if not found:  # (a dense model)
-      return x_BTD, None
+      return x, kv_cache, None
     stats = jax.tree.map(lambda *a: jnp.concatenate(a), *found)
-    return x_BTD, dataclasses.replace(stats, ids=jnp.moveaxis(stats.ids, 0, 2))
+    return x, kv_cache, dataclasses.replace(stats, ids=jnp.moveaxis(stats.ids, 0, 2))
 
   def remat_block(self, block: Block, x_BTD, rope_BTH, mask_BTS, last_only: bool, valid_BT,
                   routes_BTK):
@@ -372,24 +391,3 @@ class LanguageModel(nnx.Module):
     if self.cfg.scale_tied_head:
       return self.decoder.embed[...] * self.cfg.d_model**-0.5
     return self.decoder.embed[...]
-
-
-def init_kv_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
-  k_shape = (batch, cfg.n_kv_heads, cfg.head_dim, slots)
-  v_shape = (batch, cfg.n_kv_heads, slots, cfg.head_dim)
-  return tuple((jnp.zeros(k_shape, cfg.compute_dtype), jnp.zeros(v_shape, cfg.compute_dtype))
-               for _ in range(cfg.n_layers))
-
-
-def positions_from_segments(segment_ids_BT: jax.Array) -> jax.Array:
-  """Positions restarting at 0 where a packed row's segment id changes."""
-  t = segment_ids_BT.shape[1]
-  idx_BT = jnp.broadcast_to(jnp.arange(t), segment_ids_BT.shape)
-  starts_BT = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], bool),
-                               segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
-  return idx_BT - jax.lax.cummax(jnp.where(starts_BT, idx_BT, 0), axis=1)
-
-
-def positions_from_valid(valid_BT: jax.Array) -> jax.Array:
-  """RoPE positions counting only valid tokens, so left padding does not shift a row."""
-  return jnp.maximum(jnp.cumsum(valid_BT.astype(jnp.int32), axis=1) - 1, 0)

@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxrl.config import first_line
-from jaxrl.models.scan import layer_keys, stacked_keys
+from jaxrl.models.scan import layer_keys, path_keys, stacked_keys
 from sharding.reshard import send
 from train.io import layer_forms
 from train.io.host_transfers import HostTransfers
@@ -278,7 +278,7 @@ def _per_layer(params: nnx.State) -> list[tuple[str, jax.Array, int | None]]:
   the form."""
   out = []
   for path, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(params)):
-    if not stacked_keys(tuple(getattr(k, "key", k) for k in path)):
+    if not stacked_keys(path_keys(path)):
       out.append((jax.tree_util.keystr(path), x, None))
       continue
     out += [(jax.tree_util.keystr(layer_keys(path, jax.tree_util.DictKey(i))), x, i)

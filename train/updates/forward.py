@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxrl.models.head import chunked_logprobs
 from jaxrl.models.moe import aux_losses
-from jaxrl.models.transformer import positions_from_segments, positions_from_valid
+from jaxrl.models.rope import positions_from_segments, positions_from_valid
 from train.updates.state import model_of
 
 

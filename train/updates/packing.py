@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.models.head import chunked_logprobs
-from jaxrl.models.transformer import positions_from_segments
+from jaxrl.models.rope import positions_from_segments
 from sampler.engine import bucket
 from train.updates.forward import router_loss
 from train.updates.state import model_of
