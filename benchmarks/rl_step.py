@@ -297,7 +297,7 @@ def parse_args():
   parser.add_argument("--micro-batch-size", type=int, default=None,
                       help="rl.batching.micro_batch_size (default: the workload's)")
   parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
-                      help="model.scan_layers (default: the workload's)")
+                      help="model.scan_layers (default: auto, unrolled on a CPU)")
   add_host_flags(parser)
   args = parser.parse_args()
   if args.warmup < 1 or args.steps < 1:
@@ -320,7 +320,7 @@ def main() -> None:
   rl = ({} if args.micro_batch_size is None
         else {"batching": {"micro_batch_size": args.micro_batch_size}})
   result = {"workload": args.workload, "scale": "reduced" if reduced else "full",
-            "scan_layers": bool(args.scan_layers),
+            "scan_layers": cpu is False if args.scan_layers is None else args.scan_layers,
             **run_stages(work, steps=args.steps, warmup=args.warmup, reduced=reduced, rl=rl)}
   if work.modes if args.modes is None else args.modes:
     modes = {name: run_mode(strategy, mode, steps=args.steps, warmup=args.warmup,

@@ -63,6 +63,8 @@ def _parse():
       "--model", default="256,4,4,2,1024,256",
       help="d_model,layers,heads,kv_heads,mlp,vocab (default: the reference config)")
   parser.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
+  parser.add_argument("--scan-layers", default="auto", help="model.scan_layers: auto (unrolled "
+                      "on a CPU), true or false")
   parser.add_argument("--layout", default="auto", help="decode activation layout: auto, "
                       "features or rows (SamplingConfig.decode_layout)")
   add_host_flags(parser)
@@ -227,9 +229,9 @@ def main() -> None:
     d, layers, heads, kv_heads, mlp, vocab = (int(x) for x in args.model.split(","))
     cfg = ModelConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads,
                       n_kv_heads=kv_heads, head_dim=d // heads, d_ff=mlp, tie_embeddings=True,
-                      dtype=args.dtype)
+                      dtype=args.dtype, scan_layers=args.scan_layers)
   except ValueError as e:
-    parser.error(f"--model {args.model!r} / --dtype {args.dtype!r}: {e}")
+    parser.error(f"--model {args.model!r} / --dtype {args.dtype!r} / --scan-layers: {e}")
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
   sample_cfg = SamplingConfig(max_new_tokens=args.new_tokens, eos_id=0, pad_id=0,
                               method="temperature", temperature=1.0, ignore_eos=True,
@@ -253,7 +255,7 @@ def main() -> None:
   flops_per_s = 2 * non_embedding * tokens / result["seconds"]
   peak = matmul_flops_per_s(dtype=args.dtype)
   emit({**result, "devices": devices, "retain_freed_memory": retained, "layout": args.layout,
-        "model": args.model, "dtype": args.dtype, "lengths": args.lengths,
+        "scanned": cfg.scanned, "model": args.model, "dtype": args.dtype, "lengths": args.lengths,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "flops_per_s": round(flops_per_s), "matmul_flops_per_s": round(peak),
         "ratio_to_matmul_peak": round(flops_per_s / peak, 3),

@@ -42,6 +42,7 @@ class Point:
   lora: int = 0  # LoRA rank (0: full fine-tuning)
   rollouts: int = 16
   vocab: int = 4096
+  scan_layers: str = "auto"  # (auto: scanned, as for any TPU target)
 
 
 POINTS = (
@@ -69,7 +70,8 @@ def config(p: Point):
   from jaxrl.models.lora import LoRAConfig
   model = ModelConfig(vocab_size=p.vocab, d_model=p.d_model, n_layers=p.layers,
                       n_heads=p.d_model // 64, n_kv_heads=max(2, p.d_model // 256), head_dim=64,
-                      d_ff=4 * p.d_model, remat=p.remat, dtype="bfloat16")
+                      d_ff=4 * p.d_model, remat=p.remat, dtype="bfloat16",
+                      scan_layers=p.scan_layers)
   return ExperimentConfig(model=model, data=DataConfig(max_prompt_tokens=p.prompt),
                           lora=LoRAConfig(rank=p.lora),
                           rl=RLConfig(prompts_per_step=p.rollouts // 2, group_size=2,
@@ -233,6 +235,8 @@ def main() -> None:
   parser.add_argument("--json", action="store_true")
   parser.add_argument("--target", default="v5e-4")
   parser.add_argument("--points", default="", help="comma-separated indices (default: all)")
+  parser.add_argument("--scan-layers", default="auto",
+                      help="model.scan_layers of every point (auto: scanned, as on a TPU)")
   parser.add_argument("--markdown", action="store_true",
                       help="also print docs/benchmarks.md's table")
   args = parser.parse_args()
@@ -245,6 +249,7 @@ def main() -> None:
   target = parse_target(args.target)
   devices = topology_devices(target)
   chosen = [POINTS[int(i)] for i in args.points.split(",")] if args.points else POINTS
+  chosen = [dataclasses.replace(p, scan_layers=args.scan_layers) for p in chosen]
   with platform.building_for("tpu"), no_persistent_cache():  # (AOT programs are not cached)
     points = []
     for p in chosen:

@@ -59,10 +59,9 @@ ROWS = {
     "llama3.1-8b-separate": Row("Llama-3.1-8B, separate hosts, async",
                                 "configs/llama3_1_8b_gsm8k.py", "v5p-32",
                                 SEPARATE + ("--config.placement.train_devices=8",)),
-    "llama3.1-70b-8": Row("Llama-3.1-70B", "configs/llama3_1_70b_gsm8k.py", "v5p-64",
-                          ("--config.model.n_layers=8",), layers=8),
-    "llama3.1-70b-16": Row("Llama-3.1-70B", "configs/llama3_1_70b_gsm8k.py", "v5p-64",
-                           ("--config.model.n_layers=16",), layers=16),
+    "llama3.1-70b": Row("Llama-3.1-70B", "configs/llama3_1_70b_gsm8k.py", "v5p-64"),
+    "qwen3-30b-a3b": Row("Qwen3-30B-A3B", "configs/qwen3_30b_a3b_gsm8k.py", "v5p-32"),
+    "gemma3-12b": Row("Gemma-3-12B", "configs/gemma3_12b_gsm8k.py", "v5p-16"),
 }
 FULL_DEPTH = {"Llama-3.1-70B": 80}
 

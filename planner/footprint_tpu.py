@@ -43,6 +43,7 @@ WINDOWED_FSDP = 8  # fsdp degree from which the compiler multiplies by weights s
 SAVED_D_MODEL = {"none": 3.25, "dots": 0.3, "full": 3.5}  # d_model-sized states a block keeps
 SPLASH_STATS = 4 * 128  # float32 bytes per token and head of the splash kernel's statistics
 WORK_D_MODEL = 4.0  # d_model-sized states of a block's backward beyond what it saved
+SCAN_WORK = 1.5  # layers' working sets a scanned decoder's loop bodies hold beside the rest
 LOGIT_COPIES, WEIGHT_COPIES, GATHERED_LAYERS, PACKING = 0.8, 0.9, 0.5, 1.2
 # float32 head gradients the log-prob chunks' loop carries: whole, or (fsdp over
 # WINDOWED_FSDP chips or more, the head's product shard by shard) a tenth of one
@@ -79,12 +80,16 @@ def update_peak(m, *, rows: float, seq_len: float, logit_chunk: int, param_bytes
   windowed = fsdp >= WINDOWED_FSDP  # (the head multiplied shard by shard: never gathered)
   logits = LOGIT_COPIES * rows * logit_chunk * m.vocab_size * 4 / tensor + (
       0.0 if windowed else cb * head)
+  # A scanned decoder's loops (the forward's, the backward's) keep their bodies' temporaries
+  # apart from the rest: about SCAN_WORK layers' working sets more, whatever the phase.
+  scan = SCAN_WORK * work if getattr(m, "scanned", False) else 0.0
   phases = [
-      {"activations": n * saved, "logits": logits, "gradients": grads + head_grad,
+      {"activations": n * saved + scan, "logits": logits, "gradients": grads + head_grad,
        "gathered weights": copies},
-      {"activations": (n - 1) * saved + work, "gathered weights": gathered,
+      {"activations": (n - 1) * saved + work + scan, "gathered weights": gathered,
        "gradients": grads + head_grad + layer_grad},
-      {"activations": work, "gathered weights": gathered, "gradients": grads + param_bytes},
+      {"activations": work + scan, "gathered weights": gathered,
+       "gradients": grads + param_bytes},
       {"gradients": param_bytes},
   ]
   peak = max(phases, key=lambda p: sum(p.values()))

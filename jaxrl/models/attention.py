@@ -159,7 +159,7 @@ def init_kv_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
   [B, L, K, H, S] and [B, L, K, S, H] (attention.KVCache)."""
   k_shape = (batch, cfg.n_kv_heads, cfg.head_dim, slots)
   v_shape = (batch, cfg.n_kv_heads, slots, cfg.head_dim)
-  if cfg.scan_layers:
+  if cfg.scanned:
     k_shape, v_shape = ((batch, cfg.n_layers) + s[1:] for s in (k_shape, v_shape))
     return jnp.zeros(k_shape, cfg.compute_dtype), jnp.zeros(v_shape, cfg.compute_dtype)
   return tuple((jnp.zeros(k_shape, cfg.compute_dtype), jnp.zeros(v_shape, cfg.compute_dtype))
@@ -172,6 +172,6 @@ def grow_kv_cache(cfg: ModelConfig, kv_cache: KVCache, slots: int) -> KVCache:
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, slots - x.shape[axis])
     return jnp.pad(x, pad)
-  pairs = (kv_cache,) if cfg.scan_layers else kv_cache
+  pairs = (kv_cache,) if cfg.scanned else kv_cache
   grown = tuple((grow(k, k.ndim - 1), grow(v, v.ndim - 2)) for k, v in pairs)
-  return grown[0] if cfg.scan_layers else grown
+  return grown[0] if cfg.scanned else grown

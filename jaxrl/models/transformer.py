@@ -14,6 +14,7 @@ sharding/rules.py); no mesh axis is named here. Projection weights are stored [o
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -47,9 +48,17 @@ class RMSNorm(nnx.Module):
     scale = self.scale[...] + 1.0 if self.offset else self.scale[...]
     if axis != -1:
       scale = scale.reshape(scale.shape + (1,) * (x.ndim - 1 - axis))
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axis, keepdims=True) + self.eps)
-    return (x32 * scale).astype(x.dtype)
+    return _rms_norm(x, scale, self.eps, axis)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2, 3))
+def _rms_norm(x, scale, eps: float, axis: int):
+  """RMSNorm in float32, its intermediates recomputed by the backward from `x` (a scan over
+  layers would otherwise keep their float32 copies per layer: XLA fuses them away only in an
+  unrolled program)."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axis, keepdims=True) + eps)
+  return (x32 * scale).astype(x.dtype)
 
 
 def _adapters(module: nnx.Module, lora: LoRAConfig | None, rngs: nnx.Rngs, **weights) -> None:
@@ -130,9 +139,14 @@ class MLP(nnx.Module):
     def linear(name, x):
       w = getattr(self, name)[...]
       return layout.adapt(self, name, x, layout.dense(x, w, trained=not self.frozen))
-    gate = linear("w_gate", x)
-    gate = MLP_ACTIVATIONS[self.activation](gate)
-    return linear("w_down", layout.hidden(gate * linear("w_up", x)))
+    hidden = _gated(linear("w_gate", x), linear("w_up", x), self.activation)
+    return linear("w_down", layout.hidden(hidden))
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2,))
+def _gated(gate, up, activation: str):
+  """activation(gate) * up, recomputed by the backward from gate and up (as `_rms_norm`)."""
+  return MLP_ACTIVATIONS[activation](gate) * up
 
 
 class Block(nnx.Module):
@@ -204,7 +218,7 @@ class Decoder(nnx.Module):
     lora_rngs = None if lora is None else nnx.Rngs(jax.random.fold_in(rngs.default.key[...],
                                                                        0x10A))
     blocks = [Block(cfg, rngs, lora, lora_rngs) for _ in range(cfg.n_layers)]
-    self.blocks = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
+    self.blocks = stack_blocks(blocks) if cfg.scanned else nnx.List(blocks)
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=cfg.block.norm_offset)
 
   def __call__(self, tokens, positions, key_valid_BS, kv_cache: KVCache | None = None,
