@@ -9,10 +9,11 @@ in docs/benchmarks.md (its "target table" block).
 A row is `python -m cli.train --config=CONFIG --dry_run --target=SLICE OVERRIDES
 --target_json=FILE` in a process of its own (minutes to tens of minutes each on a 2-core
 machine). Its report's numbers are kept in benchmarks/target_table.json with the date, the
-commit and this machine's CPU, so a row is compiled again only when named. The Llama-3.1-70B
-compiles with its layers cut to 8 and 16 (its 80 unrolled layers' update needs more host memory
-than a 24 GB machine has): per program, arguments and temporaries are linear in the layers,
-and the table extrapolates the busiest device to 80 from the two cuts (said as such).
+commit and this machine's CPU, so a row is compiled again only when named. Rows compile as a
+TPU runs them, the decoder scanned (`model.scan_layers`); the rows stored as `NAME/unrolled`
+were compiled before the decoder could be scanned (the 70B's full depth could not be: only
+8- and 16-layer cuts, its 80 layers' update needing more than this 24 GB machine's memory),
+and the second table sets their compile seconds beside the scanned ones.
 """
 from __future__ import annotations
 
@@ -41,7 +42,6 @@ class Row:
   config: str
   target: str
   overrides: tuple[str, ...] = ()
-  layers: int = 0  # a cut of a deeper model: its layers (the full depth is in the label)
 
 
 COLOCATE = ("--config.placement.strategy=colocate",)
@@ -63,7 +63,6 @@ ROWS = {
     "qwen3-30b-a3b": Row("Qwen3-30B-A3B", "configs/qwen3_30b_a3b_gsm8k.py", "v5p-32"),
     "gemma3-12b": Row("Gemma-3-12B", "configs/gemma3_12b_gsm8k.py", "v5p-16"),
 }
-FULL_DEPTH = {"Llama-3.1-70B": 80}
 
 
 def _machine() -> str:
@@ -167,11 +166,13 @@ def _meshes(summary: dict) -> str:
 
 
 SCORING = ("reference log-probs", "old log-probs")
+GENERATE = "generate (prefill + decode loop)"
+COMPILED = (GENERATE, "reference log-probs", "old log-probs", "actor update")
+UNROLLED = "/unrolled"  # a stored row compiled with the decoder unrolled (before issue 55)
 
 
 def table_row(row: Row, stored: dict) -> str:
-  depth = f", {row.layers} of {FULL_DEPTH[row.label]} layers" if row.layers else ""
-  head = f"| {row.label}{depth} | {row.target} |"
+  head = f"| {row.label} | {row.target} |"
   s = stored.get("summary")
   if s is None:
     return head + f" did not compile: {stored.get('error') or 'exit ' + str(stored['exit'])} |" \
@@ -182,35 +183,30 @@ def table_row(row: Row, stored: dict) -> str:
           f"{_ratio(ph['estimate_bytes'], ph['compiler_bytes'])} | "
           f"{_flops_cell(s, ('actor update',))} | {_flops_cell(s, SCORING)} | "
           f"{_seconds_cell(s, ('actor update',))} | {_seconds_cell(s, SCORING)} | "
-          f"{_seconds_cell(s, ('generate (prefill + decode loop)',))} | "
+          f"{_seconds_cell(s, (GENERATE,))} | "
           f"{stored['wall_seconds'] / 60:.0f} min |")
 
 
-def extrapolated(stored: dict) -> list[str]:
-  """The busiest device of each full-depth model compiled only as two layer cuts, linear in
-  the layers from the cuts' per-phase peaks."""
-  lines = []
-  for label, depth in FULL_DEPTH.items():
-    cuts = sorted((r.layers, stored[n]["summary"]) for n, r in ROWS.items()
-                  if r.label == label and r.layers and (stored.get(n) or {}).get("summary"))
-    if len(cuts) < 2:
+def _compile_cell(entry: dict | None, name: str) -> str:
+  s = (entry or {}).get("summary")
+  picked = [p for p in (s or {}).get("programs", []) if p["name"] == name]
+  return f"{picked[0]['compile_seconds']:.0f}" if picked else "-"
+
+
+def compile_rows(store: dict) -> list[str]:
+  """Compile seconds per program, the decoder unrolled (a stored `/unrolled` row) then scanned
+  (`model.scan_layers`, the TPU default), with the machines each ran on."""
+  lines = ["| config | generate: unrolled / scanned s | reference | old log-probs | update | "
+           "whole command, min | machines (unrolled; scanned) |", "|---|---|---|---|---|---|---|"]
+  cpu = lambda e: e["machine"].split(",")[0].replace("(R)", "") if e else "-"
+  for name, row in ROWS.items():
+    scanned, unrolled = store.get(name), store.get(name + UNROLLED)
+    if scanned is None:
       continue
-    (l1, s1), (l2, s2) = cuts[0], cuts[-1]
-    per_phase = {}
-    for phase, p1 in s1["phases"].items():
-      b1, b2 = p1["compiler_bytes"], s2["phases"][phase]["compiler_bytes"]
-      per_phase[phase] = b1 + (b2 - b1) * (depth - l1) / (l2 - l1)
-    phase, worst = max(per_phase.items(), key=lambda kv: kv[1])
-    seconds = lambda s, names: sum(p["seconds"] for p in _programs(s, names))
-    at_depth = lambda names: seconds(s1, names) + (seconds(s2, names) - seconds(s1, names)) * (
-        depth - l1) / (l2 - l1)
-    lines.append(f"{label} at its {depth} layers, extrapolated linearly from the {l1}- and "
-                 f"{l2}-layer compiles: {worst / GIB:.1f} GiB at the busiest device ({phase}) of "
-                 f"{s1['hbm_bytes'] / GIB:.1f} GiB HBM: "
-                 f"{'fits' if worst <= s1['hbm_bytes'] else 'does NOT fit'}; per phase "
-                 + ", ".join(f"{p} {b / GIB:.1f}" for p, b in per_phase.items())
-                 + f"; est. s: update {at_depth(('actor update',)):.2f}, scoring "
-                 f"{at_depth(SCORING):.2f}.")
+    cells = [f"{_compile_cell(unrolled, p)} / {_compile_cell(scanned, p)}" for p in COMPILED]
+    wall = lambda e: f"{e['wall_seconds'] / 60:.1f}" if e else "-"
+    lines.append(f"| {row.label} ({row.target}) | " + " | ".join(cells)
+                 + f" | {wall(unrolled)} / {wall(scanned)} | {cpu(unrolled)}; {cpu(scanned)} |")
   return lines
 
 
@@ -220,7 +216,7 @@ def markdown(store: dict) -> list[str]:
            "scoring | generate (prefill + 1 decode step) | compile here |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   lines += [table_row(row, store[name]) for name, row in ROWS.items() if name in store]
-  return lines + [""] + extrapolated(store)
+  return lines + [""] + compile_rows(store)
 
 
 def _stored() -> dict:

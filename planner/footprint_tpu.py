@@ -19,6 +19,15 @@ habits differ from XLA:CPU's, to which planner/footprint.py's counts are fitted:
     gradient (the 70B's update on a v5p-64: 0.33 GiB beside the 3.91 GiB gradient, whole at
     the peak with the blocks' saved gate and up outputs).
 
+A scanned decoder (`model.scan_layers`, a TPU's default) keeps the same per-layer activations
+(its norms and gated activation recompute their float32 intermediates in the backward, as the
+unrolled program's fusions do) but its loops' bodies hold their temporaries apart: about
+SCAN_WORK = 1.5 layers' working sets more (fitted to the 14 points of benchmarks/target_sweep.py
+scanned: 0.92x to 1.11x at 12 of them, 1.42x and 1.64x at the 32768-word vocabulary). Its
+scoring passes gather about 1.25 layers at a time, read a compute-dtype copy of a float32
+stack made ahead of the scan, and reserve 2.5 MiB beside (0.91x to 1.22x at the points but
+LoRA's, 0.76x to 0.80x, and the 4-way data-parallel reference, 1.33x).
+
 Fitted to the `temp_size_in_bytes` of 12 small updates on a v5e-4 (0.84x to 1.12x at each,
 0.90x to 1.12x before LoRA's frozen base lost its copy) and, held out, within 9% of the
 real-size updates under fsdp 4 (docs/benchmarks.md's target table).
@@ -106,6 +115,9 @@ SCORING_GATHERED_LAYERS = 2.0  # layers fsdp gathers around a block (this one, t
 WINDOW_BUFFERS = 1.15  # of a layer's shard, kept per layer across a windowed pass's loop
 SCORING_PACKING = 1.03
 SCORING_FIXED = 12 * 2**20, 4 * 2**20  # bytes the compiler reserves beside (with, without fsdp)
+# A scanned decoder's pass: about 1.25 layers gathered at once (no next layer's ahead of its
+# turn), and 2.5 MiB reserved beside
+SCAN_GATHERED_LAYERS, SCAN_SCORING_FIXED = 1.25, 2.5 * 2**20
 
 
 def scoring_peak(m, *, rows: float, seq_len: float, logit_chunk: int, fsdp: int, tensor: int,
@@ -118,14 +130,16 @@ def scoring_peak(m, *, rows: float, seq_len: float, logit_chunk: int, fsdp: int,
   head = {"logits": rows * logit_chunk * m.vocab_size * 4 / tensor,
           "gathered weights": (head_params * cb / tensor if fsdp > 1 and logit_chunk else 0.0)
           + (2 * head_params * cb / (fsdp * tensor) if m.tie_embeddings else 0.0)}
+  scanned = getattr(m, "scanned", False)
+  gathered = SCAN_GATHERED_LAYERS if scanned else SCORING_GATHERED_LAYERS
   block = {"activations": tokens * cb * (SCORING_FF * flops.token_ff(m) + SCORING_D_MODEL * m.d_model)
-           / tensor, "gathered weights": (SCORING_GATHERED_LAYERS * layer * cb / tensor
+           / tensor, "gathered weights": (gathered * layer * cb / tensor
                                           if 1 < fsdp and not windowed else 0.0)}
   peak = max((head, block), key=lambda p: sum(p.values()))
   out = {k: peak.get(k, 0.0) for k in ("activations", "logits", "gathered weights")}
-  if pieces > 1:
+  if pieces > 1 or scanned:  # (a scan reads the stacked weights' copy, made ahead of it)
     out["weight copies"] = cast_bytes + (WINDOW_BUFFERS * m.n_layers * layer * cb
-                                         / (fsdp * tensor) if windowed else 0.0)
-  fixed = SCORING_FIXED[0] if fsdp > 1 else SCORING_FIXED[1]
+                                         / (fsdp * tensor) if windowed and pieces > 1 else 0.0)
+  fixed = SCAN_SCORING_FIXED if scanned else SCORING_FIXED[0] if fsdp > 1 else SCORING_FIXED[1]
   out["buffer packing"] = (SCORING_PACKING - 1) * sum(out.values()) + fixed
   return out

@@ -52,23 +52,30 @@ def period(cfg) -> int:
 
 
 def scan_periods(stacked: nnx.Module, n_periods: int, size: int, carry, layer_fn,
-                 routes_LBTK=None):
+                 routes_LBTK=None, indexed: bool = False):
   """`layer_fn(j, i, block, carry, routes_BTK) -> (carry, stats)` over the first `n_periods` x
   `size` layers of `stacked` (i: the layer, traced; j: its place in its period), one scan step
-  per period: (carry, the layers' stats stacked on a leading axis, or None)."""
+  per period: (carry, the layers' stats stacked on a leading axis, or None). The layers' weights
+  are the scan's inputs, or with `indexed` (a pass never differentiated) read by index from the
+  whole stack inside it: scanning fewer layers than the stack holds then slices no copy of it
+  (a prefill's scan stops before the last layer, which runs for the last position alone)."""
   if n_periods == 0:  # (fewer layers than one period: all of them unrolled by the caller)
     return carry, None
   graphdef, state = nnx.split(stacked)
   cut = lambda a: a[:n_periods * size].reshape(n_periods, size, *a.shape[1:])
-  xs = (jnp.arange(n_periods, dtype=jnp.int32), jax.tree.map(cut, state),
+  weights = None if indexed else jax.tree.map(cut, state)
+  xs = (jnp.arange(n_periods, dtype=jnp.int32), weights,
         None if routes_LBTK is None else cut(routes_LBTK))
 
   def body(carry, period_xs):
     p, period_state, routes = period_xs
     stats = []
     for j in range(size):
-      block = nnx.merge(graphdef, jax.tree.map(lambda a: a[j], period_state))
-      carry, st = layer_fn(j, p * size + j, block, carry, None if routes is None else routes[j])
+      i = p * size + j
+      take = ((lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)) if indexed
+              else (lambda a: a[j]))
+      block = nnx.merge(graphdef, jax.tree.map(take, state if indexed else period_state))
+      carry, st = layer_fn(j, i, block, carry, None if routes is None else routes[j])
       stats.append(st)
     return carry, None if stats[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *stats)
 

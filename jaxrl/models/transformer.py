@@ -344,7 +344,7 @@ class Decoder(nnx.Module):
       x, cache, st = self.layer_step(run, block, j, i, *carry, routes)
       return (x, cache), st
     (x, kv_cache), stats = scan_periods(self.blocks, whole, size, (x, kv_cache), step,
-                                        routes_LBTK)
+                                        routes_LBTK, indexed=kv_cache is not None)
     parts = [stats]
     for i in range(whole * size, cfg.n_layers):
       routes = None if routes_LBTK is None else routes_LBTK[i]
