@@ -2,6 +2,7 @@
 in docs/benchmarks.md (its "target table" block).
 
   python -m benchmarks.target_table --rows qwen2.5-0.5b,llama3.1-8b   # compile these rows
+  python -m benchmarks.target_table --rows qwen2.5-7b --unrolled   # the decoder unrolled
   python -m benchmarks.target_table --write    # the docs' table from the stored rows
   python -m benchmarks.target_table --json     # the table, then the stored rows as one JSON line
   python -m benchmarks.target_table --estimates --write  # today's dry run against stored compiles
@@ -62,6 +63,8 @@ ROWS = {
     "llama3.1-70b": Row("Llama-3.1-70B", "configs/llama3_1_70b_gsm8k.py", "v5p-64"),
     "qwen3-30b-a3b": Row("Qwen3-30B-A3B", "configs/qwen3_30b_a3b_gsm8k.py", "v5p-32"),
     "gemma3-12b": Row("Gemma-3-12B", "configs/gemma3_12b_gsm8k.py", "v5p-16"),
+    "gemma3-12b-fsdp8": Row("Gemma-3-12B, trainer on 8 chips", "configs/gemma3_12b_gsm8k.py",
+                            "v5p-32", ("--config.placement.train_devices=8",)),
 }
 
 
@@ -74,13 +77,15 @@ def _machine() -> str:
   return f"{model}, {os.cpu_count()} cores"
 
 
-def compile_row(name: str) -> dict:
-  """One row's target compile in a child process: its summary, or the error line it ended on."""
+def compile_row(name: str, unrolled: bool = False) -> dict:
+  """One row's target compile in a child process: its summary, or the error line it ended on.
+  `unrolled`: the decoder unrolled (`--config.model.scan_layers=false`)."""
   row = ROWS[name]
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "summary.json")
     cmd = [sys.executable, "-m", "cli.train", f"--config={row.config}", "--dry_run",
-           f"--target={row.target}", f"--target_json={out}", *row.overrides]
+           f"--target={row.target}", f"--target_json={out}", *row.overrides,
+           *(["--config.model.scan_layers=false"] if unrolled else [])]
     start, errors = time.perf_counter(), []
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
@@ -229,6 +234,8 @@ def _stored() -> dict:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rows", default="", help=f"compile these rows: {','.join(ROWS)}")
+  parser.add_argument("--unrolled", action="store_true", help="compile --rows with the decoder "
+                      f"unrolled, stored as NAME{UNROLLED}")
   parser.add_argument("--write", action="store_true", help=f"rewrite the table in {DOC}")
   parser.add_argument("--json", action="store_true")
   parser.add_argument("--estimates", action="store_true", help="the stored rows' phases and "
@@ -242,8 +249,9 @@ def main() -> None:
     sys.exit(2)
   for name in names:
     print(f"target_table: compiling {name} ...", file=sys.stderr, flush=True)
-    result = compile_row(name)
-    store = {**_stored(), name: result}  # (read again: another process may have added rows)
+    result = compile_row(name, args.unrolled)
+    key = name + UNROLLED if args.unrolled else name
+    store = {**_stored(), key: result}  # (read again: another process may have added rows)
     with open(STORE, "w", encoding="utf-8") as f:
       json.dump(store, f, indent=1)
   if args.estimates:

@@ -17,6 +17,8 @@ import collections
 import math
 import re
 
+import numpy as np
+
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][\w-]*)\((.*?)\)(.*)$")
 _ARRAY = re.compile(r"^[a-z]\w*\[([\d,]*)\]")
@@ -28,29 +30,35 @@ def _dims(shape: str) -> list[int] | None:
   return [int(d) for d in m.group(1).split(",") if d] if m else None
 
 
-def _window_pairs(out_size: int, in_size: int, size: int, lo: int, stride: int) -> int:
+def _window_pairs(out_size: int, in_size: int, size: int, lo: int, stride: int,
+                  lhs_dilate: int = 1, rhs_dilate: int = 1) -> int:
   """(output position, window position) pairs of one spatial dimension that read the input,
-  not its padding."""
-  return sum(0 <= o * stride + w - lo < in_size for o in range(out_size) for w in range(size))
+  not its padding nor the holes of its dilation (`lhs_dilate`: the TPU compiler writes a
+  batched matmul as a convolution whose window walks a dilated batch, one real input per
+  output)."""
+  pos = (np.arange(out_size)[:, None] * stride + np.arange(size)[None, :] * rhs_dilate - lo)
+  real = (pos >= 0) & (pos % lhs_dilate == 0) & (pos // lhs_dilate < in_size)
+  return int(real.sum())
 
 
 def _convolution_flops(out: list[int], lhs: list[int], rhs: list[int], attrs: str) -> float:
   """A convolution (the TPU compiler's form of most matmuls: a window over a few shards or
-  heads, sometimes padded) as 2 x the multiply-adds that read real input."""
+  heads, sometimes padded or dilated) as 2 x the multiply-adds that read real input."""
   lhs_l, rhs_l, out_l = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", attrs).groups()
   window = re.search(r"window=\{([^}]*)\}", attrs)
   fields = dict(f.split("=") for f in window.group(1).split()) if window else {}
   per_dim = lambda key, default: ([x.split("_") if "_" in x else x
                                    for x in fields[key].split("x")] if key in fields else default)
   spatial = sorted(c for c in out_l if c.isdigit())
-  sizes = [int(x) for x in per_dim("size", [1] * len(spatial))]
+  ones = [1] * len(spatial)
+  sizes, strides = ([int(x) for x in per_dim(k, ones)] for k in ("size", "stride"))
   pads = [int(p[0]) for p in per_dim("pad", [["0", "0"]] * len(spatial))]
-  strides = [int(x) for x in per_dim("stride", [1] * len(spatial))]
+  lhs_dilate, rhs_dilate = ([int(x) for x in per_dim(k, ones)] for k in ("lhs_dilate",
+                                                                          "rhs_dilate"))
   pairs, out_spatial = 1, 1
   for k, c in enumerate(spatial):
     o, i = out[out_l.index(c)], lhs[lhs_l.index(c)]
-    dilated = "lhs_dilate" in fields or "rhs_dilate" in fields
-    pairs *= o * sizes[k] if dilated else _window_pairs(o, i, sizes[k], pads[k], strides[k])
+    pairs *= _window_pairs(o, i, sizes[k], pads[k], strides[k], lhs_dilate[k], rhs_dilate[k])
     out_spatial *= o
   return 2.0 * math.prod(out) / out_spatial * pairs * rhs[rhs_l.index("i")]
 

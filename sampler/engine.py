@@ -106,6 +106,10 @@ class DecodeModel(Protocol):
 
   def grow_cache(self, kv_cache: KVCache, slots: int) -> KVCache: ...
 
+  @property
+  def stacked_cache(self) -> bool:
+    """Whether the cache holds every layer in one array per leaf (growing it copies it all)."""
+
   def rope(self, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]: ...
 
   def prefill(self, tokens_BP: jax.Array, valid_BP: jax.Array) -> tuple[jax.Array, KVCache,
@@ -198,8 +202,10 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
                       recent_BK=jnp.full((b, k), -1, jnp.int32), done_B=jnp.zeros((b,), bool),
                       routes_BNLK=None if routes_BPLK is None else jnp.full(
                           (b, steps) + routes_BPLK.shape[2:], -1, routes_BPLK.dtype))
-  for end in segment_ends(steps - 1, cfg.decode_segments):
-    state = state.replace(kv_cache=model.grow_cache(state.kv_cache, p + end))
+  ends = segment_ends(steps - 1, cfg.decode_segments)
+  for end in ends:  # (a stacked cache grows once: growing copies all of it, every layer's)
+    grown = p + (ends[-1] if model.stacked_cache else end)
+    state = state.replace(kv_cache=model.grow_cache(state.kv_cache, grown))
     state = jax.lax.while_loop(lambda s, end=end: (s.step < end) & ~all_done(s.done_B),
                                functools.partial(body, slots=p + end), state)
   state, _ = emit(state)  # the last token needs no forward pass (a no-op if every row is done)

@@ -245,7 +245,7 @@ def test_matrix_products_are_counted_as_often_as_their_loops_run():
   import jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-  from cli.hlo_flops import executed_flops
+  from cli.hlo_flops import _convolution_flops, executed_flops
   from cli.target_compile import no_persistent_cache, topology_devices
   mesh = Mesh(np.array(topology_devices(parse_target("v5p-64"))), ("fsdp",))
   rows, d, f = 256, 2048, 8192
@@ -259,6 +259,11 @@ def test_matrix_products_are_counted_as_often_as_their_loops_run():
   assert executed_flops(compiled.as_text()) == (per_chip, 0)
   xla = compiled.cost_analysis()
   assert (xla[0] if isinstance(xla, (list, tuple)) else xla)["flops"] < per_chip / 10
+  # The TPU compiler's form of a batched matmul (a mixture of experts' blocked products): a
+  # window walking a dilated batch reads one real input per output, not the whole window.
+  conv = "window={size=1662 stride=1661 lhs_dilate=1662}, dim_labels=0bf_0oi->0bf"
+  assert _convolution_flops([1662, 64, 256], [1662, 64, 768], [1662, 256, 768], conv) == \
+      2 * 1662 * 64 * 256 * 768
 
 
 SCORING_CHECKED = ("qwen2.5-0.5b/unrolled", "llama3.1-8b/unrolled", "qwen2.5-7b-lora/unrolled",

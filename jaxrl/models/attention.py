@@ -115,10 +115,11 @@ def fused(q_BTNH, k_BTKH, v_BTKH, mask, impl: str) -> jax.Array:
                                       implementation="xla" if impl == "splash" else impl)
 
 
-def write_cache(layer_cache, k_BKHT, v_BKTH, cache_index):
+def write_cache(layer_cache, k_BKHT, v_BKTH, cache_index, slots: int | None = None):
   """T new keys and values written from slot `cache_index`: (the layer's keys and values to
-  attend over, its updated cache). No cache: the new ones are all there is; a `StackedLayer`:
-  written into the whole stacked cache, the layer's slice read back."""
+  attend over, its first `slots` slots (all: None); its updated cache). No cache: the new ones
+  are all there is; a `StackedLayer`: written into the whole stacked cache, the layer's slots
+  read back (a stacked cache is grown once to its final size: sampler/engine.py)."""
   if layer_cache is None:
     return k_BKHT, v_BKTH, None
   if isinstance(layer_cache, StackedLayer):
@@ -130,13 +131,16 @@ def write_cache(layer_cache, k_BKHT, v_BKTH, cache_index):
     v_all = jax.lax.dynamic_update_slice(
         layer_cache.v_BLKSH, v_BKTH[:, None].astype(layer_cache.v_BLKSH.dtype),
         (zero, i, zero, s, zero))
-    layer = lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=1, keepdims=False)
-    return layer(k_all), layer(v_all), StackedLayer(k_all, v_all, layer_cache.layer)
+    b, _, k, h, n = k_all.shape
+    n = n if slots is None else slots
+    k_BKHS = jax.lax.dynamic_slice(k_all, (zero, i, zero, zero, zero), (b, 1, k, h, n))[:, 0]
+    v_BKSH = jax.lax.dynamic_slice(v_all, (zero, i, zero, zero, zero), (b, 1, k, n, h))[:, 0]
+    return k_BKHS, v_BKSH, StackedLayer(k_all, v_all, layer_cache.layer)
   k_BKHS = jax.lax.dynamic_update_slice_in_dim(layer_cache[0], k_BKHT.astype(layer_cache[0].dtype),
                                                cache_index, axis=3)
   v_BKSH = jax.lax.dynamic_update_slice_in_dim(layer_cache[1], v_BKTH.astype(layer_cache[1].dtype),
                                                cache_index, axis=2)
-  return k_BKHS, v_BKSH, (k_BKHS, v_BKSH)
+  return k_BKHS[..., :slots], v_BKSH[:, :, :slots], (k_BKHS, v_BKSH)
 
 
 def attend(q_BTKGH, k_BKHS, v_BKSH, mask_BTS):

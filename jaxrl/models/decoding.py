@@ -44,6 +44,11 @@ class LMDecoding:
     """The cache with its slot axis zero-padded to `slots`."""
     return grow_kv_cache(self.model.cfg, kv_cache, slots)
 
+  @property
+  def stacked_cache(self) -> bool:
+    """Whether the cache is one stacked pair (a scanned decoder's: attention.StackedLayer)."""
+    return self.model.cfg.scanned
+
   def rope(self, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(sin, cos) [B, T, head_dim / 2] for any positions (a decode loop computes them ahead)."""
     return rope_table(positions_BT, self.model.cfg)

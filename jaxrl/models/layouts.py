@@ -97,8 +97,9 @@ class Rows:
     """(attention output [B, T, N * H], the layer's updated cache). `mask_BTS`: a dense mask, or
     a cacheless pass's `ValidPrefix` (cuDNN) or `Segments` (splash): attention.fused."""
     q_BTNH = constrain(q_BTNH, ("batch", None, "act_heads", None))
+    slots = None if layer_cache is None else mask_BTS.shape[-1]
     k_BKHS, v_BKSH, new_cache = write_cache(layer_cache, k_BTKH.transpose(0, 2, 3, 1),
-                                            v_BTKH.transpose(0, 2, 1, 3), cache_index)
+                                            v_BTKH.transpose(0, 2, 1, 3), cache_index, slots)
     b, t, n, h = q_BTNH.shape
     dt, kh = q_BTNH.dtype, cfg.n_kv_heads
     impl = attention_impl(cfg)
@@ -186,7 +187,8 @@ class Features:
     q_BKGH = constrain(q_NHB.reshape(kh, n // kh, h, b).transpose(3, 0, 1, 2),
                        ("batch", "act_kv_heads", None, None))
     k_BKHS, v_BKSH, new_cache = write_cache(layer_cache, k_KHB.transpose(2, 0, 1)[..., None],
-                                            v_KHB.transpose(2, 0, 1)[:, :, None], slot)
+                                            v_KHB.transpose(2, 0, 1)[:, :, None], slot,
+                                            mask_B1S.shape[-1])
     out_BKGH = attend_one(q_BKGH, k_BKHS.astype(dt), v_BKSH.astype(dt), mask_B1S[:, 0])
     return out_BKGH.reshape(b, n * h).T, new_cache
 

@@ -28,37 +28,12 @@ from jaxrl.models.layouts import ROWS
 from jaxrl.models.lora import LoRA, LoRAConfig
 from jaxrl.models.scan import layer_view, period, scan_periods, stack_blocks
 from jaxrl.models.moe import MoE, stack_stats
+from jaxrl.models.norm import RMSNorm
 from jaxrl.models.splash import Segments
 
 
 def _param(rngs: nnx.Rngs, shape, axes, scale: float) -> nnx.Param:
   return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * scale, logical_axes=axes)
-
-
-class RMSNorm(nnx.Module):
-  """`offset` (Gemma): the stored weight w scales by (1 + w), so it starts at zero."""
-
-  def __init__(self, dim: int, eps: float, axis_name: str = "embed", offset: bool = False):
-    init = jnp.zeros if offset else jnp.ones
-    self.scale = nnx.Param(init((dim,), jnp.float32), logical_axes=(axis_name,))
-    self.eps, self.offset = eps, offset
-
-  def __call__(self, x, axis: int = -1):
-    """Normalised over `axis` (the layout's feature or head_dim axis)."""
-    scale = self.scale[...] + 1.0 if self.offset else self.scale[...]
-    if axis != -1:
-      scale = scale.reshape(scale.shape + (1,) * (x.ndim - 1 - axis))
-    return _rms_norm(x, scale, self.eps, axis)
-
-
-@functools.partial(jax.checkpoint, static_argnums=(2, 3))
-def _rms_norm(x, scale, eps: float, axis: int):
-  """RMSNorm in float32, its intermediates recomputed by the backward from `x` (a scan over
-  layers would otherwise keep their float32 copies per layer: XLA fuses them away only in an
-  unrolled program)."""
-  x32 = x.astype(jnp.float32)
-  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axis, keepdims=True) + eps)
-  return (x32 * scale).astype(x.dtype)
 
 
 def _adapters(module: nnx.Module, lora: LoRAConfig | None, rngs: nnx.Rngs, **weights) -> None:
