@@ -107,6 +107,19 @@ def compile_row(name: str, unrolled: bool = False) -> dict:
           "commit": commit, "machine": _machine()}
 
 
+def row_config(name: str, entry: dict):
+  """(the experiment config, the target) of a stored row, from the command it was compiled by
+  (a row stored as NAME/unrolled: the decoder unrolled, as it was before it could scan)."""
+  from cli.flags import parse_args
+  from jaxrl.config_files import with_gin
+  from planner.targets import parse_target
+  args = entry["command"].split(" -m cli.train ")[1].split()
+  if name.endswith(UNROLLED) and "--config.model.scan_layers=false" not in args:
+    args.append("--config.model.scan_layers=false")
+  raw, gin_files, gin_params, flags = parse_args(["refresh", *args])
+  return with_gin(raw, gin_files, gin_params), parse_target(flags["target"])
+
+
 def refreshed(name: str, entry: dict) -> dict:
   """A stored row with this commit's dry run: its phases from the stored programs' bytes (what
   stays and what offload brings back, per phase), the estimates from today's memory model and
@@ -115,17 +128,13 @@ def refreshed(name: str, entry: dict) -> dict:
   from types import SimpleNamespace
 
   from cli import dry_run
-  from cli.flags import parse_args
   from cli.target_compile import Compiled, estimates, phase_peaks, rl_programs, topology_devices
   from cli.target_report import phase_summary
   from jaxrl import platform
-  from jaxrl.config_files import with_gin
-  from planner.targets import parse_target
-  row, summary = ROWS[name], entry["summary"]
-  raw, gin_files, gin_params, _ = parse_args(["refresh", f"--config={row.config}", *row.overrides])
-  cfg = with_gin(raw, gin_files, gin_params)
+  summary = entry["summary"]
+  cfg, target = row_config(name, entry)
   with platform.building_for("tpu"):
-    cluster, resident, phases = dry_run.tables(cfg, topology_devices(parse_target(row.target)))
+    cluster, resident, phases = dry_run.tables(cfg, topology_devices(target))
     programs = {p.name: p for p in rl_programs(cfg, cluster)}
   compiled = [Compiled(programs[p["name"]], SimpleNamespace(
       argument_size_in_bytes=p["argument_bytes"], output_size_in_bytes=p["output_bytes"],

@@ -59,6 +59,12 @@ LOGIT_COPIES, WEIGHT_COPIES, GATHERED_LAYERS, PACKING = 0.8, 0.9, 0.5, 1.2
 HEAD_GRADIENT_CARRIES, WINDOWED_HEAD_CARRIES = 2, 0.1
 
 
+def scanned(m) -> bool:
+  """Whether `m` (a model config) runs scanned on a TPU: `scan_layers` true, or auto (the
+  platform's default there), whatever platform plans it."""
+  return str(getattr(m, "scan_layers", "false")).lower() != "false"
+
+
 def _saved(m, remat: str, tensor: int, lora: bool, cb: int) -> float:
   """Bytes per token one block keeps from its forward to its backward."""
   states = cb * SAVED_D_MODEL[remat] * m.d_model
@@ -91,7 +97,7 @@ def update_peak(m, *, rows: float, seq_len: float, logit_chunk: int, param_bytes
       0.0 if windowed else cb * head)
   # A scanned decoder's loops (the forward's, the backward's) keep their bodies' temporaries
   # apart from the rest: about SCAN_WORK layers' working sets more, whatever the phase.
-  scan = SCAN_WORK * work if getattr(m, "scanned", False) else 0.0
+  scan = SCAN_WORK * work if scanned(m) else 0.0
   phases = [
       {"activations": n * saved + scan, "logits": logits, "gradients": grads + head_grad,
        "gathered weights": copies},
@@ -130,16 +136,18 @@ def scoring_peak(m, *, rows: float, seq_len: float, logit_chunk: int, fsdp: int,
   head = {"logits": rows * logit_chunk * m.vocab_size * 4 / tensor,
           "gathered weights": (head_params * cb / tensor if fsdp > 1 and logit_chunk else 0.0)
           + (2 * head_params * cb / (fsdp * tensor) if m.tie_embeddings else 0.0)}
-  scanned = getattr(m, "scanned", False)
-  gathered = SCAN_GATHERED_LAYERS if scanned else SCORING_GATHERED_LAYERS
+  scan = scanned(m)
+  gathered = SCAN_GATHERED_LAYERS if scan else SCORING_GATHERED_LAYERS
   block = {"activations": tokens * cb * (SCORING_FF * flops.token_ff(m) + SCORING_D_MODEL * m.d_model)
            / tensor, "gathered weights": (gathered * layer * cb / tensor
                                           if 1 < fsdp and not windowed else 0.0)}
   peak = max((head, block), key=lambda p: sum(p.values()))
   out = {k: peak.get(k, 0.0) for k in ("activations", "logits", "gathered weights")}
-  if pieces > 1 or scanned:  # (a scan reads the stacked weights' copy, made ahead of it)
+  if pieces > 1 or scan:  # (a scan reads the stacked weights' copy, made ahead of it;
+    # unrolled, a windowed pass in pieces keeps every layer's shard buffers across its loop)
+    windows = windowed and pieces > 1 and not scan
     out["weight copies"] = cast_bytes + (WINDOW_BUFFERS * m.n_layers * layer * cb
-                                         / (fsdp * tensor) if windowed and pieces > 1 else 0.0)
-  fixed = SCAN_SCORING_FIXED if scanned else SCORING_FIXED[0] if fsdp > 1 else SCORING_FIXED[1]
+                                         / (fsdp * tensor) if windows else 0.0)
+  fixed = SCAN_SCORING_FIXED if scan else SCORING_FIXED[0] if fsdp > 1 else SCORING_FIXED[1]
   out["buffer packing"] = (SCORING_PACKING - 1) * sum(out.values()) + fixed
   return out

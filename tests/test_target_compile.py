@@ -266,32 +266,28 @@ def test_matrix_products_are_counted_as_often_as_their_loops_run():
       2 * 1662 * 64 * 256 * 768
 
 
-SCORING_CHECKED = ("qwen2.5-0.5b/unrolled", "llama3.1-8b/unrolled", "qwen2.5-7b-lora/unrolled",
+SCORING_CHECKED = ("qwen2.5-0.5b", "llama3.1-8b", "qwen2.5-7b-lora", "llama3.1-70b",
+                   "qwen2.5-0.5b/unrolled", "llama3.1-8b/unrolled", "qwen2.5-7b-lora/unrolled",
                    "llama3.1-70b-8/unrolled")
 
 
 def test_the_tpu_scoring_model_against_the_stored_real_size_compiles():
   """planner/footprint_tpu.scoring_peak (the dry run's scoring passes for a TPU target) against
   the temporary bytes the TPU compiler gave each real-size config's old and reference log-probs
-  passes (benchmarks/target_table.json: 0.5B to a 16-layer cut of the 70B, fsdp 4 and 32, float32
-  and bfloat16 weights, LoRA): within 16% of every pass (the float32 actor's old log-probs pass
-  holds its weights' bfloat16 copy, made ahead of the loop over pieces: 3.6 GiB at the 8B)."""
-  from benchmarks.target_table import STORE
+  passes (benchmarks/target_table.json: 0.5B to the 70B, fsdp 4 and 32, float32 and bfloat16
+  weights, LoRA; the decoder scanned, and unrolled before it could be): within 16% of every
+  pass (the float32 actor's old log-probs pass holds its weights' bfloat16 copy, made ahead of
+  the loop over pieces or the scan: 3.6 GiB at the 8B)."""
+  from benchmarks.target_table import STORE, row_config
   from cli import dry_run
   from cli.target_compile import topology_devices
   from jaxrl import platform
-  from cli.flags import parse_args
-  from jaxrl.config_files import with_gin
   stored = json.load(open(STORE))
   for name in SCORING_CHECKED:
-    args = stored[name]["command"].split(" -m cli.train ")[1].split()
-    if name.endswith("/unrolled"):  # (compiled before the decoder could be scanned)
-      args.append("--config.model.scan_layers=false")
-    raw, gin_files, gin_params, run_flags = parse_args(["x", *args])
-    cfg = with_gin(raw, gin_files, gin_params)
+    cfg, target = row_config(name, stored[name])
     temps = {p["name"]: p["temp_bytes"] for p in stored[name]["summary"]["programs"]}
     with platform.building_for("tpu"):
-      cluster, _, _ = dry_run.tables(cfg, topology_devices(parse_target(run_flags["target"])))
+      cluster, _, _ = dry_run.tables(cfg, topology_devices(target))
       for program, role in (("reference log-probs", "reference"), ("old log-probs", "actor")):
         estimate = sum(dry_run.scoring_footprint(cfg, cluster.get(role)).values())
         assert estimate == pytest.approx(temps[program], rel=0.16), (name, program)

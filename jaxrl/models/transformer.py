@@ -14,7 +14,6 @@ sharding/rules.py); no mesh axis is named here. Projection weights are stored [o
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
@@ -64,8 +63,8 @@ class Attention(nnx.Module):
                                             logical_axes=(axis, "head_dim"))
       self.bq, self.bk, self.bv = zeros(n, "heads"), zeros(k, "kv_heads"), zeros(k, "kv_heads")
     if cfg.block.qk_norm:
-      self.q_norm = RMSNorm(h, cfg.norm_eps, "head_dim", cfg.block.norm_offset)
-      self.k_norm = RMSNorm(h, cfg.norm_eps, "head_dim", cfg.block.norm_offset)
+      self.q_norm = RMSNorm(h, cfg.norm_eps, "head_dim", cfg.block.norm_offset, cfg.scanned)
+      self.k_norm = RMSNorm(h, cfg.norm_eps, "head_dim", cfg.block.norm_offset, cfg.scanned)
 
   def project(self, x, name: str, bias_name: str, norm_name: str, layout):
     """Queries, keys or values split into heads: the projection `name` (with its adapter), its
@@ -109,29 +108,33 @@ class MLP(nnx.Module):
     _adapters(self, lora, lora_rngs, w_gate=1, w_up=1, w_down=1)
     self.frozen = lora is not None and lora.enabled  # LoRA: no gradient reaches the base
     self.activation = cfg.block.mlp_activation  # SwiGLU (silu), GeGLU (gelu_tanh)
+    self.recompute = cfg.scanned
 
   def __call__(self, x, layout=ROWS):
     def linear(name, x):
       w = getattr(self, name)[...]
       return layout.adapt(self, name, x, layout.dense(x, w, trained=not self.frozen))
-    hidden = _gated(linear("w_gate", x), linear("w_up", x), self.activation)
+    gated = _recomputed_gated if self.recompute else _gated
+    hidden = gated(linear("w_gate", x), linear("w_up", x), self.activation)
     return linear("w_down", layout.hidden(hidden))
 
 
-@functools.partial(jax.checkpoint, static_argnums=(2,))
 def _gated(gate, up, activation: str):
-  """activation(gate) * up, recomputed by the backward from gate and up (as `_rms_norm`)."""
   return MLP_ACTIVATIONS[activation](gate) * up
+
+
+# In a scanned decoder, recomputed by the backward from gate and up (as norm.RMSNorm's)
+_recomputed_gated = jax.checkpoint(_gated, static_argnums=(2,))
 
 
 class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None = None,
                lora_rngs: nnx.Rngs | None = None):
-    offset = cfg.block.norm_offset
-    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset)
+    offset, scan = cfg.block.norm_offset, cfg.scanned
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset, recompute=scan)
     self.attn = Attention(cfg, rngs, lora, lora_rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset, recompute=scan)
     self.moe = bool(cfg.n_experts)
     if self.moe:
       self.mlp = MoE(cfg, rngs, MLP_ACTIVATIONS[cfg.block.mlp_activation])
@@ -139,8 +142,8 @@ class Block(nnx.Module):
       self.mlp = MLP(cfg, rngs, lora, lora_rngs)
     self.sandwich = cfg.block.sandwich_norms
     if self.sandwich:  # the sublayers' outputs normed before the residual adds
-      self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset)
-      self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset)
+      self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset, recompute=scan)
+      self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset, recompute=scan)
 
   def __call__(self, x, rope, mask, layer_cache, cache_index, last_only=False, layout=ROWS,
                valid_BT=None, routes_BTK=None):
