@@ -7,7 +7,7 @@ benchmarks/live_peak.py), the memory model's update peak for a TPU target
 per device against jaxrl's count of what it sees (jaxrl/models/flops.py executed_train_flops,
 less the splash kernel's attention, which XLA does not count).
 
-  python -m benchmarks.target_sweep --json --markdown      # v5e-4, the 14 points, the docs tables
+  python -m benchmarks.target_sweep --json --markdown      # v5e-4, the 17 points, the docs tables
   python -m benchmarks.target_sweep --json --points 0,3    # some of them
 
 The compiler's FLOPs are its matrix products counted from the compiled HLO, each loop (the
@@ -43,6 +43,7 @@ class Point:
   rollouts: int = 16
   vocab: int = 4096
   scan_layers: str = "auto"  # (auto: scanned, as for any TPU target)
+  target: str = ""  # a slice of its own (several hosts); "": the sweep's --target
 
 
 POINTS = (
@@ -60,6 +61,11 @@ POINTS = (
     Point("d1024x8 fsdp4 full 512 tokens", 1024, 8, 256, 256, remat="full"),
     Point("d512x2 fsdp4 dots vocab32768", 512, 2, 128, 128, remat="dots", vocab=32768),
     Point("d512x2 fsdp4 micro4 vocab32768", 512, 2, 128, 128, micro=4, vocab=32768),
+    # where a new user's runs first missed (issue 55): two hosts, remat full at a large
+    # vocabulary, a large vocabulary over one layer
+    Point("d512x4 fsdp8 two hosts", 512, 4, 128, 128, mesh=(1, 8, 1), target="v5p-16"),
+    Point("d512x2 fsdp4 full vocab32768", 512, 2, 128, 128, remat="full", vocab=32768),
+    Point("d256x1 fsdp4 vocab65536", 256, 1, 128, 128, vocab=65536),
 )
 
 
@@ -253,7 +259,8 @@ def main() -> None:
   with platform.building_for("tpu"), no_persistent_cache():  # (AOT programs are not cached)
     points = []
     for p in chosen:
-      points.append(measure(p, devices))
+      points.append(measure(p, topology_devices(parse_target(p.target)) if p.target
+                            else devices))
       print(points[-1], file=sys.stderr, flush=True)
   if args.markdown:
     print("\n".join(markdown(points)))

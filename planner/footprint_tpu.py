@@ -13,7 +13,8 @@ habits differ from XLA:CPU's, to which planner/footprint.py's counts are fitted:
     shard and, under fsdp, half a layer's gathered weights;
   - the temporaries are packed into one preallocated buffer about 1.2x their live peak
     ("buffer packing"), and loops carry buffers outside it: two float32 head gradients (the
-    log-prob chunks' loop) and, with micro-batches, the gradient accumulator. Under fsdp over
+    log-prob chunks' loop), at most 32 MiB of them, and, with micro-batches, the gradient
+    accumulator. Under fsdp over
     8 chips or more the compiler multiplies by the head shard by shard (a "windowed einsum"):
     the head is never gathered whole, and the loop carries about a tenth of its float32
     gradient (the 70B's update on a v5p-64: 0.33 GiB beside the 3.91 GiB gradient, whole at
@@ -22,17 +23,19 @@ habits differ from XLA:CPU's, to which planner/footprint.py's counts are fitted:
 A scanned decoder (`model.scan_layers`, a TPU's default) keeps the same per-layer activations
 (its norms and gated activation recompute their float32 intermediates in the backward, as the
 unrolled program's fusions do) but its loops' bodies hold their temporaries apart: about
-SCAN_WORK = 1.5 layers' working sets more (fitted to the 14 points of benchmarks/target_sweep.py
-scanned: 0.92x to 1.11x at 12 of them, 1.42x and 1.64x at the 32768-word vocabulary). Its
+SCAN_WORK = 1.5 layers' working sets more (fitted to the first 14 points of
+benchmarks/target_sweep.py scanned: 0.92x to 1.19x at each of its 17). Its
 scoring passes gather about 1.25 layers at a time, read a compute-dtype copy of a float32
 stack made ahead of the scan, and reserve 2.5 MiB beside (0.91x to 1.22x at the points but
 LoRA's, 0.76x to 0.80x, and the 4-way data-parallel reference, 1.33x).
 
 Fitted to the `temp_size_in_bytes` of 12 small updates on a v5e-4 (0.84x to 1.12x at each,
 0.90x to 1.12x before LoRA's frozen base lost its copy) and, held out, within 9% of the
-real-size updates under fsdp 4 (docs/benchmarks.md's target table).
-At a 32768-word vocabulary under fsdp 4 it is 1.38x the compiler's (the loop carried 27 MiB
-there, not two 64 MiB gradients: where the compiler carries them whole is not pinned down).
+real-size updates under fsdp 4 (docs/benchmarks.md's target table). At a 32768-word
+vocabulary under fsdp 4 it was 1.38x the compiler's (the loop carried 27 MiB there, not two 64
+MiB gradients): the carried gradients are capped at CARRIED_MAX, which takes the sweep's
+large-vocabulary points to 0.93x to 1.03x and the real-size updates to 0.91x to 1.06x, but
+Gemma-3-12B's (0.67x: its 256-wide heads and 262208-word vocabulary were never fitted).
 
 A scoring pass (old or reference log-probs; `scoring_peak`) holds, at its peak, either the head's
 weights gathered whole beside one log-prob chunk's float32 logits (a tied table also keeps two
@@ -57,6 +60,7 @@ LOGIT_COPIES, WEIGHT_COPIES, GATHERED_LAYERS, PACKING = 0.8, 0.9, 0.5, 1.2
 # float32 head gradients the log-prob chunks' loop carries: whole, or (fsdp over
 # WINDOWED_FSDP chips or more, the head's product shard by shard) a tenth of one
 HEAD_GRADIENT_CARRIES, WINDOWED_HEAD_CARRIES = 2, 0.1
+CARRIED_MAX = 32 * 2**20  # and at most this many bytes of them (a head of 32768 x 512 up)
 
 
 def scanned(m) -> bool:
@@ -110,8 +114,9 @@ def update_peak(m, *, rows: float, seq_len: float, logit_chunk: int, param_bytes
   peak = max(phases, key=lambda p: sum(p.values()))
   out = {k: peak.get(k, 0.0) for k in ("gradients", "activations", "logits", "gathered weights")}
   out["buffer packing"] = (PACKING - 1) * sum(out.values())
-  carries = WINDOWED_HEAD_CARRIES if windowed else HEAD_GRADIENT_CARRIES
-  out["gradients"] += carries * head_grad + grads
+  carried = (WINDOWED_HEAD_CARRIES * head_grad if windowed
+             else min(HEAD_GRADIENT_CARRIES * head_grad, CARRIED_MAX))
+  out["gradients"] += carried + grads
   return out
 
 

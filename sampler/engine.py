@@ -164,10 +164,8 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
 
   Token i is sampled from the logits of forward pass i - 1 (the prefill for i = 0), so N tokens
   take N - 1 decode forwards; they run in `cfg.decode_segments` while loops whose attention
-  covers only the cache slots filled by the segment's end.
-  """
-  # Weights in the compute dtype once per call, not once per forward (a bf16 model keeps
-  # float32 parameters).
+  covers only the cache slots filled by the segment's end."""
+  # Weights in the compute dtype once per call, not per forward (bf16 keeps float32 params)
   model: DecodeModel = LMDecoding.of(nnx.merge(graphdef, params))
   p, steps = prompt_tokens_BP.shape[1], cfg.max_new_tokens
   logits_BV, kv_cache, routes_BPLK = model.prefill(prompt_tokens_BP, prompt_valid_BP)
@@ -203,11 +201,11 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
                       routes_BNLK=None if routes_BPLK is None else jnp.full(
                           (b, steps) + routes_BPLK.shape[2:], -1, routes_BPLK.dtype))
   ends = segment_ends(steps - 1, cfg.decode_segments)
-  for end in ends:  # (a stacked cache grows once: growing copies all of it, every layer's)
-    grown = p + (ends[-1] if model.stacked_cache else end)
-    state = state.replace(kv_cache=model.grow_cache(state.kv_cache, grown))
+  for end in ends:  # (a stacked cache grows once: growing it copies every layer's)
+    grown = model.grow_cache(state.kv_cache, p + (ends[-1] if model.stacked_cache else end))
     state = jax.lax.while_loop(lambda s, end=end: (s.step < end) & ~all_done(s.done_B),
-                               functools.partial(body, slots=p + end), state)
+                               functools.partial(body, slots=p + end),
+                               state.replace(kv_cache=grown))
   state, _ = emit(state)  # the last token needs no forward pass (a no-op if every row is done)
   # The mask comes from the done flags, not from comparing with PAD, so a sampled PAD token
   # mid-answer stays a real (masked-in) token for the trainer as it was for the sampler.
