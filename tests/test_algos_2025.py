@@ -9,7 +9,7 @@ import pytest
 from jaxrl.config_rl import BatchingConfig, DAPOConfig, RLConfig, RolloutConfig
 from jaxrl.algos.advantages import informative_groups, overlong_penalty
 from jaxrl.algos.correction import mismatch, rollout_weights
-from jaxrl.algos.losses import cispo_loss, decoupled_ppo_loss, gspo_loss, ppo_clip_loss
+from jaxrl.algos.losses import cispo_loss, gspo_loss, ppo_clip_loss
 
 RNG = np.random.default_rng(7)
 LOGP = RNG.normal(size=(4, 5)) * 0.3 - 1.0
@@ -74,15 +74,19 @@ def test_cispo_keeps_every_tokens_gradient_with_a_clipped_weight():
 
 
 def test_decoupled_ppo_is_the_behaviour_weight_times_ppo_around_the_proximal_policy():
-  got = decoupled_ppo_loss(jnp.asarray(LOGP), jnp.asarray(ADV), old_BN=jnp.asarray(OLD),
-                           mu_BN=jnp.asarray(MU), eps_low=0.2, eps_high=0.2)[0]
+  from jaxrl.algos.losses import POLICY_LOSSES
+  loss = POLICY_LOSSES["decoupled_ppo"]
+  mask = jnp.ones(LOGP.shape, bool)
+  weight, _ = rollout_weights(jnp.asarray(OLD), jnp.asarray(MU), mask,
+                              behaviour=loss.behaviour_weighted)
+  got = loss(jnp.asarray(LOGP), jnp.asarray(ADV), {"old_BN": jnp.asarray(OLD),
+                                                   "eps_low": 0.2, "eps_high": 0.2})[0] * weight
   ratio = np.exp(LOGP - OLD)
   ppo = -np.minimum(ratio * ADV, np.clip(ratio, 0.8, 1.2) * ADV)
   np.testing.assert_allclose(got, np.exp(OLD - MU) * ppo, rtol=1e-5)
   # behaviour == proximal: plain PPO
-  same = decoupled_ppo_loss(jnp.asarray(LOGP), jnp.asarray(ADV), old_BN=jnp.asarray(OLD),
-                            mu_BN=jnp.asarray(OLD), eps_low=0.2, eps_high=0.2)[0]
-  np.testing.assert_allclose(same, ppo, rtol=1e-5)
+  same, _ = rollout_weights(jnp.asarray(OLD), jnp.asarray(OLD), mask, behaviour=True)
+  np.testing.assert_allclose(same, 1.0)
 
 
 def np_weights(old, mu, mask, mode, low, high, cap):
@@ -146,24 +150,50 @@ def test_rollout_masks_hand_computed():
 
 
 @pytest.mark.parametrize("mode,cap", [("none", 1.05), ("icepop", 0.0), ("icepop", 1.05),
-                                      ("token", 0.0)])
+                                      ("token", 0.0), ("none", 0.0)])
 def test_decoupled_ppo_weight_is_capped_and_masked_never_squared(mode, cap):
-  """Decoupled PPO weights by r = pi_old / mu itself: with TIS or IcePop the loss's weight is
-  min(r, cap) on the kept tokens (what the correction gives a loss without its own weight),
-  not r times that."""
+  """Decoupled PPO is weighted by r = pi_old / mu: with TIS or IcePop its weight is min(r, cap)
+  on the kept tokens (what the correction gives a loss without its own weight), not r times
+  that; a mask alone keeps r on the kept tokens; no correction: r."""
   from jaxrl.algos.losses import POLICY_LOSSES, ppo_clip_loss
   old = jnp.asarray([[0.5, -0.5, 0.0], [0.1, 0.1, 0.0]])
   mu, mask = jnp.zeros((2, 3)), jnp.asarray([[True, True, True], [True, True, False]])
   logp, adv = old + 0.05, jnp.asarray([[1.0, -2.0, 0.5], [1.5, 1.0, 0.0]])
   band = dict(mask=mode, mask_low=0.8, mask_high=1.25, tis_cap=cap)
   loss = POLICY_LOSSES["decoupled_ppo"]
-  weight, _ = rollout_weights(old, mu, mask, in_loss=loss.behaviour_weighted, **band)
+  weight, _ = rollout_weights(old, mu, mask, behaviour=loss.behaviour_weighted, **band)
   got = loss(logp, adv, {"old_BN": old, "mu_BN": mu, "eps_low": 0.2, "eps_high": 0.2})[0] * weight
   want_weight, _ = rollout_weights(old, mu, mask, **band)  # min(r, cap) where kept
-  if mode == "token":  # a mask alone carries no ratio: the loss's own r stays
+  if cap == 0 and mode != "icepop":  # no ratio in the correction: the loss's own r stays
     want_weight = want_weight * jnp.exp(old - mu)
   want = ppo_clip_loss(logp, adv, old_BN=old, eps_low=0.2, eps_high=0.2)[0] * want_weight
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_name,mode,cap,want", [
+    ("decoupled_ppo", "none", 2.0, 2.0),  # the cap
+    ("decoupled_ppo", "icepop", 0.0, 0.0),  # dropped by IcePop: 0, not inf x 0
+    ("decoupled_ppo", "token", 2.0, 0.0),
+    ("ppo_clip", "icepop", 0.0, 0.0),
+    ("ppo_clip", "icepop", 2.0, 0.0)])
+def test_overflowing_log_ratio_gives_finite_loss_and_gradient(loss_name, mode, cap, want):
+  """A log-ratio log pi_old - log mu of 200 on one token (exp overflows float32 past ~88.7):
+  the loss and its gradient stay finite, that token's weight is what the cap or mask says, and
+  the other tokens' weights are their ratios."""
+  from jaxrl.algos.losses import POLICY_LOSSES
+  old = jnp.asarray([[200.0, 0.1, 0.0]])
+  mu, mask = jnp.zeros((1, 3)), jnp.asarray([[True, True, False]])
+  adv = jnp.asarray([[1.0, -1.0, 0.0]])
+  loss = POLICY_LOSSES[loss_name]
+  weight, _ = rollout_weights(old, mu, mask, mask=mode, mask_low=0.5, mask_high=2.0, tis_cap=cap,
+                              behaviour=loss.behaviour_weighted)
+  np.testing.assert_allclose(weight, [[want, np.exp(0.1), 0.0]], rtol=1e-6)
+
+  def total(logp):
+    per_token, _ = loss(logp, adv, {"old_BN": logp, "mu_BN": mu, "eps_low": 0.2, "eps_high": 0.2})
+    return (per_token * weight).sum()
+  value, grad = jax.value_and_grad(total)(old)
+  assert np.isfinite(value) and np.isfinite(np.asarray(grad)).all()
 
 
 def test_mismatch_metrics_match_numpy():

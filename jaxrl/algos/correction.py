@@ -15,8 +15,8 @@ and multiplies the per-token policy loss, whichever loss it is (`POLICY_LOSSES`)
 
 Dropped tokens keep their place in the loss's normaliser (they add 0), so a batch's other
 tokens weigh the same whatever the mask removes. A loss that weights by pi_old / mu itself
-(decoupled PPO: `PolicyLoss.behaviour_weighted`) takes the cap and the mask only (`in_loss`):
-its own ratio is the one capped, never multiplied twice. (AIPO's own weight is min(pi / mu,
+(decoupled PPO: `PolicyLoss.behaviour_weighted`) gets that ratio here (`behaviour`), capped
+and masked, never multiplied twice. (AIPO's own weight is min(pi / mu,
 rho); TIS and the masks apply on top of it, as docs/algorithms.md says.)
 """
 from __future__ import annotations
@@ -63,23 +63,26 @@ ROLLOUT_MASKS = {"none": None, "token": RolloutMask(token_kept),
 
 
 def rollout_weights(old_BN, mu_BN, mask_BN, *, mask: str = "none", mask_low: float = 0.5,
-                    mask_high: float = 2.0, tis_cap: float = 0.0, in_loss: bool = False):
+                    mask_high: float = 2.0, tis_cap: float = 0.0, behaviour: bool = False):
   """(weight_BN, kept_BN): the stop-gradient factor on each token's policy loss, and which
   valid tokens the mask kept (for the masked fraction). The keywords are the config's
-  `rl.correction` fields. `in_loss`: the loss weights by r = pi_old / mu already, so the weight
-  is what turns r into min(r, cap): min(1, cap / r)."""
+  `rl.correction` fields; `behaviour`: the loss is weighted by r = pi_old / mu whatever the
+  correction (decoupled PPO), so r is the weight before the cap and the mask, never squared.
+
+  The weight is formed in log space: min(d, log cap) exponentiated only where the mask keeps
+  the token, so a log-ratio past float32's exp range (~88.7) gives the cap, and a dropped
+  token 0, never inf x 0 = NaN."""
   entry = ROLLOUT_MASKS[mask]
   maskf_BN = mask_BN.astype(jnp.float32)
   d_BN = jax.lax.stop_gradient((old_BN - mu_BN) * maskf_BN)
-  weighted = (tis_cap > 0 or (entry is not None and entry.weighted)) and not in_loss
-  weight_BN = jnp.exp(d_BN) if weighted else jnp.ones_like(d_BN)
+  weighted = behaviour or tis_cap > 0 or (entry is not None and entry.weighted)
+  log_weight_BN = d_BN if weighted else jnp.zeros_like(d_BN)
   if tis_cap > 0:
-    weight_BN = (jnp.exp(jnp.minimum(0.0, math.log(tis_cap) - d_BN)) if in_loss
-                 else jnp.minimum(weight_BN, tis_cap))
+    log_weight_BN = jnp.minimum(log_weight_BN, math.log(tis_cap))
   kept_BN = (jnp.ones(d_BN.shape, bool) if entry is None
              else entry.kept(d_BN, maskf_BN, mask_low, mask_high))
   kept_BN = kept_BN & mask_BN.astype(bool)
-  return weight_BN * kept_BN, kept_BN
+  return jnp.where(kept_BN, jnp.exp(jnp.where(kept_BN, log_weight_BN, 0.0)), 0.0), kept_BN
 
 
 def tis_capped(old_BN, mu_BN, tis_cap: float = 0.0):

@@ -69,17 +69,6 @@ def cispo_loss(logp_BN, adv_BN, *, old_BN, eps_low: float, eps_high: float):
   return loss_BN, {"clip_frac": outside(ratio_BN, eps_low, eps_high)}
 
 
-def decoupled_ppo_loss(logp_BN, adv_BN, *, old_BN, mu_BN, eps_low: float, eps_high: float):
-  """Decoupled PPO (AReaL): the clip is around the proximal policy pi_old (the trainer's weights
-  before this update) and the behaviour policy mu (the sampler's, possibly several versions
-  older) enters only as the stop-gradient weight pi_old / mu:
-  -(pi_old / mu) * min(r * A, clip(r, 1-eps_low, 1+eps_high) * A), r = pi / pi_old."""
-  behaviour_BN = jax.lax.stop_gradient(jnp.exp(old_BN - mu_BN))
-  loss_BN, metrics = ppo_clip_loss(logp_BN, adv_BN, old_BN=old_BN, eps_low=eps_low,
-                                   eps_high=eps_high)
-  return behaviour_BN * loss_BN, metrics
-
-
 def value_loss(values_BN, old_values_BN, returns_BN, *, clip_eps: float) -> jax.Array:
   """Clipped value loss, per token: 0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)."""
   clipped_BN = old_values_BN + jnp.clip(values_BN - old_values_BN, -clip_eps, clip_eps)
@@ -157,9 +146,9 @@ def aggregation_weights(name: str, mask_BN, horizon: int | None = None) -> jax.A
 
 @dataclasses.dataclass(frozen=True)
 class PolicyLoss:
-  """A policy loss (its keyword-only parameters: what it reads) and whether it weights by the
-  behaviour policy's ratio itself (the rollout correction then only caps and masks it:
-  jaxrl/algos/correction.py)."""
+  """A policy loss (its keyword-only parameters: what it reads) and whether it is weighted by
+  the behaviour policy's ratio pi_old / mu (`behaviour_weighted`: the rollout correction,
+  jaxrl/algos/correction.py, forms that weight, capped and masked, in log space)."""
   fn: Callable
   behaviour_weighted: bool = False
 
@@ -172,4 +161,8 @@ POLICY_LOSSES = {"ppo_clip": PolicyLoss(ppo_clip_loss),
                  "aipo": PolicyLoss(aipo_loss),
                  "gspo": PolicyLoss(gspo_loss),
                  "cispo": PolicyLoss(cispo_loss),
-                 "decoupled_ppo": PolicyLoss(decoupled_ppo_loss, behaviour_weighted=True)}
+                 # Decoupled PPO (AReaL): the clip around the proximal policy pi_old (the
+                 # trainer's weights before this update), the behaviour policy mu (the
+                 # sampler's, possibly several versions older) only in the stop-gradient weight
+                 # pi_old / mu, which the rollout correction forms in log space with its cap
+                 "decoupled_ppo": PolicyLoss(ppo_clip_loss, behaviour_weighted=True)}

@@ -49,8 +49,8 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
                               "mask_BN": mask_BN})
   correction = cfg.correction
   correction_BN, kept_BN = rollout_weights(old_BN, mu_BN, mask_BN, **vars(correction),
-                                           in_loss=loss.behaviour_weighted)
-  if correction.active:
+                                           behaviour=loss.behaviour_weighted)
+  if correction.active or loss.behaviour_weighted:
     pg_BN = pg_BN * correction_BN
   kl_BN = KL_ESTIMATORS[cfg.kl.estimator](logp_BN, exp.ref_logprobs_BN)
   loss_BN = pg_BN - cfg.loss.entropy_coef * entropy_BN
