@@ -41,8 +41,9 @@ def load_callable(spec: str, what: str, form: str, error: type[Exception]) -> Ca
     raise error(f"{what} {spec!r}: importing {module_name!r} failed "
                 f"({type(e).__name__}: {e})") from None
   except Exception as e:  # the module's own code failed at import
-    raise error(f"{what} {spec!r}: importing {module_name!r} failed "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    message = (str(e).strip().splitlines() or [""])[0]
+    raise error(f"{what} {spec!r}: importing {module_name!r} failed ({type(e).__name__}"
+                f"{': ' + message if message else ''})") from None
   for part in attr.split("."):
     if not hasattr(obj, part):
       raise error(f"{what} {spec!r}: {module_name!r} has no attribute {attr!r}")
@@ -105,14 +106,10 @@ def _tasks_of(uid: int) -> int:
 
 def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Sequence[str],
              processes: int = 64) -> None:
-  """A worker's start: the parent's import path, the functions it will run imported (before
-  any call's clock starts; a failure shows at the call), its limits, its output discarded."""
+  """A worker's start: the parent's import path, its limits, its output discarded, then the
+  functions it will run imported (under those limits, before any call's clock starts; a
+  failure shows at the call)."""
   sys.path[:] = path
-  for spec in preload:
-    try:
-      _loaded(spec)
-    except ValueError:
-      pass
   _lower(resource.RLIMIT_AS, memory_bytes)
   _lower(resource.RLIMIT_FSIZE, file_bytes)
   limit_processes(processes)
@@ -120,6 +117,11 @@ def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Seque
   devnull = os.open(os.devnull, os.O_WRONLY)
   os.dup2(devnull, 1)
   os.dup2(devnull, 2)
+  for spec in preload:
+    try:
+      _loaded(spec)
+    except ValueError:
+      pass
 
 
 def _cpu_limit(seconds: float) -> None:
@@ -210,6 +212,32 @@ def _ended(code: int | None) -> str:
     name = {signal.SIGXCPU: "its CPU time limit", signal.SIGKILL: "killed"}.get(-code)
     return f"signal {-code}" + (f": {name}" if name else "")
   return f"exit code {code}"
+
+
+def _imported(spec: str, what: str, form: str) -> None:
+  """In a worker: `spec` imported (a ValueError naming what is wrong)."""
+  load_callable(spec, what, form, ValueError)
+
+
+def check_importable(spec: str, what: str, form: str, error: type[Exception], *,
+                     timeout_s: float, memory_gb: float, start_s: float = 60.0) -> None:
+  """`spec` ("module:attribute") imported in a fresh worker under a pool's limits, within
+  `timeout_s` of the worker's start (`start_s` more for the start itself), so that the
+  process calling this never imports it: a module that is missing, raises, hangs, allocates
+  past `memory_gb` or kills its worker is an `error` whose one line names `what` and `spec`."""
+  checker = UserCodePool(workers=1, timeout_s=timeout_s, memory_gb=memory_gb, start_s=start_s)
+  try:
+    future = checker.pool.schedule(_imported, args=(spec, what, form), timeout=timeout_s)
+    [(_, problem)] = checker.results([future])
+  finally:
+    checker.close()
+  if isinstance(problem, ValueError):  # load_callable's own line
+    raise error(str(problem))
+  if isinstance(problem, UserCodeTimeout):
+    raise error(f"{what} {spec!r}: importing it did not finish within {timeout_s:g} s "
+                "(rl.user_code.timeout_s)")
+  if problem is not None:
+    raise error(f"{what} {spec!r}: importing it failed ({problem})")
 
 
 def columns(fields: Sequence[Mapping[str, Any]], reserved: Sequence[str]) -> dict[str, list]:

@@ -20,6 +20,7 @@ from flax import nnx
 from jaxrl import platform
 from jaxrl.models.decoding import LMDecoding
 from sampler.methods import SAMPLERS, SamplingConfig
+from sampler.stops import StopState
 
 KVCache = Any  # the model's own cache pytree (batch first in every leaf)
 
@@ -49,30 +50,22 @@ class DecodeState:
   tokens_BN: jax.Array
   mask_BN: jax.Array
   logprobs_BN: jax.Array
-  recent_BK: jax.Array  # the last K tokens, K = longest stop sequence (at least 1)
+  stop: StopState  # what ends a row: its last ids, its stop-text state (sampler/stops.py)
   done_B: jax.Array
   routes_BNLK: jax.Array | None = None  # the generated tokens' experts (a mixture of experts)
 
 
-def hit_stop(recent_BK: jax.Array, cfg: SamplingConfig) -> jax.Array:
-  hit_B = jnp.zeros(recent_BK.shape[:1], bool)
-  for seq in cfg.stop_sequences:
-    hit_B |= jnp.all(recent_BK[:, -len(seq):] == jnp.asarray(seq, jnp.int32), axis=1)
-  return hit_B
-
-
-def emit_tokens(logits_BV, u_B, done_B, recent_BK, cfg: SamplingConfig):
+def emit_tokens(logits_BV, u_B, done_B, stop: StopState, cfg: SamplingConfig):
   """The token-emit step of both engines (this one and sampler/inflight.py): each row's next
-  token drawn with its uniform (PAD for rows already done), the row's last K tokens moved on,
-  and whether the token ends the row (a stop sequence or, unless ignored, EOS). Returns
-  (tok_B, logp_B, recent_BK, finished_B)."""
+  token drawn with its uniform (PAD for rows already done), its stop state moved on
+  (sampler/stops.py), and whether the token ends the row (a stop sequence or string or, unless
+  ignored, EOS). Returns (tok_B, logp_B, stop, finished_B)."""
   tok_B, logp_B = SAMPLERS[cfg.method](logits_BV, u_B, cfg)
   tok_B = jnp.where(done_B, cfg.pad_id, tok_B)
-  recent_BK = jnp.concatenate([recent_BK[:, 1:], tok_B[:, None]], axis=1)
-  finished_B = hit_stop(recent_BK, cfg)
+  stop, finished_B = stop.after(tok_B, cfg)
   if not cfg.ignore_eos:
     finished_B |= tok_B == cfg.eos_id
-  return tok_B, logp_B, recent_BK, finished_B
+  return tok_B, logp_B, stop, finished_B
 
 
 def bucket(size: int, buckets: Sequence[int]) -> int:
@@ -145,13 +138,13 @@ def _emitter(cfg: SamplingConfig, uniforms_NB, max_new_B):
 
   def emit(s: DecodeState) -> tuple[DecodeState, jax.Array]:
     done_B = s.done_B | (s.step >= max_new_B)
-    tok_B, logp_B, recent_BK, finished_B = emit_tokens(s.logits_BV, uniforms_NB[s.step], done_B,
-                                                       s.recent_BK, cfg)
+    tok_B, logp_B, stop, finished_B = emit_tokens(s.logits_BV, uniforms_NB[s.step], done_B,
+                                                  s.stop, cfg)
     write = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(buf, col[:, None], s.step, axis=1)
     return s.replace(step=s.step + 1, tokens_BN=write(s.tokens_BN, tok_B),
                      mask_BN=write(s.mask_BN, ~done_B),
                      logprobs_BN=write(s.logprobs_BN, jnp.where(done_B, 0.0, logp_B)),
-                     recent_BK=recent_BK, done_B=done_B | finished_B), tok_B
+                     stop=stop, done_B=done_B | finished_B), tok_B
   return emit
 
 
@@ -193,11 +186,10 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
       s = s.replace(routes_BNLK=routes_BNLK)
     return s.replace(logits_BV=logits_BV, kv_cache=kv_cache)
 
-  k = max([len(s) for s in cfg.stop_sequences], default=1)
   state = DecodeState(step=jnp.int32(0), logits_BV=logits_BV, kv_cache=kv_cache,
                       tokens_BN=jnp.full((b, steps), cfg.pad_id, jnp.int32),
                       mask_BN=jnp.zeros((b, steps), bool), logprobs_BN=jnp.zeros((b, steps)),
-                      recent_BK=jnp.full((b, k), -1, jnp.int32), done_B=jnp.zeros((b,), bool),
+                      stop=StopState.start(b, cfg), done_B=jnp.zeros((b,), bool),
                       routes_BNLK=None if routes_BPLK is None else jnp.full(
                           (b, steps) + routes_BPLK.shape[2:], -1, routes_BPLK.dtype))
   ends = segment_ends(steps - 1, cfg.decode_segments)

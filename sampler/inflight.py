@@ -42,6 +42,7 @@ from jaxrl.models.decoding import LMDecoding
 from jaxrl.partitioning import Rules
 from sampler.engine import DecodeModel, KVCache, Rollout, bucket, emit_tokens, resolve_layout
 from sampler.methods import SamplingConfig
+from sampler.stops import StopState
 from sharding.reshard import fetch, send
 from sharding.rules import SAMPLER_RULES, batch_ways, data_axes, jit_on
 
@@ -67,7 +68,7 @@ class Slots:
   tokens_RN: jax.Array
   mask_RN: jax.Array
   logprobs_RN: jax.Array
-  recent_RK: jax.Array  # the last K tokens, K = longest stop sequence (at least 1)
+  stop: StopState  # what ends a row: its last ids, its stop-text state (sampler/stops.py)
   step_R: jax.Array  # tokens emitted so far
   done_R: jax.Array
   # A mixture of experts: the row's tokens' experts per layer, its P prompt slots then its N
@@ -138,8 +139,7 @@ def new_rows(cfg: SamplingConfig, rows_K, budget_K, uniforms_KN, logits_KV, kv_c
                key_valid_RS=jnp.pad(key_valid_KS, ((0, 0), (0, 1)), constant_values=True),
                tokens_RN=jnp.full((k, n), cfg.pad_id, jnp.int32),
                mask_RN=jnp.zeros((k, n), bool), logprobs_RN=jnp.zeros((k, n)),
-               recent_RK=jnp.full((k, max([len(s) for s in cfg.stop_sequences], default=1)), -1,
-                                  jnp.int32),
+               stop=StopState.start(k, cfg),
                step_R=jnp.zeros((k,), jnp.int32), done_R=budget_K <= 0, routes_RTLK=routes_KTLK)
 
 
@@ -211,15 +211,14 @@ def _emit(s: Slots, cfg: SamplingConfig) -> tuple[Slots, jax.Array]:
   emit PAD and record nothing."""
   n = s.tokens_RN.shape[1]
   u_R = jnp.take_along_axis(s.uniforms_RN, jnp.minimum(s.step_R, n - 1)[:, None], 1)[:, 0]
-  tok_R, logp_R, recent_RK, finished_R = emit_tokens(s.logits_RV, u_R, s.done_R, s.recent_RK,
-                                                     cfg)
+  tok_R, logp_R, stop, finished_R = emit_tokens(s.logits_RV, u_R, s.done_R, s.stop, cfg)
   live_R = ~s.done_R
   at_RN = live_R[:, None] & (jnp.arange(n) == s.step_R[:, None])
   step_R = s.step_R + live_R
   return s.replace(tokens_RN=jnp.where(at_RN, tok_R[:, None], s.tokens_RN),
                    mask_RN=s.mask_RN | at_RN,
                    logprobs_RN=jnp.where(at_RN, logp_R[:, None], s.logprobs_RN),
-                   recent_RK=recent_RK, step_R=step_R,
+                   stop=stop, step_R=step_R,
                    done_R=s.done_R | (live_R & (finished_R | (step_R >= s.budget_R)))), tok_R
 
 

@@ -14,6 +14,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from sampler.stops import StopText
+
 NEG_INF = -1e30
 DECODE_LAYOUTS = ("auto", "features", "rows")
 
@@ -30,6 +32,7 @@ class SamplingConfig:
   top_p: float = 1.0  # nucleus mass kept; 1.0 keeps everything
   ignore_eos: bool = False  # fixed-length generation (benchmarks)
   stop_sequences: tuple[tuple[int, ...], ...] = ()  # token sequences that end a row, like EOS
+  stop_text: StopText | None = None  # strings that end a row, matched on its decoded text
   # The decode loop runs in up to this many segments; in each, attention reads only the KV-cache
   # slots that can be filled by its end (the cache grows between segments). Segments are at least
   # MIN_SEGMENT steps, so short generations run as one loop (one compiled body per segment).

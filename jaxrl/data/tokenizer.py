@@ -10,6 +10,7 @@ Padding masks are positional, never `tokens != pad_id`: a Hugging Face pad id ma
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -38,6 +39,7 @@ class Tokenizer(Protocol):
   def encode_batch(self, texts: Sequence[str], *, bos: bool = False,
                    eos: bool = False) -> list[list[int]]: ...
   def decode(self, ids) -> str: ...
+  def token_bytes(self) -> list[bytes]: ...
   def pad_left(self, seqs: Sequence[Sequence[int]],
                length: int) -> tuple[np.ndarray, np.ndarray]: ...
   def pad_right(self, seqs: Sequence[Sequence[int]],
@@ -90,6 +92,10 @@ class ByteTokenizer:
       if i < 256:
         out.append(i)
     return out.decode("utf-8", errors="replace")
+
+  def token_bytes(self) -> list[bytes]:
+    """Each id's bytes in decoded text (none for PAD, BOS, EOS)."""
+    return [bytes([i]) if i < 256 else b"" for i in range(self.vocab_size)]
 
   def pad_left(self, seqs, length: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens_BL, valid_BL) with each sequence right-aligned; raises if one is too long."""
@@ -169,6 +175,17 @@ def _generation_eos_ids(directory: str) -> list[int]:
   return [i for i in eos if isinstance(i, int)]
 
 
+def _byte_of() -> dict[str, int]:
+  """GPT-2's byte-level alphabet: the printable character standing for each byte."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+               *range(ord("\xae"), ord("\xff") + 1)]
+  others = [b for b in range(256) if b not in printable]
+  return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+_BYTE_OF = _byte_of()
+
+
 class HFTokenizer:
   """A Hugging Face tokenizer directory: tokenizer.json, tokenizer_config.json and, if present,
   chat_template.jinja, special_tokens_map.json and generation_config.json."""
@@ -236,6 +253,30 @@ class HFTokenizer:
     stops = set(self._stop_ids)
     end = next((n for n, i in enumerate(ids) if i in stops), len(ids))
     return self._tok.decode(ids[:end], skip_special_tokens=True)
+
+  @functools.cached_property
+  def _token_bytes(self) -> list[bytes]:
+    spec = json.loads(self._tok.to_str())
+    byte_level = '"ByteLevel"' in json.dumps(spec.get("decoder"))
+    added = {t["id"]: t for t in spec.get("added_tokens", [])}
+    out = []
+    for i in range(self.vocab_size):
+      piece = self._tok.id_to_token(i)
+      if i in added:  # as written; a special one is skipped by decoding
+        out.append(b"" if added[i].get("special") else added[i]["content"].encode())
+      elif piece is None:
+        out.append(b"")
+      elif byte_level:  # GPT-2's printable stand-ins for bytes
+        out.append(bytes(_BYTE_OF.get(c, 32) for c in piece))
+      elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte fallback
+        out.append(bytes([int(piece[3:5], 16)]))
+      else:  # SentencePiece: "▁" is a space
+        out.append(piece.replace("\u2581", " ").encode())
+    return out
+
+  def token_bytes(self) -> list[bytes]:
+    """Each id's bytes in decoded text (none for special tokens, which decoding skips)."""
+    return self._token_bytes
 
   def pad_left(self, seqs, length: int) -> tuple[np.ndarray, np.ndarray]:
     return pad(seqs, length, self.pad_id, left=True)

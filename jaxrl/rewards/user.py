@@ -41,7 +41,7 @@ def error_line(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
-def _values(fn: Callable, out: Any, n: int) -> tuple[np.ndarray, list[tuple[int, str]]]:
+def _values(out: Any, n: int) -> tuple[np.ndarray, list[tuple[int, str]]]:
   """The rewards a call returned, and what was wrong, per sample ((index, message); a wrong
   type, shape or length is wrong for every sample). Bad samples' rewards are 0."""
   if isinstance(out, (str, bytes, Mapping)) or not hasattr(out, "__len__"):
@@ -63,14 +63,14 @@ def _values(fn: Callable, out: Any, n: int) -> tuple[np.ndarray, list[tuple[int,
   return np.asarray([0.0 if i in skip else float(v) for i, v in enumerate(out)], np.float32), bad
 
 
-def call_reward_fn(fn: Callable, prompts: Sequence[str], completions: Sequence[str],
+def call_reward_fn(fn: Callable | None, prompts: Sequence[str], completions: Sequence[str],
                    fields: Sequence[Mapping[str, Any]] | None = None, *,
                    pool: UserCodePool | None = None, spec: str = "", group: int = 1,
                    policy: str = "stop", report: Callable[[int], None] | None = None
                    ) -> np.ndarray:
   """rewards_B float32 from batched calls `fn(prompts=, completions=, **field_lists)`: in place,
-  or with `pool` in its worker processes (`fn` found there by `spec`, "module:name", default
-  its own), the batch split over the workers in whole groups of `group` rows (a group's
+  or with `pool` in its worker processes (found there by `spec`, "module:name", default
+  `fn`'s own; `fn` may then be None: this process need not import it), the batch split over the workers in whole groups of `group` rows (a group's
   samples, adjacent, stay in one call), each call under the pool's time limit (over it, the
   worker is killed).
 
@@ -85,23 +85,24 @@ def call_reward_fn(fn: Callable, prompts: Sequence[str], completions: Sequence[s
     raise ValueError(f"call_reward_fn: {n} prompts, {len(completions)} completions and "
                      f"{len(fields)} field rows")
   parts = _parts(n, pool.workers if pool else 1, group)
-  call = _caller(fn, pool, spec or _name(fn), prompts, completions, columns(fields, _RESERVED))
+  name = spec or _name(fn)
+  call = _caller(fn, pool, name, prompts, completions, columns(fields, _RESERVED))
   outcomes = call(parts)
   rewards, bad, retry = np.zeros(n, np.float32), [], []
   for (a, b), (out, error) in zip(parts, outcomes):
     if error is None:
-      rewards[a:b], wrong = _values(fn, out, b - a)
+      rewards[a:b], wrong = _values(out, b - a)
       bad += [(a + i, message) for i, message in wrong]
     elif isinstance(error, _CONTAINED):
       bad += [(i, str(error)) for i in range(a, b)]
     else:
       retry += [(i, error) for i in range(a, b)]
   if retry:
-    bad += _each_alone(fn, call, retry, rewards, pool)
+    bad += _each_alone(call, retry, rewards, pool)
   if bad and policy == "stop":
     at, message = min(bad)
     where = "" if len(bad) == n and at == 0 and n > 1 else f" on sample {at}"
-    raise RewardFnError(f"reward function {_name(fn)}{where}: {message}")
+    raise RewardFnError(f"reward function {name}{where}: {message}")
   if bad and report is not None:
     report(len(bad))
   return rewards
@@ -138,7 +139,7 @@ def _caller(fn, pool, spec: str, prompts, completions, field_lists: dict):
   return call
 
 
-def _each_alone(fn, call, retry, rewards, pool):
+def _each_alone(call, retry, rewards, pool):
   """After parts of the batch raised: each of their samples alone, all at once, the round
   within two time limits (so a bad batch costs at most three); the ones that fail score 0."""
   deadline = None if pool is None else time.monotonic() + 2 * pool.timeout_s
@@ -149,7 +150,7 @@ def _each_alone(fn, call, retry, rewards, pool):
       bad.append((i, str(error) if isinstance(error, _CONTAINED) else
                   f"raised {error_line(error)}"))
       continue
-    value, wrong = _values(fn, out, 1)
+    value, wrong = _values(out, 1)
     rewards[i] = value[0]
     bad += [(i, message) for _, message in wrong]
   if not bad:  # every sample passes alone: the batch as a whole was the problem

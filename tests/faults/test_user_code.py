@@ -227,6 +227,25 @@ def test_a_raising_reward_function_stops_the_run_naming_the_sample(cli, user_rew
                               f"on sample {first}: raised ZeroDivisionError: division by zero")
 
 
+@pytest.mark.parametrize("module,message", [
+    ("import time\ntime.sleep(600)\n",
+     "importing it did not finish within 2 s (rl.user_code.timeout_s)"),
+    ("X = bytearray(40 * 2**30)\n", "importing 'bad_import' failed (MemoryError)")])
+def test_a_reward_module_whose_import_hangs_or_allocates_stops_the_run_in_one_line(
+    cli, tmp_path, monkeypatch, module, message):
+  """The module is imported in a worker only: the trainer process never imports it, and the
+  run ends with one line and exit 2 within about the time limit (and a worker's start)."""
+  import sys
+  (tmp_path / "bad_import.py").write_text(module)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  start = time.monotonic()
+  rc, line = cli("--config.rl.verifier=bad_import:reward", "--config.rl.user_code.timeout_s=2")
+  assert rc == 2 and line == ("config.rl.verifier: reward function 'bad_import:reward': "
+                              + message)
+  assert time.monotonic() - start < 30
+  assert "bad_import" not in sys.modules
+
+
 def worker_pid():
   return os.getpid()
 

@@ -21,6 +21,7 @@ from jaxrl.envs import EnvError, Environment
 from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
+from sampler.stops import StopText
 from sampler.stream import BatchStream, StreamGeometry
 from sharding.mesh import batch_sharding
 from sharding.rules import SAMPLER_RULES
@@ -89,9 +90,9 @@ class Generator:
     keep = keeps_turn_cache(rl, cluster.cfg.model.sliding_window)
     self.turns = dict(max_turns=rl.environment.max_turns,
                       max_turn_tokens=rl.environment.max_turn_tokens, keep_cache=keep)
-    # A turn also ends at the environment's stop strings
-    self._turn_stops = () if environment is None else tuple(
-        tuple(tok.encode(s)) for s in environment().stop_strings)
+    # A turn also ends at the environment's stop strings, matched on its decoded text
+    strings = () if environment is None else tuple(environment().stop_strings)
+    self._turn_text = StopText(strings, tok.token_bytes()) if strings else None
     self.multiturn = None if environment is None else MultiTurn(self.transfers)
 
   def close(self) -> None:
@@ -141,7 +142,7 @@ class Generator:
     return self._conversations_rollout(talks, prompts)
 
   def _turn_sampler(self, sampler: Sampler) -> Sampler:
-    return sampler.variant(n=1, stop_sequences=sampler.cfg.stop_sequences + self._turn_stops)
+    return sampler.variant(n=1, stop_text=self._turn_text)
 
   def _conversations_rollout(self, talks, prompts: dict) -> Rollout:
     """Conversations (rows group-major) after their prompts, on the sampler's devices."""

@@ -24,9 +24,9 @@ from jaxrl.envs import (ENVIRONMENTS, ContainedEnvironment, EnvError, EnvHosts,
                         environment_factory)
 from jaxrl.envs.code_sandbox import SandboxUnavailable
 from jaxrl.envs.hosted import EnvCallError, HostRestarted
-from jaxrl.rewards.user import RewardFnError, call_reward_fn, load_reward_fn
+from jaxrl.rewards.user import RewardFnError, call_reward_fn
 from jaxrl.rewards.verifier import VERIFIERS
-from jaxrl.user_code import UserCodePool, UserCodeTimeout, WorkerDied
+from jaxrl.user_code import UserCodePool, UserCodeTimeout, WorkerDied, check_importable
 from train.io.host_transfers import HostTransfers
 from train.io.tally import Tally
 
@@ -119,15 +119,16 @@ def make_reward(name: str, processes: UserProcesses, rl: RLConfig | None = None,
     verifier = VERIFIERS[name]
     return (lambda prompts, completions, examples: np.array(
         [verifier(c, ex.answer) for c, ex in zip(completions, examples)], np.float32)), verifier
-  try:
-    fn = load_reward_fn(name)
+  rl = rl or RLConfig()
+  try:  # imported in worker processes only: an import that hangs or allocates takes no run
+    check_importable(name, "reward function", "package.module:function", RewardFnError,
+                     timeout_s=rl.user_code.timeout_s, memory_gb=rl.user_code.memory_gb)
   except RewardFnError as e:
     raise ConfigError(f"config.rl.verifier: {e}") from None
-  rl = rl or RLConfig()
   pool = processes.pool(rl.user_code, name)
 
   def reward(prompts, completions, examples):
-    return call_reward_fn(fn, prompts, completions,
+    return call_reward_fn(None, prompts, completions,
                           [{**ex.fields, "answer": ex.answer} for ex in examples], pool=pool,
                           spec=name, group=rl.group_size, policy=rl.user_code.on_error,
                           report=report)
@@ -232,10 +233,11 @@ def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData,
   if not rl.environment.name:
     return None
   try:
-    factory = environment_factory(rl.environment.name)
-    if rl.environment.name in ENVIRONMENTS:
+    if rl.environment.name in ENVIRONMENTS or ":" not in rl.environment.name:
+      factory = environment_factory(rl.environment.name)
       factory(tok, task.verifier)
       return lambda: factory(tok, task.verifier)
+    # a user's class: imported in its host processes only (`hosts.new()`, within the time limit)
     hosts = processes.hosts(rl.user_code, rl.environment.name, tok, rl.verifier)
     hosts.new()
   except (EnvError, SandboxUnavailable) as e:
