@@ -1,6 +1,8 @@
 """User code in worker processes the run can kill: a user's reward function runs in a pool of
-spawned processes (pebble), each limited in address space (`memory_gb`), in the CPU seconds of
-one call and in the size of a file it writes, with its stdout and stderr discarded. A call over
+spawned processes (pebble), each limited in memory (`memory_gb`: its address space, and every
+process it starts with it, together: a cgroup per worker, or where none can be made no child
+processes at all, jaxrl/tree_limits.py), in the CPU seconds of one call and in the size of a
+file it writes, with its stdout and stderr discarded. A call over
 its time limit has its worker killed and replaced, whether or not the code ever yields the GIL
 (a regex backtracking in C, `while True: pass`). What crosses the process boundary is plain
 data: the function's "module:attribute" name, lists of strings and field values, the returned
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
+import itertools
 import multiprocessing
 import os
 import resource
@@ -23,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pebble
+
+from jaxrl.tree_limits import TreeLimit, forbid_children, tree_limit
 
 _LOADED: dict[str, Callable] = {}  # per worker: the functions it has imported
 
@@ -105,11 +110,17 @@ def _tasks_of(uid: int) -> int:
 
 
 def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Sequence[str],
-             processes: int = 64) -> None:
+             processes: int = 64, tree: TreeLimit | None = None) -> None:
   """A worker's start: the parent's import path, its limits, its output discarded, then the
   functions it will run imported (under those limits, before any call's clock starts; a
-  failure shows at the call)."""
+  failure shows at the call). `tree`: its pool's group, in which the worker takes one of its
+  own (its processes' memory together at most `memory_bytes`); a budget: it starts no process
+  (`forbid_children`), so its one address space is all it holds."""
   sys.path[:] = path
+  if tree is not None and tree.dirs:
+    tree.sub(f"worker-{os.getpid()}", memory_bytes, processes + WORKER_THREADS).join()
+  elif tree is not None:
+    forbid_children()
   _lower(resource.RLIMIT_AS, memory_bytes)
   _lower(resource.RLIMIT_FSIZE, file_bytes)
   limit_processes(processes)
@@ -122,6 +133,17 @@ def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Seque
       _loaded(spec)
     except ValueError:
       pass
+
+
+WORKER_THREADS = 64  # a worker's own threads (pebble's, a BLAS's), besides its `processes`
+_pools = itertools.count()
+
+
+def pool_limit(name: str, workers: int, memory_bytes: int, processes: int,
+               what: str) -> TreeLimit:
+  """The group of a pool of `workers` (each of which takes one of its own inside: `_limited`)."""
+  return tree_limit(f"{name}-{next(_pools)}", workers * memory_bytes,
+                    workers * (processes + WORKER_THREADS), what)
 
 
 def _cpu_limit(seconds: float) -> None:
@@ -170,7 +192,10 @@ class UserCodePool:
   def __init__(self, *, workers: int, timeout_s: float, memory_gb: float = 4.0,
                file_mb: float = 64.0, preload: Sequence[str] = (), start_s: float = 60.0):
     self.timeout_s, self.start_s = timeout_s, start_s
-    limits = (list(sys.path), int(memory_gb * 2**30), int(file_mb * 2**20), tuple(preload))
+    self.tree = pool_limit("user-code", workers, int(memory_gb * 2**30), 64,
+                           "reward function workers")
+    limits = (list(sys.path), int(memory_gb * 2**30), int(file_mb * 2**20), tuple(preload), 64,
+              self.tree)
     self.pool = pebble.ProcessPool(max_workers=workers, initializer=_limited, initargs=limits,
                                    context=multiprocessing.get_context("spawn"))
     self.workers = workers
@@ -205,6 +230,7 @@ class UserCodePool:
   def close(self) -> None:
     self.pool.stop()
     self.pool.join(timeout=10)
+    self.tree.close()
 
 
 def _ended(code: int | None) -> str:

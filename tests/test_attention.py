@@ -60,38 +60,72 @@ def test_fused_attention_equals_the_einsum_form(impl, packed, window):
     np.testing.assert_allclose(a, e, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("window", [False, True])
-def test_cudnn_form_equals_the_einsum_form(monkeypatch, window):
-  """The cuDNN path's own inputs (valid tokens moved to the front of each row, `is_causal`, the
-  rows' lengths, no mask array; a sliding window as `local_window_size`), run by XLA's
-  implementation of the same call off a GPU: left and right padding, and a row of padding
-  alone, forward and backward."""
+def _recorded_cudnn(monkeypatch) -> list:
+  """`jax.nn.dot_product_attention` recording its calls (implementation, keywords); off a GPU
+  XLA's implementation runs the cuDNN path's call."""
   reference, calls = jax.nn.dot_product_attention, []
   def recorded(*args, implementation, **kwargs):
     calls.append((implementation, sorted(kwargs)))
     gpu = jax.default_backend() == "gpu"
     return reference(*args, implementation=implementation if gpu else "xla", **kwargs)
   monkeypatch.setattr(jax.nn, "dot_product_attention", recorded)
+  return calls
+
+
+@pytest.mark.parametrize("window,packed", [(False, False), (True, False), (False, True),
+                                           (True, True)])
+def test_cudnn_form_equals_the_einsum_form(monkeypatch, window, packed):
+  """The cuDNN path's own inputs (valid tokens moved to the front of each row, `is_causal`, the
+  rows' lengths, no mask array but packed rows' segments; a sliding window as
+  `local_window_size`), run by XLA's implementation of the same call off a GPU: left and right
+  padding, a row of padding alone, packed segments, forward and backward."""
+  calls = _recorded_cudnn(monkeypatch)
   rng = np.random.default_rng(1)
   b, t = 4, 16
   tokens = jnp.asarray(rng.integers(0, 64, (b, t)), jnp.int32)
   starts, ends = np.array([[0], [3], [6], [t]]), np.array([[t], [12], [9], [t]])
   valid = jnp.asarray((np.arange(t)[None] >= starts) & (np.arange(t)[None] < ends))
+  segments = None
+  if packed:  # three segments, then right padding; the last row: left padding, one segment
+    ids = np.zeros((b, t), np.int32)
+    ids[:, :5], ids[:, 5:9], ids[:, 9:14] = 1, 2, 3
+    ids[-1] = np.arange(t) >= 6
+    segments, valid = jnp.asarray(ids), jnp.asarray(ids > 0)
   base = dataclasses.replace(CFG, **(WINDOWED if window else {}))
   _, params = nnx.split(LanguageModel(base, rngs=nnx.Rngs(0)))
   outs = {}
   for impl in ("einsum", "cudnn"):
     cfg = dataclasses.replace(base, attention=impl, remat="dots")
-    loss = lambda p: (_forward(cfg, p, tokens, valid, None)**2).mean()
-    outs[impl] = jax.jit(lambda p: (_forward(cfg, p, tokens, valid, None),
+    loss = lambda p: (_forward(cfg, p, tokens, valid, segments)**2).mean()
+    outs[impl] = jax.jit(lambda p: (_forward(cfg, p, tokens, valid, segments),
                                     jax.grad(loss)(p)))(params)
   kwargs = ["is_causal", "key_value_seq_lengths", "query_seq_lengths", "scale"]
+  kwargs = sorted(kwargs + ["mask"]) if packed else kwargs
   local = ("cudnn", sorted(kwargs + ["local_window_size"]))
   assert calls and all(c == ("cudnn", kwargs) or (window and c == local) for c in calls)
   assert (local in calls) == window
   np.testing.assert_allclose(outs["cudnn"][0], outs["einsum"][0], atol=1e-5, rtol=1e-5)
   for a, e in zip(jax.tree.leaves(outs["cudnn"][1]), jax.tree.leaves(outs["einsum"][1])):
     np.testing.assert_allclose(a, e, atol=1e-5, rtol=1e-4)
+
+
+def test_a_cudnn_prefill_is_causal_and_equals_the_einsum_form(monkeypatch):
+  """A prefill (left-padded prompts, the cache written) tells cuDNN its mask is causal (its
+  causal mask type, the dense mask for the padding), its last block's one query not: the
+  logits and the cache equal the einsum form's."""
+  from jaxrl.models.decoding import LMDecoding
+  calls = _recorded_cudnn(monkeypatch)
+  valid = jnp.asarray(np.arange(12)[None] >= np.array([[0], [4], [9]]))
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, (3, 12)), jnp.int32)
+  graphdef, params = nnx.split(LanguageModel(CFG, rngs=nnx.Rngs(0)))
+  outs = {}
+  for impl in ("einsum", "cudnn"):
+    cfg = dataclasses.replace(CFG, attention=impl)
+    model = nnx.merge(nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))[0], params)
+    outs[impl] = jax.jit(lambda m: LMDecoding.of(m).prefill(tokens, valid)[:2])(model)
+  assert ("cudnn", ["is_causal", "mask", "scale"]) in calls and ("cudnn", ["mask", "scale"]) in calls
+  for a, e in zip(jax.tree.leaves(outs["cudnn"]), jax.tree.leaves(outs["einsum"])):
+    np.testing.assert_allclose(a, e, atol=1e-5, rtol=1e-5)
 
 
 def test_auto_picks_cudnn_only_on_a_gpu_in_half_precision():

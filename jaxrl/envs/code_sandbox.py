@@ -10,8 +10,13 @@ not the ~50 ms of a fresh python):
 - the program's root is an empty directory of the scratch tmpfs (chroot), removed after the
   run; it runs as uid/gid `nobody`, so it cannot leave that root, and the kernel's process-count
   limit (`processes`) binds (a fork bomb fails at it);
+- the program and every process it starts share one memory limit (`memory_mb`, no swap) and
+  one process count (`processes`, threads count): a cgroup per server (jaxrl/tree_limits.py),
+  where the kernel kills inside the group past it; where no cgroup hierarchy is writable, a
+  budget: at most `BUDGET_PROCESSES` processes of `memory_mb` / that address space each;
 - rlimits: CPU seconds (`cpu_s`: SIGXCPU, then SIGKILL a second later), address space
-  (`memory_mb`), file size (`file_mb`), open files; the whole scratch space is `disk_mb`;
+  (`memory_mb` per process), file size (`file_mb`), open files; the whole scratch space is
+  `disk_mb`;
 - stdout and stderr go to a pipe the init reads up to `output_bytes` and then closes (a
   program printing a gigabyte stops at its next write); the program is killed at `timeout_s`
   of wall-clock time;
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import json
 import os
 import queue
@@ -38,6 +44,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+if __name__ != "__main__":  # (the server runs this file alone: the standard library only)
+  from jaxrl.tree_limits import BUDGET_PROCESSES, tree_limit
 
 MODULES = ("math", "cmath", "fractions", "decimal", "statistics", "itertools", "functools",
            "collections", "heapq", "bisect", "re", "string", "random", "datetime", "json",
@@ -96,6 +105,9 @@ def _program(code: str, root: str, limits: dict, allowed: frozenset[str], out_fd
   import traceback
   try:
     _libc().prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the namespace's init
+    for path in limits["cgroup_procs"]:  # its tree's memory and process count (a cgroup)
+      with open(path, "w") as f:
+        f.write("0")
     null = os.open(os.devnull, os.O_RDONLY)
     _check(_libc().unshare(_NEWIPC), "unshare(IPC namespace)")  # its shared memory dies with it
     os.chroot(root)
@@ -106,10 +118,14 @@ def _program(code: str, root: str, limits: dict, allowed: frozenset[str], out_fd
       os.setgroups([])
       os.setgid(_NOBODY)
       os.setuid(_NOBODY)
+    processes, memory_mb = limits["processes"], limits["memory_mb"]
+    if not limits["cgroup_procs"]:  # the budget: processes x address space <= memory_mb
+      processes = min(processes, limits["budget_processes"])
+      memory_mb //= processes
     for limit, soft, hard in ((resource.RLIMIT_CPU, limits["cpu_s"], limits["cpu_s"] + 1),
-                              (resource.RLIMIT_AS, limits["memory_mb"] << 20, None),
+                              (resource.RLIMIT_AS, memory_mb << 20, None),
                               (resource.RLIMIT_FSIZE, limits["file_mb"] << 20, None),
-                              (resource.RLIMIT_NPROC, limits["processes"], None),
+                              (resource.RLIMIT_NPROC, processes, None),
                               (resource.RLIMIT_NOFILE, 64, None), (resource.RLIMIT_CORE, 0, None)):
       resource.setrlimit(limit, (soft, soft if hard is None else hard))  # SIGXCPU at the soft
     signal.signal(signal.SIGXCPU, signal.SIG_DFL)
@@ -260,6 +276,7 @@ class CodeSandbox:
                    "output_bytes": output_bytes, "launched_uid": os.getuid(),
                    "limits": {"cpu_s": cpu_s, "memory_mb": memory_mb, "file_mb": file_mb,
                               "processes": processes}}
+    self.started = itertools.count()
     self.free: queue.Queue = queue.Queue()
     self.servers = []
     for _ in range(workers):
@@ -267,12 +284,18 @@ class CodeSandbox:
 
   def _start(self) -> subprocess.Popen:
     scratch = tempfile.mkdtemp(prefix="jaxrl-code-")
+    limits = self.config["limits"]
+    tree = tree_limit(f"code-{next(self.started)}", limits["memory_mb"] << 20,
+                      limits["processes"], "code tool programs")
+    config = {**self.config, "scratch": scratch,
+              "limits": {**limits, "cgroup_procs": tree.procs,
+                         "budget_processes": BUDGET_PROCESSES}}
     server = subprocess.Popen(
-        [sys.executable, "-I", os.path.abspath(__file__), json.dumps(
-            {**self.config, "scratch": scratch})],  # (stdlib only: no package import)
+        [sys.executable, "-I", os.path.abspath(__file__), json.dumps(config)],
+        # (stdlib only: no package import)
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
         env={"PATH": os.defpath, "LANG": "C.UTF-8"})  # none of the run's variables (secrets)
-    server.scratch = scratch
+    server.scratch, server.tree = scratch, tree
     self.servers.append(server)
     ready = select.select([server.stdout], [], [], 60)[0]
     hello = json.loads((server.stdout.readline() if ready else "") or
@@ -309,6 +332,7 @@ class CodeSandbox:
   def _stop(self, server: subprocess.Popen) -> None:
     server.kill()  # (its init dies with it: PR_SET_PDEATHSIG; the namespace with its init)
     server.wait()
+    server.tree.close()
     shutil.rmtree(server.scratch, ignore_errors=True)
     if server in self.servers:
       self.servers.remove(server)

@@ -1,7 +1,8 @@
 """A user's environments in host processes the run can kill.
 
 `EnvHosts` spawns `workers` host processes, each limited as a reward worker is
-(jaxrl/user_code.py: address space, file size, process count, output discarded) and given the
+(jaxrl/user_code.py: memory of its whole process tree, address space, file size, process
+count, output discarded) and given the
 run's tokenizer and the name of its verifier (rebuilt inside: built-in by name, a user's
 function imported there). An environment lives in one host, chosen in turn, and is named by a
 number; its `reset` and `step` are messages of plain data (token ids, the dataset row, a
@@ -24,7 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from jaxrl.envs.base import Step
-from jaxrl.user_code import UserCodeTimeout, WorkerDied, _limited, load_callable
+from jaxrl.user_code import UserCodeTimeout, WorkerDied, _limited, load_callable, pool_limit
 
 
 class HostRestarted(RuntimeError):
@@ -105,8 +106,11 @@ class EnvHosts:
                memory_gb: float = 4.0, file_mb: float = 64.0, processes: int = 64,
                start_s: float = 60.0):
     self.spec, self.timeout_s, self.start_s = spec, timeout_s, start_s
+    self.tree = pool_limit("env-hosts", workers, int(memory_gb * 2**30), processes,
+                           "environment hosts")
     self.args = (spec, tok, verifier_spec,
-                 (list(sys.path), int(memory_gb * 2**30), int(file_mb * 2**20), (), processes))
+                 (list(sys.path), int(memory_gb * 2**30), int(file_mb * 2**20), (), processes,
+                  self.tree))
     self.ctx = multiprocessing.get_context("spawn")
     self.generations = itertools.count()
     self.keys = itertools.count()
@@ -168,6 +172,7 @@ class EnvHosts:
   def close(self) -> None:
     for host in self.hosts:
       _stop(host)
+    self.tree.close()
 
 
 def _stop(host: _Host) -> None:

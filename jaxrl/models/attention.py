@@ -66,15 +66,17 @@ def windowed(mask, window: int, t: int, cache_index):
   return mask & near_TS[None]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["lengths_B"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["lengths_B", "segment_ids_BT"],
                    meta_fields=["window"])
 @dataclasses.dataclass(frozen=True)
 class ValidPrefix:
   """The mask of a cacheless pass whose rows hold their valid tokens first (`valid_first`):
   causal attention over each row's first `lengths_B` tokens (within `window` of each query,
-  if set). cuDNN takes it as its padding-causal mask type: whole tiles above the diagonal or
-  past a row's length are skipped, and no [B, T, S] mask or bias exists."""
+  if set; within equal `segment_ids_BT`, if set: packed rows). cuDNN takes it as its
+  padding-causal mask type: whole tiles above the diagonal or past a row's length are skipped,
+  and no [B, T, S] mask or bias exists but packed rows' segment mask."""
   lengths_B: jax.Array
+  segment_ids_BT: jax.Array | None = None
   window: int = 0
 
 
@@ -107,12 +109,19 @@ def fused(q_BTNH, k_BTKH, v_BTKH, mask, impl: str) -> jax.Array:
   if isinstance(mask, Segments):
     return splash(q_BTNH, k_BTKH, v_BTKH, mask)
   if isinstance(mask, ValidPrefix):
-    window = {"local_window_size": (mask.window - 1, 0)} if mask.window else {}
+    extra = {"local_window_size": (mask.window - 1, 0)} if mask.window else {}
+    if mask.segment_ids_BT is not None:  # packed rows: the segments ride along as a mask
+      ids_BT = mask.segment_ids_BT
+      extra["mask"] = ids_BT[:, None, :, None] == ids_BT[:, None, None, :]
     return jax.nn.dot_product_attention(
         q_BTNH, k_BTKH, v_BTKH, scale=1.0, is_causal=True, query_seq_lengths=mask.lengths_B,
-        key_value_seq_lengths=mask.lengths_B, implementation=impl, **window)
+        key_value_seq_lengths=mask.lengths_B, implementation=impl, **extra)
+  # A dense mask over as many keys as queries (a cacheless pass, a prefill) lies within the
+  # causal one: cuDNN is told so (its causal mask type skips the tiles above the diagonal)
+  causal = {"is_causal": True} if impl == "cudnn" and q_BTNH.shape[1] == k_BTKH.shape[1] else {}
   return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask[:, None], scale=1.0,
-                                      implementation="xla" if impl == "splash" else impl)
+                                      implementation="xla" if impl == "splash" else impl,
+                                      **causal)
 
 
 def write_cache(layer_cache, k_BKHT, v_BKTH, cache_index, slots: int | None = None):

@@ -217,8 +217,8 @@ class Decoder(nnx.Module):
     each token's experts per MoE layer when it was sampled (replayed or compared: moe.py)."""
     impl = attention_impl(self.cfg)
     cacheless = kv_cache is None and not last_only and layout is ROWS
-    if cacheless and segment_ids_BT is None and impl == "cudnn":
-      return self.over_valid_prefix(tokens, positions, key_valid_BS, routes_BTLK)
+    if cacheless and impl == "cudnn":
+      return self.over_valid_prefix(tokens, positions, key_valid_BS, routes_BTLK, segment_ids_BT)
     if cacheless and impl == "splash":  # left padding is segment 0; packed rows keep theirs
       mask = Segments(key_valid_BS if segment_ids_BT is None else segment_ids_BT)
     else:
@@ -229,21 +229,23 @@ class Decoder(nnx.Module):
     return self.blocks_over(tokens, positions, mask, kv_cache, cache_index, last_only, layout,
                             valid_BT, routes_BTLK)
 
-  def over_valid_prefix(self, tokens_BT, positions_BT, key_valid_BT, routes_BTLK=None):
+  def over_valid_prefix(self, tokens_BT, positions_BT, key_valid_BT, routes_BTLK=None,
+                        segment_ids_BT=None):
     """A cacheless pass with each row's valid tokens moved to its front (`valid_first`), so
     attention is causal over a prefix of known length (cuDNN's padding-causal flash kernel, no
-    mask array); the hidden states (and expert choices) go back to the rows' own order. Per
-    position the blocks compute the same thing: RoPE reads the positions moved along with the
-    tokens."""
+    mask array but packed rows' segments); the hidden states (and expert choices) go back to
+    the rows' own order. Per position the blocks compute the same thing: RoPE reads the
+    positions moved along with the tokens."""
     order_BT, inverse_BT = valid_first(key_valid_BT)
     take = lambda a_BT, order: jnp.take_along_axis(
         a_BT, order.reshape(order.shape + (1,) * (a_BT.ndim - 2)), axis=1)
     # A row with no valid token (batch padding) attends to its first: finite, and unused.
     lengths_B = jnp.maximum(key_valid_BT.sum(axis=1, dtype=jnp.int32), 1)
     routes = None if routes_BTLK is None else take(routes_BTLK, order_BT)
+    segments = None if segment_ids_BT is None else take(segment_ids_BT, order_BT)
     h_BTD, _, routing = self.blocks_over(
-        take(tokens_BT, order_BT), take(positions_BT, order_BT), ValidPrefix(lengths_B), None, 0,
-        False, ROWS, take(key_valid_BT, order_BT), routes)
+        take(tokens_BT, order_BT), take(positions_BT, order_BT), ValidPrefix(lengths_B, segments),
+        None, 0, False, ROWS, take(key_valid_BT, order_BT), routes)
     if routing is not None:
       routing = dataclasses.replace(routing, ids=take(routing.ids, inverse_BT))
     return take(h_BTD, inverse_BT), None, routing

@@ -1,8 +1,10 @@
 """The Python tool's sandbox (jaxrl/envs/code_sandbox.py) contains what a model's program does:
 each program here answers within about the time limit with a bounded reply naming what stopped
 it, and the next program runs as usual. The sandbox lets these programs import `os` and
-`socket`: the import list is a convenience, the kernel's namespaces, uid and rlimits are the
+`socket` (and `time`): the import list is a convenience, the kernel's namespaces, uid and rlimits are the
 boundary, and these tests check that boundary."""
+import logging
+import os
 import time
 
 import pytest
@@ -35,17 +37,41 @@ if os.fork() == 0:
   os.read(r, 1)  # (it holds the output pipe, and would wait forever)
 print('the parent is done')
 """
+# Three children, each holding 300 MB for a second, 900 MB in all against the program's 512 MB:
+# a cgroup kills inside the group past 512 MB, a budget gives each process 128 MB
+FORKED_MEMORY = """import os, time
+children = []
+for _ in range(3):
+  pid = os.fork()
+  if pid == 0:
+    try:
+      held = bytearray(300 * 2**20)
+      for i in range(0, len(held), 4096):
+        held[i] = 1
+    except MemoryError:
+      os._exit(1)
+    time.sleep(1)
+    os._exit(0)
+  children.append(pid)
+ends = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+print('held at once:', ends.count(0) * 300, 'MB')
+"""
+# the program's own confinement: uid nobody when the run is root's, else root of a user
+# namespace of its own (every capability dropped)
+UID = 65534 if os.getuid() == 0 else 0
+
 CASES = [  # program, what its reply contains (or one of those)
     ("import re\nprint(re.match(r'(\\d+)+$', '1' * 40 + 'x'))", CPU_OR_WALL),
     ("while True:\n  pass", CPU_OR_WALL),
-    ("import time\ntime.sleep(30)", "is not available here"),
+    ("import ctypes", "module 'ctypes' is not available here"),
     ("x = bytearray(40 * 2**30)", "MemoryError"),
     (FORK_BOMB, "fork: Resource temporarily unavailable"),
     ("while True:\n  print('x' * 1000)", "bytes of output or more; cut]"),
     ("import socket\nsocket.socket().connect(('1.1.1.1', 443))", "Network is unreachable"),
     ("import socket\nsocket.socket().connect(('127.0.0.1', 22))", "Network is unreachable"),
     ("print(open('/etc/passwd').read())", "No such file or directory: '/etc/passwd'"),
-    ("import os\nprint(os.listdir('/'), os.getuid())", "[] 65534"),
+    ("import os\nprint(os.listdir('/'), os.getuid())", f"[] {UID}"),
+    (FORKED_MEMORY, ("held at once: 0 MB", "held at once: 300 MB")),
     (WRITES_GIGABYTES, "OSError: [Errno 27] File too large"),
     (MANY_FILES, "OSError: [Errno 28] No space left on device"),
     ("import subprocess", "module 'subprocess' is not available here"),
@@ -56,7 +82,8 @@ CASES = [  # program, what its reply contains (or one of those)
 
 @pytest.fixture(scope="module")
 def tool():
-  sandbox = CodeSandbox(workers=1, timeout_s=3.0, cpu_s=1, modules=MODULES + ("os", "socket"))
+  sandbox = CodeSandbox(workers=1, timeout_s=3.0, cpu_s=1,
+                        modules=MODULES + ("os", "socket", "time"))
   yield PythonTool(ByteTokenizer(), math_equal, sandbox=sandbox)
   sandbox.close()
 
@@ -75,3 +102,21 @@ def test_a_wall_clock_hang_is_killed(tool):
   t0 = time.monotonic()
   assert tool.run("import os\nr, w = os.pipe()\nos.read(r, 1)") == "[killed: the time limit]"
   assert 3.0 <= time.monotonic() - t0 < 4.0
+
+
+def test_a_programs_children_share_its_memory_limit_under_the_budget_too(monkeypatch, caplog):
+  """Where no cgroup hierarchy is writable (here: none at the path looked at), the budget
+  holds: the forked children's memory together stays under the program's limit; the log says
+  which holds."""
+  from jaxrl import tree_limits
+  monkeypatch.setattr(tree_limits, "CGROUP", "/nonexistent")
+  monkeypatch.setattr(tree_limits, "_said", set())
+  with caplog.at_level(logging.INFO, logger="jaxrl"):
+    sandbox = CodeSandbox(workers=1, timeout_s=3.0, cpu_s=1, modules=MODULES + ("os", "time"))
+  try:
+    assert [s.tree.kind for s in sandbox.servers] == ["budget"]
+    assert "code tool programs: memory and processes limited by no writable cgroup" in caplog.text
+    assert "held at once: 0 MB" in sandbox.run(FORKED_MEMORY)["output"]
+    assert sandbox.run("print(6 * 7)")["output"] == "42\n"
+  finally:
+    sandbox.close()

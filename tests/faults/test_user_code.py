@@ -72,6 +72,25 @@ def fork_bomb(prompts, completions, **_):
     os.fork()
 
 
+def forks_children_holding_600_mb(prompts, completions, **_):
+  """Three children, each holding 600 MB for a second: 1.8 GB against the worker's 1 GB."""
+  children = []
+  for _ in range(3):
+    pid = os.fork()
+    if pid == 0:
+      try:
+        held = bytearray(600 * 2**20)
+        for i in range(0, len(held), 4096):
+          held[i] = 1
+      except MemoryError:
+        os._exit(1)
+      time.sleep(1)
+      os._exit(0)
+    children.append(pid)
+  ends = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+  return [ends.count(0) * 600.0] * len(completions)
+
+
 CASES = [  # fn, the error under "stop", the rewards under "zero", how many samples failed
     (raises_on_bb, " on sample 1: raised ZeroDivisionError: division by zero", [1, 0, 1], 1),
     (hangs, ": did not return within 0.2 s", [0, 0, 0], 3),
@@ -244,6 +263,37 @@ def test_a_reward_module_whose_import_hangs_or_allocates_stops_the_run_in_one_li
                               + message)
   assert time.monotonic() - start < 30
   assert "bad_import" not in sys.modules
+
+
+@pytest.mark.parametrize("hierarchy", ["this machine's", "none"])
+def test_a_workers_children_share_its_memory_limit(monkeypatch, hierarchy):
+  """A reward worker's forked children share its 1 GB: a cgroup per worker kills inside it
+  past 1 GB (or the children's memory was never more); without a writable hierarchy (forced
+  here), the budget lets the worker start no process at all (threads still run)."""
+  from jaxrl import tree_limits
+  if hierarchy == "none":
+    monkeypatch.setattr(tree_limits, "CGROUP", "/nonexistent")
+  spec = f"{__name__}:forks_children_holding_600_mb"
+  pool = UserCodePool(workers=1, timeout_s=20.0, memory_gb=1.0, preload=[spec])
+  try:
+    [(out, error)] = pool.results([pool.submit(spec, prompts=["p"], completions=["a"])])
+    threads = pool.results([pool.submit(f"{__name__}:runs_a_thread")])[0]
+  finally:
+    pool.close()
+  if pool.tree.kind == "budget":
+    assert isinstance(error, BlockingIOError) and out is None
+  else:
+    assert error is None and out[0] <= 600, (out, error)
+  assert threads == (7, None)
+
+
+def runs_a_thread():
+  import threading
+  box = []
+  thread = threading.Thread(target=lambda: box.append(7))
+  thread.start()
+  thread.join()
+  return box[0]
 
 
 def worker_pid():
