@@ -2,7 +2,6 @@
 closing tag with what comes before (`)</`), so the tag's own ids never appear; the row still
 ends at the token that completes the string, in the static engine, in in-flight slots and in a
 conversation continued in its kept cache."""
-import dataclasses
 import random
 
 import jax
@@ -17,7 +16,6 @@ from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.envs import Step
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import LanguageModel
-from sampler.engine import generate
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
 from sampler.stops import StopText, _automaton

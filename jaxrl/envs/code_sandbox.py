@@ -109,6 +109,7 @@ def _program(code: str, root: str, limits: dict, allowed: frozenset[str], out_fd
       with open(path, "w") as f:
         f.write("0")
     null = os.open(os.devnull, os.O_RDONLY)
+    tasks = _users_tasks() if limits["user_namespace"] else 0  # (before /proc is out of reach)
     _check(_libc().unshare(_NEWIPC), "unshare(IPC namespace)")  # its shared memory dies with it
     os.chroot(root)
     os.chdir("/")
@@ -122,6 +123,7 @@ def _program(code: str, root: str, limits: dict, allowed: frozenset[str], out_fd
     if not limits["cgroup_procs"]:  # the budget: processes x address space <= memory_mb
       processes = min(processes, limits["budget_processes"])
       memory_mb //= processes
+    processes += tasks  # (the kernel counts all of a user namespace's user's tasks)
     for limit, soft, hard in ((resource.RLIMIT_CPU, limits["cpu_s"], limits["cpu_s"] + 1),
                               (resource.RLIMIT_AS, memory_mb << 20, None),
                               (resource.RLIMIT_FSIZE, limits["file_mb"] << 20, None),
@@ -150,6 +152,20 @@ def _program(code: str, root: str, limits: dict, allowed: frozenset[str], out_fd
     sys.stderr.flush()
   finally:
     os._exit(code_rc)
+
+
+def _users_tasks() -> int:
+  """In a user namespace: the tasks (threads) of the user it maps to root, which the kernel's
+  process-count limit counts with the program's (every other user's show as `nobody`)."""
+  count = 0
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+      count += int(fields["Uid"].split()[0]) == 0 and int(fields["Threads"])
+    except (OSError, KeyError, ValueError):
+      continue
+  return count
 
 
 def _drop_capabilities() -> None:
