@@ -206,8 +206,9 @@ class EnvironmentConfig:
 class UserCodeConfig:
   """A user's verifier or environment ("package.module:..."): each call's time limit, and what a
   raise, hang, wrong type or NaN does: stop | zero (scored 0, counted: `user_code_errors`). A
-  user verifier runs in `workers` processes, each limited to `memory_gb` of address space (0:
-  none; a function that imports torch or jax needs more than the default)."""
+  user verifier runs in `workers` processes, each limited to `memory_gb` with every process it
+  starts (a cgroup; where none can be made, it may start no process: a function that runs a
+  subprocess then needs 0, no limit, as does one that imports torch or jax)."""
   timeout_s: float = 60.0
   on_error: str = "stop"
   workers: int = 2

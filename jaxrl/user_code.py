@@ -115,11 +115,12 @@ def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Seque
   functions it will run imported (under those limits, before any call's clock starts; a
   failure shows at the call). `tree`: its pool's group, in which the worker takes one of its
   own (its processes' memory together at most `memory_bytes`); a budget: it starts no process
-  (`forbid_children`), so its one address space is all it holds."""
+  (`forbid_children`), so its one address space is all it holds (`memory_bytes` 0: no limit,
+  and children allowed)."""
   sys.path[:] = path
   if tree is not None and tree.dirs:
     tree.sub(f"worker-{os.getpid()}", memory_bytes, processes + WORKER_THREADS).join()
-  elif tree is not None:
+  elif tree is not None and memory_bytes:
     forbid_children()
   _lower(resource.RLIMIT_AS, memory_bytes)
   _lower(resource.RLIMIT_FSIZE, file_bytes)
