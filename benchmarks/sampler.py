@@ -6,6 +6,7 @@
   python -m benchmarks.sampler --json --model 2048,16,16,8,8192,32000 --dtype bfloat16  # on a GPU
   python -m benchmarks.sampler --json --lengths longtail  # in-flight vs static batching
   python -m benchmarks.sampler --json --lengths longtail --stream 8  # partial rollouts' stream
+  python -m benchmarks.sampler --json --stop-text  # the cost of stop strings matched on text
 
 Reference config: vocab 256, d_model 256, 4 layers, 4 heads, 2 KV heads, MLP 1024, prompt 16,
 64 new tokens, fp32, temperature 1, EOS ignored. FLOPs are counted as 2 x non-embedding
@@ -32,6 +33,12 @@ batch's tail runs alone); `stream` decodes them as partial rollouts do (sampler/
 same slots, two batches open at once, so the next batch's rows fill the slots the tail leaves,
 with new weights installed after each batch leaves (the rows in flight continue with them).
 Reported: rows per second of each and `stream_over_inflight_batches`.
+
+`--stop-text` (fixed lengths): the same batch decoded without and with stop strings matched on
+text (sampler/stops.py: `</python>`, `</calc>`, `</tool_call>` over a vocabulary of random
+printable pieces of geometric lengths, seeded), alternately; `stop_text_over_plain` is the
+plain decode's seconds over the one with the automaton (1.0: free). The strings practically
+never occur in random text, so both decode the same number of tokens.
 """
 from __future__ import annotations
 
@@ -55,6 +62,8 @@ def _parse():
   parser.add_argument("--stream", type=int, default=0,
                       help="longtail: also decode the prompts as this many RL batches, "
                       "batch by batch and as a stream (partial rollouts)")
+  parser.add_argument("--stop-text", action="store_true",
+                      help="fixed: also decode with stop strings matched on text, alternately")
   parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
   parser.add_argument(
       "--devices", type=int, default=0,
@@ -209,6 +218,36 @@ def _fixed(args, fn, params, vocab: int):
           "seconds": seconds}, tokens
 
 
+def _stop_text(args, graphdef, sample_cfg, mesh, shardings, params, vocab: int) -> dict:
+  """Plain decode against decode with stop strings on text, alternately (the docstring)."""
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from sampler.sampler import Sampler
+  from sampler.stops import StopText
+  rng = np.random.default_rng(0)
+  pieces = [bytes(rng.integers(32, 127, n).astype(np.uint8))
+            for n in np.minimum(rng.geometric(0.2, vocab), 32)]
+  stop = StopText(["</python>", "</calc>", "</tool_call>"], pieces)
+  tokens_BP = jax.random.randint(jax.random.key(1), (args.batch, args.prompt_len), 1, vocab)
+  valid_BP = jnp.ones((args.batch, args.prompt_len), bool)
+  runs = {name: (lambda s=Sampler(graphdef, c, mesh=mesh, param_shardings=shardings):
+                 jax.block_until_ready(s.generate(params, tokens_BP, valid_BP, jax.random.key(2))))
+          for name, c in (("plain", sample_cfg),
+                          ("stop_text", dataclasses.replace(sample_cfg, stop_text=stop)))}
+  seconds = {name: best_seconds(run, repeats=1) for name, run in runs.items()}  # compiles first
+  for _ in range(args.repeats - 1):  # in turn
+    seconds = {name: min(seconds[name], best_seconds(run, repeats=1, warmup=0))
+               for name, run in runs.items()}
+  lengths = int(runs["stop_text"]().lengths_B.sum())
+  return {"stop_text_over_plain": round(seconds["plain"] / seconds["stop_text"], 3),
+          "stop_text_seconds": round(seconds["stop_text"], 4),
+          "stop_text_tokens": lengths, "stop_text_classes": int(stop.next_SC.shape[1])}
+
+
 def main() -> None:
   parser, args = _parse()
   retained = setup_host(args)
@@ -247,6 +286,8 @@ def main() -> None:
   if args.lengths == "fixed":
     sampler = Sampler(graphdef, sample_cfg, mesh=mesh, param_shardings=shardings)
     result, tokens = _fixed(args, sampler.generate, params, vocab)
+    if args.stop_text:
+      result.update(_stop_text(args, graphdef, sample_cfg, mesh, shardings, params, vocab))
   else:
     result, tokens = _longtail(args, graphdef, params, sample_cfg, mesh, shardings, vocab)
     if args.stream:
