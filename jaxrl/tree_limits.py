@@ -130,6 +130,7 @@ def tree_limit(name: str, memory_bytes: int, processes: int, what: str) -> TreeL
   for kind, dirs_of in (("cgroup v2", _v2_dirs), ("cgroup v1", _v1_dirs)):
     try:
       dirs = dirs_of(name)
+      _remove_stale(dirs)
       _create(kind, dirs, memory_bytes, processes)
     except (OSError, ValueError):
       continue
@@ -148,6 +149,15 @@ def _say(kind: str, what: str) -> None:
          "budget": "no writable cgroup hierarchy: a budget of rlimits that holds by "
                    "construction (processes x memory at most the limit)"}[kind]
   logging.getLogger("jaxrl").info("%s: memory and processes limited by %s", what, how)
+
+
+def _remove_stale(dirs: tuple[str, ...]) -> None:
+  """The groups a killed run left beside `dirs` (`jaxrl-PID-...` of a process that is gone)."""
+  for parent in {os.path.dirname(d) for d in dirs}:
+    for entry in os.listdir(parent):
+      pid = entry.split("-")[1] if entry.startswith("jaxrl-") else ""
+      if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        _remove(os.path.join(parent, entry))
 
 
 def _remove(directory: str) -> None:

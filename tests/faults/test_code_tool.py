@@ -120,3 +120,14 @@ def test_a_programs_children_share_its_memory_limit_under_the_budget_too(monkeyp
     assert sandbox.run("print(6 * 7)")["output"] == "42\n"
   finally:
     sandbox.close()
+
+
+def test_groups_a_killed_run_left_are_removed(tmp_path):
+  """`jaxrl-PID-...` groups of a process that is gone are removed beside a new one (a run
+  killed before it closed its trees); a live process's stay."""
+  from jaxrl.tree_limits import _remove_stale
+  gone, live = tmp_path / "jaxrl-999999999-code-0", tmp_path / f"jaxrl-{os.getpid()}-code-0"
+  gone.mkdir()
+  live.mkdir()
+  _remove_stale((str(tmp_path / "jaxrl-1-new"),))
+  assert not gone.exists() and live.exists()
