@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import itertools
 import logging
 import os
 import signal
@@ -31,6 +32,7 @@ import time
 CGROUP = "/sys/fs/cgroup"
 BUDGET_PROCESSES = 4
 _said: set[str] = set()
+_made = itertools.count()  # (a group's name is unique in the process: jaxrl-PID-N-name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,8 @@ class TreeLimit:
     """A group of its own inside this one (a pool's worker), with its own limits."""
     if not self.dirs:
       return self
+    if self.kind == "cgroup v2":  # (this group then holds groups, never a process)
+      _write(self.dirs[0], "cgroup.subtree_control", "+memory +pids")
     dirs = tuple(os.path.join(d, name) for d in self.dirs)
     _create(self.kind, dirs, memory_bytes, processes)
     return TreeLimit(self.kind, dirs)
@@ -81,15 +85,16 @@ def _write(directory: str, name: str, value) -> None:
 
 def _create(kind: str, dirs: tuple[str, ...], memory_bytes: int, processes: int) -> None:
   """The groups `dirs` made with their limits (`memory_bytes` 0: none); removed on a failure."""
-  for d in dirs:
-    os.makedirs(d, exist_ok=True)
   try:
+    for d in dirs:
+      os.makedirs(d, exist_ok=True)
     for d in dirs:  # (the kernel makes a group's files: a plain directory is none)
       if not os.path.exists(os.path.join(d, "cgroup.procs")):
         raise OSError(f"{d} is not a cgroup")
     if kind == "cgroup v2":
       _write(dirs[0], "memory.max", memory_bytes or "max")
-      _write(dirs[0], "memory.swap.max", 0)
+      if os.path.exists(os.path.join(dirs[0], "memory.swap.max")):  # (swap accounted)
+        _write(dirs[0], "memory.swap.max", 0)
       _write(dirs[0], "pids.max", processes)
       return
     memory, pids = dirs
@@ -126,7 +131,7 @@ def tree_limit(name: str, memory_bytes: int, processes: int, what: str) -> TreeL
   """A group `name` (unique to the caller) limited to `memory_bytes` and `processes` tasks
   (threads count), or the budget where no cgroup hierarchy lets this process make one.
   `what` names the tree in the log line that says which holds."""
-  name = f"jaxrl-{os.getpid()}-{name}"
+  name = f"jaxrl-{os.getpid()}-{next(_made)}-{name}"
   for kind, dirs_of in (("cgroup v2", _v2_dirs), ("cgroup v1", _v1_dirs)):
     try:
       dirs = dirs_of(name)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
-import itertools
 import multiprocessing
 import os
 import resource
@@ -137,13 +136,12 @@ def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Seque
 
 
 WORKER_THREADS = 64  # a worker's own threads (pebble's, a BLAS's), besides its `processes`
-_pools = itertools.count()
 
 
 def pool_limit(name: str, workers: int, memory_bytes: int, processes: int,
                what: str) -> TreeLimit:
   """The group of a pool of `workers` (each of which takes one of its own inside: `_limited`)."""
-  return tree_limit(f"{name}-{next(_pools)}", workers * memory_bytes,
+  return tree_limit(name, workers * memory_bytes,
                     workers * (processes + WORKER_THREADS), what)
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import itertools
 import json
 import os
 import queue
@@ -109,7 +108,9 @@ def _program(code: str, root: str, limits: dict, allowed: frozenset[str], out_fd
       with open(path, "w") as f:
         f.write("0")
     null = os.open(os.devnull, os.O_RDONLY)
-    tasks = _users_tasks() if limits["user_namespace"] else 0  # (before /proc is out of reach)
+    # In a user namespace (Linux 5.14 on) the kernel counts the namespace's tasks: the
+    # server's and its init's besides the program's
+    tasks = 2 if limits["user_namespace"] else 0
     _check(_libc().unshare(_NEWIPC), "unshare(IPC namespace)")  # its shared memory dies with it
     os.chroot(root)
     os.chdir("/")
@@ -123,7 +124,7 @@ def _program(code: str, root: str, limits: dict, allowed: frozenset[str], out_fd
     if not limits["cgroup_procs"]:  # the budget: processes x address space <= memory_mb
       processes = min(processes, limits["budget_processes"])
       memory_mb //= processes
-    processes += tasks  # (the kernel counts all of a user namespace's user's tasks)
+    processes += tasks
     for limit, soft, hard in ((resource.RLIMIT_CPU, limits["cpu_s"], limits["cpu_s"] + 1),
                               (resource.RLIMIT_AS, memory_mb << 20, None),
                               (resource.RLIMIT_FSIZE, limits["file_mb"] << 20, None),
@@ -152,20 +153,6 @@ def _program(code: str, root: str, limits: dict, allowed: frozenset[str], out_fd
     sys.stderr.flush()
   finally:
     os._exit(code_rc)
-
-
-def _users_tasks() -> int:
-  """In a user namespace: the tasks (threads) of the user it maps to root, which the kernel's
-  process-count limit counts with the program's (every other user's show as `nobody`)."""
-  count = 0
-  for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-      with open(f"/proc/{pid}/status") as f:
-        fields = dict(line.split(":", 1) for line in f if ":" in line)
-      count += int(fields["Uid"].split()[0]) == 0 and int(fields["Threads"])
-    except (OSError, KeyError, ValueError):
-      continue
-  return count
 
 
 def _drop_capabilities() -> None:
@@ -292,7 +279,6 @@ class CodeSandbox:
                    "output_bytes": output_bytes, "launched_uid": os.getuid(),
                    "limits": {"cpu_s": cpu_s, "memory_mb": memory_mb, "file_mb": file_mb,
                               "processes": processes}}
-    self.started = itertools.count()
     self.free: queue.Queue = queue.Queue()
     self.servers = []
     for _ in range(workers):
@@ -301,16 +287,21 @@ class CodeSandbox:
   def _start(self) -> subprocess.Popen:
     scratch = tempfile.mkdtemp(prefix="jaxrl-code-")
     limits = self.config["limits"]
-    tree = tree_limit(f"code-{next(self.started)}", limits["memory_mb"] << 20,
-                      limits["processes"], "code tool programs")
+    tree = tree_limit("code", limits["memory_mb"] << 20, limits["processes"],
+                      "code tool programs")
     config = {**self.config, "scratch": scratch,
               "limits": {**limits, "cgroup_procs": tree.procs,
                          "budget_processes": BUDGET_PROCESSES}}
-    server = subprocess.Popen(
-        [sys.executable, "-I", os.path.abspath(__file__), json.dumps(config)],
-        # (stdlib only: no package import)
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-        env={"PATH": os.defpath, "LANG": "C.UTF-8"})  # none of the run's variables (secrets)
+    try:
+      server = subprocess.Popen(
+          [sys.executable, "-I", os.path.abspath(__file__), json.dumps(config)],
+          # (stdlib only: no package import)
+          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+          env={"PATH": os.defpath, "LANG": "C.UTF-8"})  # none of the run's variables (secrets)
+    except BaseException:
+      tree.close()
+      shutil.rmtree(scratch, ignore_errors=True)
+      raise
     server.scratch, server.tree = scratch, tree
     self.servers.append(server)
     ready = select.select([server.stdout], [], [], 60)[0]

@@ -126,8 +126,8 @@ def test_groups_a_killed_run_left_are_removed(tmp_path):
   """`jaxrl-PID-...` groups of a process that is gone are removed beside a new one (a run
   killed before it closed its trees); a live process's stay."""
   from jaxrl.tree_limits import _remove_stale
-  gone, live = tmp_path / "jaxrl-999999999-code-0", tmp_path / f"jaxrl-{os.getpid()}-code-0"
+  gone, live = tmp_path / "jaxrl-999999999-0-code", tmp_path / f"jaxrl-{os.getpid()}-0-code"
   gone.mkdir()
   live.mkdir()
-  _remove_stale((str(tmp_path / "jaxrl-1-new"),))
+  _remove_stale((str(tmp_path / "jaxrl-1-1-new"),))
   assert not gone.exists() and live.exists()
