@@ -84,6 +84,16 @@ def _parse():
   return parser, args
 
 
+def _alternately(runs: dict, repeats: int) -> dict:
+  """Each run's best seconds over `repeats` rounds, the runs in turn within a round (so that a
+  change in the machine's load hits every one); the first round compiles."""
+  seconds = {name: best_seconds(run, repeats=1) for name, run in runs.items()}
+  for _ in range(repeats - 1):
+    seconds = {name: min(seconds[name], best_seconds(run, repeats=1, warmup=0))
+               for name, run in runs.items()}
+  return seconds
+
+
 def longtail_budgets(prompts: int, new_tokens: int):
   """Per-prompt response budgets (the docstring's lognormal)."""
   import numpy as np
@@ -128,10 +138,7 @@ def _longtail(args, graphdef, params, sample_cfg, mesh, shardings, vocab: int):
   assert all((g.lengths_B == budget_B).all() for g in greedy.values())  # EOS ignored
   paths = _paths(graphdef, sample_cfg, args.batch, mesh, shardings)
   runs = {name: lambda fn=fn: jax.block_until_ready(fn(*inputs)) for name, fn in paths.items()}
-  seconds = {name: best_seconds(run, repeats=1) for name, run in runs.items()}  # compiles first
-  for _ in range(args.repeats - 1):  # in turn, so that a change in the machine's load hits both
-    seconds = {name: min(seconds[name], best_seconds(run, repeats=1, warmup=0))
-               for name, run in runs.items()}
+  seconds = _alternately(runs, args.repeats)
   useful = int(budget_B.sum())
   same = np.array_equal(greedy["static"].tokens_BT, greedy["inflight"].tokens_BT)
   return {"useful_tokens_per_s": round(useful / seconds["inflight"], 1),
@@ -193,10 +200,7 @@ def _stream(args, graphdef, params, sample_cfg, mesh, shardings, vocab: int) -> 
   valid_BP = jnp.ones((args.prompts, args.prompt_len), bool)
   paths = _stream_paths(args, graphdef, sample_cfg, mesh, shardings, params)
   runs = {name: lambda fn=fn: fn(tokens_BP, valid_BP, budget_B) for name, fn in paths.items()}
-  seconds = {name: best_seconds(run, repeats=1) for name, run in runs.items()}  # compiles first
-  for _ in range(args.repeats - 1):  # in turn
-    seconds = {name: min(seconds[name], best_seconds(run, repeats=1, warmup=0))
-               for name, run in runs.items()}
+  seconds = _alternately(runs, args.repeats)
   rows = args.prompts // args.stream * args.stream
   return {"stream_batches": args.stream,
           "inflight_batches_rows_per_s": round(rows / seconds["inflight_batches"], 1),
@@ -238,10 +242,7 @@ def _stop_text(args, graphdef, sample_cfg, mesh, shardings, params, vocab: int) 
                  jax.block_until_ready(s.generate(params, tokens_BP, valid_BP, jax.random.key(2))))
           for name, c in (("plain", sample_cfg),
                           ("stop_text", dataclasses.replace(sample_cfg, stop_text=stop)))}
-  seconds = {name: best_seconds(run, repeats=1) for name, run in runs.items()}  # compiles first
-  for _ in range(args.repeats - 1):  # in turn
-    seconds = {name: min(seconds[name], best_seconds(run, repeats=1, warmup=0))
-               for name, run in runs.items()}
+  seconds = _alternately(runs, args.repeats)
   lengths = int(runs["stop_text"]().lengths_B.sum())
   return {"stop_text_over_plain": round(seconds["plain"] / seconds["stop_text"], 3),
           "stop_text_seconds": round(seconds["stop_text"], 4),
