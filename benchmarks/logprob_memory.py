@@ -7,7 +7,7 @@ logits.
 One process builds a Qwen-vocabulary model (151,936 tokens, tied HF-style head; d_model 256,
 2 layers; `--dtype` its compute dtype) and a train step on `--rows` x `--tokens` tokens whose loss
 uses every position's log-prob and entropy (as SFT plus an entropy bonus does), once per
-`--variants`: `chunked`, `train.updates.forward.token_logprobs` (jaxrl/models/head.py: the LM
+`--variants`: `chunked`, `train.updates.forward.token_logprobs` (jaxrl/models/lm_head.py: the LM
 head and softmax in chunks, each chunk's logits recomputed in its backward, no
 [B, T, V] tensor forward or backward), and `full`, the model's [B, T, V] logits, log-softmax and
 entropy at once (`head.dense_logprobs`).
@@ -74,7 +74,7 @@ def main() -> None:
   from flax import nnx
 
   from jaxrl.models.config import ModelConfig
-  from jaxrl.models.head import dense_logprobs
+  from jaxrl.models.lm_head import dense_logprobs
   from jaxrl.models.transformer import LanguageModel
   from jaxrl.models.rope import positions_from_valid
   from train.updates.forward import token_logprobs

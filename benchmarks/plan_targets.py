@@ -1,6 +1,6 @@
 """The planner's best plans for a config on a TPU slice, each compiled by the TPU compiler on this
 CPU: what the planner predicts (per-device peak, update and scoring seconds) against what the
-compiler says (its busiest device, its programs' time estimates: cli/target_report.py).
+compiler says (its busiest device, its programs' time estimates: preflight/target_report.py).
 
   python -m benchmarks.plan_targets --config=configs/llama3_1_8b_gsm8k.py --target=v5p-16 --json
 
@@ -25,13 +25,13 @@ def ranked_plans(cfg, target, top: int):
   from planner.plan import builtin_calibration
   from planner.search import search
   cal = builtin_calibration(DEVICE_OF[target.generation])
-  return search(Workload.from_config(cfg), target.chips, cal.device, cal.efficiency,
+  return search(Workload.from_config(cfg, cal.device.platform), target.chips, cal.device, cal.efficiency,
                 modes=(cfg.rl.schedule.mode,), top=top, staleness=cfg.rl.schedule.max_staleness)
 
 
 def compared(rank: int, ranked, run) -> dict:
   """One plan: the planner's numbers beside the compiler's."""
-  from cli.target_report import summary
+  from preflight.target_report import summary
   s = summary(run)
   per_step = lambda names: sum(p["seconds"] for p in s["programs"] if p["name"] in names)
   planned = ranked.stages
@@ -66,8 +66,8 @@ def main() -> None:
   args = parser.parse_args()
   from sharding.host import cpu_only_here
   cpu_only_here()
-  from cli.flags import load_config_file
-  from cli.target_compile import compile_run
+  from jaxrl.cli.flags import load_config_file
+  from preflight.target_compile import compile_run
   from jaxrl.config_files import resolve
   from planner.plan import applied
   from planner.targets import parse_target

@@ -1,6 +1,6 @@
 """Tool calls per second: the calculator in place, the same calculator as a user environment in
 host processes (jaxrl/envs/hosted.py), and the Python tool's sandboxed programs
-(jaxrl/envs/code_sandbox.py), alternately in one process.
+(isolation/sandbox.py), alternately in one process.
 
   python -m benchmarks.tool_calls --json
 
@@ -47,7 +47,7 @@ def _stepper(env, turns_ids):
 def measure(args) -> dict:
   from jaxrl.data.tokenizer import ByteTokenizer
   from jaxrl.envs import Calculator, EnvHosts, PythonTool
-  from jaxrl.envs.code_sandbox import CodeSandbox
+  from isolation.sandbox import CodeSandbox
   from jaxrl.rewards.math import math_equal
   tok = ByteTokenizer()
   turns = _turns(args.calls)

@@ -1,5 +1,5 @@
 """A user reward function in place against the same function in worker processes
-(jaxrl/user_code.py), alternately in one process: calls per second and the overhead per call.
+(isolation/workers.py), alternately in one process: calls per second and the overhead per call.
 
   python -m benchmarks.user_code --json
 
@@ -42,7 +42,7 @@ def _batch(n: int):
 def measure(args) -> dict:
   from benchmarks.user_code import gsm8k_reward, lengths  # (by module name, not __main__'s)
   from jaxrl.rewards.user import call_reward_fn
-  from jaxrl.user_code import UserCodePool
+  from isolation.workers import UserCodePool
   prompts, completions, fields = _batch(args.batch)
   names = [f"benchmarks.user_code:{f.__name__}" for f in (gsm8k_reward, lengths)]
   pool = UserCodePool(workers=args.workers, timeout_s=60.0, preload=names)

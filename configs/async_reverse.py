@@ -3,9 +3,11 @@ while the trainer (devices 0-3) updates on the previous one, at most one policy 
 (`max_staleness=1`). The lag is corrected by a token-level truncated importance weight
 min(pi_old / mu, 2) on the PPO loss (`tis_cap`), mu being the sampler's own log-prob.
 
-Run:  .venv/bin/python -m cli.train --config=configs/async_reverse.py
+Run:  .venv/bin/jaxrl-train --config=configs/async_reverse.py
 """
-from configs import default
+from jaxrl.config_files import sibling
+
+default = sibling(__file__, "default")
 
 
 def get_config():

@@ -2,9 +2,11 @@
 pi / pi_old, clipped to at most 3 (eps_high 2; no lower clip) and held constant, so no token loses
 its gradient to clipping.
 
-Run:  .venv/bin/python -m cli.train --config=configs/cispo_reverse.py
+Run:  .venv/bin/jaxrl-train --config=configs/cispo_reverse.py
 """
-from configs import default
+from jaxrl.config_files import sibling
+
+default = sibling(__file__, "default")
 
 
 def get_config():

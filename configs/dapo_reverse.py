@@ -3,9 +3,11 @@ are all equal are dropped and more prompts generated, at most 3 extra rounds a s
 loss aggregation, overlong filtering and the soft overlong penalty over the budget's last 2
 tokens, no KL term.
 
-Run:  .venv/bin/python -m cli.train --config=configs/dapo_reverse.py
+Run:  .venv/bin/jaxrl-train --config=configs/dapo_reverse.py
 """
-from configs import default
+from jaxrl.config_files import sibling
+
+default = sibling(__file__, "default")
 
 
 def get_config():

@@ -3,10 +3,12 @@ around the proximal policy (the trainer's weights before each update) and the be
 (the sampler's, up to 2 versions older) enters as the weight pi_old / mu, with tokens whose weight
 exceeds 5 dropped (the token rejection mask, band [0, 5]).
 
-Run:  .venv/bin/python -m cli.train --config=configs/decoupled_ppo_async_reverse.py
+Run:  .venv/bin/jaxrl-train --config=configs/decoupled_ppo_async_reverse.py
 Against AIPO at the same staleness: add --config.rl.loss.name=aipo --config.rl.correction.mask=none
 """
-from configs import default
+from jaxrl.config_files import sibling
+
+default = sibling(__file__, "default")
 
 
 def get_config():

@@ -8,7 +8,7 @@ The values are the schema's defaults (jaxrl/config.py, one documented field each
 the dataclasses and `configs/default.gin` can never disagree.
 
 Run:   make run
-  or:  .venv/bin/python -m cli.train --config=configs/default.py
+  or:  .venv/bin/jaxrl-train --config=configs/default.py
 Override any field: --config.rl.steps=50 --config.task.name=addition --config.task.num_digits=2
 """
 from jaxrl.config import ExperimentConfig, config_dict

@@ -1,9 +1,11 @@
 """SFT, then DPO on verifier pairs (chosen: the answer; rejected: the SFT policy's own mistakes
 and near misses), then GRPO from the DPO policy.
 
-Run:  .venv/bin/python -m cli.train --config=configs/dpo_reverse.py
+Run:  .venv/bin/jaxrl-train --config=configs/dpo_reverse.py
 """
-from configs import default
+from jaxrl.config_files import sibling
+
+default = sibling(__file__, "default")
 
 
 def get_config():

@@ -1,8 +1,10 @@
 """Dr. GRPO on the default task: advantages r - group mean (no std), length-free aggregation.
 
-Run:  .venv/bin/python -m cli.train --config=configs/dr_grpo_reverse.py
+Run:  .venv/bin/jaxrl-train --config=configs/dr_grpo_reverse.py
 """
-from configs import default
+from jaxrl.config_files import sibling
+
+default = sibling(__file__, "default")
 
 
 def get_config():

@@ -4,13 +4,15 @@ them, the sampler decodes on the other 4 (tensor parallel). Five of every six la
 within a sliding window of 1024 tokens (docs/models.md).
 
 Check on a CPU first (a fake 8-device mesh, no weights; exit 1 if it would not fit):
-  python -m cli.train --config=configs/gemma3_4b_gsm8k.py --dry_run
+  python -m jaxrl.cli.train --config=configs/gemma3_4b_gsm8k.py --dry_run
 Run:
-  python -m cli.train --config=configs/gemma3_4b_gsm8k.py \
+  python -m jaxrl.cli.train --config=configs/gemma3_4b_gsm8k.py \
       --config.model.hf_path=/models/gemma-3-4b-it \
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 """
-from configs import hf_gsm8k
+from jaxrl.config_files import sibling
+
+hf_gsm8k = sibling(__file__, "hf_gsm8k")
 
 # Gemma 3's local and global layers: a window of 1024, every 6th layer global (RoPE base 1e6,
 # linear scaling 8), the others local (RoPE base 1e4).

@@ -3,9 +3,11 @@
 This is `configs/default.py` (what `make run` runs), named for the algorithm; see
 docs/algorithms.md for its measured numbers next to the other algorithms'.
 
-Run:  .venv/bin/python -m cli.train --config=configs/grpo_reverse.py
+Run:  .venv/bin/jaxrl-train --config=configs/grpo_reverse.py
 """
-from configs import default
+from jaxrl.config_files import sibling
+
+default = sibling(__file__, "default")
 
 
 def get_config():

@@ -1,7 +1,7 @@
 """GSM8K-style math on the CPU: a tiny model from a Hugging Face directory, SFT on worked
 solutions, then GRPO with the math-verify reward, all in a few minutes on 2 cores.
 
-Everything comes from code (cli/gsm8k_tiny.py, made on first use under data/gsm8k_tiny/):
+Everything comes from code (jaxrl/data/gsm8k_tiny.py, made on first use under data/gsm8k_tiny/):
 procedural grade-school word problems in GSM8K's format (`... #### 42`), and a model directory
 holding a randomly initialised 4-layer Llama written by the exporter with a BPE tokenizer trained
 on the problems and a ChatML chat template. The run takes the path a real one does: weights from
@@ -14,12 +14,12 @@ experiment's). GRPO's reward checks the true `#### N` of `answer` and trains the
 Measured on 2 CPU cores: held-out accuracy 0.680 after SFT, 0.852 after 40 GRPO steps, about
 7 min in all (README).
 
-Run:  .venv/bin/python -m cli.train --config=configs/gsm8k_tiny.py
+Run:  .venv/bin/jaxrl-train --config=configs/gsm8k_tiny.py
 """
 import os
 
 from jaxrl.config import ExperimentConfig, config_dict
-from cli.gsm8k_tiny import ensure
+from jaxrl.data.gsm8k_tiny import ensure
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                       "gsm8k_tiny")

@@ -1,7 +1,7 @@
 """Tool use on the CPU: GSM8K-style problems whose numbers are too large for a tiny model's
 arithmetic (products up to 99 x 999, sums of 3-digit numbers), solved by calling a calculator.
 
-The assets (cli/gsm8k_tiny.py --tools, made on first use under data/gsm8k_tools/): the worked
+The assets (jaxrl/data/gsm8k_tiny.py --tools, made on first use under data/gsm8k_tools/): the worked
 solutions call the calculator, `... = <calc>56*35</calc> <result>1960</result> dollars`, and SFT
 learns that form. RL then runs multi-turn (train/rollout/multiturn.py): a model turn ends at `</calc>`,
 the calculator environment (jaxrl/envs) appends ` <result>1960</result>` as token ids (trained
@@ -10,12 +10,14 @@ math-verify scores its `#### N` against the reference. Against: the same config 
 `--config.rl.environment.name=` (the model writes the results itself). Numbers in
 docs/algorithms.md.
 
-Run:  .venv/bin/python -m cli.train --config=configs/gsm8k_tools.py
+Run:  .venv/bin/jaxrl-train --config=configs/gsm8k_tools.py
 """
 import os
 
-from cli.gsm8k_tiny import ensure
-from configs import gsm8k_tiny
+from jaxrl.config_files import sibling
+from jaxrl.data.gsm8k_tiny import ensure
+
+gsm8k_tiny = sibling(__file__, "gsm8k_tiny")
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 

@@ -2,9 +2,11 @@
 sequence level (eps 3e-4 / 4e-4, as the GSPO paper), each sequence's loss averaged over its
 tokens and then over the sequences.
 
-Run:  .venv/bin/python -m cli.train --config=configs/gspo_reverse.py
+Run:  .venv/bin/jaxrl-train --config=configs/gspo_reverse.py
 """
-from configs import default
+from jaxrl.config_files import sibling
+
+default = sibling(__file__, "default")
 
 
 def get_config():

@@ -4,15 +4,17 @@ reference 32 ways; the sampler decodes with the weights split 8 ways by tensor p
 groups of rows), the update's activations recomputed except the projections (`remat=dots`).
 
 Check the fit here first, estimated on 32 fake CPU devices and compiled by the TPU compiler:
-  python -m cli.train --config=configs/llama3_1_70b_gsm8k.py --dry_run
-  python -m cli.train --config=configs/llama3_1_70b_gsm8k.py --dry_run --target=v5p-64
+  python -m jaxrl.cli.train --config=configs/llama3_1_70b_gsm8k.py --dry_run
+  python -m jaxrl.cli.train --config=configs/llama3_1_70b_gsm8k.py --dry_run --target=v5p-64
 Run (on the pod, every host the same command):
-  python -m cli.train --config=configs/llama3_1_70b_gsm8k.py \
+  python -m jaxrl.cli.train --config=configs/llama3_1_70b_gsm8k.py \
       --config.model.hf_path=/models/Llama-3.1-70B-Instruct \
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 """
-from configs import hf_gsm8k
-from configs.llama3_1_8b_gsm8k import LLAMA3_1_8B
+from jaxrl.config_files import sibling
+
+hf_gsm8k = sibling(__file__, "hf_gsm8k")
+LLAMA3_1_8B = sibling(__file__, "llama3_1_8b_gsm8k").LLAMA3_1_8B
 
 LLAMA3_1_70B = {**LLAMA3_1_8B, "d_model": 8192, "n_layers": 80, "n_heads": 64, "d_ff": 28672,
                 "remat": "dots"}

@@ -3,13 +3,15 @@ the actor and the reference over 4 of them, the sampler decodes on the other 4 (
 RoPE uses Llama 3.1's `llama3` frequency scaling, as its config.json says.
 
 Check on a CPU first (a fake 8-device mesh, no weights; exit 1 if it would not fit):
-  python -m cli.train --config=configs/llama3_1_8b_gsm8k.py --dry_run
+  python -m jaxrl.cli.train --config=configs/llama3_1_8b_gsm8k.py --dry_run
 Run:
-  python -m cli.train --config=configs/llama3_1_8b_gsm8k.py \
+  python -m jaxrl.cli.train --config=configs/llama3_1_8b_gsm8k.py \
       --config.model.hf_path=/models/Llama-3.1-8B-Instruct \
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 """
-from configs import hf_gsm8k
+from jaxrl.config_files import sibling
+
+hf_gsm8k = sibling(__file__, "hf_gsm8k")
 
 LLAMA3_1_8B = dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                    head_dim=128, d_ff=14336, rope_theta=500_000.0, norm_eps=1e-5,

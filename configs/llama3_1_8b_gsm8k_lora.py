@@ -4,16 +4,18 @@ state and the sampler's merged copy leave the device for the phases that do not 
 (placement.offload=all); the update recomputes attention (remat=dots).
 
 Check on a CPU first (no weights; exit 1 if it would not fit):
-  python -m cli.train --config=configs/llama3_1_8b_gsm8k_lora.py --dry_run
+  python -m jaxrl.cli.train --config=configs/llama3_1_8b_gsm8k_lora.py --dry_run
 Run:
-  python -m cli.train --config=configs/llama3_1_8b_gsm8k_lora.py \\
+  python -m jaxrl.cli.train --config=configs/llama3_1_8b_gsm8k_lora.py \\
       --config.model.hf_path=/models/Llama-3.1-8B-Instruct \\
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 Then `jaxrl-export --checkpoint runs/NAME/checkpoints/rl --out DIR [--peft]`: merged weights, or
 the adapters alone for peft.
 """
-from configs import hf_gsm8k
-from configs.llama3_1_8b_gsm8k import LLAMA3_1_8B
+from jaxrl.config_files import sibling
+
+hf_gsm8k = sibling(__file__, "hf_gsm8k")
+LLAMA3_1_8B = sibling(__file__, "llama3_1_8b_gsm8k").LLAMA3_1_8B
 
 
 def get_config():

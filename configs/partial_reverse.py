@@ -6,12 +6,14 @@ batch has one of ~30), asynchronous GRPO one policy version ahead with a truncat
 take each new policy version between decode segments, and every token keeps the version and the
 log-prob it was drawn with (docs/algorithms.md, "Partial rollouts").
 
-Run:  .venv/bin/python -m cli.train --config=configs/partial_reverse.py
+Run:  .venv/bin/jaxrl-train --config=configs/partial_reverse.py
 Without partial rollouts (whole batches, the same slots):
   --config.rl.schedule.partial_rollouts=False
 Reproducible (batch i from version i - 1, resumable bit for bit): --config.rl.schedule.name=fixed
 """
-from configs import default
+from jaxrl.config_files import sibling
+
+default = sibling(__file__, "default")
 
 
 def get_config():

@@ -6,9 +6,11 @@ reference. The policy is optimised against the reward model's score, not the ver
 verifier only measures held-out accuracy. KL(pi || ref) is folded into per-token rewards
 (k1, as OpenRLHF), advantages by GAE, whitened over the batch.
 
-Run:  .venv/bin/python -m cli.train --config=configs/ppo_rlhf_tiny.py
+Run:  .venv/bin/jaxrl-train --config=configs/ppo_rlhf_tiny.py
 """
-from configs import default
+from jaxrl.config_files import sibling
+
+default = sibling(__file__, "default")
 
 
 def get_config():

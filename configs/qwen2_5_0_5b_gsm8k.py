@@ -1,13 +1,15 @@
 """GRPO on GSM8K from Qwen2.5-0.5B-Instruct, on one 80 GB accelerator (everything colocated).
 
 Check on a CPU first (no weights needed; exit 1 if it would not fit):
-  python -m cli.train --config=configs/qwen2_5_0_5b_gsm8k.py --dry_run
+  python -m jaxrl.cli.train --config=configs/qwen2_5_0_5b_gsm8k.py --dry_run
 Run:
-  python -m cli.train --config=configs/qwen2_5_0_5b_gsm8k.py \
+  python -m jaxrl.cli.train --config=configs/qwen2_5_0_5b_gsm8k.py \
       --config.model.hf_path=/models/Qwen2.5-0.5B-Instruct \
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 """
-from configs import hf_gsm8k
+from jaxrl.config_files import sibling
+
+hf_gsm8k = sibling(__file__, "hf_gsm8k")
 
 QWEN2_5_0_5B = dict(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2,
                     head_dim=64, d_ff=4864, rope_theta=1_000_000.0, norm_eps=1e-6,

@@ -2,13 +2,15 @@
 the actor and the reference over 4 of them, the sampler decodes on the other 4 (tensor parallel).
 
 Check on a CPU first (a fake 8-device mesh, no weights; exit 1 if it would not fit):
-  python -m cli.train --config=configs/qwen2_5_7b_gsm8k.py --dry_run
+  python -m jaxrl.cli.train --config=configs/qwen2_5_7b_gsm8k.py --dry_run
 Run:
-  python -m cli.train --config=configs/qwen2_5_7b_gsm8k.py \
+  python -m jaxrl.cli.train --config=configs/qwen2_5_7b_gsm8k.py \
       --config.model.hf_path=/models/Qwen2.5-7B-Instruct \
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 """
-from configs import hf_gsm8k
+from jaxrl.config_files import sibling
+
+hf_gsm8k = sibling(__file__, "hf_gsm8k")
 
 QWEN2_5_7B = dict(vocab_size=152064, d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4,
                   head_dim=128, d_ff=18944, rope_theta=1_000_000.0, norm_eps=1e-6,

@@ -4,14 +4,16 @@ state and the sampler's merged copy leave the device for the phases that do not 
 (placement.offload=all); the update recomputes attention (remat=dots).
 
 Check on a CPU first (no weights; exit 1 if it would not fit):
-  python -m cli.train --config=configs/qwen2_5_7b_gsm8k_lora.py --dry_run
+  python -m jaxrl.cli.train --config=configs/qwen2_5_7b_gsm8k_lora.py --dry_run
 Run:
-  python -m cli.train --config=configs/qwen2_5_7b_gsm8k_lora.py \\
+  python -m jaxrl.cli.train --config=configs/qwen2_5_7b_gsm8k_lora.py \\
       --config.model.hf_path=/models/Qwen2.5-7B-Instruct \\
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 """
-from configs import hf_gsm8k
-from configs.qwen2_5_7b_gsm8k import QWEN2_5_7B
+from jaxrl.config_files import sibling
+
+hf_gsm8k = sibling(__file__, "hf_gsm8k")
+QWEN2_5_7B = sibling(__file__, "qwen2_5_7b_gsm8k").QWEN2_5_7B
 
 
 def get_config():

@@ -9,13 +9,15 @@ the update's gradients 28.4 more. The sampler records each token's experts and t
 them (`model.routing_replay="rollout"`: docs/models.md).
 
 Check on a CPU first (a fake 16-device mesh, no weights; exit 1 if it would not fit):
-  python -m cli.train --config=configs/qwen3_30b_a3b_gsm8k.py --dry_run
+  python -m jaxrl.cli.train --config=configs/qwen3_30b_a3b_gsm8k.py --dry_run
 Run:
-  python -m cli.train --config=configs/qwen3_30b_a3b_gsm8k.py \
+  python -m jaxrl.cli.train --config=configs/qwen3_30b_a3b_gsm8k.py \
       --config.model.hf_path=/models/Qwen3-30B-A3B \
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 """
-from configs import hf_gsm8k
+from jaxrl.config_files import sibling
+
+hf_gsm8k = sibling(__file__, "hf_gsm8k")
 
 QWEN3_30B_A3B = dict(family="qwen3_moe", vocab_size=151936, d_model=2048, n_layers=48,
                      n_heads=32, n_kv_heads=4, head_dim=128, d_ff=6144, n_experts=128,

@@ -1,9 +1,11 @@
 """REINFORCE++ on the default task: the KL to the reference folded into per-token rewards (k1),
 returns-to-go normalised over the whole batch (no per-prompt baseline, no critic).
 
-Run:  .venv/bin/python -m cli.train --config=configs/reinforce_pp_reverse.py
+Run:  .venv/bin/jaxrl-train --config=configs/reinforce_pp_reverse.py
 """
-from configs import default
+from jaxrl.config_files import sibling
+
+default = sibling(__file__, "default")
 
 
 def get_config():

@@ -1,9 +1,11 @@
 """RLOO on the default task: each sample's baseline is the mean reward of the other samples of
 its prompt (group of 8), with the PPO clipped loss and k3 KL to the reference.
 
-Run:  .venv/bin/python -m cli.train --config=configs/rloo_reverse.py
+Run:  .venv/bin/jaxrl-train --config=configs/rloo_reverse.py
 """
-from configs import default
+from jaxrl.config_files import sibling
+
+default = sibling(__file__, "default")
 
 
 def get_config():

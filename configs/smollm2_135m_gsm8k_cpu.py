@@ -9,11 +9,13 @@ at the start and the end only, on 8 held-out prompts, outside the step times.
 Assets (a SmolLM2-135M-shaped model with random weights, a ChatML tokenizer, jsonl problems):
   .venv/bin/python benchmarks/trl_compare.py make-assets /tmp/trl_cmp
 Run:
-  .venv/bin/python -m cli.train --config=configs/smollm2_135m_gsm8k_cpu.py \
+  .venv/bin/jaxrl-train --config=configs/smollm2_135m_gsm8k_cpu.py \
       --config.model.hf_path=/tmp/trl_cmp/model --config.data.train_path=/tmp/trl_cmp/train.jsonl \
       --config.data.heldout_path=/tmp/trl_cmp/test.jsonl --config.rl.steps=4
 """
-from configs import hf_gsm8k
+from jaxrl.config_files import sibling
+
+hf_gsm8k = sibling(__file__, "hf_gsm8k")
 
 SMOLLM2_135M = dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                     head_dim=64, d_ff=1536, rope_theta=100_000.0, norm_eps=1e-5,

@@ -1,8 +1,10 @@
 """A seconds-long smoke config (used by the tests): tiny model, a few SFT and GRPO steps.
 
-Run:  .venv/bin/python -m cli.train --config=configs/tiny.py --config.run_dir=/tmp/jaxrl
+Run:  .venv/bin/jaxrl-train --config=configs/tiny.py --config.run_dir=/tmp/jaxrl
 """
-from configs import default
+from jaxrl.config_files import sibling
+
+default = sibling(__file__, "default")
 
 
 def get_config():

@@ -12,8 +12,10 @@ through the same checks as an ml_collections config, so `--gin_param=rl.steps=5`
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -222,3 +224,19 @@ def merge(base: Mapping, overrides: Mapping) -> dict:
 def with_gin(base, files: Sequence[str] = (), bindings: Sequence[str] = ()) -> ExperimentConfig:
   """`base` (anything `resolve` takes) with gin files and bindings on top."""
   return resolve(merge(to_dict(resolve(base, hf=False)), gin_overrides(files, bindings)))
+
+
+def config_module(path: str) -> types.ModuleType:
+  """The experiment file at `path`, loaded as a module of its own (anew at each call): configs
+  are files found by path, not an installed package, and one builds on another with `sibling`."""
+  name = "_jaxrl_config_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def sibling(file: str, name: str) -> types.ModuleType:
+  """The experiment file `name`.py beside `file` (a config file's `__file__`), loaded: how a
+  config builds on another wherever it is run from (`default = sibling(__file__, "default")`)."""
+  return config_module(os.path.join(os.path.dirname(os.path.abspath(file)), f"{name}.py"))

@@ -194,11 +194,14 @@ class EnvironmentConfig:
   max_turns: int = 4  # model turns of a rollout, all within rollout.max_new_tokens
   max_turn_tokens: int = 0  # one turn's most new tokens (0: what is left of the budget)
   keep_turn_cache: bool = True  # KV cache kept across turns (False: each turn prefills whole)
+  # The environments' hyperparameters: each is the keyword-only parameter of that name of the
+  # environments that read it (jaxrl/envs/base.py `EnvironmentFactory`), a user's class too.
+  max_output_chars: int = 2000  # a tool's reply, cut to this many characters before encoding
 
   def __post_init__(self):
     if self.name and ":" not in self.name:
       choice(self, "name", ENVIRONMENTS)
-    positive(self, "max_turns")
+    positive(self, "max_turns", "max_output_chars")
     at_least_zero(self, "max_turn_tokens")
 
 

@@ -28,11 +28,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxrl.models.head import chunk_length
+from jaxrl.models.lm_head import chunk_length
 from jaxrl.config import ExperimentConfig
 from jaxrl.models import flops
+from jaxrl.models.attention import flash
 from jaxrl.models.config import ModelConfig
-from planner import footprint
 from planner.devices import DeviceSpec, Efficiency
 from sharding.placement import whole_hosts
 
@@ -61,11 +61,13 @@ class Workload:
   paged: bool = False  # KV cache by the token (vLLM's pages): a row holds its mean length, not
   #                      its budget, as jaxrl's slots do
   sampler_bytes: int = 0  # bytes per weight of the sampler's copy (1: fp8); 0: compute dtype
-  flash_attention: bool = False  # attention never holds [T, T] scores (jaxrl's cuDNN kernel)
+  flash_attention: bool = False  # attention never holds [T, T] scores (a flash kernel)
   lora_params: int = 0  # LoRA: the adapters' parameters, the only ones trained; 0: all train
 
   @classmethod
-  def from_config(cls, cfg: ExperimentConfig) -> Workload:
+  def from_config(cls, cfg: ExperimentConfig, platform: str) -> Workload:
+    """The workload of `cfg`'s RL step on devices of `platform` ("gpu" | "tpu" | "cpu": its
+    attention as the model resolves it there, jaxrl/models/attention.attention_impl)."""
     rl = cfg.rl
     return cls(model=cfg.model, prompts=rl.prompts_per_step, group_size=rl.group_size,
                prompt_len=cfg.data.max_prompt_tokens, new_tokens=rl.rollout.max_new_tokens,
@@ -73,7 +75,7 @@ class Workload:
                micro_batch_size=rl.batching.micro_batch_size, old_pass=rl.needs_old_logprobs,
                reference=rl.kl.coef > 0, critic=rl.trains_critic,
                reward_model=rl.reward == "reward_model", inflight=rl.rollout.inflight_slots > 0,
-               flash_attention=footprint.flash_attention(cfg.model), lora_params=lora_params(cfg))
+               flash_attention=flash(cfg.model, platform), lora_params=lora_params(cfg))
 
   @property
   def rows(self) -> int:
@@ -95,7 +97,7 @@ class Workload:
     return self.rows // rows
 
   def logit_chunk(self, rows: int) -> int:
-    """Positions per log-prob chunk of a pass over `rows` rows (jaxrl/models/head.py)."""
+    """Positions per log-prob chunk of a pass over `rows` rows (jaxrl/models/lm_head.py)."""
     return chunk_length(rows, self.new_tokens, self.model.vocab_size)
 
   @property

@@ -1,12 +1,12 @@
 """The one memory model of jaxrl's passes: bytes one device holds beyond its resident state during
 an update, a scoring pass, and generation. The planner (memory.py) and the dry run
-(cli/dry_run.py) both call it; tests/test_memory_model.py checks it against XLA's own count
+(preflight/dry_run.py) both call it; tests/test_memory_model.py checks it against XLA's own count
 (`memory_analysis().temp_size_in_bytes`) of compiled RL updates. It reads a model config's
 dimensions only (any object with ModelConfig's fields), so nothing here imports jaxrl.
 
 An update's backward runs in phases, and its peak is the largest of them:
   head       every layer's saved activations, the log-prob chunk's logits at their largest
-             (logits, probabilities and their gradient: jaxrl/models/head.py) and the head's
+             (logits, probabilities and their gradient: jaxrl/models/lm_head.py) and the head's
              gradient
   top layer  the layers below's saved activations and the top layer's working set (with remat,
              recomputed) beside the head's and one layer's gradients
@@ -26,7 +26,6 @@ input only.
 """
 from __future__ import annotations
 
-from jaxrl import platform
 from jaxrl.models import flops
 from planner import footprint_tpu
 
@@ -40,16 +39,6 @@ UPDATE_ITEMS = ("gradients", "activations", "logits", "gathered weights", "buffe
 
 def compute_bytes(model) -> int:
   return 2 if model.dtype == "bfloat16" else 4
-
-
-def flash_attention(model) -> bool:
-  """Whether training attention holds no [T, T] scores on the target: cuDNN's flash kernel
-  (`model.attention=cudnn`, or `auto` for a bfloat16 model, which is what it picks on a GPU) or
-  the splash kernel (`splash`, or `auto` for a TPU: jaxrl/models/attention.attention_impl)."""
-  attention = getattr(model, "attention", "einsum")
-  if attention in ("cudnn", "splash"):
-    return True
-  return attention == "auto" and (model.dtype == "bfloat16" or platform.backend() == "tpu")
 
 
 def layer_fraction(model) -> float:
@@ -112,7 +101,7 @@ def update_peak(model, *, rows: float, seq_len: float, logit_chunk: int, param_b
                 tpu: dict | None = None) -> dict[str, float]:
   """What one device holds beyond its resident state at an update's peak, by kind (sum: the
   peak). `rows`: rows of one micro-batch (or minibatch) on this device; `logit_chunk`: positions
-  per log-prob chunk (jaxrl/models/head.chunk_length); `param_bytes`: this device's shard of
+  per log-prob chunk (jaxrl/models/lm_head.chunk_length); `param_bytes`: this device's shard of
   the trained parameters in float32; `gathered_bytes`: the compute-dtype weights an fsdp
   all-gather assembles on it (0 without fsdp); `accumulate`: micro-batches. `tpu` (params,
   fsdp, lora): the TPU compiler's layout instead (planner/footprint_tpu.py)."""

@@ -70,7 +70,7 @@ def choose(cfg: ExperimentConfig, devices, hosts: int = 1) -> tuple[ExperimentCo
   """`cfg` with the best plan's placement, micro-batch size and remat filled in, and that
   plan."""
   cal = calibration_for(cfg, devices[0], len(devices) // hosts, slice_devices(devices))
-  workload = Workload.from_config(cfg)
+  workload = Workload.from_config(cfg, cal.device.platform)
   ranked = search(workload, len(devices), cal.device, cal.efficiency, modes=(cfg.rl.schedule.mode,),
                   top=None, staleness=cfg.rl.schedule.max_staleness)
   if cfg.rl.batching.micro_batch_size:

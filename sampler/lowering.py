@@ -1,5 +1,5 @@
 """The in-flight engines' programs lowered from abstract arguments (ShapeDtypeStructs carrying
-shardings), without running them: what a target compile (cli/target_compile.py) compiles for a
+shardings), without running them: what a target compile (preflight/target_compile.py) compiles for a
 slice that is not here.
 
 The host loops of sampler/inflight.py (a batch's rows), sampler/stream.py (partial rollouts) and
@@ -13,17 +13,15 @@ come.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from sampler import inflight
 from sampler.requests import request_programs
+from sampler.slots import ring_width
+from sampler.spec import DecodeSpec
 from sampler.stream import StreamGeometry, stream_programs
-
-if TYPE_CHECKING:
-  from sampler.sampler import Sampler
 
 S = jax.ShapeDtypeStruct
 Lowerings = list[tuple[str, Callable[[], jax.stages.Lowered]]]
@@ -62,12 +60,12 @@ def _prefill_args(k: int, width: int, slots: int) -> tuple:
           _i32(slots))
 
 
-def rows(sampler: Sampler, params, tokens_BP: S) -> Lowerings:
+def rows(spec: DecodeSpec, params, tokens_BP: S) -> Lowerings:
   """In-flight batching of one batch of prompts `tokens_BP` (`Sampler.generate` with
   `inflight_slots`)."""
-  k, chain = sampler.inflight_slots, Chain()
-  p = inflight.row_programs(sampler.graphdef, sampler.cfg, slots=k, n=sampler.n,
-                            mesh=sampler.mesh, rules=sampler.rules)
+  k, chain = spec.inflight_slots, Chain()
+  p = inflight.row_programs(spec.graphdef, spec.cfg, slots=k, n=spec.n, mesh=spec.mesh,
+                            rules=spec.rules)
   valid_BP, key = S(tokens_BP.shape, bool, sharding=tokens_BP.sharding), jax.eval_shape(
       lambda: jax.random.key(0))
   cast = lambda: p.cast.lower(params)
@@ -82,16 +80,16 @@ def rows(sampler: Sampler, params, tokens_BP: S) -> Lowerings:
           ("slots: finish", lambda: p.finish.lower(*state()[:2], tokens_BP, valid_BP))]
 
 
-def stream(sampler: Sampler, params, geometry: StreamGeometry, grid) -> Lowerings:
+def stream(spec: DecodeSpec, params, geometry: StreamGeometry, grid) -> Lowerings:
   """Partial rollouts' stream (`Sampler.stream`); `grid`: the sharding its prompt batches come
   in."""
-  k, chain = sampler.inflight_slots, Chain()
-  p = stream_programs(sampler, geometry)
+  k, chain = spec.inflight_slots, Chain()
+  p = stream_programs(spec, geometry)
   cast = lambda: p.cast.lower(params)
   model = lambda: chain.out("cast", cast)
   start = lambda: p.start.lower(model())
   state = lambda: chain.out("start", start)  # (slots, outputs, global step)
-  prompts = S((geometry.rows // sampler.n, geometry.prompt_width), jnp.int32, sharding=grid)
+  prompts = S((geometry.rows // spec.n, geometry.prompt_width), jnp.int32, sharding=grid)
   return [("stream: cast weights", cast), ("stream: start", start),
           ("stream: admit (every slot)", lambda: p.admit.lower(
               model(), state()[0], state()[2], *_prefill_args(k, geometry.prompt_width, k))),
@@ -102,12 +100,12 @@ def stream(sampler: Sampler, params, geometry: StreamGeometry, grid) -> Lowering
               state()[1], _i32(), prompts, S(prompts.shape, bool, sharding=grid)))]
 
 
-def requests(sampler: Sampler, params, context_width: int) -> Lowerings:
+def requests(spec: DecodeSpec, params, context_width: int) -> Lowerings:
   """Turns of conversations in slots that keep their caches (`Sampler.requests`), contexts of
   up to `context_width` tokens; a prefill and a kept turn's extension as wide as the ring."""
-  k, chain = sampler.inflight_slots, Chain()
-  ring = inflight.ring_width(context_width, sampler.cfg.max_new_tokens)
-  p = request_programs(sampler, ring)
+  k, chain = spec.inflight_slots, Chain()
+  ring = ring_width(context_width, spec.cfg.max_new_tokens)
+  p = request_programs(spec, ring)
   cast = lambda: p.cast.lower(params)
   model = lambda: chain.out("cast", cast)
   empty = lambda: p.empty.lower(model())

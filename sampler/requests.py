@@ -21,20 +21,17 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sampler import inflight
+from sampler import slots
 from sampler.engine import bucket
-from sampler.inflight import CHECK_EVERY, Slots
-from sampler.stream import numbered, unnumbered, admit_rows
-from sharding.reshard import fetch, send
-
-if TYPE_CHECKING:
-  from sampler.sampler import Sampler
+from sampler.slots import CHECK_EVERY, Slots, admit_rows, numbered, unnumbered
+from sampler.spec import DecodeSpec
+from sharding.reshard import to_device, to_host
 
 WIDTH_STEP = 16  # contexts are left-padded to WIDTH_STEP * 2^k tokens (a prefill program each)
 
@@ -49,24 +46,24 @@ class RequestPrograms(NamedTuple):
   decode: Callable
 
 
-@functools.lru_cache(maxsize=32)
-def request_programs(sampler: Sampler, ring: int) -> RequestPrograms:
-  """The jitted pieces for `sampler` with slots of `ring` tokens, built once (a `Requests` is
-  made per batch of conversations)."""
-  cfg = sampler.cfg
-  jit = inflight.jitter(sampler.mesh, sampler.rules)
-  return RequestPrograms(
-      inflight.caster(sampler.graphdef),
-      jit(_unrouted_slots, cfg=cfg, slots=sampler.inflight_slots, p=ring, ring=ring),
-      jit(admit_rows, (1,), cfg=cfg, ring=ring), jit(extend_rows, (1,), cfg=cfg, ring=ring),
-      jit(inflight.decode, (1,), cfg=cfg))
+def request_programs(spec: DecodeSpec, ring: int) -> RequestPrograms:
+  """The jitted pieces for `spec` with slots of `ring` tokens, built once (in the spec's cache:
+  a `Requests` is made per batch of conversations)."""
+  def build():
+    cfg, jit = spec.cfg, slots.jitter(spec.mesh, spec.rules)
+    return RequestPrograms(
+        slots.caster(spec.graphdef),
+        jit(_unrouted_slots, cfg=cfg, slots=spec.inflight_slots, p=ring, ring=ring),
+        jit(admit_rows, (1,), cfg=cfg, ring=ring), jit(extend_rows, (1,), cfg=cfg, ring=ring),
+        jit(slots.decode, (1,), cfg=cfg))
+  return spec.cached(build, "requests", ring)
 
 
 def _unrouted_slots(model, **kw) -> Slots:
   """Empty slots that record no experts: a request returns none (multi-turn rollouts replay no
   routes: jaxrl/config_checks.py), so a mixture of experts' prefills of any width and its
   kept caches fit the slots as a dense model's do."""
-  return inflight.empty_slots(model, **kw).replace(routes_RTLK=None)
+  return slots.empty_slots(model, **kw).replace(routes_RTLK=None)
 
 
 def kept_ring(model, cache_KX, valid_KS, chunk_valid_KW, g, ring: int):
@@ -87,7 +84,7 @@ def kept_ring(model, cache_KX, valid_KS, chunk_valid_KW, g, ring: int):
     shape = [1] * x.ndim
     shape[0], shape[axis] = src_KS.shape
     return jnp.take_along_axis(x, src_KS.reshape(shape), axis=axis)
-  return jax.tree.map(take, cache_KX, inflight.slot_axes(model)), age_KS < t_K + l_K
+  return jax.tree.map(take, cache_KX, slots.slot_axes(model)), age_KS < t_K + l_K
 
 
 def extend_rows(model, state: Slots, g, tokens_KW, valid_KW, slot_K, budget_K, keys_K2, index_K,
@@ -96,18 +93,18 @@ def extend_rows(model, state: Slots, g, tokens_KW, valid_KW, slot_K, budget_K, k
   token, whose key a finished row never commits, then the environment's reply) is prefilled
   after the slot's kept keys, and the row decodes its next turn (budget, uniforms `fold_in(key,
   index)`) in the slots r with src_R[r] >= 0 (chunk src_R[r])."""
-  axes = inflight.slot_axes(model)
+  axes = slots.slot_axes(model)
   valid_KS = jnp.take(state.key_valid_RS, slot_K, axis=0)[:, :ring]
   cache_KS = jax.tree.map(lambda x, axis: jax.lax.slice_in_dim(
       jnp.take(x, slot_K, axis=0), 0, ring, axis=axis), state.kv_cache, axes)
   length_K = valid_KS.sum(axis=1, dtype=jnp.int32)
   logits_KV, cache_KX = model.extend(tokens_KW, valid_KW, length_K, cache_KS, valid_KS)
   cache, key_valid_KS = kept_ring(model, cache_KX, valid_KS, valid_KW, g, ring)
-  new = inflight.new_rows(cfg, jnp.zeros_like(slot_K), budget_K,
-                          inflight.keyed_uniforms(keys_K2, index_K, cfg.max_new_tokens),
+  new = slots.new_rows(cfg, jnp.zeros_like(slot_K), budget_K,
+                       slots.keyed_uniforms(keys_K2, index_K, cfg.max_new_tokens),
                           logits_KV, cache, key_valid_KS,
                           length_K + valid_KW.sum(axis=1, dtype=jnp.int32))
-  return jax.tree.map(functools.partial(inflight.put_rows, src_R=src_R), state, new)
+  return jax.tree.map(functools.partial(slots.put_rows, src_R=src_R), state, new)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +134,7 @@ class Finished(NamedTuple):
 
 
 class Requests:
-  """`sampler.inflight_slots` slots serving requests (`submit`); `poll` returns the finished
+  """`spec.inflight_slots` slots serving requests (`submit`); `poll` returns the finished
   ones, `advance` admits the waiting ones into free slots and decodes one segment.
 
   With `keep`, a finished request's slot keeps its cache for its tag:
@@ -152,28 +149,28 @@ class Requests:
   from, as `sampler.stream.Stream` does. `snapshot` / `restore` save and put back everything in
   flight, the caches included, so a restored engine continues bit for bit."""
 
-  def __init__(self, sampler: Sampler, params, *, context_width: int, keep: bool = True,
+  def __init__(self, spec: DecodeSpec, params, *, context_width: int, keep: bool = True,
                version: int = 0):
-    cfg, slots = sampler.cfg, sampler.inflight_slots
-    self._buckets = inflight.refill_buckets(sampler.mesh, sampler.rules, slots)
-    self.cfg, self.ring = cfg, inflight.ring_width(context_width, cfg.max_new_tokens)
+    cfg, count = spec.cfg, spec.inflight_slots
+    self._buckets = slots.refill_buckets(spec.mesh, spec.rules, count)
+    self.cfg, self.ring = cfg, slots.ring_width(context_width, cfg.max_new_tokens)
     self._widths = tuple(WIDTH_STEP << k for k in range(self.ring.bit_length())
                          if WIDTH_STEP << k < self.ring) + (self.ring,)
     (self._cast, empty, self._admit, self._extend,
-     self._decode) = request_programs(sampler, self.ring)
+     self._decode) = request_programs(spec, self.ring)
     self.install(params, version)
     self.state = empty(self._model)
     self.keep = keep
-    self.g, self._segment = send(np.int32(0)), send(np.int32(CHECK_EVERY))
+    self.g, self._segment = to_device(np.int32(0)), to_device(np.int32(CHECK_EVERY))
     self._pending: collections.deque[Request] = collections.deque()
     self._continuing: list[tuple[Request, int, int]] = []  # (request, its kept slot, cached)
     # tag -> (slot, the ids its cache holds), oldest first
     self._kept: collections.OrderedDict[Any, tuple[int, tuple[int, ...]]] = (
         collections.OrderedDict())
-    self._serving: list[Request | None] = [None] * slots
+    self._serving: list[Request | None] = [None] * count
     # per slot, (first token index, version) each time its request's weights changed
-    self._switches: list[list[tuple[int, int]]] = [[] for _ in range(slots)]
-    self._done_R, self._step_R = np.ones(slots, bool), np.zeros(slots, np.int32)
+    self._switches: list[list[tuple[int, int]]] = [[] for _ in range(count)]
+    self._done_R, self._step_R = np.ones(count, bool), np.zeros(count, np.int32)
     # prefill_tokens: the prefills' padded [K, W] sizes; new_tokens: the ids they computed;
     # admitted / continued: requests prefilled whole / after a kept cache; evicted: kept caches
     # dropped for a waiting request
@@ -227,12 +224,12 @@ class Requests:
 
   def poll(self) -> list[Finished]:
     """The requests that finished since the last look."""
-    self._done_R, self._step_R = (np.array(x) for x in fetch((self.state.done_R,
+    self._done_R, self._step_R = (np.array(x) for x in to_host((self.state.done_R,
                                                              self.state.step_R)))
     finished = [s for s, r in enumerate(self._serving) if r is not None and self._done_R[s]]
     if not finished:
       return []
-    tokens, mask, logp = fetch((self.state.tokens_RN, self.state.mask_RN, self.state.logprobs_RN))
+    tokens, mask, logp = to_host((self.state.tokens_RN, self.state.mask_RN, self.state.logprobs_RN))
     out = []
     for s in finished:
       request, ids = self._serving[s], tokens[s][mask[s]].tolist()
@@ -241,7 +238,7 @@ class Requests:
         versions[first:] = [version] * len(versions[first:])
       out.append(Finished(request.tag, ids, logp[s][mask[s]].tolist(), versions))
       self._serving[s] = None
-      if self.keep and ids:  # every id but the last is in the cache (`inflight._commit`)
+      if self.keep and ids:  # every id but the last is in the cache (`slots._commit`)
         self._kept[request.tag] = (s, request.ids + tuple(ids[:-1]))
     return out
 
@@ -292,7 +289,7 @@ class Requests:
     # admit_rows takes output rows (unused here: a request's results come back by its slot)
     first = slot_K if fn is self._extend else np.zeros(k, np.int32)
     self.state = fn(self._model, self.state, self.g,
-                    *send((tokens_KW, valid_KW, first, budget_K, keys_K2, index_K, src_R)))
+                    *to_device((tokens_KW, valid_KW, first, budget_K, keys_K2, index_K, src_R)))
 
   # -- run state ------------------------------------------------------------------------------
   def snapshot(self) -> tuple[dict, dict]:

@@ -32,6 +32,7 @@ from sampler.engine import Rollout, bucket, generate
 from sampler.inflight import jit_inflight
 from sampler.methods import SamplingConfig
 from sampler.requests import Requests
+from sampler.spec import DecodeSpec
 from sampler.stream import Stream, StreamGeometry
 from sharding.mesh import batch_sharding
 from sharding.rules import SAMPLER_RULES, data_axes, jit_per_shard
@@ -92,6 +93,8 @@ class Sampler:
   _traced: list = dataclasses.field(default_factory=list, init=False, repr=False)
   _decode: Callable = dataclasses.field(init=False, repr=False)  # built by __post_init__
   _variants: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+  # The engines' programs, shared by the variants (sampler/spec.py): they live as long as these
+  _programs: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
 
   def __post_init__(self):
     """Builds the decode program; a ValueError names what cannot run (the caller knows which
@@ -111,6 +114,15 @@ class Sampler:
     if self.inflight_slots:
       raise ValueError("in-flight batching runs a host loop of several programs")
     return self._decode.lower(params, tokens_BP, valid_BP, key, max_new_B)
+
+  def lower_complete(self, params, rows: int, width: int):
+    """The program `complete` runs for `rows` prompts of up to `width` tokens (their budgets
+    given), lowered from abstract arguments (`params` may be ShapeDtypeStructs)."""
+    b, p = bucket(rows, self.batch_buckets), bucket(width, self.length_buckets)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return self.lower(params, jax.ShapeDtypeStruct((b, p), jnp.int32),
+                      jax.ShapeDtypeStruct((b, p), bool), key,
+                      jax.ShapeDtypeStruct((b * self.n,), jnp.int32))
 
   @property
   def traces(self) -> int:
@@ -134,19 +146,26 @@ class Sampler:
     if key not in self._variants:
       made = dataclasses.replace(self, cfg=key[0], n=key[1], inflight_slots=key[2])
       object.__setattr__(made, "_variants", self._variants)
+      object.__setattr__(made, "_programs", self._programs)
       self._variants[key] = made
     return self._variants[key]
+
+  @property
+  def spec(self) -> DecodeSpec:
+    """What its engines decode with (sampler/spec.py), with the programs' cache it owns."""
+    return DecodeSpec(self.graphdef, self.cfg, self.n, self.mesh, self.rules,
+                      self.inflight_slots, self._programs)
 
   def stream(self, params, geometry: StreamGeometry) -> Stream:
     """A stream of prompt batches in this sampler's in-flight slots, laid out as `geometry`
     says (sampler/stream.py)."""
-    return Stream(self, params, geometry)
+    return Stream(self.spec, params, geometry)
 
   def requests(self, params, *, context_width: int, keep: bool = True) -> Requests:
     """This sampler's in-flight slots serving requests of contexts up to `context_width`
     tokens, one sample each (sampler/requests.py); `keep`: a finished request's slot keeps its
     cache for the next request of its tag."""
-    return Requests(self, params, context_width=context_width, keep=keep)
+    return Requests(self.spec, params, context_width=context_width, keep=keep)
 
   def complete(self, params, prompts: Sequence[Sequence[int]], key: jax.Array,
                max_new_tokens: Sequence[int] | None = None) -> Rollout:

@@ -2,10 +2,10 @@
 segments: the engine of partial rollouts (`Sampler.stream`, driven by
 train/rollout/partial.py).
 
-`sampler/inflight.py` decodes one prompt batch in R row slots. A `Stream` keeps its R slots busy
-across batches: a slot freed by a finished row takes the next row of the stream, from the batch
-being admitted or from the next one the worker opens, so one batch's long tail decodes beside the
-next batch's rows instead of holding the slots. Between segments (`CHECK_EVERY` decode steps)
+`sampler/inflight.py` decodes one prompt batch in R row slots (sampler/slots.py). A `Stream`
+keeps its R slots busy across batches: a slot freed by a finished row takes the next row of the
+stream, from the batch being admitted or from the next one the worker opens, so one batch's long
+tail decodes beside the next batch's rows instead of holding the slots. Between segments (`CHECK_EVERY` decode steps)
 the host may install new weights (`swap`); the rows in flight keep their KV cache (computed by
 the older weights) and continue, as in PipelineRL's in-flight weight updates (AReaL recomputes
 the cache instead). Each token records the version of the weights whose logits it was drawn from
@@ -30,22 +30,19 @@ train/rollout/conversations.py's `ConversationStream` (conversations).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sampler import inflight
+from sampler import slots
 from sampler.engine import Rollout, bucket
-from sampler.inflight import CHECK_EVERY, Outputs, Slots
+from sampler.slots import CHECK_EVERY, Outputs, Slots, admit_rows, numbered, unnumbered
+from sampler.spec import DecodeSpec
 from sharding.mesh import batch_sharding
-from sharding.reshard import fetch, send
-
-if TYPE_CHECKING:
-  from sampler.sampler import Sampler
+from sharding.reshard import to_device, to_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,17 +60,17 @@ class StreamGeometry:
 
   @property
   def ring(self) -> int:
-    return inflight.ring_width(self.prompt_width, self.max_new_tokens)
+    return slots.ring_width(self.prompt_width, self.max_new_tokens)
 
   def meta(self) -> dict:
     """What a `snapshot` records as its `shape`: a stream of another one cannot continue it."""
     shape = {"slots": self.slots, "rows": self.rows, "live": self.live, "ring": self.ring}
     return {"kind": "conversations", **shape} if self.conversations else shape
 
-  def check(self, sampler: Sampler, n: int, *, conversations: bool) -> None:
-    """ValueError unless `sampler` (`n` samples per prompt) can run this geometry, in a
-    stream of conversations or of rows."""
-    wanted = {"slots": sampler.inflight_slots, "max_new_tokens": sampler.cfg.max_new_tokens,
+  def check(self, spec: DecodeSpec, n: int, *, conversations: bool) -> None:
+    """ValueError unless a sampler of `spec` (`n` samples per prompt) can run this geometry,
+    in a stream of conversations or of rows."""
+    wanted = {"slots": spec.inflight_slots, "max_new_tokens": spec.cfg.max_new_tokens,
               "conversations": conversations}
     wrong = {k: getattr(self, k) for k, v in wanted.items() if getattr(self, k) != v}
     if wrong or self.rows % n:
@@ -81,26 +78,15 @@ class StreamGeometry:
                        f"sampler of {wanted} and {n} samples per prompt")
 
 
-def _start(model, *, cfg, slots: int, p: int, ring: int, rows: int):
-  state = inflight.empty_slots(model, cfg=cfg, slots=slots, p=p, ring=ring)
-  return state, inflight.empty_outputs(rows, cfg, state.routes_RTLK), jnp.int32(0)
-
-
-def admit_rows(model, state: Slots, g, tokens_KP, valid_KP, rows_K, budget_K, keys_K2, index_K,
-           src_R, *, cfg, ring: int) -> Slots:
-  """Starts rows `rows_K` (output rows; `index_K` their row in their batch, `keys_K2` their
-  batch's key data, `budget_K` their most tokens) in the slots r with src_R[r] >= 0."""
-  new = inflight.row_state(model, cfg, tokens_KP, valid_KP, rows_K, budget_K,
-                           inflight.keyed_uniforms(keys_K2, index_K, cfg.max_new_tokens), g, ring)
-  if state.routes_RTLK is None:  # (slots that record no experts: sampler/requests.py)
-    new = new.replace(routes_RTLK=None)
-  return jax.tree.map(functools.partial(inflight.put_rows, src_R=src_R), state, new)
+def _start(model, *, cfg, count: int, p: int, ring: int, rows: int):
+  state = slots.empty_slots(model, cfg=cfg, slots=count, p=p, ring=ring)
+  return state, slots.empty_outputs(rows, cfg, state.routes_RTLK), jnp.int32(0)
 
 
 def _harvest(state: Slots, out: Outputs) -> tuple[Slots, Outputs]:
   """Finished rows copied to their output rows, their slots then free (no row): a region
   reused by a later batch is never written by a slot that finished an earlier one."""
-  out = inflight.harvest(state, out)
+  out = slots.harvest(state, out)
   return state.replace(row_R=jnp.where(state.done_R, -1, state.row_R)), out
 
 
@@ -126,13 +112,16 @@ class StreamPrograms(NamedTuple):
   take: Callable
 
 
-def stream_programs(sampler: Sampler, geo: StreamGeometry) -> StreamPrograms:
-  cfg, jit = sampler.cfg, inflight.jitter(sampler.mesh, sampler.rules)
-  return StreamPrograms(inflight.caster(sampler.graphdef),
-                        jit(_start, cfg=cfg, slots=sampler.inflight_slots, p=geo.prompt_width,
-                            ring=geo.ring, rows=geo.live * geo.rows),
-                        jit(admit_rows, (1,), cfg=cfg, ring=geo.ring), jit(_harvest, (0, 1)),
-                        jit(inflight.decode, (1,), cfg=cfg), jit(_take, n=sampler.n, rows=geo.rows))
+def stream_programs(spec: DecodeSpec, geo: StreamGeometry) -> StreamPrograms:
+  """The programs of a stream of `spec` laid out as `geo`, built once (the spec's cache)."""
+  def build():
+    cfg, jit = spec.cfg, slots.jitter(spec.mesh, spec.rules)
+    return StreamPrograms(slots.caster(spec.graphdef),
+                          jit(_start, cfg=cfg, count=spec.inflight_slots, p=geo.prompt_width,
+                              ring=geo.ring, rows=geo.live * geo.rows),
+                          jit(admit_rows, (1,), cfg=cfg, ring=geo.ring), jit(_harvest, (0, 1)),
+                          jit(slots.decode, (1,), cfg=cfg), jit(_take, n=spec.n, rows=geo.rows))
+  return spec.cached(build, "stream", geo)
 
 
 @dataclasses.dataclass
@@ -225,35 +214,35 @@ class BatchStream(Protocol):
 
 
 class Stream:
-  """Row slots decoding a stream of batches of `geometry.rows` rows (`sampler.n` samples per
+  """Row slots decoding a stream of batches of `geometry.rows` rows (`spec.n` samples per
   prompt), up to `geometry.live` open at once: a `BatchStream`. Not thread safe: one thread
   drives it (`poll`, `swap`, `open`, `admit`, `decode`)."""
 
-  def __init__(self, sampler: Sampler, params, geometry: StreamGeometry):
+  def __init__(self, spec: DecodeSpec, params, geometry: StreamGeometry):
     """`params` (the sampler's layout) give the state's shapes; `install` or `swap` sets the
     weights to decode with."""
-    geometry.check(sampler, sampler.n, conversations=False)
-    cfg, slots = sampler.cfg, sampler.inflight_slots
-    self._buckets = inflight.refill_buckets(sampler.mesh, sampler.rules, slots)
-    self.cfg, self.n, self.mesh, self.geometry = cfg, sampler.n, sampler.mesh, geometry
+    geometry.check(spec, spec.n, conversations=False)
+    count = spec.inflight_slots
+    self._buckets = slots.refill_buckets(spec.mesh, spec.rules, count)
+    self.cfg, self.n, self.mesh, self.geometry = spec.cfg, spec.n, spec.mesh, geometry
     self.rows = geometry.rows  # output rows per batch
     (self._cast, self._start, self._admit, self._harvest, self._decode,
-     self._take) = stream_programs(sampler, geometry)
-    self._grid = None if sampler.mesh is None else batch_sharding(sampler.mesh, sampler.rules)
-    self._segment = send(np.int32(CHECK_EVERY))
+     self._take) = stream_programs(spec, geometry)
+    self._grid = None if spec.mesh is None else batch_sharding(spec.mesh, spec.rules)
+    self._segment = to_device(np.int32(CHECK_EVERY))
     self.install(params, 0)
     self.state, self.out, self.g = self._start(self.model)
     self.batches: dict[int, Batch] = {}  # open, by index
     self.next_index = self.next_emit = 0  # the next batch to open / to leave
-    self._done_R = np.ones(slots, bool)  # the host's copy of the slots' flags (poll, admit)
-    self._row_R = np.full(slots, -1, np.int32)
-    self._step_R = np.zeros(slots, np.int32)
+    self._done_R = np.ones(count, bool)  # the host's copy of the slots' flags (poll, admit)
+    self._row_R = np.full(count, -1, np.int32)
+    self._step_R = np.zeros(count, np.int32)
 
   # -- the host's look between segments -----------------------------------------------------
   def poll(self) -> list[tuple[Batch, Rollout]]:
     """Reads the slots' flags, harvests the rows that finished and returns the batches that
     are now complete, in index order (each with its rollout on the devices)."""
-    done_R, row_R, self._step_R = fetch((self.state.done_R, self.state.row_R, self.state.step_R))
+    done_R, row_R, self._step_R = to_host((self.state.done_R, self.state.row_R, self.state.step_R))
     self._row_R = np.where(done_R, -1, row_R)  # after the harvest below
     finished = done_R & (row_R >= 0)
     if finished.any():
@@ -265,8 +254,8 @@ class Stream:
     while (b := self.batches.get(self.next_emit)) is not None and b.finished == self.rows:
       tokens, valid = (b.prompts[k] for k in ("prompt_tokens", "prompt_valid"))
       grid = None if self._grid is None else (self._grid, self._grid)
-      rollout = self._take(self.out, send(np.int32(b.region * self.rows)),
-                           *send((tokens, valid), grid))
+      rollout = self._take(self.out, to_device(np.int32(b.region * self.rows)),
+                           *to_device((tokens, valid), grid))
       out.append((self.batches.pop(self.next_emit), rollout))
       self.next_emit += 1
     return out
@@ -342,12 +331,12 @@ class Stream:
     src_R = np.full(self._done_R.shape, -1, np.int32)
     src_R[free[:len(rows)]] = np.arange(len(rows))
     self.state = self._admit(self.model, self.state, self.g,
-                             *send((tokens_KP, valid_KP, rows_K, budget_K, keys_K2, index_K,
+                             *to_device((tokens_KP, valid_KP, rows_K, budget_K, keys_K2, index_K,
                                     src_R)))
-    slots = free[:len(rows)]
+    taken = free[:len(rows)]
     self._done_R, self._row_R, self._step_R = (x.copy() for x in (self._done_R, self._row_R,
                                                                   self._step_R))
-    self._done_R[slots], self._row_R[slots], self._step_R[slots] = False, rows_K[:len(rows)], 0
+    self._done_R[taken], self._row_R[taken], self._step_R[taken] = False, rows_K[:len(rows)], 0
 
   def decode(self) -> None:
     """One segment of up to CHECK_EVERY decode steps."""
@@ -376,12 +365,3 @@ class Stream:
           m["version"], m["admitted"], m["finished"],
           [[tuple(s) for s in row] for row in m["switches"]])
     # The host's copies of the slot flags are read by the next `poll`, which comes first.
-
-
-def numbered(tree) -> dict:
-  """A pytree as {"0000": leaf, ...} (an orbax item: plain dicts with string keys)."""
-  return {f"{i:04d}": leaf for i, leaf in enumerate(jax.tree.leaves(tree))}
-
-
-def unnumbered(like, numbered: dict):
-  return jax.tree.unflatten(jax.tree.structure(like), [numbered[k] for k in sorted(numbered)])

@@ -153,17 +153,17 @@ class ProcessSplit:
   weights and evaluates)."""
   sampler: Mesh
   mirror: Mesh
-  generator_processes: frozenset[int]
+  sampler_processes: frozenset[int]
 
   @property
   def trainer_processes(self) -> frozenset[int]:
     """The processes that are not the sampler's: the trainer's (and the scoring roles')."""
-    return frozenset(range(jax.process_count())) - self.generator_processes
+    return frozenset(range(jax.process_count())) - self.sampler_processes
 
   @property
   def here(self) -> str:
-    """This process's group: "generator" or "trainer"."""
-    return "generator" if jax.process_index() in self.generator_processes else "trainer"
+    """This process's group: "sampler" or "trainer"."""
+    return "sampler" if jax.process_index() in self.sampler_processes else "trainer"
 
 
 def sampler_apart(meshes: dict[str, Mesh]) -> bool:

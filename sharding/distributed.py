@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import os
 import socket
+import threading
 
 import jax
 
@@ -86,23 +88,56 @@ def kv_client():
   return distributed.global_state.client
 
 
-_AGREED: collections.Counter = collections.Counter()  # per name: calls so far (same on all)
+class Job:
+  """The job this process joined, as jaxrl uses its coordination service: the key-value store
+  and the sequences every process of the job counts alike, in the same order: each name's
+  `agree` calls, and the sessions of async generator workers (train/rollout/remote.py). Its
+  lifetime is JAX's coordination client's, which is the process's: `job()` gives the one of the
+  current client (a new one after jax.distributed restarts)."""
+
+  def __init__(self, client):
+    self.client = client
+    self._agreed: collections.Counter = collections.Counter()  # per name: calls so far
+    self._sessions = itertools.count()
+    self._lock = threading.Lock()
+
+  def agree(self, value, name: str, *, timeout_s: int = 3600):
+    """Process 0's `value` (JSON) on every process that calls this, in the same order."""
+    with self._lock:
+      n = self._agreed[name]
+      self._agreed[name] += 1
+    key = f"jaxrl/agree/{name}/{n}"
+    if jax.process_index() == 0:
+      self.client.key_value_set(key, json.dumps(value))
+      if n >= 64:  # (taken long ago: every caller takes them in order, between the same steps)
+        self.client.key_value_delete(f"jaxrl/agree/{name}/{n - 64}")
+      return value
+    return json.loads(self.client.blocking_key_value_get(key, timeout_s * 1000))
+
+  def next_session(self) -> int:
+    """The number of the next worker session (both process groups start them in one order)."""
+    with self._lock:
+      return next(self._sessions)
+
+
+_JOINED: list[Job] = []  # the current client's Job, the one process-wide holder (`job`)
+
+
+def job() -> Job | None:
+  """The job of the current coordination client (None on one process)."""
+  client = kv_client() if jax.process_count() > 1 else None
+  if client is None:
+    return None
+  if not _JOINED or _JOINED[0].client is not client:
+    _JOINED[:] = [Job(client)]
+  return _JOINED[0]
 
 
 def agree(value, name: str, *, timeout_s: int = 3600):
-  """Process 0's `value` (JSON) on every process that calls this, in the same order; on one
-  process, `value`."""
-  if jax.process_count() == 1:
-    return value
-  n = _AGREED[name]
-  _AGREED[name] += 1
-  key = f"jaxrl/agree/{name}/{n}"
-  if jax.process_index() == 0:
-    kv_client().key_value_set(key, json.dumps(value))
-    if n >= 64:  # (taken long ago: every caller takes them in order, between the same steps)
-      kv_client().key_value_delete(f"jaxrl/agree/{name}/{n - 64}")
-    return value
-  return json.loads(kv_client().blocking_key_value_get(key, timeout_s * 1000))
+  """Process 0's `value` (JSON) on every process that calls this, in the same order (the job's
+  `agree`); on one process, `value`."""
+  joined = job()
+  return value if joined is None else joined.agree(value, name, timeout_s=timeout_s)
 
 
 def loopback_port(processes: int) -> int:

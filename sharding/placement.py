@@ -1,6 +1,6 @@
 """Placement of the RLHF roles on device slices, as presets over one role -> (devices, mesh) map.
 
-Strategies (DESIGN.md, "Adaptive placement"):
+Strategies (adaptive placement, docs/architecture.md "Placement: roles on sub-meshes"):
   colocate   every role on every device, run in turn (flattening); the sampler re-lays the
              actor's weights out for decoding on the same devices (ReaL-style reallocation).
   interleave the trainer (actor, critic) and the sampler share the first `train_devices`;

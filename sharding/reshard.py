@@ -15,7 +15,7 @@ split along their first (batch) dimension, as every batch and per-sample result 
 process or on several as long as each process already holds the rows its target shards need
 (placements give every host its own slice of both meshes); anything else goes through `put`.
 
-Host (`fetch`, `send`): the deliberate host transfers, each let through JAX's transfer guard for
+Host (`to_host`, `to_device`): the deliberate host transfers, each let through JAX's transfer guard for
 its own call only, so that a test disallowing every other host transfer lets exactly these pass
 (train/io/host_transfers.py names and counts the run's; in-flight batching moves its control bytes).
 """
@@ -192,13 +192,13 @@ def _host_value(x):
   return np.asarray(jax.device_get(x))
 
 
-def fetch(tree):
+def to_host(tree):
   """Device arrays -> numpy (on every process, whole); host transfers allowed for this call."""
   with jax.transfer_guard_device_to_host("allow"):
     return jax.tree.map(_host_value, tree)
 
 
-def send(tree, shardings=None):
+def to_device(tree, shardings=None):
   """Host arrays -> device arrays laid out as `shardings` (a tree mirroring `tree`; None: on the
   default device); host transfers allowed for this call."""
   upload = lambda x, s=None: jax.device_put(np.asarray(x), s)

@@ -138,3 +138,19 @@ def test_auto_picks_cudnn_only_on_a_gpu_in_half_precision():
   from jaxrl import platform
   with platform.building_for("tpu"):  # what a target compile builds
     assert attention_impl(CFG) == "splash"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu", "tpu"])
+def test_the_memory_models_count_scores_by_the_models_own_choice(backend):
+  """One decision: the planner's workload (and through it the dry run's model) holds [T, T]
+  scores exactly where the model's attention on that platform does (auto in bf16 on the CPU is
+  XLA's form, which holds them; on a GPU cuDNN's flash kernel)."""
+  from jaxrl.config import ExperimentConfig
+  from planner.cost import Workload
+  for model in (CFG, dataclasses.replace(CFG, dtype="bfloat16"),
+                dataclasses.replace(CFG, attention="cudnn")):
+    w = Workload.from_config(ExperimentConfig(model=model), backend)
+    assert w.flash_attention == (attention_impl(model, backend) in ("cudnn", "splash"))
+  bf16 = Workload.from_config(ExperimentConfig(model=dataclasses.replace(CFG, dtype="bfloat16")),
+                              backend)
+  assert bf16.flash_attention == (backend != "cpu")

@@ -77,14 +77,14 @@ def test_chrome_trace(tmp_path):
   timeline = Timeline()
   with timeline.span("trainer", "update", step=1):
     time.sleep(0.01)
-  with timeline.span("generator", "generate"):
+  with timeline.span("sampler", "generate"):
     pass
   path = tmp_path / "trace.json"
   timeline.write_chrome_trace(str(path))
   events = json.loads(path.read_text())["traceEvents"]
   names = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M"}
   slices = [e for e in events if e["ph"] == "X"]
-  assert set(names) == {"trainer", "generator"} and len(slices) == 2
+  assert set(names) == {"trainer", "sampler"} and len(slices) == 2
   update = next(e for e in slices if e["name"] == "update")
   assert update["tid"] == names["trainer"] and update["dur"] >= 1e4 and update["args"] == {
       "step": 1
@@ -114,7 +114,7 @@ def test_failing_executor_is_named_and_checkpoints_survive(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_sigterm_stops_cleanly_with_a_checkpoint(tmp_path):
   proc = subprocess.Popen([
-      sys.executable, "-m", "cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
+      sys.executable, "-m", "jaxrl.cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
       "--config.run_name=stop", "--config.rl.steps=100000", "--config.checkpoint_every=100000"
   ], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   metrics = tmp_path / "stop" / "metrics.jsonl"
@@ -137,15 +137,15 @@ def test_bubble_counts_idle_device_time():
   timeline = Timeline()
   timeline.register("trainer", [0, 1])
   timeline.register("reference", [1])
-  timeline.register("generator", [2, 3])
+  timeline.register("sampler", [2, 3])
   timeline.register("verifier")  # host only: busy %, but no devices
   t = timeline.t0
   timeline.add("trainer", "update", t + 0.0, t + 4.0)
   timeline.add("reference", "ref", t + 2.0, t + 6.0)  # overlaps the trainer on device 1
-  timeline.add("generator", "generate", t + 5.0, t + 10.0)
+  timeline.add("sampler", "generate", t + 5.0, t + 10.0)
   timeline.add("verifier", "score", t + 0.0, t + 10.0)
   s = timeline.summary(t, t + 10.0)
-  assert s["busy"] == pytest.approx({"trainer": 0.4, "reference": 0.4, "generator": 0.5,
+  assert s["busy"] == pytest.approx({"trainer": 0.4, "reference": 0.4, "sampler": 0.5,
                                      "verifier": 1.0})
   # device busy time: d0 4, d1 6 (union of [0,4] and [2,6]), d2 5, d3 5 -> 20 of 40
   assert s["bubble"] == pytest.approx(0.5)
@@ -154,7 +154,7 @@ def test_bubble_counts_idle_device_time():
 def _cli_run(tmp_path, name, *flags) -> dict:
   """A run of the default config through the CLI: its summary."""
   proc = subprocess.run(
-      [sys.executable, "-m", "cli.train", "--config=configs/default.py", *flags,
+      [sys.executable, "-m", "jaxrl.cli.train", "--config=configs/default.py", *flags,
        f"--config.run_dir={tmp_path}", f"--config.run_name={name}", "--config.progress=False",
        "--config.checkpoint_every=1000"], cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -196,6 +196,6 @@ def test_generator_failure_in_async_mode_is_named(tmp_path, monkeypatch):
   cfg, run_dir = _cfg(tmp_path, "gen", steps=6,
                       schedule={"mode": "async", "max_staleness": 1})
   with pytest.raises(ExecutorError,
-                     match="generator executor failed: RuntimeError: sampler out of"):
+                     match="sampler executor failed: RuntimeError: sampler out of"):
     run(cfg, run_dir)
   assert max(_rl_steps(run_dir)) in (1, 2)  # the steps before the failure were saved

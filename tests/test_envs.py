@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from isolation.sandbox import CodeSandbox
 from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import ByteTokenizer
 from jaxrl.envs import Calculator, EnvError, PythonTool, environment_factory
@@ -12,6 +13,14 @@ from jaxrl.envs.expression import FUNCTIONS, EvalError, run_expression
 from jaxrl.rewards.math import math_equal
 
 TOK = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+  """The Python tool's sandbox (a run starts one of its own: train/task/processes.py)."""
+  with_servers = CodeSandbox(workers=1)
+  yield with_servers
+  with_servers.close()
 
 
 @pytest.mark.parametrize("expression,value", [
@@ -42,11 +51,15 @@ def test_large_values_are_refused_within_the_limit(expression):
   assert time.monotonic() - t0 < 1.0
 
 
-def test_a_long_output_is_cut_before_it_is_encoded():
-  env = PythonTool(TOK, math_equal)
+@pytest.mark.parametrize("limit", [None, 300])
+def test_a_long_output_is_cut_before_it_is_encoded(sandbox, limit):
+  """At 2000 characters, or at `max_output_chars` (rl.environment.max_output_chars)."""
+  env = PythonTool(TOK, math_equal, sandbox=sandbox,
+                   **({} if limit is None else {"max_output_chars": limit}))
   env.reset(Example("?", "0"))
   reply = TOK.decode(env.step(TOK.encode("<python>print('9' * 5000)</python>")).observation)
-  assert reply == f" <output>{'9' * 2000} ... [3001 more characters cut]</output>"
+  cut = limit or 2000
+  assert reply == f" <output>{'9' * cut} ... [{5001 - cut} more characters cut]</output>"
 
 
 def test_python_expressions_with_the_whitelist():
@@ -102,8 +115,8 @@ def test_calculator_conversation_is_token_ids_in_and_out():
   assert wrong.done and wrong.reward == 0.0
 
 
-def test_python_tool_conversation():
-  env = PythonTool(TOK, math_equal)
+def test_python_tool_conversation(sandbox):
+  env = PythonTool(TOK, math_equal, sandbox=sandbox)
   env.reset(Example("Sum of squares below 10?", "285"))
   program = "import math\ntotal = 0\nfor i in range(10):\n  total += i * i\nprint(total)"
   step = env.step(TOK.encode(f"<python>{program}</python>"))

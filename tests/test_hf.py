@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from jaxrl.models import hf_export as hf_module
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.heads import ValueModel
+from jaxrl.models.value_models import ValueModel
 from jaxrl.models.hf import HFError, load_params, model_config_from_hf
 from jaxrl.models.hf_export import export
 from jaxrl.models.attention import init_kv_cache

@@ -12,7 +12,7 @@ from jaxrl.models.transformer import LanguageModel
 from sampler.methods import SamplingConfig
 from sampler.requests import Request
 from sampler.sampler import Sampler
-from sharding.reshard import send
+from sharding.reshard import to_device
 from train.updates.forward import completion_logprobs
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -66,9 +66,9 @@ def test_a_continued_turn_sees_exactly_a_fresh_prefill_of_the_conversation(model
   for turn_index, reply in enumerate(((20, 21, 22), ())):
     context += reply
     engine.submit(Request("a", context, 5, key, 1 + turn_index))
-    engine._segment = send(np.int32(0))  # prefill the continuation, decode nothing
+    engine._segment = to_device(np.int32(0))  # prefill the continuation, decode nothing
     engine.advance()
-    engine._segment = send(np.int32(8))
+    engine._segment = to_device(np.int32(8))
     slot = _slot(engine, "a")
     want_V, _, _ = fresh.prefill(jnp.asarray([context]), jnp.ones((1, len(context)), bool))
     np.testing.assert_allclose(np.asarray(engine.state.logits_RV[slot]), np.asarray(want_V[0]),

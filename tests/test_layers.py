@@ -1,25 +1,47 @@
-"""The packages are layers (docs/architecture.md): each imports only the ones below it, and so do
+"""The rooms are layers (docs/architecture.md): each imports only the ones below it, and so do
 the sub-packages of train/ among themselves.
 
 Walks every import statement (module level or inside a function) of every file in the project's
-packages, so a new back edge fails here rather than in a reader's head."""
+rooms, so a new back edge fails here rather than in a reader's head. A room is a top-level
+package, or a package inside one that sits in another layer (`jaxrl/cli/`: the command line, in
+jaxrl's namespace so that nothing installs a top-level `cli`); a file belongs to the innermost
+room that holds it. configs/ is a folder of experiment files found by path, not a package."""
 import ast
 import pathlib
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# package -> the project packages it may import (besides itself)
+BELOW_TRAIN = {"isolation", "jaxrl", "sharding", "sampler", "planner"}
+# room -> the project rooms it may import (besides itself), bottom up
 MAY_IMPORT = {
-    "jaxrl": set(),
+    "isolation": set(),  # processes the run can kill, limits for their trees: the OS alone
+    "jaxrl": {"isolation"},  # the RL core: models, algorithms, data, rewards, environments
     "sharding": {"jaxrl"},
     "sampler": {"jaxrl", "sharding"},
     "planner": {"jaxrl", "sharding"},
-    "train": {"jaxrl", "sharding", "sampler", "planner"},
-    "cli": {"jaxrl", "sharding", "sampler", "planner", "train"},
-    "configs": {"jaxrl", "cli"},
-    "benchmarks": {"jaxrl", "sharding", "sampler", "planner", "train", "cli", "configs"},
+    "train": BELOW_TRAIN,
+    "preflight": BELOW_TRAIN | {"train"},  # a run checked and planned before it launches
+    "jaxrl.cli": BELOW_TRAIN | {"train", "preflight"},  # the command line
+    "configs": {"jaxrl"},
+    "benchmarks": BELOW_TRAIN | {"train", "preflight", "jaxrl.cli", "configs"},
 }
+
+
+def room_of(module: str) -> str | None:
+  """The innermost room holding the dotted `module` (None: not the project's)."""
+  parts = module.split(".")
+  for n in range(len(parts), 0, -1):
+    if ".".join(parts[:n]) in MAY_IMPORT:
+      return ".".join(parts[:n])
+  return None
+
+
+def files_of(room: str) -> list[pathlib.Path]:
+  """The room's files, less those of the rooms inside it."""
+  inner = [r for r in MAY_IMPORT if r.startswith(room + ".")]
+  return sorted(p for p in (ROOT / room.replace(".", "/")).rglob("*.py")
+                if not any(ROOT / r.replace(".", "/") in p.parents for r in inner))
 
 
 # train/'s sub-packages, bottom up -> the sub-packages each may import (besides itself)
@@ -48,25 +70,34 @@ def imported_modules(path: pathlib.Path) -> set[tuple[str, int]]:
   return found
 
 
-def imported_packages(path: pathlib.Path) -> set[tuple[str, int]]:
-  return {(name.split(".")[0], line) for name, line in imported_modules(path)
-          if name.split(".")[0] in MAY_IMPORT}
+def imported_rooms(path: pathlib.Path) -> set[tuple[str, int]]:
+  return {(room, line) for name, line in imported_modules(path)
+          if (room := room_of(name)) is not None}
 
 
-@pytest.mark.parametrize("package", sorted(MAY_IMPORT))
-def test_package_imports_only_lower_layers(package):
-  files = sorted((ROOT / package).rglob("*.py"))
-  assert files, f"no files under {package}/"
+@pytest.mark.parametrize("room", sorted(MAY_IMPORT))
+def test_room_imports_only_lower_layers(room):
+  files = files_of(room)
+  assert files, f"no files under {room}/"
   bad = [f"{p.relative_to(ROOT)}:{line} imports {name}"
-         for p in files for name, line in sorted(imported_packages(p))
-         if name != package and name not in MAY_IMPORT[package]]
+         for p in files for name, line in sorted(imported_rooms(p))
+         if name != room and name not in MAY_IMPORT[room]]
   assert not bad, "\n".join(bad)
 
 
-def test_every_package_is_layered():
-  """A new top-level package gets a row in MAY_IMPORT (and in docs/architecture.md)."""
-  packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
-  assert packages - {"tests"} == set(MAY_IMPORT)
+def test_every_room_is_layered():
+  """A new top-level package (or folder of Python files) gets a row in MAY_IMPORT (and in
+  docs/architecture.md)."""
+  folders = {p.parent.name for p in ROOT.glob("*/*.py")}
+  assert folders - {"tests"} == {r for r in MAY_IMPORT if "." not in r}
+
+
+def test_configs_are_files_not_a_package():
+  """Nothing installs a top-level `cli` or `configs` (a user's own would collide): configs/ is
+  found by path, the command line lives in jaxrl/cli."""
+  assert not (ROOT / "configs" / "__init__.py").exists() and not (ROOT / "cli").exists()
+  text = (ROOT / "pyproject.toml").read_text()
+  assert '"cli*"' not in text and '"configs*"' not in text
 
 
 @pytest.mark.parametrize("sub", sorted(TRAIN_MAY_IMPORT))
@@ -91,8 +122,8 @@ def test_files_and_functions_stay_small():
   """No module over 400 lines and no function over 60 in the project's packages (benchmarks and
   configs included): a reader holds a room or a step in their head."""
   big = []
-  for package in MAY_IMPORT:
-    for path in sorted((ROOT / package).rglob("*.py")):
+  for room in MAY_IMPORT:
+    for path in files_of(room):
       source = path.read_text()
       if source.count("\n") > 400:
         big.append(f"{path.relative_to(ROOT)}: {source.count(chr(10))} lines")
@@ -108,16 +139,11 @@ def _module(path: pathlib.Path) -> str:
   return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
-def _runtime_imports(path: pathlib.Path, modules: set[str]) -> set[str]:
-  """The project modules `path` imports when it runs (not those under `if TYPE_CHECKING:`)."""
-  tree = ast.parse(path.read_text(), str(path))
-  typing_only = {id(n) for node in ast.walk(tree)
-                 if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                 for n in ast.walk(node)}
+def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+  """The project modules `path` imports, at run time or for type checking alike (an import
+  under `if TYPE_CHECKING:` is an arrow a reader follows too)."""
   found = set()
-  for node in ast.walk(tree):
-    if id(node) in typing_only:
-      continue
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
     if isinstance(node, ast.Import):
       found.update(a.name for a in node.names)
     elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -127,10 +153,11 @@ def _runtime_imports(path: pathlib.Path, modules: set[str]) -> set[str]:
 
 
 def test_no_import_cycles():
-  """No module imports itself back through others (a cycle is a layer in disguise: the planner's
-  cost model and memory model once imported each other)."""
-  paths = {_module(p): p for package in MAY_IMPORT for p in (ROOT / package).rglob("*.py")}
-  graph = {m: _runtime_imports(p, set(paths)) - {m} for m, p in paths.items()}
+  """No module imports itself back through others, for type checking either (a cycle is a layer
+  in disguise: the planner's cost model and memory model once imported each other; the sampler
+  and its stream and requests did, under TYPE_CHECKING, before they took a `DecodeSpec`)."""
+  paths = {_module(p): p for room in MAY_IMPORT for p in files_of(room)}
+  graph = {m: _imports(p, set(paths)) - {m} for m, p in paths.items()}
   state: dict[str, int] = {}  # 1: on the current path, 2: done
 
   def cycle_from(m: str, path: list[str]) -> list[str] | None:

@@ -1,4 +1,4 @@
-"""Chunked log-probs (jaxrl/models/head.py) against the full-logits version, and the on-policy
+"""Chunked log-probs (jaxrl/models/lm_head.py) against the full-logits version, and the on-policy
 update that takes its old log-probs from its own forward pass."""
 import dataclasses
 import re
@@ -12,8 +12,8 @@ from flax import nnx
 
 from jaxrl.config_rl import (AdvantageConfig, BatchingConfig, CorrectionConfig, KLConfig,
                              LossConfig, RLConfig)
-from jaxrl.models import head
-from jaxrl.models.head import chunk_length, chunked_logprobs, dense_logprobs
+from jaxrl.models import lm_head
+from jaxrl.models.lm_head import chunk_length, chunked_logprobs, dense_logprobs
 from jaxrl.models.transformer import LanguageModel
 from train.loop.experience import Experience
 from train.updates.forward import completion_logprobs, token_logprobs
@@ -37,7 +37,7 @@ def _loss(fn):
 
 
 def _reference(h, w, t, softcap: float = 0.0):
-  """The full logits in plain jnp, the soft cap written out here (not head.py's)."""
+  """The full logits in plain jnp, the soft cap written out here (not lm_head.py's)."""
   z = jnp.einsum("bnd,vd->bnv", h, w)
   if softcap:
     z = softcap * jnp.tanh(z / softcap)
@@ -50,7 +50,7 @@ def _reference(h, w, t, softcap: float = 0.0):
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
 @pytest.mark.accelerator
 def test_chunked_equals_dense_values_and_gradients(chunk, softcap):
-  """Chunked (its hand-written backward) against autodiff of head.py's full logits and of the
+  """Chunked (its hand-written backward) against autodiff of lm_head.py's full logits and of the
   plain formula; a cap of 2 bends these logits (std ~1) a lot."""
   h, w, t = _inputs()
   chunked = lambda h, w, t: chunked_logprobs(h, w, t, softcap=softcap, chunk=chunk)
@@ -181,7 +181,7 @@ def test_train_step_never_holds_the_batch_logits(tiny_cfg, monkeypatch):
   and entropy has no array anywhere near [B, T, V], while the full-logits version does."""
   cfg = dataclasses.replace(tiny_cfg, vocab_size=2048)
   b, t = 4, 64
-  monkeypatch.setattr(head, "LOGITS_BUDGET", b * 8 * cfg.vocab_size)  # 8 positions a chunk
+  monkeypatch.setattr(lm_head, "LOGITS_BUDGET", b * 8 * cfg.vocab_size)  # 8 positions a chunk
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
   tokens = jax.random.randint(jax.random.key(0), (b, t), 0, cfg.vocab_size)
   valid = jnp.ones_like(tokens, bool)

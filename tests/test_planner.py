@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from cli.plan import main as plan_main
+from jaxrl.cli.plan import main as plan_main
 from configs import tiny
 from jaxrl.config import ExperimentConfig
 from jaxrl.models.config import ModelConfig
@@ -180,7 +180,7 @@ def test_step_critical_path_and_memory():
 
 def test_search_respects_memory_and_returns_valid_placements():
   cfg = ExperimentConfig()
-  w = Workload.from_config(cfg)
+  w = Workload.from_config(cfg, "cpu")
   everything = search(w, 8, DEVICES["cpu"], CPU_EFFICIENCY, top=None)
   assert everything and all(not problem(w, r.plan, 8, DEVICES["cpu"], True) for r in everything)
   for r in everything:  # each one is a placement the presets build
@@ -211,7 +211,7 @@ def test_remat_is_searched_and_the_plan_sets_it(monkeypatch):
   plan's remat into the config it runs."""
   from planner import plan as plan_module
   cfg = ExperimentConfig()
-  w = Workload.from_config(cfg)
+  w = Workload.from_config(cfg, "cpu")
   everything = search(w, 8, DEVICES["cpu"], CPU_EFFICIENCY, top=None)
   assert {r.plan.remat for r in everything} == {"none", "dots", "full"}
   need = min(total_bytes(r.memory, r.plan) for r in everything if r.plan.remat == "none")
@@ -271,12 +271,12 @@ def test_lora_and_offload_in_the_memory_model():
   and Adam moments (12 bytes per parameter) plus the bf16 reference; LoRA holds the bf16 base
   (which is the reference) and 12 bytes per adapter parameter; offload keeps the moments and a
   separate reference off the device between updates, and the search takes it only colocated."""
-  from cli.flags import load_config_file
+  from jaxrl.cli.flags import load_config_file
   from jaxrl.config_files import resolve
   from planner.cost import lora_params
   from planner.memory import trainer_bytes
   cfg = resolve(load_config_file("configs/llama3_1_8b_gsm8k_lora.py"), hf=False)
-  w = Workload.from_config(cfg)
+  w = Workload.from_config(cfg, "gpu")
   m = cfg.model
   per_layer = 16 * (2 * (m.d_model + 32 * 128) + 2 * (m.d_model + 8 * 128)
                     + 3 * (m.d_model + m.d_ff))
@@ -305,7 +305,7 @@ def test_on_a_tpu_slice_the_trainer_fsdp_spans_the_hosts_as_the_placement_builds
   a TPU slice fsdp over every chip (as sharding/placement.py builds it), and the update's memory
   as the TPU compiler lays it out (planner/footprint_tpu.py)."""
   from planner import footprint
-  w = Workload.from_config(ExperimentConfig())
+  w = Workload.from_config(ExperimentConfig(), "tpu")
   tpu = DEVICES["tpu_v5p"]
   gpu = dataclasses.replace(tpu, platform="gpu")
   on_tpu, on_gpu = (search(w, 8, d, CPU_EFFICIENCY, top=None, modes=("sync",)) for d in (tpu, gpu))

@@ -37,7 +37,7 @@ def _launch(run_dir, name, *extra, resume=False) -> list[subprocess.Popen]:
   """The run on 4 processes (ports apart by more than the 4 transfer sockets)."""
   port = _port()
   return [subprocess.Popen(
-      [sys.executable, "-m", "cli.train", *ARGS, *extra, "--config.placement.cpu_devices=1",
+      [sys.executable, "-m", "jaxrl.cli.train", *ARGS, *extra, "--config.placement.cpu_devices=1",
        f"--config.run_dir={run_dir}", f"--config.run_name={name}",
        *(["--resume"] if resume else [])], cwd=ROOT,
       env=_env(JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES="4",
@@ -54,7 +54,7 @@ def _finish(procs) -> list[tuple[str, str]]:
 
 def _one_process(run_dir, name, *extra):
   """The same run on one process of 4 devices: the same meshes."""
-  subprocess.run([sys.executable, "-m", "cli.train", *ARGS, *extra,
+  subprocess.run([sys.executable, "-m", "jaxrl.cli.train", *ARGS, *extra,
                   "--config.placement.cpu_devices=4", f"--config.run_dir={run_dir}",
                   f"--config.run_name={name}"], cwd=ROOT, env=_env(), check=True,
                  capture_output=True, timeout=600)
@@ -95,7 +95,7 @@ def test_partial_rollouts_on_four_processes_match_one_process(partial_run):
   lags = [r["policy_lag"] for r in four[1] if r["phase"] == "rl" and "loss" in r]
   assert lags[1:] == [1] * (len(lags) - 1)  # generated ahead
   with open(os.path.join(tmp, "four", "summary.json")) as f:
-    assert json.load(f)["busy_generator"] > 0  # the sampler's busy time, on the timeline
+    assert json.load(f)["busy_sampler"] > 0  # the sampler's busy time, on the timeline
   assert "params_fingerprint" in outs[0][0]  # the trainer's first process reports
   assert not any("params_fingerprint" in out for out, _ in outs[1:])
 

@@ -31,7 +31,7 @@ def test_a_second_start_loads_its_programs_from_the_cache(tmp_path):
   summaries, logs = [], []
   for name in ("cold", "warm"):
     proc = subprocess.run(
-        [sys.executable, "-m", "cli.train", *CHEAP, f"--config.run_dir={tmp_path}",
+        [sys.executable, "-m", "jaxrl.cli.train", *CHEAP, f"--config.run_dir={tmp_path}",
          f"--config.run_name={name}"], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -60,25 +60,28 @@ class _Lines(logging.Handler):
 
 
 def test_compiles_count_for_the_open_label_and_log_one_line():
-  compilation.watch()
-  compilation.watch()  # idempotent: one listener, not two
+  record, before = compilation.CompileRecord(), compilation.CompileRecord()
+  before.close()  # (closed before the compile: it counts none)
   handler, logger = _Lines(), logging.getLogger("jaxrl")
   logger.addHandler(handler)
   level = logger.level
   logger.setLevel(logging.INFO)
   x = jnp.ones((3, 5))
   try:
-    with compilation.labelled("probe"):  # one new program
+    with record.labelled("probe"):  # one new program
       jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.25)(x).block_until_ready()
   finally:
     logger.removeHandler(handler)
     logger.setLevel(level)
-  probe = compilation.totals()["probe"]
+    record.close()
+  probe = record.totals()["probe"]
   assert probe.programs == 1 and probe.seconds > 0
   assert [line for line in handler.lines if line.startswith("compiled probe in ")] == [
       f"compiled probe in {probe.seconds:.2f} s (1 program)"]
-  summary = compilation.summary()
+  summary = record.summary()
   assert summary["compile"]["probe"]["programs"] == 1 and summary["compile_s"] >= probe.seconds
+  jax.jit(lambda x: jnp.cos(x) - 2.5)(x).block_until_ready()  # after `close`: not counted
+  assert record.summary() == summary and before.summary()["compile_s"] == 0
 
 
 def test_a_trace_inside_another_counts_once():
@@ -86,12 +89,14 @@ def test_a_trace_inside_another_counts_once():
   # first; the enclosing event's seconds already include it.
   trace = "/jax/core/compile/jaxpr_trace_duration"
   backend = "/jax/core/compile/backend_compile_duration"
-  with compilation.labelled("nested"):
-    compilation._on_duration(trace, 0.001)  # the inner trace
-    compilation._on_duration(trace, 10.0)  # the outer one, which began 10 s ago
+  record = compilation.CompileRecord()
+  record.close()  # (the events below are the test's own, not JAX's)
+  with record.labelled("nested"):
+    record._on_duration(trace, 0.001)  # the inner trace
+    record._on_duration(trace, 10.0)  # the outer one, which began 10 s ago
     time.sleep(0.01)
-    compilation._on_duration(backend, 0.005)  # began after the outer trace ended
-  nested = compilation.totals()["nested"]
+    record._on_duration(backend, 0.005)  # began after the outer trace ended
+  nested = record.totals()["nested"]
   assert nested.seconds == pytest.approx(10.005) and nested.programs == 1
 
 

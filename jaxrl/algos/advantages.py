@@ -2,7 +2,7 @@
 
   fn(rewards_B, mask_BN, *, ...) -> adv_BN
 
-each reading the keyword-only parameters it declares (jaxrl/algos/registry.py) from what the
+each reading the keyword-only parameters it declares (jaxrl/registry.py) from what the
 caller has: the inputs `group_size`, `kl_BN`, `kl_coef`, `values_BN` and the hyperparameters of
 the config's `rl.advantage` section (`gamma`, `lam`), by those names. An entry (`Advantage`)
 also says whether its estimator needs a critic (one is then trained) and whether it takes the KL in
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.algos.registry import declared
+from jaxrl.registry import declared
 
 
 def _per_token(adv_B, mask_BN):

@@ -1,7 +1,7 @@
 """Per-token policy losses, KL estimators and loss aggregation: small pure jnp functions.
 
 A policy loss is `fn(logp_BN, adv_BN, *, ...) -> (loss_BN, metrics)` whose keyword-only
-parameters are what it reads (jaxrl/algos/registry.py): `old_BN` (the trainer's policy before the
+parameters are what it reads (jaxrl/registry.py): `old_BN` (the trainer's policy before the
 update), `mu_BN` (the sampler's, the behaviour policy), `mask_BN` (the policy's own tokens) and
 the hyperparameters of the config's `rl.loss` section (`eps_low`, `eps_high`, `rho`), by those
 names. Its metrics are its own, per token ([B, N], or [B, 1] per sequence), averaged by the
@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxrl.algos.registry import declared
+from jaxrl.registry import declared
 
 
 def outside(ratio, eps_low: float, eps_high: float):

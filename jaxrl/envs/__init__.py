@@ -4,12 +4,12 @@ or a user's class "package.module:Class" (constructed with the tokenizer and the
 verifier, in a host process: hosted.py)."""
 from __future__ import annotations
 
+from isolation.workers import load_callable
 from jaxrl.envs.base import Environment, EnvironmentFactory, Step, ToolEnvironment
 from jaxrl.envs.contained import ContainedEnvironment, EnvError
 from jaxrl.envs.hosted import EnvHosts
 from jaxrl.envs.synthetic import FixedReplies, LongTail, ShortReplies
 from jaxrl.envs.tools import Calculator, PythonTool
-from jaxrl.user_code import load_callable
 
 ENVIRONMENTS: dict[str, EnvironmentFactory] = {"calculator": Calculator, "python": PythonTool,
                                                "synthetic": FixedReplies,

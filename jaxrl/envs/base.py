@@ -36,7 +36,7 @@ class Environment(Protocol):
     ...
 
 
-MAX_OUTPUT_CHARS = 2000  # a tool's output, cut before it is encoded
+MAX_OUTPUT_CHARS = 2000  # a tool's output, cut before it is encoded (rl.environment.max_output_chars)
 
 
 def cut(text: str, limit: int = MAX_OUTPUT_CHARS) -> str:
@@ -46,20 +46,24 @@ def cut(text: str, limit: int = MAX_OUTPUT_CHARS) -> str:
   return f"{text[:limit]} ... [{len(text) - limit} more characters cut]"
 
 
-# (tokenizer, verifier(completion_text, answer) -> reward) -> a new environment
-EnvironmentFactory = Callable[[Tokenizer, Callable[[str, str], float]], Environment]
+# (tokenizer, verifier(completion_text, answer) -> reward, **keywords) -> a new environment. The
+# factory's keyword-only parameters are what it reads besides (jaxrl/registry.py
+# `declared`): hyperparameters, fields of `rl.environment` by the same name (`max_output_chars`),
+# and what the run provides (`sandbox`: the run's code sandbox, train/task/processes.py).
+EnvironmentFactory = Callable[..., Environment]
 
 
 class ToolEnvironment:
   """A model that calls one tool: `<TAG>input</TAG>` at the end of a turn is run by `run(input)`
   and answered with ` <RESULT>output</RESULT>` (errors too, as text the model can read; cut to
-  `MAX_OUTPUT_CHARS` before it is encoded); a turn
+  `max_output_chars`, `rl.environment.max_output_chars`, before it is encoded); a turn
   without a call ends the conversation, scored by the verifier on the whole transcript (the
   model's turns and the tool's replies) against the row's answer."""
   tag = result_tag = ""
 
-  def __init__(self, tok: Tokenizer, verifier: Callable[[str, str], float]):
-    self.tok, self.verifier = tok, verifier
+  def __init__(self, tok: Tokenizer, verifier: Callable[[str, str], float], *,
+               max_output_chars: int = MAX_OUTPUT_CHARS):
+    self.tok, self.verifier, self.max_output_chars = tok, verifier, max_output_chars
     self.stop_strings = (f"</{self.tag}>",)
     self.example: Example | None = None
     self.transcript: list[str] = []
@@ -79,7 +83,8 @@ class ToolEnvironment:
     if not text.rstrip().endswith(closing) or start < 0:
       return Step([], float(self.verifier("".join(self.transcript), self.example.answer)), True)
     # The leading space keeps the call's closing tag its own tokens (a BPE would merge "><").
-    output = cut(str(self.run(text[start + len(opening):text.rfind(closing)])))
+    output = cut(str(self.run(text[start + len(opening):text.rfind(closing)])),
+                 self.max_output_chars)
     reply = f" <{self.result_tag}>{output}</{self.result_tag}>"
     self.transcript.append(reply)
     return Step(self.tok.encode(reply, bos=False, eos=False), 0.0, False)

@@ -4,7 +4,7 @@ token ids, a finite reward, a bool). When it raises, hangs, dies or returns some
 policy decides: "stop" raises an EnvError naming the environment, the call and what went wrong;
 "zero" ends that conversation with no further reward and tells `report(1)`. The shipped
 environments run in place: the calculator's evaluator bounds every call itself (expression.py)
-and the python tool runs its programs in a sandbox (code_sandbox.py).
+and the python tool runs its programs in a sandbox (isolation/sandbox.py).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import math
 import numbers
 from collections.abc import Callable
 
+from isolation.workers import error_line
 from jaxrl.envs.base import Environment, Step
-from jaxrl.rewards.user import error_line
 
 
 class EnvError(ValueError):

@@ -1,7 +1,7 @@
 """A restricted evaluator of Python expressions: the calculator's (arithmetic only), and with
 `FUNCTIONS` a whitelist a user's tool environment may offer.
 
-Why not the code tool's sandbox (code_sandbox.py): a calculator call happens per turn per row,
+Why not the code tool's sandbox (isolation/sandbox.py): a calculator call happens per turn per row,
 thousands per RL step, and costs microseconds here where a sandboxed program costs
 milliseconds. Here nothing outside a small whitelist can run: the expression is parsed with
 `ast` and walked node by node; there are no attribute lookups, imports, assignments, lambdas or

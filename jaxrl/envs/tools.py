@@ -1,13 +1,11 @@
 """The shipped environments: a calculator (the restricted evaluator of expression.py) and a
-Python tool that runs whole programs in a sandbox (code_sandbox.py)."""
+Python tool that runs whole programs in the run's sandbox (isolation/sandbox.py)."""
 from __future__ import annotations
 
-import atexit
-import functools
 import signal
 
-from jaxrl.envs.base import ToolEnvironment
-from jaxrl.envs.code_sandbox import CodeSandbox
+from isolation.sandbox import CodeSandbox
+from jaxrl.envs.base import MAX_OUTPUT_CHARS, ToolEnvironment
 from jaxrl.envs.expression import EvalError, run_expression
 
 
@@ -24,7 +22,7 @@ class Calculator(ToolEnvironment):
   """`<calc>12*7+3</calc>` -> ` <result>87</result>`: arithmetic only (numbers, + - * / // % **,
   parentheses), for GSM8K-style problems whose numbers outgrow a small model's arithmetic. The
   value is rendered inside the error handling (it is bounded in size by then); the reply is cut
-  to `base.MAX_OUTPUT_CHARS` before it is encoded."""
+  to `max_output_chars` before it is encoded."""
   tag, result_tag = "calc", "result"
 
   def run(self, text: str) -> str:
@@ -32,14 +30,6 @@ class Calculator(ToolEnvironment):
       return _shown(run_expression(text, functions=None, time_limit_s=0.1))
     except EvalError as e:
       return f"error: {e}"
-
-
-@functools.cache
-def shared_sandbox() -> CodeSandbox:
-  """The process's code sandbox (2 servers), started once (stopped at exit)."""
-  sandbox = CodeSandbox(workers=2)
-  atexit.register(sandbox.close)
-  return sandbox
 
 
 def _ending(result: dict, cpu_limit_s: int) -> str:
@@ -62,13 +52,15 @@ def _ending(result: dict, cpu_limit_s: int) -> str:
 
 class PythonTool(ToolEnvironment):
   """`<python>print(sum(i*i for i in range(10)))</python>` -> ` <output>285\\n</output>`: a whole
-  program (statements, `print`, imports of `code_sandbox.MODULES`) run in the sandbox: its
+  program (statements, `print`, imports of `sandbox.MODULES`) run in `sandbox`, the run's
+  (its conversations share its servers: train/task/processes.py starts it once per run): its
   stdout and stderr (a traceback on an error) and how it ended if not cleanly."""
   tag, result_tag = "python", "output"
 
-  def __init__(self, tok, verifier, sandbox: CodeSandbox | None = None):
-    super().__init__(tok, verifier)
-    self.sandbox = sandbox or shared_sandbox()
+  def __init__(self, tok, verifier, *, sandbox: CodeSandbox,
+               max_output_chars: int = MAX_OUTPUT_CHARS):
+    super().__init__(tok, verifier, max_output_chars=max_output_chars)
+    self.sandbox = sandbox
 
   def run(self, text: str) -> str:
     result = self.sandbox.run(text)

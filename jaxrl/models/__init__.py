@@ -2,9 +2,9 @@
 heads, and the sampler's view of it (decoding.py)."""
 from jaxrl.models.attention import KVCache, init_kv_cache
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.heads import RewardModel, ValueModel
-from jaxrl.models.transformer import LanguageModel
 from jaxrl.models.rope import positions_from_valid
+from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.value_models import RewardModel, ValueModel
 
 __all__ = ["KVCache", "LanguageModel", "ModelConfig", "RewardModel", "ValueModel", "init_kv_cache",
            "positions_from_valid"]

@@ -87,17 +87,28 @@ def valid_first(key_valid_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
   return order_BT, jnp.argsort(order_BT, axis=1)
 
 
-def attention_impl(cfg: ModelConfig) -> str:
-  """`cfg.attention`, with "auto" resolved for this backend: cuDNN's fused flash attention on a
-  GPU in bf16 (no [B, heads, T, S] scores in memory, forward or backward); elsewhere
-  XLA's form of `jax.nn.dot_product_attention` (on the CPU its forward and backward took 9.2 ms
-  against 11.4 ms for the einsum form at 4 x 128 tokens, 9 heads: docs/models.md); on a TPU
-  the splash kernel (jaxrl/models/splash.py)."""
+FLASH = ("cudnn", "splash")  # the implementations that hold no [B, heads, T, S] scores
+
+
+def attention_impl(cfg: ModelConfig, backend: str | None = None) -> str:
+  """`cfg.attention`, with "auto" resolved for `backend` (default: the platform the programs
+  are built for, jaxrl/platform.py): cuDNN's fused flash attention on a GPU in bf16 (no
+  [B, heads, T, S] scores in memory, forward or backward); elsewhere XLA's form of
+  `jax.nn.dot_product_attention` (on the CPU its forward and backward took 9.2 ms against
+  11.4 ms for the einsum form at 4 x 128 tokens, 9 heads: docs/models.md); on a TPU the splash
+  kernel (jaxrl/models/splash.py). The one place this is decided: the model runs it, the memory
+  models (planner/, the dry run) count its scores by it (`flash`)."""
   if cfg.attention != "auto":
     return cfg.attention
-  if platform.backend() == "tpu":
+  backend = backend or platform.backend()
+  if backend == "tpu":
     return "splash"
-  return "cudnn" if platform.backend() == "gpu" and cfg.dtype == "bfloat16" else "xla"
+  return "cudnn" if backend == "gpu" and cfg.dtype == "bfloat16" else "xla"
+
+
+def flash(cfg: ModelConfig, backend: str | None = None) -> bool:
+  """Whether training attention on `backend` holds no [T, T] scores (a flash kernel)."""
+  return attention_impl(cfg, backend) in FLASH
 
 
 def fused(q_BTNH, k_BTKH, v_BTKH, mask, impl: str) -> jax.Array:

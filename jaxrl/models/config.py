@@ -82,7 +82,7 @@ class ModelConfig:
   # The queries' scale is query_scale**-0.5 (Gemma's query_pre_attn_scalar); 0: head_dim.
   query_scale: float = 0.0
   # Soft-capped logits (Gemma 2's final_logit_softcapping): logits -> cap * tanh(logits / cap),
-  # applied by the LM head (jaxrl/models/head.py) for the sampler and the trainer alike; 0: none.
+  # applied by the LM head (jaxrl/models/lm_head.py) for the sampler and the trainer alike; 0: none.
   logit_softcap: float = 0.0
   # Mixture of experts (Qwen3-MoE; jaxrl/models/moe.py): n_experts > 0 replaces every block's
   # MLP by a router over n_experts SwiGLU experts of width expert_d_ff, experts_per_token of

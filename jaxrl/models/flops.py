@@ -109,10 +109,10 @@ def generate_flops(cfg: ModelConfig, prompts: int, prompt_len: int, samples: int
 
 def recomputes_logits(cfg: ModelConfig, rows: int, scored: int) -> bool:
   """Whether an update's backward computes the LM head's logits again: the chunked log-probs'
-  backward recomputes each chunk (its custom VJP, jaxrl/models/head.py), where a pass of `rows`
+  backward recomputes each chunk (its custom VJP, jaxrl/models/lm_head.py), where a pass of `rows`
   rows takes several chunks; a single chunk's two products are one to the compiler (merged as
   equal)."""
-  from jaxrl.models.head import chunk_length
+  from jaxrl.models.lm_head import chunk_length
   return chunk_length(rows, scored, cfg.vocab_size) < scored
 
 

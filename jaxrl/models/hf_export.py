@@ -226,3 +226,19 @@ def _new_dir(out_dir: str):
     raise
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(f"jaxrl.hf.export:{out_dir}")
+
+
+def generation_config(tok, source_dir: str = "") -> dict:
+  """generation_config.json for an export: `source_dir`'s (its sampling defaults) when it has
+  one, with the tokenizer's ids; every stop id is an `eos_token_id` (e.g. Llama 3.1's <|eot_id|>
+  and <|end_of_text|>)."""
+  out = {}
+  path = os.path.join(source_dir, "generation_config.json")
+  if source_dir and os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
+      out = json.load(f)
+  stops = list(tok.stop_ids)
+  out.update(eos_token_id=stops[0] if len(stops) == 1 else stops, pad_token_id=tok.pad_id)
+  if tok.bos_id is not None:
+    out["bos_token_id"] = tok.bos_id
+  return out

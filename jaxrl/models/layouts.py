@@ -10,7 +10,7 @@ activations [B, in] @ weight [in, out] (docs/benchmarks.md). The weights are sto
 A layout owns only how its activations are shaped: a projection, a norm's axis, the heads' split,
 RoPE's rotation, the way queries, keys and values meet the KV cache, the sharding constraints and
 the LM head's matrix product. The blocks' math is written once, in transformer.py, and the
-head's (float32 logits, soft cap) in head.py.
+head's (float32 logits, soft cap) in lm_head.py.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl import platform
-from jaxrl.models.head import features_product, lm_head, rows_product
+from jaxrl.models.lm_head import features_product, lm_head, rows_product
 from jaxrl.models.attention import attend, attend_one, attention_impl, fused, write_cache
 from jaxrl.models.lora import adapted, adapter
 from jaxrl.models.rope import rope, rope_table, table_part
@@ -114,7 +114,7 @@ class Rows:
     return out_BTKGH.reshape(b, t, n * h), new_cache
 
   def logits(self, h_BTD, head_VD, softcap: float):
-    """float32 logits [B, T, V] (the LM head: jaxrl/models/head.py)."""
+    """float32 logits [B, T, V] (the LM head: jaxrl/models/lm_head.py)."""
     logits_BTV = lm_head(h_BTD, head_VD, softcap=softcap, product=rows_product)
     return constrain(logits_BTV, ("batch", None, "act_vocab"))
 
@@ -193,7 +193,7 @@ class Features:
     return out_BKGH.reshape(b, n * h).T, new_cache
 
   def logits(self, h_DB, head_VD, softcap: float):
-    """float32 logits [B, V] (the LM head: jaxrl/models/head.py), multiplied as [V, D] @ [D, B].
+    """float32 logits [B, V] (the LM head: jaxrl/models/lm_head.py), multiplied as [V, D] @ [D, B].
     The barrier keeps XLA from folding the transpose into the product, which turns it into one
     XLA:CPU runs several times slower (activations as the left operand, contracted on rows)."""
     logits_VB = lm_head(h_DB, head_VD, softcap=softcap, product=features_product)

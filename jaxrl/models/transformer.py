@@ -2,7 +2,7 @@
 with the block options of the model's family (jaxrl/models/families.py: Qwen2's q/k/v biases,
 Qwen3's q/k norms; Gemma's offset norms, sandwich norms, GeGLU and scaled embedding, each an
 option of its own) and, where the config has one, sliding-window attention in its local layers
-(each with its own RoPE base). The LM head is jaxrl/models/head.py's.
+(each with its own RoPE base). The LM head is jaxrl/models/lm_head.py's.
 
 One forward pass serves training, scoring, prefill and the sampler's cached decode step; the
 activation layout it runs in (jaxrl/models/layouts.py: rows everywhere, feature-major for decode
@@ -373,7 +373,7 @@ class LanguageModel(nnx.Module):
 
   def logits(self, h_BTD, head_VD: jax.Array | None = None):
     """The LM head over decoder states (float32 logits, soft-capped by `logit_softcap`:
-    jaxrl/models/head.py); `head_VD`: `self.head_VD()` computed ahead (a decode loop does, once
+    jaxrl/models/lm_head.py); `head_VD`: `self.head_VD()` computed ahead (a decode loop does, once
     per call)."""
     head_VD = self.head_VD() if head_VD is None else head_VD
     return ROWS.logits(h_BTD, head_VD, self.cfg.logit_softcap)

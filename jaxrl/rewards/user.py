@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl.user_code import UserCodePool, UserCodeTimeout, WorkerDied, columns, load_callable
+from isolation.workers import UserCodePool, UserCodeTimeout, WorkerDied, error_line, load_callable
 
 POLICIES = ("stop", "zero")  # what a misbehaving user function does to the run
 # Names the call itself passes; dataset fields with these names are not forwarded.
@@ -35,10 +35,10 @@ def _name(fn: Callable) -> str:
   return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def error_line(e: BaseException) -> str:
-  """`Type: first line of the message` (the type alone when it has none)."""
-  text = str(e).strip().splitlines()
-  return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+def columns(fields: Sequence[Mapping[str, Any]], reserved: Sequence[str]) -> dict[str, list]:
+  """Per-sample dicts -> one list per field name (None where a sample lacks the field)."""
+  names = dict.fromkeys(k for f in fields for k in f if k not in reserved)
+  return {k: [f.get(k) for f in fields] for k in names}
 
 
 def _values(out: Any, n: int) -> tuple[np.ndarray, list[tuple[int, str]]]:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from cli.train import main
+from jaxrl.cli.train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -3,21 +3,21 @@
 run executes is its config file and the user modules a config names (a reward function, an
 environment); chat templates run in jinja2's sandbox (jaxrl/data/chat.py). (User reward
 functions' worker processes get plain data from the run's own process, through
-multiprocessing's pipes: jaxrl/user_code.py, jaxrl/envs/hosted.py; never from a file. The
-Python tool runs the model's programs, in a sandbox: jaxrl/envs/code_sandbox.py.) A pickled PyTorch
+multiprocessing's pipes: isolation/workers.py, isolation/hosts.py; never from a file. The
+Python tool runs the model's programs, in a sandbox: isolation/sandbox.py.) A pickled PyTorch
 checkpoint in a model directory is never opened: tests/faults/test_bad_models.py."""
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PACKAGES = ("jaxrl", "sharding", "sampler", "planner", "train", "cli", "configs")
+PACKAGES = ("isolation", "jaxrl", "sharding", "sampler", "planner", "train", "preflight", "configs")
 FORBIDDEN_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve", "cloudpickle", "joblib"}
 FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__"}
-ALLOWED = {("cli/flags.py", "exec_module"),  # the config file
-           ("jaxrl/user_code.py", "import_module"),  # the module a config names
+ALLOWED = {("jaxrl/config_files.py", "exec_module"),  # a config file
+           ("isolation/workers.py", "import_module"),  # the module a config names
            # a model's program, in the code tool's sandbox (its modules imported there first)
-           ("jaxrl/envs/code_sandbox.py", "exec()"), ("jaxrl/envs/code_sandbox.py", "compile()"),
-           ("jaxrl/envs/code_sandbox.py", "import_module")}
+           ("isolation/sandbox.py", "exec()"), ("isolation/sandbox.py", "compile()"),
+           ("isolation/sandbox.py", "import_module")}
 
 
 def _problems(rel: str, tree: ast.AST) -> list[tuple[str, str]]:

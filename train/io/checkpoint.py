@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxrl.config import first_line
 from jaxrl.models.scan import layer_keys, path_keys, stacked_keys
-from sharding.reshard import send
+from sharding.reshard import to_device
 from train.io import layer_forms
 from train.io.host_transfers import HostTransfers
 
@@ -132,7 +132,7 @@ class RunCheckpointer:
     with jax.transfer_guard("allow"):
       restored = self._manager(stage).restore(step, args=ocp.args.Composite(**args))
       if self._one_of_several:  # host arrays onto the shardings
-        restored = {name: send(restored[name], jax.tree.map(lambda a: a.sharding, targets[name]))
+        restored = {name: to_device(restored[name], jax.tree.map(lambda a: a.sharding, targets[name]))
                     for name in abstract}
       return {name: restored[name] if targets[name] is tree else
               layer_forms.from_disk(restored[name], tree) for name, tree in abstract.items()}

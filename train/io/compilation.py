@@ -6,10 +6,12 @@ is set): JAX_COMPILATION_CACHE_DIR (JAX's own), the config's `compilation_cache_
 environment's JAXRL_COMPILATION_CACHE, else $XDG_CACHE_HOME/jaxrl/xla (~/.cache/jaxrl/xla);
 "off" disables it. The first directory set in a process stays (JAX opens its cache once).
 
-`watch()` adds the seconds JAX spends tracing, lowering and compiling (or loading from the
-cache) each program to the label of the timeline span running on that thread
-(train/io/timeline.py: "generate", "update", ...); work outside a span (initialisation, the
-held-out evaluation) counts as "other". A labelled call that compiled something logs one line.
+A run's `CompileRecord` (its Experiment's, closed with it) adds the seconds JAX spends tracing,
+lowering and compiling (or loading from the cache) each program to the label of the timeline
+span running on that thread (train/io/timeline.py: "generate", "update", ...); work outside a
+span (initialisation, the held-out evaluation) counts as "other". A labelled call that compiled
+something logs one line. JAX's monitoring listeners are the process's: a record listens from
+its start to its `close`, so it holds what compiled meanwhile, nothing of runs before it.
 """
 from __future__ import annotations
 
@@ -47,10 +49,6 @@ class Compiles:
     return Compiles(self.seconds + other.seconds, self.programs + other.programs,
                     self.cache_hits + other.cache_hits)
 
-  def minus(self, other: Compiles) -> Compiles:
-    return Compiles(self.seconds - other.seconds, self.programs - other.programs,
-                    self.cache_hits - other.cache_hits)
-
 
 class _Open:
   """One thread's compiles in one span: counts, and the recent intervals that later, enclosing
@@ -71,11 +69,6 @@ class _Open:
 
 
 _KEEP_INTERVALS = 1000
-_lock = threading.Lock()
-_totals: dict[str, Compiles] = {}  # label -> compiles of the finished spans
-_unlabelled: list[_Open] = []  # each thread's compiles outside spans, counted as OTHER
-_local = threading.local()  # .span: this thread's open span; .outside: its _Open outside spans
-_watching = False
 
 
 def cache_dir(setting: str = "") -> str | None:
@@ -109,73 +102,77 @@ def enable_cache(setting: str = "") -> str | None:
   return path
 
 
-def _open() -> _Open:
-  span = getattr(_local, "span", None)
-  if span is None:
-    span = getattr(_local, "outside", None)
+class CompileRecord:
+  """One run's compile seconds per label (module docstring); `close` stops listening."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._totals: dict[str, Compiles] = {}  # label -> compiles of the finished spans
+    self._unlabelled: list[_Open] = []  # each thread's compiles outside spans, as OTHER
+    self._local = threading.local()  # .span: this thread's open span; .outside: outside spans
+    self._listening = (self._on_duration, self._on_event)
+    monitoring.register_event_duration_secs_listener(self._listening[0])
+    monitoring.register_event_listener(self._listening[1])
+
+  def close(self) -> None:
+    """Stops listening (once; later calls do nothing)."""
+    with self._lock:
+      listening, self._listening = self._listening, None
+    if listening is not None:
+      monitoring.unregister_event_duration_listener(listening[0])
+      monitoring.unregister_event_listener(listening[1])
+
+  def _open(self) -> _Open:
+    span = getattr(self._local, "span", None)
     if span is None:
-      span = _local.outside = _Open()
-      with _lock:
-        _unlabelled.append(span)
-  return span
+      span = getattr(self._local, "outside", None)
+      if span is None:
+        span = self._local.outside = _Open()
+        with self._lock:
+          self._unlabelled.append(span)
+    return span
 
+  def _on_duration(self, event: str, seconds: float, **_) -> None:
+    if event in _SECONDS_EVENTS:
+      span = self._open()  # only this thread writes it
+      span.add(seconds)
+      span.counts.programs += event == _PROGRAM_EVENT
 
-def _on_duration(event: str, seconds: float, **_) -> None:
-  if event in _SECONDS_EVENTS:
-    span = _open()  # only this thread writes it
-    span.add(seconds)
-    span.counts.programs += event == _PROGRAM_EVENT
+  def _on_event(self, event: str, **_) -> None:
+    if event == _HIT_EVENT:
+      self._open().counts.cache_hits += 1
 
+  @contextlib.contextmanager
+  def labelled(self, label: str):
+    """Counts the compiles this thread does inside the block as `label`'s."""
+    outer, self._local.span = getattr(self._local, "span", None), _Open()
+    try:
+      yield
+    finally:
+      counts, self._local.span = self._local.span.counts, outer
+      if counts.programs or counts.seconds:
+        with self._lock:
+          self._totals[label] = self._totals.get(label, Compiles()).plus(counts)
+      if counts.programs:
+        hits = f", {counts.cache_hits} from the cache" if counts.cache_hits else ""
+        plural = "s" if counts.programs != 1 else ""
+        log.info("compiled %s in %.2f s (%d program%s%s)", label, counts.seconds,
+                 counts.programs, plural, hits)
 
-def _on_event(event: str, **_) -> None:
-  if event == _HIT_EVENT:
-    _open().counts.cache_hits += 1
+  def totals(self) -> dict[str, Compiles]:
+    """label -> compiles so far: of the finished spans, and OTHER's."""
+    with self._lock:
+      out = dict(self._totals)
+      for outside in self._unlabelled:  # read while their threads may add: a snapshot
+        out[OTHER] = out.get(OTHER, Compiles()).plus(outside.counts)
+    return out
 
-
-def watch() -> None:
-  """Starts counting compiles (idempotent: the listeners are registered once per process)."""
-  global _watching
-  with _lock:
-    if not _watching:
-      monitoring.register_event_duration_secs_listener(_on_duration)
-      monitoring.register_event_listener(_on_event)
-      _watching = True
-
-
-@contextlib.contextmanager
-def labelled(label: str):
-  """Counts the compiles this thread does inside the block as `label`'s."""
-  outer, _local.span = getattr(_local, "span", None), _Open()
-  try:
-    yield
-  finally:
-    counts, _local.span = _local.span.counts, outer
-    if counts.programs or counts.seconds:
-      with _lock:
-        _totals[label] = _totals.get(label, Compiles()).plus(counts)
-    if counts.programs:
-      hits = f", {counts.cache_hits} from the cache" if counts.cache_hits else ""
-      plural = "s" if counts.programs != 1 else ""
-      log.info("compiled %s in %.2f s (%d program%s%s)", label, counts.seconds, counts.programs,
-               plural, hits)
-
-
-def totals() -> dict[str, Compiles]:
-  """label -> compiles so far in this process: of the finished spans, and OTHER's."""
-  with _lock:
-    out = dict(_totals)
-    for outside in _unlabelled:  # read while their threads may add: a moment's snapshot
-      out[OTHER] = out.get(OTHER, Compiles()).plus(outside.counts)
-  return out
-
-
-def summary(since: dict[str, Compiles] | None = None) -> dict:
-  """The compiles after `since` (a `totals()`) as summary.json entries: `compile_s`,
-  `compile_cache_hits` and per label {"s", "programs", "cache_hits"} under `compile`."""
-  since = since or {}
-  by_label = {label: c.minus(since.get(label, Compiles())) for label, c in totals().items()}
-  by_label = {label: c for label, c in sorted(by_label.items()) if c.programs or c.seconds}
-  return {"compile_s": round(sum(c.seconds for c in by_label.values()), 3),
-          "compile_cache_hits": sum(c.cache_hits for c in by_label.values()),
-          "compile": {label: {"s": round(c.seconds, 3), "programs": c.programs,
-                              "cache_hits": c.cache_hits} for label, c in by_label.items()}}
+  def summary(self) -> dict:
+    """The compiles as summary.json entries: `compile_s`, `compile_cache_hits` and per label
+    {"s", "programs", "cache_hits"} under `compile`."""
+    by_label = {label: c for label, c in sorted(self.totals().items())
+                if c.programs or c.seconds}
+    return {"compile_s": round(sum(c.seconds for c in by_label.values()), 3),
+            "compile_cache_hits": sum(c.cache_hits for c in by_label.values()),
+            "compile": {label: {"s": round(c.seconds, 3), "programs": c.programs,
+                                "cache_hits": c.cache_hits} for label, c in by_label.items()}}

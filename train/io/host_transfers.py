@@ -2,7 +2,7 @@
 
 An RL step moves prompts up, completion token ids down (for the host verifier), rewards up and
 the step's metrics down. Each goes through `HostTransfers.to_device` / `to_host`
-(sharding.reshard's `send` / `fetch`, named and counted), which allow host transfers for their
+(sharding.reshard's `to_device` / `to_host`, named and counted), which allow host transfers for their
 own thread and call only, so a test can disallow every other host transfer globally
 (`jax.transfer_guard_*("disallow_explicit")`) and any hidden round trip of rollout tokens or
 log-probs fails loudly. Rollouts move between meshes device to device (sharding/reshard.py).
@@ -20,7 +20,7 @@ import contextlib
 import jax
 import numpy as np
 
-from sharding.reshard import fetch, send
+from sharding.reshard import to_device, to_host
 from train.io.tally import Tally
 
 
@@ -42,13 +42,13 @@ class HostTransfers:
 
   def to_host(self, tree, what: str):
     """Device arrays -> numpy (on every process, whole)."""
-    out = fetch(tree)
+    out = to_host(tree)
     self.count(what, sum(x.nbytes for x in jax.tree.leaves(out)))
     return out
 
   def to_device(self, tree, shardings, what: str):
     """Host arrays -> device arrays laid out as `shardings` (a tree mirroring `tree`)."""
-    out = send(tree, shardings)
+    out = to_device(tree, shardings)
     self.count(what, sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree)))
     return out
 

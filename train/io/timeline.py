@@ -13,12 +13,15 @@ import json
 import threading
 import time
 
-from train.io import compilation
+from train.io.compilation import CompileRecord
 
 
 class Timeline:
 
-  def __init__(self):
+  def __init__(self, compiles: CompileRecord | None = None):
+    """`compiles`: the run's record of compile seconds, which each span labels (none: not
+    counted)."""
+    self.compiles = compiles
     self._lock = threading.Lock()
     self._events: list[tuple[str, str, float, float, dict]] = []
     self._executors: dict[str, tuple[int, ...]] = {}  # executor -> device ids it runs on
@@ -47,7 +50,7 @@ class Timeline:
     """A busy interval; what compiles in it on this thread counts as `label`'s compiles."""
     start = time.perf_counter()
     try:
-      with compilation.labelled(label):
+      with (self.compiles.labelled(label) if self.compiles else contextlib.nullcontext()):
         yield
     finally:
       self.add(executor, label, start, time.perf_counter(), **args)

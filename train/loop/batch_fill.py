@@ -12,7 +12,7 @@ from jaxrl.config_rl import RLConfig
 from train.io.host_transfers import HostTransfers
 from train.loop.experience import combine_rollouts
 from train.rollout.worker import RolloutBatch
-from train.task.task import Judge
+from train.task.reward import Judge
 
 
 @dataclasses.dataclass

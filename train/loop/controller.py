@@ -31,7 +31,8 @@ from train.roles.offload import Offloader
 from train.rollout.generator import Generator
 from train.rollout.source import RolloutSource
 from train.rollout.worker import RolloutWorkerError, WorkerState
-from train.task.task import Judge, TaskData
+from train.task.data import TaskData
+from train.task.reward import Judge
 
 
 class Controller:
@@ -48,7 +49,7 @@ class Controller:
                                critic_mesh=None if critic is None else critic.role.mesh)
     self.rollouts = RolloutSource(cfg, generator, cluster.sampler_weights, task.prompts,
                                   prompt_len=task.prompt_len, timeline=timeline,
-                                  run=self.executors.generator, next_index=next_index,
+                                  run=self.executors.sampler, next_index=next_index,
                                   split=cluster.split)
     pack, new = cfg.rl.batching.pack_length, cfg.rl.rollout.max_new_tokens
     if pack and pack < task.prompt_len + new:
@@ -81,7 +82,7 @@ class Controller:
     try:
       return self.rollouts.next(self.version)
     except RolloutWorkerError as e:
-      raise ExecutorError("generator", e.__cause__ or e) from (e.__cause__ or e)
+      raise ExecutorError("sampler", e.__cause__ or e) from (e.__cause__ or e)
 
   def _batch(self) -> FilledBatch:
     """The step's batch: the next one, or with dynamic sampling as many as fill it (verifying

@@ -71,7 +71,7 @@ class Executor:
 
 
 class Executors:
-  """The RL loop's executors, one per role: generator (sampler mesh), reward (the host verifier,
+  """The RL loop's executors, one per role: sampler (the sampler's mesh: generation), reward (the host verifier,
   and the reward model's mesh when the reward comes from one), reference, critic (when there is
   one) and trainer (actor + critic updates and the weight push)."""
 
@@ -81,13 +81,13 @@ class Executors:
     ex = lambda name, mesh: Executor(name, timeline, mesh, inline=inline)
     # (the sampler's own processes' devices where it has some: its busy time comes from there)
     sampler = cluster.meshes["sampler"] if cluster.split is None else cluster.split.sampler
-    self.generator = ex("generator", sampler)
+    self.sampler = ex("sampler", sampler)
     self.reward = ex("reward", cluster.meshes["reward"] if reward_model else None)
     self.reference = ex("reference", cluster.meshes["reference"])
     self.critic = None if critic_mesh is None else ex("critic", critic_mesh)
     self.trainer = ex("trainer", cluster.meshes["actor"])
 
   def close(self) -> None:
-    for ex in (self.generator, self.reward, self.reference, self.critic, self.trainer):
+    for ex in (self.sampler, self.reward, self.reference, self.critic, self.trainer):
       if ex is not None:
         ex.close()

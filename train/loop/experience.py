@@ -3,7 +3,7 @@
 The rollout's tokens never visit the host on their way to the update: the sampler's arrays move
 device to device to the scorers' meshes (reference, critic, reward model) and to the trainer's,
 where `make_experience` computes KL and advantages. Only the completions' token ids are fetched
-for the host verifier (train/task/task.py, `Judge`), and its rewards come back as one [B] array.
+for the host verifier (train/task/reward.py, `Judge`), and its rewards come back as one [B] array.
 """
 from __future__ import annotations
 

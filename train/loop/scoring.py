@@ -15,7 +15,7 @@ from train.loop.executors import Executors
 from train.loop.experience import make_experience, trim_rollout
 from train.roles.cluster import RoleCluster
 from train.roles.learner import Learner
-from train.task.task import Judge
+from train.task.reward import Judge
 from train.updates.batching import map_minibatches
 from sharding.reshard import move
 from sharding.rules import batch_ways

@@ -18,7 +18,7 @@ from flax import nnx
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.models import lora
 from jaxrl.models.dtypes import compute_dtypes, frozen_base_dtypes
-from jaxrl.models.heads import RewardModel, ValueModel
+from jaxrl.models.value_models import RewardModel, ValueModel
 from jaxrl.models.hf import HFError, load_params
 from jaxrl.models.transformer import LanguageModel
 from sharding.crossing import ProcessSplit, process_split, sampler_apart
@@ -174,12 +174,12 @@ class RoleCluster:
     return self.roles.get(name)
 
   def process_group(self) -> tuple[str, frozenset[int]]:
-    """This process's group ("trainer", "generator", or "all" where every process runs every
+    """This process's group ("trainer", "sampler", or "all" where every process runs every
     program) and its processes."""
     if self.split is None:
       return "all", frozenset(range(jax.process_count()))
     here = self.split.here
-    return here, (self.split.generator_processes if here == "generator" else
+    return here, (self.split.sampler_processes if here == "sampler" else
                   self.split.trainer_processes)
 
 

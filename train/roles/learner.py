@@ -39,7 +39,7 @@ class Learner:
     abstract for a restore (`load_state`). Only the role's trainable parameters
     (`role.split`) are in the state, its gradients and its optimizer moments; the frozen rest
     (LoRA's base) is an argument of the update, never donated, reached through a
-    `steps.Frozen` graph."""
+    `train.updates.state.Frozen` graph."""
     self.role, self.optimizer = role, optimizer
     trained, _ = role.split(role.abstract())
     self._trained_shardings, self._frozen_shardings = role.split(role.shardings)

@@ -91,12 +91,13 @@ class ConversationStream:
   def __init__(self, sampler: Sampler, params, geometry: StreamGeometry, *, n: int,
                environment: Callable[[], Environment], turns: Turns, keep_cache: bool,
                finish: Callable, multiturn: MultiTurn):
-    geometry.check(sampler, n, conversations=True)
+    geometry.check(sampler.spec, n, conversations=True)
     self.n, self.geometry, self.turns = n, geometry, turns
     self.multiturn = multiturn
     self.rows = geometry.rows
     self._environment, self._finish = environment, finish
-    self.engine = Requests(sampler, params, context_width=geometry.prompt_width, keep=keep_cache)
+    self.engine = Requests(sampler.spec, params, context_width=geometry.prompt_width,
+                           keep=keep_cache)
     self.batches: dict[int, TalkBatch] = {}
     self.next_index = self.next_emit = 0
 

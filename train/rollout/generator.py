@@ -13,11 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import ConfigError
 from jaxrl.config_rl import RLConfig, RolloutConfig
 from jaxrl.envs import EnvError, Environment
+from sampler import lowering
 from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
@@ -28,7 +30,7 @@ from sharding.rules import SAMPLER_RULES
 from train.io.host_transfers import HostTransfers
 from train.roles.cluster import RoleCluster
 from train.rollout.conversations import ConversationStream
-from train.rollout.multiturn import MultiTurn, Turns, as_rollout
+from train.rollout.multiturn import MultiTurn, Turns, as_rollout, turn_lowerings
 
 
 def rollout_key(seed: int, index: int) -> jax.Array:
@@ -154,6 +156,28 @@ class Generator:
     return self.transfers.to_device(
         host, jax.tree.map(lambda x: batch_sharding(mesh, SAMPLER_RULES, x.ndim), host),
         "conversations")
+
+  def lowerings(self, params, prompts: int, prompt_width: int,
+                geometry: StreamGeometry | None = None) -> lowering.Lowerings:
+    """The programs a step's rollouts run, as `sample` (or, with the partial rollouts'
+    `geometry`, `stream`) runs them, lowered from abstract arguments without running them:
+    `params` the sampler's weights as ShapeDtypeStructs carrying shardings, `prompts` prompt
+    rows of `prompt_width` tokens (what a target compile compiles: preflight/)."""
+    tokens_BP = jax.ShapeDtypeStruct((prompts, prompt_width), jnp.int32, sharding=self._rows)
+    if self.environment is not None:
+      turn = self._turn_sampler(self.sampler)
+      if geometry is not None:  # ConversationStream's engine: its turns in the stream's slots
+        return lowering.requests(turn.spec, params, geometry.prompt_width)
+      return turn_lowerings(turn, params, rows=prompts * self.sampler.n,
+                            prompt_width=prompt_width, keep_cache=self.turns["keep_cache"])
+    if geometry is not None:
+      return lowering.stream(self.sampler.spec, params, geometry, self._rows)
+    if self.sampler.inflight_slots:
+      return lowering.rows(self.sampler.spec, params, tokens_BP)
+    valid_BP = jax.ShapeDtypeStruct(tokens_BP.shape, bool, sharding=self._rows)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return [("generate (prefill + decode loop)",
+             lambda: self.sampler.lower(params, tokens_BP, valid_BP, key))]
 
   def stream(self, params, geometry: StreamGeometry) -> BatchStream:
     """Partial rollouts: the RL sampler's in-flight slots running a stream of prompt batches

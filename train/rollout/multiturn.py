@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from jaxrl.envs import EnvError, Environment
+from sampler import lowering
 from sampler.engine import Rollout
 from sampler.requests import WIDTH_STEP, Request
 from sampler.sampler import Sampler
@@ -107,6 +108,33 @@ def pow2_multiple(n: int, unit: int) -> int:
   return unit << max(0, -(-n // unit) - 1).bit_length()
 
 
+def turn_engine(sampler: Sampler, rows: int, keep_cache: bool) -> Sampler:
+  """The sampler a batch of `rows` conversations takes its turns with: with `keep_cache`, turns
+  continue in the in-flight slots that kept their caches (as many slots as rows, unless the
+  sampler has its own); else `sampler` as it is (its in-flight slots, or static batches of each
+  conversation's whole context)."""
+  if keep_cache and not sampler.inflight_slots:
+    return sampler.variant(inflight_slots=slots_for(sampler, rows))
+  return sampler
+
+
+def context_width(longest_prompt: int) -> int:
+  """The width of the in-flight slots' contexts for prompts of up to `longest_prompt` tokens (a
+  few widths, each compiling the engine's programs once)."""
+  return pow2_multiple(longest_prompt, WIDTH_STEP)
+
+
+def turn_lowerings(sampler: Sampler, params, *, rows: int, prompt_width: int,
+                   keep_cache: bool) -> lowering.Lowerings:
+  """The programs `MultiTurn.converse` runs for `rows` conversations of prompts up to
+  `prompt_width` tokens, lowered from abstract arguments (a target compile)."""
+  turn = turn_engine(sampler, rows, keep_cache)
+  if turn.inflight_slots:
+    return lowering.requests(turn.spec, params, context_width(prompt_width))
+  width = prompt_width + turn.cfg.max_new_tokens  # a turn's whole conversation, at the most
+  return [("turns: generate (whole contexts)", lambda: turn.lower_complete(params, rows, width))]
+
+
 def slots_for(sampler: Sampler, rows: int) -> int:
   """In-flight slots for `rows` conversations: the data shards times a power of two."""
   return pow2_multiple(rows, batch_ways(sampler.mesh, sampler.rules))
@@ -173,8 +201,7 @@ class MultiTurn:
     for talk, example in zip(talks, examples_B):
       talk.reset(example, max_new_tokens)
     turns = Turns(max_new_tokens, max_turns, max_turn_tokens)
-    if keep_cache and not sampler.inflight_slots:
-      sampler = sampler.variant(inflight_slots=slots_for(sampler, len(talks)))
+    sampler = turn_engine(sampler, len(talks), keep_cache)
     if sampler.inflight_slots:
       return self._inflight(sampler, params, prompts_B, talks, key, turns, keep_cache)
     for turn in range(max_turns):
@@ -204,9 +231,8 @@ class MultiTurn:
     """The conversations' turns as requests to in-flight slots, each submitted as soon as the
     previous one's reply is in (to the slot that kept its cache, with `keep_cache`)."""
     keys = self.turn_keys(key, turns.max_turns)
-    # a few slot shapes, each compiling the engine's programs once
-    width = pow2_multiple(max(map(len, prompts_B)), WIDTH_STEP)
-    engine = sampler.requests(params, context_width=width, keep=keep_cache)
+    engine = sampler.requests(params, context_width=context_width(max(map(len, prompts_B))),
+                              keep=keep_cache)
     asked = [0] * len(talks)
 
     def ask(i: int) -> None:

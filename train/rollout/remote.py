@@ -2,7 +2,7 @@
 run different programs, and meet only where the schedule says.
 
 Where the placement gives the sampler whole processes (`separate` on several hosts,
-sharding/placement.py), the sampler's processes run `GeneratorHost.serve` instead of the
+sharding/placement.py), the sampler's processes run `SamplerHost.serve` instead of the
 experiment: the worker of one process (train/rollout/worker.py, partial.py: whole batches or
 partial rollouts, either schedule) on the sampler's mesh, driven by requests. The trainer's
 processes run the experiment as on one process, with a `RemoteWorker` in the worker's place;
@@ -32,12 +32,11 @@ import numpy as np
 from jaxrl.config import ConfigError
 from sampler.engine import Rollout
 from sharding import crossing
-from sharding.distributed import kv_client
+from sharding.distributed import job, kv_client
 from train.rollout.worker import RolloutBatch, RolloutWorkerError, WorkerState
 
 log = logging.getLogger("jaxrl")
-EXIT_KEY = "jaxrl/generator/exit"  # set by the trainer's first process when it is done
-_SESSIONS = [0]  # workers started by this process so far (one request mailbox each)
+EXIT_KEY = "jaxrl/sampler/exit"  # set by the trainer's first process when it is done
 
 
 def _leaves(params) -> dict:
@@ -68,9 +67,8 @@ class Link:
   """One worker's requests and replies, and the two meshes its crossings join."""
 
   def __init__(self, split):
-    session = _SESSIONS[0]
-    _SESSIONS[0] += 1
-    self.split, self.n, self.name = split, 0, f"generator/{session}"
+    """The job's next session (sharding/distributed.py `Job`: both groups number them alike)."""
+    self.split, self.n, self.name = split, 0, f"sampler/{job().next_session()}"
     self.requests = crossing.Mailbox(f"{self.name}/request")
     self.replies = crossing.Mailbox(f"{self.name}/reply")
 
@@ -126,7 +124,7 @@ class RemoteWorker:
       raise StopIteration
     now = time.perf_counter()  # the generator's busy intervals, as of this reply
     for label, ago_start, ago_end in reply["spans"]:
-      self._timeline.add("generator", label, now - ago_start, now - ago_end)
+      self._timeline.add("sampler", label, now - ago_start, now - ago_end)
     versions = reply["versions"]
     return RolloutBatch(Rollout(**self._received(reply)), self._prompts[reply["index"]],
                         reply["version"], reply["index"], reply["seconds"],
@@ -150,14 +148,14 @@ class RemoteWorker:
     self._request({"op": "close"})
 
 
-def release_generators() -> None:
+def release_samplers() -> None:
   """The trainer is done: the generator's processes leave their loop (the trainer's first
   process says it; a no-op elsewhere)."""
   if jax.process_index() == 0 and kv_client() is not None:
     kv_client().key_value_set(EXIT_KEY, "1", allow_overwrite=True)
 
 
-class GeneratorHost:
+class SamplerHost:
   """The sampler's side: `serve()` runs the workers the trainer starts until it is done."""
 
   def __init__(self, ctx, make_worker):
@@ -165,7 +163,7 @@ class GeneratorHost:
     abstract: what a worker needs (prompts, generator, the sampler's weights' layout);
     `make_worker`: train/rollout/source.py's."""
     self.ctx, self.split, self._make_worker = ctx, ctx.cluster.split, make_worker
-    self.leader = jax.process_index() == min(self.split.generator_processes)
+    self.leader = jax.process_index() == min(self.split.sampler_processes)
     self.worker, self.link = None, None
     self._spans_sent = 0  # the timeline's events the trainer has (its generator's busy time)
     self._held = contextlib.ExitStack()  # a pause the trainer asked for, until it resumes
@@ -200,7 +198,7 @@ class GeneratorHost:
       try:
         reply = failed if failed and op != "close" else getattr(self, "_" + op)(request)
       except Exception as e:  # noqa: BLE001 - the trainer raises it, named
-        log.exception("generator: %s failed", op)
+        log.exception("sampler: %s failed", op)
         user = next((c for c in (e, e.__cause__) if isinstance(c, ConfigError)), None)
         reply = failed = ({"error": str(user), "config": True} if user is not None else
                           {"error": f"{op}: {type(e).__name__}: {e}"})
@@ -220,7 +218,7 @@ class GeneratorHost:
     state = None
     if request["state"] is not None:
       state = WorkerState(_with_params(arrays["state"], weights), request["state"])
-    several = len(self.split.generator_processes) > 1
+    several = len(self.split.sampler_processes) > 1
     self.worker = self._make_worker(
         self.ctx.cfg, self.ctx.generator, self.ctx.task.prompts, self.ctx.timeline, params,
         prompt_len=self.ctx.task.prompt_len, version=request["version"], state=state,
@@ -247,7 +245,7 @@ class GeneratorHost:
       return {"exhausted": True}
     arrays = {k: v for k, v in vars(batch.rollout).items() if v is not None}
     described = crossing.send(arrays, self.split.mirror)
-    spans, self._spans_sent = self.ctx.timeline.since(self._spans_sent, "generator")
+    spans, self._spans_sent = self.ctx.timeline.since(self._spans_sent, "sampler")
     now = time.perf_counter()  # (the trainer places them before its own now)
     ago = [(label, now - start, now - end) for label, start, end in spans]
     return {"arrays": described, "index": batch.index, "version": batch.version,

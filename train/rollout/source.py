@@ -49,10 +49,10 @@ def make_worker(cfg: ExperimentConfig, generator: Generator, prompts, timeline: 
   geometry = stream_geometry(cfg.rl, prompt_len)
   if geometry is not None:
     return PartialRolloutWorker(generator.stream(params, geometry), prompts, params,
-                                span=lambda: timeline.span("generator", "decode"), **common)
+                                span=lambda: timeline.span("sampler", "decode"), **common)
 
   def generate(params, prompts, key):
-    with timeline.span("generator", "generate"):  # the device time, not the dispatch
+    with timeline.span("sampler", "generate"):  # the device time, not the dispatch
       return jax.block_until_ready(generator.sample(params, prompts, key))
   return RolloutWorker(generate, prompts, params, **common)
 

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from sampler.engine import Rollout
-from sharding.reshard import fetch
+from sharding.reshard import to_host
 from train.rollout.generator import rollout_key
 from jaxrl.schedules import SCHEDULES, WorkerView
 
@@ -231,7 +231,7 @@ class Worker:
 
   def batch_key_data(self, index: int) -> np.ndarray:
     """Batch `index`'s random key as host key data."""
-    return fetch(jax.random.key_data(self.batch_key(index)))
+    return to_host(jax.random.key_data(self.batch_key(index)))
 
   def start_batch(self, index: int) -> Weights | None:
     """Waits (holding the lock) until the schedule lets batch `index` start, and installs the

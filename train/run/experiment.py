@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import weakref
 
 import jax
 from flax import nnx
@@ -32,7 +33,7 @@ from train.io.host_transfers import HostTransfers
 from train.io.metrics import MetricsWriter, plain_row, plot_metrics
 from train.io.tracking import Trackers, last_steps
 from train.roles.cluster import config_split
-from train.rollout.remote import release_generators
+from train.rollout.remote import release_samplers
 from train.run.hooks import Checkpoint, Evaluate, Log, NonFinite, Progress, StopRequest
 from train.run.resume import Resumed, latest_good, snapshot
 from train.run.sampling import Completion, sample
@@ -64,8 +65,15 @@ class Experiment:
     has none, unless `start_if_none`)."""
     self.cfg: ExperimentConfig = resolve(config)
     compilation.enable_cache(self.cfg.compilation_cache_dir)
-    compilation.watch()
-    self._compiles_before = compilation.totals()  # this process's earlier experiments' compiles
+    self.compiles = compilation.CompileRecord()  # this run's compiles, from now to `close`
+    weakref.finalize(self, self.compiles.close)  # (an Experiment never closed stops too)
+    try:
+      self._build(resume_run, run_dir, start_if_none)
+    except BaseException:
+      self.compiles.close()
+      raise
+
+  def _build(self, resume_run: bool, run_dir: str | None, start_if_none: bool) -> None:
     self.plan = None  # placement.strategy="plan": the planner's choice (planner/plan.py)
     if self.cfg.placement.strategy == "plan":
       from planner.plan import choose
@@ -85,7 +93,8 @@ class Experiment:
       raise ConfigError(f"config.run_name: --resume found no complete checkpoint in "
                         f"{self.run_dir}; pass --resume_or_start to start the run")
     fresh = not saved and not self.cfg.init_checkpoint
-    self.ctx = RunContext(self.cfg, self.run_dir, initialize=fresh, transfers=transfers)
+    self.ctx = RunContext(self.cfg, self.run_dir, initialize=fresh, transfers=transfers,
+                          compiles=self.compiles)
     self.writer = MetricsWriter(self.run_dir, enabled=jax.process_index() == 0)
     kinds = {name: STAGES[name] for name in names}
     resumed = latest_good(self.checkpointer, self.ctx, kinds, saved) if saved else None
@@ -204,7 +213,7 @@ class Experiment:
     summary = {**self.summary, **({"stopped": stopped} if stopped else {}),
                "params_fingerprint": params_fingerprint(self.ctx.cluster.actor.params,
                                                         self.ctx.transfers),
-               **compilation.summary(since=self._compiles_before)}
+               **self.compiles.summary()}
     if jax.process_index() == 0:
       self.writer.close()
       plot_metrics(self.writer.rows, os.path.join(self.run_dir, "metrics.png"))
@@ -223,8 +232,9 @@ class Experiment:
       log.warning("%s", e)
     self.writer.close()
     if self.ctx.cluster.split is not None:
-      release_generators()
+      release_samplers()
     self.ctx.close()
+    self.compiles.close()
 
   def __enter__(self) -> Experiment:
     return self

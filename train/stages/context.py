@@ -10,14 +10,17 @@ import jax
 
 from jaxrl.config import ExperimentConfig
 from jaxrl.data.tasks import Example
+from train.io.compilation import CompileRecord
 from train.io.host_transfers import HostTransfers
 from train.io.timeline import Timeline
 from train.roles.cluster import RoleCluster
 from train.rollout.generator import Generator
 from train.rollout.shared_env import shared
 from train.task.heldout import evaluate
-from train.task.task import (Judge, UserProcesses, environment_for, load_task,
-                             load_tokenizer_for)
+from train.task.data import load_task, load_tokenizer_for
+from train.task.environment import environment_for
+from train.task.processes import UserProcesses
+from train.task.reward import Judge
 
 
 class RunContext:
@@ -27,10 +30,11 @@ class RunContext:
   host transfers (`transfers`); `close` stops them."""
 
   def __init__(self, cfg: ExperimentConfig, run_dir: str, *, initialize: bool = True,
-               transfers: HostTransfers | None = None):
+               transfers: HostTransfers | None = None, compiles: CompileRecord | None = None):
     """`initialize=False`: the actor stays abstract (a restore fills it). `transfers`: the
-    run's record of named host transfers (default: a new one)."""
-    self.cfg, self.run_dir = cfg, run_dir
+    run's record of named host transfers (default: a new one); `compiles`: its record of
+    compile seconds, which the timeline's spans label."""
+    self.cfg, self.run_dir, self.compiles = cfg, run_dir, compiles
     self.transfers = HostTransfers() if transfers is None else transfers
     self.processes = UserProcesses()
     try:
@@ -42,7 +46,7 @@ class RunContext:
   def _build(self, cfg: ExperimentConfig, initialize: bool) -> None:
     self.tok = load_tokenizer_for(cfg)
     self.task = load_task(cfg, self.tok, self.processes)
-    self.judge = Judge(self.tok, self.task, self.transfers)
+    self.judge = Judge(self.tok, self.task.reward, self.transfers)
     self.cluster = RoleCluster(cfg, initialize=initialize, transfers=self.transfers)
     environment = environment_for(cfg, self.tok, self.task, self.processes)
     name, group = self.cluster.process_group()
@@ -51,7 +55,7 @@ class RunContext:
     self.generator = Generator(self.cluster, max_new_tokens=self.task.max_new_tokens,
                                tok=self.tok, rl=cfg.rl, transfers=self.transfers,
                                environment=environment)
-    self.timeline = Timeline()
+    self.timeline = Timeline(self.compiles)
 
   def evaluate(self, examples: list[Example] | None = None) -> float:
     """Held-out mean score of the newest policy's greedy completions (for a 0/1 verifier: the

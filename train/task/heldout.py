@@ -1,7 +1,7 @@
 """Held-out evaluation of a policy on examples: scores, pass@k, lengths, and every sample.
 
 One code path for the stages' held-out evaluation (`RunContext.evaluate`: greedy, one sample
-per prompt, the mean score logged as `heldout_acc`) and for `jaxrl-eval` (cli/evaluate.py:
+per prompt, the mean score logged as `heldout_acc`) and for `jaxrl-eval` (jaxrl/cli/evaluate.py:
 greedy, or `n` samples per prompt at a temperature, pass@k). Prompts go through the run's
 encoding and length buckets in chunks of `eval.batch_size` (one compiled shape; the last chunk
 padded by repeating its final prompt, whose extra rows are dropped), and are scored by the
@@ -77,7 +77,7 @@ def evaluate(generator, task, judge, params, examples: list[Example], *, batch_s
              n: int = 1, temperature: float = 0.0, seed: int = 0) -> Evaluation:
   """`n` completions of each example from `params` (the sampler's copy, in its layout) on the
   run's `generator` (train/rollout/generator.py), prompts encoded as `task`'s, scored by `judge`
-  (train/task/task.py): greedy for `temperature` 0 (then n = 1), else sampled with
+  (train/task/reward.py): greedy for `temperature` 0 (then n = 1), else sampled with
   `rollout_key(seed, chunk index)`."""
   if temperature == 0 and n != 1:
     raise ValueError(f"n: greedy decoding gives one completion per prompt, got n={n}")

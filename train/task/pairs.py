@@ -26,7 +26,8 @@ from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import Tokenizer
 from train.rollout.generator import Generator, rollout_key
 from train.task.heldout import chunks
-from train.task.task import Judge, TaskData
+from train.task.data import TaskData
+from train.task.reward import Judge
 
 log = logging.getLogger("jaxrl")
 HELDOUT_FRACTION = 0.1  # of a user's pairs file, held out for the accuracy / margin metric

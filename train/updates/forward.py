@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.models.head import chunked_logprobs
+from jaxrl.models.lm_head import chunked_logprobs
 from jaxrl.models.moe import aux_losses
 from jaxrl.models.rope import positions_from_segments, positions_from_valid
 from train.updates.state import model_of
@@ -14,7 +14,7 @@ from train.updates.state import model_of
 def token_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT=None, start: int = 0):
   """log pi(tokens[t+1] | tokens[:t+1]) and the entropy of that distribution for positions
   t = start .. T-2, shapes [B, T-1-start]. The LM head and softmax run only at those positions
-  and in chunks (jaxrl/models/head.py): no [B, T, V] logits tensor, forward or backward.
+  and in chunks (jaxrl/models/lm_head.py): no [B, T, V] logits tensor, forward or backward.
 
   With `segment_ids_BT` (packed rows) positions restart and attention stays in each segment."""
   return routed_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT, start)[:2]

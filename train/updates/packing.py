@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.models.head import chunked_logprobs
+from jaxrl.models.lm_head import chunked_logprobs
 from jaxrl.models.rope import positions_from_segments
 from sampler.engine import bucket
 from train.updates.forward import router_loss

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import logging
 import os
 import sys
@@ -17,8 +16,9 @@ from ml_collections import config_flags
 from jaxrl.config_checks import unknown_field
 from sharding.host import force_cpu_devices, reserve_device_memory, retain_freed_memory
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "configs", "default.py")
+# configs/ of the checkout jaxrl runs from (config files are found by path: no package)
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs", "default.py")
 EXIT_USER_ERROR = 2
 
 
@@ -40,11 +40,9 @@ def load_config_file(path: str):
   """The ConfigDict of an experiment file's get_config(); a UsageError naming the file."""
   if not os.path.isfile(path):
     raise UsageError(f"--config: no such config file {path!r}")
-  spec = importlib.util.spec_from_file_location("_jaxrl_user_config", path)
-  module = importlib.util.module_from_spec(spec)
+  from jaxrl.config_files import config_module
   try:
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return config_module(path).get_config()
   except Exception as e:  # a broken config file is a user error too
     raise UsageError(f"--config: {path} failed to load: {type(e).__name__}: {e}") from None
 

@@ -15,62 +15,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import tempfile
 
-from cli.flags import ArgParser, UsageError, fail, parse_args
-
-# Short runs the calibration fits to, in sync mode (each stage's time is its own): the default
-# model and a 4-layer d_model-256 one on 64 rows, in each placement, and the default experiment
-# itself (512 rows in 2 minibatches: the old-log-prob pass runs beside the reference's).
-SHORT_RL = {"prompts_per_step": 16, "group_size": 4, "rollout": {"max_new_tokens": 16},
-            "batching": {"num_minibatches": 1}}
-MEDIUM_MODEL = dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024)
-CALIBRATION_RUNS = (
-    {"rl": SHORT_RL, "placement": {"strategy": "colocate"}},
-    {"model": MEDIUM_MODEL, "rl": SHORT_RL, "placement": {"strategy": "separate"}},
-    {"model": MEDIUM_MODEL, "rl": SHORT_RL, "placement": {"strategy": "interleave"}},
-    {"placement": {"strategy": "separate"}},
-)
-
-
-def run_steps(raw: dict, steps: int) -> tuple[str, list[float], object]:
-  """(run dir with its trace.json and metrics.jsonl, RL step seconds, ExperimentConfig) of
-  `steps` RL steps from a fresh policy (responses run to max_new_tokens)."""
-  from train.run import Experiment
-  with Experiment(raw) as exp:
-    times = [exp.rl.step()["step_time"] for _ in range(steps)]
-    exp.ctx.timeline.write_chrome_trace(f"{exp.run_dir}/trace.json")
-    return exp.run_dir, times, exp.cfg
-
-
-def bench_config(overrides: dict, steps: int) -> dict:
-  """The default experiment with `overrides`, set up for timing `steps` RL steps."""
-  from jaxrl.config import ExperimentConfig, to_dict
-  from jaxrl.config_files import merge
-  raw = merge(to_dict(ExperimentConfig()), overrides)
-  raw.update(run_dir=tempfile.mkdtemp(prefix="jaxrl-bench-"), progress=False,
-             checkpoint_every=10**6, checkpoint_minutes=0.0)
-  raw["eval"]["every"] = 10**6
-  raw["task"]["n_heldout"] = 32
-  raw["rl"]["steps"] = steps + 1  # the timed steps end before the stage's final evaluation
-  return raw
-
-
-def calibrate_here(steps: int = 6, warmup: int = 2):
-  """Measures this machine and fits the factors to CALIBRATION_RUNS: (Calibration, samples)."""
-  import jax
-
-  from jaxrl.config import ExperimentConfig
-  from planner import calibrate as cal
-  from planner.plan import calibration_for
-  base = calibration_for(ExperimentConfig(), jax.devices()[0], jax.local_device_count())
-  dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-  dev = cal.profile(base.device, dtype)
-  samples = []
-  for overrides in CALIBRATION_RUNS:
-    run_dir, _, _ = run_steps(bench_config(overrides, steps + warmup), steps + warmup)
-    samples += cal.samples_from_run(run_dir, dev, jax.device_count(), skip=warmup)
-  return cal.Calibration(dev, cal.fit(samples, dev, base.efficiency)), samples
+from jaxrl.cli.flags import ArgParser, UsageError, fail, parse_args
 
 
 def _table(cfg, args) -> list[str]:
@@ -95,7 +41,7 @@ def _table(cfg, args) -> list[str]:
                                                                 slice_devices=n // args.slices))
     except ValueError as e:
       raise UsageError(f"--slices: {e}") from None
-  ranked = search(Workload.from_config(cfg), n, cal.device, cal.efficiency,
+  ranked = search(Workload.from_config(cfg, cal.device.platform), n, cal.device, cal.efficiency,
                   presets_only=not args.all_meshes, top=args.top)
   lines = [f"{n} x {cal.device.name}, model d_model {cfg.model.d_model} x {cfg.model.n_layers} "
            f"layers, {cfg.rl.rollouts} rollouts per step:"]
@@ -128,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device and args.device not in _devices():
       raise UsageError(f"--device: expected one of {sorted(_devices())}, got {args.device!r}")
     if args.calibrate:
+      from preflight.calibration import calibrate_here
       cal, samples = calibrate_here()
       cal.save(args.calibrate)
       args.calibration = args.calibration or args.calibrate

@@ -6,7 +6,7 @@ children holds 32 x 512 MB. A control group does add up, as container runtimes a
 (nsjail, bubblewrap under systemd) use it: the kernel charges every process of the group, and
 past `memory` it reclaims and then kills inside the group, never outside it.
 
-`tree_limit` makes one under the calling process's own group (so any limit above still
+`process_limit` makes one under the calling process's own group (so any limit above still
 applies), in the first hierarchy that lets it:
 
 - cgroup v2 (`memory.max`, `memory.swap.max` 0, `pids.max`), where the unified hierarchy has
@@ -17,26 +17,26 @@ applies), in the first hierarchy that lets it:
   `BUDGET_PROCESSES` processes, each limited to memory / BUDGET_PROCESSES (the sandbox), or no
   child processes at all (`forbid_children`: a worker keeps its whole limit).
 
-`TreeLimit.kind` says which is in force; the run's log says it once per kind.
+`ProcessLimit.kind` says which is in force, and the `log` its maker is given says it (a run's
+`UserProcesses` says each kind once).
 """
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import itertools
 import logging
 import os
+import secrets
 import signal
 import time
+from collections.abc import Callable
 
 CGROUP = "/sys/fs/cgroup"
 BUDGET_PROCESSES = 4
-_said: set[str] = set()
-_made = itertools.count()  # (a group's name is unique in the process: jaxrl-PID-N-name)
 
 
 @dataclasses.dataclass(frozen=True)
-class TreeLimit:
+class ProcessLimit:
   """A group's directories (one for v2; the memory and pids ones for v1), or none: a budget."""
   kind: str  # "cgroup v2" | "cgroup v1" | "budget"
   dirs: tuple[str, ...] = ()
@@ -52,7 +52,7 @@ class TreeLimit:
       with open(path, "w") as f:
         f.write("0")
 
-  def sub(self, name: str, memory_bytes: int, processes: int) -> TreeLimit:
+  def sub(self, name: str, memory_bytes: int, processes: int) -> ProcessLimit:
     """A group of its own inside this one (a pool's worker), with its own limits."""
     if not self.dirs:
       return self
@@ -60,7 +60,7 @@ class TreeLimit:
       _write(self.dirs[0], "cgroup.subtree_control", "+memory +pids")
     dirs = tuple(os.path.join(d, name) for d in self.dirs)
     _create(self.kind, dirs, memory_bytes, processes)
-    return TreeLimit(self.kind, dirs)
+    return ProcessLimit(self.kind, dirs)
 
   def close(self) -> None:
     """Whatever still runs in the group (and its subgroups) killed, the groups removed."""
@@ -127,11 +127,12 @@ def _v1_dirs(name: str) -> tuple[str, ...]:
   return tuple(dirs)
 
 
-def tree_limit(name: str, memory_bytes: int, processes: int, what: str) -> TreeLimit:
-  """A group `name` (unique to the caller) limited to `memory_bytes` and `processes` tasks
-  (threads count), or the budget where no cgroup hierarchy lets this process make one.
-  `what` names the tree in the log line that says which holds."""
-  name = f"jaxrl-{os.getpid()}-{next(_made)}-{name}"
+def process_limit(name: str, memory_bytes: int, processes: int, what: str,
+                  log: Callable[[str], None] | None = None) -> ProcessLimit:
+  """A group `name` limited to `memory_bytes` and `processes` tasks (threads count), or the
+  budget where no cgroup hierarchy lets this process make one. `log` (default: the jaxrl
+  logger's info) is told which holds, as a line naming `what`, the tree it limits."""
+  name = f"jaxrl-{os.getpid()}-{secrets.token_hex(4)}-{name}"  # unique: two groups never share
   for kind, dirs_of in (("cgroup v2", _v2_dirs), ("cgroup v1", _v1_dirs)):
     try:
       dirs = dirs_of(name)
@@ -139,21 +140,19 @@ def tree_limit(name: str, memory_bytes: int, processes: int, what: str) -> TreeL
       _create(kind, dirs, memory_bytes, processes)
     except (OSError, ValueError):
       continue
-    _say(kind, what)
-    return TreeLimit(kind, dirs)
-  _say("budget", what)
-  return TreeLimit("budget")
+    (log or logging.getLogger("jaxrl").info)(holds(kind, what))
+    return ProcessLimit(kind, dirs)
+  (log or logging.getLogger("jaxrl").info)(holds("budget", what))
+  return ProcessLimit("budget")
 
 
-def _say(kind: str, what: str) -> None:
-  if (kind, what) in _said:
-    return
-  _said.add((kind, what))
+def holds(kind: str, what: str) -> str:
+  """The log line that says which limit holds for `what`."""
   how = {"cgroup v2": "a cgroup v2 (memory.max, memory.swap.max, pids.max) per tree",
          "cgroup v1": "a cgroup v1 (memory.limit_in_bytes, pids.max) per tree",
          "budget": "no writable cgroup hierarchy: a budget of rlimits that holds by "
                    "construction (processes x memory at most the limit)"}[kind]
-  logging.getLogger("jaxrl").info("%s: memory and processes limited by %s", what, how)
+  return f"{what}: memory and processes limited by {how}"
 
 
 def _remove_stale(dirs: tuple[str, ...]) -> None:

@@ -8,9 +8,9 @@
                                     level BPE tokenizer trained on the problems, with a ChatML
                                     chat template (jaxrl/data/tiny_tokenizer.py)
 
-    python -m cli.gsm8k_tiny --out data/gsm8k_tiny
-    python -m cli.gsm8k_tiny --out data/gsm8k_tools --tools
-    python -m cli.gsm8k_tiny --out data/gsm8k_code --tools python
+    python -m jaxrl.data.gsm8k_tiny --out data/gsm8k_tiny
+    python -m jaxrl.data.gsm8k_tiny --out data/gsm8k_tools --tools
+    python -m jaxrl.data.gsm8k_tiny --out data/gsm8k_code --tools python
 
 `ensure(DIR)` makes them once, in a subprocess (a config file must not start JAX: the CLI sets up
 its devices after reading the config); DIR appears whole or not at all.
@@ -50,12 +50,11 @@ def make(out: str, *, n_train: int = N_TRAIN, n_heldout: int = N_HELDOUT,
   `tools`: "calculator" or "python", a tool variant."""
   from flax import nnx
 
-  from cli.model_io import generation_config
   from jaxrl.data import gsm8k_synth
   from jaxrl.data.tiny_tokenizer import train_bpe
   from jaxrl.data.tokenizer import load_tokenizer
   from jaxrl.models.config import ModelConfig
-  from jaxrl.models.hf_export import export
+  from jaxrl.models.hf_export import export, generation_config
   from jaxrl.models.transformer import LanguageModel
 
   tmp = f"{out.rstrip('/')}.tmp{os.getpid()}"  # several processes may make it at once
@@ -91,15 +90,15 @@ def make(out: str, *, n_train: int = N_TRAIN, n_heldout: int = N_HELDOUT,
 def ensure(out: str, *, tools: str = "") -> str:
   """`out`, made first (by a subprocess) if it is not there yet."""
   if not os.path.isdir(out):
-    subprocess.run([sys.executable, "-m", "cli.gsm8k_tiny", "--out", out]
+    subprocess.run([sys.executable, "-m", "jaxrl.data.gsm8k_tiny", "--out", out]
                    + (["--tools", tools] if tools else []), check=True,
                    env={**os.environ, "JAX_PLATFORMS": "cpu"})
   return out
 
 
 def main(argv: list[str] | None = None) -> None:
-  from cli.flags import ArgParser
-  parser = ArgParser(prog="python -m cli.gsm8k_tiny", description=__doc__.split("\n")[0])
+  import argparse
+  parser = argparse.ArgumentParser(prog="python -m jaxrl.data.gsm8k_tiny", description=__doc__.split("\n")[0])
   parser.add_argument("--out", required=True)
   parser.add_argument("--tools", nargs="?", const="calculator", default="",
                       choices=["calculator", "python"], help="a tool variant")

@@ -20,8 +20,9 @@ import jax
 import numpy as np
 
 from jaxrl import platform
-from jaxrl.models.head import chunk_length
 from jaxrl.config import ConfigError, ExperimentConfig, offload_items, usable_memory_gb
+from jaxrl.models.attention import flash
+from jaxrl.models.lm_head import chunk_length
 from planner import footprint, footprint_tpu
 from sharding.placement import PlacementError
 from sharding.rules import SAMPLER_RULES, batch_ways
@@ -108,6 +109,14 @@ def offloaded(cfg: ExperimentConfig, resident: dict, phases: dict) -> tuple[dict
   return resident, phases
 
 
+def target_platform() -> str:
+  """The platform the dry run counts memory for: a target compile's (a TPU slice), the
+  accelerator's it runs on, or on the CPU a GPU's (the memory `placement.device_memory_gb`
+  describes is an accelerator's)."""
+  backend = platform.backend()
+  return "gpu" if backend == "cpu" else backend
+
+
 def _per_device(mesh, value: float) -> dict:
   return {d.id: int(value) for d in mesh.devices.flat}
 
@@ -115,13 +124,13 @@ def _per_device(mesh, value: float) -> dict:
 def _pass(cfg: ExperimentConfig, mesh, rules, lm_head: bool = True) -> dict:
   """What the memory model needs of an update or scoring pass on `mesh`: rows per device,
   tokens per row, log-prob chunk (0: a value or reward head, no logits), tensor degree, and
-  whether attention is a flash kernel on the target (footprint.flash_attention)."""
+  whether attention is a flash kernel on the target (jaxrl/models/attention.flash)."""
   rl, m = cfg.rl, cfg.model
   return dict(
       rows=rl.pass_rows / batch_ways(mesh, rules),
       seq_len=cfg.data.max_prompt_tokens + rl.rollout.max_new_tokens,
       logit_chunk=chunk_length(rl.pass_rows, rl.rollout.max_new_tokens, m.vocab_size) * lm_head,
-      tensor=mesh.shape.get("tensor", 1), flash_attention=footprint.flash_attention(m))
+      tensor=mesh.shape.get("tensor", 1), flash_attention=flash(m, target_platform()))
 
 
 def update_footprint(cfg: ExperimentConfig, mesh, rules, param_bytes: float, params: int,
@@ -144,7 +153,7 @@ def _update_items(cfg: ExperimentConfig, role, lm_head: bool) -> dict[str, dict]
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(role.abstract()))
   peaks = {d: update_footprint(cfg, role.mesh, role.rules, b, n, lm_head)
            for d, b in params.items()}
-  scores = "flash attention" if footprint.flash_attention(cfg.model) else "[T, T] scores"
+  scores = "flash attention" if flash(cfg.model, target_platform()) else "[T, T] scores"
   names = {"activations": f"activations (remat={cfg.model.remat}, {scores})"}
   return {names.get(item, item): {d: int(p[item]) for d, p in peaks.items()}
           for item in footprint.UPDATE_ITEMS}

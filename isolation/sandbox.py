@@ -11,7 +11,7 @@ not the ~50 ms of a fresh python):
   run; it runs as uid/gid `nobody`, so it cannot leave that root, and the kernel's process-count
   limit (`processes`) binds (a fork bomb fails at it);
 - the program and every process it starts share one memory limit (`memory_mb`, no swap) and
-  one process count (`processes`, threads count): a cgroup per server (jaxrl/tree_limits.py),
+  one process count (`processes`, threads count): a cgroup per server (process_limits.py),
   where the kernel kills inside the group past it; where no cgroup hierarchy is writable, a
   budget: at most `BUDGET_PROCESSES` processes of `memory_mb` / that address space each;
 - rlimits: CPU seconds (`cpu_s`: SIGXCPU, then SIGKILL a second later), address space
@@ -43,9 +43,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 if __name__ != "__main__":  # (the server runs this file alone: the standard library only)
-  from jaxrl.tree_limits import BUDGET_PROCESSES, tree_limit
+  from isolation.process_limits import BUDGET_PROCESSES, process_limit
 
 MODULES = ("math", "cmath", "fractions", "decimal", "statistics", "itertools", "functools",
            "collections", "heapq", "bisect", "re", "string", "random", "datetime", "json",
@@ -269,12 +270,14 @@ class CodeSandbox:
   """`workers` sandbox servers (module docstring); `run(code)` takes a free one (threads may
   call it at once) and returns {"output": str, "output_bytes": int, "status": exit code or
   "timeout", "cpu_s": CPU seconds used}; a server that does not answer within `timeout_s` +
-  10 s is killed and replaced."""
+  10 s is killed and replaced. `log` is told which limit holds for the programs' process trees
+  (process_limits.py)."""
 
   def __init__(self, *, workers: int = 2, timeout_s: float = 2.0, cpu_s: int = 1,
                memory_mb: int = 512, file_mb: int = 4, disk_mb: int = 16, processes: int = 32,
-               output_bytes: int = 8192, modules: tuple[str, ...] = MODULES):
-    self.timeout_s = timeout_s
+               output_bytes: int = 8192, modules: tuple[str, ...] = MODULES,
+               log: Callable[[str], None] | None = None):
+    self.timeout_s, self.log = timeout_s, log
     self.config = {"disk_mb": disk_mb, "modules": list(modules), "timeout_s": timeout_s,
                    "output_bytes": output_bytes, "launched_uid": os.getuid(),
                    "limits": {"cpu_s": cpu_s, "memory_mb": memory_mb, "file_mb": file_mb,
@@ -287,8 +290,8 @@ class CodeSandbox:
   def _start(self) -> subprocess.Popen:
     scratch = tempfile.mkdtemp(prefix="jaxrl-code-")
     limits = self.config["limits"]
-    tree = tree_limit("code", limits["memory_mb"] << 20, limits["processes"],
-                      "code tool programs")
+    tree = process_limit("code", limits["memory_mb"] << 20, limits["processes"],
+                         "code tool programs", self.log)
     config = {**self.config, "scratch": scratch,
               "limits": {**limits, "cgroup_procs": tree.procs,
                          "budget_processes": BUDGET_PROCESSES}}

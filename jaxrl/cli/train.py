@@ -1,4 +1,5 @@
-"""The CLI: `python -m cli.train --config=configs/default.py --config.rl.steps=50`.
+"""`jaxrl-train` (`python -m jaxrl.cli.train`): `jaxrl-train --config=configs/default.py
+--config.rl.steps=50`.
 
   --config=FILE          an experiment file with get_config() (default: configs/default.py)
   --config.a.b=VALUE     override any field (the config is locked: a typo is an error)
@@ -15,7 +16,7 @@
   --target=SLICE         with --dry_run: compile the RL step's programs with the TPU compiler
                          for that slice (v5p-64, v6e-16, v5e:4x4, ...; libtpu, allocating
                          nothing): per program the compiler's bytes, FLOPs and a time estimate,
-                         per phase the busiest chip against its HBM (cli/target_compile.py)
+                         per phase the busiest chip against its HBM (preflight/target_compile.py)
   --target_json=PATH     with --target: the report's numbers written to PATH as JSON too
 
 Several hosts: the same command on every host; it joins `jax.distributed` first (auto-detected
@@ -32,7 +33,7 @@ import signal
 import sys
 import traceback
 
-from cli.flags import UsageError, fail, parse_args, print_help, start_jax
+from jaxrl.cli.flags import UsageError, fail, parse_args, print_help, start_jax
 
 
 def _start(argv: list[str]):
@@ -50,8 +51,8 @@ def _start(argv: list[str]):
     cfg = with_gin(raw, gin_files, gin_params)
     if opts["dry_run"]:
       return _dry_run(cfg, opts["target"], opts["target_json"])
-    if _serves_the_generator(cfg):
-      from train.run.generator_host import serve
+    if _serves_the_sampler(cfg):
+      from train.run.sampler_host import serve
       return serve(cfg)
     return Experiment(cfg, resume_run=opts["resume"] or opts["resume_or_start"],
                       start_if_none=opts["resume_or_start"])
@@ -59,14 +60,14 @@ def _start(argv: list[str]):
     return fail(str(e))
 
 
-def _release_generators() -> None:
+def _release_samplers() -> None:
   from sharding.distributed import kv_client
   if kv_client() is not None:  # (a job of several processes was joined)
-    from train.rollout.remote import release_generators
-    release_generators()
+    from train.rollout.remote import release_samplers
+    release_samplers()
 
 
-def _serves_the_generator(cfg) -> bool:
+def _serves_the_sampler(cfg) -> bool:
   """A process the placement gives only to the sampler (train/rollout/remote.py)."""
   import jax
   if jax.process_count() == 1:
@@ -74,26 +75,26 @@ def _serves_the_generator(cfg) -> bool:
   from jaxrl.config_files import resolve
   from train.roles.cluster import config_split
   split = config_split(resolve(cfg))
-  return split is not None and split.here == "generator"
+  return split is not None and split.here == "sampler"
 
 
 def _dry_run(cfg, target: str, target_json: str) -> int:
   if target:  # (an unknown target or a refused program: a ConfigError, exit 2)
-    from cli.target_report import report
+    from preflight.target_report import report
     from planner.targets import parse_target
     lines, fits = report(cfg, parse_target(target), target_json)
   else:
-    from cli.dry_run import report
+    from preflight.dry_run import report
     lines, fits = report(cfg)
   print("\n".join(f"jaxrl: dry run: {line}" for line in lines), flush=True)
   return 0 if fits else 1
 
 
 def _compiles_for_a_target(argv: list[str]) -> bool:
-  """`--dry_run --target=...` outside the child that compiles (cli/compile_guard.py)."""
+  """`--dry_run --target=...` outside the child that compiles (preflight/compile_guard.py)."""
   import os
 
-  from cli.compile_guard import CHILD
+  from preflight.compile_guard import CHILD
   dry = {"--dry_run", "-dry_run", "--dry_run=true", "--dry_run=True", "--dry_run=1"}
   return (any(a.lstrip("-").startswith("target") for a in argv) and any(a in dry for a in argv)
           and not os.environ.get(CHILD))
@@ -104,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
   if print_help(argv, __doc__):
     return 0
   if _compiles_for_a_target(argv):
-    from cli import compile_guard
-    return compile_guard.run(argv)
+    from preflight import compile_guard
+    return compile_guard.run([sys.executable, "-m", "jaxrl.cli.train", *argv[1:]])
   exp = _start(argv)
   if isinstance(exp, int):
-    _release_generators()  # (a trainer that stopped early: the sampler's processes leave too)
+    _release_samplers()  # (a trainer that stopped early: the sampler's processes leave too)
     return exp
   import jax
 

@@ -4,7 +4,7 @@ experiment."""
 from __future__ import annotations
 
 from jaxrl.config_files import resolve
-from train.rollout.remote import GeneratorHost
+from train.rollout.remote import SamplerHost
 from train.rollout.source import make_worker
 from train.stages.context import RunContext
 
@@ -14,4 +14,4 @@ def serve(config) -> int:
   the models stay abstract) and serves the trainer until it is done; the exit code."""
   cfg = resolve(config)
   with RunContext(cfg, "", initialize=False) as ctx:
-    return GeneratorHost(ctx, make_worker).serve()
+    return SamplerHost(ctx, make_worker).serve()

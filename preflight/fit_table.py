@@ -1,11 +1,11 @@
 """The dry run's per-device memory of the 7B/8B GSM8K configs on 1, 2, 4 and 8 x 80 GB devices,
 full-parameter or LoRA, with or without idle-role offload: the table in docs/lora.md.
 
-  python -m cli.fit_table            # print the table
-  python -m cli.fit_table --write    # rewrite it in docs/lora.md (tests/test_lora_run.py checks)
+  python -m preflight.fit_table            # print the table
+  python -m preflight.fit_table --write    # rewrite it in docs/lora.md (tests/test_lora_run.py checks)
 
 Every cell is `--dry_run`'s total for the busiest device (what stays through a step plus its
-largest phase, cli/dry_run.py) with the config's own settings except: placement colocate on N
+largest phase, preflight/dry_run.py) with the config's own settings except: placement colocate on N
 devices (the sampler's tensor degree chosen automatically), `model.remat=dots`, and the column's
 LoRA (rank 16 on every projection) and `placement.offload` ("all" or none).
 """
@@ -30,10 +30,9 @@ def cell(path: str, devices: int, rank: int, offload: str) -> str:
   """'GiB per device, fits' or '..., no' for one dry run."""
   import jax
 
-  from cli.dry_run import report
-  from cli.flags import load_config_file
-  from jaxrl.config_files import resolve
-  raw = load_config_file(path)
+  from jaxrl.config_files import config_module, resolve
+  from preflight.dry_run import report
+  raw = config_module(path).get_config()
   raw.model.remat = "dots"
   raw.placement.update(strategy="colocate", cpu_devices=devices, sampler_tensor=0,
                        offload=offload)

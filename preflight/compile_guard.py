@@ -34,12 +34,12 @@ def _forward(stream, out, log, state) -> None:
       state["raised"] = line.strip()  # an exception's last line (after a traceback's frames)
 
 
-def run(argv: list[str]) -> int:
-  """Runs `python -m cli.train ARGS` with the child mark; its exit code, or 2 with one line when
-  it dies of a signal."""
+def run(command: list[str]) -> int:
+  """Runs `command` (the same command line, which compiles in the child) with the child mark;
+  its exit code, or 2 with one line when it dies of a signal."""
   env = {**os.environ, CHILD: "1"}
-  child = subprocess.Popen([sys.executable, "-m", "cli.train", *argv[1:]], env=env, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  child = subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
   state = {"program": None, "failed": None, "reported": False, "raised": None}
   log = tempfile.NamedTemporaryFile("w", prefix="jaxrl-target-compile-", suffix=".log",
                                     delete=False)

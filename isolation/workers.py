@@ -1,7 +1,7 @@
 """User code in worker processes the run can kill: a user's reward function runs in a pool of
 spawned processes (pebble), each limited in memory (`memory_gb`: its address space, and every
 process it starts with it, together: a cgroup per worker, or where none can be made no child
-processes at all, jaxrl/tree_limits.py), in the CPU seconds of one call and in the size of a
+processes at all, isolation/process_limits.py), in the CPU seconds of one call and in the size of a
 file it writes, with its stdout and stderr discarded. A call over
 its time limit has its worker killed and replaced, whether or not the code ever yields the GIL
 (a regex backtracking in C, `while True: pass`). What crosses the process boundary is plain
@@ -21,12 +21,12 @@ import resource
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pebble
 
-from jaxrl.tree_limits import TreeLimit, forbid_children, tree_limit
+from isolation.process_limits import ProcessLimit, forbid_children, process_limit
 
 _LOADED: dict[str, Callable] = {}  # per worker: the functions it has imported
 
@@ -109,7 +109,7 @@ def _tasks_of(uid: int) -> int:
 
 
 def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Sequence[str],
-             processes: int = 64, tree: TreeLimit | None = None) -> None:
+             processes: int = 64, tree: ProcessLimit | None = None) -> None:
   """A worker's start: the parent's import path, its limits, its output discarded, then the
   functions it will run imported (under those limits, before any call's clock starts; a
   failure shows at the call). `tree`: its pool's group, in which the worker takes one of its
@@ -138,11 +138,11 @@ def _limited(path: list[str], memory_bytes: int, file_bytes: int, preload: Seque
 WORKER_THREADS = 64  # a worker's own threads (pebble's, a BLAS's), besides its `processes`
 
 
-def pool_limit(name: str, workers: int, memory_bytes: int, processes: int,
-               what: str) -> TreeLimit:
+def pool_limit(name: str, workers: int, memory_bytes: int, processes: int, what: str,
+               log: Callable[[str], None] | None = None) -> ProcessLimit:
   """The group of a pool of `workers` (each of which takes one of its own inside: `_limited`)."""
-  return tree_limit(name, workers * memory_bytes,
-                    workers * (processes + WORKER_THREADS), what)
+  return process_limit(name, workers * memory_bytes, workers * (processes + WORKER_THREADS),
+                       what, log)
 
 
 def _cpu_limit(seconds: float) -> None:
@@ -186,13 +186,15 @@ class WorkerDied(RuntimeError):
 class UserCodePool:
   """`workers` spawned processes running named user functions with `timeout_s` per call (a
   call's clock starts once its worker has imported `preload`, the functions it will run;
-  `start_s` more allows for a worker's start). `memory_gb` 0: no address-space limit."""
+  `start_s` more allows for a worker's start). `memory_gb` 0: no address-space limit. `log` is
+  told which limit holds for the pool's processes (isolation/process_limits.py)."""
 
   def __init__(self, *, workers: int, timeout_s: float, memory_gb: float = 4.0,
-               file_mb: float = 64.0, preload: Sequence[str] = (), start_s: float = 60.0):
+               file_mb: float = 64.0, preload: Sequence[str] = (), start_s: float = 60.0,
+               log: Callable[[str], None] | None = None):
     self.timeout_s, self.start_s = timeout_s, start_s
     self.tree = pool_limit("user-code", workers, int(memory_gb * 2**30), 64,
-                           "reward function workers")
+                           "reward function workers", log)
     limits = (list(sys.path), int(memory_gb * 2**30), int(file_mb * 2**20), tuple(preload), 64,
               self.tree)
     self.pool = pebble.ProcessPool(max_workers=workers, initializer=_limited, initargs=limits,
@@ -245,12 +247,14 @@ def _imported(spec: str, what: str, form: str) -> None:
 
 
 def check_importable(spec: str, what: str, form: str, error: type[Exception], *,
-                     timeout_s: float, memory_gb: float, start_s: float = 60.0) -> None:
+                     timeout_s: float, memory_gb: float, start_s: float = 60.0,
+                     log: Callable[[str], None] | None = None) -> None:
   """`spec` ("module:attribute") imported in a fresh worker under a pool's limits, within
   `timeout_s` of the worker's start (`start_s` more for the start itself), so that the
   process calling this never imports it: a module that is missing, raises, hangs, allocates
   past `memory_gb` or kills its worker is an `error` whose one line names `what` and `spec`."""
-  checker = UserCodePool(workers=1, timeout_s=timeout_s, memory_gb=memory_gb, start_s=start_s)
+  checker = UserCodePool(workers=1, timeout_s=timeout_s, memory_gb=memory_gb, start_s=start_s,
+                         log=log)
   try:
     future = checker.pool.schedule(_imported, args=(spec, what, form), timeout=timeout_s)
     [(_, problem)] = checker.results([future])
@@ -265,7 +269,7 @@ def check_importable(spec: str, what: str, form: str, error: type[Exception], *,
     raise error(f"{what} {spec!r}: importing it failed ({problem})")
 
 
-def columns(fields: Sequence[Mapping[str, Any]], reserved: Sequence[str]) -> dict[str, list]:
-  """Per-sample dicts -> one list per field name (None where a sample lacks the field)."""
-  names = dict.fromkeys(k for f in fields for k in f if k not in reserved)
-  return {k: [f.get(k) for f in fields] for k in names}
+def error_line(e: BaseException) -> str:
+  """`Type: first line of the message` (the type alone when it has none)."""
+  text = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
