@@ -297,7 +297,7 @@ def parse_args():
   parser.add_argument("--micro-batch-size", type=int, default=None,
                       help="rl.batching.micro_batch_size (default: the workload's)")
   parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
-                      help="model.scan_layers (default: auto, unrolled on a CPU)")
+                      help="model.layers.scan (default: auto, unrolled on a CPU)")
   add_host_flags(parser)
   args = parser.parse_args()
   if args.warmup < 1 or args.steps < 1:
@@ -310,7 +310,7 @@ def main() -> None:
   retained = setup_host(args)
   work = find_workload(args.workload)
   if args.scan_layers is not None:
-    model = {**work.overrides.get("model", {}), "scan_layers": args.scan_layers}
+    model = {**work.overrides.get("model", {}), "layers": {"scan": args.scan_layers}}
     work = dataclasses.replace(work, overrides={**work.overrides, "model": model})
   force_cpu_devices(work.devices)
   import jax

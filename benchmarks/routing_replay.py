@@ -6,7 +6,7 @@ choices are from the sampler's, with and without replaying the sampler's routing
 A random Qwen3-MoE-shaped model (4 layers, 32 experts, 4 per token) samples `--rows` rows of
 `--new_tokens` tokens with the engine (sampler/engine.py: a prefill and a decode loop, which
 records each token's experts); then the trainer's forward (train/updates/forward.py: one pass
-over the whole sequence) scores the same tokens, routing by itself (`model.routing_replay="off"`)
+over the whole sequence) scores the same tokens, routing by itself (`model.moe.routing_replay="off"`)
 and replaying the recorded experts ("rollout"). Per dtype (float32, bfloat16): the mismatch
 |log mu - log pi| over the completion tokens (mean and max; jaxrl/algos/correction.mismatch) and
 the share of (token, layer) routings whose top-k set differs between sampler and trainer.
@@ -14,7 +14,6 @@ the share of (token, layer) routings whose top-k set differs between sampler and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 
 def measure(dtype: str, args) -> dict:
@@ -23,15 +22,15 @@ def measure(dtype: str, args) -> dict:
   from flax import nnx
 
   from jaxrl.algos.correction import mismatch
-  from jaxrl.models.config import ModelConfig
+  from jaxrl.models.config import ModelConfig, MoEConfig, from_fields
   from jaxrl.models.transformer import LanguageModel
   from sampler.engine import generate
   from sampler.methods import SamplingConfig
   from train.updates.forward import routed_logprobs
 
   cfg = ModelConfig(family="qwen3_moe", vocab_size=512, d_model=128, n_layers=4, n_heads=4,
-                    n_kv_heads=2, head_dim=32, d_ff=256, n_experts=32, experts_per_token=4,
-                    expert_d_ff=64, norm_topk=True, dtype=dtype)
+                    n_kv_heads=2, head_dim=32, d_ff=256, dtype=dtype,
+                    moe=MoEConfig(experts=32, per_token=4, d_ff=64, norm_topk=True))
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
   prompts_BP = jax.random.randint(jax.random.key(1), (args.rows, 16), 3, cfg.vocab_size)
   sampling = SamplingConfig(max_new_tokens=args.new_tokens, eos_id=1, pad_id=0, ignore_eos=True)
@@ -39,7 +38,7 @@ def measure(dtype: str, args) -> dict:
       params, prompts_BP, jnp.ones(prompts_BP.shape, bool), jax.random.key(2))
   out = {}
   for replay in ("off", "rollout"):
-    g = nnx.split(LanguageModel(dataclasses.replace(cfg, routing_replay=replay),
+    g = nnx.split(LanguageModel(from_fields({"moe.routing_replay": replay}, base=cfg),
                                 rngs=nnx.Rngs(0)))[0]
     score = jax.jit(lambda p, r: routed_logprobs(g, p, r.tokens_BT, r.valid_BT, start=15,
                                                  routes_BTLK=r.routes_BTLK))

@@ -72,7 +72,7 @@ def _parse():
       "--model", default="256,4,4,2,1024,256",
       help="d_model,layers,heads,kv_heads,mlp,vocab (default: the reference config)")
   parser.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
-  parser.add_argument("--scan-layers", default="auto", help="model.scan_layers: auto (unrolled "
+  parser.add_argument("--scan-layers", default="auto", help="model.layers.scan: auto (unrolled "
                       "on a CPU), true or false")
   parser.add_argument("--layout", default="auto", help="decode activation layout: auto, "
                       "features or rows (SamplingConfig.decode_layout)")
@@ -258,7 +258,7 @@ def main() -> None:
   import jax
   from flax import nnx
 
-  from jaxrl.models.config import ModelConfig
+  from jaxrl.models.config import LayersConfig, ModelConfig
   from jaxrl.models.transformer import LanguageModel
   from sampler.methods import SamplingConfig
   from sampler.sampler import Sampler
@@ -269,7 +269,7 @@ def main() -> None:
     d, layers, heads, kv_heads, mlp, vocab = (int(x) for x in args.model.split(","))
     cfg = ModelConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads,
                       n_kv_heads=kv_heads, head_dim=d // heads, d_ff=mlp, tie_embeddings=True,
-                      dtype=args.dtype, scan_layers=args.scan_layers)
+                      dtype=args.dtype, layers=LayersConfig(scan=args.scan_layers))
   except ValueError as e:
     parser.error(f"--model {args.model!r} / --dtype {args.dtype!r} / --scan-layers: {e}")
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))

@@ -1,4 +1,4 @@
-"""Compile seconds against depth, scanned decoder (`model.scan_layers`) and unrolled.
+"""Compile seconds against depth, scanned decoder (`model.layers.scan`) and unrolled.
 
   cpu  on this machine's XLA: a training pass (the loss's value and gradient over the model's
        parameters) and a scoring pass (the forward alone) of a 256-wide model over an [8, 128]
@@ -36,10 +36,10 @@ def measure(depth: int, scan: bool, remat: str) -> dict:
   import jax.numpy as jnp
   from flax import nnx
 
-  from jaxrl.models.config import ModelConfig
+  from jaxrl.models.config import LayersConfig, ModelConfig
   from jaxrl.models.transformer import LanguageModel
   from jaxrl.models.rope import positions_from_valid
-  cfg = ModelConfig(**MODEL, n_layers=depth, remat=remat, scan_layers=scan)
+  cfg = ModelConfig(**MODEL, n_layers=depth, layers=LayersConfig(scan=scan, remat=remat))
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
   tokens = jax.random.randint(jax.random.key(1), (8, 128), 0, cfg.vocab_size)
   valid = jnp.ones(tokens.shape, bool)
@@ -76,7 +76,7 @@ def tpu_compiles(depth: int, scan: bool, target: str) -> dict:
   raw = load_config_file("configs/tiny.py")
   raw.placement.update(train_devices=2)
   raw.model.update(**{k: v for k, v in MODEL.items() if k != "vocab_size"}, n_layers=depth,
-                   scan_layers=scan)
+                   layers={"scan": scan})
   cfg = resolve(raw, hf=False)
   with platform.building_for("tpu"):
     cluster = RoleCluster(cfg, topology_devices(parse_target(target)), initialize=False)

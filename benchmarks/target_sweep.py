@@ -72,12 +72,12 @@ POINTS = (
 def config(p: Point):
   from jaxrl.config import DataConfig, ExperimentConfig
   from jaxrl.config_rl import BatchingConfig, KLConfig, RLConfig, RolloutConfig
-  from jaxrl.models.config import ModelConfig
+  from jaxrl.models.config import LayersConfig, ModelConfig
   from jaxrl.models.lora import LoRAConfig
   model = ModelConfig(vocab_size=p.vocab, d_model=p.d_model, n_layers=p.layers,
                       n_heads=p.d_model // 64, n_kv_heads=max(2, p.d_model // 256), head_dim=64,
-                      d_ff=4 * p.d_model, remat=p.remat, dtype="bfloat16",
-                      scan_layers=p.scan_layers)
+                      d_ff=4 * p.d_model, dtype="bfloat16",
+                      layers=LayersConfig(scan=p.scan_layers, remat=p.remat))
   return ExperimentConfig(model=model, data=DataConfig(max_prompt_tokens=p.prompt),
                           lora=LoRAConfig(rank=p.lora),
                           rl=RLConfig(prompts_per_step=p.rollouts // 2, group_size=2,
@@ -242,7 +242,7 @@ def main() -> None:
   parser.add_argument("--target", default="v5e-4")
   parser.add_argument("--points", default="", help="comma-separated indices (default: all)")
   parser.add_argument("--scan-layers", default="auto",
-                      help="model.scan_layers of every point (auto: scanned, as on a TPU)")
+                      help="model.layers.scan of every point (auto: scanned, as on a TPU)")
   parser.add_argument("--markdown", action="store_true",
                       help="also print docs/benchmarks.md's table")
   args = parser.parse_args()

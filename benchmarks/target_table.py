@@ -11,7 +11,7 @@ A row is `python -m jaxrl.cli.train --config=CONFIG --dry_run --target=SLICE OVE
 --target_json=FILE` in a process of its own (minutes to tens of minutes each on a 2-core
 machine). Its report's numbers are kept in benchmarks/target_table.json with the date, the
 commit and this machine's CPU, so a row is compiled again only when named. Rows compile as a
-TPU runs them, the decoder scanned (`model.scan_layers`); the rows stored as `NAME/unrolled`
+TPU runs them, the decoder scanned (`model.layers.scan`); the rows stored as `NAME/unrolled`
 were compiled before the decoder could be scanned (the 70B's full depth could not be: only
 8- and 16-layer cuts, its 80 layers' update needing more than this 24 GB machine's memory),
 and the second table sets their compile seconds beside the scanned ones.
@@ -79,13 +79,13 @@ def _machine() -> str:
 
 def compile_row(name: str, unrolled: bool = False) -> dict:
   """One row's target compile in a child process: its summary, or the error line it ended on.
-  `unrolled`: the decoder unrolled (`--config.model.scan_layers=false`)."""
+  `unrolled`: the decoder unrolled (`--config.model.layers.scan=false`)."""
   row = ROWS[name]
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "summary.json")
     cmd = [sys.executable, "-m", "jaxrl.cli.train", f"--config={row.config}", "--dry_run",
            f"--target={row.target}", f"--target_json={out}", *row.overrides,
-           *(["--config.model.scan_layers=false"] if unrolled else [])]
+           *(["--config.model.layers.scan=false"] if unrolled else [])]
     start, errors = time.perf_counter(), []
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
@@ -114,8 +114,8 @@ def row_config(name: str, entry: dict):
   from jaxrl.config_files import with_gin
   from planner.targets import parse_target
   args = entry["command"].split(" -m jaxrl.cli.train ")[1].split()
-  if name.endswith(UNROLLED) and "--config.model.scan_layers=false" not in args:
-    args.append("--config.model.scan_layers=false")
+  if name.endswith(UNROLLED) and "--config.model.layers.scan=false" not in args:
+    args.append("--config.model.layers.scan=false")
   raw, gin_files, gin_params, flags = parse_args(["refresh", *args])
   return with_gin(raw, gin_files, gin_params), parse_target(flags["target"])
 
@@ -209,7 +209,7 @@ def _compile_cell(entry: dict | None, name: str) -> str:
 
 def compile_rows(store: dict) -> list[str]:
   """Compile seconds per program, the decoder unrolled (a stored `/unrolled` row) then scanned
-  (`model.scan_layers`, the TPU default), with the machines each ran on."""
+  (`model.layers.scan`, the TPU default), with the machines each ran on."""
   lines = ["| config | generate: unrolled / scanned s | reference | old log-probs | update | "
            "whole command, min | machines (unrolled; scanned) |", "|---|---|---|---|---|---|---|"]
   cpu = lambda e: e["machine"].split(",")[0].replace("(R)", "") if e else "-"

@@ -147,7 +147,7 @@ def run_trl(out: str, steps: int, gradient_checkpointing: bool) -> None:
       per_device_train_batch_size=16, gradient_accumulation_steps=1, num_generations=4,
       max_completion_length=64, temperature=1.0, beta=0.001, num_iterations=1,
       learning_rate=1e-6, warmup_steps=10, max_grad_norm=1.0, max_steps=steps, loss_type="dapo",
-      # TRL defaults to True; jaxrl's config keeps every activation (model.remat="none").
+      # TRL defaults to True; jaxrl's config keeps every activation (model.layers.remat="none").
       gradient_checkpointing=gradient_checkpointing,
       logging_steps=1, save_strategy="no", report_to="none", seed=SEED, use_vllm=False,
       dataloader_num_workers=0)

@@ -16,7 +16,7 @@ hf_gsm8k = sibling(__file__, "hf_gsm8k")
 GEMMA3 = sibling(__file__, "gemma3_4b_gsm8k").GEMMA3
 
 GEMMA3_12B = dict(GEMMA3, vocab_size=262208, d_model=3840, n_layers=48, n_heads=16, n_kv_heads=8,
-                  d_ff=15360, remat="dots")
+                  d_ff=15360, layers=dict(remat="dots"))
 
 
 def get_config():

@@ -16,10 +16,10 @@ hf_gsm8k = sibling(__file__, "hf_gsm8k")
 
 # Gemma 3's local and global layers: a window of 1024, every 6th layer global (RoPE base 1e6,
 # linear scaling 8), the others local (RoPE base 1e4).
-GEMMA3 = dict(family="gemma3", sliding_window=1024, global_every=6, rope_theta=1_000_000.0,
-              rope_scaling="linear", rope_factor=8.0, rope_local_theta=10_000.0,
-              query_scale=256.0, head_dim=256, norm_eps=1e-6, tie_embeddings=True,
-              scale_tied_head=False, dtype="bfloat16")
+GEMMA3 = dict(family="gemma3", head_dim=256, norm_eps=1e-6, tie_embeddings=True,
+              scale_tied_head=False, dtype="bfloat16",
+              attention=dict(sliding_window=1024, global_every=6, query_scale=256.0),
+              rope=dict(theta=1_000_000.0, scaling="linear", factor=8.0, local_theta=10_000.0))
 GEMMA3_4B = dict(GEMMA3, vocab_size=262208, d_model=2560, n_layers=34, n_heads=8, n_kv_heads=4,
                  d_ff=10240)
 

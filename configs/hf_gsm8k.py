@@ -37,7 +37,7 @@ def one_gpu_lora(model: dict, rank: int = 16):
   """`config` for one 80 GB accelerator with LoRA (configs/*_lora.py): actor, reference and
   sampler colocated on it, rank-`rank` adapters (alpha 2 x rank) at 10x the full-parameter
   learning rate, idle state offloaded, attention recomputed in the update."""
-  c = config(model={**model, "remat": "dots"},
+  c = config(model={**model, "layers": {**model.get("layers", {}), "remat": "dots"}},
              placement=dict(strategy="colocate", cpu_devices=1, sampler_tensor=1,
                             device_memory_gb=80.0, offload="all"),
              rl=dict(learning_rate=1e-5))

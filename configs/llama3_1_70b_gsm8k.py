@@ -17,7 +17,7 @@ hf_gsm8k = sibling(__file__, "hf_gsm8k")
 LLAMA3_1_8B = sibling(__file__, "llama3_1_8b_gsm8k").LLAMA3_1_8B
 
 LLAMA3_1_70B = {**LLAMA3_1_8B, "d_model": 8192, "n_layers": 80, "n_heads": 64, "d_ff": 28672,
-                "remat": "dots"}
+                "layers": {"remat": "dots"}}
 
 
 def get_config():

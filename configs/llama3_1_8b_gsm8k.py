@@ -14,10 +14,10 @@ from jaxrl.config_files import sibling
 hf_gsm8k = sibling(__file__, "hf_gsm8k")
 
 LLAMA3_1_8B = dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                   head_dim=128, d_ff=14336, rope_theta=500_000.0, norm_eps=1e-5,
-                   tie_embeddings=False, scale_tied_head=False, rope_scaling="llama3",
-                   rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                   rope_original_max_positions=8192, dtype="bfloat16")
+                   head_dim=128, d_ff=14336, norm_eps=1e-5, tie_embeddings=False,
+                   scale_tied_head=False, dtype="bfloat16",
+                   rope=dict(theta=500_000.0, scaling="llama3", factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_positions=8192))
 
 
 def get_config():

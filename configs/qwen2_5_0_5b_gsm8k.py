@@ -12,8 +12,9 @@ from jaxrl.config_files import sibling
 hf_gsm8k = sibling(__file__, "hf_gsm8k")
 
 QWEN2_5_0_5B = dict(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2,
-                    head_dim=64, d_ff=4864, rope_theta=1_000_000.0, norm_eps=1e-6,
-                    tie_embeddings=True, scale_tied_head=False, family="qwen2", dtype="bfloat16")
+                    head_dim=64, d_ff=4864, norm_eps=1e-6, tie_embeddings=True,
+                    scale_tied_head=False, family="qwen2", dtype="bfloat16",
+                    rope=dict(theta=1_000_000.0))
 
 
 def get_config():

@@ -13,8 +13,9 @@ from jaxrl.config_files import sibling
 hf_gsm8k = sibling(__file__, "hf_gsm8k")
 
 QWEN2_5_7B = dict(vocab_size=152064, d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4,
-                  head_dim=128, d_ff=18944, rope_theta=1_000_000.0, norm_eps=1e-6,
-                  tie_embeddings=False, scale_tied_head=False, family="qwen2", dtype="bfloat16")
+                  head_dim=128, d_ff=18944, norm_eps=1e-6, tie_embeddings=False,
+                  scale_tied_head=False, family="qwen2", dtype="bfloat16",
+                  rope=dict(theta=1_000_000.0))
 
 
 def get_config():

@@ -6,7 +6,7 @@ those 4, 2 groups of rows). The update recomputes all but the matrix products (`
 without it the blocked expert products' gathered weights, kept for the backward, need 145 GiB.
 On 80 GB devices one node's trainer does not fit: what stays is 49.8 GiB of the 72 usable, and
 the update's gradients 28.4 more. The sampler records each token's experts and the trainer replays
-them (`model.routing_replay="rollout"`: docs/models.md).
+them (`model.moe.routing_replay="rollout"`: docs/models.md).
 
 Check on a CPU first (a fake 16-device mesh, no weights; exit 1 if it would not fit):
   python -m jaxrl.cli.train --config=configs/qwen3_30b_a3b_gsm8k.py --dry_run
@@ -20,11 +20,11 @@ from jaxrl.config_files import sibling
 hf_gsm8k = sibling(__file__, "hf_gsm8k")
 
 QWEN3_30B_A3B = dict(family="qwen3_moe", vocab_size=151936, d_model=2048, n_layers=48,
-                     n_heads=32, n_kv_heads=4, head_dim=128, d_ff=6144, n_experts=128,
-                     experts_per_token=8, expert_d_ff=768, norm_topk=True,
-                     rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=False,
-                     scale_tied_head=False, dtype="bfloat16", routing_replay="rollout",
-                     router_aux_loss=0.001, remat="dots")
+                     n_heads=32, n_kv_heads=4, head_dim=128, d_ff=6144, norm_eps=1e-6,
+                     tie_embeddings=False, scale_tied_head=False, dtype="bfloat16",
+                     rope=dict(theta=1_000_000.0), layers=dict(remat="dots"),
+                     moe=dict(experts=128, per_token=8, d_ff=768, norm_topk=True,
+                              routing_replay="rollout", aux_loss=0.001))
 
 
 def get_config():

@@ -18,8 +18,8 @@ from jaxrl.config_files import sibling
 hf_gsm8k = sibling(__file__, "hf_gsm8k")
 
 SMOLLM2_135M = dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
-                    head_dim=64, d_ff=1536, rope_theta=100_000.0, norm_eps=1e-5,
-                    tie_embeddings=True, scale_tied_head=False, dtype="float32")
+                    head_dim=64, d_ff=1536, norm_eps=1e-5, tie_embeddings=True,
+                    scale_tied_head=False, dtype="float32", rope=dict(theta=100_000.0))
 
 
 def get_config():

@@ -227,7 +227,7 @@ class ExperimentConfig:
     """The sampler mesh's tensor degree: `placement.sampler_tensor`, or for 0 (auto) 2 where the
     model's heads, KV heads, MLP and experts' widths and vocabulary all split 2 ways, else 1."""
     m = self.model
-    dims = (m.n_heads, m.n_kv_heads, m.d_ff, m.expert_d_ff, m.vocab_size)
+    dims = (m.n_heads, m.n_kv_heads, m.d_ff, m.moe.d_ff, m.vocab_size)
     return self.placement.sampler_tensor or (2 if all(x % 2 == 0 for x in dims) else 1)
 
 

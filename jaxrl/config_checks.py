@@ -57,11 +57,11 @@ def sections_agree(cfg) -> None:
   if cfg.rl.reward == "reward_model" and cfg.reward_model.steps <= 0:
     raise ValueError("reward_model.steps: rl.reward='reward_model' needs a trained reward "
                      f"model, expected > 0, got {cfg.reward_model.steps}")
-  if mlp := cfg.model.n_experts and cfg.lora.enabled and sorted(
+  if mlp := cfg.model.moe.experts and cfg.lora.enabled and sorted(
       {"w_gate", "w_up", "w_down"} & set(cfg.lora.target_names)):
     raise ValueError(f"lora.targets: {','.join(mlp)} adapt a dense MLP; a mixture of experts' "
                      "experts take no adapters (target wq,wk,wv,wo)")
-  if cfg.model.routing_replay != "off" and cfg.rl.environment.name:
+  if cfg.model.moe.routing_replay != "off" and cfg.rl.environment.name:
     raise ValueError(
-        "model.routing_replay: multi-turn rollouts (rl.environment.name) do not record "
+        "model.moe.routing_replay: multi-turn rollouts (rl.environment.name) do not record "
         "their experts yet, expected 'off' with them")

@@ -75,6 +75,20 @@ OLD_RL_FIELDS = {
     "user_code_workers": ("user_code", "workers"),
     "user_code_memory_gb": ("user_code", "memory_gb"),
 }
+# config.json's `model` fields before the model's settings were split by concern (issue 63):
+# old name -> (section, field), read so that older run dirs still resume, evaluate and export.
+OLD_MODEL_FIELDS = {
+    **{f"rope_{name}": ("rope", name) for name in (
+        "theta", "scaling", "factor", "low_freq_factor", "high_freq_factor",
+        "original_max_positions", "local_theta")},
+    "attention": ("attention", "impl"),  # (a string then, a section now)
+    **{name: ("attention", name) for name in ("sliding_window", "global_every", "query_scale")},
+    "n_experts": ("moe", "experts"), "experts_per_token": ("moe", "per_token"),
+    "expert_d_ff": ("moe", "d_ff"), "norm_topk": ("moe", "norm_topk"), "moe_impl": ("moe", "impl"),
+    "router_aux_loss": ("moe", "aux_loss"), "router_z_loss": ("moe", "z_loss"),
+    "routing_replay": ("moe", "routing_replay"),
+    "scan_layers": ("layers", "scan"), "remat": ("layers", "remat"),
+}
 
 
 def _check_type(path: str, value: Any, typ: Any) -> Any:
@@ -104,13 +118,14 @@ def _family_of_flags(values: Mapping[str, Any], path: str) -> dict:
   return values
 
 
-def _rl_by_concern(values: Mapping[str, Any]) -> dict:
-  """An `rl` section written before its settings were split by concern (a run's config.json
-  from before issue 53: flat fields, `OLD_RL_FIELDS`), nested into today's sections."""
+def _by_concern(values: Mapping[str, Any], old: dict[str, tuple[str, str]]) -> dict:
+  """A section written before its settings were split by concern (a run's config.json from
+  before issue 53's `rl` sections or issue 63's `model` ones: flat fields, `old`), nested into
+  today's sections."""
   out: dict = {}
   for name, value in values.items():
-    if name in OLD_RL_FIELDS and not isinstance(value, Mapping):
-      section, field = OLD_RL_FIELDS[name]
+    if name in old and not isinstance(value, Mapping):
+      section, field = old[name]
       out.setdefault(section, {})[field] = value
     else:
       out[name] = value
@@ -121,8 +136,8 @@ def from_mapping(cls: type, values: Mapping[str, Any], path: str = "config"):
   """Builds dataclass `cls` from a (nested) mapping, naming the first bad field in the error."""
   if cls is ModelConfig and ("qkv_bias" in values or "qk_norm" in values):
     values = _family_of_flags(values, path)
-  if cls is RLConfig:
-    values = _rl_by_concern(values)
+  if cls in (ModelConfig, RLConfig):
+    values = _by_concern(values, OLD_MODEL_FIELDS if cls is ModelConfig else OLD_RL_FIELDS)
   hints = typing.get_type_hints(cls)
   fields = {f.name for f in dataclasses.fields(cls)}
   kwargs = {}
@@ -234,6 +249,16 @@ def config_module(path: str) -> types.ModuleType:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+# configs/ of the checkout jaxrl runs from: found by path, never installed as a package
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def shipped(name: str) -> types.ModuleType:
+  """The experiment file configs/`name`.py of jaxrl's checkout, loaded (a notebook's way to the
+  shipped configs, from any directory)."""
+  return config_module(os.path.join(CONFIGS, f"{name}.py"))
 
 
 def sibling(file: str, name: str) -> types.ModuleType:

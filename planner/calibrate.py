@@ -76,7 +76,7 @@ def preset_plan(cfg: ExperimentConfig, n_devices: int, dev: DeviceSpec) -> Plan:
   sampler = Mesh(data=ns // cfg.sampler_tensor, tensor=cfg.sampler_tensor)
   scorer = Mesh(fsdp=(n_devices - k) // 2) if pl.strategy == "interleave" else trainer
   return Plan(pl.strategy, trainer, sampler, scorer, rl.schedule.mode, rl.batching.micro_batch_size,
-              cfg.model.remat, staleness=rl.schedule.max_staleness)
+              cfg.model.layers.remat, staleness=rl.schedule.max_staleness)
 
 
 def predict(sample: Sample, dev: DeviceSpec, eff: Efficiency) -> float:

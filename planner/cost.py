@@ -170,7 +170,7 @@ class Plan:
   scorer: Mesh  # reference and reward model (interleave: each on a group of this shape)
   mode: str = "sync"
   micro_batch_size: int = 0
-  remat: str = "none"  # none | dots | full: what the update recomputes (model.remat)
+  remat: str = "none"  # none | dots | full: what the update recomputes (model.layers.remat)
   # async: versions a batch may lag (rl.schedule.max_staleness); 0 overlaps nothing
   staleness: int = 1
   offload: bool = False  # placement.offload="all": idle state in pinned host memory (sync)

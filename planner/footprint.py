@@ -27,9 +27,9 @@ input only.
 from __future__ import annotations
 
 from jaxrl.models import flops
+from jaxrl.models.config import REMATS
 from planner import footprint_tpu
 
-REMATS = ("none", "dots", "full")  # as jaxrl/models/config.py REMAT_POLICIES, with "none"
 # Elements per token of one block that the backward needs, per d_model, per d_ff and per
 # query/key/value head dimension; and float32 [T, T] score copies per attention head.
 PER_D_MODEL, PER_D_FF, PER_QKV, SCORE_COPIES = 8.5, 5.0, 1.0, 3.0
@@ -66,13 +66,13 @@ def expert_block_bytes(model, tokens: float, tensor: int = 1) -> float:
   experts' width (sharding/rules.py); 0 for a dense model or another form of the products."""
   from jaxrl.models import moe
   m = model
-  if not m.n_experts:
+  if not m.moe.experts:
     return 0.0
-  assignments = int(tokens) * m.experts_per_token
-  if moe.experts_impl(m.moe_impl, assignments, m.n_experts) != "blocked":
+  assignments = int(tokens) * m.moe.per_token
+  if moe.experts_impl(m.moe.impl, assignments, m.moe.experts) != "blocked":
     return 0.0
-  blocks = assignments / moe.block_rows(assignments, m.n_experts) + m.n_experts
-  return 3 * blocks * m.expert_d_ff * m.d_model * compute_bytes(m) / tensor
+  blocks = assignments / moe.block_rows(assignments, m.moe.experts) + m.moe.experts
+  return 3 * blocks * m.moe.d_ff * m.d_model * compute_bytes(m) / tensor
 
 
 def saved_bytes(model, remat: str, seq_len: float, tensor: int = 1,

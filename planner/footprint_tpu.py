@@ -20,7 +20,7 @@ habits differ from XLA:CPU's, to which planner/footprint.py's counts are fitted:
     gradient (the 70B's update on a v5p-64: 0.33 GiB beside the 3.91 GiB gradient, whole at
     the peak with the blocks' saved gate and up outputs).
 
-A scanned decoder (`model.scan_layers`, a TPU's default) keeps the same per-layer activations
+A scanned decoder (`model.layers.scan`, a TPU's default) keeps the same per-layer activations
 (its norms and gated activation recompute their float32 intermediates in the backward, as the
 unrolled program's fusions do) but its loops' bodies hold their temporaries apart: about
 SCAN_WORK = 1.5 layers' working sets more (fitted to the first 14 points of
@@ -64,9 +64,9 @@ CARRIED_MAX = 32 * 2**20  # and at most this many bytes of them (a head of 32768
 
 
 def scanned(m) -> bool:
-  """Whether `m` (a model config) runs scanned on a TPU: `scan_layers` true, or auto (the
+  """Whether `m` (a model config) runs scanned on a TPU: `layers.scan` true, or auto (the
   platform's default there), whatever platform plans it."""
-  return str(getattr(m, "scan_layers", "false")).lower() != "false"
+  return m.layers.scan != "false"
 
 
 def _saved(m, remat: str, tensor: int, lora: bool, cb: int) -> float:

@@ -2,7 +2,7 @@
 
 The search runs over what `sharding/placement.make_placement` builds, in the config's RL mode
 (async changes the algorithm's data, so the planner never switches it), keeping a micro-batch
-size and a remat (`model.remat` other than "none") the user set; otherwise the plan sets both.
+size and a remat (`model.layers.remat` other than "none") the user set; otherwise the plan sets both.
 The device's factors come from `placement.calibration` (a JSON file written by `jaxrl-plan
 --calibrate`) or else the built-in table for the device kind.
 """
@@ -12,6 +12,7 @@ import dataclasses
 import logging
 
 from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.models.config import from_fields
 from planner.calibrate import Calibration
 from planner.cost import Plan, Workload
 from planner.devices import CPU_EFFICIENCY, DEVICES, Efficiency
@@ -75,8 +76,8 @@ def choose(cfg: ExperimentConfig, devices, hosts: int = 1) -> tuple[ExperimentCo
                   top=None, staleness=cfg.rl.schedule.max_staleness)
   if cfg.rl.batching.micro_batch_size:
     ranked = [r for r in ranked if r.plan.micro_batch_size == cfg.rl.batching.micro_batch_size]
-  if cfg.model.remat != "none":
-    ranked = [r for r in ranked if r.plan.remat == cfg.model.remat]
+  if cfg.model.layers.remat != "none":
+    ranked = [r for r in ranked if r.plan.remat == cfg.model.layers.remat]
   if not ranked:
     raise ConfigError(f"config.placement.strategy: 'plan' found no placement of this model on "
                       f"{len(devices)} {cal.device.name} devices that fits in memory and splits "
@@ -96,5 +97,5 @@ def applied(cfg: ExperimentConfig, plan: Plan) -> ExperimentConfig:
                                   offload="all" if plan.offload else cfg.placement.offload)
   rl = dataclasses.replace(cfg.rl, batching=dataclasses.replace(
       cfg.rl.batching, micro_batch_size=plan.micro_batch_size))
-  model = dataclasses.replace(cfg.model, remat=plan.remat)
+  model = from_fields({"layers.remat": plan.remat}, base=cfg.model)
   return dataclasses.replace(cfg, placement=placement, rl=rl, model=model)

@@ -1,5 +1,5 @@
 """Search over execution plans: placements, the device split between roles, mesh shapes per role,
-micro-batch sizes, rematerialisation (model.remat), idle-role offload (colocated sync plans:
+micro-batch sizes, rematerialisation (model.layers.remat), idle-role offload (colocated sync plans:
 placement.offload) and sync / async, under the memory limit,
 ranked by predicted step time.
 
@@ -40,7 +40,7 @@ def _divides_model(w: Workload, tensor: int, fsdp: int = 1, replicate_kv: bool =
   (simulation only, as vLLM does) copies KV heads to a tensor group larger than their count."""
   m = w.model
   kv = m.n_kv_heads % tensor == 0 or (replicate_kv and tensor % m.n_kv_heads == 0)
-  dims = (m.n_heads, m.expert_d_ff if m.n_experts else m.d_ff, m.vocab_size)
+  dims = (m.n_heads, m.moe.d_ff if m.moe.experts else m.d_ff, m.vocab_size)
   return kv and all(d % tensor == 0 for d in dims) and m.d_model % fsdp == 0
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from jaxrl import platform
 from jaxrl.config import ConfigError, ExperimentConfig, offload_items, usable_memory_gb
 from jaxrl.models.attention import flash
+from jaxrl.models.config import from_fields
 from jaxrl.models.lm_head import chunk_length
 from planner import footprint, footprint_tpu
 from sharding.placement import PlacementError
@@ -143,7 +144,7 @@ def update_footprint(cfg: ExperimentConfig, mesh, rules, param_bytes: float, par
   tpu = (dict(params=params, fsdp=fsdp, lora=cfg.lora.enabled and lm_head)
          if platform.backend() == "tpu" else None)  # (building for a TPU target)
   return footprint.update_peak(m, **_pass(cfg, mesh, rules, lm_head), param_bytes=param_bytes,
-                               gathered_bytes=gathered, remat=m.remat,
+                               gathered_bytes=gathered, remat=m.layers.remat,
                                accumulate=bool(cfg.rl.batching.micro_batch_size), tpu=tpu)
 
 
@@ -154,7 +155,7 @@ def _update_items(cfg: ExperimentConfig, role, lm_head: bool) -> dict[str, dict]
   peaks = {d: update_footprint(cfg, role.mesh, role.rules, b, n, lm_head)
            for d, b in params.items()}
   scores = "flash attention" if flash(cfg.model, target_platform()) else "[T, T] scores"
-  names = {"activations": f"activations (remat={cfg.model.remat}, {scores})"}
+  names = {"activations": f"activations (remat={cfg.model.layers.remat}, {scores})"}
   return {names.get(item, item): {d: int(p[item]) for d, p in peaks.items()}
           for item in footprint.UPDATE_ITEMS}
 
@@ -231,15 +232,15 @@ def remedy(cfg: ExperimentConfig, cluster: RoleCluster, resident: dict, usable: 
   stays = max(summed(resident).values())
   if stays > usable:
     return f"more devices: what stays through a step alone takes {stays / GIB:.2f} GiB"
-  remats = footprint.REMATS[footprint.REMATS.index(cfg.model.remat):]
+  remats = footprint.REMATS[footprint.REMATS.index(cfg.model.layers.remat):]
   smallest = cfg.rl.pass_rows
   for remat in remats:
     for micro in [0] + _micro_batches(cfg, cluster):
-      if not micro and remat == cfg.model.remat:
+      if not micro and remat == cfg.model.layers.remat:
         continue
       try:
         trial = dataclasses.replace(
-            cfg, model=dataclasses.replace(cfg.model, remat=remat),
+            cfg, model=from_fields({"layers.remat": remat}, base=cfg.model),
             rl=dataclasses.replace(cfg.rl, batching=dataclasses.replace(
                 cfg.rl.batching, micro_batch_size=micro or cfg.rl.batching.micro_batch_size)))
       except ValueError:
@@ -247,9 +248,9 @@ def remedy(cfg: ExperimentConfig, cluster: RoleCluster, resident: dict, usable: 
       smallest = min(smallest, trial.rl.pass_rows)
       if max(_totals(resident, phase_table(trial, cluster))[0].values()) <= usable:
         changes = ([f"rl.batching.micro_batch_size={micro}"] * bool(micro)
-                   + [f"model.remat={remat}"] * (remat != cfg.model.remat))
+                   + [f"model.layers.remat={remat}"] * (remat != cfg.model.layers.remat))
         return "try " + " and ".join(changes)
-  return (f"more devices (or shorter sequences): not even model.remat=full with "
+  return (f"more devices (or shorter sequences): not even model.layers.remat=full with "
           f"{smallest}-row micro-batches fits")
 
 

@@ -6,7 +6,7 @@ full-parameter or LoRA, with or without idle-role offload: the table in docs/lor
 
 Every cell is `--dry_run`'s total for the busiest device (what stays through a step plus its
 largest phase, preflight/dry_run.py) with the config's own settings except: placement colocate on N
-devices (the sampler's tensor degree chosen automatically), `model.remat=dots`, and the column's
+devices (the sampler's tensor degree chosen automatically), `model.layers.remat=dots`, and the column's
 LoRA (rank 16 on every projection) and `placement.offload` ("all" or none).
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ def cell(path: str, devices: int, rank: int, offload: str) -> str:
   from jaxrl.config_files import config_module, resolve
   from preflight.dry_run import report
   raw = config_module(path).get_config()
-  raw.model.remat = "dots"
+  raw.model.layers.remat = "dots"
   raw.placement.update(strategy="colocate", cpu_devices=devices, sampler_tensor=0,
                        offload=offload)
   raw.lora.update(rank=rank, alpha=2.0 * rank if rank else 16.0)

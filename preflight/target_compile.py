@@ -124,7 +124,7 @@ def _splash_flops(cfg: ExperimentConfig, role, passes: int) -> float:
   t = cfg.data.max_prompt_tokens + cfg.rl.rollout.max_new_tokens
   m = cfg.model
   return _per_piece(cfg, role, passes * flops.attention_flops(
-      m, cfg.rl.pass_rows * t, (t + 1) / 2, flops.causal_keys(t, m.sliding_window)))
+      m, cfg.rl.pass_rows * t, (t + 1) / 2, flops.causal_keys(t, m.attention.sliding_window)))
 
 
 def _counted(cfg: ExperimentConfig, role, kernel: float, adapters: int, update: bool) -> float:
@@ -219,7 +219,7 @@ def _updates(cfg: ExperimentConfig, actor, critic) -> list[Program]:
     if learner is not None:
       batch = abstract_experience(cfg, learner.role)
       role = learner.role
-      kernel = _splash_flops(cfg, role, 4 if cfg.model.remat == "full" else 3)
+      kernel = _splash_flops(cfg, role, 4 if cfg.model.layers.remat == "full" else 3)
       counted = (_counted(cfg, role, kernel, _adapters(cfg, role), update=True)
                  if name == "actor update" else 0.0)
       programs.append(Program(name, name, role.mesh,

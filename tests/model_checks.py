@@ -45,7 +45,7 @@ def assert_decoding_matches_forward(model):
 
 
 def per_layer(flat: dict, n_layers: int) -> dict:
-  """A flat {path tuple: array} of a scanned model (`model.scan_layers`) under the unrolled
+  """A flat {path tuple: array} of a scanned model (`model.layers.scan`) under the unrolled
   model's names: each stacked `decoder/blocks/...` leaf split along axis 0 into
   `decoder/blocks/{i}/...`."""
   from jaxrl.models.scan import layer_keys, stacked_keys

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import LanguageModel, ModelConfig
+from jaxrl.models.config import from_fields
 from jaxrl.models.attention import attention_impl
 from jaxrl.models.rope import positions_from_segments, positions_from_valid
 
@@ -27,7 +28,7 @@ def _forward(cfg, params, tokens_BT, valid_BT, segments_BT):
 
 # Sliding-window attention (Gemma 3): layer 0 local (keys fewer than 5 positions back, its own
 # RoPE base), layer 1 global.
-WINDOWED = dict(sliding_window=5, global_every=2, rope_local_theta=100.0)
+WINDOWED = {"attention.sliding_window": 5, "attention.global_every": 2, "rope.local_theta": 100.0}
 
 
 @pytest.mark.parametrize("impl,packed,window", [("xla", False, False), ("xla", True, False),
@@ -47,11 +48,11 @@ def test_fused_attention_equals_the_einsum_form(impl, packed, window):
     segments, valid = jnp.asarray(segments), jnp.asarray(segments > 0)
   else:  # left padding of 0..6 tokens
     segments, valid = None, jnp.asarray(np.arange(t)[None] >= np.array([[0], [3], [6], [1]]))
-  base = dataclasses.replace(CFG, **(WINDOWED if window else {}))
+  base = from_fields(WINDOWED if window else {}, base=CFG)
   _, params = nnx.split(LanguageModel(base, rngs=nnx.Rngs(0)))
   outs = {}
   for form in ("einsum", impl):
-    cfg = dataclasses.replace(base, attention=form)
+    cfg = from_fields({"attention.impl": form}, base=base)
     loss = lambda p: (_forward(cfg, p, tokens, valid, segments)**2).mean()
     outs[form] = jax.jit(lambda p: (_forward(cfg, p, tokens, valid, segments),
                                     jax.grad(loss)(p)))(params)
@@ -91,11 +92,11 @@ def test_cudnn_form_equals_the_einsum_form(monkeypatch, window, packed):
     ids[:, :5], ids[:, 5:9], ids[:, 9:14] = 1, 2, 3
     ids[-1] = np.arange(t) >= 6
     segments, valid = jnp.asarray(ids), jnp.asarray(ids > 0)
-  base = dataclasses.replace(CFG, **(WINDOWED if window else {}))
+  base = from_fields(WINDOWED if window else {}, base=CFG)
   _, params = nnx.split(LanguageModel(base, rngs=nnx.Rngs(0)))
   outs = {}
   for impl in ("einsum", "cudnn"):
-    cfg = dataclasses.replace(base, attention=impl, remat="dots")
+    cfg = from_fields({"attention.impl": impl, "layers.remat": "dots"}, base=base)
     loss = lambda p: (_forward(cfg, p, tokens, valid, segments)**2).mean()
     outs[impl] = jax.jit(lambda p: (_forward(cfg, p, tokens, valid, segments),
                                     jax.grad(loss)(p)))(params)
@@ -120,7 +121,7 @@ def test_a_cudnn_prefill_is_causal_and_equals_the_einsum_form(monkeypatch):
   graphdef, params = nnx.split(LanguageModel(CFG, rngs=nnx.Rngs(0)))
   outs = {}
   for impl in ("einsum", "cudnn"):
-    cfg = dataclasses.replace(CFG, attention=impl)
+    cfg = from_fields({"attention.impl": impl}, base=CFG)
     model = nnx.merge(nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))[0], params)
     outs[impl] = jax.jit(lambda m: LMDecoding.of(m).prefill(tokens, valid)[:2])(model)
   assert ("cudnn", ["is_causal", "mask", "scale"]) in calls and ("cudnn", ["mask", "scale"]) in calls
@@ -132,9 +133,9 @@ def test_auto_picks_cudnn_only_on_a_gpu_in_half_precision():
   gpu = jax.default_backend() == "gpu"
   assert attention_impl(CFG) == "xla"  # float32: cuDNN's kernel takes bf16 / fp16 only
   assert attention_impl(dataclasses.replace(CFG, dtype="bfloat16")) == ("cudnn" if gpu else "xla")
-  assert attention_impl(dataclasses.replace(CFG, attention="einsum")) == "einsum"
-  with pytest.raises(ValueError, match="attention"):
-    dataclasses.replace(CFG, attention="flash")
+  assert attention_impl(from_fields({"attention.impl": "einsum"}, base=CFG)) == "einsum"
+  with pytest.raises(ValueError, match="attention.impl"):
+    from_fields({"attention.impl": "flash"}, base=CFG)
   from jaxrl import platform
   with platform.building_for("tpu"):  # what a target compile builds
     assert attention_impl(CFG) == "splash"
@@ -148,9 +149,28 @@ def test_the_memory_models_count_scores_by_the_models_own_choice(backend):
   from jaxrl.config import ExperimentConfig
   from planner.cost import Workload
   for model in (CFG, dataclasses.replace(CFG, dtype="bfloat16"),
-                dataclasses.replace(CFG, attention="cudnn")):
+                from_fields({"attention.impl": "cudnn"}, base=CFG)):
     w = Workload.from_config(ExperimentConfig(model=model), backend)
     assert w.flash_attention == (attention_impl(model, backend) in ("cudnn", "splash"))
   bf16 = Workload.from_config(ExperimentConfig(model=dataclasses.replace(CFG, dtype="bfloat16")),
                               backend)
   assert bf16.flash_attention == (backend != "cpu")
+
+
+def test_soft_capped_scores_against_numpy():
+  """`model.attention.softcap`: every score c * tanh(s / c) before the mask and the softmax, in
+  the cacheless einsum form and the decode step's alike."""
+  from jaxrl.models.attention import attend, attend_one
+  rng = np.random.default_rng(0)
+  q = rng.normal(size=(2, 3, 1, 2, 4)).astype(np.float32) * 3  # [B, T, K, G, H]
+  k = rng.normal(size=(2, 1, 4, 3)).astype(np.float32) * 3  # [B, K, H, S]
+  v = rng.normal(size=(2, 1, 3, 4)).astype(np.float32)  # [B, K, S, H]
+  mask = np.tril(np.ones((3, 3), bool))[None].repeat(2, 0)
+  s = np.einsum("btkgh,bkhs->bkgts", q, k)
+  s = np.where(mask[:, None, None], 2.0 * np.tanh(s / 2.0), -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  want = np.einsum("bkgts,bksh->btkgh", p / p.sum(-1, keepdims=True), v)
+  np.testing.assert_allclose(attend(q, k, v, mask, softcap=2.0), want, atol=1e-5)
+  np.testing.assert_allclose(attend_one(q[:, 2], k, v, mask[:, 2], softcap=2.0), want[:, 2],
+                             atol=1e-5)
+  assert float(np.abs(attend(q, k, v, mask) - want).max()) > 1e-2  # (uncapped: other)

@@ -129,3 +129,111 @@ def test_a_schedule_is_one_registry_entry(monkeypatch):
     for version, batch in enumerate(worker):
       assert batch.version == batch.index == version == float(batch.rollout)
       worker.update_weights({"w": jnp.float32(version + 1)}, version + 1)
+
+
+def _relu2(x):
+  """Squared ReLU (Primer's): an MLP activation jaxrl does not ship."""
+  return jnp.square(jax.nn.relu(x))
+
+
+def _capped_scores_family():
+  """What a family with a new MLP activation and soft-capped attention scores adds: one
+  `ACTIVATIONS` entry (its function and its Hugging Face name) and its `FAMILIES` entry, which
+  names the activation and reads (and writes back) the config.json key of the scores' cap."""
+  from jaxrl.models.families import Activation, BlockOptions, Family
+  return Activation(_relu2, "relu2"), Family(
+      "CappedScoresForCausalLM", BlockOptions(mlp_activation="relu2"),
+      hf_read=lambda raw: {"attention.softcap": float(raw.get("attn_logit_softcapping") or 0)},
+      hf_fields=lambda cfg: dict(attn_logit_softcapping=cfg.attention.softcap or None))
+
+
+def test_a_family_with_a_new_activation_and_capped_scores_is_its_entries(tmp_path, monkeypatch):
+  """docs/architecture.md's row, done in jaxrl/models/families.py alone: a checkpoint's
+  config.json of the new architecture gives a model whose decoding matches its forward (the
+  scores capped in the prefill's and the decode steps' einsum form alike), whose sampled tokens'
+  log-probs equal the trainer's, other than the uncapped or SwiGLU model's; its export writes the
+  cap and the activation back; a family that does not read the cap refuses it."""
+  import json
+
+  from jaxrl.data.tokenizer import ByteTokenizer
+  from jaxrl.models import families
+  from jaxrl.models.attention import attention_impl
+  from jaxrl.models.config import from_fields
+  from jaxrl.models.hf import HFError, model_config_from_hf
+  from jaxrl.models.hf_config import hf_config_dict
+  from model_checks import assert_decoding_matches_forward, perturbed
+  from sampler.engine import generate
+  from train.updates.forward import completion_logprobs
+  activation, family = _capped_scores_family()
+  monkeypatch.setitem(families.ACTIVATIONS, "relu2", activation)
+  monkeypatch.setitem(families.FAMILIES, "capped_scores", family)
+  raw = dict(architectures=["CappedScoresForCausalLM"], vocab_size=264, hidden_size=32,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+             intermediate_size=64, rms_norm_eps=1e-6, rope_theta=10_000.0, hidden_act="relu2",
+             tie_word_embeddings=True, attn_logit_softcapping=0.5)
+  (tmp_path / "config.json").write_text(json.dumps(raw))
+  cfg = model_config_from_hf(str(tmp_path))
+  assert (cfg.family, cfg.attention.softcap, attention_impl(cfg)) == ("capped_scores", 0.5,
+                                                                       "einsum")
+  graphdef, params = perturbed(cfg)
+  assert_decoding_matches_forward(nnx.merge(graphdef, params))
+  tok = ByteTokenizer()
+  tokens, valid = tok.pad_left([tok.encode(p, bos=True) for p in ["12+34=", "rev ab="]], 8)
+  sampling = SamplingConfig(max_new_tokens=6, eos_id=-1, pad_id=tok.pad_id, method="temperature")
+  rollout = jax.jit(lambda p, t, v: generate(graphdef, p, t, v, jax.random.key(0), cfg=sampling))(
+      params, jnp.asarray(tokens), jnp.asarray(valid))
+  logp = lambda g: completion_logprobs(g, params, rollout.tokens_BT, rollout.valid_BT, 8)[0]
+  np.testing.assert_allclose(logp(graphdef), rollout.logprobs_BN, atol=1e-4)
+  for other in ({"attention.softcap": 0.0}, {"family": "llama"}):  # each entry is in effect
+    changed = nnx.split(LanguageModel(from_fields(other, base=cfg), rngs=nnx.Rngs(0)))[0]
+    assert float(jnp.abs(logp(changed) - logp(graphdef)).max()) > 1e-2, other
+  out = hf_config_dict(cfg, tied=True, dtype="float32", max_positions=64, token_ids={})
+  assert (out["hidden_act"], out["attn_logit_softcapping"]) == ("relu2", 0.5)
+  (tmp_path / "config.json").write_text(json.dumps(
+      dict(raw, architectures=["LlamaForCausalLM"], hidden_act="silu")))
+  with pytest.raises(HFError, match="attn_logit_softcapping=0.5 is not supported"):
+    model_config_from_hf(str(tmp_path))
+
+
+class Replies:
+  """A tool environment with a hyperparameter: its replies are `reply_len` ids long."""
+
+  def __init__(self, tok, verifier, *, reply_len: int):
+    self.stop_strings, self.reply_len = (), reply_len
+
+  def reset(self, example):
+    return []
+
+  def step(self, turn_ids):
+    return Step([7] * self.reply_len, 0.0, True)
+
+
+@dataclasses.dataclass(frozen=True)
+class RepliesConfig(EnvironmentConfig):
+  reply_len: int = 2  # (in jaxrl: one more field of EnvironmentConfig)
+
+
+def test_an_environment_with_a_hyperparameter_is_its_entry_and_its_field(monkeypatch):
+  """An environment's keyword-only parameters are what it reads: its hyperparameter is a field
+  of `rl.environment` by that name, the run's code sandbox is `sandbox`; the run hands each
+  (train/task/environment.py), in its own process or a user's class in its hosts."""
+  import types
+
+  from jaxrl.config import ExperimentConfig
+  from train.io.tally import Tally
+  from train.task.environment import environment_for
+  from train.task.processes import UserProcesses
+  monkeypatch.setitem(envs.ENVIRONMENTS, "replies", Replies)
+  tok = ByteTokenizer()
+  task = types.SimpleNamespace(verifier=lambda text, answer: 0.0, user_code_errors=Tally())
+  with UserProcesses() as processes:
+    def made(environment):
+      cfg = ExperimentConfig(rl=RLConfig(environment=environment))
+      return environment_for(cfg, tok, task, processes)()
+    assert made(RepliesConfig(name="replies", reply_len=5)).step([1]).observation == [7] * 5
+    with pytest.raises(ConfigError, match="reads 'reply_len', which the caller does not"):
+      made(EnvironmentConfig(name="replies"))  # a field nothing declares: named
+    python = made(EnvironmentConfig(name="python", max_output_chars=300))
+    assert python.max_output_chars == 300 and python.sandbox is processes.sandbox()
+    hosted = made(RepliesConfig(name="test_extending:Replies", reply_len=3))  # in its hosts
+    assert hosted.step([1]) == Step([7] * 3, 0.0, True)

@@ -23,7 +23,7 @@ from flax import nnx
 from safetensors.torch import load_file, save_file
 
 from jaxrl.models import hf_export as hf_module
-from jaxrl.models.config import ModelConfig
+from jaxrl.models.config import ModelConfig, RopeConfig, from_fields
 from jaxrl.models.value_models import ValueModel
 from jaxrl.models.hf import HFError, load_params, model_config_from_hf
 from jaxrl.models.hf_export import export
@@ -72,19 +72,19 @@ def test_config_fields(hf):
   assert cfg.scale_tied_head is False
   assert cfg.tie_embeddings == (hf.arch not in ("qwen2", "qwen3_moe"))
   assert cfg.family == hf.arch
-  assert cfg.rope_theta == (1e6 if hf.arch == "qwen2" else 1e4)
+  assert cfg.rope.theta == (1e6 if hf.arch == "qwen2" else 1e4)
   if hf.arch == "llama":
-    rope = (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_positions)
+    rope = (cfg.rope.scaling, cfg.rope.factor, cfg.rope.original_max_positions)
     assert rope == ("llama3", 8.0, 64)
   elif hf.arch == "gemma3":
-    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_local_theta) == ("linear", 2.0, 1e3)
-    assert (cfg.sliding_window, cfg.global_every, cfg.query_scale) == (4, 2, 24.0)
+    assert (cfg.rope.scaling, cfg.rope.factor, cfg.rope.local_theta) == ("linear", 2.0, 1e3)
+    assert (cfg.attention.sliding_window, cfg.attention.global_every, cfg.attention.query_scale) == (4, 2, 24.0)
     assert cfg.layer_types() == ["sliding_attention", "full_attention"]
   elif hf.arch == "qwen3_moe":
-    moe = (cfg.n_experts, cfg.experts_per_token, cfg.expert_d_ff, cfg.norm_topk)
-    assert moe == (8, 2, 32, True) and cfg.rope_scaling == "none"
+    moe = (cfg.moe.experts, cfg.moe.per_token, cfg.moe.d_ff, cfg.moe.norm_topk)
+    assert moe == (8, 2, 32, True) and cfg.rope.scaling == "none"
   else:
-    assert cfg.rope_scaling == "none"
+    assert cfg.rope.scaling == "none"
 
 
 def test_import_is_born_sharded(hf):
@@ -213,7 +213,7 @@ def test_export_jaxrl_init_with_scaled_tied_head(tmp_path, mesh):
   and linear RoPE scaling it is a Qwen2 model whose logits are jaxrl's, in float32 and (files
   cast) in bfloat16."""
   cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                    d_ff=128, family="qwen2", rope_scaling="linear", rope_factor=2.0)
+                    d_ff=128, family="qwen2", rope=RopeConfig(scaling="linear", factor=2.0))
   role = _role(cfg, mesh)
   leaves, tree = jax.tree.flatten(role.abstract())
 
@@ -251,7 +251,7 @@ def test_bf16_checkpoint_loads(hf, tmp_path):
   copy.deepcopy(hf.torch).to(torch.bfloat16).save_pretrained(path)
   params = load_params(path, model_config_from_hf(path), hf.role.abstract())
   mlp = hf.torch.model.layers[1].mlp
-  down = mlp.experts.down_proj if hf.cfg.n_experts else mlp.down_proj.weight  # [E, D, F] | [D, F]
+  down = mlp.experts.down_proj if hf.cfg.moe.experts else mlp.down_proj.weight  # [E, D, F] | [D, F]
   want = down.detach().bfloat16().float().numpy()
   got = params["decoder"]["blocks"][1]["mlp"]["w_down"][...]
   assert got.dtype == jnp.float32
@@ -272,7 +272,7 @@ EXPERT_NAME = "model.layers.1.mlp.experts.3.up_proj.weight"  # one expert's tens
 def _broken_copy(hf, tmp_path, case: str) -> tuple[str, str]:
   """A copy of the checkpoint with tensor NAME (an expert's, for an MoE) or its file broken as
   `case` says; returns the copy and the file that holds it."""
-  name = EXPERT_NAME if hf.cfg.n_experts else NAME
+  name = EXPERT_NAME if hf.cfg.moe.experts else NAME
   path = str(tmp_path / "ckpt")
   shutil.copytree(hf.path, path)
   with open(os.path.join(path, INDEX)) as f:
@@ -310,7 +310,7 @@ def test_broken_checkpoints_are_refused(hf, tmp_path, case, words):
   path, file = _broken_copy(hf, tmp_path, case)
   with pytest.raises(HFError) as e:
     load_params(path, hf.cfg, hf.role.abstract())
-  moe = bool(hf.cfg.n_experts)
+  moe = bool(hf.cfg.moe.experts)
   fill = dict(name=EXPERT_NAME if moe else NAME, rows=32 if moe else 128)
   msg = one_line(e, *(w.format(**fill) for w in words))
   assert case != "shard" or file in msg
@@ -346,10 +346,10 @@ def test_failed_export_leaves_nothing(hf, tmp_path, monkeypatch):
 
 
 def test_a_scanned_model_reads_and_writes_the_same_files(hf, tmp_path, mesh):
-  """`model.scan_layers` (jaxrl/models/scan.py): the checkpoint loads into the stacked blocks,
+  """`model.layers.scan` (jaxrl/models/scan.py): the checkpoint loads into the stacked blocks,
   each device reading its block of every layer's tensors, to the unrolled import's values and
   logits; and exported, the files are the unrolled model's byte for byte."""
-  cfg = dataclasses.replace(hf.cfg, scan_layers=True)
+  cfg = from_fields({"layers.scan": True}, base=hf.cfg)
   role = _role(cfg, mesh)
   params = load_params(hf.path, cfg, role.abstract())
   flat = lambda state: {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(state)}

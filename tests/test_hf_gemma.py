@@ -45,8 +45,8 @@ def test_multimodal_gemma3_checkpoint_loads_its_language_model(tmp_path):
   assert "num_key_value_heads" not in raw["text_config"]  # (a default of the hub's 4B too)
   json.dump(raw, open(os.path.join(path, "config.json"), "w"))
   cfg = model_config_from_hf(path)
-  assert (cfg.family, cfg.n_layers, cfg.n_kv_heads, cfg.sliding_window, cfg.global_every,
-          cfg.query_scale, cfg.vocab_size) == ("gemma3", 2, 4, 4, 2, 24.0, 256)
+  assert (cfg.family, cfg.n_layers, cfg.n_kv_heads, cfg.attention.sliding_window, cfg.attention.global_every,
+          cfg.attention.query_scale, cfg.vocab_size) == ("gemma3", 2, 4, 4, 2, 24.0, 256)
   role = ModelRole("actor", lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)), sized_mesh())
   params = load_params(path, cfg, role.abstract())
   tokens_BT, valid_BT, positions_BT = batch()

@@ -15,7 +15,7 @@ from flax import nnx
 from tests.hf_models import ARCHS
 
 from jaxrl.models import lora
-from jaxrl.models.config import ModelConfig
+from jaxrl.models.config import AttentionConfig, ModelConfig
 from jaxrl.models.hf import HFError, load_params, model_config_from_hf
 from jaxrl.models.hf_export import export, export_peft
 from jaxrl.models.lora import LoRAConfig
@@ -47,8 +47,9 @@ def _perturbed(adapters, seed: int = 1, scale: float = 0.05):
 
 @pytest.mark.parametrize("model", [ModelConfig(), ModelConfig(family="qwen2", tie_embeddings=False),
                                    ModelConfig(family="qwen3", tie_embeddings=False),
-                                   ModelConfig(family="gemma3", sliding_window=4, global_every=2,
-                                               scale_tied_head=False)],
+                                   ModelConfig(family="gemma3", scale_tied_head=False,
+                                               attention=AttentionConfig(sliding_window=4,
+                                                                         global_every=2))],
                          ids=["tied", "qwen2", "qwen3", "gemma3"])
 def test_adapters_start_as_the_base_model(model):
   """Rank-r adapters on every target: the base weights are the plain model's (the adapters

@@ -22,7 +22,7 @@ from preflight.dry_run import shard_bytes, update_footprint
 from preflight.target_compile import abstract_experience
 from jaxrl.config import DataConfig, ExperimentConfig
 from jaxrl.config_rl import BatchingConfig, KLConfig, RLConfig, RolloutConfig
-from jaxrl.models.config import ModelConfig
+from jaxrl.models.config import from_fields
 from jaxrl.models.transformer import LanguageModel
 from sharding.rules import MESH_AXES
 from train.roles.learner import Learner
@@ -36,7 +36,7 @@ ROOT = __file__.rsplit("/tests/", 1)[0]
 def _config(model: dict, *, prompt: int, new: int, rollouts: int, **batching) -> ExperimentConfig:
   heads = dict(n_heads=4, n_kv_heads=2, head_dim=model["d_model"] // 4, d_ff=4 * model["d_model"])
   return ExperimentConfig(
-      model=ModelConfig(**{**heads, **model}), data=DataConfig(max_prompt_tokens=prompt),
+      model=from_fields({**heads, **model}), data=DataConfig(max_prompt_tokens=prompt),
       rl=RLConfig(prompts_per_step=rollouts // 2, group_size=2,
                   rollout=RolloutConfig(max_new_tokens=new), kl=KLConfig(coef=0.05),
                   batching=BatchingConfig(**batching)))
@@ -47,10 +47,10 @@ CONFIGS = {  # the per-device rows of one pass, the remat and the fsdp degree al
         _config(dict(d_model=128, n_layers=4), prompt=64, new=64, rollouts=16,
                 num_minibatches=2), 2),
     "d256x2, 96 tokens, micro-batches, dots": (
-        _config(dict(d_model=256, n_layers=2, remat="dots"), prompt=32, new=64, rollouts=16,
+        _config({"d_model": 256, "n_layers": 2, "layers.remat": "dots"}, prompt=32, new=64, rollouts=16,
                 num_minibatches=1, micro_batch_size=4), 1),
     "d64x6, 256 tokens, 2048 vocab, full": (
-        _config(dict(d_model=64, n_layers=6, vocab_size=2048, remat="full"), prompt=128,
+        _config({"d_model": 64, "n_layers": 6, "vocab_size": 2048, "layers.remat": "full"}, prompt=128,
                 new=128, rollouts=8, num_minibatches=1), 1),
 }
 
@@ -78,7 +78,8 @@ def test_remat_and_micro_batches_shrink_the_estimate():
   role = ModelRole("actor", lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0)), mesh)
   params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(role.abstract()))
   peak = lambda c: sum(update_footprint(c, mesh, role.rules, 4 * params, params).values())
-  with_remat = lambda r: dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=r))
+  with_remat = lambda r: dataclasses.replace(cfg, model=from_fields({"layers.remat": r},
+                                                                    base=cfg.model))
   assert peak(with_remat("full")) < peak(with_remat("dots")) < peak(cfg)
   micro = dataclasses.replace(cfg, rl=dataclasses.replace(
       cfg.rl, batching=dataclasses.replace(cfg.rl.batching, micro_batch_size=2)))
@@ -91,7 +92,8 @@ def _llama8b_lora(layers: int = 4) -> ExperimentConfig:
   from jaxrl.cli.flags import load_config_file
   from jaxrl.config_files import resolve
   raw = load_config_file(os.path.join(ROOT, "configs", "llama3_1_8b_gsm8k_lora.py"))
-  raw.model.update(n_layers=layers, attention="xla")
+  raw.model.update(n_layers=layers)
+  raw.model.attention.update(impl="xla")
   raw.rl.update(prompts_per_step=2)
   raw.rl.batching.update(num_minibatches=1)
   return resolve(raw, hf=False)

@@ -5,6 +5,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import LanguageModel, ModelConfig, RewardModel, ValueModel, init_kv_cache
+from jaxrl.models.config import from_fields
 from jaxrl.models.layouts import FEATURES
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.models.rope import rope_table
@@ -114,7 +115,7 @@ def test_params_carry_logical_axes(tiny_model):
 VARIANTS = {
     "qwen2": dict(family="qwen2", tie_embeddings=False),
     "qwen3": dict(family="qwen3", head_dim=16, scale_tied_head=False),
-    "llama3": dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_positions=16),
+    "llama3": {"rope.scaling": "llama3", "rope.factor": 8.0, "rope.original_max_positions": 16},
 }
 
 
@@ -124,5 +125,5 @@ def test_decoding_protocol_matches_forward(tiny_cfg, variant):
   forward, for each architecture variant, with biases and norm scales made non-trivial (and
   "lora": LoRA adapters on every projection of a Qwen2-style model, B away from zero)."""
   lora = LoRAConfig(rank=4, alpha=8.0) if variant == "lora" else None
-  cfg = ModelConfig(**{**tiny_cfg.__dict__, **VARIANTS["qwen2" if lora else variant]})
+  cfg = from_fields(VARIANTS["qwen2" if lora else variant], base=tiny_cfg)
   assert_decoding_matches_forward(nnx.merge(*perturbed(cfg, lora)))

@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxrl.config import ExperimentConfig
 from jaxrl.config_rl import EnvironmentConfig, RLConfig, RolloutConfig
-from jaxrl.models.config import ModelConfig
+from jaxrl.models.config import ModelConfig, MoEConfig, from_fields
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.models.moe import (aux_losses, blocked_experts, dense_experts, grouped_experts,
                               route, split_experts)
@@ -23,8 +23,8 @@ from sharding.mesh import make_mesh, param_shardings
 from sharding.rules import SAMPLER_RULES
 from train.roles.role import ModelRole
 
-CFG = ModelConfig(family="qwen3_moe", n_experts=8, experts_per_token=2, expert_d_ff=32,
-                  norm_topk=True, d_ff=64)
+CFG = ModelConfig(family="qwen3_moe", d_ff=64,
+                  moe=MoEConfig(experts=8, per_token=2, d_ff=32, norm_topk=True))
 
 
 def _batch(b: int = 4, t: int = 10):
@@ -104,7 +104,8 @@ def test_split_experts_equal_the_unsplit_products_with_one_all_reduce(table):
 def test_routing_replay_uses_the_recorded_experts_and_trains_the_router():
   """Replayed: the recorded experts are used (-1: routed here), the router still gets a
   gradient; not replayed: they are only compared (`replay_differs`)."""
-  model = LanguageModel(dataclasses.replace(CFG, routing_replay="rollout"), rngs=nnx.Rngs(0))
+  model = LanguageModel(from_fields({"moe.routing_replay": "rollout"}, base=CFG),
+                        rngs=nnx.Rngs(0))
   tokens_BT, positions_BT, valid_BT = _batch()
   h, _, routing = model.decoder.forward(tokens_BT, positions_BT, valid_BT)
   assert routing.ids.shape == (4, 10, CFG.n_layers, 2)
@@ -113,7 +114,7 @@ def test_routing_replay_uses_the_recorded_experts_and_trains_the_router():
   np.testing.assert_array_equal(same, h)
   np.testing.assert_array_equal(replayed.ids, routing.ids)
   assert float(replayed.replay_differs.max()) == 0.0
-  other_BTLK = (routing.ids + 1) % CFG.n_experts
+  other_BTLK = (routing.ids + 1) % CFG.moe.experts
   moved, _, differs = model.decoder.forward(tokens_BT, positions_BT, valid_BT,
                                             routes_BTLK=other_BTLK)
   assert float(jnp.abs(moved - h).max()) > 1e-3
@@ -154,23 +155,25 @@ def test_router_losses():
 
 
 @pytest.mark.parametrize("model, lora, words", [
-    (dict(family="llama", n_experts=8, experts_per_token=2, expert_d_ff=32), None,
-     ["n_experts", "dense family"]),
-    (dict(family="qwen3_moe"), None, ["n_experts", "> 0"]),
-    (dict(CFG.__dict__, experts_per_token=9), None, ["experts_per_token", "1 to n_experts=8"]),
-    (dict(CFG.__dict__, expert_d_ff=0), None, ["expert_d_ff"]),
-    (dict(CFG.__dict__), LoRAConfig(rank=4), ["lora.targets", "w_down,w_gate,w_up"]),
-    (dict(family="qwen3", routing_replay="rollout"), None, ["routing_replay", "n_experts=0"]),
+    ({"family": "llama", "moe.experts": 8, "moe.per_token": 2, "moe.d_ff": 32}, None,
+     ["moe.experts", "dense family"]),
+    ({"family": "qwen3_moe"}, None, ["moe.experts", "> 0"]),
+    ({"moe.per_token": 9}, None, ["moe.per_token", "1 to experts=8"]),
+    ({"moe.d_ff": 0}, None, ["moe.d_ff"]),
+    ({}, LoRAConfig(rank=4), ["lora.targets", "w_down,w_gate,w_up"]),
+    ({"family": "qwen3", "moe.experts": 0, "moe.routing_replay": "rollout"}, None,
+     ["moe.routing_replay", "experts=0"]),
 ])
 def test_bad_moe_configs_are_refused(model, lora, words):
+  base = ModelConfig() if model.get("family") in ("llama", "qwen3_moe") else CFG
   with pytest.raises(ValueError) as e:
-    ExperimentConfig(model=ModelConfig(**model), lora=lora or LoRAConfig())
+    ExperimentConfig(model=from_fields(model, base=base), lora=lora or LoRAConfig())
   assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), str(e.value)
 
 
 def test_replay_with_multi_turn_rollouts_is_refused():
-  model = ModelConfig(**dict(CFG.__dict__, routing_replay="rollout"))
-  with pytest.raises(ValueError, match="model.routing_replay: multi-turn"):
+  model = from_fields({"moe.routing_replay": "rollout"}, base=CFG)
+  with pytest.raises(ValueError, match="model.moe.routing_replay: multi-turn"):
     ExperimentConfig(model=model, rl=RLConfig(environment=EnvironmentConfig(name="calculator")))
   ExperimentConfig(
       model=model,

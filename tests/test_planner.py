@@ -221,7 +221,7 @@ def test_remat_is_searched_and_the_plan_sets_it(monkeypatch):
   monkeypatch.setattr(plan_module, "search", lambda *a, **k: kept)
   cfg = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, strategy="plan"))
   resolved, best = choose(cfg, host_major_devices())
-  assert resolved.model.remat == best.plan.remat != "none"
+  assert resolved.model.layers.remat == best.plan.remat != "none"
   assert resolved.rl.batching.micro_batch_size == best.plan.micro_batch_size
 
 

@@ -1,6 +1,5 @@
-"""`model.remat`: the same loss and gradients as keeping every activation, less memory, and the
+"""`model.layers.remat`: the same loss and gradients as keeping every activation, less memory, and the
 sampler's cached passes untouched."""
-import dataclasses
 import functools
 
 import jax
@@ -14,7 +13,7 @@ from jax.sharding import Mesh
 from jaxrl.config import ConfigError, ExperimentConfig, to_dict
 from jaxrl.config_rl import BatchingConfig, KLConfig, LossConfig, RLConfig, RolloutConfig
 from jaxrl.config_files import from_mapping
-from jaxrl.models.config import ModelConfig
+from jaxrl.models.config import LayersConfig, ModelConfig, from_fields
 from jaxrl.models.attention import init_kv_cache
 from jaxrl.models.transformer import LanguageModel
 from sharding.rules import MESH_AXES
@@ -56,7 +55,7 @@ def _updated(remat: str, name: str):
                 rollout=RolloutConfig(max_new_tokens=7), kl=KLConfig(coef=0.05),
                 loss=LossConfig(entropy_coef=0.01))
   update = functools.partial(policy_update, cfg=rl) if name == "rl" else sft_update
-  learner = _learner(dataclasses.replace(TINY, remat=remat), update)
+  learner = _learner(from_fields({"layers.remat": remat}, base=TINY), update)
   before = jax.tree.map(np.asarray, learner.role.params)  # the update donates them
   metrics = learner.update(exp if name == "rl" else sft)
   return learner.role.params, metrics, before
@@ -84,7 +83,7 @@ def _temp_bytes(remat: str) -> int:
   """XLA's temporary bytes of the RL update of a model whose activations dominate its state
   (16 rows of 128 tokens, 1M parameters), compiled as the Learner runs it."""
   cfg = ModelConfig(vocab_size=264, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
-                    head_dim=32, d_ff=512, remat=remat)
+                    head_dim=32, d_ff=512, layers=LayersConfig(remat=remat))
   rl = RLConfig(prompts_per_step=8, group_size=2, batching=BatchingConfig(num_minibatches=1),
                 rollout=RolloutConfig(max_new_tokens=64))
   mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), MESH_AXES)
@@ -117,7 +116,8 @@ def test_cached_and_last_only_passes_ignore_remat():
     logits, cache = model(tokens, positions, jnp.pad(valid, ((0, 0), (0, 2))), cache)
     last, _ = model.decoder(tokens, positions, valid, last_only=True)
     return logits, cache, last
-  outs = {mode: passes(LanguageModel(dataclasses.replace(TINY, remat=mode), rngs=nnx.Rngs(5)))
+  outs = {mode: passes(LanguageModel(from_fields({"layers.remat": mode}, base=TINY),
+                                     rngs=nnx.Rngs(5)))
           for mode in ("none", "full")}
   for a, b in zip(jax.tree.leaves(outs["none"]), jax.tree.leaves(outs["full"])):
     np.testing.assert_array_equal(a, b)
@@ -125,8 +125,8 @@ def test_cached_and_last_only_passes_ignore_remat():
 
 def test_remat_is_validated_and_named():
   with pytest.raises(ValueError, match=r"^remat: expected one of \['none', 'dots', 'full'\]"):
-    ModelConfig(remat="all")
+    LayersConfig(remat="all")
   raw = to_dict(ExperimentConfig())
-  raw["model"]["remat"] = "everything"
-  with pytest.raises(ConfigError, match=r"config\.model\.remat: expected one of"):
+  raw["model"]["layers"]["remat"] = "everything"
+  with pytest.raises(ConfigError, match=r"config\.model\.layers\.remat: expected one of"):
     from_mapping(ExperimentConfig, raw)

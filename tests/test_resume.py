@@ -238,7 +238,7 @@ def test_killed_with_conversations_in_flight_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_dir_of_an_unrolled_decoder_resumes_with_a_scanned_one(tmp_path, reference):
-  """`model.scan_layers` changes how the blocks are stored (stacked) and computed (a scan):
+  """`model.layers.scan` changes how the blocks are stored (stacked) and computed (a scan):
   a run killed mid-RL resumes with it from its per-layer checkpoint (the actor, the reference
   and the optimizer's moments converted on the devices: jaxrl/models/scan.py) and ends with
   every row once. Its weights then differ from the uninterrupted run by rounding only: the
@@ -251,7 +251,7 @@ def test_a_run_dir_of_an_unrolled_decoder_resumes_with_a_scanned_one(tmp_path, r
     time.sleep(0.05)
   proc.send_signal(signal.SIGKILL)
   proc.communicate(timeout=60)
-  err = _finish(_launch(tmp_path, "run", "--config.model.scan_layers=True"))
+  err = _finish(_launch(tmp_path, "run", "--config.model.layers.scan=True"))
   assert _resumed_from(err) == ("rl", 4), err[-3000:]
   rows = _comparable(run_dir)
   assert [(r["phase"], r["step"]) for r in rows] == [(r["phase"], r["step"]) for r in reference[1]]

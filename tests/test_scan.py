@@ -1,8 +1,7 @@
-"""The scanned decoder (`model.scan_layers`, jaxrl/models/scan.py) against the unrolled one of
+"""The scanned decoder (`model.layers.scan`, jaxrl/models/scan.py) against the unrolled one of
 the same seed: the same weights, and float32 forward, gradient, prefill and cached decode equal
 to 1e-5 for every family (Gemma 3's local and global layers with a tail after the last whole
 period, a mixture of experts with its routes replayed) and under remat."""
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import scan
-from jaxrl.models.config import ModelConfig
+from jaxrl.models.config import ModelConfig, from_fields
 from jaxrl.models.decoding import LMDecoding
 from jaxrl.models.transformer import LanguageModel
 from jaxrl.models.rope import positions_from_valid
@@ -22,16 +21,17 @@ BASE = dict(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head
 FAMILIES = {
     "llama": ModelConfig(**BASE),
     "qwen2": ModelConfig(**BASE, family="qwen2"),
-    "gemma3": ModelConfig(**{**BASE, "n_layers": 5}, family="gemma3", sliding_window=3,
-                          global_every=2),  # periods of 2 layers, then a local layer
-    "qwen3_moe": ModelConfig(**BASE, family="qwen3_moe", n_experts=4, experts_per_token=2,
-                             expert_d_ff=16, routing_replay="rollout"),
+    "gemma3": from_fields({**BASE, "n_layers": 5, "family": "gemma3",
+                           "attention.sliding_window": 3, "attention.global_every": 2}),
+    # (periods of 2 layers, then a local layer)
+    "qwen3_moe": from_fields({**BASE, "family": "qwen3_moe", "moe.experts": 4, "moe.per_token": 2,
+                              "moe.d_ff": 16, "moe.routing_replay": "rollout"}),
 }
 
 
 def _models(cfg: ModelConfig):
   unrolled = LanguageModel(cfg, rngs=nnx.Rngs(3))
-  return unrolled, LanguageModel(dataclasses.replace(cfg, scan_layers=True), rngs=nnx.Rngs(3))
+  return unrolled, LanguageModel(from_fields({"layers.scan": True}, base=cfg), rngs=nnx.Rngs(3))
 
 
 def _flat(state) -> dict:
@@ -71,7 +71,7 @@ def test_scanned_and_unrolled_decoders_agree(family):
   (s_loss, s_routing), s_grads = nnx.value_and_grad(loss, has_aux=True)(scanned)
   np.testing.assert_allclose(s_loss, u_loss, rtol=1e-5)
   _assert_close(_flat(u_grads), per_layer(_flat(s_grads), cfg.n_layers))
-  if cfg.n_experts:  # the routes recorded, then replayed: the same experts either way
+  if cfg.moe.experts:  # the routes recorded, then replayed: the same experts either way
     np.testing.assert_array_equal(s_routing.ids, u_routing.ids)
     replayed = [jax.jit(loss)(m, u_routing.ids)[0] for m in (unrolled, scanned)]
     np.testing.assert_allclose(replayed[1], replayed[0], rtol=1e-5)
@@ -128,7 +128,7 @@ def test_every_engine_decodes_a_scanned_model_as_the_unrolled_one(family):
 
 
 def test_a_scanned_update_under_remat_matches_the_unrolled_one():
-  cfg = dataclasses.replace(FAMILIES["llama"], remat="dots")
+  cfg = from_fields({"layers.remat": "dots"}, base=FAMILIES["llama"])
   grads = []
   tokens, valid = _batch()
   for model in _models(cfg):
@@ -142,7 +142,7 @@ def test_lora_adapters_scan_and_merge_as_the_unrolled_ones():
   sampler's push) the same weights."""
   from jaxrl.models import lora
   cfg = dict(rank=2, alpha=4.0, targets="wq,wv,w_up")
-  models = [LanguageModel(dataclasses.replace(FAMILIES["llama"], scan_layers=s), rngs=nnx.Rngs(3),
+  models = [LanguageModel(from_fields({"layers.scan": s}, base=FAMILIES["llama"]), rngs=nnx.Rngs(3),
                           lora=lora.LoRAConfig(**cfg)) for s in (False, True)]
   tokens, valid = _batch()
   for m in models:  # B starts at zero: give the adapters a value

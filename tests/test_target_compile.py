@@ -48,7 +48,7 @@ def test_tiny_ppo_lora_config_compiles_for_a_v5e_slice(tmp_path):
   raw.rl.advantage.update(name="gae")
   raw.rl.kl.update(mode="reward")
   raw.rl.batching.update(micro_batch_size=4)
-  raw.model.update(remat="dots")
+  raw.model.layers.update(remat="dots")
   lines, fits = report(resolve(raw, hf=False), parse_target("v5e-4"), str(tmp_path / "t.json"))
   assert fits and lines[-1].startswith("verdict: fits:")
   summary = json.loads((tmp_path / "t.json").read_text())
@@ -177,7 +177,7 @@ def test_tpu_programs_attend_with_the_splash_kernel():
     assert "tpu_custom_call" in programs["reference log-probs"].lower().as_text()
     assert "tpu_custom_call" not in programs["generate (prefill + decode loop)"].lower().as_text()
   scoring = programs["reference log-probs"].kernel_flops
-  passes = 4 if cfg.model.remat == "full" else 3
+  passes = 4 if cfg.model.layers.remat == "full" else 3
   assert scoring > 0 and programs["actor update"].kernel_flops == pytest.approx(passes * scoring)
   assert programs["generate (prefill + decode loop)"].kernel_flops == 0
 
@@ -304,7 +304,8 @@ def test_a_sliding_window_compiles_into_the_splash_kernel():
   for window in (0, 4):
     raw = load_config_file("configs/tiny.py")
     raw.placement.update(train_devices=2)
-    raw.model.update(family="gemma3", n_layers=2, sliding_window=window, global_every=0)
+    raw.model.update(family="gemma3", n_layers=2)
+    raw.model.attention.update(sliding_window=window, global_every=0)
     cfg = resolve(raw, hf=False)
     with platform.building_for("tpu"):
       cluster = RoleCluster(cfg, topology_devices(parse_target("v5e-4")), initialize=False)

@@ -35,8 +35,8 @@ import tempfile
 from absl import flags
 from ml_collections import config_flags
 
-from jaxrl.cli.flags import (DEFAULT_CONFIG, UsageError, absl_argv, check_overrides, fail, flag_value,
-                       load_config_file, print_help, start_jax)
+from jaxrl.cli.flags import (UsageError, absl_argv, check_overrides, default_config, fail,
+                             flag_value, load_config_file, print_help, start_jax)
 
 
 def _config_arg(argv: list[str]) -> tuple[str, list[str]]:
@@ -59,7 +59,7 @@ def base_config(model: str, config_file: str):
   from jaxrl.cli.model_io import run_config, split_checkpoint_path
   from jaxrl.config import ConfigError, config_dict, to_dict
   if os.path.isfile(os.path.join(model, "config.json")):  # a Hugging Face directory
-    config = load_config_file(config_file or DEFAULT_CONFIG)
+    config = load_config_file(config_file or default_config())
     config.model.hf_path = os.path.abspath(model)
     return config, None
   try:

@@ -16,9 +16,12 @@ from ml_collections import config_flags
 from jaxrl.config_checks import unknown_field
 from sharding.host import force_cpu_devices, reserve_device_memory, retain_freed_memory
 
-# configs/ of the checkout jaxrl runs from (config files are found by path: no package)
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs", "default.py")
+def default_config() -> str:
+  """configs/default.py of jaxrl's checkout (jaxrl/config_files.py `CONFIGS`)."""
+  from jaxrl.config_files import CONFIGS
+  return os.path.join(CONFIGS, "default.py")
+
+
 EXIT_USER_ERROR = 2
 
 
@@ -84,11 +87,11 @@ def absl_argv(argv: list[str]):
 
 def parse_args(argv: list[str]):
   """argv -> (locked ConfigDict with overrides, gin files, gin bindings, flags)."""
-  check_overrides(load_config_file(flag_value(argv, "config") or DEFAULT_CONFIG), argv)
+  check_overrides(load_config_file(flag_value(argv, "config") or default_config()), argv)
   fv = flags.FlagValues()
   with absl_argv(argv):
     holder = config_flags.DEFINE_config_file(
-        "config", DEFAULT_CONFIG, "Experiment config file (a Python file with get_config()).",
+        "config", default_config(), "Experiment config file (a Python file with get_config()).",
         flag_values=fv, lock_config=True)
     flags.DEFINE_multi_string("gin_file", [], "gin files applied on top", flag_values=fv)
     flags.DEFINE_multi_string("gin_param", [], "gin bindings applied on top", flag_values=fv)

@@ -1,6 +1,7 @@
 """Attention's math on the fixed slot layout: masks, the KV-cache write, the explicit einsum
-products, and which implementation `model.attention` picks for `jax.nn.dot_product_attention`
-(the rows layout takes that path where no earlier cache slots exist: layouts.py).
+products (their scores soft-capped with `model.attention.softcap`), and which implementation
+`model.attention.impl` picks for `jax.nn.dot_product_attention` (the rows layout takes that path
+where no earlier cache slots exist: layouts.py).
 
 A batch row occupies cache slots [0, S), with left padding marked invalid in `key_valid_BS`.
 Training passes the whole sequence (S == T); the sampler passes a KV cache of S slots and the
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
   from jaxrl.models.config import ModelConfig
 
 # One (k_BKHS, v_BKSH) pair per layer: kv heads first; keys transposed (head_dim before slots).
-# A scanned decoder's (`model.scan_layers`) is one pair, every layer's on axis 1: (k_BLKHS,
+# A scanned decoder's (`model.layers.scan`) is one pair, every layer's on axis 1: (k_BLKHS,
 # v_BLKSH), rows still first.
 KVCache = tuple
 
@@ -91,15 +92,18 @@ FLASH = ("cudnn", "splash")  # the implementations that hold no [B, heads, T, S]
 
 
 def attention_impl(cfg: ModelConfig, backend: str | None = None) -> str:
-  """`cfg.attention`, with "auto" resolved for `backend` (default: the platform the programs
+  """`cfg.attention.impl`, with "auto" resolved for `backend` (default: the platform the programs
   are built for, jaxrl/platform.py): cuDNN's fused flash attention on a GPU in bf16 (no
   [B, heads, T, S] scores in memory, forward or backward); elsewhere XLA's form of
   `jax.nn.dot_product_attention` (on the CPU its forward and backward took 9.2 ms against
   11.4 ms for the einsum form at 4 x 128 tokens, 9 heads: docs/models.md); on a TPU the splash
-  kernel (jaxrl/models/splash.py). The one place this is decided: the model runs it, the memory
+  kernel (jaxrl/models/splash.py); with soft-capped scores (`attention.softcap`) the einsum
+  form, the one that caps them. The one place this is decided: the model runs it, the memory
   models (planner/, the dry run) count its scores by it (`flash`)."""
-  if cfg.attention != "auto":
-    return cfg.attention
+  if cfg.attention.impl != "auto":
+    return cfg.attention.impl
+  if cfg.attention.softcap:
+    return "einsum"
   backend = backend or platform.backend()
   if backend == "tpu":
     return "splash"
@@ -163,17 +167,24 @@ def write_cache(layer_cache, k_BKHT, v_BKTH, cache_index, slots: int | None = No
   return k_BKHS[..., :slots], v_BKSH[:, :, :slots], (k_BKHS, v_BKSH)
 
 
-def attend(q_BTKGH, k_BKHS, v_BKSH, mask_BTS):
+def capped(scores, softcap: float):
+  """`softcap * tanh(scores / softcap)` (`model.attention.softcap`; 0: the scores as they are)."""
+  return softcap * jnp.tanh(scores / softcap) if softcap else scores
+
+
+def attend(q_BTKGH, k_BKHS, v_BKSH, mask_BTS, softcap: float = 0.0):
   logits_BKGTS = jnp.einsum("btkgh,bkhs->bkgts", q_BTKGH, k_BKHS).astype(jnp.float32)
-  logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
+  logits_BKGTS = jnp.where(mask_BTS[:, None, None], capped(logits_BKGTS, softcap),
+                           jnp.finfo(jnp.float32).min)
   probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(q_BTKGH.dtype)
   return jnp.einsum("bkgts,bksh->btkgh", probs_BKGTS, v_BKSH)
 
 
-def attend_one(q_BKGH, k_BKHS, v_BKSH, mask_BS):
+def attend_one(q_BKGH, k_BKHS, v_BKSH, mask_BS, softcap: float = 0.0):
   """Decode (one query per row): a small matrix product per kv head over its cache slots."""
   logits_BKGS = jnp.einsum("bkgh,bkhs->bkgs", q_BKGH, k_BKHS).astype(jnp.float32)
-  logits_BKGS = jnp.where(mask_BS[:, None, None, :], logits_BKGS, jnp.finfo(jnp.float32).min)
+  logits_BKGS = jnp.where(mask_BS[:, None, None, :], capped(logits_BKGS, softcap),
+                          jnp.finfo(jnp.float32).min)
   probs_BKGS = jax.nn.softmax(logits_BKGS, axis=-1).astype(q_BKGH.dtype)
   return jnp.einsum("bkgs,bksh->bkgh", probs_BKGS, v_BKSH)
 

@@ -11,8 +11,26 @@ approximated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+  """A gated MLP's activation: its function, and its name in a Hugging Face config.json
+  (`hidden_act`, Gemma's `hidden_activation`)."""
+  fn: Callable[[jax.Array], jax.Array]
+  hf: str
+
+
+# The gated MLP's activations (a family's `BlockOptions.mlp_activation`), dense and experts alike:
+# a new one is one entry here.
+ACTIVATIONS = {"silu": Activation(jax.nn.silu, "silu"),
+               "gelu_tanh": Activation(functools.partial(jax.nn.gelu, approximate=True),
+                                       "gelu_pytorch_tanh")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,13 +42,13 @@ class BlockOptions:
   # The attention's and the MLP's outputs are normed before the residual adds ("sandwich"
   # norms: Gemma 2 and 3).
   sandwich_norms: bool = False
-  # The gated MLP's activation, a `MLP_ACTIVATIONS` name (jaxrl/models/config.py): "silu"
-  # (SwiGLU: Llama, Qwen) or "gelu_tanh" (GeGLU with tanh-approximated GELU: Gemma).
+  # The gated MLP's activation, an `ACTIVATIONS` name: "silu" (SwiGLU: Llama, Qwen) or
+  # "gelu_tanh" (GeGLU with tanh-approximated GELU: Gemma).
   mlp_activation: str = "silu"
   # The embedding is multiplied by sqrt(d_model), rounded to the compute dtype (Gemma).
   scale_embedding: bool = False
-  # Mixture of experts: the MLP is a router and experts (jaxrl/models/moe.py; `n_experts` and
-  # the other MoE fields of ModelConfig size it).
+  # Mixture of experts: the MLP is a router and experts (jaxrl/models/moe.py; ModelConfig's
+  # `moe` section sizes it).
   moe: bool = False
 
 
@@ -88,8 +106,10 @@ def _qwen_fields(cfg) -> dict:
 class Family:
   hf_architecture: str  # config.json's `architectures` entry
   block: BlockOptions = BlockOptions()
-  # ModelConfig fields from config.json keys of the family's own (the keys every family shares,
-  # hidden_size, num_attention_heads, rope, ..., are read by hf_config.py): raw dict -> dict
+  # ModelConfig fields, by dotted name ("attention.softcap"), from config.json keys of the
+  # family's own (the keys every family shares, hidden_size, num_attention_heads, rope, ...,
+  # are read by hf_config.py): raw dict -> dict. A soft cap of the scores or the logits is read
+  # and written here, by the families whose config.json has it; others refuse it.
   hf_read: Callable[[dict], dict] = lambda raw: {}
   # config.json fields an export writes besides the ones every family has (ModelConfig -> dict)
   hf_fields: Callable[[Any], dict] = lambda cfg: {}
@@ -130,40 +150,44 @@ def layer_types(n_layers: int, every: int) -> list[str]:
 
 def _gemma3_read(raw: dict) -> dict:
   """Gemma 3's own config.json keys: the sliding window, the layers' pattern (checked by
-  hf_config.py), the sliding layers' RoPE base, the queries' scale, the logits' soft cap (null:
-  none)."""
+  hf_config.py), the sliding layers' RoPE base, the queries' scale, the scores' and the
+  logits' soft caps (null: none)."""
   every = global_every(raw.get("layer_types") or [])
   rope = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
-  return dict(sliding_window=int(raw.get("sliding_window") or 0), global_every=every,
-              rope_local_theta=float(rope.get("rope_theta", raw.get("rope_local_base_freq",
-                                                                      10_000.0))),
-              query_scale=float(raw.get("query_pre_attn_scalar") or 0.0),
-              logit_softcap=float(raw.get("final_logit_softcapping") or 0.0))
+  return {"attention.sliding_window": int(raw.get("sliding_window") or 0),
+          "attention.global_every": every,
+          "rope.local_theta": float(rope.get("rope_theta", raw.get("rope_local_base_freq",
+                                                                   10_000.0))),
+          "attention.query_scale": float(raw.get("query_pre_attn_scalar") or 0.0),
+          "attention.softcap": float(raw.get("attn_logit_softcapping") or 0.0),
+          "logit_softcap": float(raw.get("final_logit_softcapping") or 0.0)}
 
 
 def _gemma3_fields(cfg) -> dict:
-  scale = cfg.query_scale or cfg.head_dim
-  return dict(sliding_window=cfg.sliding_window, layer_types=cfg.layer_types(),
-              rope_local_base_freq=cfg.rope_local_theta,
+  a = cfg.attention
+  scale = a.query_scale or cfg.head_dim
+  return dict(sliding_window=a.sliding_window, layer_types=cfg.layer_types(),
+              rope_local_base_freq=cfg.rope.local_theta,
               query_pre_attn_scalar=int(scale) if scale == int(scale) else scale,
               hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
               attention_bias=False, final_logit_softcapping=cfg.logit_softcap or None,
-              attn_logit_softcapping=None, use_bidirectional_attention=False)
+              attn_logit_softcapping=a.softcap or None, use_bidirectional_attention=False)
 
 
 def _moe_read(raw: dict) -> dict:
   """Qwen3-MoE's own config.json keys (transformers 5 writes `num_experts` as
   `num_local_experts`); its unsupported variants are refused by hf_config.py."""
-  return dict(n_experts=int(raw.get("num_experts") or raw.get("num_local_experts") or 0),
-              experts_per_token=int(raw.get("num_experts_per_tok") or 0),
-              expert_d_ff=int(raw.get("moe_intermediate_size") or 0),
-              norm_topk=bool(raw.get("norm_topk_prob", False)))
+  return {"moe.experts": int(raw.get("num_experts") or raw.get("num_local_experts") or 0),
+          "moe.per_token": int(raw.get("num_experts_per_tok") or 0),
+          "moe.d_ff": int(raw.get("moe_intermediate_size") or 0),
+          "moe.norm_topk": bool(raw.get("norm_topk_prob", False))}
 
 
 def _moe_fields(cfg) -> dict:
-  return dict(_qwen_fields(cfg), attention_bias=False, num_experts=cfg.n_experts,
-              num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.expert_d_ff,
-              norm_topk_prob=cfg.norm_topk, decoder_sparse_step=1, mlp_only_layers=[],
+  m = cfg.moe
+  return dict(_qwen_fields(cfg), attention_bias=False, num_experts=m.experts,
+              num_experts_per_tok=m.per_token, moe_intermediate_size=m.d_ff,
+              norm_topk_prob=m.norm_topk, decoder_sparse_step=1, mlp_only_layers=[],
               output_router_logits=False)
 
 

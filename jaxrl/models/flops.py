@@ -19,18 +19,18 @@ from jaxrl.models.config import ModelConfig
 
 def mlp_params(cfg: ModelConfig, active: bool = False) -> int:
   """Parameters of one layer's MLP: a mixture of experts' router and its experts (`active`:
-  only the `experts_per_token` experts a token uses)."""
+  only the `moe.per_token` experts a token uses)."""
   d = cfg.d_model
-  if not cfg.n_experts:
+  if not cfg.moe.experts:
     return 3 * d * cfg.d_ff
-  experts = cfg.experts_per_token if active else cfg.n_experts
-  return 3 * d * cfg.expert_d_ff * experts + cfg.n_experts * d
+  experts = cfg.moe.per_token if active else cfg.moe.experts
+  return 3 * d * cfg.moe.d_ff * experts + cfg.moe.experts * d
 
 
 def token_ff(cfg: ModelConfig) -> int:
-  """The MLP's hidden width per token: d_ff, or a mixture of experts' experts_per_token x
-  expert_d_ff (a token's rows among the assignments sorted by expert)."""
-  return cfg.experts_per_token * cfg.expert_d_ff if cfg.n_experts else cfg.d_ff
+  """The MLP's hidden width per token: d_ff, or a mixture of experts' moe.per_token x
+  moe.d_ff (a token's rows among the assignments sorted by expert)."""
+  return cfg.moe.per_token * cfg.moe.d_ff if cfg.moe.experts else cfg.d_ff
 
 
 def layer_params(cfg: ModelConfig) -> int:
@@ -67,7 +67,7 @@ def attention_flops(cfg: ModelConfig, queries: int, keys_per_query: float,
   sliding-window layer's: `local_keys`, default at most its window)."""
   local = sum(cfg.is_local(i) for i in range(cfg.n_layers))
   if local_keys is None:
-    local_keys = min(keys_per_query, cfg.sliding_window or keys_per_query)
+    local_keys = min(keys_per_query, cfg.attention.sliding_window or keys_per_query)
   keys = (cfg.n_layers - local) * keys_per_query + local * local_keys
   return 4.0 * cfg.n_heads * cfg.head_dim * queries * keys
 
@@ -82,7 +82,7 @@ def forward_flops(cfg: ModelConfig, rows: int, seq_len: int, scored: int) -> flo
   tokens = rows * seq_len
   return (2.0 * matmul_params(cfg) * tokens
           + attention_flops(cfg, tokens, (seq_len + 1) / 2,
-                            causal_keys(seq_len, cfg.sliding_window))
+                            causal_keys(seq_len, cfg.attention.sliding_window))
           + head_flops(cfg, rows * scored))
 
 
@@ -98,7 +98,7 @@ def generate_flops(cfg: ModelConfig, prompts: int, prompt_len: int, samples: int
   token needs no forward pass), each attending to the prompt and the tokens so far."""
   prefill = (2.0 * matmul_params(cfg) * prompts * prompt_len
              + attention_flops(cfg, prompts * prompt_len, (prompt_len + 1) / 2,
-                               causal_keys(prompt_len, cfg.sliding_window))
+                               causal_keys(prompt_len, cfg.attention.sliding_window))
              + head_flops(cfg, prompts))
   rows, steps = prompts * samples, max(new_tokens - 1, 0)
   decode = (2.0 * matmul_params(cfg) * rows * steps
@@ -124,7 +124,7 @@ def executed_train_flops(cfg: ModelConfig, rows: int, seq_len: int, scored: int,
   where the chunked log-probs recompute them (passes of `pass_rows` rows, default `rows`), less
   the gradients of LoRA's frozen base (with the adapters' `lora_params` in three passes
   instead), plus, under `remat`
-  (default `cfg.remat`) `full`, the blocks' attention and the products whose outputs the
+  (default `cfg.layers.remat`) `full`, the blocks' attention and the products whose outputs the
   backward reads, again (queries, keys, values, gate, up: XLA recomputes no more, and under
   `dots` nothing: checked against the TPU compiler by benchmarks/target_sweep.py)."""
   tokens = rows * seq_len
@@ -134,10 +134,10 @@ def executed_train_flops(cfg: ModelConfig, rows: int, seq_len: int, scored: int,
   if lora_params:
     out += 6.0 * lora_params * tokens - 2.0 * matmul_params(cfg) * tokens
     out -= head_flops(cfg, rows * scored)
-  if (remat or cfg.remat) == "full":
+  if (remat or cfg.layers.remat) == "full":
     d, h = cfg.d_model, cfg.head_dim
     read = cfg.n_layers * (d * h * (cfg.n_heads + 2 * cfg.n_kv_heads)
                            + 2 * mlp_params(cfg, active=True) // 3)
     out += 2.0 * read * tokens + attention_flops(cfg, tokens, (seq_len + 1) / 2,
-                                                 causal_keys(seq_len, cfg.sliding_window))
+                                                 causal_keys(seq_len, cfg.attention.sliding_window))
   return out

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from jaxrl.models.config import ModelConfig
+from jaxrl.models.config import ModelConfig, fields
 from jaxrl.models.families import EXPERTS, FAMILIES, TOP_TENSORS
 from jaxrl.models.hf_config import (ARCH_FIELDS, HFError, check_config, model_config_from_hf,
                                     tensor_prefix)
@@ -194,10 +194,11 @@ def _check_unused(weights: dict, used: set, subtree: str | None, tied: bool, whe
 
 def _check_same(cfg: ModelConfig, hf: ModelConfig) -> None:
   """The model must compute what the checkpoint's config says (check_config's result does)."""
+  mine, theirs = fields(cfg), fields(hf)
   for name in ARCH_FIELDS:
-    if getattr(cfg, name) != getattr(hf, name):
-      raise HFError(f"{name}: the model has {getattr(cfg, name)!r} but {hf.hf_path}/config.json "
-                    f"says {getattr(hf, name)!r} (build the model from check_config's result)")
+    if mine[name] != theirs[name]:
+      raise HFError(f"{name}: the model has {mine[name]!r} but {hf.hf_path}/config.json says "
+                    f"{theirs[name]!r} (build the model from check_config's result)")
 
 
 def load_params(hf_dir: str, cfg: ModelConfig, abstract: nnx.State, *,

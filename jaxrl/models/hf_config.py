@@ -2,43 +2,41 @@
 (jaxrl/models/families.py: Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 text).
 
 Only what the model computes exactly is accepted: anything else in a config.json (another
-architecture, Qwen's sliding-window option, Gemma 2's attention-logit soft-capping, YaRN, an MLP
-or output-projection bias) is an `HFError` naming the file and the field, never a silent
-approximation; an export of what the family's architecture cannot express (soft-capped logits
-in a Llama) is refused the same way. transformers 4 writes `rope_theta` and `rope_scaling`,
+architecture, Qwen's sliding-window option, attention-logit soft-capping in a family that does
+not read it, YaRN, an MLP or output-projection bias) is an `HFError` naming the file and the
+field, never a silent approximation; an export of what the family's architecture cannot express
+(soft-capped logits or scores in a Llama) is refused the same way. transformers 4 writes `rope_theta` and `rope_scaling`,
 transformers 5 `rope_parameters`; both are read, and exports write both, so either version (and
 vLLM) loads them.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
-from jaxrl.models.config import ModelConfig
-from jaxrl.models.families import FAMILIES, family_of_architecture, global_every, layer_types
+from jaxrl.models.config import ModelConfig, fields, from_fields
+from jaxrl.models.families import (ACTIVATIONS, FAMILIES, family_of_architecture, global_every,
+                                   layer_types)
 
 
 class HFError(ValueError):
   """A Hugging Face checkpoint or config that jaxrl cannot load (or write) exactly."""
 
 
-# The ModelConfig fields a checkpoint fixes, and those that stay the user's (a new ModelConfig
-# field must join one of them: tests/test_hf.py checks).
-USER_FIELDS = ("dtype", "hf_path", "frozen_float32", "remat", "attention", "moe_impl",
-               "router_aux_loss", "router_z_loss", "routing_replay", "scan_layers")
+# The ModelConfig fields (dotted names) a checkpoint fixes, and those that stay the user's (a new
+# field must join one of them: tests/test_hf_config.py checks).
+USER_FIELDS = ("dtype", "hf_path", "frozen_float32", "attention.impl", "moe.impl", "moe.aux_loss",
+               "moe.z_loss", "moe.routing_replay", "layers.scan", "layers.remat")
 ARCH_FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-               "d_ff", "rope_theta", "norm_eps", "tie_embeddings", "scale_tied_head",
-               "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-               "rope_original_max_positions", "sliding_window", "global_every",
-               "rope_local_theta", "query_scale", "logit_softcap", "n_experts",
-               "experts_per_token", "expert_d_ff", "norm_topk")
-
-# The MLP's activations (`BlockOptions.mlp_activation`) as transformers names them.
-HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
-_LLAMA3_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
-                "rope_high_freq_factor": "high_freq_factor",
-                "rope_original_max_positions": "original_max_position_embeddings"}
+               "d_ff", "norm_eps", "tie_embeddings", "scale_tied_head", "logit_softcap",
+               *(f"rope.{name}" for name in ("theta", "scaling", "factor", "low_freq_factor",
+                                            "high_freq_factor", "original_max_positions",
+                                            "local_theta")),
+               "attention.sliding_window", "attention.global_every", "attention.query_scale",
+               "attention.softcap", "moe.experts", "moe.per_token", "moe.d_ff", "moe.norm_topk")
+_LLAMA3_KEYS = {"rope.factor": "factor", "rope.low_freq_factor": "low_freq_factor",
+                "rope.high_freq_factor": "high_freq_factor",
+                "rope.original_max_positions": "original_max_position_embeddings"}
 
 
 def read_json(path: str) -> dict:
@@ -76,10 +74,10 @@ def _refuse_unsupported(raw: dict, family: str, path: str) -> None:
   block = FAMILIES[family].block
   if block.moe:
     _refuse_moe(raw, path)
+  activation = ACTIVATIONS[block.mlp_activation].hf
   for key in ("hidden_act", "hidden_activation"):  # (Gemma's is hidden_activation)
-    if raw.get(key) not in (None, HF_ACTIVATIONS[block.mlp_activation]):
-      raise _unsupported(path, key, raw[key], f"the MLP's activation is "
-                         f"{HF_ACTIVATIONS[block.mlp_activation]} only")
+    if raw.get(key) not in (None, activation):
+      raise _unsupported(path, key, raw[key], f"the MLP's activation is {activation} only")
   if raw.get("mlp_bias"):
     raise _unsupported(path, "mlp_bias", True, "the MLP has no biases")
   if not block.qkv_bias and raw.get("attention_bias"):
@@ -87,9 +85,10 @@ def _refuse_unsupported(raw: dict, family: str, path: str) -> None:
     raise _unsupported(path, "attention_bias", True, "no output-projection bias")
   if raw.get("use_sliding_window"):
     raise _unsupported(path, "use_sliding_window", True, "full attention only")
-  if raw.get("attn_logit_softcapping") is not None:
+  if (raw.get("attn_logit_softcapping") is not None
+      and "attention.softcap" not in FAMILIES[family].hf_read(raw)):
     raise _unsupported(path, "attn_logit_softcapping", raw["attn_logit_softcapping"],
-                       "no attention-logit soft-capping (Gemma 2's)")
+                       f"no attention-logit soft-capping in a {family} model")
   if raw.get("use_bidirectional_attention"):
     raise _unsupported(path, "use_bidirectional_attention", True, "causal attention only")
   if raw.get("partial_rotary_factor", 1.0) != 1.0:
@@ -128,24 +127,25 @@ def _refuse_moe(raw: dict, path: str) -> None:
 
 
 def _rope_fields(raw: dict, path: str) -> dict:
-  """ModelConfig's rope fields from `rope_parameters` (transformers 5; per layer kind where
-  there are sliding layers: the global layers' here) or `rope_theta` + `rope_scaling`
+  """ModelConfig's rope fields (dotted) from `rope_parameters` (transformers 5; per layer kind
+  where there are sliding layers: the global layers' here) or `rope_theta` + `rope_scaling`
   (transformers 4; its older `type` key too)."""
   params = raw.get("rope_parameters") or {}
   params = params.get("full_attention", params)
   rope = {**(raw.get("rope_scaling") or {}), **params}
   kind = rope.get("rope_type", rope.get("type", "default"))
-  fields = dict(rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10_000.0))))
+  out = {"rope.theta": float(rope.get("rope_theta", raw.get("rope_theta", 10_000.0)))}
   if kind == "default":
-    return fields
+    return out
   if kind == "linear":
-    return dict(fields, rope_scaling="linear", rope_factor=float(_require(rope, "factor", path)))
+    return {**out, "rope.scaling": "linear",
+            "rope.factor": float(_require(rope, "factor", path))}
   if kind == "llama3":
     rope.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings"))
     for field, key in _LLAMA3_KEYS.items():
       value = _require(rope, key, path)
-      fields[field] = int(value) if field == "rope_original_max_positions" else float(value)
-    return dict(fields, rope_scaling="llama3")
+      out[field] = int(value) if field == "rope.original_max_positions" else float(value)
+    return {**out, "rope.scaling": "llama3"}
   raise _unsupported(path, "rope_type", kind, "default, linear or llama3")
 
 
@@ -186,7 +186,7 @@ def model_config_from_hf(hf_dir: str) -> ModelConfig:
   d_model = _require(raw, "hidden_size", path)
   n_heads = _require(raw, "num_attention_heads", path)
   try:
-    return ModelConfig(
+    return from_fields(dict(
         family=family, vocab_size=_require(raw, "vocab_size", path), d_model=d_model,
         n_layers=_require(raw, "num_hidden_layers", path), n_heads=n_heads,
         n_kv_heads=raw.get("num_key_value_heads") or n_heads,
@@ -194,7 +194,7 @@ def model_config_from_hf(hf_dir: str) -> ModelConfig:
         d_ff=_require(raw, "intermediate_size", path),
         norm_eps=float(_require(raw, "rms_norm_eps", path)),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)), scale_tied_head=False,
-        hf_path=str(hf_dir), **_rope_fields(raw, path), **FAMILIES[family].hf_read(raw))
+        hf_path=str(hf_dir), **_rope_fields(raw, path), **FAMILIES[family].hf_read(raw)))
   except ValueError as e:  # ModelConfig's own checks (e.g. heads vs kv heads)
     raise HFError(f"{path}: {e}") from None
 
@@ -204,20 +204,21 @@ def check_config(user: ModelConfig, hf: ModelConfig,
   """`hf` with the user's fields (`USER_FIELDS`). An architecture field the user set (it differs
   from the schema's `default`) to something other than the checkpoint's value is an error."""
   where = os.path.join(hf.hf_path, "config.json")
+  mine, theirs, defaults = fields(user), fields(hf), fields(default)
   for name in ARCH_FIELDS:
-    mine, theirs = getattr(user, name), getattr(hf, name)
-    if mine != getattr(default, name) and mine != theirs:
-      raise HFError(f"config.model.{name}: {mine!r} contradicts {theirs!r} in {where}")
-  mine = {name: getattr(user, name) for name in USER_FIELDS}
-  return dataclasses.replace(hf, **{**mine, "hf_path": user.hf_path or hf.hf_path})
+    if mine[name] != defaults[name] and mine[name] != theirs[name]:
+      raise HFError(f"config.model.{name}: {mine[name]!r} contradicts {theirs[name]!r} in "
+                    f"{where}")
+  kept = {name: mine[name] for name in USER_FIELDS}
+  return from_fields({**kept, "hf_path": user.hf_path or hf.hf_path}, base=hf)
 
 
 def _rope_scaling(cfg: ModelConfig) -> dict | None:
-  if cfg.rope_scaling == "linear":
-    return {"rope_type": "linear", "factor": cfg.rope_factor}
-  if cfg.rope_scaling == "llama3":
-    return {"rope_type": "llama3",
-            **{key: getattr(cfg, field) for field, key in _LLAMA3_KEYS.items()}}
+  if cfg.rope.scaling == "linear":
+    return {"rope_type": "linear", "factor": cfg.rope.factor}
+  if cfg.rope.scaling == "llama3":
+    flat = fields(cfg)
+    return {"rope_type": "llama3", **{key: flat[field] for field, key in _LLAMA3_KEYS.items()}}
   return None
 
 
@@ -228,8 +229,8 @@ def default_max_positions(cfg: ModelConfig) -> int:
   if source and os.path.exists(source):
     if (positions := read_json(source).get("max_position_embeddings")):
       return int(positions)
-  factor = cfg.rope_factor if cfg.rope_scaling != "none" else 1.0
-  return int(cfg.rope_original_max_positions * factor)
+  factor = cfg.rope.factor if cfg.rope.scaling != "none" else 1.0
+  return int(cfg.rope.original_max_positions * factor)
 
 
 def hf_config_dict(cfg: ModelConfig, *, tied: bool, dtype: str, max_positions: int,
@@ -243,18 +244,20 @@ def hf_config_dict(cfg: ModelConfig, *, tied: bool, dtype: str, max_positions: i
       vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
       num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
       num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-      hidden_act=HF_ACTIVATIONS[family.block.mlp_activation],
-      max_position_embeddings=max_positions, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+      hidden_act=ACTIVATIONS[family.block.mlp_activation].hf,
+      max_position_embeddings=max_positions, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope.theta,
       rope_scaling=scaling,
-      rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta},
+      rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope.theta},
       tie_word_embeddings=tied, attention_dropout=0.0, initializer_range=0.02, use_cache=True,
       torch_dtype=dtype, dtype=dtype, **token_ids)
-  if cfg.sliding_window:  # per layer kind (transformers 5)
+  if cfg.attention.sliding_window:  # per layer kind (transformers 5)
     out["rope_parameters"] = {"full_attention": out["rope_parameters"], "sliding_attention": {
-        "rope_type": "default", "rope_theta": cfg.rope_local_theta}}
+        "rope_type": "default", "rope_theta": cfg.rope.local_theta}}
   out.update(family.hf_fields(cfg))
-  if cfg.logit_softcap and out.get("final_logit_softcapping") != cfg.logit_softcap:
-    raise HFError(f"config.model.logit_softcap: {cfg.logit_softcap} has no field in a "
-                  f"{family.hf_architecture} config.json (final_logit_softcapping); transformers "
-                  "would compute the logits uncapped")
+  for name, key, value in (("logit_softcap", "final_logit_softcapping", cfg.logit_softcap),
+                           ("attention.softcap", "attn_logit_softcapping",
+                            cfg.attention.softcap)):
+    if value and out.get(key) != value:
+      raise HFError(f"config.model.{name}: {value} has no field in a {family.hf_architecture} "
+                    f"config.json ({key}); transformers would compute it uncapped")
   return out

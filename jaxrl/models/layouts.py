@@ -107,10 +107,10 @@ class Rows:
       out_BTKGH = fused(q_BTNH, k_BTKH, v_BTKH, mask_BTS, impl).reshape(b, t, kh, n // kh, h)
     elif t == 1:
       out_BTKGH = attend_one(q_BTNH.reshape(b, kh, n // kh, h), k_BKHS.astype(dt),
-                                 v_BKSH.astype(dt), mask_BTS[:, 0])[:, None]
+                             v_BKSH.astype(dt), mask_BTS[:, 0], cfg.attention.softcap)[:, None]
     else:
       out_BTKGH = attend(q_BTNH.reshape(b, t, kh, n // kh, h), k_BKHS.astype(dt),
-                             v_BKSH.astype(dt), mask_BTS)
+                         v_BKSH.astype(dt), mask_BTS, cfg.attention.softcap)
     return out_BTKGH.reshape(b, t, n * h), new_cache
 
   def logits(self, h_BTD, head_VD, softcap: float):
@@ -189,7 +189,8 @@ class Features:
     k_BKHS, v_BKSH, new_cache = write_cache(layer_cache, k_KHB.transpose(2, 0, 1)[..., None],
                                             v_KHB.transpose(2, 0, 1)[:, :, None], slot,
                                             mask_B1S.shape[-1])
-    out_BKGH = attend_one(q_BKGH, k_BKHS.astype(dt), v_BKSH.astype(dt), mask_B1S[:, 0])
+    out_BKGH = attend_one(q_BKGH, k_BKHS.astype(dt), v_BKSH.astype(dt), mask_B1S[:, 0],
+                          cfg.attention.softcap)
     return out_BKGH.reshape(b, n * h).T, new_cache
 
   def logits(self, h_DB, head_VD, softcap: float):

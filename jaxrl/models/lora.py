@@ -91,7 +91,7 @@ class LoRA(nnx.Module):
     r = self.a.shape[0]
     x_RI = x_BTI.reshape(b * t, -1)
     low_RR = _matmul(x_RI, self.a[...].reshape(r, -1))
-    # The up-projection as a batched product (a batch of one): `model.remat="dots"` saves
+    # The up-projection as a batched product (a batch of one): `model.layers.remat="dots"` saves
     # unbatched products for the backward, and this one is [tokens, out], as large as the
     # projection's own output, for r multiply-adds per element: recomputing it is cheaper.
     b_1OR = self.b[...].reshape(1, -1, r).astype(x_BTI.dtype)

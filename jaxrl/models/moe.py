@@ -1,15 +1,15 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a softmax router picks `experts_per_token` of
-`n_experts` SwiGLU experts per token and sums their outputs weighted by the router's
+"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a softmax router picks `moe.per_token` of
+`moe.experts` SwiGLU experts per token and sums their outputs weighted by the router's
 probabilities (renormalised over the chosen experts where `norm_topk`).
 
-Dropless: every token reaches every expert it picked. `moe_impl="ragged"` sorts the (token,
+Dropless: every token reaches every expert it picked. `moe.impl="ragged"` sorts the (token,
 expert) assignments by expert and runs each projection as one grouped matrix product
 (`jax.lax.ragged_dot_general`: rows [assignments, in] against weights [experts, out, in], each
 expert multiplying its own run of rows), so the FLOPs are the active parameters'; "blocked"
 pads each expert's run to whole blocks of rows and multiplies block by block (a batched product,
 each block with its expert's weights: at most E x (block - 1) padding rows); "dense" runs every
-expert over every token and weights the outputs by a one-hot combine matrix, n_experts /
-experts_per_token times the FLOPs: the reference the others are tested and benchmarked against
+expert over every token and weights the outputs by a one-hot combine matrix, moe.experts /
+moe.per_token times the FLOPs: the reference the others are tested and benchmarked against
 (benchmarks/moe.py). "auto": dense for a decode-sized batch, else blocked (`experts_impl`).
 
 Routing replay (`route(..., routes_RK)`): the experts are given (the sampler's choice for the
@@ -210,7 +210,7 @@ def aux_losses(load_LE, prob_LE, z_L) -> tuple[jax.Array, jax.Array]:
 
 
 def experts_impl(impl: str, assignments: int, experts: int) -> str:
-  """`model.moe_impl`, with "auto" resolved by the batch's size: the dense form for at most
+  """`model.moe.impl`, with "auto" resolved by the batch's size: the dense form for at most
   2 assignments per expert (a decode step: every expert's weights are read anyway), else the
   blocked one. Measured by benchmarks/moe.py (docs/models.md): on an H200 the blocked form
   ran a Qwen3-30B-A3B layer over 8192 tokens 13.6x faster than `ragged_dot` and 2.1x faster
@@ -231,13 +231,13 @@ class MoE(nnx.Module):
   the gate (SwiGLU: silu)."""
 
   def __init__(self, cfg, rngs: nnx.Rngs, act):
-    e, f, d = cfg.n_experts, cfg.expert_d_ff, cfg.d_model
+    e, f, d = cfg.moe.experts, cfg.moe.d_ff, cfg.d_model
     self.router = _param(rngs, (e, d), (None, "embed"), d**-0.5)
     self.w_gate = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), d**-0.5)
     self.w_up = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), d**-0.5)
     self.w_down = _param(rngs, (e, d, f), ("expert", "embed", "mlp"), f**-0.5 / cfg.n_layers)
-    self.k, self.norm, self.impl = cfg.experts_per_token, cfg.norm_topk, cfg.moe_impl
-    self.replay = cfg.routing_replay == "rollout"
+    self.k, self.norm, self.impl = cfg.moe.per_token, cfg.moe.norm_topk, cfg.moe.impl
+    self.replay = cfg.moe.routing_replay == "rollout"
     self.act = act
 
   def __call__(self, x_BTD, valid_BT=None, routes_BTK=None):

@@ -19,16 +19,16 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
   `linear` divides them all by the factor; `llama3` divides the low ones (wavelengths above
   original_max_positions / low_freq_factor), keeps the high ones and blends in between."""
   half = cfg.head_dim // 2
-  freq_H = 1.0 / cfg.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / cfg.head_dim)
-  if cfg.rope_scaling == "linear":
-    freq_H = freq_H / cfg.rope_factor
-  elif cfg.rope_scaling == "llama3":
+  freq_H = 1.0 / cfg.rope.theta ** (np.arange(half, dtype=np.float64) * 2 / cfg.head_dim)
+  if cfg.rope.scaling == "linear":
+    freq_H = freq_H / cfg.rope.factor
+  elif cfg.rope.scaling == "llama3":
     wavelen_H = 2 * math.pi / freq_H
-    old = cfg.rope_original_max_positions
-    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old = cfg.rope.original_max_positions
+    low, high = cfg.rope.low_freq_factor, cfg.rope.high_freq_factor
     smooth_H = (old / wavelen_H - low) / (high - low)
-    blended_H = (1 - smooth_H) * freq_H / cfg.rope_factor + smooth_H * freq_H
-    freq_H = np.where(wavelen_H > old / low, freq_H / cfg.rope_factor,
+    blended_H = (1 - smooth_H) * freq_H / cfg.rope.factor + smooth_H * freq_H
+    freq_H = np.where(wavelen_H > old / low, freq_H / cfg.rope.factor,
                       np.where(wavelen_H < old / high, freq_H, blended_H))
   return freq_H.astype(np.float32)
 
@@ -37,9 +37,10 @@ def table_frequencies(cfg: ModelConfig) -> np.ndarray:
   """The frequencies of a pass's table: the global layers', then, with sliding-window layers,
   the local layers' (their own base, unscaled): [head_dim / 2] or [head_dim]."""
   freq_H = inverse_frequencies(cfg)
-  if not cfg.sliding_window:
+  if not cfg.attention.sliding_window:
     return freq_H
-  local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling="none")
+  local = dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, theta=cfg.rope.local_theta,
+                                                            scaling="none"))
   return np.concatenate([freq_H, inverse_frequencies(local)])
 
 
@@ -53,7 +54,7 @@ def rope_table(positions_BT: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ja
 
 def table_part(table: tuple, cfg: ModelConfig, local: bool, axis: int = -1) -> tuple:
   """A layer's part of a pass's table (`axis`: its frequency axis)."""
-  if not cfg.sliding_window:
+  if not cfg.attention.sliding_window:
     return table
   half = cfg.head_dim // 2
   start = half if local else 0

@@ -1,4 +1,4 @@
-"""A scanned decoder (`model.scan_layers`): the blocks' parameters stacked along a leading
+"""A scanned decoder (`model.layers.scan`): the blocks' parameters stacked along a leading
 `layers` axis, and the cacheless passes (training, scoring) as one `jax.lax.scan` over them, so
 the block is traced and compiled once whatever the depth (MaxText's `scan_layers`).
 
@@ -48,7 +48,7 @@ def layer_view(stacked: nnx.Module, i) -> nnx.Module:
 def period(cfg) -> int:
   """Layers per repeat of the decoder's layer pattern: 1 unless local and global layers
   alternate (`global_every`)."""
-  return cfg.global_every if cfg.sliding_window and cfg.global_every else 1
+  return cfg.attention.global_every if cfg.attention.sliding_window and cfg.attention.global_every else 1
 
 
 def scan_periods(stacked: nnx.Module, n_periods: int, size: int, carry, layer_fn,

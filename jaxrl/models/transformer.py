@@ -22,7 +22,8 @@ from flax import nnx
 
 from jaxrl.models.attention import (KVCache, StackedLayer, ValidPrefix, attention_impl,
                                     attention_mask, valid_first, windowed)
-from jaxrl.models.config import MLP_ACTIVATIONS, REMAT_POLICIES, ModelConfig
+from jaxrl.models.config import REMAT_POLICIES, ModelConfig
+from jaxrl.models.families import ACTIVATIONS
 from jaxrl.models.layouts import ROWS
 from jaxrl.models.lora import LoRA, LoRAConfig
 from jaxrl.models.scan import layer_view, period, scan_periods, stack_blocks
@@ -120,7 +121,7 @@ class MLP(nnx.Module):
 
 
 def _gated(gate, up, activation: str):
-  return MLP_ACTIVATIONS[activation](gate) * up
+  return ACTIVATIONS[activation].fn(gate) * up
 
 
 # In a scanned decoder, recomputed by the backward from gate and up (as norm.RMSNorm's)
@@ -135,9 +136,9 @@ class Block(nnx.Module):
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset, recompute=scan)
     self.attn = Attention(cfg, rngs, lora, lora_rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=offset, recompute=scan)
-    self.moe = bool(cfg.n_experts)
+    self.moe = bool(cfg.moe.experts)
     if self.moe:
-      self.mlp = MoE(cfg, rngs, MLP_ACTIVATIONS[cfg.block.mlp_activation])
+      self.mlp = MoE(cfg, rngs, ACTIVATIONS[cfg.block.mlp_activation].fn)
     else:
       self.mlp = MLP(cfg, rngs, lora, lora_rngs)
     self.sandwich = cfg.block.sandwich_norms
@@ -259,7 +260,7 @@ class Decoder(nnx.Module):
     if cfg.block.scale_embedding:  # (in the compute dtype, as Gemma rounds it)
       x = x * jnp.asarray(cfg.d_model**0.5, cfg.compute_dtype)
     rope = layout.rope_table(positions, cfg)
-    local = windowed(mask, cfg.sliding_window, layout.length(tokens), cache_index)
+    local = windowed(mask, cfg.attention.sliding_window, layout.length(tokens), cache_index)
     kind = lambda i: (layout.rope_part(rope, cfg, cfg.is_local(i)),
                       local if cfg.is_local(i) else mask)
     run = _Pass(kind, cache_index, last_only, layout, valid_BT, layout.length(tokens))
@@ -277,7 +278,7 @@ class Decoder(nnx.Module):
   def layer_step(self, run: _Pass, block: Block, j: int, i, x, kv_cache, routes_BTK):
     """Layer `i` (an int, or traced in a scan; its kind of attention that of layer `j`) of a
     pass: (output, the whole updated cache or None, its `MoEStats` or None). A cacheless pass
-    runs under `model.remat`; a cached one (never differentiated) writes the layer's keys and
+    runs under `model.layers.remat`; a cached one (never differentiated) writes the layer's keys and
     values into the cache (a stacked one in place: attention.StackedLayer)."""
     if kv_cache is None:
       x, st = self.cacheless(block, x, *run.kind(j), run.valid_BT, routes_BTK)
@@ -295,7 +296,7 @@ class Decoder(nnx.Module):
 
   @property
   def stacked(self) -> bool:
-    """Whether the blocks are one stacked block (`model.scan_layers`)."""
+    """Whether the blocks are one stacked block (`model.layers.scan`)."""
     return not isinstance(self.blocks, nnx.List)
 
   def layer(self, i: int) -> Block:
@@ -303,8 +304,8 @@ class Decoder(nnx.Module):
     return layer_view(self.blocks, i) if self.stacked else self.blocks[i]
 
   def cacheless(self, block: Block, x_BTD, rope_BTH, mask_BTS, valid_BT, routes_BTK):
-    """`block` on a pass without a cache, under `model.remat`: (output, its `MoEStats`)."""
-    if self.cfg.remat != "none":
+    """`block` on a pass without a cache, under `model.layers.remat`: (output, its `MoEStats`)."""
+    if self.cfg.layers.remat != "none":
       x_BTD, _, stats = self.remat_block(block, x_BTD, rope_BTH, mask_BTS, False, valid_BT,
                                          routes_BTK)
     else:
@@ -339,7 +340,7 @@ class Decoder(nnx.Module):
   def remat_block(self, block: Block, x_BTD, rope_BTH, mask_BTS, last_only: bool, valid_BT,
                   routes_BTK):
     """`block` on a cacheless pass under `jax.checkpoint`: its backward recomputes what the
-    `model.remat` policy does not save. The block is split into its pure state, so the
+    `model.layers.remat` policy does not save. The block is split into its pure state, so the
     checkpointed function closes over no traced module."""
     graphdef, state = nnx.split(block)
 
@@ -347,7 +348,7 @@ class Decoder(nnx.Module):
       out, _, stats = nnx.merge(graphdef, state)(x_BTD, rope_BTH, mask_BTS, None, 0, last_only,
                                                  ROWS, valid_BT, routes_BTK)
       return out, stats
-    policy = REMAT_POLICIES[self.cfg.remat]
+    policy = REMAT_POLICIES[self.cfg.layers.remat]
     out, stats = jax.checkpoint(run, policy=policy)(state, x_BTD, rope_BTH, mask_BTS, valid_BT,
                                                     routes_BTK)
     return out, None, stats

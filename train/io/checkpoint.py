@@ -125,7 +125,7 @@ class RunCheckpointer:
   def restore(self, stage: str, step: int, abstract: dict) -> dict:
     """The items named in `abstract` (name -> abstract tree), each array straight into the
     sharding its abstract leaf carries. An item saved with the decoder's blocks in the other
-    form (per layer, or stacked: `model.scan_layers`) is read in its own and converted on the
+    form (per layer, or stacked: `model.layers.scan`) is read in its own and converted on the
     devices (train/io/layer_forms.py)."""
     targets = {name: self.saved_like(stage, step, name, tree) for name, tree in abstract.items()}
     args = {name: ocp.args.StandardRestore(self._local(tree)) for name, tree in targets.items()}
@@ -200,7 +200,7 @@ def load_actor_params(directory: str, like: nnx.State, *, step: int | None = Non
     where = f"{what}: {directory!r} step {step}"
     pure, item = nnx.to_pure_dict(like), os.path.join(manager.directory, str(step), "actor")
     try:
-      target = _saved_like(item, pure)  # (the other form of the blocks: model.scan_layers)
+      target = _saved_like(item, pure)  # (the other form of the blocks: model.layers.scan)
     except ValueError as e:
       raise ValueError(f"{where} does not fit this model ({first_line(e)})") from None
     _check_shapes(item, target, where)

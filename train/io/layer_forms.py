@@ -1,4 +1,4 @@
-"""Checkpoint items across the decoder's two forms (`model.scan_layers`, jaxrl/models/scan.py):
+"""Checkpoint items across the decoder's two forms (`model.layers.scan`, jaxrl/models/scan.py):
 blocks per layer (`decoder/blocks/3/attn/wq`) or stacked (`decoder/blocks/attn/wq`, the layer on
 axis 0), wherever an item holds a decoder (a model, its optimizer's moments).
 

@@ -21,12 +21,12 @@ from train.updates.state import Frozen, TrainState
 def compiler_options(role: ModelRole) -> dict | None:
   """XLA options of `role`'s update. XLA:CPU drops optimization barriers (`jax.checkpoint`'s
   guard against common-subexpression elimination) before its last CSE pass, which then merges
-  each block's recomputation in the backward with its forward: `model.remat` would keep every
+  each block's recomputation in the backward with its forward: `model.layers.remat` would keep every
   activation and save nothing. With a remat model, a CPU update keeps its barriers to the end,
   as GPU and TPU compilers do (tests/test_remat.py measures the saving); so does a LoRA update,
   whose adapted projections' sums are barriers too (jaxrl/models/lora.adapted)."""
   cfg = nnx.merge(role.graphdef, role.abstract()).decoder.cfg  # abstract: allocates nothing
-  if (cfg.remat == "none" and role.trainable is None) or platform.backend() != "cpu":
+  if (cfg.layers.remat == "none" and role.trainable is None) or platform.backend() != "cpu":
     return None
   return {"xla_disable_hlo_passes": "cse_barrier_expander"}
 

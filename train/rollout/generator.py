@@ -56,7 +56,7 @@ def check_slots(rl: RLConfig, sliding_window: int) -> None:
   if rl.rollout.inflight_slots and sliding_window:
     raise ConfigError(
         f"config.rl.rollout.inflight_slots: in-flight batching does not apply a sliding "
-        f"window (model.sliding_window={sliding_window}); set 0")
+        f"window (model.attention.sliding_window={sliding_window}); set 0")
 
 
 def keeps_turn_cache(rl: RLConfig, sliding_window: int) -> bool:
@@ -78,7 +78,7 @@ class Generator:
     stops = tuple((i,) for i in tok.stop_ids if i != tok.eos_id)
     sampling = rl_sampling(rl.rollout, max_new_tokens, tok.eos_id, tok.pad_id, stops)
     weights, mesh = cluster.sampler_weights, cluster.meshes["sampler"]
-    check_slots(rl, cluster.cfg.model.sliding_window)
+    check_slots(rl, cluster.cfg.model.attention.sliding_window)
     try:
       self.sampler = Sampler(weights.graphdef, sampling, n=rl.group_size, mesh=mesh,
                              param_shardings=weights.shardings,
@@ -89,7 +89,7 @@ class Generator:
                                                ignore_eos=False)
     self._rows = batch_sharding(mesh, SAMPLER_RULES)
     self.environment, self.pad_id = environment, tok.pad_id
-    keep = keeps_turn_cache(rl, cluster.cfg.model.sliding_window)
+    keep = keeps_turn_cache(rl, cluster.cfg.model.attention.sliding_window)
     self.turns = dict(max_turns=rl.environment.max_turns,
                       max_turn_tokens=rl.environment.max_turn_tokens, keep_cache=keep)
     # A turn also ends at the environment's stop strings, matched on its decoded text

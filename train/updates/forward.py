@@ -22,10 +22,10 @@ def token_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT=None, s
 
 def routed_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT=None, start: int = 0,
                     routes_BTLK=None):
-  """`token_logprobs`, and a mixture of experts' router loss (its config's router_aux_loss x
-  the load-balancing loss + router_z_loss x the z-loss; 0 for a dense model) with its
+  """`token_logprobs`, and a mixture of experts' router loss (its config's moe.aux_loss x
+  the load-balancing loss + moe.z_loss x the z-loss; 0 for a dense model) with its
   metrics. `routes_BTLK`: the experts each token used when it was sampled (replayed under
-  `model.routing_replay="rollout"`, else compared: jaxrl/models/moe.py)."""
+  `model.moe.routing_replay="rollout"`, else compared: jaxrl/models/moe.py)."""
   model = model_of(graphdef, params)
   if segment_ids_BT is None:
     positions_BT = positions_from_valid(valid_BT)
@@ -51,7 +51,7 @@ def router_loss(cfg, routing, compared: bool = False) -> tuple[jax.Array, dict]:
   metrics = {"router_balance": balance, "router_z": z}
   if compared:
     metrics["routing_differs"] = routing.replay_differs.mean()
-  return cfg.router_aux_loss * balance + cfg.router_z_loss * z, metrics
+  return cfg.moe.aux_loss * balance + cfg.moe.z_loss * z, metrics
 
 
 def completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int, routes_BTLK=None):
