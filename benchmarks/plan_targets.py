@@ -25,7 +25,8 @@ def ranked_plans(cfg, target, top: int):
   from planner.plan import builtin_calibration
   from planner.search import search
   cal = builtin_calibration(DEVICE_OF[target.generation])
-  return search(Workload.from_config(cfg, cal.device.platform), target.chips, cal.device, cal.efficiency,
+  return search(Workload.from_config(cfg, cal.device.platform), target.chips, cal.device,
+                cal.efficiency,
                 modes=(cfg.rl.schedule.mode,), top=top, staleness=cfg.rl.schedule.max_staleness)
 
 

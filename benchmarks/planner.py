@@ -34,8 +34,8 @@ def _config(model: dict, strategy: str, mode: str = "sync") -> dict:
           "placement": {"strategy": strategy}}
 
 
-# Other sizes, placements and modes than preflight/calibration.CALIBRATION_RUNS (small colocate sync,
-# medium separate and interleave sync, the default experiment separate), which the factors are
+# Other sizes, placements and modes than preflight/calibration.CALIBRATION_RUNS (small
+# colocate sync, medium separate and interleave sync, the default experiment separate), which the factors are
 # fitted to.
 CONFIGS = {"small interleave sync": _config(SMALL, "interleave"),
            "small separate async": _config(SMALL, "separate", "async"),
@@ -62,7 +62,8 @@ def predicted_s(cfg, cal) -> float:
   from planner.calibrate import Sample, predict, preset_plan
   from planner.cost import Workload
   n = cfg.placement.cpu_devices
-  sample = Sample(Workload.from_config(cfg, cal.device.platform), preset_plan(cfg, n, cal.device), "step", 0.0, n)
+  sample = Sample(Workload.from_config(cfg, cal.device.platform), preset_plan(cfg, n, cal.device),
+                  "step", 0.0, n)
   return predict(sample, cal.device, cal.efficiency)
 
 

@@ -6,8 +6,8 @@ choices are from the sampler's, with and without replaying the sampler's routing
 A random Qwen3-MoE-shaped model (4 layers, 32 experts, 4 per token) samples `--rows` rows of
 `--new_tokens` tokens with the engine (sampler/engine.py: a prefill and a decode loop, which
 records each token's experts); then the trainer's forward (train/updates/forward.py: one pass
-over the whole sequence) scores the same tokens, routing by itself (`model.moe.routing_replay="off"`)
-and replaying the recorded experts ("rollout"). Per dtype (float32, bfloat16): the mismatch
+over the whole sequence) scores the same tokens, routing by itself
+(`model.moe.routing_replay="off"`) and replaying the recorded experts ("rollout"). Per dtype (float32, bfloat16): the mismatch
 |log mu - log pi| over the completion tokens (mean and max; jaxrl/algos/correction.mismatch) and
 the share of (token, layer) routings whose top-k set differs between sampler and trainer.
 """

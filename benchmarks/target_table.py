@@ -128,7 +128,8 @@ def refreshed(name: str, entry: dict) -> dict:
   from types import SimpleNamespace
 
   from preflight import dry_run
-  from preflight.target_compile import Compiled, estimates, phase_peaks, rl_programs, topology_devices
+  from preflight.target_compile import (Compiled, estimates, phase_peaks, rl_programs,
+                                        topology_devices)
   from preflight.target_report import phase_summary
   from jaxrl import platform
   summary = entry["summary"]

@@ -2,7 +2,8 @@
 
 The search runs over what `sharding/placement.make_placement` builds, in the config's RL mode
 (async changes the algorithm's data, so the planner never switches it), keeping a micro-batch
-size and a remat (`model.layers.remat` other than "none") the user set; otherwise the plan sets both.
+size and a remat (`model.layers.remat` other than "none") the user set; otherwise the plan sets
+both.
 The device's factors come from `placement.calibration` (a JSON file written by `jaxrl-plan
 --calibrate`) or else the built-in table for the device kind.
 """

@@ -2,12 +2,12 @@
 full-parameter or LoRA, with or without idle-role offload: the table in docs/lora.md.
 
   python -m preflight.fit_table            # print the table
-  python -m preflight.fit_table --write    # rewrite it in docs/lora.md (tests/test_lora_run.py checks)
+  python -m preflight.fit_table --write    # rewrite it in docs/lora.md (tests/test_lora_run.py)
 
 Every cell is `--dry_run`'s total for the busiest device (what stays through a step plus its
 largest phase, preflight/dry_run.py) with the config's own settings except: placement colocate on N
-devices (the sampler's tensor degree chosen automatically), `model.layers.remat=dots`, and the column's
-LoRA (rank 16 on every projection) and `placement.offload` ("all" or none).
+devices (the sampler's tensor degree chosen automatically), `model.layers.remat=dots`, and the
+column's LoRA (rank 16 on every projection) and `placement.offload` ("all" or none).
 """
 from __future__ import annotations
 

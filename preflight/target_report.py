@@ -1,7 +1,8 @@
-"""What `--dry_run --target` prints (preflight/target_compile.py compiles): per program the compiler's
-bytes, FLOPs and a time estimate, per phase the busiest device against the dry run's estimate,
-the verdict against the chip's HBM; and the same numbers as JSON (`--target_json=PATH`), which
-`python -m benchmarks.target_table` gathers into the docs' table."""
+"""What `--dry_run --target` prints (preflight/target_compile.py compiles): per program the
+compiler's bytes, FLOPs and a time estimate, per phase the busiest device against the dry run's
+estimate, the verdict against the chip's HBM; and the same numbers as JSON
+(`--target_json=PATH`), which `python -m benchmarks.target_table` gathers into the docs'
+table."""
 from __future__ import annotations
 
 import json

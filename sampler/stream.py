@@ -5,8 +5,8 @@ train/rollout/partial.py).
 `sampler/inflight.py` decodes one prompt batch in R row slots (sampler/slots.py). A `Stream`
 keeps its R slots busy across batches: a slot freed by a finished row takes the next row of the
 stream, from the batch being admitted or from the next one the worker opens, so one batch's long
-tail decodes beside the next batch's rows instead of holding the slots. Between segments (`CHECK_EVERY` decode steps)
-the host may install new weights (`swap`); the rows in flight keep their KV cache (computed by
+tail decodes beside the next batch's rows instead of holding the slots. Between segments
+(`CHECK_EVERY` decode steps) the host may install new weights (`swap`); the rows in flight keep their KV cache (computed by
 the older weights) and continue, as in PipelineRL's in-flight weight updates (AReaL recomputes
 the cache instead). Each token records the version of the weights whose logits it was drawn from
 and its log-prob under them (mu), so the off-policy correction sees exactly the distribution

@@ -15,9 +15,10 @@ split along their first (batch) dimension, as every batch and per-sample result 
 process or on several as long as each process already holds the rows its target shards need
 (placements give every host its own slice of both meshes); anything else goes through `put`.
 
-Host (`to_host`, `to_device`): the deliberate host transfers, each let through JAX's transfer guard for
-its own call only, so that a test disallowing every other host transfer lets exactly these pass
-(train/io/host_transfers.py names and counts the run's; in-flight batching moves its control bytes).
+Host (`to_host`, `to_device`): the deliberate host transfers, each let through JAX's transfer
+guard for its own call only, so that a test disallowing every other host transfer lets exactly
+these pass (train/io/host_transfers.py names and counts the run's; in-flight batching moves its
+control bytes).
 """
 from __future__ import annotations
 

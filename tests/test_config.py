@@ -136,6 +136,23 @@ def test_a_run_dir_from_before_the_rl_sections_still_reads(name):
     from_mapping(ExperimentConfig, {"rl": {"clip_eps_lo": 0.1}})  # (a typo stays an error)
 
 
+@pytest.mark.parametrize("name", ["default", "qwen3_30b_a3b_gsm8k", "gemma3_4b_gsm8k",
+                                  "llama3_1_8b_gsm8k_lora"])
+def test_a_run_dir_from_before_the_model_sections_still_reads(name):
+  """The `model` section of config.json as runs wrote it before its fields were split by concern
+  (tests/golden/model_config_before_issue_63.json: written by the commit before, from these
+  config files: flat `rope_theta`, `n_experts`, `remat`, `attention`, ...) reads as today's
+  config of the same file, every field in its new section."""
+  import json
+  with open(os.path.join(ROOT, "tests", "golden", "model_config_before_issue_63.json")) as f:
+    old = json.load(f)[name]
+  assert "rope_theta" in old and "rope" not in old  # (the flat form)
+  today = resolve(importlib.import_module(f"configs.{name}").get_config(), hf=False)
+  assert from_mapping(ExperimentConfig, {"model": old}).model == today.model
+  with pytest.raises(ConfigError, match="config.model.rope_thet: unknown field"):
+    from_mapping(ExperimentConfig, {"model": {"rope_thet": 1.0}})  # (a typo stays an error)
+
+
 def test_int_is_accepted_for_float():
   assert _cfg(rl__learning_rate=1).rl.learning_rate == 1.0
 

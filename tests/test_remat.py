@@ -124,7 +124,7 @@ def test_cached_and_last_only_passes_ignore_remat():
 
 
 def test_remat_is_validated_and_named():
-  with pytest.raises(ValueError, match=r"^remat: expected one of \['none', 'dots', 'full'\]"):
+  with pytest.raises(ValueError, match=r"^remat: expected one of \['dots', 'full', 'none'\]"):
     LayersConfig(remat="all")
   raw = to_dict(ExperimentConfig())
   raw["model"]["layers"]["remat"] = "everything"

@@ -98,7 +98,8 @@ def ensure(out: str, *, tools: str = "") -> str:
 
 def main(argv: list[str] | None = None) -> None:
   import argparse
-  parser = argparse.ArgumentParser(prog="python -m jaxrl.data.gsm8k_tiny", description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m jaxrl.data.gsm8k_tiny",
+                                   description=__doc__.split("\n")[0])
   parser.add_argument("--out", required=True)
   parser.add_argument("--tools", nargs="?", const="calculator", default="",
                       choices=["calculator", "python"], help="a tool variant")

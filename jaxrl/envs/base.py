@@ -36,7 +36,8 @@ class Environment(Protocol):
     ...
 
 
-MAX_OUTPUT_CHARS = 2000  # a tool's output, cut before it is encoded (rl.environment.max_output_chars)
+# A tool's output, cut before it is encoded (the default of rl.environment.max_output_chars)
+MAX_OUTPUT_CHARS = 2000
 
 
 def cut(text: str, limit: int = MAX_OUTPUT_CHARS) -> str:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl import platform
+from jaxrl.config_checks import at_least_zero, choice
 from jaxrl.models.families import ACTIVATIONS, FAMILIES, BlockOptions
 from jaxrl.models.moe import MOE_IMPLS
 
@@ -32,19 +33,6 @@ REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveab
 REMATS = ("none", *REMAT_POLICIES)
 
 
-def _choices(section, **allowed) -> None:
-  for name, options in allowed.items():
-    if getattr(section, name) not in options:
-      raise ValueError(f"{name}: expected one of {list(options)}, got "
-                       f"{getattr(section, name)!r}")
-
-
-def _at_least_zero(section, *names: str) -> None:
-  for name in names:
-    if getattr(section, name) < 0:
-      raise ValueError(f"{name}: expected >= 0, got {getattr(section, name)!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
   """Rotary positions: the base (`theta`), its scaling (none | linear | llama3, Llama 3.1+, with
@@ -58,7 +46,7 @@ class RopeConfig:
   local_theta: float = 10_000.0  # the local (sliding-window) layers' base (Gemma 3)
 
   def __post_init__(self):
-    _choices(self, scaling=ROPE_SCALINGS)
+    choice(self, "scaling", ROPE_SCALINGS)
     if not self.theta > 0:
       raise ValueError(f"theta: expected > 0, got {self.theta!r}")
 
@@ -81,8 +69,8 @@ class AttentionConfig:
   softcap: float = 0.0
 
   def __post_init__(self):
-    _choices(self, impl=ATTENTIONS)
-    _at_least_zero(self, "sliding_window", "global_every", "query_scale", "softcap")
+    choice(self, "impl", ATTENTIONS)
+    at_least_zero(self, "sliding_window", "global_every", "query_scale", "softcap")
     if self.softcap and self.impl not in ("auto", "einsum"):
       raise ValueError(f"impl: {self.impl!r} does not soft-cap the scores (softcap="
                        f"{self.softcap}); expected 'auto' or 'einsum'")
@@ -110,8 +98,9 @@ class MoEConfig:
   routing_replay: str = "off"
 
   def __post_init__(self):
-    _choices(self, impl=MOE_IMPLS, routing_replay=("off", "rollout"))
-    _at_least_zero(self, "experts", "aux_loss", "z_loss")
+    choice(self, "impl", MOE_IMPLS)
+    choice(self, "routing_replay", ("off", "rollout"))
+    at_least_zero(self, "experts", "aux_loss", "z_loss")
     if self.routing_replay != "off" and not self.experts:
       raise ValueError(f"routing_replay: {self.routing_replay!r} replays a mixture of experts' "
                        "routing; this model has no experts (experts=0), expected 'off'")
@@ -135,7 +124,8 @@ class LayersConfig:
 
   def __post_init__(self):
     object.__setattr__(self, "scan", str(self.scan).lower())  # (True from Python or a flag)
-    _choices(self, scan=("auto", "true", "false"), remat=REMATS)
+    choice(self, "scan", ("auto", "true", "false"))
+    choice(self, "remat", REMATS)
 
 
 SECTIONS = {"rope": RopeConfig, "attention": AttentionConfig, "moe": MoEConfig,
@@ -183,8 +173,8 @@ class ModelConfig:
                  "norm_eps"):
       if not getattr(self, name) > 0:
         raise ValueError(f"{name}: expected > 0, got {getattr(self, name)!r}")
-    _choices(self, dtype=sorted(DTYPES))
-    _at_least_zero(self, "logit_softcap")
+    choice(self, "dtype", DTYPES)
+    at_least_zero(self, "logit_softcap")
     if self.head_dim % 2:
       raise ValueError(f"head_dim: RoPE rotates pairs, expected an even number, got "
                        f"{self.head_dim}")

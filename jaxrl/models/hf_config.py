@@ -5,9 +5,9 @@ Only what the model computes exactly is accepted: anything else in a config.json
 architecture, Qwen's sliding-window option, attention-logit soft-capping in a family that does
 not read it, YaRN, an MLP or output-projection bias) is an `HFError` naming the file and the
 field, never a silent approximation; an export of what the family's architecture cannot express
-(soft-capped logits or scores in a Llama) is refused the same way. transformers 4 writes `rope_theta` and `rope_scaling`,
-transformers 5 `rope_parameters`; both are read, and exports write both, so either version (and
-vLLM) loads them.
+(soft-capped logits or scores in a Llama) is refused the same way. transformers 4 writes
+`rope_theta` and `rope_scaling`, transformers 5 `rope_parameters`; both are read, and exports
+write both, so either version (and vLLM) loads them.
 """
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ def layer_view(stacked: nnx.Module, i) -> nnx.Module:
 def period(cfg) -> int:
   """Layers per repeat of the decoder's layer pattern: 1 unless local and global layers
   alternate (`global_every`)."""
-  return cfg.attention.global_every if cfg.attention.sliding_window and cfg.attention.global_every else 1
+  a = cfg.attention
+  return a.global_every if a.sliding_window and a.global_every else 1
 
 
 def scan_periods(stacked: nnx.Module, n_periods: int, size: int, carry, layer_fn,

@@ -132,7 +132,8 @@ class RunCheckpointer:
     with jax.transfer_guard("allow"):
       restored = self._manager(stage).restore(step, args=ocp.args.Composite(**args))
       if self._one_of_several:  # host arrays onto the shardings
-        restored = {name: to_device(restored[name], jax.tree.map(lambda a: a.sharding, targets[name]))
+        restored = {name: to_device(restored[name],
+                                    jax.tree.map(lambda a: a.sharding, targets[name]))
                     for name in abstract}
       return {name: restored[name] if targets[name] is tree else
               layer_forms.from_disk(restored[name], tree) for name, tree in abstract.items()}

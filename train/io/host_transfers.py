@@ -2,8 +2,8 @@
 
 An RL step moves prompts up, completion token ids down (for the host verifier), rewards up and
 the step's metrics down. Each goes through `HostTransfers.to_device` / `to_host`
-(sharding.reshard's `to_device` / `to_host`, named and counted), which allow host transfers for their
-own thread and call only, so a test can disallow every other host transfer globally
+(sharding.reshard's `to_device` / `to_host`, named and counted), which allow host transfers for
+their own thread and call only, so a test can disallow every other host transfer globally
 (`jax.transfer_guard_*("disallow_explicit")`) and any hidden round trip of rollout tokens or
 log-probs fails loudly. Rollouts move between meshes device to device (sharding/reshard.py).
 The weight push is named too (`allowed("weights", ...)`): where the sampler's layout cuts the

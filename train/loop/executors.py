@@ -71,9 +71,9 @@ class Executor:
 
 
 class Executors:
-  """The RL loop's executors, one per role: sampler (the sampler's mesh: generation), reward (the host verifier,
-  and the reward model's mesh when the reward comes from one), reference, critic (when there is
-  one) and trainer (actor + critic updates and the weight push)."""
+  """The RL loop's executors, one per role: sampler (the sampler's mesh: generation), reward
+  (the host verifier, and the reward model's mesh when the reward comes from one), reference,
+  critic (when there is one) and trainer (actor + critic updates and the weight push)."""
 
   def __init__(self, cluster, timeline: Timeline, *, reward_model: bool, critic_mesh=None):
     # Several processes holding these meshes must launch the same programs in the same order
