@@ -46,7 +46,8 @@ def _copies(rank: int):
   import jax
   from flax import nnx
 
-  from configs import tiny
+  from jaxrl.config_files import shipped
+  tiny = shipped("tiny")
   from jaxrl.config_files import resolve
   from jaxrl.models import lora
   from jaxrl.models.transformer import LanguageModel

@@ -247,7 +247,8 @@ def main() -> None:
           **measure_partial(raw, args.rounds, args.warmup, args.steps, args.batches)}, args.json)
     return
   if args.workload == "gsm8k_tools":
-    from configs import gsm8k_tools
+    from jaxrl.config_files import shipped
+    gsm8k_tools = shipped("gsm8k_tools")
     raw = timed_config(gsm8k_tools.get_config().to_dict(),
                        workload("gsm8k_tools", args, full).overrides,
                        steps=2 * (args.rounds + args.warmup))

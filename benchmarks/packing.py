@@ -32,10 +32,12 @@ def build(args) -> dict:
   from benchmarks.multiturn import timed_config
   steps = 2 * (args.rounds + args.warmup) + 1  # (its first step starts the controller)
   if args.workload == "multiturn":
-    from configs import gsm8k_tools
+    from jaxrl.config_files import shipped
+    gsm8k_tools = shipped("gsm8k_tools")
     return timed_config(gsm8k_tools.get_config().to_dict(), {"sft": {"steps": args.sft_steps}},
                         steps)
-  from configs import partial_reverse
+  from jaxrl.config_files import shipped
+  partial_reverse = shipped("partial_reverse")
   return timed_config(partial_reverse.get_config().to_dict(), {"sft": {"steps": args.sft_steps}},
                       steps)
 

@@ -96,7 +96,8 @@ GSM8K_WORKLOADS = ("qwen0.5b", "qwen1.5b")
 
 
 def qwen_model(name: str) -> dict:
-  from configs.qwen2_5_0_5b_gsm8k import QWEN2_5_0_5B
+  from jaxrl.config_files import shipped
+  QWEN2_5_0_5B = shipped("qwen2_5_0_5b_gsm8k").QWEN2_5_0_5B
   if name == "qwen0.5b":
     return QWEN2_5_0_5B
   # Qwen2.5-1.5B's config.json: the 0.5B's vocabulary, RoPE, norms, biases and tying.
@@ -106,7 +107,8 @@ def qwen_model(name: str) -> dict:
 
 def gsm8k_workload(name: str) -> Workload:
   """The GSM8K recipe's RL step on a random model of `name`'s shape, colocated on one device."""
-  from configs import hf_gsm8k
+  from jaxrl.config_files import shipped
+  hf_gsm8k = shipped("hf_gsm8k")
   recipe = hf_gsm8k.config(model={}, placement={}).rl
   rl = {"prompts_per_step": recipe.prompts_per_step, "group_size": recipe.group_size,
         "learning_rate": recipe.learning_rate, "kl": {"coef": recipe.kl.coef},

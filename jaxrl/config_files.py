@@ -122,13 +122,12 @@ def _by_concern(values: Mapping[str, Any], old: dict[str, tuple[str, str]]) -> d
   """A section written before its settings were split by concern (a run's config.json from
   before issue 53's `rl` sections or issue 63's `model` ones: flat fields, `old`), nested into
   today's sections."""
-  out: dict = {}
-  for name, value in values.items():
+  out = {name: dict(value) if isinstance(value, Mapping) else value
+         for name, value in values.items() if not (name in old and not isinstance(value, Mapping))}
+  for name, value in values.items():  # (a field its new section sets too keeps the new value)
     if name in old and not isinstance(value, Mapping):
       section, field = old[name]
-      out.setdefault(section, {})[field] = value
-    else:
-      out[name] = value
+      out.setdefault(section, {}).setdefault(field, value)
   return out
 
 

@@ -25,6 +25,7 @@ from jaxrl.algos import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from jaxrl.algos.correction import ROLLOUT_MASKS
 from jaxrl.config_checks import at_least_zero, choice, positive, unit
 from jaxrl.envs import ENVIRONMENTS
+from jaxrl.envs.base import MAX_OUTPUT_CHARS
 from jaxrl.rewards.user import POLICIES as USER_CODE_POLICIES
 from jaxrl.rewards.verifier import VERIFIERS
 from jaxrl.schedules import SCHEDULES
@@ -196,7 +197,7 @@ class EnvironmentConfig:
   keep_turn_cache: bool = True  # KV cache kept across turns (False: each turn prefills whole)
   # The environments' hyperparameters: each is the keyword-only parameter of that name of the
   # environments that read it (jaxrl/envs/base.py `EnvironmentFactory`), a user's class too.
-  max_output_chars: int = 2000  # a tool's reply, cut to this many characters before encoding
+  max_output_chars: int = MAX_OUTPUT_CHARS  # a tool's reply, cut to this many characters
 
   def __post_init__(self):
     if self.name and ":" not in self.name:

@@ -2,7 +2,8 @@
 an update, a scoring pass, and generation. The planner (memory.py) and the dry run
 (preflight/dry_run.py) both call it; tests/test_memory_model.py checks it against XLA's own count
 (`memory_analysis().temp_size_in_bytes`) of compiled RL updates. It reads a model config's
-dimensions only (any object with ModelConfig's fields), so nothing here imports jaxrl.
+dimensions (ModelConfig's fields) and the models' own tables (the remat policies, the FLOPs per
+layer) from jaxrl/models, never their code.
 
 An update's backward runs in phases, and its peak is the largest of them:
   head       every layer's saved activations, the log-prob chunk's logits at their largest

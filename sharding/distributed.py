@@ -121,6 +121,7 @@ class Job:
 
 
 _JOINED: list[Job] = []  # the current client's Job, the one process-wide holder (`job`)
+_JOINING = threading.Lock()
 
 
 def job() -> Job | None:
@@ -128,9 +129,10 @@ def job() -> Job | None:
   client = kv_client() if jax.process_count() > 1 else None
   if client is None:
     return None
-  if not _JOINED or _JOINED[0].client is not client:
-    _JOINED[:] = [Job(client)]
-  return _JOINED[0]
+  with _JOINING:  # (two threads asking first make one Job: its counts are the job's)
+    if not _JOINED or _JOINED[0].client is not client:
+      _JOINED[:] = [Job(client)]
+    return _JOINED[0]
 
 
 def agree(value, name: str, *, timeout_s: int = 3600):

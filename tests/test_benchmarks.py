@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
-from configs import tiny
+from jaxrl.config_files import shipped
 from train.run import Experiment
+
+tiny = shipped("tiny")
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 STAGES = ("generate", "reward", "reference", "old_logprobs", "update", "weight_push")

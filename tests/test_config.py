@@ -1,5 +1,4 @@
 import glob
-import importlib
 import os
 import subprocess
 import sys
@@ -7,9 +6,11 @@ import sys
 import pytest
 
 from jaxrl.cli.flags import parse_args
-from configs import default
+from jaxrl.config_files import shipped
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.config_files import from_mapping, resolve, with_gin
+
+default = shipped("default")
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -34,7 +35,7 @@ def test_default_config_is_the_schema_defaults():
 
 @pytest.mark.parametrize("gin_file", sorted(glob.glob(os.path.join(ROOT, "configs", "*.gin"))))
 def test_gin_twin_resolves_to_the_same_config(gin_file):
-  module = importlib.import_module("configs." + os.path.basename(gin_file)[:-4])
+  module = shipped(os.path.basename(gin_file)[:-4])
   assert with_gin(default.get_config(), [gin_file]) == from_mapping(
       ExperimentConfig, module.get_config().to_dict())
 
@@ -130,7 +131,7 @@ def test_a_run_dir_from_before_the_rl_sections_still_reads(name):
   with open(os.path.join(ROOT, "tests", "golden", "rl_config_before_issue_53.json")) as f:
     old = json.load(f)[name]
   assert "clip_eps_low" in old and "loss" not in old  # (the flat form)
-  today = resolve(importlib.import_module(f"configs.{name}").get_config(), hf=False)
+  today = resolve(shipped(name).get_config(), hf=False)
   assert from_mapping(ExperimentConfig, {"rl": old}).rl == today.rl
   with pytest.raises(ConfigError, match="config.rl.clip_eps_lo: unknown field"):
     from_mapping(ExperimentConfig, {"rl": {"clip_eps_lo": 0.1}})  # (a typo stays an error)
@@ -147,7 +148,7 @@ def test_a_run_dir_from_before_the_model_sections_still_reads(name):
   with open(os.path.join(ROOT, "tests", "golden", "model_config_before_issue_63.json")) as f:
     old = json.load(f)[name]
   assert "rope_theta" in old and "rope" not in old  # (the flat form)
-  today = resolve(importlib.import_module(f"configs.{name}").get_config(), hf=False)
+  today = resolve(shipped(name).get_config(), hf=False)
   assert from_mapping(ExperimentConfig, {"model": old}).model == today.model
   with pytest.raises(ConfigError, match="config.model.rope_thet: unknown field"):
     from_mapping(ExperimentConfig, {"model": {"rope_thet": 1.0}})  # (a typo stays an error)

@@ -11,12 +11,14 @@ import jax
 import numpy as np
 import pytest
 
-from configs import tiny
+from jaxrl.config_files import shipped
 from jaxrl.rewards import verifier as verifier_mod
 from train.io.checkpoint import RunCheckpointer
 from train.io.timeline import Timeline
 from train.loop.executors import Executor, ExecutorError
 from train.run import Experiment
+
+tiny = shipped("tiny")
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 

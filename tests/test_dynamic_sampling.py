@@ -6,13 +6,15 @@ import os
 
 import numpy as np
 
-from configs import tiny
+from jaxrl.config_files import shipped
 from jaxrl.algos.advantages import informative_groups
 from train.loop.batch_fill import fill_batch
 from train.loop.controller import Controller
 from train.rollout.generator import Generator
 from train.run import Experiment
 from train.run.hooks import Hook
+
+tiny = shipped("tiny")
 
 GROUP, PROMPTS = 4, 8
 

@@ -100,7 +100,8 @@ def test_inflight_slots_config_is_validated():
 def test_rl_step_generates_in_flight_without_hidden_host_transfers(tmp_path, monkeypatch):
   """`rl.rollout.inflight_slots` in a run: sampling and the greedy evaluation go through the in-flight
   generator, whose host loop moves only its own control bytes (as tests/test_transfers.py)."""
-  from configs import tiny
+  from jaxrl.config_files import shipped
+  tiny = shipped("tiny")
   from sampler import sampler
   from sampler.inflight import jit_inflight
   from train.run import Experiment

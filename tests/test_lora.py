@@ -177,7 +177,8 @@ def test_the_reference_is_the_base(adapted):
 
 def _copies(mode: str, devices):
   """A LoRA actor on `devices` (fsdp over them) and its SamplerWeights in `mode`."""
-  from configs import tiny
+  from jaxrl.config_files import shipped
+  tiny = shipped("tiny")
   from jaxrl.config_files import resolve
   from train.roles.sampler_weights import SamplerWeights
   c = tiny.get_config()

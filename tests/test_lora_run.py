@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from jaxrl.cli.export import main as export_main
-from configs import tiny
+from jaxrl.config_files import shipped
 from jaxrl.models import lora
 from train.run import Experiment
+
+tiny = shipped("tiny")
 
 
 def _host(tree):

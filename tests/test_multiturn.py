@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import tiny
+from jaxrl.config_files import shipped
 from jaxrl.data import tiny_tokenizer
 from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import load_tokenizer
@@ -19,6 +19,8 @@ from train.rollout.multiturn import MultiTurn, as_rollout
 from train.run import Experiment
 from train.task.heldout import evaluate
 from train.updates.forward import completion_logprobs
+
+tiny = shipped("tiny")
 
 TEXTS = ["the answer is 42 and the tool said 42", "calc 12*7 then add 3 to get 87"] * 50
 

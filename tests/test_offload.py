@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from configs import tiny
+from jaxrl.config_files import shipped
 from jaxrl.config import ConfigError
 from jaxrl.config_files import resolve
 from jaxrl.models.transformer import LanguageModel
@@ -19,6 +19,8 @@ from sharding.mesh import make_mesh, param_shardings
 from sharding.rules import TRAIN_RULES
 from train.roles.offload import DEVICE, HOST, moved
 from train.run import Experiment
+
+tiny = shipped("tiny")
 
 
 def test_round_trip_is_bit_identical(tiny_cfg):

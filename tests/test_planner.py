@@ -6,7 +6,7 @@ import os
 import pytest
 
 from jaxrl.cli.plan import main as plan_main
-from configs import tiny
+from jaxrl.config_files import shipped
 from jaxrl.config import ExperimentConfig
 from jaxrl.models.config import ModelConfig
 from planner import calibrate as cal
@@ -17,6 +17,8 @@ from planner.memory import HEADROOM, kv_row_bytes, kv_rows, memory, total_bytes
 from planner.plan import choose
 from planner.search import problem, search
 from sharding.placement import host_major_devices, make_placement
+
+tiny = shipped("tiny")
 
 MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=64,
                     d_ff=128)

@@ -4,10 +4,12 @@ import time
 
 import pytest
 
-from configs import tiny
+from jaxrl.config_files import shipped
 from train.run import Experiment
 from train.run.hooks import Checkpoint, Hook
 from train.stages import StageProgress, Stopped
+
+tiny = shipped("tiny")
 
 
 class _RequestStopAt(Hook):

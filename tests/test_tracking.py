@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from configs import tiny
+from jaxrl.config_files import shipped
 from train.io.metrics import read_metrics
 from train.run import Experiment
+
+tiny = shipped("tiny")
 
 
 def _scalars(directory: str) -> dict[str, dict[int, float]]:

@@ -5,8 +5,10 @@ push, whose layout change jax.device_put routes through the host (train/io/host_
 import jax
 import numpy as np
 
-from configs import tiny
+from jaxrl.config_files import shipped
 from train.run import Experiment
+
+tiny = shipped("tiny")
 
 
 def test_rl_step_has_no_hidden_host_round_trip(tmp_path):

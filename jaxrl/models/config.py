@@ -167,6 +167,10 @@ class ModelConfig:
   layers: LayersConfig = dataclasses.field(default_factory=LayersConfig)
 
   def __post_init__(self):
+    for name, cls in SECTIONS.items():  # (a flat field of before the sections, say)
+      if not isinstance(getattr(self, name), cls):
+        raise ValueError(f"{name}: expected a {cls.__name__} (model.{name}.*), got "
+                         f"{getattr(self, name)!r}")
     if self.family not in FAMILIES:
       raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {self.family!r}")
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",

@@ -134,7 +134,7 @@ GEMMA3_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=92
                        head_dim=256, rms_norm_eps=1e-6, query_pre_attn_scalar=256,
                        sliding_window=4096, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
                        max_position_embeddings=131072, tie_word_embeddings=True,
-                       hidden_activation="gelu_pytorch_tanh")
+                       hidden_activation=ACTIVATIONS["gelu_tanh"].hf)
 
 
 def global_every(layer_types: list[str]) -> int:
@@ -164,12 +164,12 @@ def _gemma3_read(raw: dict) -> dict:
 
 
 def _gemma3_fields(cfg) -> dict:
-  a = cfg.attention
+  a, gelu = cfg.attention, ACTIVATIONS["gelu_tanh"].hf
   scale = a.query_scale or cfg.head_dim
   return dict(sliding_window=a.sliding_window, layer_types=cfg.layer_types(),
               rope_local_base_freq=cfg.rope.local_theta,
               query_pre_attn_scalar=int(scale) if scale == int(scale) else scale,
-              hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+              hidden_activation=gelu, hidden_act=gelu,
               attention_bias=False, final_logit_softcapping=cfg.logit_softcap or None,
               attn_logit_softcapping=a.softcap or None, use_bidirectional_attention=False)
 

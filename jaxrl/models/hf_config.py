@@ -210,7 +210,10 @@ def check_config(user: ModelConfig, hf: ModelConfig,
       raise HFError(f"config.model.{name}: {mine[name]!r} contradicts {theirs[name]!r} in "
                     f"{where}")
   kept = {name: mine[name] for name in USER_FIELDS}
-  return from_fields({**kept, "hf_path": user.hf_path or hf.hf_path}, base=hf)
+  try:
+    return from_fields({**kept, "hf_path": user.hf_path or hf.hf_path}, base=hf)
+  except ValueError as e:  # the user's fields with the checkpoint's (impl=xla with a score cap)
+    raise HFError(f"config.model.{e} (with {where})") from None
 
 
 def _rope_scaling(cfg: ModelConfig) -> dict | None:

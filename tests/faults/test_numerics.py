@@ -40,7 +40,8 @@ def _poison(monkeypatch, at):
 
 
 def _raw(tmp_path, name, **over):
-  from configs import tiny
+  from jaxrl.config_files import shipped
+  tiny = shipped("tiny")
   raw = tiny.get_config().to_dict()
   raw.update(run_dir=str(tmp_path), run_name=name, checkpoint_every=1, **over)
   raw["rl"].update(steps=4)

@@ -244,7 +244,8 @@ def test_a_hanging_reward_function_scores_0_and_the_run_goes_on(cli, user_reward
 
 
 def test_a_raising_reward_function_stops_the_run_naming_the_sample(cli, user_rewards):
-  from configs import tiny
+  from jaxrl.config_files import shipped
+  tiny = shipped("tiny")
   from jaxrl.data.tasks import make_splits
   t = tiny.get_config().task
   held = make_splits(t.name, t.num_digits, t.n_train, t.n_heldout, 0, t.teacher_error)[1]

@@ -31,7 +31,10 @@ def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData,
   try:
     if rl.environment.name in ENVIRONMENTS or ":" not in rl.environment.name:
       factory = environment_factory(rl.environment.name)
-      keywords = declared(factory, {**options, **_provided(factory, processes)})
+      try:
+        keywords = declared(factory, {**options, **_provided(factory, processes)})
+      except KeyError as e:  # a keyword nothing provides
+        raise EnvError(f"{rl.environment.name}: {e.args[0]}") from None
       factory(tok, task.verifier, **keywords)
       return lambda: factory(tok, task.verifier, **keywords)
     # a user's class: imported in its host processes only (`hosts.new()`, within the time limit)
@@ -39,8 +42,6 @@ def environment_for(cfg: ExperimentConfig, tok: Tokenizer, task: TaskData,
     hosts.new()
   except (EnvError, SandboxUnavailable) as e:
     raise ConfigError(f"config.rl.environment.name: {e}") from None
-  except KeyError as e:  # (`declared`: a keyword nothing provides)
-    raise ConfigError(f"config.rl.environment.name: {rl.environment.name}: {e.args[0]}") from None
   except (ObjectCallError, UserCodeTimeout, WorkerDied, HostRestarted) as e:
     raise ConfigError(f"config.rl.environment.name: {rl.environment.name}: the constructor failed: "
                       f"{first_line(e)}") from None

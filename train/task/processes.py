@@ -25,18 +25,12 @@ class UserProcesses:
   def __init__(self):
     self._lock = threading.Lock()
     self._started: list = []  # what `close` stops (each has its own close())
-    self._said: set[str] = set()
+    # (what the processes are told to log holds no reference back to this object, so that it
+    # can still be collected, and its finalizer stop them)
+    self.say = _Once().say
     self._sandbox: CodeSandbox | None = None
     self._sandbox_lock = threading.Lock()
     self._closer = weakref.finalize(self, _close_all, self._started, self._lock)
-
-  def say(self, line: str) -> None:
-    """Logs `line` the first time this run says it."""
-    with self._lock:
-      if line in self._said:
-        return
-      self._said.add(line)
-    log.info("%s", line)
 
   def pool(self, limits: UserCodeConfig, spec: str) -> UserCodePool:
     """Worker processes running the function `spec` under `limits` (`rl.user_code`)."""
@@ -55,7 +49,9 @@ class UserProcesses:
   def sandbox(self) -> CodeSandbox:
     """The run's code sandbox (2 servers), started at the first call; its conversations share
     it."""
-    with self._sandbox_lock:  # (not `_lock`: the sandbox's start calls `say`)
+    with self._sandbox_lock:
+      if self.closed:
+        raise RuntimeError("the run's user-code processes are closed")
       if self._sandbox is None:
         self._sandbox = self._own(CodeSandbox(workers=2, log=self.say))
       return self._sandbox
@@ -81,6 +77,21 @@ class UserProcesses:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+class _Once:
+  """Logs each line the first time it is told it (which limit holds, once per kind of tree)."""
+
+  def __init__(self):
+    self._said: set[str] = set()
+    self._lock = threading.Lock()
+
+  def say(self, line: str) -> None:
+    with self._lock:
+      if line in self._said:
+        return
+      self._said.add(line)
+    log.info("%s", line)
 
 
 def _close_all(started: list, lock: threading.Lock) -> None:
