@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# When JAX runs on the CPU, jaxrl.cli.train fakes placement.cpu_devices (8) host devices for its
+# When JAX runs on the CPU, train.cli.train fakes placement.cpu_devices (8) host devices for its
 # mesh (sharding/host.py); the tests always run on 8 fake CPU devices (tests/conftest.py).
 
 .PHONY: run test clean
@@ -18,7 +18,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	touch $@
 
 run: $(VENV)/.installed
-	$(PY) -m jaxrl.cli.train --config=configs/default.py $(ARGS)
+	$(PY) -m train.cli.train --config=configs/default.py $(ARGS)
 
 # The suite in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (its
 # module fixtures built once); TEST_WORKERS=0 runs it in this one.

@@ -55,7 +55,7 @@ def steps_per_s(mode: str, steps: int, run_dir: str) -> float:
   extra = [f"--config.rl.steps={steps}", f"--config.rl.schedule.mode={mode}",
            "--config.rl.schedule.name=fixed", f"--config.run_dir={run_dir}",
            f"--config.run_name={mode}-{os.urandom(4).hex()}"]
-  out = _launch([sys.executable, "-m", "jaxrl.cli.train", *WORKLOAD, *extra])[0]
+  out = _launch([sys.executable, "-m", "train.cli.train", *WORKLOAD, *extra])[0]
   wall = float(re.search(r"rl_wall_s=([0-9.]+)", out).group(1))
   return steps / wall
 

@@ -1,6 +1,6 @@
 """The planner's best plans for a config on a TPU slice, each compiled by the TPU compiler on this
 CPU: what the planner predicts (per-device peak, update and scoring seconds) against what the
-compiler says (its busiest device, its programs' time estimates: preflight/target_report.py).
+compiler says (its busiest device, its programs' time estimates: train/preflight/target_report.py).
 
   python -m benchmarks.plan_targets --config=configs/llama3_1_8b_gsm8k.py --target=v5p-16 --json
 
@@ -32,7 +32,7 @@ def ranked_plans(cfg, target, top: int):
 
 def compared(rank: int, ranked, run) -> dict:
   """One plan: the planner's numbers beside the compiler's."""
-  from preflight.target_report import summary
+  from train.preflight.target_report import summary
   s = summary(run)
   per_step = lambda names: sum(p["seconds"] for p in s["programs"] if p["name"] in names)
   planned = ranked.stages
@@ -67,8 +67,8 @@ def main() -> None:
   args = parser.parse_args()
   from sharding.host import cpu_only_here
   cpu_only_here()
-  from jaxrl.cli.flags import load_config_file
-  from preflight.target_compile import compile_run
+  from train.cli.flags import load_config_file
+  from train.preflight.target_compile import compile_run
   from jaxrl.config_files import resolve
   from planner.plan import applied
   from planner.targets import parse_target

@@ -3,7 +3,7 @@
   python -m benchmarks.planner --json
 
 1. Calibrate as `jaxrl-plan --calibrate` does: measure the matmul peak, memory and transfer
-   bandwidth, run preflight/calibration.CALIBRATION_RUNS for a few steps, fit the factors to them.
+   bandwidth, run train/preflight/calibration.CALIBRATION_RUNS for a few steps, fit the factors to them.
 2. Predict, then measure, the CONFIGS (other model sizes, placements and modes than the
    calibration runs): `pairs` of predicted vs measured median step seconds, `worst_error`.
 3. The default experiment's RL step under each fixed preset and under the plan the planner
@@ -23,7 +23,7 @@ import numpy as np
 from benchmarks.common import add_host_flags, emit, setup_host
 from sharding.host import force_cpu_devices
 
-from preflight.calibration import MEDIUM_MODEL as MEDIUM, SHORT_RL as BATCH
+from train.preflight.calibration import MEDIUM_MODEL as MEDIUM, SHORT_RL as BATCH
 
 SMALL = {}  # the default experiment's model: d_model 128, 2 layers
 LARGE = dict(d_model=384, n_layers=6, n_heads=6, n_kv_heads=2, head_dim=64, d_ff=1536)
@@ -34,7 +34,7 @@ def _config(model: dict, strategy: str, mode: str = "sync") -> dict:
           "placement": {"strategy": strategy}}
 
 
-# Other sizes, placements and modes than preflight/calibration.CALIBRATION_RUNS (small
+# Other sizes, placements and modes than train/preflight/calibration.CALIBRATION_RUNS (small
 # colocate sync, medium separate and interleave sync, the default experiment separate), which the factors are
 # fitted to.
 CONFIGS = {"small interleave sync": _config(SMALL, "interleave"),
@@ -48,7 +48,7 @@ CONFIGS = {"small interleave sync": _config(SMALL, "interleave"),
 
 def step_times(overrides: dict, steps: int, warmup: int) -> tuple[list[float], object]:
   """The step seconds of `steps` RL steps after `warmup` ones, and the resolved config."""
-  from preflight.calibration import bench_config, run_steps
+  from train.preflight.calibration import bench_config, run_steps
   _, times, cfg = run_steps(bench_config(overrides, steps + warmup), steps + warmup)
   return times[warmup:], cfg
 
@@ -101,7 +101,7 @@ def default_plan(cal, cal_path: str, steps: int, warmup: int, rounds: int) -> di
 def _resolved(strategy: str, cal_path: str):
   from jaxrl.config import ExperimentConfig
   from jaxrl.config_files import from_mapping
-  from preflight.calibration import bench_config
+  from train.preflight.calibration import bench_config
   raw = bench_config({"placement": {"strategy": strategy, "calibration": cal_path}}, 1)
   return from_mapping(ExperimentConfig, raw)
 
@@ -116,7 +116,7 @@ def main() -> None:
   args = parser.parse_args()
   setup_host(args)
   force_cpu_devices(8)
-  from preflight.calibration import calibrate_here
+  from train.preflight.calibration import calibrate_here
 
   cal, samples = calibrate_here(args.steps, args.warmup)
   cal_path = tempfile.mktemp(prefix="jaxrl-calibration-", suffix=".json")

@@ -134,7 +134,7 @@ def find_workload(name: str) -> Workload:
 def build_config(workload: Workload, steps: int, reduced: bool = False,
                  rl: dict | None = None) -> dict:
   """The workload's config, `rl` (nested sections) over its RL section."""
-  from preflight.calibration import bench_config
+  from train.preflight.calibration import bench_config
   from jaxrl.config_files import merge
   raw = bench_config(workload.sections(reduced), steps)
   raw["rl"] = merge(raw["rl"], rl or {})
@@ -243,7 +243,7 @@ def run_stages(workload: Workload, *, steps: int, warmup: int, reduced: bool,
   import jax
 
   from benchmarks.roofline import device_ceilings
-  from preflight.dry_run import busiest_total
+  from train.preflight.dry_run import busiest_total
   from train.run import Experiment
   with Experiment(build_config(workload, steps + warmup, reduced, rl)) as exp:
     estimate = busiest_total(exp.cfg, exp.ctx.cluster.devices)  # abstract: allocates nothing

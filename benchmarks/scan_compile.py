@@ -4,7 +4,7 @@
        parameters) and a scoring pass (the forward alone) of a 256-wide model over an [8, 128]
        batch, lowered and compiled at each depth, then run (the median of 3 calls after the
        first)
-  tpu  the TPU compiler (libtpu, here: preflight/target_compile.py) on `--target`: the RL update and
+  tpu  the TPU compiler (libtpu, here: train/preflight/target_compile.py) on `--target`: the RL update and
        the reference's log-prob pass of configs/tiny.py widened to the same model (trainer
        on 2 chips), at each depth; the busiest device's bytes beside the seconds
 
@@ -67,8 +67,8 @@ def measure(depth: int, scan: bool, remat: str) -> dict:
 
 def tpu_compiles(depth: int, scan: bool, target: str) -> dict:
   """The TPU compiler's seconds and bytes for the update and a scoring pass."""
-  from jaxrl.cli.flags import load_config_file
-  from preflight.target_compile import compile_program, rl_programs, topology_devices
+  from train.cli.flags import load_config_file
+  from train.preflight.target_compile import compile_program, rl_programs, topology_devices
   from jaxrl import platform
   from jaxrl.config_files import resolve
   from planner.targets import parse_target

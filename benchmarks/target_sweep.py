@@ -11,7 +11,7 @@ less the splash kernel's attention, which XLA does not count).
   python -m benchmarks.target_sweep --json --points 0,3    # some of them
 
 The compiler's FLOPs are its matrix products counted from the compiled HLO, each loop (the
-micro-batches', the log-prob chunks') as often as it runs (preflight/hlo_flops.py; XLA's own cost
+micro-batches', the log-prob chunks') as often as it runs (train/preflight/hlo_flops.py; XLA's own cost
 analysis counts a loop's body once). Each point takes half a minute to two minutes to compile
 on a 2-core machine; tests/test_target_compile.py runs the first.
 """
@@ -107,7 +107,7 @@ def estimate(p: Point, mesh, role=None) -> tuple[float, float]:
   import jax
   import numpy as np
 
-  from preflight.dry_run import shard_bytes, update_footprint
+  from train.preflight.dry_run import shard_bytes, update_footprint
   from jaxrl.models import flops
   cfg = config(p)
   role = role or _actor(cfg, mesh)
@@ -142,7 +142,7 @@ def measure_scoring(p: Point, mesh, actor) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from preflight.dry_run import scoring_footprint
+  from train.preflight.dry_run import scoring_footprint
   from train.loop.scoring import logprobs, scorer
   from train.roles.role import ModelRole
   cfg = config(p)
@@ -171,8 +171,8 @@ def measure(p: Point, devices) -> dict:
   import numpy as np
   from jax.sharding import Mesh
 
-  from preflight import hlo_flops
-  from preflight.target_compile import abstract_experience
+  from train.preflight import hlo_flops
+  from train.preflight.target_compile import abstract_experience
   from sharding.rules import MESH_AXES
   from train.roles.learner import Learner
   from train.updates.policy import policy_update
@@ -249,7 +249,7 @@ def main() -> None:
   whole_update_in_hbm()
   from sharding.host import cpu_only_here
   cpu_only_here()
-  from preflight.target_compile import no_persistent_cache, topology_devices
+  from train.preflight.target_compile import no_persistent_cache, topology_devices
   from jaxrl import platform
   from planner.targets import parse_target
   target = parse_target(args.target)

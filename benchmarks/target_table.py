@@ -7,7 +7,7 @@ in docs/benchmarks.md (its "target table" block).
   python -m benchmarks.target_table --json     # the table, then the stored rows as one JSON line
   python -m benchmarks.target_table --estimates --write  # today's dry run against stored compiles
 
-A row is `python -m jaxrl.cli.train --config=CONFIG --dry_run --target=SLICE OVERRIDES
+A row is `python -m train.cli.train --config=CONFIG --dry_run --target=SLICE OVERRIDES
 --target_json=FILE` in a process of its own (minutes to tens of minutes each on a 2-core
 machine). Its report's numbers are kept in benchmarks/target_table.json with the date, the
 commit and this machine's CPU, so a row is compiled again only when named. Rows compile as a
@@ -83,7 +83,7 @@ def compile_row(name: str, unrolled: bool = False) -> dict:
   row = ROWS[name]
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "summary.json")
-    cmd = [sys.executable, "-m", "jaxrl.cli.train", f"--config={row.config}", "--dry_run",
+    cmd = [sys.executable, "-m", "train.cli.train", f"--config={row.config}", "--dry_run",
            f"--target={row.target}", f"--target_json={out}", *row.overrides,
            *(["--config.model.layers.scan=false"] if unrolled else [])]
     start, errors = time.perf_counter(), []
@@ -110,10 +110,10 @@ def compile_row(name: str, unrolled: bool = False) -> dict:
 def row_config(name: str, entry: dict):
   """(the experiment config, the target) of a stored row, from the command it was compiled by
   (a row stored as NAME/unrolled: the decoder unrolled, as it was before it could scan)."""
-  from jaxrl.cli.flags import parse_args
+  from train.cli.flags import parse_args
   from jaxrl.config_files import with_gin
   from planner.targets import parse_target
-  args = entry["command"].split(" -m jaxrl.cli.train ")[1].split()
+  args = entry["command"].split(" -m train.cli.train ")[1].split()
   if name.endswith(UNROLLED) and "--config.model.layers.scan=false" not in args:
     args.append("--config.model.layers.scan=false")
   raw, gin_files, gin_params, flags = parse_args(["refresh", *args])
@@ -127,10 +127,10 @@ def refreshed(name: str, entry: dict) -> dict:
   after sharding.host.cpu_only_here."""
   from types import SimpleNamespace
 
-  from preflight import dry_run
-  from preflight.target_compile import (Compiled, estimates, phase_peaks, rl_programs,
+  from train.preflight import dry_run
+  from train.preflight.target_compile import (Compiled, estimates, phase_peaks, rl_programs,
                                         topology_devices)
-  from preflight.target_report import phase_summary
+  from train.preflight.target_report import phase_summary
   from jaxrl import platform
   summary = entry["summary"]
   cfg, target = row_config(name, entry)

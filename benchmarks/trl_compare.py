@@ -15,7 +15,7 @@ Random weights almost never sample EOS, so every completion runs the 64-token bu
     python3 -m venv /tmp/trlvenv
     /tmp/trlvenv/bin/pip install torch==2.13.0 trl transformers datasets accelerate
     /tmp/trlvenv/bin/python benchmarks/trl_compare.py trl /tmp/trl_cmp --steps 4
-    # 3. jaxrl (runs `python -m jaxrl.cli.train --config=configs/smollm2_135m_gsm8k_cpu.py ...`):
+    # 3. jaxrl (runs `python -m train.cli.train --config=configs/smollm2_135m_gsm8k_cpu.py ...`):
     .venv/bin/python benchmarks/trl_compare.py jaxrl /tmp/trl_cmp --steps 4
 
 The last stdout line of `trl` / `jaxrl` is one JSON object: {"framework", "step_s": [seconds of
@@ -176,7 +176,7 @@ def run_trl(out: str, steps: int, gradient_checkpointing: bool) -> None:
 
 def run_jaxrl(out: str, steps: int) -> None:
   run_dir = os.path.join(out, "jaxrl_runs")
-  cmd = [sys.executable, "-m", "jaxrl.cli.train", f"--config={CONFIG}",
+  cmd = [sys.executable, "-m", "train.cli.train", f"--config={CONFIG}",
          f"--config.model.hf_path={os.path.join(out, 'model')}",
          f"--config.data.train_path={os.path.join(out, 'train.jsonl')}",
          f"--config.data.heldout_path={os.path.join(out, 'test.jsonl')}",

@@ -4,9 +4,9 @@ fsdp-shards the actor and the reference over 4 of them, the sampler decodes on t
 projections' outputs (remat=dots).
 
 Check on a CPU first (a fake 8-device mesh, no weights; exit 1 if it would not fit):
-  python -m jaxrl.cli.train --config=configs/gemma3_12b_gsm8k.py --dry_run
+  python -m train.cli.train --config=configs/gemma3_12b_gsm8k.py --dry_run
 Run:
-  python -m jaxrl.cli.train --config=configs/gemma3_12b_gsm8k.py \
+  python -m train.cli.train --config=configs/gemma3_12b_gsm8k.py \
       --config.model.hf_path=/models/gemma-3-12b-it \
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 """

@@ -4,9 +4,9 @@ them, the sampler decodes on the other 4 (tensor parallel). Five of every six la
 within a sliding window of 1024 tokens (docs/models.md).
 
 Check on a CPU first (a fake 8-device mesh, no weights; exit 1 if it would not fit):
-  python -m jaxrl.cli.train --config=configs/gemma3_4b_gsm8k.py --dry_run
+  python -m train.cli.train --config=configs/gemma3_4b_gsm8k.py --dry_run
 Run:
-  python -m jaxrl.cli.train --config=configs/gemma3_4b_gsm8k.py \
+  python -m train.cli.train --config=configs/gemma3_4b_gsm8k.py \
       --config.model.hf_path=/models/gemma-3-4b-it \
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 """

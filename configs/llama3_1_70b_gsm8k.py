@@ -4,10 +4,10 @@ reference 32 ways; the sampler decodes with the weights split 8 ways by tensor p
 groups of rows), the update's activations recomputed except the projections (`remat=dots`).
 
 Check the fit here first, estimated on 32 fake CPU devices and compiled by the TPU compiler:
-  python -m jaxrl.cli.train --config=configs/llama3_1_70b_gsm8k.py --dry_run
-  python -m jaxrl.cli.train --config=configs/llama3_1_70b_gsm8k.py --dry_run --target=v5p-64
+  python -m train.cli.train --config=configs/llama3_1_70b_gsm8k.py --dry_run
+  python -m train.cli.train --config=configs/llama3_1_70b_gsm8k.py --dry_run --target=v5p-64
 Run (on the pod, every host the same command):
-  python -m jaxrl.cli.train --config=configs/llama3_1_70b_gsm8k.py \
+  python -m train.cli.train --config=configs/llama3_1_70b_gsm8k.py \
       --config.model.hf_path=/models/Llama-3.1-70B-Instruct \
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 """

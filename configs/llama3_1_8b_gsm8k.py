@@ -3,9 +3,9 @@ the actor and the reference over 4 of them, the sampler decodes on the other 4 (
 RoPE uses Llama 3.1's `llama3` frequency scaling, as its config.json says.
 
 Check on a CPU first (a fake 8-device mesh, no weights; exit 1 if it would not fit):
-  python -m jaxrl.cli.train --config=configs/llama3_1_8b_gsm8k.py --dry_run
+  python -m train.cli.train --config=configs/llama3_1_8b_gsm8k.py --dry_run
 Run:
-  python -m jaxrl.cli.train --config=configs/llama3_1_8b_gsm8k.py \
+  python -m train.cli.train --config=configs/llama3_1_8b_gsm8k.py \
       --config.model.hf_path=/models/Llama-3.1-8B-Instruct \
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 """

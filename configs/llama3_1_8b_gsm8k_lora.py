@@ -4,9 +4,9 @@ state and the sampler's merged copy leave the device for the phases that do not 
 (placement.offload=all); the update recomputes attention (remat=dots).
 
 Check on a CPU first (no weights; exit 1 if it would not fit):
-  python -m jaxrl.cli.train --config=configs/llama3_1_8b_gsm8k_lora.py --dry_run
+  python -m train.cli.train --config=configs/llama3_1_8b_gsm8k_lora.py --dry_run
 Run:
-  python -m jaxrl.cli.train --config=configs/llama3_1_8b_gsm8k_lora.py \\
+  python -m train.cli.train --config=configs/llama3_1_8b_gsm8k_lora.py \\
       --config.model.hf_path=/models/Llama-3.1-8B-Instruct \\
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 Then `jaxrl-export --checkpoint runs/NAME/checkpoints/rl --out DIR [--peft]`: merged weights, or

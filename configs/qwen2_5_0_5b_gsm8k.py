@@ -1,9 +1,9 @@
 """GRPO on GSM8K from Qwen2.5-0.5B-Instruct, on one 80 GB accelerator (everything colocated).
 
 Check on a CPU first (no weights needed; exit 1 if it would not fit):
-  python -m jaxrl.cli.train --config=configs/qwen2_5_0_5b_gsm8k.py --dry_run
+  python -m train.cli.train --config=configs/qwen2_5_0_5b_gsm8k.py --dry_run
 Run:
-  python -m jaxrl.cli.train --config=configs/qwen2_5_0_5b_gsm8k.py \
+  python -m train.cli.train --config=configs/qwen2_5_0_5b_gsm8k.py \
       --config.model.hf_path=/models/Qwen2.5-0.5B-Instruct \
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 """

@@ -2,9 +2,9 @@
 the actor and the reference over 4 of them, the sampler decodes on the other 4 (tensor parallel).
 
 Check on a CPU first (a fake 8-device mesh, no weights; exit 1 if it would not fit):
-  python -m jaxrl.cli.train --config=configs/qwen2_5_7b_gsm8k.py --dry_run
+  python -m train.cli.train --config=configs/qwen2_5_7b_gsm8k.py --dry_run
 Run:
-  python -m jaxrl.cli.train --config=configs/qwen2_5_7b_gsm8k.py \
+  python -m train.cli.train --config=configs/qwen2_5_7b_gsm8k.py \
       --config.model.hf_path=/models/Qwen2.5-7B-Instruct \
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 """

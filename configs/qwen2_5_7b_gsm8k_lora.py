@@ -4,9 +4,9 @@ state and the sampler's merged copy leave the device for the phases that do not 
 (placement.offload=all); the update recomputes attention (remat=dots).
 
 Check on a CPU first (no weights; exit 1 if it would not fit):
-  python -m jaxrl.cli.train --config=configs/qwen2_5_7b_gsm8k_lora.py --dry_run
+  python -m train.cli.train --config=configs/qwen2_5_7b_gsm8k_lora.py --dry_run
 Run:
-  python -m jaxrl.cli.train --config=configs/qwen2_5_7b_gsm8k_lora.py \\
+  python -m train.cli.train --config=configs/qwen2_5_7b_gsm8k_lora.py \\
       --config.model.hf_path=/models/Qwen2.5-7B-Instruct \\
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 """

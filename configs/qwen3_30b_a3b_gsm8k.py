@@ -9,9 +9,9 @@ the update's gradients 28.4 more. The sampler records each token's experts and t
 them (`model.moe.routing_replay="rollout"`: docs/models.md).
 
 Check on a CPU first (a fake 16-device mesh, no weights; exit 1 if it would not fit):
-  python -m jaxrl.cli.train --config=configs/qwen3_30b_a3b_gsm8k.py --dry_run
+  python -m train.cli.train --config=configs/qwen3_30b_a3b_gsm8k.py --dry_run
 Run:
-  python -m jaxrl.cli.train --config=configs/qwen3_30b_a3b_gsm8k.py \
+  python -m train.cli.train --config=configs/qwen3_30b_a3b_gsm8k.py \
       --config.model.hf_path=/models/Qwen3-30B-A3B \
       --config.data.train_path=/data/gsm8k/train.jsonl --config.data.heldout_path=/data/gsm8k/test.jsonl
 """

@@ -1,5 +1,5 @@
 """The platform a program is built for: JAX's default backend, or, while `building_for` is
-active, the target of an ahead-of-time compile (preflight/target_compile.py compiles a run's
+active, the target of an ahead-of-time compile (train/preflight/target_compile.py compiles a run's
 programs for a TPU topology on a CPU host). Code that chooses between forms of a program by platform (the
 CPU's matrix-product layouts, cuDNN or Pallas attention, XLA:CPU's pass options) asks here, not
 `jax.default_backend()`, so a target compile builds what the target would run.

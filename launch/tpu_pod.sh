@@ -27,4 +27,4 @@ python="${JAXRL_PYTHON:-}"
 if [[ -z "$python" ]]; then
   if [[ -x .venv/bin/python ]]; then python=.venv/bin/python; else python=python3; fi
 fi
-exec "$python" -m jaxrl.cli.train "$@"
+exec "$python" -m train.cli.train "$@"

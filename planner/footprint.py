@@ -1,6 +1,6 @@
 """The one memory model of jaxrl's passes: bytes one device holds beyond its resident state during
 an update, a scoring pass, and generation. The planner (memory.py) and the dry run
-(preflight/dry_run.py) both call it; tests/test_memory_model.py checks it against XLA's own count
+(train/preflight/dry_run.py) both call it; tests/test_memory_model.py checks it against XLA's own count
 (`memory_analysis().temp_size_in_bytes`) of compiled RL updates. It reads a model config's
 dimensions (ModelConfig's fields) and the models' own tables (the remat policies, the FLOPs per
 layer) from jaxrl/models, never their code.

@@ -1,5 +1,5 @@
 """TPU targets by name, for compiling a run's programs before a chip is rented
-(preflight/target_compile.py): a generation of the device table (planner/devices.py) and a slice
+(train/preflight/target_compile.py): a generation of the device table (planner/devices.py) and a slice
 topology, as Google names them.
 
 Two spellings: the accelerator type (`v5p-64`, `v5litepod-16`, `v6e-8`: for v4 and v5p the number

@@ -1,5 +1,5 @@
 """The in-flight engines' programs lowered from abstract arguments (ShapeDtypeStructs carrying
-shardings), without running them: what a target compile (preflight/target_compile.py) compiles for a
+shardings), without running them: what a target compile (train/preflight/target_compile.py) compiles for a
 slice that is not here.
 
 The host loops of sampler/inflight.py (a batch's rows), sampler/stream.py (partial rollouts) and

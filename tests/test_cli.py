@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxrl.cli import evaluate, export, plan, sample, train
+from train.cli import evaluate, export, plan, sample, train
 from jaxrl.data.tasks import Example
 from train.task.heldout import Evaluation, pass_at_k
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from jaxrl.cli.flags import parse_args
+from train.cli.flags import parse_args
 from jaxrl.config_files import shipped
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.config_files import from_mapping, resolve, with_gin
@@ -164,7 +164,7 @@ def test_int_is_accepted_for_float():
 ])
 def test_cli_user_error_exits_2_with_one_line(arg, message, tmp_path):
   proc = subprocess.run(
-      [sys.executable, "-m", "jaxrl.cli.train", "--config=configs/tiny.py", *arg.split(),
+      [sys.executable, "-m", "train.cli.train", "--config=configs/tiny.py", *arg.split(),
        f"--config.run_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2, proc.stderr
   lines = proc.stderr.strip().splitlines()

@@ -116,7 +116,7 @@ def test_failing_executor_is_named_and_checkpoints_survive(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_sigterm_stops_cleanly_with_a_checkpoint(tmp_path):
   proc = subprocess.Popen([
-      sys.executable, "-m", "jaxrl.cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
+      sys.executable, "-m", "train.cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
       "--config.run_name=stop", "--config.rl.steps=100000", "--config.checkpoint_every=100000"
   ], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   metrics = tmp_path / "stop" / "metrics.jsonl"
@@ -156,7 +156,7 @@ def test_bubble_counts_idle_device_time():
 def _cli_run(tmp_path, name, *flags) -> dict:
   """A run of the default config through the CLI: its summary."""
   proc = subprocess.run(
-      [sys.executable, "-m", "jaxrl.cli.train", "--config=configs/default.py", *flags,
+      [sys.executable, "-m", "train.cli.train", "--config=configs/default.py", *flags,
        f"--config.run_dir={tmp_path}", f"--config.run_name={name}", "--config.progress=False",
        "--config.checkpoint_every=1000"], cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]

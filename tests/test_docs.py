@@ -18,18 +18,18 @@ import shlex
 
 import pytest
 
-from jaxrl.cli import evaluate, export, plan, sample, train
+from train.cli import evaluate, export, plan, sample, train
 from jaxrl.config import ExperimentConfig
 from planner import scaling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/docs/*.md"))]
 BLOCK = re.compile(r"^```(sh(?: hardware| long)?)\n(.*?)^```", re.M | re.S)
-TRAIN = "jaxrl-train"  # also `python -m jaxrl.cli.train`, `make run`, the launch scripts
-PROGRAMS = {"jaxrl-train": TRAIN, "jaxrl.cli.train": TRAIN, "launch/tpu_pod.sh": TRAIN,
+TRAIN = "jaxrl-train"  # also `python -m train.cli.train`, `make run`, the launch scripts
+PROGRAMS = {"jaxrl-train": TRAIN, "train.cli.train": TRAIN, "launch/tpu_pod.sh": TRAIN,
             "launch/slurm_gpu.sbatch": TRAIN, "jaxrl-eval": "jaxrl-eval",
-            "jaxrl.cli.evaluate": "jaxrl-eval", "jaxrl-export": "jaxrl-export",
-            "jaxrl-sample": "jaxrl-sample", "jaxrl-plan": "jaxrl-plan", "jaxrl.cli.plan": "jaxrl-plan",
+            "train.cli.evaluate": "jaxrl-eval", "jaxrl-export": "jaxrl-export",
+            "jaxrl-sample": "jaxrl-sample", "jaxrl-plan": "jaxrl-plan", "train.cli.plan": "jaxrl-plan",
             "planner.scaling": "planner.scaling"}
 MAINS = {TRAIN: train.main, "jaxrl-eval": evaluate.main, "jaxrl-plan": plan.main,
          "jaxrl-export": lambda argv: export.main(argv[1:]),
@@ -135,7 +135,7 @@ def _key(words: list[str]) -> tuple:
   return (PROGRAMS.get(name, name), *args)
 
 
-# Each distinct command once (`jaxrl-train X` = `python -m jaxrl.cli.train X`; the first doc that
+# Each distinct command once (`jaxrl-train X` = `python -m train.cli.train X`; the first doc that
 # shows it names it).
 RUNNABLE = list({_key(words): (doc, words) for doc, tag, words in reversed(ALL)
                  if tag == "sh" and words[:2] != ["make", "test"]}.values())[::-1]

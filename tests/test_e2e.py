@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl.cli import evaluate, train
+from train.cli import evaluate, train
 from jaxrl.config import ConfigError
 from train.io.checkpoint import RunCheckpointer, load_actor_params
 from train.run import Experiment
@@ -20,7 +20,7 @@ ROOT = __file__.rsplit("/tests/", 1)[0]
 def test_tiny_run_through_main(tmp_path, capsys):
   # An entropy bonus: a 3-step SFT policy earns no reward yet, and RL must still move it.
   proc = subprocess.run([
-      sys.executable, "-m", "jaxrl.cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
+      sys.executable, "-m", "train.cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
       "--config.run_name=smoke", "--config.rl.loss.entropy_coef=0.01"
   ], cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -74,7 +74,7 @@ def test_tiny_run_through_main(tmp_path, capsys):
       for dp, _, fs in os.walk(run_dir / "checkpoints") for p in fs
   }
   again = subprocess.run([
-      sys.executable, "-m", "jaxrl.cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
+      sys.executable, "-m", "train.cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
       "--config.run_name=smoke"
   ], cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert again.returncode == 2 and "already holds checkpoints" in again.stderr
@@ -110,7 +110,7 @@ def test_tiny_run_with_other_placements(tmp_path, strategy, capsys, monkeypatch)
 def test_tiny_rlhf_run_with_dpo_reward_model_and_critic(tmp_path):
   """SFT -> DPO -> reward model -> PPO (gae critic) through the CLI on the tiny model."""
   proc = subprocess.run(
-      [sys.executable, "-m", "jaxrl.cli.train", "--config=configs/ppo_rlhf_tiny.py",
+      [sys.executable, "-m", "train.cli.train", "--config=configs/ppo_rlhf_tiny.py",
        "--config.model.d_model=32", "--config.model.n_layers=1", "--config.model.n_heads=2",
        "--config.model.n_kv_heads=2", "--config.model.head_dim=16", "--config.model.d_ff=64",
        "--config.task.n_train=128", "--config.task.n_heldout=16", "--config.sft.steps=3",

@@ -13,7 +13,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
-from jaxrl.cli import evaluate, export, sample
+from train.cli import evaluate, export, sample
 from jaxrl.data.gsm8k_tiny import make
 from jaxrl.config import ConfigError, ExperimentConfig, config_dict
 from jaxrl.config_files import resolve
@@ -156,7 +156,7 @@ def test_real_size_dry_run(name, args, verdict):
   """Every sharding resolved on a fake mesh of the target's device count, without weights, and
   the memory verdict against what JAX gets of a device (exit 1 when it does not fit)."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  proc = subprocess.run([sys.executable, "-m", "jaxrl.cli.train", f"--config=configs/{name}.py",
+  proc = subprocess.run([sys.executable, "-m", "train.cli.train", f"--config=configs/{name}.py",
                          "--dry_run", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == (0 if verdict == "fits" else 1), proc.stderr[-2000:]

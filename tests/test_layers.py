@@ -1,11 +1,10 @@
-"""The rooms are layers (docs/architecture.md): each imports only the ones below it, and so do
-the sub-packages of train/ among themselves.
+"""The packages are layers (docs/architecture.md): each imports only the ones below it, and so do
+the rooms of train/ among themselves.
 
-Walks every import statement (module level or inside a function) of every file in the project's
-rooms, so a new back edge fails here rather than in a reader's head. A room is a top-level
-package, or a package inside one that sits in another layer (`jaxrl/cli/`: the command line, in
-jaxrl's namespace so that nothing installs a top-level `cli`); a file belongs to the innermost
-room that holds it. configs/ is a folder of experiment files found by path, not a package."""
+Walks every import statement (module level, inside a function, or for type checking) of every
+file in the project's packages, so a new back edge fails here rather than in a reader's head.
+configs/ is a folder of experiment files found by path, not a package (nothing installs a
+top-level `configs` or `cli`: the command line is a room of train/)."""
 import ast
 import pathlib
 
@@ -13,7 +12,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BELOW_TRAIN = {"isolation", "jaxrl", "sharding", "sampler", "planner"}
-# room -> the project rooms it may import (besides itself), bottom up
+# package -> the project packages it may import (besides itself), bottom up
 MAY_IMPORT = {
     "isolation": set(),  # processes the run can kill, limits for their trees: the OS alone
     "jaxrl": {"isolation"},  # the RL core: models, algorithms, data, rewards, environments
@@ -21,27 +20,13 @@ MAY_IMPORT = {
     "sampler": {"jaxrl", "sharding"},
     "planner": {"jaxrl", "sharding"},
     "train": BELOW_TRAIN,
-    "preflight": BELOW_TRAIN | {"train"},  # a run checked and planned before it launches
-    "jaxrl.cli": BELOW_TRAIN | {"train", "preflight"},  # the command line
     "configs": {"jaxrl"},
-    "benchmarks": BELOW_TRAIN | {"train", "preflight", "jaxrl.cli", "configs"},
+    "benchmarks": BELOW_TRAIN | {"train", "configs"},
 }
 
 
-def room_of(module: str) -> str | None:
-  """The innermost room holding the dotted `module` (None: not the project's)."""
-  parts = module.split(".")
-  for n in range(len(parts), 0, -1):
-    if ".".join(parts[:n]) in MAY_IMPORT:
-      return ".".join(parts[:n])
-  return None
-
-
-def files_of(room: str) -> list[pathlib.Path]:
-  """The room's files, less those of the rooms inside it."""
-  inner = [r for r in MAY_IMPORT if r.startswith(room + ".")]
-  return sorted(p for p in (ROOT / room.replace(".", "/")).rglob("*.py")
-                if not any(ROOT / r.replace(".", "/") in p.parents for r in inner))
+def files_of(package: str) -> list[pathlib.Path]:
+  return sorted((ROOT / package).rglob("*.py"))
 
 
 # train/'s sub-packages, bottom up -> the sub-packages each may import (besides itself)
@@ -54,6 +39,9 @@ TRAIN_MAY_IMPORT = {
     "loop": {"io", "updates", "roles", "rollout", "task"},  # the RL loop and its executors
     "stages": {"io", "updates", "roles", "rollout", "task", "loop"},
     "run": {"io", "updates", "roles", "rollout", "task", "loop", "stages"},  # Experiment
+    # a run checked and planned before it launches: dry runs, target compiles, calibration
+    "preflight": {"io", "updates", "roles", "rollout", "task", "loop", "stages", "run"},
+    "cli": {"io", "updates", "roles", "rollout", "task", "loop", "stages", "run", "preflight"},
 }
 
 
@@ -70,31 +58,31 @@ def imported_modules(path: pathlib.Path) -> set[tuple[str, int]]:
   return found
 
 
-def imported_rooms(path: pathlib.Path) -> set[tuple[str, int]]:
-  return {(room, line) for name, line in imported_modules(path)
-          if (room := room_of(name)) is not None}
+def imported_packages(path: pathlib.Path) -> set[tuple[str, int]]:
+  return {(name.split(".")[0], line) for name, line in imported_modules(path)
+          if name.split(".")[0] in MAY_IMPORT}
 
 
-@pytest.mark.parametrize("room", sorted(MAY_IMPORT))
-def test_room_imports_only_lower_layers(room):
-  files = files_of(room)
-  assert files, f"no files under {room}/"
+@pytest.mark.parametrize("package", sorted(MAY_IMPORT))
+def test_package_imports_only_lower_layers(package):
+  files = files_of(package)
+  assert files, f"no files under {package}/"
   bad = [f"{p.relative_to(ROOT)}:{line} imports {name}"
-         for p in files for name, line in sorted(imported_rooms(p))
-         if name != room and name not in MAY_IMPORT[room]]
+         for p in files for name, line in sorted(imported_packages(p))
+         if name != package and name not in MAY_IMPORT[package]]
   assert not bad, "\n".join(bad)
 
 
-def test_every_room_is_layered():
+def test_every_package_is_layered():
   """A new top-level package (or folder of Python files) gets a row in MAY_IMPORT (and in
   docs/architecture.md)."""
   folders = {p.parent.name for p in ROOT.glob("*/*.py")}
-  assert folders - {"tests"} == {r for r in MAY_IMPORT if "." not in r}
+  assert folders - {"tests"} == set(MAY_IMPORT)
 
 
 def test_configs_are_files_not_a_package():
   """Nothing installs a top-level `cli` or `configs` (a user's own would collide): configs/ is
-  found by path, the command line lives in jaxrl/cli."""
+  found by path, the command line is train/cli."""
   assert not (ROOT / "configs" / "__init__.py").exists() and not (ROOT / "cli").exists()
   text = (ROOT / "pyproject.toml").read_text()
   assert '"cli*"' not in text and '"configs*"' not in text
@@ -122,8 +110,8 @@ def test_files_and_functions_stay_small():
   """No module over 400 lines and no function over 60 in the project's packages (benchmarks and
   configs included): a reader holds a room or a step in their head."""
   big = []
-  for room in MAY_IMPORT:
-    for path in files_of(room):
+  for package in MAY_IMPORT:
+    for path in files_of(package):
       source = path.read_text()
       if source.count("\n") > 400:
         big.append(f"{path.relative_to(ROOT)}: {source.count(chr(10))} lines")
@@ -156,7 +144,7 @@ def test_no_import_cycles():
   """No module imports itself back through others, for type checking either (a cycle is a layer
   in disguise: the planner's cost model and memory model once imported each other; the sampler
   and its stream and requests did, under TYPE_CHECKING, before they took a `DecodeSpec`)."""
-  paths = {_module(p): p for room in MAY_IMPORT for p in files_of(room)}
+  paths = {_module(p): p for package in MAY_IMPORT for p in files_of(package)}
   graph = {m: _imports(p, set(paths)) - {m} for m, p in paths.items()}
   state: dict[str, int] = {}  # 1: on the current path, 2: done
 

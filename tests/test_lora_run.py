@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl.cli.export import main as export_main
+from train.cli.export import main as export_main
 from jaxrl.config_files import shipped
 from jaxrl.models import lora
 from train.run import Experiment
@@ -127,13 +127,13 @@ def test_base_is_held_in_the_compute_dtype(run):
 
 
 def test_docs_fit_table_row_is_what_the_dry_run_says():
-  """docs/lora.md's one-GPU Llama-3.1-8B row, recomputed (`python -m preflight.fit_table --write`
+  """docs/lora.md's one-GPU Llama-3.1-8B row, recomputed (`python -m train.preflight.fit_table --write`
   rewrites the table)."""
-  from preflight import fit_table
+  from train.preflight import fit_table
   with open(fit_table.DOC, encoding="utf-8") as f:
     text = f.read()
   cells = [fit_table.cell(fit_table.CONFIGS["Llama-3.1-8B"], 1, rank, offload)
            for rank, offload in fit_table.COLUMNS.values()]
   row = "| Llama-3.1-8B | 1 x 80 GB | " + " | ".join(cells) + " |"
-  assert row in text, f"{row} not in docs/lora.md: run `python -m preflight.fit_table --write`"
+  assert row in text, f"{row} not in docs/lora.md: run `python -m train.preflight.fit_table --write`"
   assert cells[0].endswith("no") and cells[-1].endswith("fits")

@@ -18,8 +18,8 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from preflight.dry_run import shard_bytes, update_footprint
-from preflight.target_compile import abstract_experience
+from train.preflight.dry_run import shard_bytes, update_footprint
+from train.preflight.target_compile import abstract_experience
 from jaxrl.config import DataConfig, ExperimentConfig
 from jaxrl.config_rl import BatchingConfig, KLConfig, RLConfig, RolloutConfig
 from jaxrl.models.config import from_fields
@@ -89,7 +89,7 @@ def test_remat_and_micro_batches_shrink_the_estimate():
 def _llama8b_lora(layers: int = 4) -> ExperimentConfig:
   """configs/llama3_1_8b_gsm8k_lora.py (bf16, rank 16, remat dots, 16 rows x 768 tokens per
   pass) with `layers` of its 32 layers and CPU attention ([T, T] scores: no cuDNN here)."""
-  from jaxrl.cli.flags import load_config_file
+  from train.cli.flags import load_config_file
   from jaxrl.config_files import resolve
   raw = load_config_file(os.path.join(ROOT, "configs", "llama3_1_8b_gsm8k_lora.py"))
   raw.model.update(n_layers=layers)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from jaxrl.cli.plan import main as plan_main
+from train.cli.plan import main as plan_main
 from jaxrl.config_files import shipped
 from jaxrl.config import ExperimentConfig
 from jaxrl.models.config import ModelConfig
@@ -273,7 +273,7 @@ def test_lora_and_offload_in_the_memory_model():
   and Adam moments (12 bytes per parameter) plus the bf16 reference; LoRA holds the bf16 base
   (which is the reference) and 12 bytes per adapter parameter; offload keeps the moments and a
   separate reference off the device between updates, and the search takes it only colocated."""
-  from jaxrl.cli.flags import load_config_file
+  from train.cli.flags import load_config_file
   from jaxrl.config_files import resolve
   from planner.cost import lora_params
   from planner.memory import trainer_bytes

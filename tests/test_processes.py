@@ -37,7 +37,7 @@ def _launch(run_dir, name, *extra, resume=False) -> list[subprocess.Popen]:
   """The run on 4 processes (ports apart by more than the 4 transfer sockets)."""
   port = _port()
   return [subprocess.Popen(
-      [sys.executable, "-m", "jaxrl.cli.train", *ARGS, *extra, "--config.placement.cpu_devices=1",
+      [sys.executable, "-m", "train.cli.train", *ARGS, *extra, "--config.placement.cpu_devices=1",
        f"--config.run_dir={run_dir}", f"--config.run_name={name}",
        *(["--resume"] if resume else [])], cwd=ROOT,
       env=_env(JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES="4",
@@ -54,7 +54,7 @@ def _finish(procs) -> list[tuple[str, str]]:
 
 def _one_process(run_dir, name, *extra):
   """The same run on one process of 4 devices: the same meshes."""
-  subprocess.run([sys.executable, "-m", "jaxrl.cli.train", *ARGS, *extra,
+  subprocess.run([sys.executable, "-m", "train.cli.train", *ARGS, *extra,
                   "--config.placement.cpu_devices=4", f"--config.run_dir={run_dir}",
                   f"--config.run_name={name}"], cwd=ROOT, env=_env(), check=True,
                  capture_output=True, timeout=600)

@@ -24,7 +24,7 @@ TIMING = ("step_time", "tokens_per_s", "reshard_gbps")  # wall-clock values diff
 
 def _launch(tmp_path, name, *extra, resume=True):
   return subprocess.Popen(
-      [sys.executable, "-m", "jaxrl.cli.train", *ARGS, *extra, f"--config.run_dir={tmp_path}",
+      [sys.executable, "-m", "train.cli.train", *ARGS, *extra, f"--config.run_dir={tmp_path}",
        f"--config.run_name={name}", *(["--resume"] if resume else [])],
       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

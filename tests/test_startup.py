@@ -31,7 +31,7 @@ def test_a_second_start_loads_its_programs_from_the_cache(tmp_path):
   summaries, logs = [], []
   for name in ("cold", "warm"):
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxrl.cli.train", *CHEAP, f"--config.run_dir={tmp_path}",
+        [sys.executable, "-m", "train.cli.train", *CHEAP, f"--config.run_dir={tmp_path}",
          f"--config.run_name={name}"], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from jaxrl.cli import train
-from jaxrl.cli.flags import load_config_file
+from train.cli import train
+from train.cli.flags import load_config_file
 from jaxrl.config import ConfigError
 from jaxrl.config_files import resolve
 from planner.targets import TargetError, parse_target
@@ -41,7 +41,7 @@ def test_tiny_ppo_lora_config_compiles_for_a_v5e_slice(tmp_path):
   """configs/tiny.py as PPO with a critic, LoRA (merged into the sampler's copy), remat and
   micro-batches, colocated on a v5e-4: every program of its step, by the TPU compiler. (The
   plain tiny config's command runs in docs/models.md, through tests/test_docs.py.)"""
-  from preflight.target_report import report
+  from train.preflight.target_report import report
   raw = load_config_file("configs/tiny.py")
   raw.placement.update(strategy="colocate")
   raw.lora.update(rank=4, sampler="merged")
@@ -110,7 +110,7 @@ def test_in_flight_programs_compile_for_a_slice(settings, programs):
   """In-flight batching and partial rollouts' stream: the programs of their host loops, each at
   its largest (every slot prefilled at once), compiled for a v5e-4; the slot state's layout
   comes from the program that makes it."""
-  from preflight.target_compile import compile_program, rl_programs, topology_devices
+  from train.preflight.target_compile import compile_program, rl_programs, topology_devices
   from jaxrl import platform
   from train.roles.cluster import RoleCluster
   raw = load_config_file("configs/tiny.py")
@@ -148,7 +148,7 @@ def test_a_program_the_compiler_refuses_is_named_in_one_line():
   import jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-  from preflight.target_compile import Program, compile_program, topology_devices
+  from train.preflight.target_compile import Program, compile_program, topology_devices
   devices = topology_devices(parse_target("v5e-8"))  # 2 hosts of 4 chips
   mesh = Mesh(np.array([devices[i] for i in (0, 1, 4, 5)]).reshape(2, 2), ("data", "fsdp"))
   x = jax.ShapeDtypeStruct((64, 128), jnp.float32,
@@ -165,7 +165,7 @@ def test_tpu_programs_attend_with_the_splash_kernel():
   """Built for a TPU, the scoring pass and the update call the Mosaic splash kernel, whose
   attention FLOPs (which XLA's count leaves out) the report adds: the update's thrice a scoring
   pass's (four times under remat=full); the decode loop (attention over its cache) does not."""
-  from preflight.target_compile import rl_programs, topology_devices
+  from train.preflight.target_compile import rl_programs, topology_devices
   from jaxrl import platform
   from train.roles.cluster import RoleCluster
   raw = load_config_file("configs/tiny.py")
@@ -199,7 +199,7 @@ def test_a_compiler_that_dies_is_named_in_one_line():
   v5p-16), so the target compile runs in a child; the child killed by SIGABRT while it compiles
   the update gives one line naming the program, and exit 2."""
   proc = subprocess.Popen(
-      [sys.executable, "-m", "jaxrl.cli.train", "--config=configs/tiny.py", "--dry_run",
+      [sys.executable, "-m", "train.cli.train", "--config=configs/tiny.py", "--dry_run",
        "--target=v5e-4", "--config.placement.train_devices=2"],
       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   lines = []
@@ -240,13 +240,13 @@ def test_memory_and_flop_models_against_the_tpu_compiler(scan_layers):
 def test_matrix_products_are_counted_as_often_as_their_loops_run():
   """A product inside a 3-step scan, its weight fsdp-sharded over a v5p-64's 32 chips: the TPU
   compiler makes a loop of the all-gather and the product (a windowed einsum) inside the scan's
-  loop, and XLA's cost analysis counts each loop's body once. preflight/hlo_flops.py counts it all."""
+  loop, and XLA's cost analysis counts each loop's body once. train/preflight/hlo_flops.py counts it all."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-  from preflight.hlo_flops import _convolution_flops, executed_flops
-  from preflight.target_compile import no_persistent_cache, topology_devices
+  from train.preflight.hlo_flops import _convolution_flops, executed_flops
+  from train.preflight.target_compile import no_persistent_cache, topology_devices
   mesh = Mesh(np.array(topology_devices(parse_target("v5p-64"))), ("fsdp",))
   rows, d, f = 256, 2048, 8192
   x = jax.ShapeDtypeStruct((3, 32 * rows, d), jnp.bfloat16,
@@ -279,8 +279,8 @@ def test_the_tpu_scoring_model_against_the_stored_real_size_compiles():
   pass (the float32 actor's old log-probs pass holds its weights' bfloat16 copy, made ahead of
   the loop over pieces or the scan: 3.6 GiB at the 8B)."""
   from benchmarks.target_table import STORE, row_config
-  from preflight import dry_run
-  from preflight.target_compile import topology_devices
+  from train.preflight import dry_run
+  from train.preflight.target_compile import topology_devices
   from jaxrl import platform
   stored = json.load(open(STORE))
   for name in SCORING_CHECKED:
@@ -297,7 +297,7 @@ def test_a_sliding_window_compiles_into_the_splash_kernel():
   """Gemma 3's local layers built for a TPU: the scoring pass's splash kernel with its local
   mask (keys fewer than 4 positions back) compiles for a v5e-4, and the attention counted for
   the kernel is the window's, less than causal attention's."""
-  from preflight.target_compile import compile_program, rl_programs, topology_devices
+  from train.preflight.target_compile import compile_program, rl_programs, topology_devices
   from jaxrl import platform
   from train.roles.cluster import RoleCluster
   kernel = {}
@@ -322,7 +322,7 @@ def test_the_compile_guard_names_what_its_child_raised():
   from its traceback's last line; a verdict line marks a normal exit 1 (does not fit)."""
   import io
 
-  from preflight.compile_guard import _forward
+  from train.preflight.compile_guard import _forward
   state = {"program": None, "failed": None, "reported": False, "raised": None}
   child = ("jaxrl: dry run: compiling old log-probs\nTraceback (most recent call last):\n"
            '  File "train/loop/scoring.py", line 69, in __init__\n'

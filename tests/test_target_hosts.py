@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from jaxrl.cli import train
-from jaxrl.cli.flags import load_config_file
+from train.cli import train
+from train.cli.flags import load_config_file
 from jaxrl.config import ConfigError
 from jaxrl.config_files import resolve
 from planner.targets import parse_target
@@ -18,7 +18,7 @@ def test_async_on_whole_hosts_compiles_for_a_multi_host_slice(tmp_path):
   sampler on hosts 2-3 (docs/hosts.md), async with partial rollouts of multi-turn conversations
   (turns in slots that keep their caches), compiles; the slots' programs run one after another,
   so the generation phase holds the largest of them, not their sum."""
-  from preflight.target_report import report
+  from train.preflight.target_report import report
   raw = load_config_file("configs/tiny.py")
   raw.placement.update(strategy="separate", train_devices=8)
   raw.rl.schedule.update(mode="async", partial_rollouts=True)
@@ -41,7 +41,7 @@ def test_async_where_every_process_runs_every_program_is_refused_in_one_line():
   """Each of 2 hosts split between the trainer and the sampler (as on GPU nodes) runs every
   program on every process: the generator would have no processes of its own, so async is a
   config error naming the placement that gives it some (docs/hosts.md)."""
-  from preflight.target_compile import topology_devices
+  from train.preflight.target_compile import topology_devices
   from sharding.placement import ROLES, make_placement
   from train.roles.cluster import check_processes
   raw = load_config_file("configs/tiny.py")

@@ -3,7 +3,7 @@ the diagonal skipped, no [T, S] scores in memory, forward or backward), for the 
 (training, scoring). Left padding and packed rows are segment ids: a token attends to earlier
 tokens of its own segment (padding is segment 0, whose outputs are unused), so one kernel covers
 both. Off a TPU it runs in Pallas' interpret mode (the tests check it against the einsum form on
-the CPU); a target compile (preflight/target_compile.py) builds the TPU kernel.
+the CPU); a target compile (train/preflight/target_compile.py) builds the TPU kernel.
 
 The kernel runs per shard (`jax.shard_map` over the active layout's batch and head axes: a
 Mosaic call is not partitioned by XLA), vmapped over the shard's rows.

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from jaxrl.cli.train import main
+from train.cli.train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

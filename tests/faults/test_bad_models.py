@@ -114,7 +114,7 @@ def test_a_model_directory_that_does_not_exist(cli):
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
   """A run of the tiny config that saved its SFT checkpoint (2 steps, no RL)."""
-  from jaxrl.cli.train import main
+  from train.cli.train import main
   root = tmp_path_factory.mktemp("saved")
   assert main(["jaxrl-train", "--config=configs/tiny.py", f"--config.run_dir={root}",
                "--config.run_name=run", "--config.sft.steps=2", "--config.rl.steps=0"]) == 0
@@ -165,7 +165,7 @@ def test_run_directories_in_the_way(cli, saved_run, tmp_path):
 
 
 def test_a_checkpoint_missing_an_item_falls_back_to_the_one_before(tmp_path, capsys):
-  from jaxrl.cli.train import main
+  from train.cli.train import main
   args = ["jaxrl-train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
           "--config.run_name=run", "--config.sft.steps=2", "--config.rl.steps=0",
           "--config.checkpoint_every=1"]

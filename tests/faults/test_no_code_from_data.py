@@ -10,7 +10,7 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PACKAGES = ("isolation", "jaxrl", "sharding", "sampler", "planner", "train", "preflight", "configs")
+PACKAGES = ("isolation", "jaxrl", "sharding", "sampler", "planner", "train", "configs")
 FORBIDDEN_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve", "cloudpickle", "joblib"}
 FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__"}
 ALLOWED = {("jaxrl/config_files.py", "exec_module"),  # a config file

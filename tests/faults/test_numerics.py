@@ -63,7 +63,7 @@ def test_a_nan_reward_skips_that_update_and_the_run_goes_on(tmp_path, monkeypatc
 
 def test_too_many_in_a_row_stop_the_run_with_the_last_checkpoint_good(tmp_path, monkeypatch,
                                                                       capsys):
-  from jaxrl.cli.train import main
+  from train.cli.train import main
   _poison(monkeypatch, at={1, 2, 3, 4})
   run_dir = os.path.join(tmp_path, "stop")
   rc = main(["jaxrl-train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",

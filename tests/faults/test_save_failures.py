@@ -7,7 +7,7 @@ import os
 
 from etils import epath
 
-from jaxrl.cli.train import main
+from train.cli.train import main
 
 
 def _disk_full_for(monkeypatch, marker: str):

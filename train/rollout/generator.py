@@ -162,7 +162,7 @@ class Generator:
     """The programs a step's rollouts run, as `sample` (or, with the partial rollouts'
     `geometry`, `stream`) runs them, lowered from abstract arguments without running them:
     `params` the sampler's weights as ShapeDtypeStructs carrying shardings, `prompts` prompt
-    rows of `prompt_width` tokens (what a target compile compiles: preflight/)."""
+    rows of `prompt_width` tokens (what a target compile compiles: train/preflight/)."""
     tokens_BP = jax.ShapeDtypeStruct((prompts, prompt_width), jnp.int32, sharding=self._rows)
     if self.environment is not None:
       turn = self._turn_sampler(self.sampler)

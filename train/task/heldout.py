@@ -1,7 +1,7 @@
 """Held-out evaluation of a policy on examples: scores, pass@k, lengths, and every sample.
 
 One code path for the stages' held-out evaluation (`RunContext.evaluate`: greedy, one sample
-per prompt, the mean score logged as `heldout_acc`) and for `jaxrl-eval` (jaxrl/cli/evaluate.py:
+per prompt, the mean score logged as `heldout_acc`) and for `jaxrl-eval` (train/cli/evaluate.py:
 greedy, or `n` samples per prompt at a temperature, pass@k). Prompts go through the run's
 encoding and length buckets in chunks of `eval.batch_size` (one compiled shape; the last chunk
 padded by repeating its final prompt, whose extra rows are dropped), and are scored by the

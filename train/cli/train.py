@@ -1,4 +1,4 @@
-"""`jaxrl-train` (`python -m jaxrl.cli.train`): `jaxrl-train --config=configs/default.py
+"""`jaxrl-train` (`python -m train.cli.train`): `jaxrl-train --config=configs/default.py
 --config.rl.steps=50`.
 
   --config=FILE          an experiment file with get_config() (default: configs/default.py)
@@ -16,7 +16,7 @@
   --target=SLICE         with --dry_run: compile the RL step's programs with the TPU compiler
                          for that slice (v5p-64, v6e-16, v5e:4x4, ...; libtpu, allocating
                          nothing): per program the compiler's bytes, FLOPs and a time estimate,
-                         per phase the busiest chip against its HBM (preflight/target_compile.py)
+                         per phase the busiest chip against its HBM (train/preflight/target_compile.py)
   --target_json=PATH     with --target: the report's numbers written to PATH as JSON too
 
 Several hosts: the same command on every host; it joins `jax.distributed` first (auto-detected
@@ -33,7 +33,7 @@ import signal
 import sys
 import traceback
 
-from jaxrl.cli.flags import UsageError, fail, parse_args, print_help, start_jax
+from train.cli.flags import UsageError, fail, parse_args, print_help, start_jax
 
 
 def _start(argv: list[str]):
@@ -80,21 +80,21 @@ def _serves_the_sampler(cfg) -> bool:
 
 def _dry_run(cfg, target: str, target_json: str) -> int:
   if target:  # (an unknown target or a refused program: a ConfigError, exit 2)
-    from preflight.target_report import report
+    from train.preflight.target_report import report
     from planner.targets import parse_target
     lines, fits = report(cfg, parse_target(target), target_json)
   else:
-    from preflight.dry_run import report
+    from train.preflight.dry_run import report
     lines, fits = report(cfg)
   print("\n".join(f"jaxrl: dry run: {line}" for line in lines), flush=True)
   return 0 if fits else 1
 
 
 def _compiles_for_a_target(argv: list[str]) -> bool:
-  """`--dry_run --target=...` outside the child that compiles (preflight/compile_guard.py)."""
+  """`--dry_run --target=...` outside the child that compiles (train/preflight/compile_guard.py)."""
   import os
 
-  from preflight.compile_guard import CHILD
+  from train.preflight.compile_guard import CHILD
   dry = {"--dry_run", "-dry_run", "--dry_run=true", "--dry_run=True", "--dry_run=1"}
   return (any(a.lstrip("-").startswith("target") for a in argv) and any(a in dry for a in argv)
           and not os.environ.get(CHILD))
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
   if print_help(argv, __doc__):
     return 0
   if _compiles_for_a_target(argv):
-    from preflight import compile_guard
-    return compile_guard.run([sys.executable, "-m", "jaxrl.cli.train", *argv[1:]])
+    from train.preflight import compile_guard
+    return compile_guard.run([sys.executable, "-m", "train.cli.train", *argv[1:]])
   exp = _start(argv)
   if isinstance(exp, int):
     _release_samplers()  # (a trainer that stopped early: the sampler's processes leave too)

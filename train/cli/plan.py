@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import sys
 
-from jaxrl.cli.flags import ArgParser, UsageError, fail, parse_args
+from train.cli.flags import ArgParser, UsageError, fail, parse_args
 
 
 def _table(cfg, args) -> list[str]:
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device and args.device not in _devices():
       raise UsageError(f"--device: expected one of {sorted(_devices())}, got {args.device!r}")
     if args.calibrate:
-      from preflight.calibration import calibrate_here
+      from train.preflight.calibration import calibrate_here
       cal, samples = calibrate_here()
       cal.save(args.calibrate)
       args.calibration = args.calibration or args.calibrate

@@ -1,11 +1,11 @@
 """The dry run's per-device memory of the 7B/8B GSM8K configs on 1, 2, 4 and 8 x 80 GB devices,
 full-parameter or LoRA, with or without idle-role offload: the table in docs/lora.md.
 
-  python -m preflight.fit_table            # print the table
-  python -m preflight.fit_table --write    # rewrite it in docs/lora.md (tests/test_lora_run.py)
+  python -m train.preflight.fit_table            # print the table
+  python -m train.preflight.fit_table --write    # rewrite it in docs/lora.md (tests/test_lora_run.py)
 
 Every cell is `--dry_run`'s total for the busiest device (what stays through a step plus its
-largest phase, preflight/dry_run.py) with the config's own settings except: placement colocate on N
+largest phase, train/preflight/dry_run.py) with the config's own settings except: placement colocate on N
 devices (the sampler's tensor degree chosen automatically), `model.layers.remat=dots`, and the
 column's LoRA (rank 16 on every projection) and `placement.offload` ("all" or none).
 """
@@ -18,8 +18,8 @@ import logging
 import os
 import re
 
-DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
-                   "lora.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DOC = os.path.join(ROOT, "docs", "lora.md")
 CONFIGS = {"Qwen2.5-7B": "configs/qwen2_5_7b_gsm8k.py", "Llama-3.1-8B": "configs/llama3_1_8b_gsm8k.py"}
 DEVICES = (1, 2, 4, 8)
 COLUMNS = {"full": (0, ""), "full + offload": (0, "all"), "LoRA": (16, ""),
@@ -31,7 +31,7 @@ def cell(path: str, devices: int, rank: int, offload: str) -> str:
   import jax
 
   from jaxrl.config_files import config_module, resolve
-  from preflight.dry_run import report
+  from train.preflight.dry_run import report
   raw = config_module(path).get_config()
   raw.model.layers.remat = "dots"
   raw.placement.update(strategy="colocate", cpu_devices=devices, sampler_tensor=0,

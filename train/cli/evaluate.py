@@ -35,7 +35,7 @@ import tempfile
 from absl import flags
 from ml_collections import config_flags
 
-from jaxrl.cli.flags import (UsageError, absl_argv, check_overrides, default_config, fail,
+from train.cli.flags import (UsageError, absl_argv, check_overrides, default_config, fail,
                              flag_value, load_config_file, print_help, start_jax)
 
 
@@ -56,7 +56,7 @@ def _config_arg(argv: list[str]) -> tuple[str, list[str]]:
 
 def base_config(model: str, config_file: str):
   """The ConfigDict before overrides, and the checkpoint (stage dir, step) or None."""
-  from jaxrl.cli.model_io import run_config, split_checkpoint_path
+  from train.cli.model_io import run_config, split_checkpoint_path
   from jaxrl.config import ConfigError, config_dict, to_dict
   if os.path.isfile(os.path.join(model, "config.json")):  # a Hugging Face directory
     config = load_config_file(config_file or default_config())

@@ -7,7 +7,7 @@ the placement over its hosts) and every program of an RL step is lowered from
 ShapeDtypeStructs and compiled for them (the programs' platform choices follow the target:
 jaxrl/platform.py). Per program XLA reports, for each device, its argument, output,
 temporary and code bytes and its FLOPs and bytes accessed; the device's peak during the program
-adds what else stays there through a step (the dry run's table: preflight/dry_run.py).
+adds what else stays there through a step (the dry run's table: train/preflight/dry_run.py).
 """
 from __future__ import annotations
 
@@ -25,13 +25,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
-from preflight import compile_guard, dry_run, hlo_flops
+from train.preflight import compile_guard, dry_run, hlo_flops
 from jaxrl import platform
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.models import flops
 from jaxrl.models.attention import attention_impl
 from planner.targets import Target
-from preflight.target_generation import generation
+from train.preflight.target_generation import generation
 from sampler.engine import Rollout
 from sharding.host import tpu_chips_here
 from sharding.placement import host_count, host_major_devices

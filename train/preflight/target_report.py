@@ -1,4 +1,4 @@
-"""What `--dry_run --target` prints (preflight/target_compile.py compiles): per program the
+"""What `--dry_run --target` prints (train/preflight/target_compile.py compiles): per program the
 compiler's bytes, FLOPs and a time estimate, per phase the busiest device against the dry run's
 estimate, the verdict against the chip's HBM; and the same numbers as JSON
 (`--target_json=PATH`), which `python -m benchmarks.target_table` gathers into the docs'
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-from preflight import dry_run
-from preflight.target_compile import GIB, Compiled, TargetRun, compile_run
+from train.preflight import dry_run
+from train.preflight.target_compile import GIB, Compiled, TargetRun, compile_run
 from jaxrl import platform
 from jaxrl.config import ExperimentConfig
 from planner.targets import Target

@@ -2,7 +2,7 @@
 
   jaxrl-sample --model DIR --prompt TEXT [--prompt TEXT ...] [--chat] [--greedy]
       [--max_new_tokens N] [--n N] [--temperature T] [--seed S]
-      prints completions of a Hugging Face directory or a jaxrl checkpoint (jaxrl/cli/model_io.py).
+      prints completions of a Hugging Face directory or a jaxrl checkpoint (train/cli/model_io.py).
 
 User errors (a missing directory, a checkpoint that does not fit) print one line and exit 2.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from jaxrl.cli.flags import ArgParser, fail
+from train.cli.flags import ArgParser, fail
 
 
 def _prompt_ids(tok, text: str, chat: bool) -> list[int]:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
   args = parser.parse_args(argv)
-  from jaxrl.cli.model_io import load_policy
+  from train.cli.model_io import load_policy
   from jaxrl.config import ConfigError
   from sampler.methods import SamplingConfig
   from sampler.sampler import Sampler
