@@ -121,37 +121,31 @@ def test_a_run_dir_from_before_model_families_still_reads():
     from_mapping(ExperimentConfig, {"model": {"qkv_bias": True, "qk_norm": True}})
 
 
-@pytest.mark.parametrize("name", ["default", "partial_reverse", "ppo_rlhf_tiny", "dapo_reverse",
-                                  "gsm8k_tools", "decoupled_ppo_async_reverse"])
-def test_a_run_dir_from_before_the_rl_sections_still_reads(name):
-  """The `rl` section of config.json as runs wrote it before its fields were split by concern
-  (tests/golden/rl_config_before_issue_53.json: written by the commit before, from these config
-  files) reads as today's config of the same file, every field in its new section."""
-  import json
-  with open(os.path.join(ROOT, "tests", "golden", "rl_config_before_issue_53.json")) as f:
-    old = json.load(f)[name]
-  assert "clip_eps_low" in old and "loss" not in old  # (the flat form)
-  today = resolve(shipped(name).get_config(), hf=False)
-  assert from_mapping(ExperimentConfig, {"rl": old}).rl == today.rl
-  with pytest.raises(ConfigError, match="config.rl.clip_eps_lo: unknown field"):
-    from_mapping(ExperimentConfig, {"rl": {"clip_eps_lo": 0.1}})  # (a typo stays an error)
+_FLAT_SECTIONS = {  # section -> (its golden file, a flat field it had, a typo of that field)
+    "rl": ("rl_config_before_issue_53.json", "clip_eps_low", "clip_eps_lo"),
+    "model": ("model_config_before_issue_63.json", "rope_theta", "rope_thet"),
+}
 
 
-@pytest.mark.parametrize("name", ["default", "qwen3_30b_a3b_gsm8k", "gemma3_4b_gsm8k",
-                                  "llama3_1_8b_gsm8k_lora"])
-def test_a_run_dir_from_before_the_model_sections_still_reads(name):
-  """The `model` section of config.json as runs wrote it before its fields were split by concern
-  (tests/golden/model_config_before_issue_63.json: written by the commit before, from these
-  config files: flat `rope_theta`, `n_experts`, `remat`, `attention`, ...) reads as today's
-  config of the same file, every field in its new section."""
+@pytest.mark.parametrize("section,name", [
+    *[("rl", n) for n in ["default", "partial_reverse", "ppo_rlhf_tiny", "dapo_reverse",
+                          "gsm8k_tools", "decoupled_ppo_async_reverse"]],
+    *[("model", n) for n in ["default", "qwen3_30b_a3b_gsm8k", "gemma3_4b_gsm8k",
+                             "llama3_1_8b_gsm8k_lora"]]])
+def test_a_run_dir_from_before_the_sections_still_reads(section, name):
+  """A section of config.json as runs wrote it before its fields were split by concern (the
+  golden files under tests/golden/: written by the commit before each split, from these config
+  files; `rl` flat before issue 53, `model` before issue 63: `rope_theta`, `n_experts`, `remat`,
+  ...) reads as today's config of the same file, every field in its new section."""
   import json
-  with open(os.path.join(ROOT, "tests", "golden", "model_config_before_issue_63.json")) as f:
+  golden, flat, typo = _FLAT_SECTIONS[section]
+  with open(os.path.join(ROOT, "tests", "golden", golden)) as f:
     old = json.load(f)[name]
-  assert "rope_theta" in old and "rope" not in old  # (the flat form)
+  assert flat in old and ("loss" if section == "rl" else "rope") not in old  # (the flat form)
   today = resolve(shipped(name).get_config(), hf=False)
-  assert from_mapping(ExperimentConfig, {"model": old}).model == today.model
-  with pytest.raises(ConfigError, match="config.model.rope_thet: unknown field"):
-    from_mapping(ExperimentConfig, {"model": {"rope_thet": 1.0}})  # (a typo stays an error)
+  assert getattr(from_mapping(ExperimentConfig, {section: old}), section) == getattr(today, section)
+  with pytest.raises(ConfigError, match=f"config.{section}.{typo}: unknown field"):
+    from_mapping(ExperimentConfig, {section: {typo: 0.1}})  # (a typo stays an error)
 
 
 def test_int_is_accepted_for_float():
