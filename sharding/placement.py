@@ -104,6 +104,20 @@ def whole_hosts(strategy: str, n_devices: int, *, train_devices: int, n_hosts: i
           and train_devices % (n_devices // n_hosts) == 0)
 
 
+def _split_error(strategy: str, train_devices: int, n_devices: int, n_hosts: int) -> str:
+  """Why `train_devices` cannot split `n_devices` for `strategy`, what would, and the preset
+  that needs no split."""
+  rest = "the sampler" if strategy == "separate" else "the reference and reward models"
+  want = f"1 to {n_devices - 1}"
+  if n_hosts > 1:
+    want += f", a multiple of {n_hosts} (as many on each host)"
+    if strategy == "separate":
+      want += f" or of {n_devices // n_hosts} (whole hosts)"
+  return (f"placement.train_devices: {train_devices} does not split the {n_devices} devices "
+          f"({strategy} gives the trainer train_devices of them and {rest} the rest): expected "
+          f"{want}; or --config.placement.strategy=colocate, every role on all {n_devices}")
+
+
 def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler_tensor: int = 1,
                    n_hosts: int = 1, train_fsdp: int = 0, one_network: bool = False) -> Placement:
   """The preset for `strategy`; `train_devices` counts devices over all hosts. `train_fsdp`: the
@@ -120,11 +134,7 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
   else:
     whole = whole_hosts(strategy, n_devices, train_devices=train_devices, n_hosts=n_hosts)
     if not whole and (train_devices % n_hosts or not 0 < train_devices < n_devices):
-      raise PlacementError(
-          f"placement.train_devices: {train_devices} must be in (0, {n_devices}) and a multiple "
-          f"of the {n_hosts} hosts, or for separate of each host's {n_devices // n_hosts} "
-          f"devices ({strategy} gives the trainer some of the {n_devices} devices and the "
-          f"sampler the rest)")
+      raise PlacementError(_split_error(strategy, train_devices, n_devices, n_hosts))
     local = n_devices // n_hosts
     if whole:
       if 2 * train_devices < n_devices:

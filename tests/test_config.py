@@ -154,7 +154,7 @@ def test_int_is_accepted_for_float():
 
 @pytest.mark.parametrize("arg,message", [  # tests/faults/ checks 60 others in this process
     ("--config.rl.stepz=3", "rl.stepz"),
-    ("--config.placement.train_devices=9", "placement.train_devices: 9 must be in (0, 8)"),
+    ("--config.placement.train_devices=9", "placement.train_devices: 9 does not split the 8 devices"),
 ])
 def test_cli_user_error_exits_2_with_one_line(arg, message, tmp_path):
   proc = subprocess.run(

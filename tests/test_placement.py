@@ -50,7 +50,8 @@ def test_presets_and_sharded_logprobs_equal_single_device(strategy):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(strategy="separate", train_devices=8), "placement.train_devices: 8 must be in (0, 8)"),
+    (dict(strategy="separate", train_devices=8),
+     "placement.train_devices: 8 does not split the 8 devices"),
     (dict(strategy="separate", train_devices=5, sampler_tensor=2),
      "placement.sampler_tensor: the sampler's mesh axis tensor=2 does not divide its 3 devices"),
     (dict(strategy="interleave", train_devices=7), "interleave needs >= 2 devices"),

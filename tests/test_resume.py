@@ -260,3 +260,24 @@ def test_a_run_dir_of_an_unrolled_decoder_resumes_with_a_scanned_one(tmp_path, r
     for key in ("entropy", "heldout_acc"):
       if key in row:
         assert row[key] == pytest.approx(ref[(row["phase"], row["step"])][key], abs=1e-3), key
+
+
+def test_resuming_an_unnamed_run_by_its_name_warns_only_of_what_changed(tmp_path, caplog):
+  """A run started without a name lives in a timestamp directory; resumed by that name, its
+  run_name ('' -> the name) and run_dir are how it is found, not a change of the config."""
+  from jaxrl.config_files import resolve, shipped
+  from train.io import rundir
+
+  first = resolve(shipped("tiny").get_config(), hf=False)
+  run_dir = tmp_path / "20261205-120000"
+  rundir.write_config(first, str(run_dir))
+  (run_dir / "checkpoints" / "sft").mkdir(parents=True)
+  raw = shipped("tiny").get_config()
+  raw.update(run_dir=str(tmp_path), run_name="20261205-120000")
+  with caplog.at_level("WARNING", logger="jaxrl"):
+    assert rundir.prepare(resolve(raw, hf=False), resume=True) == str(run_dir)
+    assert not caplog.records
+    raw.rl.steps = 7
+    rundir.prepare(resolve(raw, hf=False), resume=True)
+  assert [r.getMessage() for r in caplog.records] == [
+      "resuming with a changed config: config.rl.steps: 3 -> 7"]

@@ -6,8 +6,8 @@ import pytest
 
 from jaxrl.config_files import shipped
 from train.run import Experiment
-from train.run.hooks import Checkpoint, Hook
-from train.stages import StageProgress, Stopped
+from train.run.hooks import Checkpoint, Hook, Progress
+from train.stages import StageProgress, Stopped, run_stage
 
 tiny = shipped("tiny")
 
@@ -85,3 +85,27 @@ def test_checkpoint_hook_saves_by_steps_by_minutes_and_at_the_end():
     hook.after_step(stage, {})
   hook.after_stage(stage)
   assert saved == [4, 6, 8, 10]
+
+
+def test_a_resumed_stages_bar_counts_from_its_checkpoint_to_its_total(capsys):
+  """A stage restored at step 8 of 20 gets no `on_start`: its bar opens at the first step after
+  the restore and reads 9/20 after step 9 and 20/20 at the end (it read 10/20, then 21)."""
+
+  class RestoredStage:
+    name, total = "rl", 20
+    progress = StageProgress(started=True, done=8)
+
+    def advance(self):
+      self.progress = StageProgress(started=True, done=self.progress.done + 1)
+      seen.append(hook.bar.n if hook.bar else None)
+      return {}
+
+    def conclude(self):
+      self.progress = StageProgress(started=True, done=self.total, finished=True)
+
+  seen, hook, stage = [], Progress(enabled=True), RestoredStage()
+  run_stage(stage, [hook], steps=1)
+  assert hook.bar.n == 9 and hook.bar.total == 20
+  run_stage(stage, [hook])
+  assert seen == [None, *range(9, 20)] and hook.bar is None  # closed at the stage's end
+  assert "20/20" in capsys.readouterr().err.replace("\r", "\n").splitlines()[-1]

@@ -133,7 +133,10 @@ def test_a_topology_the_placement_cannot_use_names_the_field(capsys):
   rc = train.main(["train", "--config=configs/tiny.py", "--dry_run", "--target=v5e-4"])
   err = capsys.readouterr().err.strip().splitlines()
   assert rc == 2 and len(err) == 1, err
-  assert err[0].startswith("jaxrl: error: config.placement.train_devices: 4 must be in (0, 4)")
+  assert err[0].startswith("jaxrl: error: config.placement.train_devices: 4 does not split the "
+                           "4 devices"), err
+  assert err[0].endswith("expected 1 to 3; or --config.placement.strategy=colocate, every role "
+                         "on all 4"), err
 
 
 def test_an_unknown_target_is_one_line_exit_2(capsys):

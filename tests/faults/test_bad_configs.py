@@ -30,7 +30,8 @@ CASES = [
      "=6 must split into 2 minibatches divisible by the trainer's 4-way batch split"),
     (["--config.placement.strategy=pipeline"], "config.placement.strategy: expected one of "
      "['colocate', 'interleave', 'plan', 'separate'], got 'pipeline'"),
-    (["--config.placement.train_devices=8"], "placement.train_devices: 8 must be in (0, 8)"),
+    (["--config.placement.train_devices=8"],
+     "placement.train_devices: 8 does not split the 8 devices"),
     (["--config.model.n_heads=3", "--config.model.n_kv_heads=3",
       "--config.placement.sampler_tensor=2"],
      "config.placement.sampler_tensor: the sampler's mesh axis tensor=2 does not divide "

@@ -36,6 +36,9 @@ def _changes(old: dict, new: dict, path: str = "config") -> list[str]:
   return out
 
 
+_WHERE = ("run_dir", "run_name")
+
+
 def has_checkpoints(run_dir: str) -> bool:
   root = os.path.join(run_dir, "checkpoints")
   return os.path.isdir(root) and any(os.scandir(root))
@@ -60,7 +63,11 @@ def prepare(cfg: ExperimentConfig, *, resume: bool, run_dir: str | None = None,
   path = os.path.join(run_dir, "config.json")
   if resume and os.path.exists(path):
     with open(path, encoding="utf-8") as f:
-      changed = _changes(json.load(f), to_dict(cfg))
+      old = json.load(f)
+    # where the run lives is how it is found, not how it runs: an unnamed run's timestamp
+    # directory resumed by that name, or a run dir moved, changes nothing
+    changed = _changes({k: v for k, v in old.items() if k not in _WHERE},
+                       {k: v for k, v in to_dict(cfg).items() if k not in _WHERE})
     if changed:
       log.warning("resuming with a changed config: %s", "; ".join(changed))
   if not resume or not os.path.exists(path):

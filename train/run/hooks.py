@@ -90,15 +90,15 @@ class Progress(Hook):
     self.enabled, self.bar = enabled, None
 
   def on_start(self, stage, row):
-    self._open(stage)
+    self._open(stage, stage.progress.done)
 
-  def _open(self, stage):
-    self.bar = tqdm(total=stage.total, initial=stage.progress.done, disable=not self.enabled,
+  def _open(self, stage, done: int):
+    self.bar = tqdm(total=stage.total, initial=done, disable=not self.enabled,
                     desc=stage.name.replace("_", " "), dynamic_ncols=True)
 
   def after_step(self, stage, row):
-    if self.bar is None:  # a stage that started earlier (restored, or run piecewise)
-      self._open(stage)
+    if self.bar is None:  # a stage that started earlier (restored, or run piecewise): the bar
+      self._open(stage, stage.progress.done - 1)  # starts where it was before this step
     self.bar.update(1)
     shown = {short: row[k] for k, short in self.SHOWN.items()
              if isinstance(row.get(k), (int, float))}
