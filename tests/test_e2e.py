@@ -18,10 +18,9 @@ ROOT = __file__.rsplit("/tests/", 1)[0]
 
 @pytest.mark.slow
 def test_tiny_run_through_main(tmp_path, capsys):
-  # An entropy bonus: a 3-step SFT policy earns no reward yet, and RL must still move it.
   proc = subprocess.run([
       sys.executable, "-m", "train.cli.train", "--config=configs/tiny.py", f"--config.run_dir={tmp_path}",
-      "--config.run_name=smoke", "--config.rl.loss.entropy_coef=0.01"
+      "--config.run_name=smoke"
   ], cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   run_dir = tmp_path / "smoke"
@@ -30,10 +29,12 @@ def test_tiny_run_through_main(tmp_path, capsys):
   assert [r["step"] for r in rl] == [1, 2, 3]
   for key in ("reward_mean", "kl", "entropy", "response_len", "step_time", "tokens_per_s", "loss"):
     assert all(np.isfinite(r[key]) for r in rl), key
+  # the smoke run's RL moves the policy: every step rewarded and with a gradient
+  assert all(r["reward_mean"] > 0 and r["grad_norm"] > 0 for r in rl), rl
   assert "heldout_acc" in rl[-1] and any(r["phase"] == "sft" for r in rows)
   assert (run_dir / "metrics.png").stat().st_size > 10_000
   summary = json.loads((run_dir / "summary.json").read_text())
-  assert summary["sft_checkpoint_step"] == 3 and summary["rl_checkpoint_step"] == 3
+  assert summary["sft_checkpoint_step"] == 40 and summary["rl_checkpoint_step"] == 3
 
   # The run state restores (into the config's layouts) with finite values; the SFT weights
   # stay on disk apart from RL's and differ from them.
@@ -46,7 +47,7 @@ def test_tiny_run_through_main(tmp_path, capsys):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
     sft_params, step = load_actor_params(str(run_dir / "checkpoints" / "sft"),
                                          exp.ctx.cluster.actor.abstract())
-    assert step == 3
+    assert step == 40
     assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(params),
                                                      jax.tree.leaves(sft_params)))
   # Another model size does not fit: a one-line config error, not a silent fresh start.
@@ -56,10 +57,12 @@ def test_tiny_run_through_main(tmp_path, capsys):
   assert json.loads((run_dir / "config.json").read_text())["model"]["d_model"] == 32  # kept
 
   # jaxrl-eval of the checkpoints is the run's own held-out evaluation (the same code): the
-  # policy as RL started (SFT step 3) and after RL; then sampled, with pass@k and every sample.
+  # policy as RL started (SFT step 40) and after RL; then sampled, with pass@k and every sample.
   for stage, key in (("sft", "heldout_acc_rl_start"), ("rl", "heldout_acc_rl")):
     got = _eval(capsys, run_dir / "checkpoints" / stage, tmp_path / f"{stage}.jsonl")
-    assert got["accuracy"] == got["reward_mean"] == summary[key], (stage, got, summary[key])
+    # (the held-out score is the verifier's mean: with tiny's partial credit, at least the
+    # share of exact answers)
+    assert got["reward_mean"] == summary[key] >= got["accuracy"], (stage, got, summary[key])
     assert got["examples"] == 16 and got["response_len"] > 0
   got = _eval(capsys, run_dir / "checkpoints" / "rl" / "2", tmp_path / "s.jsonl", "--n", "4",
               "--temperature", "1.0", "--k", "1,2,4", "--limit", "8")
@@ -83,6 +86,12 @@ def test_tiny_run_through_main(tmp_path, capsys):
       for dp, _, fs in os.walk(run_dir / "checkpoints") for p in fs
   }
   assert after == before and len(before) > 0
+
+  # Two more RL steps end at other weights (RL moved the policy; it did not with reward 0).
+  assert train.main(["train", f"--config={ROOT}/configs/tiny.py", f"--config.run_dir={tmp_path}",
+                     "--config.run_name=five", "--config.rl.steps=5"]) == 0
+  five = json.loads((tmp_path / "five" / "summary.json").read_text())
+  assert five["params_fingerprint"] != summary["params_fingerprint"]
 
 
 def _eval(capsys, model, samples, *args) -> dict:

@@ -1,6 +1,6 @@
 import pytest
 
-from jaxrl.rewards.verifier import exact_match, extract_answer
+from jaxrl.rewards.verifier import char_match, exact_match, extract_answer
 
 
 @pytest.mark.parametrize("response,answer,expected", [
@@ -23,3 +23,16 @@ def test_exact_match(response, answer, expected):
 
 def test_extract_answer_uses_last_marker():
   assert extract_answer("answer: 1 ... final answer: 2") == "2"
+
+
+@pytest.mark.parametrize("response,answer,expected", [
+    ("edcba", "edcba", 1.0),
+    ("edcab", "edcba", 3 / 5),  # the last two swapped
+    ("edc", "edcba", 3 / 5),  # missing letters are misses
+    ("edcbaxx", "edcba", 5 / 7),  # and so are extra ones
+    ("", "edcba", 0.0),
+    ("answer: ab", "ab", 1.0),  # the same extraction as exact_match
+])
+def test_char_match_gives_the_share_of_letters_in_place(response, answer, expected):
+  assert char_match(response, answer) == pytest.approx(expected)
+  assert (char_match(response, answer) == 1.0) == (exact_match(response, answer) == 1.0)

@@ -1,5 +1,6 @@
-"""Verifiers `(response, answer) -> reward`: exact match on the extracted answer, or
-mathematical equivalence (`math`, see jaxrl/rewards/math.py)."""
+"""Verifiers `(response, answer) -> reward`: exact match on the extracted answer, partial
+credit by position (`char_match`), or mathematical equivalence (`math`, see
+jaxrl/rewards/math.py)."""
 from __future__ import annotations
 
 import re
@@ -36,5 +37,16 @@ def exact_match(response: str, answer: str) -> float:
   return float(bool(got) and _normalise(got) == _normalise(answer))
 
 
+def char_match(response: str, answer: str) -> float:
+  """Partial credit for string answers: the share of positions at which the extracted answer
+  has the reference's character, over the longer of the two (a missing or extra character
+  counts as a miss); 1.0 exactly when `exact_match` is, for non-numeric answers."""
+  got, want = extract_answer(response), answer.strip()
+  if not got or not want:
+    return float(got == want)
+  return sum(a == b for a, b in zip(got, want)) / max(len(got), len(want))
+
+
 VERIFIERS: dict[str, Callable[[str, str], float]] = {"exact_match": exact_match,
+                                                      "char_match": char_match,
                                                       "math": math_equal}

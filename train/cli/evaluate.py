@@ -18,8 +18,9 @@
   --k LIST             pass@k for each k, comma-separated, each <= n (default: 1 and n)
   --solved_at S        a sample solves its prompt when its score is >= S (default 1.0)
   --seed S             the sampling seed (default 0)
-  --samples FILE       every sample with its score, one JSON object per line (default
-                       eval_samples.jsonl; "" for none)
+  --samples FILE       every sample with its score, one JSON object per line (default: for
+                       a jaxrl checkpoint RUN/eval/STAGE-STEP-SPLIT.jsonl, beside its run; for
+                       a Hugging Face directory none; "" for none)
 
 Greedy with n = 1 is exactly the training run's held-out evaluation (`heldout_acc`; the same
 code, train/task/heldout.py). Prints a table, then the summary as one JSON line (the last line).
@@ -56,8 +57,12 @@ def _config_arg(argv: list[str]) -> tuple[str, list[str]]:
 
 def base_config(model: str, config_file: str):
   """The ConfigDict before overrides, and the checkpoint (stage dir, step) or None."""
-  from train.cli.model_io import run_config, split_checkpoint_path
+  from train.cli.model_io import refuse_run_dir, run_config, split_checkpoint_path
   from jaxrl.config import ConfigError, config_dict, to_dict
+  try:
+    refuse_run_dir(model, "--model")
+  except ConfigError as e:
+    raise UsageError(str(e)) from None
   if os.path.isfile(os.path.join(model, "config.json")):  # a Hugging Face directory
     config = load_config_file(config_file or default_config())
     config.model.hf_path = os.path.abspath(model)
@@ -94,7 +99,8 @@ def parse(argv: list[str]):
     flags.DEFINE_list("k", [], "pass@k for each k", flag_values=fv)
     flags.DEFINE_float("solved_at", 1.0, "the score that solves a prompt", flag_values=fv)
     flags.DEFINE_integer("seed", 0, "sampling seed", lower_bound=0, flag_values=fv)
-    flags.DEFINE_string("samples", "eval_samples.jsonl", "per-sample jsonl", flag_values=fv)
+    flags.DEFINE_string("samples", None, "per-sample jsonl (default: in the run's eval/)",
+                        flag_values=fv)
     fv(argv)
   return holder.value, checkpoint, fv
 
@@ -113,18 +119,21 @@ def _ks(fv) -> list[int]:
   return ks
 
 
-def _policy(ctx, checkpoint, model_arg: str) -> str:
-  """Loads the weights into the actor; what was loaded, for the table."""
+def _policy(ctx, checkpoint, fv) -> tuple[str, str]:
+  """Loads the weights into the actor: what was loaded, for the table, and the samples' file
+  (`--samples`, else a jaxrl checkpoint's RUN/eval/STAGE-STEP-SPLIT.jsonl; "": none)."""
   from jaxrl.config import ConfigError
   if checkpoint is None:
     ctx.cluster.initialize_actor()
-    return model_arg
+    return fv.model, fv.samples or ""
   stage_dir, step = checkpoint
   try:
     step = ctx.cluster.load_actor(stage_dir, step=step, what="--model")
   except ValueError as e:  # none there, or it does not fit the model
     raise ConfigError(str(e)) from None
-  return f"{stage_dir} step {step}"
+  run_dir = os.path.dirname(os.path.dirname(stage_dir))
+  beside = os.path.join(run_dir, "eval", f"{os.path.basename(stage_dir)}-{step}-{fv.split}.jsonl")
+  return f"{stage_dir} step {step}", beside if fv.samples is None else fv.samples
 
 
 def run(raw, checkpoint, fv) -> dict:
@@ -138,7 +147,7 @@ def run(raw, checkpoint, fv) -> dict:
   cfg = with_gin(raw)
   with tempfile.TemporaryDirectory() as scratch, RunContext(cfg, scratch,
                                                            initialize=False) as ctx:
-    source = _policy(ctx, checkpoint, fv.model)
+    source, samples = _policy(ctx, checkpoint, fv)
     examples = ctx.task.heldout if fv.split == "heldout" else ctx.task.train
     examples = examples[:fv.limit or None]
     result = evaluate(ctx.generator, ctx.task, ctx.judge, ctx.cluster.sampler_weights.fresh(),
@@ -146,15 +155,16 @@ def run(raw, checkpoint, fv) -> dict:
                       temperature=fv.temperature, seed=fv.seed)
   summary = result.summary(ks, fv.solved_at)
   if jax.process_index() == 0:
-    if fv.samples:
-      with open(fv.samples, "w", encoding="utf-8") as f:
+    if samples:
+      os.makedirs(os.path.dirname(os.path.abspath(samples)), exist_ok=True)
+      with open(samples, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in result.records())
     how = "greedy" if fv.temperature == 0 else f"temperature {fv.temperature:g}"
     print(f"jaxrl-eval: {source} on {fv.split} ({len(examples)} prompts x {fv.n}, {how})")
     for key, value in summary.items():
       print(f"  {key:<20} {value:.4f}" if isinstance(value, float) else f"  {key:<20} {value}")
-    if fv.samples:
-      print(f"jaxrl-eval: samples in {fv.samples}")
+    if samples:
+      print(f"jaxrl-eval: samples in {samples}")
     print(json.dumps({"model": source, "split": fv.split, **summary}), flush=True)
   return summary
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from train.cli.flags import ArgParser, fail
+from train.cli.flags import ArgParser, fail, start_jax_on_one_device
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--peft", action="store_true",
                       help="a LoRA run: write its adapters alone, as a PEFT adapter directory")
   args = parser.parse_args(argv)
+  start_jax_on_one_device()
   from train.cli.model_io import load_policy
   from jaxrl.models.hf_export import generation_config
   from jaxrl.config import ConfigError

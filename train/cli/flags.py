@@ -14,7 +14,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from jaxrl.config_checks import unknown_field
-from sharding.host import force_cpu_devices, reserve_device_memory, retain_freed_memory
+from sharding.host import (cpu_only_here, force_cpu_devices, reserve_device_memory,
+                           retain_freed_memory)
 
 def default_config() -> str:
   """configs/default.py of jaxrl's checkout (jaxrl/config_files.py `CONFIGS`)."""
@@ -169,5 +170,14 @@ def start_jax(raw) -> None:
     distributed.initialize()  # before anything touches a device
   except ValueError as e:
     raise UsageError(str(e)) from None
+  import jax
+  _setup_logging(jax.process_index() == 0)
+
+
+def start_jax_on_one_device() -> None:
+  """For a command that runs on this process's first device (`jaxrl-sample`, `jaxrl-export`):
+  with libtpu installed but no TPU here, JAX starts on the CPU without first trying a TPU runtime
+  (which prints half a dozen errors), and logging."""
+  cpu_only_here()
   import jax
   _setup_logging(jax.process_index() == 0)

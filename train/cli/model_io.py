@@ -63,6 +63,17 @@ def split_checkpoint_path(path: str, what: str = "--checkpoint") -> tuple[str, s
   return run_dir, path, step
 
 
+def refuse_run_dir(path: str, what: str) -> None:
+  """A ConfigError naming the flag when `path` is a run directory (its config.json is a jaxrl
+  config, not a Hugging Face one): the stages a checkpoint of it can be taken from."""
+  root = os.path.join(path, "checkpoints")
+  if os.path.isdir(root):
+    stages = sorted(e.name for e in os.scandir(root) if e.is_dir()) or ["none saved yet"]
+    raise ConfigError(f"{what}: {path} is a jaxrl run directory, not a checkpoint: pass "
+                      f"{os.path.join(path.rstrip('/'), 'checkpoints', 'STAGE')} (its stages: "
+                      f"{', '.join(stages)})")
+
+
 def run_config(run_dir: str) -> ExperimentConfig:
   """The config a run saved (its model section already resolved from any HF config.json)."""
   path = os.path.join(run_dir, "config.json")
@@ -78,6 +89,7 @@ def load_policy(path: str, *, dtype: str | None = None, what: str = "--model",
   """A Hugging Face directory or a jaxrl checkpoint (see the module docstring); errors name
   the flag `what`. `merge=False`: a LoRA checkpoint's `params` stay adapted (an adapter
   export needs no merged copy)."""
+  refuse_run_dir(path, what)
   if os.path.isfile(os.path.join(path, "config.json")):
     try:
       cfg = model_config_from_hf(path)

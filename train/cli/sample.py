@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from train.cli.flags import ArgParser, fail
+from train.cli.flags import ArgParser, fail, start_jax_on_one_device
 
 
 def _prompt_ids(tok, text: str, chat: bool) -> list[int]:
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
   args = parser.parse_args(argv)
+  start_jax_on_one_device()
   from train.cli.model_io import load_policy
   from jaxrl.config import ConfigError
   from sampler.methods import SamplingConfig
