@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # When JAX runs on the CPU, train.cli.train fakes placement.cpu_devices (8) host devices for its
 # mesh (sharding/host.py); the tests always run on 8 fake CPU devices (tests/conftest.py).
 
-.PHONY: run test clean
+.PHONY: run test notebook clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,14 @@ run: $(VENV)/.installed
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+
+# JupyterLab on the quickstart notebook (the notebook extra: JupyterLab and a kernel).
+$(VENV)/.installed-notebook: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[notebook]"
+	touch $@
+
+notebook: $(VENV)/.installed-notebook
+	$(VENV)/bin/jupyter lab notebooks/quickstart.ipynb
 
 clean:
 	rm -rf $(VENV) runs

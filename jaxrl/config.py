@@ -45,7 +45,8 @@ class DataConfig:
   """Prompts, reference answers and SFT targets from jsonl / parquet files (docs/data.md);
   without `train_path` the synthetic task (config.task) supplies them."""
   train_path: str = ""
-  heldout_path: str = ""  # empty: `heldout_size` rows split off the training file
+  # empty: `heldout_size` rows split off the training file (or the synthetic task's own)
+  heldout_path: str = ""
   heldout_size: int = 256
   prompt_field: str = "question"
   answer_field: str = "answer"

@@ -91,6 +91,16 @@ OLD_MODEL_FIELDS = {
 }
 
 
+def moved(dotted: str) -> str | None:
+  """Where a field that moved into a section lives now (`config.rl.num_minibatches` ->
+  `config.rl.batching.num_minibatches`), or None."""
+  *parents, name = dotted.split(".")
+  old = {"rl": OLD_RL_FIELDS, "model": OLD_MODEL_FIELDS}.get(parents[-1] if parents else "", {})
+  if name not in old:
+    return None
+  return ".".join([*parents, *old[name]])
+
+
 def _check_type(path: str, value: Any, typ: Any) -> Any:
   if typ is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
@@ -202,6 +212,23 @@ def _register() -> None:
   _registered = True
 
 
+def _gin_error(e: Exception) -> str:
+  """One line for gin's error: a value it cannot read names the binding (or file and line) and
+  the value, not Python's `malformed node or string: <ast.Name object ...>`."""
+  token = re.search(r"Failed to parse token '([^']*)'", str(e))
+  where = e.args[1] if isinstance(e, SyntaxError) and len(e.args) > 1 else None
+  if token and hasattr(where, "line_content"):
+    at = (f"{where.filename}:{where.line_num}" if where.filename
+          else f"--gin_param {where.line_content.strip()!r}")
+    return (f"gin: {at}: cannot read the value {token[1]!r} (a string is quoted in gin: "
+            f"'{token[1]}'; a number, True/False, a list [..] are written as in Python)")
+  param = re.search(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", str(e))
+  now = param and moved(f"{param[1]}.{param[2]}")
+  if now:
+    return f"gin: {param[1]}.{param[2]} has moved to {now}"
+  return f"gin: {first_line(e)}"
+
+
 def gin_overrides(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> dict:
   """The fields that gin files and bindings set, as a nested dict of overrides."""
   _register()
@@ -210,7 +237,7 @@ def gin_overrides(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> di
     with gin.unlock_config():
       gin.parse_config_files_and_bindings(list(files), list(bindings), skip_unknown=False)
   except (ValueError, SyntaxError, OSError, KeyError) as e:
-    raise ConfigError(f"gin: {first_line(e)}") from None
+    raise ConfigError(_gin_error(e)) from None
   out = dict(gin.get_bindings(f"jaxrl.{TOP_LEVEL}"))
   for name in SECTIONS:  # (sections before their own sections: "rl" before "rl.loss")
     fields = gin.get_bindings(f"jaxrl.{name}")

@@ -57,10 +57,19 @@ def test_eval_flag_errors(tmp_path, capsys):
                                        "completion per prompt, got 4"),
                         (["--n", "4", "--temperature", "1", "--k", "8"],
                          "--k: expected each k in [1, n=4], got [8]"),
-                        (["--config.data.nope=1"], "config.data.nope: unknown field")]:
+                        (["--config.data.nope=1"], "config.data.nope: unknown field"),
+                        (["--config=a.py", "--config=b.py"], "--config: given 2 times")]:
     assert evaluate.main(["jaxrl-eval", "--model", model, *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+  # the run dir itself (its config.json is jaxrl's, not a Hugging Face one): where to point
+  for name in ("jaxrl-eval", "jaxrl-sample", "jaxrl-export"):
+    flag = "--checkpoint" if name == "jaxrl-export" else "--model"
+    extra = {"jaxrl-eval": [], "jaxrl-sample": ["--prompt", "p"], "jaxrl-export": ["--out", "o"]}
+    assert _call(MAINS[name], [name, flag, str(run), *extra[name]]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"jaxrl: error: {flag}: {run} is a jaxrl run directory, not a checkpoint: "
+                   f"pass {run}/checkpoints/STAGE (its stages: rl)\n"), err
 
 
 def test_console_script_installed():

@@ -95,7 +95,7 @@ def test_chrome_trace(tmp_path):
 
 def test_failing_executor_is_named_and_checkpoints_survive(tmp_path, monkeypatch):
   calls = {"n": 0}
-  real = verifier_mod.VERIFIERS["exact_match"]
+  real = verifier_mod.VERIFIERS["char_match"]  # (configs/tiny.py's)
 
   def flaky(response, answer):
     calls["n"] += 1
@@ -103,7 +103,7 @@ def test_failing_executor_is_named_and_checkpoints_survive(tmp_path, monkeypatch
       raise RuntimeError("verifier crashed")
     return real(response, answer)
 
-  monkeypatch.setitem(verifier_mod.VERIFIERS, "exact_match", flaky)
+  monkeypatch.setitem(verifier_mod.VERIFIERS, "char_match", flaky)
   cfg, run_dir = _cfg(tmp_path, "crash", steps=5)
   with pytest.raises(ExecutorError, match="reward executor failed: RuntimeError: verifier crashed"):
     run(cfg, run_dir)

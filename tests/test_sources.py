@@ -106,13 +106,19 @@ def _bad_rows(tmp_path):
 
 def test_bad_rows_are_counted(tmp_path):
   opts = DataOptions(max_prompt_tokens=40, max_completion_tokens=40)
-  examples, counts = load_examples(_bad_rows(tmp_path), BYTES, opts, sft=True)
+  path = _bad_rows(tmp_path)
+  examples, counts = load_examples(path, BYTES, opts, sft=True)
   assert [e.prompt for e in examples] == [GSM8K[0]["question"]]
-  assert counts == {"field 'question': empty": 1, "field 'question': missing": 1,
-                    "field 'question': not a string": 1, "answer: no '#### ANSWER'": 1,
-                    "prompt longer than data.max_prompt_tokens": 1,
-                    "completion longer than rl.rollout.max_new_tokens": 1,
-                    "not valid JSON": 1, "not a JSON object": 1}
+  # each reason with the first row it skipped (its line in the file), as the log says
+  assert counts == {f"field 'question': empty (first {path}:2)": 1,
+                    f"field 'question': missing (first {path}:3)": 1,
+                    f"field 'question': not a string (first {path}:4 (got int))": 1,
+                    f"answer: no '#### ANSWER' (first {path}:5)": 1,
+                    f"prompt longer than data.max_prompt_tokens (first {path}:6 (51 > 40))": 1,
+                    f"completion longer than rl.rollout.max_new_tokens (first {path}:7 "
+                    f"(57 > 40))": 1,
+                    f"not valid JSON (first {path}:8 (Expecting value))": 1,
+                    f"not a JSON object (first {path}:9 (got list))": 1}
   # Without sft, completions are not limited.
   assert len(load_examples(_bad_rows(tmp_path), BYTES, opts)[0]) == 2
 
@@ -140,7 +146,8 @@ def test_error_messages_for_json_and_limits(tmp_path):
                                       r"\(51 > 40\)$"):
     load_examples(path, BYTES, opts)
   with pytest.raises(DataError,
-                     match=r"u.jsonl: no usable rows \(2 skipped: field 'nope': missing\)"):
+                     match=r"u.jsonl: no usable rows \(2 skipped: field 'nope': missing, "
+                           r"first \S+u.jsonl:1\)"):
     load_examples(path, BYTES, DataOptions(prompt_field="nope"))
   with pytest.raises(DataError, match=r"missing.jsonl: no such file"):
     load_examples(str(tmp_path / "missing.jsonl"), BYTES)
@@ -182,10 +189,11 @@ def test_preference_pairs(tmp_path, hf_tok):
           {"prompt": "3+3=", "chosen": "6", "rejected": "6"},
           {"prompt": "x", "chosen": [{"role": "assistant", "content": "a"}],
            "rejected": [{"role": "assistant", "content": "b"}]}]
-  pairs, counts = load_pairs(_jsonl(tmp_path / "p.jsonl", rows), BYTES)
+  path = _jsonl(tmp_path / "p.jsonl", rows)
+  pairs, counts = load_pairs(path, BYTES)
   assert pairs == [Pair("2+2=", "4", "5")]
-  assert counts == {"'chosen' and 'rejected' are identical": 1,
-                    "chat messages need data.chat=True": 1}
+  assert counts == {f"'chosen' and 'rejected' are identical (first {path}:2)": 1,
+                    f"chat messages need data.chat=True (first {path}:3)": 1}
   user = {"role": "user", "content": "Hi"}
   conversational = [
       {"prompt": [user], "chosen": [{"role": "assistant", "content": "Hello"}],

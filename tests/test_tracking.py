@@ -85,3 +85,23 @@ def test_tensorboard_and_wandb_equal_the_jsonl_across_a_resume(tmp_path, monkeyp
   assert json.loads(text)["rl"]["steps"] == 4
   assert "separate: actor on devices [0, 1, 2, 3]" in \
       acc.Tensors("placement/text_summary")[0].tensor_proto.string_val[0].decode()
+
+
+def test_the_plot_names_the_run_and_shows_the_held_out_score_from_before_sft(tmp_path):
+  """metrics.png: a title, the held-out score before SFT, SFT's and RL's on one step axis over
+  [0, 1] (not autoscaled), and legends only where a panel has several lines."""
+  from train.io.metrics import plot_metrics
+  rows = [*({"phase": "sft", "step": s, "loss": 1 / s} for s in (10, 20)),
+          {"phase": "sft", "step": 20, "heldout_acc": 0.70},
+          {"phase": "rl", "step": 0, "heldout_acc": 0.70},
+          *({"phase": "rl", "step": s, "reward_mean": 0.5, "kl": 0.0, "entropy": 1.0,
+             "heldout_acc": 0.80} for s in (1, 2))]
+  fig = plot_metrics(rows, str(tmp_path / "m.png"), title="NAME: what it trains", before=0.1)
+  assert fig._suptitle.get_text() == "NAME: what it trains"
+  held = next(ax for ax in fig.axes if ax.get_title().startswith("held-out"))
+  sft, rl = held.lines[:2]
+  assert list(zip(sft.get_xdata(), sft.get_ydata())) == [(0, 0.1), (20, 0.70)]
+  assert list(rl.get_xdata()) == [20, 21, 22] and held.get_ylim() == (-0.02, 1.02)
+  assert held.get_legend() is not None
+  assert all(ax.get_legend() is None for ax in fig.axes if ax is not held)
+  assert (tmp_path / "m.png").stat().st_size > 10_000

@@ -67,15 +67,20 @@ class DataOptions:
 
 
 class _Tally:
-  """Counts bad rows by reason, or raises on the first one."""
+  """Counts bad rows by reason, each with the first row it skipped, or raises on the first."""
 
   def __init__(self, policy: str):
-    self.policy, self.counts = policy, collections.Counter()
+    self.policy, self.counts, self.first = policy, collections.Counter(), {}
 
   def bad(self, where: str, reason: str, detail: str = "") -> None:
     if self.policy == "error":
       raise DataError(f"{where}: {reason}{detail}")
     self.counts[reason] += 1
+    self.first.setdefault(reason, f"{where}{detail}")
+
+  def by_reason(self) -> dict[str, int]:
+    """{'REASON (first FILE:ROW)': count}: what a log line or the run summary says."""
+    return {f"{reason} (first {self.first[reason]})": n for reason, n in self.counts.items()}
 
 
 # --- fields -------------------------------------------------------------------------------------
@@ -258,7 +263,7 @@ def load_examples(path: str, tok: Tokenizer, opts: DataOptions = DataOptions(), 
                 f" ({demo_over[n]} > {opts.max_completion_tokens})")
     else:
       kept.append(ex)
-  return _nonempty(path, kept, tally, opts), dict(tally.counts)
+  return _nonempty(path, kept, tally, opts), tally.by_reason()
 
 
 def _nonempty(path: str, items: list, tally: _Tally, opts: DataOptions) -> list:
@@ -269,7 +274,7 @@ def _nonempty(path: str, items: list, tally: _Tally, opts: DataOptions) -> list:
               "completion longer than rl.rollout.max_new_tokens": opts.max_completion_tokens,
               "response longer than rl.rollout.max_new_tokens": opts.max_completion_tokens}
     skipped = "; ".join(f"{n} skipped: {reason}" + (f"={limits[reason]}" if reason in limits
-                                                      else "")
+                                                      else "") + f", first {tally.first[reason]}"
                         for reason, n in tally.counts.most_common())
     raise DataError(f"{path}: no usable rows" + (f" ({skipped})" if skipped else ""))
   return items
@@ -338,4 +343,4 @@ def load_pairs(path: str, tok: Tokenizer,
                 f" ({longest} > {opts.max_completion_tokens})")
     else:
       kept.append(pair)
-  return _nonempty(path, kept, tally, opts), dict(tally.counts)
+  return _nonempty(path, kept, tally, opts), tally.by_reason()

@@ -52,12 +52,24 @@ CASES = [
     (["--config.rl.environment.name=chess"], "config.rl.environment.name: expected one of "
      "['calculator', 'python',"),
     (["--config.dpo.steps=2", "--config.dpo.pairs_path=/nonexistent/pairs.jsonl"],
-     "/nonexistent/pairs.jsonl: cannot read pairs file"),
+     "config.dpo.pairs_path: /nonexistent/pairs.jsonl: no such file"),
     (["--config.model.vocab_size=256"], "config.model.vocab_size: expected >= 264 for the "
      "tokenizer"),
     (["--config.sft.pack_length=4"], "sft.pack_length: example"),
     (["--gin_file=missing.gin"], "gin: Unable to open file: missing.gin"),
     (["--gin_param=rl.stepz=3"], "gin: Configurable 'rl' doesn't have a parameter named 'stepz'"),
+    # a string unquoted in gin: the binding and the value, not Python's ast message
+    (["--gin_param=rl.verifier=char_match"], "gin: --gin_param 'rl.verifier=char_match': cannot "
+     "read the value 'char_match' (a string is quoted in gin: 'char_match';"),
+    # a field from before the RL settings' sections: where it lives now
+    (["--config.rl.num_minibatches=2"], "config.rl.num_minibatches: has moved to "
+     "config.rl.batching.num_minibatches (--config.rl.batching.num_minibatches=...)"),
+    (["--gin_param=rl.num_minibatches=2"],
+     "gin: rl.num_minibatches has moved to rl.batching.num_minibatches"),
+    (["--config.model.rope_theta=10.0"], "config.model.rope_theta: has moved to "
+     "config.model.rope.theta"),
+    (["--config=configs/nope.py"], "--config: given 2 times (configs/tiny.py, configs/nope.py); "
+     "pass it once"),
 ]
 
 

@@ -24,17 +24,20 @@ def _write_bytes(path, data):
 
 # name -> (make the file at a path: its path, the config overrides, the message)
 CASES = {
-    "missing.jsonl": (str, [], "missing.jsonl: no such file"),
-    "empty.jsonl": (lambda p: _jsonl(p, []), [], "empty.jsonl: no usable rows"),
+    "missing.jsonl": (str, [], "config.data.train_path: {path}: no such file"),
+    "empty.jsonl": (lambda p: _jsonl(p, []), [], "config.data.train_path: {path}: no usable rows"),
     "bad_json.jsonl": (lambda p: _jsonl(p, ["{oops"]), [],
-                       "bad_json.jsonl: no usable rows (1 skipped: not valid JSON)"),
+                       "{path}: no usable rows (1 skipped: not valid JSON, first {path}:1 "
+                       "(Expecting property name enclosed in double quotes))"),
     "no_field.jsonl": (lambda p: _jsonl(p, [{"q": "1+1=", "answer": "#### 2"}]), [],
-                       "no_field.jsonl: no usable rows (1 skipped: field 'question': missing)"),
+                       "{path}: no usable rows (1 skipped: field 'question': missing, first "
+                       "{path}:1)"),
     "too_long.jsonl": (lambda p: _jsonl(p, [{**GOOD, "question": "x" * 300}] * 20), [],
-                       "too_long.jsonl: no usable rows (20 skipped: prompt longer than "
-                       "data.max_prompt_tokens=12)"),
+                       "{path}: no usable rows (20 skipped: prompt longer than "
+                       "data.max_prompt_tokens=12, first {path}:1 (301 > 12))"),
     "not_object.jsonl": (lambda p: _jsonl(p, ["[1, 2]"]), [],
-                         "not_object.jsonl: no usable rows (1 skipped: not a JSON object)"),
+                         "{path}: no usable rows (1 skipped: not a JSON object, first "
+                         "{path}:1 (got list))"),
     "strict.jsonl": (lambda p: _jsonl(p, [GOOD] * 30 + ["{oops"]),
                      ["--config.data.on_bad_row=error"], "strict.jsonl:31: not valid JSON"),
     "data.csv": (lambda p: _write_text(p, "question,answer\n1+1=,2\n"), [],
@@ -50,8 +53,9 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_bad_training_file_is_one_line_and_exit_2(cli, tmp_path, name):
   make, extra, message = CASES[name]
-  rc, line = cli(f"--config.data.train_path={make(tmp_path / name)}", *extra)
-  assert rc == 2 and message in line, line
+  path = make(tmp_path / name)
+  rc, line = cli(f"--config.data.train_path={path}", *extra)
+  assert rc == 2 and message.format(path=path) in line, line
 
 
 def test_a_held_out_file_with_no_usable_row(cli, tmp_path):
@@ -59,5 +63,5 @@ def test_a_held_out_file_with_no_usable_row(cli, tmp_path):
   held = _jsonl(tmp_path / "held.jsonl", [{**GOOD, "question": "y" * 300}] * 256)
   rc, line = cli(f"--config.data.train_path={train}", f"--config.data.heldout_path={held}")
   assert rc == 2
-  assert line.endswith("held.jsonl: no usable rows (256 skipped: prompt longer than "
-                       "data.max_prompt_tokens=12)"), line
+  assert line == (f"config.data.heldout_path: {held}: no usable rows (256 skipped: "
+                  f"prompt longer than data.max_prompt_tokens=12, first {held}:1 (301 > 12))"), line

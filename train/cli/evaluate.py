@@ -42,15 +42,14 @@ from train.cli.flags import (UsageError, absl_argv, check_overrides, default_con
 
 def _config_arg(argv: list[str]) -> tuple[str, list[str]]:
   """(the --config FILE, or "", argv without it)."""
-  rest, path, skip = [], "", False
+  path = flag_value(argv, "config") or ""  # (given twice: a UsageError)
+  rest, skip = [], False
   for i, arg in enumerate(argv):
     if skip:
       skip = False
-    elif arg.startswith("--config="):
-      path = arg.split("=", 1)[1]
-    elif arg == "--config" and i + 1 < len(argv):
-      path, skip = argv[i + 1], True
-    else:
+      continue
+    skip = arg == "--config" and i + 1 < len(argv)
+    if not (skip or arg.startswith("--config=")):
       rest.append(arg)
   return path, rest
 

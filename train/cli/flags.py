@@ -14,6 +14,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from jaxrl.config_checks import unknown_field
+from jaxrl.config_files import moved
 from sharding.host import (cpu_only_here, force_cpu_devices, reserve_device_memory,
                            retain_freed_memory)
 
@@ -31,13 +32,14 @@ class UsageError(Exception):
 
 
 def flag_value(argv: list[str], name: str) -> str | None:
-  """The value of `--name=V` or `--name V` in argv (read before absl parses it), or None."""
-  for i, arg in enumerate(argv):
-    if arg.startswith(f"--{name}="):
-      return arg.split("=", 1)[1]
-    if arg == f"--{name}" and i + 1 < len(argv):
-      return argv[i + 1]
-  return None
+  """The value of `--name=V` or `--name V` in argv (read before absl parses it), or None; a
+  UsageError when the flag is given more than once."""
+  found = [arg.split("=", 1)[1] if arg.startswith(f"--{name}=") else argv[i + 1]
+           for i, arg in enumerate(argv)
+           if arg.startswith(f"--{name}=") or (arg == f"--{name}" and i + 1 < len(argv))]
+  if len(found) > 1:
+    raise UsageError(f"--{name}: given {len(found)} times ({', '.join(found)}); pass it once")
+  return found[0] if found else None
 
 
 def load_config_file(path: str):
@@ -60,6 +62,9 @@ def check_overrides(config, argv: list[str]) -> None:
     node, walked = config, "config"
     for name in dotted.split("."):
       if not hasattr(node, "keys") or name not in node.keys():
+        now = moved(f"{walked}.{name}")
+        if now:
+          raise UsageError(f"{walked}.{name}: has moved to {now} (--{now}=...)")
         options = node.keys() if hasattr(node, "keys") else []
         raise UsageError(unknown_field(f"{walked}.{name}", name, options))
       node, walked = node[name], f"{walked}.{name}"

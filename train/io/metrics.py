@@ -12,9 +12,11 @@ import os
 
 import numpy as np
 
-PLOTTED = (("loss", "SFT loss", ("sft",)), ("reward_mean", "reward (train samples)", ("rl",)),
-           ("heldout_acc", "held-out greedy accuracy (RL step 0 = as RL starts)", ("rl",)),
-           ("kl", "KL(pi || ref)", ("rl",)), ("entropy", "entropy (nats/token)", ("rl",)))
+# (metric, panel title, phases plotted); the held-out panel's phases share one step axis
+PLOTTED = (("loss", "SFT loss", ("sft",)), ("reward_mean", "RL reward (train samples)", ("rl",)),
+           ("heldout_acc", "held-out score (greedy)", ("sft", "rl")),
+           ("kl", "RL KL(pi || ref), per token", ("rl",)),
+           ("entropy", "RL entropy (nats/token)", ("rl",)))
 
 
 def _plain(v):
@@ -75,21 +77,54 @@ def read_metrics(path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_metrics(rows: list[dict], out_path: str) -> None:
+def _points(rows: list[dict], key: str, phase: str) -> list[tuple[float, float]]:
+  return [(r["step"], r[key]) for r in rows
+          if r.get("phase") == phase and key in r and not math.isnan(r[key])]
+
+
+def _heldout(ax, rows: list[dict], before: float | None) -> None:
+  """The held-out score on one step axis: before SFT (step 0), SFT's evaluations, then RL's
+  after SFT's last step; the axis spans [0, 1] when the scores do (a verifier's), so a gain
+  reads at its true size."""
+  sft = _points(rows, "heldout_acc", "sft")
+  offset = max([s for s, _ in _points(rows, "loss", "sft")] + [s for s, _ in sft], default=0)
+  if before is not None:
+    sft = [(0, before), *sft]
+  rl = [(offset + s, v) for s, v in _points(rows, "heldout_acc", "rl")]
+  for pts, label in ((sft, "SFT"), (rl, "RL")):
+    if pts:
+      ax.plot(*zip(*pts), marker=".", label=label)
+  values = [v for _, v in sft + rl]
+  if values and 0 <= min(values) and max(values) <= 1:
+    ax.set_ylim(-0.02, 1.02)
+  if offset and rl:
+    ax.axvline(offset, color="grey", lw=0.8, ls=":")
+  ax.set_xlabel("step (SFT, then RL)" if offset and rl else "step")
+
+
+def plot_metrics(rows: list[dict], out_path: str, *, title: str = "",
+                 before: float | None = None):
+  """metrics.png: a panel per PLOTTED metric, `title` above them; `before`: the held-out score
+  before SFT (the summary's heldout_acc_init), the held-out panel's first point. Returns the
+  matplotlib Figure."""
   from matplotlib.figure import Figure  # no pyplot: leaves a notebook's backend alone
 
-  fig = Figure(figsize=(3.6 * len(PLOTTED), 3.2))
+  fig = Figure(figsize=(3.6 * len(PLOTTED), 3.5))
   axes = fig.subplots(1, len(PLOTTED))
-  for ax, (key, title, phases) in zip(axes, PLOTTED):
-    for phase in phases:
-      pts = [(r["step"], r[key]) for r in rows
-             if r.get("phase") == phase and key in r and not math.isnan(r[key])]
-      if pts:
-        ax.plot(*zip(*pts), marker="." if key == "heldout_acc" else None, label=phase)
-    ax.set_title(title, fontsize=10)
+  for ax, (key, panel, phases) in zip(axes, PLOTTED):
+    ax.set_title(panel, fontsize=10)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
-    if ax.lines:
+    if key == "heldout_acc":
+      _heldout(ax, rows, before)
+    else:
+      for phase in phases:
+        if pts := _points(rows, key, phase):
+          ax.plot(*zip(*pts))
+    if len(ax.lines) > 1:
       ax.legend(fontsize=8)
+  if title:
+    fig.suptitle(title, fontsize=11)
   fig.tight_layout()
   fig.savefig(out_path, dpi=100)
+  return fig

@@ -216,11 +216,21 @@ class Experiment:
                **self.compiles.summary()}
     if jax.process_index() == 0:
       self.writer.close()
-      plot_metrics(self.writer.rows, os.path.join(self.run_dir, "metrics.png"))
+      plot_metrics(self.writer.rows, os.path.join(self.run_dir, "metrics.png"),
+                   title=self._plot_title(), before=summary.get("heldout_acc_init"))
       self.ctx.timeline.write_chrome_trace(os.path.join(self.run_dir, "trace.json"))
       with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
     return summary
+
+  def _plot_title(self) -> str:
+    """The run's name and what it trains, above metrics.png's panels."""
+    cfg = self.cfg
+    data = cfg.data.train_path or f"task {cfg.task.name}"
+    model = (cfg.model.hf_path
+             or f"a {cfg.model.n_layers}-layer model of width {cfg.model.d_model}")
+    steps = ", ".join(f"{name} {self.stages[name].total} steps" for name in self.stage_names)
+    return f"{os.path.basename(self.run_dir)}: {model}, {data}; {steps}"
 
   def close(self) -> None:
     for stage in self.stages.values():

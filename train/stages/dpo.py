@@ -28,7 +28,7 @@ class DPOStage(Stage):
 
   @classmethod
   def check(cls, cfg: ExperimentConfig) -> None:
-    check_pairs_file(cfg.dpo.pairs_path)
+    check_pairs_file("dpo", cfg.dpo.pairs_path)
 
   def start(self, *, restoring: bool = False) -> None:
     d, ctx, actor = self.cfg.dpo, self.ctx, self.ctx.cluster.actor

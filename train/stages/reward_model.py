@@ -33,7 +33,7 @@ class RewardModelStage(Stage):
 
   @classmethod
   def check(cls, cfg: ExperimentConfig) -> None:
-    check_pairs_file(cfg.reward_model.pairs_path)
+    check_pairs_file("reward_model", cfg.reward_model.pairs_path)
 
   def start(self, *, restoring: bool = False) -> None:
     rm, ctx, cluster = self.cfg.reward_model, self.ctx, self.ctx.cluster

@@ -57,7 +57,8 @@ def load_tokenizer_for(cfg: ExperimentConfig) -> Tokenizer:
   return tok
 
 
-def _synthetic(cfg: ExperimentConfig, enc: Encoding) -> tuple[list, list]:
+def _synthetic(cfg: ExperimentConfig, tok: Tokenizer, enc: Encoding) -> tuple[list, list, dict]:
+  """The synthetic task's examples; with `data.heldout_path`, that file's are held out."""
   t = cfg.task
   try:
     train, heldout = make_splits(t.name, t.num_digits, t.n_train, t.n_heldout, cfg.seed,
@@ -70,27 +71,43 @@ def _synthetic(cfg: ExperimentConfig, enc: Encoding) -> tuple[list, list]:
        target_length(train + heldout, enc))]:
     if need > limit:
       raise ConfigError(f"config.{field}: the task {t.name!r} needs {need} tokens, got {limit}")
-  return train, heldout
+  if not cfg.data.heldout_path:
+    return train, heldout, {}
+  heldout, skipped = _load(cfg.data.heldout_path, "heldout_path", tok, _options(cfg))
+  return train, heldout[:cfg.data.heldout_size], {f"heldout: {k}": v for k, v in skipped.items()}
 
 
-def _from_files(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[list, list, dict]:
-  d = cfg.data
+def _options(cfg: ExperimentConfig) -> DataOptions:
   try:
-    opts = dataclasses.replace(DataOptions.of(d),
+    return dataclasses.replace(DataOptions.of(cfg.data),
                                max_completion_tokens=cfg.rl.rollout.max_new_tokens)
-    train, skipped = load_examples(d.train_path, tok, opts, sft=cfg.sft.steps > 0)
-    if d.heldout_path:
-      heldout, held_skipped = load_examples(d.heldout_path, tok, opts)
-    else:  # a tenth of the file at most, so most of it still trains
-      if len(train) < 10:
-        raise ConfigError(f"config.data.heldout_path: {d.train_path} has {len(train)} usable "
-                          f"rows, too few to split a held-out set off; give a heldout_path")
-      order = np.random.default_rng(cfg.seed).permutation(len(train))
-      n = min(d.heldout_size, len(train) // 10)
-      heldout, held_skipped = [train[i] for i in order[:n]], {}
-      train = [train[i] for i in sorted(order[n:])]
   except DataError as e:
-    raise ConfigError(str(e)) from None
+    raise ConfigError(f"config.{e}") from None
+
+
+def _load(path: str, field: str, tok: Tokenizer, opts: DataOptions, *, sft: bool = False):
+  """`load_examples`, its errors naming the config field that gave the file."""
+  try:
+    return load_examples(path, tok, opts, sft=sft)
+  except DataError as e:
+    raise ConfigError(f"config.data.{field}: {e}") from None
+
+
+def _from_files(cfg: ExperimentConfig, tok: Tokenizer, enc: Encoding
+                ) -> tuple[list, list, dict]:
+  d = cfg.data
+  opts = _options(cfg)
+  train, skipped = _load(d.train_path, "train_path", tok, opts, sft=cfg.sft.steps > 0)
+  if d.heldout_path:
+    heldout, held_skipped = _load(d.heldout_path, "heldout_path", tok, opts)
+  else:  # a tenth of the file at most, so most of it still trains
+    if len(train) < 10:
+      raise ConfigError(f"config.data.heldout_path: {d.train_path} has {len(train)} usable "
+                        f"rows, too few to split a held-out set off; give a heldout_path")
+    order = np.random.default_rng(cfg.seed).permutation(len(train))
+    n = min(d.heldout_size, len(train) // 10)
+    heldout, held_skipped = [train[i] for i in order[:n]], {}
+    train = [train[i] for i in sorted(order[n:])]
   skipped = {f"train: {k}": v for k, v in skipped.items()}
   skipped.update({f"heldout: {k}": v for k, v in held_skipped.items()})
   return train, heldout[:d.heldout_size], skipped
@@ -103,12 +120,10 @@ def load_task(cfg: ExperimentConfig, tok: Tokenizer, processes: UserProcesses) -
   if enc.chat and not cfg.data.train_path:
     raise ConfigError("config.data.chat: the synthetic task's prompts are plain text; chat "
                       "templates apply to data files (set data.train_path)")
-  if cfg.data.train_path:
-    train, heldout, skipped = _from_files(cfg, tok)
-    for what, n in skipped.items():
-      log.warning("data: skipped %d rows (%s)", n, what)
-  else:
-    (train, heldout), skipped = _synthetic(cfg, enc), {}
+  load = _from_files if cfg.data.train_path else _synthetic
+  train, heldout, skipped = load(cfg, tok, enc)
+  for what, n in skipped.items():
+    log.warning("data: skipped %d rows (%s)", n, what)
   errors = Tally()  # user code that misbehaved, under the "zero" policy
   reward, verifier = make_reward(cfg.rl.verifier, processes, cfg.rl, counter(errors, "reward"))
   p_len, buckets = cfg.data.max_prompt_tokens, cfg.rl.batching.length_buckets

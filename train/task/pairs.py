@@ -57,10 +57,11 @@ def policy_samples(ctx: PairsContext, examples: list[Example],
   return out
 
 
-def check_pairs_file(path: str) -> None:
-  """Fails before anything runs when a configured pairs file does not exist."""
+def check_pairs_file(stage: str, path: str) -> None:
+  """Fails before anything runs when a configured pairs file (`STAGE.pairs_path`: the stage's
+  config section) does not exist."""
   if path and not glob.glob(path):
-    raise ConfigError(f"{path}: cannot read pairs file (no such file)")
+    raise ConfigError(f"config.{stage}.pairs_path: {path}: no such file")
 
 
 def read_pairs_file(ctx: PairsContext, stage: str, path: str) -> tuple[list[Pair], dict]:
@@ -72,7 +73,7 @@ def read_pairs_file(ctx: PairsContext, stage: str, path: str) -> tuple[list[Pair
                                max_completion_tokens=0)
     pairs, skipped = sources.load_pairs(path, ctx.tok, opts)
   except DataError as e:
-    raise ConfigError(str(e)) from None
+    raise ConfigError(f"config.{stage}.pairs_path: {e}") from None
   for reason, n in skipped.items():
     log.warning("%s: skipped %d rows of %s (%s)", stage, n, path, reason)
   return pairs, skipped
