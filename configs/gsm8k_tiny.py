@@ -11,8 +11,9 @@ convention, rewards from math-verify.
 SFT learns the `demo` field: an imperfect teacher's worked solutions, which on half of the
 two-step problems stop after the first step (a systematic mistake, like the default
 experiment's). GRPO's reward checks the true `#### N` of `answer` and trains the slip away.
-Measured on 2 CPU cores: held-out accuracy 0.680 after SFT, 0.852 after 40 GRPO steps, about
-7 min in all (README).
+Measured on 2 CPU cores: held-out accuracy 0.695 after SFT and 0.859 after 40 GRPO steps in
+6 min on an Intel Xeon (2026-12-05), 0.680 and 0.836 in 4 min on an AMD EPYC (2026-11-26): XLA:CPU
+rounds otherwise on each (docs/benchmarks.md, "The figures the README quotes").
 
 Run:  .venv/bin/jaxrl-train --config=configs/gsm8k_tiny.py
 """

@@ -15,6 +15,8 @@ import glob
 import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -135,10 +137,21 @@ def _key(words: list[str]) -> tuple:
   return (PROGRAMS.get(name, name), *args)
 
 
-# Each distinct command once (`jaxrl-train X` = `python -m train.cli.train X`; the first doc that
-# shows it names it).
+def _what_next() -> str:
+  """The README's "What next" section: the commands a newcomer copies first."""
+  text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+  start = text.index("## What next")
+  return text[start:text.index("\n## ", start)]
+
+
+# The README's "What next" commands that run on a CPU without weights: run as written
+# (test_what_next_runs_as_written), each checked against the figure the README quotes of it.
+AS_WRITTEN = [words for tag, words in commands(_what_next()) if tag == "sh"]
+# Each other distinct command once (`jaxrl-train X` = `python -m train.cli.train X`; the first
+# doc that shows it names it), run with small overrides.
 RUNNABLE = list({_key(words): (doc, words) for doc, tag, words in reversed(ALL)
-                 if tag == "sh" and words[:2] != ["make", "test"]}.values())[::-1]
+                 if tag == "sh" and words[:2] != ["make", "test"]
+                 and _key(words) not in {_key(w) for w in AS_WRITTEN}}.values())[::-1]
 
 
 # Batches a run splits evenly on the 8 CPU devices (not for a dry run: it checks the config's own)
@@ -193,3 +206,46 @@ def test_documented_command_runs(doc, words, tmp, capsys, monkeypatch):
   err = capsys.readouterr().err
   allowed = (0, 1) if "--dry_run" in argv else (0,)  # a dry run says "does not fit" with 1
   assert rc in allowed, f"{doc}: {' '.join(argv)}\n{err[-3000:]}"
+
+
+def _as_written(words: list[str], tmp: str) -> list[str]:
+  """The README's command with only the places it writes moved under `tmp` (/tmp/jaxrl,
+  exported/, and runs/: runs/NAME is the module's finished tiny run), its program the console
+  script beside this Python (what .venv/bin/ holds)."""
+  argv = [w.replace("/tmp/jaxrl", f"{tmp}/jaxrl").replace("runs/NAME", f"{tmp}/runs/NAME")
+          .replace("exported/", f"{tmp}/exported/") for w in words]
+  if "--resume" in argv:  # the run it names lives in the default runs/
+    argv.append(f"--config.run_dir={tmp}/runs")
+  assert argv[0].startswith(".venv/bin/jaxrl-"), argv
+  return [os.path.join(os.path.dirname(sys.executable), os.path.basename(argv[0])), *argv[1:]]
+
+
+def _quoted_range(pattern: str) -> list[tuple[float, float]]:
+  """The README's `LO-HI` ranges matched by `pattern` (one group per `LO-HI`)."""
+  found = re.search(pattern, " ".join(_what_next().split()))
+  assert found, f"the README no longer quotes {pattern!r}"
+  return [tuple(map(float, g.split("-"))) for g in found.groups()]
+
+
+def _check_quoted(argv: list[str], output: str) -> None:
+  """What the README says of this command's output, checked on it."""
+  if "--dry_run" in argv:  # the README shows the configs that fit their hardware
+    assert "verdict: fits" in output, output[-3000:]
+  if "--config=configs/gsm8k_tiny.py" in argv:
+    sft, rl = _quoted_range(r"held-out (\d\.\d+-\d\.\d+) after SFT and "
+                            r"(\d\.\d+-\d\.\d+) after 40 GRPO steps")
+    got = {k: float(v) for k, v in re.findall(r"(heldout_acc_(?:sft|rl))=([\d.]+)", output)}
+    assert sft[0] <= got["heldout_acc_sft"] <= sft[1], (got, sft)
+    assert rl[0] <= got["heldout_acc_rl"] <= rl[1], (got, rl)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("words", AS_WRITTEN, ids=[" ".join(w)[:70] for w in AS_WRITTEN])
+def test_what_next_runs_as_written(words, tmp, optimised_xla):
+  """Every command of the README's "What next" that runs here, as a newcomer types it: its own
+  process, XLA's default optimisation, no fewer steps or smaller batches. Its exit code, and the
+  figures the README quotes of it."""
+  argv = _as_written(words, tmp)
+  proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+  assert proc.returncode == 0, f"{' '.join(argv)}\n{proc.stderr[-3000:]}"
+  _check_quoted(argv, proc.stdout + proc.stderr)

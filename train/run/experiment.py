@@ -226,9 +226,10 @@ class Experiment:
   def _plot_title(self) -> str:
     """The run's name and what it trains, above metrics.png's panels."""
     cfg = self.cfg
-    data = cfg.data.train_path or f"task {cfg.task.name}"
-    model = (cfg.model.hf_path
-             or f"a {cfg.model.n_layers}-layer model of width {cfg.model.d_model}")
+    short = lambda path: os.path.join(*os.path.normpath(path).split(os.sep)[-2:])
+    data = short(cfg.data.train_path) if cfg.data.train_path else f"task {cfg.task.name}"
+    model = (short(cfg.model.hf_path) if cfg.model.hf_path
+             else f"a {cfg.model.n_layers}-layer model of width {cfg.model.d_model}")
     steps = ", ".join(f"{name} {self.stages[name].total} steps" for name in self.stage_names)
     return f"{os.path.basename(self.run_dir)}: {model}, {data}; {steps}"
 
