@@ -44,6 +44,7 @@ class Point:
   vocab: int = 4096
   scan_layers: str = "auto"  # (auto: scanned, as for any TPU target)
   target: str = ""  # a slice of its own (several hosts); "": the sweep's --target
+  tied: bool = True  # the LM head shares the embedding table
 
 
 POINTS = (
@@ -66,6 +67,16 @@ POINTS = (
     Point("d512x4 fsdp8 two hosts", 512, 4, 128, 128, mesh=(1, 8, 1), target="v5p-16"),
     Point("d512x2 fsdp4 full vocab32768", 512, 2, 128, 128, remat="full", vocab=32768),
     Point("d256x1 fsdp4 vocab65536", 256, 1, 128, 128, vocab=65536),
+    # where the dry run's verdict contradicted the compiler's (issue 64): the head's product
+    # windowed over 16 chips, tied and not; one micro-batch per minibatch against two; remat
+    # dots with the splash kernel over long rows
+    Point("d512x2 fsdp16 vocab32768", 512, 2, 128, 128, mesh=(1, 16, 1), vocab=32768,
+          rollouts=32, target="v5e-16"),
+    Point("d512x2 fsdp16 vocab32768 untied", 512, 2, 128, 128, mesh=(1, 16, 1), vocab=32768,
+          rollouts=32, target="v5e-16", tied=False),
+    Point("d512x4 fsdp4 one micro-batch", 512, 4, 128, 128, micro=16),
+    Point("d512x4 fsdp4 two micro-batches", 512, 4, 128, 128, micro=8),
+    Point("d512x4 fsdp4 dots 2048 tokens", 512, 4, 512, 1536, remat="dots"),
 )
 
 
@@ -76,7 +87,7 @@ def config(p: Point):
   from jaxrl.models.lora import LoRAConfig
   model = ModelConfig(vocab_size=p.vocab, d_model=p.d_model, n_layers=p.layers,
                       n_heads=p.d_model // 64, n_kv_heads=max(2, p.d_model // 256), head_dim=64,
-                      d_ff=4 * p.d_model, dtype="bfloat16",
+                      d_ff=4 * p.d_model, dtype="bfloat16", tie_embeddings=p.tied,
                       layers=LayersConfig(scan=p.scan_layers, remat=p.remat))
   return ExperimentConfig(model=model, data=DataConfig(max_prompt_tokens=p.prompt),
                           lora=LoRAConfig(rank=p.lora),

@@ -7,18 +7,21 @@ habits differ from XLA:CPU's, to which planner/footprint.py's counts are fitted:
     about 3.25 d_model-sized states; under `dots` the same less the product and all but 0.3 of
     the states; under `full` about 3.5 d_model-sized states;
   - the splash kernel keeps no [T, T] scores but its softmax statistics in float32, padded to
-    128 lanes: 512 bytes per token, head and layer;
+    128 lanes: 512 bytes per token, head and layer without remat; under `dots` (they are no
+    matrix product's output) one layer's at a time, recomputed in its backward;
   - a log-prob chunk's float32 logits (about 0.8 of a copy at the peak), the head's float32
     gradient whole and its compute-dtype copy; about 0.9 compute-dtype copies of each weight
     shard and, under fsdp, half a layer's gathered weights;
   - the temporaries are packed into one preallocated buffer about 1.2x their live peak
     ("buffer packing"), and loops carry buffers outside it: two float32 head gradients (the
-    log-prob chunks' loop), at most 32 MiB of them, and, with micro-batches, the gradient
-    accumulator. Under fsdp over
+    log-prob chunks' loop), at most 32 MiB of them, and, with several micro-batches per
+    minibatch, the gradient accumulator (one micro-batch accumulates nothing). Under fsdp over
     8 chips or more the compiler multiplies by the head shard by shard (a "windowed einsum"):
     the head is never gathered whole, and the loop carries about a tenth of its float32
     gradient (the 70B's update on a v5p-64: 0.33 GiB beside the 3.91 GiB gradient, whole at
-    the peak with the blocks' saved gate and up outputs).
+    the peak with the blocks' saved gate and up outputs); through the blocks' backward only
+    this device's shard of it stays (Qwen2.5-3B's shape on a v5e-16: 74 MiB of 1.16 GiB). A tied
+    head of 16 to 512 MiB is not windowed (GATHERED_TIED_HEAD_BYTES).
 
 A scanned decoder (`model.layers.scan`, a TPU's default) keeps the same per-layer activations
 (its norms and gated activation recompute their float32 intermediates in the backward, as the
@@ -52,6 +55,12 @@ from __future__ import annotations
 from jaxrl.models import flops
 
 WINDOWED_FSDP = 8  # fsdp degree from which the compiler multiplies by weights shard by shard
+# ... but a tied head whose compute-dtype table is in this range (a 32768 x 512 one over 16
+# chips: 32 MiB) is gathered whole and its float32 gradient all-reduced whole, as under fsdp 4,
+# where at 4 MiB (4096 x 512 over 8 chips), at Qwen2.5-3B's 594 MiB and for untied heads it is
+# not (read from the compiled updates' buffers at their live peaks; the compiler's own rule,
+# a memory-pressure heuristic, is not documented)
+GATHERED_TIED_HEAD_BYTES = (16 * 2**20, 512 * 2**20)
 SAVED_D_MODEL = {"none": 3.25, "dots": 0.3, "full": 3.5}  # d_model-sized states a block keeps
 SPLASH_STATS = 4 * 128  # float32 bytes per token and head of the splash kernel's statistics
 WORK_D_MODEL = 4.0  # d_model-sized states of a block's backward beyond what it saved
@@ -76,8 +85,25 @@ def _saved(m, remat: str, tensor: int, lora: bool, cb: int) -> float:
     return states
   attn = (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim  # queries, keys, values, output
   ff = 2 if remat == "dots" else 3  # gate, up (and their product)
-  out = states + (cb * (ff * flops.token_ff(m) + attn) + SPLASH_STATS * m.n_heads) / tensor
+  # the splash kernel's statistics are no matrix product's output: `dots` recomputes them in
+  # each layer's backward (`_recomputed`)
+  stats = SPLASH_STATS * m.n_heads if remat == "none" else 0
+  out = states + (cb * (ff * flops.token_ff(m) + attn) + stats) / tensor
   return out + (cb * m.d_ff / tensor if lora else 0.0)  # the state w_down's adapter reads
+
+
+def _windowed_head(m, fsdp: int, cb: int) -> bool:
+  """Whether the compiler multiplies by the LM head shard by shard in the update."""
+  low, high = GATHERED_TIED_HEAD_BYTES
+  return fsdp >= WINDOWED_FSDP and not (
+      m.tie_embeddings and low <= cb * m.vocab_size * m.d_model < high)
+
+
+def _recomputed(m, remat: str, tensor: int) -> float:
+  """Bytes per token a layer's backward recomputes beyond its working set: under `dots` the
+  splash kernel's statistics (one layer's at a time; fitted with the sweep's dots points, the
+  longest 2048 tokens: 0.94x to 1.00x with them, 0.82x to 0.89x without)."""
+  return SPLASH_STATS * m.n_heads / tensor if remat == "dots" else 0.0
 
 
 def update_peak(m, *, rows: float, seq_len: float, logit_chunk: int, param_bytes: float,
@@ -87,26 +113,29 @@ def update_peak(m, *, rows: float, seq_len: float, logit_chunk: int, param_bytes
   its trainer mesh's degrees, `lora`: only adapters train (the head gets no gradient)."""
   tokens, n = rows * seq_len, m.n_layers
   saved = tokens * _saved(m, remat, tensor, lora, cb)
-  work = saved + tokens * cb * WORK_D_MODEL * m.d_model
+  work = saved + tokens * (cb * WORK_D_MODEL * m.d_model + _recomputed(m, remat, tensor))
   layer = flops.layer_params(m)
   head = m.vocab_size * m.d_model / tensor
   head_grad = 0.0 if lora else 4 * head
+  windowed = _windowed_head(m, fsdp, cb)  # (the head multiplied shard by shard, never gathered)
   layer_grad = 0.0 if lora else 4 * layer / (fsdp * tensor)
   # compute-dtype copies of the float32 weights (LoRA's frozen base is stored in the dtype)
   copies = 0.0 if lora else WEIGHT_COPIES * cb * params / (fsdp * tensor)
   gathered = copies + (GATHERED_LAYERS * cb * layer / tensor if fsdp > 1 else 0.0)
   grads = param_bytes if accumulate else 0.0  # the accumulator
-  windowed = fsdp >= WINDOWED_FSDP  # (the head multiplied shard by shard: never gathered)
   logits = LOGIT_COPIES * rows * logit_chunk * m.vocab_size * 4 / tensor + (
       0.0 if windowed else cb * head)
   # A scanned decoder's loops (the forward's, the backward's) keep their bodies' temporaries
   # apart from the rest: about SCAN_WORK layers' working sets more, whatever the phase.
   scan = SCAN_WORK * work if scanned(m) else 0.0
+  # After the head's moment its gradient is reduced to this device's shard when the product is
+  # windowed (Qwen2.5-3B's shape on a v5e-16: 74 MiB of its 1.16 GiB through the blocks')
+  kept_head_grad = head_grad / fsdp if windowed else head_grad
   phases = [
       {"activations": n * saved + scan, "logits": logits, "gradients": grads + head_grad,
        "gathered weights": copies},
       {"activations": (n - 1) * saved + work + scan, "gathered weights": gathered,
-       "gradients": grads + head_grad + layer_grad},
+       "gradients": grads + kept_head_grad + layer_grad},
       {"activations": work + scan, "gathered weights": gathered,
        "gradients": grads + param_bytes},
       {"gradients": param_bytes},

@@ -81,9 +81,12 @@ def test_remat_and_micro_batches_shrink_the_estimate():
   with_remat = lambda r: dataclasses.replace(cfg, model=from_fields({"layers.remat": r},
                                                                     base=cfg.model))
   assert peak(with_remat("full")) < peak(with_remat("dots")) < peak(cfg)
-  micro = dataclasses.replace(cfg, rl=dataclasses.replace(
-      cfg.rl, batching=dataclasses.replace(cfg.rl.batching, micro_batch_size=2)))
-  assert peak(micro) < peak(cfg)
+  micro = lambda rows: dataclasses.replace(cfg, rl=dataclasses.replace(
+      cfg.rl, batching=dataclasses.replace(cfg.rl.batching, micro_batch_size=rows)))
+  assert peak(micro(2)) < peak(cfg)
+  # one micro-batch per minibatch is no accumulation: the same program as none
+  whole = cfg.rl.rollouts // cfg.rl.batching.num_minibatches
+  assert peak(micro(whole)) == peak(cfg)
 
 
 def _llama8b_lora(layers: int = 4) -> ExperimentConfig:

@@ -28,6 +28,7 @@ from planner import footprint, footprint_tpu
 from sharding.placement import PlacementError
 from sharding.rules import SAMPLER_RULES, batch_ways
 from train.roles.cluster import RoleCluster
+from train.updates.batching import micro_batches
 
 GIB = 1 << 30
 
@@ -143,9 +144,12 @@ def update_footprint(cfg: ExperimentConfig, mesh, rules, param_bytes: float, par
   gathered = params * np.dtype(m.compute_dtype).itemsize / tensor if fsdp > 1 else 0.0
   tpu = (dict(params=params, fsdp=fsdp, lora=cfg.lora.enabled and lm_head)
          if platform.backend() == "tpu" else None)  # (building for a TPU target)
+  rl = cfg.rl  # (one micro-batch per minibatch accumulates nothing: train/updates/batching.py)
+  accumulate = micro_batches(rl.rollouts // rl.batching.num_minibatches,
+                             rl.batching.micro_batch_size) > 1
   return footprint.update_peak(m, **_pass(cfg, mesh, rules, lm_head), param_bytes=param_bytes,
                                gathered_bytes=gathered, remat=m.layers.remat,
-                               accumulate=bool(cfg.rl.batching.micro_batch_size), tpu=tpu)
+                               accumulate=accumulate, tpu=tpu)
 
 
 def _update_items(cfg: ExperimentConfig, role, lm_head: bool) -> dict[str, dict]:
