@@ -7,7 +7,7 @@ benchmarks/live_peak.py), the memory model's update peak for a TPU target
 per device against jaxrl's count of what it sees (jaxrl/models/flops.py executed_train_flops,
 less the splash kernel's attention, which XLA does not count).
 
-  python -m benchmarks.target_sweep --json --markdown      # v5e-4, the 17 points, the docs tables
+  python -m benchmarks.target_sweep --json --markdown   # the 22 points (v5e-4 unless named), docs
   python -m benchmarks.target_sweep --json --points 0,3    # some of them
 
 The compiler's FLOPs are its matrix products counted from the compiled HLO, each loop (the

@@ -27,7 +27,7 @@ A scanned decoder (`model.layers.scan`, a TPU's default) keeps the same per-laye
 (its norms and gated activation recompute their float32 intermediates in the backward, as the
 unrolled program's fusions do) but its loops' bodies hold their temporaries apart: about
 SCAN_WORK = 1.5 layers' working sets more (fitted to the first 14 points of
-benchmarks/target_sweep.py scanned: 0.92x to 1.19x at each of its 17). Its
+benchmarks/target_sweep.py scanned: 0.86x to 1.19x at each of its 22 since issue 64). Its
 scoring passes gather about 1.25 layers at a time, read a compute-dtype copy of a float32
 stack made ahead of the scan, and reserve 2.5 MiB beside (0.91x to 1.22x at the points but
 LoRA's, 0.76x to 0.80x, and the 4-way data-parallel reference, 1.33x).
