@@ -5,8 +5,12 @@
   explicit  otherwise from `DistributedConfig` or the environment (JAXRL_COORDINATOR,
             JAXRL_NUM_PROCESSES, JAXRL_PROCESS_ID), e.g. 2 processes on 127.0.0.1 on a CPU, with
             gloo collectives. JAXRL_HEARTBEAT_S sets the heartbeat timeout.
-A peer that dies is detected by the coordination service's heartbeat, so the survivors stop with
-an error after `heartbeat_timeout_s` instead of hanging.
+A peer that dies is detected by the coordination service's heartbeat. The job is joined
+recoverable (`jax_enable_recoverability`: the service no longer aborts every survivor with a C++
+check failure), and `PeerWatch` asks the service every half second which processes are alive:
+one that is gone without having said it leaves (`leave`, at a normal end) is reported by the
+caller's `lost(process)` (the CLI's line names it and the --resume command) and the survivor
+exits, within `heartbeat_timeout_s` of the death instead of hanging.
 
 Arrays cross between meshes on disjoint processes (sharding/crossing.py) through the backend's
 transfer server; on the CPU it needs a socket of its own per process: JAXRL_TRANSFER_ADDRESS
@@ -23,7 +27,10 @@ import itertools
 import json
 import os
 import socket
+import sys
 import threading
+import time
+from collections.abc import Callable
 
 import jax
 
@@ -65,11 +72,15 @@ def transfer_address(cfg: DistributedConfig) -> str:
   return f"{host}:{int(port) + 1 + cfg.process_id}"
 
 
-def initialize(cfg: DistributedConfig | None = None) -> bool:
-  """Joins the job; returns True when more than one process takes part."""
+def initialize(cfg: DistributedConfig | None = None,
+               lost: Callable[[int], None] | None = None) -> bool:
+  """Joins the job; returns True when more than one process takes part. `lost(process)`: what
+  a survivor does when a peer is gone (default: a line naming it), before it exits."""
   cfg = from_env(cfg or DistributedConfig())
   timeouts = dict(initialization_timeout=cfg.initialization_timeout_s,
                   heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
+  if cfg.coordinator or _auto_detectable():
+    jax.config.update("jax_enable_recoverability", True)  # (PeerWatch stops the survivors)
   if cfg.coordinator:
     if not 0 <= cfg.process_id < cfg.num_processes:
       raise ValueError(f"distributed.process_id: {cfg.process_id} not in [0, {cfg.num_processes})")
@@ -79,7 +90,119 @@ def initialize(cfg: DistributedConfig | None = None) -> bool:
     jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, **timeouts)
   elif _auto_detectable():
     jax.distributed.initialize(**timeouts)
-  return jax.process_count() > 1
+  if jax.process_count() == 1:
+    return False
+  job().watch = PeerWatch(kv_client(), jax.process_count(), lost or _said_lost)
+  return True
+
+
+LOST_EXIT = 1  # a survivor's exit code
+LOST_KEY = "jaxrl/lost"  # the dead process the first survivor to notice named
+
+
+def _said_lost(process: int) -> None:
+  print(f"jaxrl: process {process} of the job stopped answering the coordination service (it "
+        f"died or its host was lost); stopping this one too", file=sys.stderr, flush=True)
+
+
+class PeerWatch:
+  """The job's processes watched from a thread: every `poll_s` the coordination service says
+  which are alive; the first one gone that did not `leave` is passed to `lost`, and this process
+  exits at once (its main thread may be stuck in a collective with the dead one)."""
+
+  def __init__(self, client, processes: int, lost: Callable[[int], None], poll_s: float = 0.5):
+    self.client, self.processes, self.lost, self.poll_s = client, processes, lost, poll_s
+    self._done = threading.Event()
+    self._lost = threading.Event()
+    threading.Thread(target=self._watch, name="jaxrl-peer-watch", daemon=True).start()
+
+  def _left(self) -> set[int]:
+    return {int(key.rsplit("/", 1)[1]) for key, _ in self.client.key_value_dir_get("jaxrl/left/")}
+
+  def _gone(self) -> list[int]:
+    """The processes gone without leaving, the one a survivor named first (`LOST_KEY`) first."""
+    live = self.client.get_live_nodes(list(range(self.processes)))
+    gone = [p for p in range(self.processes) if p not in live]
+    if not gone:
+      return []
+    gone = [p for p in gone if p not in self._left()]
+    named = [int(v) for _, v in self.client.key_value_dir_get(LOST_KEY + "/")]
+    return sorted(gone, key=lambda p: p not in named)
+
+  def _watch(self) -> None:
+    while not self._done.wait(self.poll_s):
+      try:
+        gone = self._gone()
+      except Exception:  # noqa: BLE001 - the service itself is gone (process 0 died) or closing
+        gone = [] if self._done.is_set() else [0]
+      if gone and not self._done.is_set():
+        self._lost.set()
+        try:
+          self.lost(gone[0])
+          self.client.key_value_set(LOST_KEY + "/first", str(gone[0]), allow_overwrite=True)
+          self.leave(wait_s=self.poll_s * 8)  # (process 0: the others read the service first)
+        except Exception:  # noqa: BLE001 - the service is gone too: nothing left to tell
+          pass
+        finally:
+          os._exit(LOST_EXIT)
+
+  def leave(self, wait_s: float = 120.0) -> None:
+    """This process ends (normally, or after a lost peer): the others are not to take its going
+    for a death. Process 0 holds the coordination service, so it waits (at most `wait_s`) until
+    every other process has left or is gone before it goes."""
+    if self._done.is_set() and not self._lost.is_set():
+      return
+    self._done.set()
+    self.client.key_value_set(f"jaxrl/left/{jax.process_index()}", "1", allow_overwrite=True)
+    deadline = time.monotonic() + wait_s
+    while jax.process_index() == 0 and time.monotonic() < deadline:
+      if set(self.client.get_live_nodes(list(range(self.processes)))) <= self._left():
+        return
+      time.sleep(self.poll_s / 2)
+
+  def lost_within(self, seconds: float) -> None:
+    """Returns if no peer's loss is noticed within `seconds`; else the watch ends this process
+    (this call does not return): for a main thread whose collective failed, to tell a dead
+    peer from a bug."""
+    if self._lost.wait(seconds):
+      time.sleep(60)  # (the watch's exit comes first)
+      os._exit(LOST_EXIT)
+
+
+STOP_KEY = "jaxrl/stop"
+
+
+def post_stop(name: str) -> None:
+  """Any process's stop request (its SIGTERM) where the trainer's first process looks for it
+  (`posted_stop`); a no-op on one process."""
+  if kv_client() is not None:
+    kv_client().key_value_set(STOP_KEY, name, allow_overwrite=True)
+
+
+def posted_stop() -> str | None:
+  """The signal's name another process of the job posted (None: none, or one process)."""
+  if kv_client() is None:
+    return None
+  try:
+    return kv_client().key_value_try_get(STOP_KEY)
+  except Exception:  # noqa: BLE001 - NOT_FOUND: no process asked
+    return None
+
+
+def explained_by_a_lost_peer() -> None:
+  """For an error in a job of several processes (a collective that failed: gloo's "Connection
+  reset by peer"): waits as long as the heartbeat takes to notice a dead peer, in which case
+  this process exits with the watch's line instead of the error's traceback."""
+  joined = job() if kv_client() is not None else None
+  if joined is not None and joined.watch is not None:
+    joined.watch.lost_within(from_env().heartbeat_timeout_s + 5)
+
+
+def leave() -> None:
+  """This process of the job ends normally (a no-op on one process)."""
+  joined = job()
+  if joined is not None and joined.watch is not None:
+    joined.watch.leave()
 
 
 def kv_client():
@@ -100,6 +223,8 @@ class Job:
     self._agreed: collections.Counter = collections.Counter()  # per name: calls so far
     self._sessions = itertools.count()
     self._lock = threading.Lock()
+    self.watch: PeerWatch | None = None  # (set where the job is joined: `initialize`)
+    self.groups: dict[int, str] = {}  # process -> its role group, once the placement is known
 
   def agree(self, value, name: str, *, timeout_s: int = 3600):
     """Process 0's `value` (JSON) on every process that calls this, in the same order."""

@@ -4,7 +4,10 @@ Weights (`reshard`): after every update in the `separate` placement (trainer dev
 devices) and to switch layouts in place in `colocate` (fsdp for training -> tensor parallel for
 decoding). Leaves move a bucket at a time and each bucket is finished before the next starts, so
 the extra memory in flight stays under `bucket_bytes` (a single leaf larger than that is its own
-bucket). With `donate=True` each source leaf is freed as soon as its bucket has landed.
+bucket). With `donate=True` each source leaf is freed as soon as its bucket has landed. A
+trainer sharded across hosts (each process holding part of each weight) reshards by device
+programs over its own devices, collectives inside them (`put`), with device-to-host transfers
+disallowed: no weight passes through a host.
 
 Batches (`move`): `jax.device_put` copies an array shard for shard between meshes whose shards
 hold the same slices, but where they do not (the sampler splits a rollout's rows 2 ways, the
@@ -13,7 +16,8 @@ each target shard's rows out of the source shards that hold them, on their own d
 copies those pieces device to device: no byte of a rollout visits the host. It handles arrays
 split along their first (batch) dimension, as every batch and per-sample result is, on one
 process or on several as long as each process already holds the rows its target shards need
-(placements give every host its own slice of both meshes); anything else goes through `put`.
+(placements give every host its own slice of both meshes); anything else goes through `put`
+(a device program where the array is spread over several processes).
 
 Host (`to_host`, `to_device`): the deliberate host transfers, each let through JAX's transfer
 guard for its own call only, so that a test disallowing every other host transfer lets exactly
@@ -31,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,27 +64,54 @@ def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
   return buckets
 
 
-def _host_local_put(x: jax.Array, target) -> jax.Array:
-  """Multi-process path: each process fills its own target shards from its own source shards,
-  which must cover the whole array (a host-local copy, as the hybrid-sharded trainer keeps)."""
-  full = np.empty(x.shape, x.dtype)
-  covered = np.zeros(x.shape, bool)
-  for shard in x.addressable_shards:
-    full[shard.index] = np.asarray(shard.data)
-    covered[shard.index] = True
-  if not covered.all():
-    raise ValueError(f"reshard: process {jax.process_index()} holds only part of a {x.shape} "
-                     f"array; place the trainer so each host keeps a whole copy")
-  local = [jax.device_put(full[idx], d)
-           for d, idx in target.addressable_devices_indices_map(x.shape).items()]
-  return jax.make_array_from_single_device_arrays(x.shape, target, local)
+def _spread_put(x: jax.Array, target) -> jax.Array:
+  """An array spread over several processes (a trainer sharded across hosts) laid out as
+  `target` by device programs over its own devices: collectives inside them, no byte through
+  the host. On the same devices, one reshard; on a whole fraction of them (the sampler's
+  `mirror` over the first of the trainer's), `_first_replica`; elsewhere (the sampler's own
+  devices on the same hosts), `_from_local_copies`."""
+  devices = x.sharding.device_set
+  if target.device_set == devices:
+    return jax.device_put(x, target)  # (jax: a jitted reshard over the same devices)
+  mesh = getattr(target, "mesh", None)
+  if mesh is not None and target.device_set < devices and len(devices) % mesh.size == 0:
+    return _first_replica(x, target)
+  return _from_local_copies(x, target)
+
+
+def _first_replica(x: jax.Array, target: NamedSharding) -> jax.Array:
+  """`target` on a whole fraction of `x`'s devices: the first replica of a layout over all of
+  them (the target's mesh with a leading replica axis); each process keeps its own shards of
+  that replica."""
+  mesh = target.mesh
+  rest = sorted(x.sharding.device_set - target.device_set, key=lambda d: (d.process_index, d.id))
+  grid = np.concatenate([mesh.devices.reshape(1, -1), np.asarray(rest, object).reshape(
+      -1, mesh.size)]).reshape(-1, *mesh.devices.shape)
+  spread = jax.device_put(x, NamedSharding(Mesh(grid, ("replica", *mesh.axis_names)),
+                                           target.spec))
+  local = {s.device: s.data for s in spread.addressable_shards}
+  return jax.make_array_from_single_device_arrays(
+      x.shape, target, [local[d] for d in target.addressable_devices_indices_map(x.shape)])
+
+
+def _from_local_copies(x: jax.Array, target) -> jax.Array:
+  """`target` on other devices of the same processes: `x` made whole on each of its devices
+  (one reshard over them: a gather inside each host where each holds a whole copy already),
+  then each of this process's target shards cut from its own copy, device to device."""
+  whole = jax.device_put(x, NamedSharding(x.sharding.mesh, PartitionSpec()))
+  local = whole.addressable_shards[0].data
+  pieces = [jax.device_put(local[index], device)
+            for device, index in target.addressable_devices_indices_map(x.shape).items()]
+  return jax.make_array_from_single_device_arrays(x.shape, target, pieces)
 
 
 def put(x: jax.Array, target, may_alias: bool = False) -> jax.Array:
-  """`jax.device_put`, or the host-local path for an array spread over several processes."""
+  """`jax.device_put`; for an array spread over several processes, a device program
+  (`_spread_put`)."""
   if not isinstance(x, jax.Array) or x.is_fully_addressable:
     return jax.device_put(x, target, may_alias=may_alias)
-  return _host_local_put(x, target)
+  with jax.transfer_guard_device_to_host("disallow"):
+    return _spread_put(x, target)
 
 
 def reshard(tree, target_shardings, *, bucket_bytes: int = 256 << 20, donate: bool = False,

@@ -128,7 +128,7 @@ def test_sigterm_stops_cleanly_with_a_checkpoint(tmp_path):
   proc.send_signal(signal.SIGTERM)
   _, err = proc.communicate(timeout=60)
   assert time.time() - t0 < 20, "did not stop within 20 s"
-  assert proc.returncode == 128 + signal.SIGTERM, err
+  assert proc.returncode == 0, err  # (a preemption handled: a clean end)
   assert "stopped by SIGTERM" in err and "Traceback" not in err
   summary = json.loads((tmp_path / "stop" / "summary.json").read_text())
   assert summary["stopped"] == "SIGTERM" and summary["rl_checkpoint_step"] >= 1

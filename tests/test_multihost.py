@@ -31,19 +31,23 @@ def _start(port, pid, *extra):
 
 
 @pytest.mark.slow
-def test_two_processes_train_reshard_and_agree():
+@pytest.mark.parametrize("mode", ["hybrid", "spread"])
+def test_two_processes_train_reshard_and_agree(mode):
+  """The trainer hybrid-sharded (a whole copy per host) or spread over both hosts (fsdp 4 across
+  them: each holds half of each weight); its weights resharded, with device-to-host transfers
+  disallowed, onto the sampler's devices of both hosts and onto half the trainer's."""
   port = _free_port()
-  procs = [_start(port, i) for i in range(2)]
+  procs = [_start(port, i, *([mode] if mode == "spread" else [])) for i in range(2)]
   outs = [p.communicate(timeout=300) for p in procs]
   for p, (out, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
   results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
   assert results[0]["loss"] == results[1]["loss"]
-  assert results[0]["checksum"] == results[1]["checksum"]
+  assert results[0]["checksums"] == results[1]["checksums"]
   # The same step on this process's devices, no distribution: same loss and weights.
-  loss, checksum = multihost_worker.run(make_mesh({"fsdp": 4}, jax.devices()[:4]))
+  loss, (checksum,) = multihost_worker.run(make_mesh({"fsdp": 4}, jax.devices()[:4]))
   assert results[0]["loss"] == pytest.approx(loss, rel=1e-5)
-  assert results[0]["checksum"] == pytest.approx(checksum, rel=1e-4)
+  assert results[0]["checksums"] == pytest.approx([checksum] * 2, rel=1e-4)
 
 
 def _launch(script: str, port: int, pid: int, run_dir, *extra):
@@ -100,5 +104,7 @@ def test_survivor_stops_when_a_peer_dies():
   elapsed = time.monotonic() - t0
   assert procs[1].returncode == 17
   assert procs[0].returncode != 0, outs[0]
-  assert "stopped sending heartbeats" in outs[0][1]  # the coordination service names the cause
+  # jaxrl's line names the dead process (the coordination service's C++ abort is not reached)
+  assert "process 1 of the job stopped answering" in outs[0][1]
+  assert "Check failure" not in outs[0][1] and "Traceback" not in outs[0][1], outs[0][1][-3000:]
   assert elapsed < 180

@@ -41,7 +41,7 @@ def _start(argv: list[str]):
   for a user error."""
   try:
     raw, gin_files, gin_params, opts = parse_args(argv)
-    start_jax(raw)
+    start_jax(raw, lost=_peer_lost(argv))
   except UsageError as e:
     return fail(str(e))
   from jaxrl.config import ConfigError
@@ -60,6 +60,24 @@ def _start(argv: list[str]):
     return fail(str(e))
 
 
+RESUMING = ("--resume", "--resume_or_start")
+
+
+def _peer_lost(argv: list[str]):
+  """A survivor's line when a process of the job died: which one (its role group), and the
+  command that continues the run."""
+  def lost(process: int) -> None:
+    from sharding.distributed import job
+    joined = job()
+    group = joined.groups.get(process) if joined is not None else None
+    args = [a for a in argv[1:] if a not in RESUMING]
+    print(f"jaxrl: error: process {process}" + (f" ({group})" if group else "")
+          + " of the job stopped answering (it died, or its host was lost); this process stops "
+          "too. Saved checkpoints are intact; continue with the same command on every process: "
+          + " ".join(["jaxrl-train", *args, "--resume"]), file=sys.stderr, flush=True)
+  return lost
+
+
 def _release_samplers() -> None:
   from sharding.distributed import kv_client
   if kv_client() is not None:  # (a job of several processes was joined)
@@ -75,6 +93,10 @@ def _serves_the_sampler(cfg) -> bool:
   from jaxrl.config_files import resolve
   from train.roles.cluster import config_split
   split = config_split(resolve(cfg))
+  if split is not None:  # (named in a survivor's line, should one die)
+    from sharding.distributed import job
+    job().groups.update({p: "the sampler's" if p in split.sampler_processes else "the trainer's"
+                         for p in range(jax.process_count())})
   return split is not None and split.here == "sampler"
 
 
@@ -114,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
   import jax
 
   from jaxrl.config import ConfigError
+  from sharding.distributed import explained_by_a_lost_peer
   from train.io.checkpoint import CheckpointError
   from train.loop.executors import ExecutorError
   from train.run.hooks import NumericsError
@@ -131,19 +154,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"jaxrl: error: {e}", file=sys.stderr)
     return 1
   except ExecutorError as e:
+    explained_by_a_lost_peer()  # (a worker's collective with a dead peer: that line instead)
     if isinstance(e.__cause__, ConfigError):  # e.g. a user reward function that misbehaved
       return fail(f"{e.__cause__}; stopped, saved checkpoints are intact")
     # A bug or a crash, not a user error: keep the traceback.
     traceback.print_exception(e.__cause__ or e)
     print(f"jaxrl: error: {e}; stopped, saved checkpoints are intact", file=sys.stderr)
     return 1
+  except Exception:
+    # A collective that failed with a dead peer: the peer watch's line and exit, before closing
+    # anything (closing would release the generator's processes as from a normal end)
+    explained_by_a_lost_peer()
+    raise
   finally:
     exp.close()
   if summary.get("stopped"):
     print(f"jaxrl: stopped by {summary['stopped']}; checkpoint saved in {exp.run_dir} "
           f"(continue with --resume)", file=sys.stderr)
-    name = summary["stopped"]
-    return 128 + signal.Signals[name].value if name in signal.Signals.__members__ else 1
+    return _stopped_exit(summary["stopped"])
   if primary:
     from train.io.metrics import shown
     print("jaxrl: " + ", ".join(f"{k}={shown(v)}" if isinstance(v, float) else f"{k}={v}"
@@ -152,8 +180,24 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
+def _stopped_exit(name: str) -> int:
+  """A run stopped after saving: SIGTERM (a preemption, a scheduler's stop) is a clean end, 0,
+  on every process (srun --kill-on-bad-exit would kill the others' saves on a non-zero code);
+  Ctrl-C 130, as shells expect."""
+  if name == "SIGTERM":
+    return 0
+  return 128 + signal.Signals[name].value if name in signal.Signals.__members__ else 1
+
+
 def cli() -> None:
-  sys.exit(main())
+  from sharding import distributed
+  try:
+    code = main()
+  except Exception:
+    distributed.explained_by_a_lost_peer()  # (a dead peer: its line, and exit, instead)
+    raise
+  distributed.leave()  # (a normal end, whatever its code: not a death for the other processes)
+  sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -201,10 +201,14 @@ def check_processes(cfg: ExperimentConfig, split: ProcessSplit | None, meshes: d
   mode, hosts = cfg.rl.schedule.mode, host_count(devices)
   real = meshes if split is None else {**meshes, "sampler": split.sampler}  # (not the mirror)
   if mode == "async" and hosts > 1 and not sampler_apart(real):
+    local = len(devices) // hosts
+    cpu = (f" (on the CPU, placement.cpu_devices={local} per process)"
+           if list(devices)[0].platform == "cpu" else "")
     raise ConfigError(
         f"config.rl.schedule.mode: async on {hosts} processes runs the generator on processes of "
         f"its own: placement.strategy='separate' with placement.train_devices a multiple of "
-        f"each process's {len(devices) // hosts} devices")
+        f"each process's {local} devices{cpu}, from {local} to {len(devices) - local}; got "
+        f"{cfg.placement.strategy!r} with train_devices={cfg.placement.train_devices}")
   if mode == "sync" and split is not None and cfg.rl.dapo.dynamic_sampling:
     raise ConfigError(
         "config.rl.dapo.dynamic_sampling: the placement gives the sampler processes of its own, "

@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from tqdm import tqdm
 
-from sharding.distributed import agree
+from sharding.distributed import agree, post_stop, posted_stop
 from train.io import metrics
 from train.io.host_transfers import HostTransfers
 from train.stages.base import Stage, Stopped
@@ -190,7 +191,14 @@ class StopRequest(Hook):
     return self
 
   def requested(self) -> bool:
-    return agreed(self.event.is_set())
+    """Whether the run stops here, the same on every process: process 0's word, which counts
+    a stop any process of the job posted (a SIGTERM to one trainer or sampler process)."""
+    mine = self.signal if self.event.is_set() else None
+    if mine is None and jax.process_index() == 0:
+      mine = posted_stop()
+    name = agree(mine or "", "stop")
+    self.signal = self.signal or name or None
+    return bool(name)
 
   def check(self) -> None:
     """Between stages: ends the run if a stop was requested."""
@@ -203,6 +211,7 @@ class StopRequest(Hook):
     self.signal = signal.Signals(signum).name
     log.warning("%s: stopping after the current step and saving a checkpoint", self.signal)
     self.event.set()
+    post_stop(self.signal)  # (on several processes: for process 0, whichever got the signal)
 
   def __exit__(self, *exc):
     self._depth -= 1

@@ -3,7 +3,12 @@ generator the trainer's processes start (train/rollout/remote.py) instead of run
 experiment."""
 from __future__ import annotations
 
+import contextlib
+import logging
+import signal
+
 from jaxrl.config_files import resolve
+from sharding.distributed import post_stop
 from train.rollout.remote import SamplerHost
 from train.rollout.source import make_worker
 from train.stages.context import RunContext
@@ -13,5 +18,23 @@ def serve(config) -> int:
   """Builds what the generator needs (tokenizer, prompts, environments, the sampler's programs;
   the models stay abstract) and serves the trainer until it is done; the exit code."""
   cfg = resolve(config)
-  with RunContext(cfg, "", initialize=False) as ctx:
+  with RunContext(cfg, "", initialize=False) as ctx, _stops_passed_on():
     return SamplerHost(ctx, make_worker).serve()
+
+
+@contextlib.contextmanager
+def _stops_passed_on():
+  """SIGTERM / SIGINT here (a preemption reaches every host) become the job's stop request: the
+  trainer stops after its step, saves the generator's state with its checkpoint, and releases
+  these processes, which then exit 0."""
+  def handle(signum, frame):
+    name = signal.Signals(signum).name
+    logging.getLogger("jaxrl").warning("%s: the trainer stops after its current step and saves "
+                                       "a checkpoint; this process leaves when it is done", name)
+    post_stop(name)
+  old = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    yield
+  finally:
+    for sig, handler in old.items():
+      signal.signal(sig, handler)
