@@ -198,6 +198,16 @@ def explained_by_a_lost_peer() -> None:
     joined.watch.lost_within(from_env().heartbeat_timeout_s + 5)
 
 
+def from_the_runtime(error: BaseException) -> bool:
+  """Whether `error`, or one that caused it, is the runtime's (a collective or a transfer that
+  failed: gloo's "Connection reset by peer"), which a dead peer explains."""
+  while error is not None:
+    if isinstance(error, jax.errors.JaxRuntimeError):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
 def leave() -> None:
   """This process of the job ends normally (a no-op on one process)."""
   joined = job()

@@ -186,6 +186,26 @@ def test_sigterm_to_a_sampler_process_saves_and_every_process_exits_0(partial_ru
   _resumes_exactly(partial_run, tmp_path, "stopped")
 
 
+@pytest.mark.slow
+def test_a_placement_that_leaves_the_generator_no_whole_processes_is_one_line():
+  """Async on 2 processes of 4 CPU devices with train_devices 2 (one of each process's):
+  each process says, in one line and exit 2, what the generator needs, in the CPU's terms."""
+  port = loopback_port(2)
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "train.cli.train", "--config=configs/tiny.py",
+       "--config.placement.strategy=separate", "--config.placement.train_devices=2",
+       "--config.rl.schedule.mode=async", "--config.placement.cpu_devices=4"], cwd=ROOT,
+      env=_env(JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES="2",
+               JAXRL_PROCESS_ID=str(i)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True) for i in range(2)]
+  for p in procs:
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 2, err[-3000:]
+    assert ("placement.train_devices a multiple of each process's 4 devices (on the CPU, "
+            "placement.cpu_devices=4 per process), from 4 to 4; got 'separate' with "
+            "train_devices=2") in err and "Traceback" not in err, err[-3000:]
+
+
 SPREAD = [a for a in ARGS if "train_devices" not in a and "train_fsdp" not in a] + [
     "--config.placement.train_devices=4", "--config.placement.train_fsdp=4"]
 

@@ -32,7 +32,7 @@ import numpy as np
 from jaxrl.config import ConfigError
 from sampler.engine import Rollout
 from sharding import crossing
-from sharding.distributed import job, kv_client
+from sharding.distributed import explained_by_a_lost_peer, from_the_runtime, job, kv_client
 from train.rollout.worker import RolloutBatch, RolloutWorkerError, WorkerState
 
 log = logging.getLogger("jaxrl")
@@ -198,6 +198,8 @@ class SamplerHost:
       try:
         reply = failed if failed and op != "close" else getattr(self, "_" + op)(request)
       except Exception as e:  # noqa: BLE001 - the trainer raises it, named
+        if from_the_runtime(e):  # (a dead peer's collective: the peer watch's line, and exit)
+          explained_by_a_lost_peer()
         log.exception("sampler: %s failed", op)
         user = next((c for c in (e, e.__cause__) if isinstance(c, ConfigError)), None)
         reply = failed = ({"error": str(user), "config": True} if user is not None else
