@@ -5,10 +5,13 @@ weight push against memcpy.
 
 Both parts run 4 CPU processes of one device each on loopback, the trainer on 2 and the sampler
 on 2 (`separate` on whole hosts: train/rollout/remote.py).
-  steps   the CLI on a generation-bound workload (configs/tiny.py, multi-turn
-          `synthetic_longtail` conversations, long completions), sync (the remote worker at
+  steps   the CLI on a workload (`--workload`: longtail, generation-bound: configs/tiny.py,
+          multi-turn `synthetic_longtail` conversations, long completions; balanced: a d256
+          model whose generation and update take about as long), sync (the remote worker at
           max_staleness 0) and async (fixed, max_staleness 1), alternately `--repeats` times;
-          RL steps per second from each run's `rl_wall_s`.
+          RL steps per second after the first step (which compiles), and the trainer's mean
+          seconds per step waiting for its batch, scoring and updating. `--pin` gives the
+          trainer's processes core 0 and the sampler's core 1.
   push    a float32 model of `--push-mb` MB crossing from the trainer's 2 processes to the
           sampler's 2 (sharding/crossing.py: the same shard shapes on both sides), timed on the
           receivers until the arrays are ready, against memcpy of the bytes each receiver gets,
@@ -21,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -29,21 +31,39 @@ import tempfile
 from sharding.distributed import loopback_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKLOAD = ["--config=configs/tiny.py", "--config.sft.steps=0", "--config.eval.every=100",
-            "--config.checkpoint_every=100", "--config.placement.strategy=separate",
-            "--config.placement.train_devices=2", "--config.placement.train_fsdp=1",
-            "--config.placement.cpu_devices=1", "--config.rl.environment.name=synthetic_longtail",
-            "--config.rl.rollout.max_new_tokens=48", "--config.rl.rollout.ignore_eos=True"]
+PLACED = ["--config=configs/tiny.py", "--config.sft.steps=0", "--config.eval.every=100",
+          "--config.checkpoint_every=100", "--config.placement.strategy=separate",
+          "--config.placement.train_devices=2", "--config.placement.train_fsdp=1",
+          "--config.placement.cpu_devices=1", "--config.rl.rollout.ignore_eos=True"]
+WORKLOADS = {
+    # generation-bound: multi-turn conversations, long completions
+    "longtail": ["--config.rl.environment.name=synthetic_longtail",
+                 "--config.rl.rollout.max_new_tokens=48"],
+    # generation and the update about as long (1.2 and 1.4 s a step on a 2-core Xeon, pinned)
+    "balanced": ["--config.rl.rollout.max_new_tokens=24", "--config.model.d_model=256",
+                 "--config.model.n_heads=4", "--config.model.head_dim=64",
+                 "--config.model.d_ff=1024", "--config.model.n_layers=2",
+                 "--config.rl.batching.num_minibatches=8"],
+}
+PINNED = [0, 0, 1, 1]  # --pin: the trainer's processes on core 0, the sampler's on core 1
 
 
-def _launch(argv: list[str], n: int = 4) -> list[str]:
-  """`argv` as `n` processes joined on loopback; their stdouts (each must succeed)."""
+def _pinned(core: int | None):
+  """A child's start: on `core` alone (None: wherever the OS puts it)."""
+  return None if core is None else (lambda: os.sched_setaffinity(0, {core}))
+
+
+def _launch(argv: list[str], n: int = 4, cores: list[int | None] | None = None) -> list[str]:
+  """`argv` as `n` processes joined on loopback, process i pinned to `cores[i]`; their stdouts
+  (each must succeed)."""
   port = loopback_port(n)
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  cores = cores or [None] * n
   procs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**env, "JAXRL_COORDINATOR": f"127.0.0.1:{port}",
-                                            "JAXRL_NUM_PROCESSES": str(n),
-                                            "JAXRL_PROCESS_ID": str(i)}) for i in range(n)]
+                            text=True, preexec_fn=_pinned(cores[i]),
+                            env={**env, "JAXRL_COORDINATOR": f"127.0.0.1:{port}",
+                                 "JAXRL_NUM_PROCESSES": str(n),
+                                 "JAXRL_PROCESS_ID": str(i)}) for i in range(n)]
   outs = [p.communicate(timeout=1200) for p in procs]
   for p, (_, err) in zip(procs, outs):
     if p.returncode:
@@ -51,18 +71,26 @@ def _launch(argv: list[str], n: int = 4) -> list[str]:
   return [out for out, _ in outs]
 
 
-def steps_per_s(mode: str, steps: int, run_dir: str) -> float:
+def steps_per_s(mode: str, steps: int, run_dir: str, workload: str,
+                cores: list[int] | None = None) -> tuple[float, dict]:
+  """RL steps per second after the first (which compiles), and the trainer's mean seconds per
+  step waiting for its batch (`time_generate`), scoring and updating."""
+  name = f"{mode}-{os.urandom(4).hex()}"
   extra = [f"--config.rl.steps={steps}", f"--config.rl.schedule.mode={mode}",
            "--config.rl.schedule.name=fixed", f"--config.run_dir={run_dir}",
-           f"--config.run_name={mode}-{os.urandom(4).hex()}"]
-  out = _launch([sys.executable, "-m", "train.cli.train", *WORKLOAD, *extra])[0]
-  wall = float(re.search(r"rl_wall_s=([0-9.]+)", out).group(1))
-  return steps / wall
+           f"--config.run_name={name}"]
+  _launch([sys.executable, "-m", "train.cli.train", *PLACED, *WORKLOADS[workload], *extra],
+          cores=cores)
+  with open(os.path.join(run_dir, name, "metrics.jsonl")) as f:
+    rows = [r for line in f if (r := json.loads(line))["phase"] == "rl" and "loss" in r][1:]
+  seconds = {k: round(sum(r[k] for r in rows) / len(rows), 3)
+             for k in ("time_generate", "time_score", "time_update")}
+  return len(rows) / sum(r["step_time"] for r in rows), seconds
 
 
 def push_worker(mb: int, repeats: int) -> None:
   """One process of the push part (run by `_launch`): prints its JSON timings."""
-  from sharding.distributed import initialize
+  from sharding.distributed import initialize, leave
   from sharding.host import force_cpu_devices
   force_cpu_devices(1)
   initialize()
@@ -95,6 +123,7 @@ def push_worker(mb: int, repeats: int) -> None:
   memcpy_s = best_seconds(lambda: np.copyto(dst, src), repeats=repeats)
   print(json.dumps({"process": jax.process_index(), "seconds": seconds, "memcpy_s": memcpy_s,
                     "bytes": received}), flush=True)
+  leave()  # (a normal end: not a death for the others' peer watch)
 
 
 def main() -> None:
@@ -103,24 +132,31 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=6)
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--push-mb", type=int, default=256)
+  parser.add_argument("--workload", choices=sorted(WORKLOADS), default="longtail")
+  parser.add_argument("--pin", action="store_true",
+                      help="the trainer's processes on core 0, the sampler's on core 1")
   parser.add_argument("--push-worker", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.push_worker:
     return push_worker(args.push_mb, args.repeats + 2)
   from benchmarks.common import emit
-  sync, asynchronous = [], []
+  cores = PINNED if args.pin else None
+  runs = {"sync": [], "async": []}
   with tempfile.TemporaryDirectory() as run_dir:
     for _ in range(args.repeats):  # alternately: the machine's drift hits both
-      sync.append(steps_per_s("sync", args.steps, run_dir))
-      asynchronous.append(steps_per_s("async", args.steps, run_dir))
+      for mode in runs:
+        runs[mode].append(steps_per_s(mode, args.steps, run_dir, args.workload, cores))
+  (sync, sync_s), (asynchronous, async_s) = (max(runs[m], key=lambda r: r[0]) for m in runs)
   outs = _launch([sys.executable, "-m", "benchmarks.multihost", "--push-worker",
-                  f"--push-mb={args.push_mb}", f"--repeats={args.repeats}"])
+                  f"--push-mb={args.push_mb}", f"--repeats={args.repeats}"], cores=cores)
   receivers = [json.loads(out.strip().splitlines()[-1]) for out in outs[2:]]
   push_s = max(r["seconds"] for r in receivers)
   memcpy_s = max(r["memcpy_s"] for r in receivers)
   nbytes = receivers[0]["bytes"]
-  emit({"sync_steps_per_s": round(max(sync), 4), "async_steps_per_s": round(max(asynchronous), 4),
-        "async_over_sync": round(max(asynchronous) / max(sync), 3),
+  emit({"workload": args.workload, "pinned": args.pin, "sync_steps_per_s": round(sync, 4),
+        "async_steps_per_s": round(asynchronous, 4),
+        "async_over_sync": round(asynchronous / sync, 3), "sync_seconds": sync_s,
+        "async_seconds": async_s,
         "push_bytes": args.push_mb << 20, "push_seconds": round(push_s, 4),
         "push_gbps_per_receiver": round(nbytes / push_s / 1e9, 3),
         "memcpy_gbps": round(nbytes / memcpy_s / 1e9, 3),

@@ -148,15 +148,20 @@ class PeerWatch:
 
   def leave(self, wait_s: float = 120.0) -> None:
     """This process ends (normally, or after a lost peer): the others are not to take its going
-    for a death. Process 0 holds the coordination service, so it waits (at most `wait_s`) until
-    every other process has left or is gone before it goes."""
+    for a death. It waits (at most `wait_s`) until every other process has left or is gone, as
+    JAX's shutdown barrier would (which a recoverable job skips): process 0 holds the
+    coordination service, and a peer may still be pulling arrays this one sent."""
     if self._done.is_set() and not self._lost.is_set():
       return
     self._done.set()
     self.client.key_value_set(f"jaxrl/left/{jax.process_index()}", "1", allow_overwrite=True)
     deadline = time.monotonic() + wait_s
-    while jax.process_index() == 0 and time.monotonic() < deadline:
-      if set(self.client.get_live_nodes(list(range(self.processes)))) <= self._left():
+    me = jax.process_index()
+    while time.monotonic() < deadline:
+      live = set(self.client.get_live_nodes(list(range(self.processes))))
+      # (process 0 goes last, once the others have shut their clients down: its service's end
+      # would abort a peer still saying goodbye to it)
+      if live <= self._left() and (me != 0 or live <= {0}):
         return
       time.sleep(self.poll_s / 2)
 
