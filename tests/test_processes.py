@@ -127,13 +127,13 @@ def test_free_schedule_on_four_processes_keeps_its_staleness_bound(tmp_path, par
 
 
 def _at_rl_step(procs, run_dir, step: int) -> None:
-  """Waits until the run's metrics have RL step `step` (every process still running)."""
-  metrics = run_dir / "metrics.jsonl"
+  """Waits until the run's metrics have RL step `step` and its RL checkpoint of step 2 is
+  saved (every process still running)."""
+  metrics, saved = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "rl" / "2"
   deadline = time.time() + 600
-  while not (metrics.exists() and any(json.loads(line)["phase"] == "rl" and
-                                       json.loads(line)["step"] >= step
-                                       for line in metrics.read_text().splitlines()
-                                       if line.endswith("}"))):
+  while not (saved.is_dir() and metrics.exists() and any(
+      json.loads(line)["phase"] == "rl" and json.loads(line)["step"] >= step
+      for line in metrics.read_text().splitlines() if line.endswith("}"))):
     assert all(p.poll() is None for p in procs) and time.time() < deadline
     time.sleep(0.05)
 
@@ -154,7 +154,7 @@ def test_a_killed_process_stops_the_run_with_one_line_and_it_resumes_exactly(
   command that continues (no C++ abort, no traceback), and the resumed run ends bit for bit as
   the uninterrupted one."""
   procs = _launch(tmp_path, "killed", *PARTIAL)
-  _at_rl_step(procs, tmp_path / "killed", 3)
+  _at_rl_step(procs, tmp_path / "killed", 2)  # (two of the four RL steps to go)
   procs[victim].send_signal(signal.SIGKILL)
   t0 = time.time()
   outs = [p.communicate(timeout=120) for p in procs]
