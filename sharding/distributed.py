@@ -154,14 +154,19 @@ class PeerWatch:
     if self._done.is_set() and not self._lost.is_set():
       return
     self._done.set()
-    self.client.key_value_set(f"jaxrl/left/{jax.process_index()}", "1", allow_overwrite=True)
-    deadline = time.monotonic() + wait_s
-    me = jax.process_index()
+    deadline, me, said = time.monotonic() + wait_s, jax.process_index(), False
     while time.monotonic() < deadline:
-      live = set(self.client.get_live_nodes(list(range(self.processes))))
+      try:
+        if not said:
+          self.client.key_value_set(f"jaxrl/left/{me}", "1", allow_overwrite=True)
+          said = True
+        live = set(self.client.get_live_nodes(list(range(self.processes))))
+        left = self._left()
+      except Exception:  # noqa: BLE001 - the service is gone (process 0 went): nobody to wait for
+        return
       # (process 0 goes last, once the others have shut their clients down: its service's end
       # would abort a peer still saying goodbye to it)
-      if live <= self._left() and (me != 0 or live <= {0}):
+      if live <= left and (me != 0 or live <= {0}):
         return
       time.sleep(self.poll_s / 2)
 
