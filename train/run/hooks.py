@@ -193,11 +193,12 @@ class StopRequest(Hook):
   def requested(self) -> bool:
     """Whether the run stops here, the same on every process: process 0's word, which counts
     a stop any process of the job posted (a SIGTERM to one trainer or sampler process)."""
-    mine = self.signal if self.event.is_set() else None
+    mine = (self.signal or "stop request") if self.event.is_set() else None
     if mine is None and jax.process_index() == 0:
       mine = posted_stop()
     name = agree(mine or "", "stop")
-    self.signal = self.signal or name or None
+    if name and name != "stop request":
+      self.signal = self.signal or name
     return bool(name)
 
   def check(self) -> None:
