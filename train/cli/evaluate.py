@@ -186,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> None:
-  sys.exit(main())
+  code = main()
+  from sharding.distributed import leave
+  leave()  # (on several processes: a normal end, not a death for the others' peer watch)
+  sys.exit(code)
 
 
 if __name__ == "__main__":
