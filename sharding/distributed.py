@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -72,10 +73,9 @@ def transfer_address(cfg: DistributedConfig) -> str:
   return f"{host}:{int(port) + 1 + cfg.process_id}"
 
 
-def initialize(cfg: DistributedConfig | None = None,
-               lost: Callable[[int], None] | None = None) -> bool:
-  """Joins the job; returns True when more than one process takes part. `lost(process)`: what
-  a survivor does when a peer is gone (default: a line naming it), before it exits."""
+def initialize(cfg: DistributedConfig | None = None, resume: str = "") -> bool:
+  """Joins the job; returns True when more than one process takes part. `resume`: the command
+  that continues the run, for a survivor's line when a peer is gone (`said_lost`)."""
   cfg = from_env(cfg or DistributedConfig())
   timeouts = dict(initialization_timeout=cfg.initialization_timeout_s,
                   heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
@@ -92,7 +92,8 @@ def initialize(cfg: DistributedConfig | None = None,
     jax.distributed.initialize(**timeouts)
   if jax.process_count() == 1:
     return False
-  job().watch = PeerWatch(kv_client(), jax.process_count(), lost or _said_lost)
+  job().watch = PeerWatch(kv_client(), jax.process_count(),
+                          functools.partial(said_lost, resume=resume))
   return True
 
 
@@ -100,9 +101,15 @@ LOST_EXIT = 1  # a survivor's exit code
 LOST_KEY = "jaxrl/lost"  # the dead process the first survivor to notice named
 
 
-def _said_lost(process: int) -> None:
-  print(f"jaxrl: process {process} of the job stopped answering the coordination service (it "
-        f"died or its host was lost); stopping this one too", file=sys.stderr, flush=True)
+def said_lost(process: int, resume: str = "") -> None:
+  """A survivor's one line: the dead process, its role group where known, and the command that
+  continues the run."""
+  joined = job()
+  group = joined.groups.get(process) if joined is not None else None
+  print(f"jaxrl: error: process {process}" + (f" ({group})" if group else "")
+        + " of the job stopped answering (it died, or its host was lost); this process stops too"
+        + (f". Saved checkpoints are intact; continue with the same command on every process: "
+           f"{resume}" if resume else ""), file=sys.stderr, flush=True)
 
 
 class PeerWatch:
@@ -114,6 +121,7 @@ class PeerWatch:
     self.client, self.processes, self.lost, self.poll_s = client, processes, lost, poll_s
     self._done = threading.Event()
     self._lost = threading.Event()
+    self._waited = False  # (lost_within)
     threading.Thread(target=self._watch, name="jaxrl-peer-watch", daemon=True).start()
 
   def _left(self) -> set[int]:
@@ -173,7 +181,11 @@ class PeerWatch:
   def lost_within(self, seconds: float) -> None:
     """Returns if no peer's loss is noticed within `seconds`; else the watch ends this process
     (this call does not return): for a main thread whose collective failed, to tell a dead
-    peer from a bug."""
+    peer from a bug. Waits once: an error passed up through several callers is not waited
+    for again."""
+    if self._waited:
+      return
+    self._waited = True
     if self._lost.wait(seconds):
       time.sleep(60)  # (the watch's exit comes first)
       os._exit(LOST_EXIT)

@@ -160,10 +160,10 @@ def _setup_logging(primary: bool) -> None:
     log.propagate = False
 
 
-def start_jax(raw, lost=None) -> None:
+def start_jax(raw, resume: str = "") -> None:
   """Before JAX starts its backend: fake CPU devices, the accelerators' memory fraction (read
-  from the raw config; it is validated later), the job joined on several hosts (`lost(process)`:
-  a survivor's last line when a peer dies, sharding/distributed.py), logging."""
+  from the raw config; it is validated later), the job joined on several hosts (`resume`: the
+  command a survivor names when a peer dies, sharding/distributed.py), logging."""
   placement = raw.get("placement", {})
   cpu_devices = placement.get("cpu_devices", 8)
   force_cpu_devices(cpu_devices if isinstance(cpu_devices, int) else 8)
@@ -173,7 +173,7 @@ def start_jax(raw, lost=None) -> None:
   retain_freed_memory()
   from sharding import distributed
   try:
-    distributed.initialize(lost=lost)  # before anything touches a device
+    distributed.initialize(resume=resume)  # before anything touches a device
   except ValueError as e:
     raise UsageError(str(e)) from None
   import jax

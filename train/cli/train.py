@@ -41,7 +41,8 @@ def _start(argv: list[str]):
   for a user error."""
   try:
     raw, gin_files, gin_params, opts = parse_args(argv)
-    start_jax(raw, lost=_peer_lost(argv))
+    start_jax(raw, resume=" ".join(["jaxrl-train", *(a for a in argv[1:] if a not in RESUMING),
+                                    "--resume"]))
   except UsageError as e:
     return fail(str(e))
   from jaxrl.config import ConfigError
@@ -61,21 +62,6 @@ def _start(argv: list[str]):
 
 
 RESUMING = ("--resume", "--resume_or_start")
-
-
-def _peer_lost(argv: list[str]):
-  """A survivor's line when a process of the job died: which one (its role group), and the
-  command that continues the run."""
-  def lost(process: int) -> None:
-    from sharding.distributed import job
-    joined = job()
-    group = joined.groups.get(process) if joined is not None else None
-    args = [a for a in argv[1:] if a not in RESUMING]
-    print(f"jaxrl: error: process {process}" + (f" ({group})" if group else "")
-          + " of the job stopped answering (it died, or its host was lost); this process stops "
-          "too. Saved checkpoints are intact; continue with the same command on every process: "
-          + " ".join(["jaxrl-train", *args, "--resume"]), file=sys.stderr, flush=True)
-  return lost
 
 
 def _release_samplers() -> None:
