@@ -13,7 +13,7 @@ less the splash kernel's attention, which XLA does not count).
 The compiler's FLOPs are its matrix products counted from the compiled HLO, each loop (the
 micro-batches', the log-prob chunks') as often as it runs (train/preflight/hlo_flops.py; XLA's own cost
 analysis counts a loop's body once). Each point takes half a minute to two minutes to compile
-on a 2-core machine; tests/test_target_compile.py runs the first.
+on a 2-core machine; tests/test_tpu_memory_model.py runs the first.
 """
 from __future__ import annotations
 
