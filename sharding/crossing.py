@@ -130,6 +130,14 @@ class Mailbox:
     if old is not None:
       self._client.key_value_delete(old)
 
+  def has(self, key) -> bool:
+    """Message `key` is posted."""
+    try:
+      self._client.key_value_try_get(f"jaxrl/{self.name}/{key}")
+      return True
+    except Exception:  # noqa: BLE001 - NOT_FOUND
+      return False
+
   def take(self, key, *, poll_s: float = 5.0, timeout_s: float | None = None) -> dict:
     """Message `key`, waited for (a peer that died ends the job through the heartbeat
     first)."""

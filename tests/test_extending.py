@@ -25,7 +25,7 @@ from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
 from train.loop.experience import Experience
 from train.rollout.multiturn import MultiTurn
-from train.rollout.worker import RolloutWorker
+from train.rollout.whole import RolloutWorker
 from train.updates.policy import policy_loss
 
 

@@ -20,7 +20,7 @@ from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
 from sampler.stream import StreamGeometry
 from train.rollout.partial import PartialRolloutWorker
-from train.rollout.worker import RolloutWorker
+from train.rollout.whole import RolloutWorker
 
 TOK = ByteTokenizer()
 N_BATCHES, PROMPTS, BUDGET = 7, 3, 20

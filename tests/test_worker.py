@@ -14,7 +14,8 @@ from jaxrl.schedules import SCHEDULES, WorkerView
 from jaxrl.models.transformer import LanguageModel
 from sampler.engine import generate
 from sampler.methods import SamplingConfig
-from train.rollout.worker import RolloutWorker, RolloutWorkerError
+from train.rollout.whole import RolloutWorker
+from train.rollout.worker import RolloutWorkerError
 
 TOK = ByteTokenizer()
 
@@ -135,3 +136,71 @@ def test_schedules_decide_from_the_workers_view_alone():
   assert not fixed.push_ready(view(0, installed=3), 5)
   assert fixed.push_ready(view(0, installed=4), 5)
   assert fixed.push_ready(view(0, installed=3, exhausted=True), 5)
+
+
+class _Box:
+  """crossing.Mailbox's protocol in memory (one process's threads stand for the processes)."""
+  _store, _cond = {}, threading.Condition()
+
+  def __init__(self, name):
+    self.name = name
+
+  def post(self, key, message):
+    with self._cond:
+      self._store[(self.name, key)] = message
+      self._cond.notify_all()
+
+  def has(self, key):
+    with self._cond:
+      return (self.name, key) in self._store
+
+  def take(self, key, *, poll_s=5.0, timeout_s=None):
+    with self._cond:
+      if not self._cond.wait_for(lambda: (self.name, key) in self._store, timeout_s):
+        raise TimeoutError(key)
+      return self._store[(self.name, key)]
+
+
+@pytest.mark.parametrize("schedule,lag_s", [("free", 0.0), ("free", 0.1), ("fixed", 0.1)])
+def test_a_group_of_processes_closes_where_its_first_process_did(schedule, lag_s):
+  """Two workers with `Decisions` stand for a sampler group of two processes, each batch a
+  collective (a barrier both must reach). Whatever each side's timing, the follower takes the
+  leader's choices (which batch starts with which weights, and where it stops): both generate
+  the same batches, and both close without a collective left half-way."""
+  from train.rollout.remote import Decisions
+  collective, made = threading.Barrier(2, timeout=5), {"leader": [], "follower": []}
+
+  def generate_as(who):
+    def generate(params, prompts, key):
+      collective.wait()
+      made[who].append((int(prompts), params))
+      return np.zeros(2)
+    return generate
+
+  name = f"{schedule}/{lag_s}"
+  decisions = {who: Decisions(name, who == "leader", made=_Box, poll_s=0.05)
+               for who in made}
+  workers = {who: RolloutWorker(generate_as(who), list(range(8)), 0, max_staleness=1,
+                                schedule=schedule, decide=decisions[who]) for who in made}
+  errors = []
+
+  def requests(who):  # the requests both sides handle in the same order
+    try:
+      worker = workers[who]
+      for version in (1, 2, 3):
+        worker.get()
+        if who == "follower":  # (its thread waits for the push: the leader's is past it)
+          time.sleep(lag_s)
+        worker.update_weights(version, version)
+      decisions[who].close(worker)  # right after a push: the leader may have started a batch
+    except BaseException:  # noqa: BLE001 - reported below
+      errors.append(f"{who}: {traceback.format_exc()}")
+
+  threads = [threading.Thread(target=requests, args=(who,)) for who in made]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  assert not errors, errors
+  assert not any(w.failed for w in workers.values())
+  assert made["leader"] == made["follower"] and len(made["leader"]) >= 4

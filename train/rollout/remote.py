@@ -33,7 +33,7 @@ from jaxrl.config import ConfigError
 from sampler.engine import Rollout
 from sharding import crossing
 from sharding.distributed import explained_by_a_lost_peer, from_the_runtime, job, kv_client
-from train.rollout.worker import RolloutBatch, RolloutWorkerError, WorkerState
+from train.rollout.worker import GroupClosed, RolloutBatch, RolloutWorkerError, WorkerState
 
 log = logging.getLogger("jaxrl")
 EXIT_KEY = "jaxrl/sampler/exit"  # set by the trainer's first process when it is done
@@ -155,6 +155,55 @@ def release_samplers() -> None:
     kv_client().key_value_set(EXIT_KEY, "1", allow_overwrite=True)
 
 
+class Decisions:
+  """A worker's `decide` where several processes run it on one mesh: the group's first process
+  posts its choices in order (`__call__` returns its own), the others take them. Closing is the
+  first process's choice too: it stops its worker, then posts how many choices it made; the
+  others run on to that count (through the same device programs) and stop there."""
+
+  def __init__(self, name: str, leader: bool, *, made=crossing.Mailbox, poll_s: float = 0.5):
+    """`made(name)`: the mailbox kind (a test's in-memory one)."""
+    self.leader, self.count, self.limit, self._poll_s = leader, 0, None, poll_s
+    self._choices, self._closed = made(f"{name}/decide"), made(f"{name}/closed")
+
+  def __call__(self, key: str, version: int) -> int:
+    n = self.count
+    if self.leader:
+      self._choices.post(n, {"key": key, "version": version})
+    else:
+      while True:
+        if self.limit is not None and n >= self.limit:
+          raise GroupClosed(f"the group's first process closed before choice {n} ({key})")
+        try:
+          choice = self._choices.take(n, poll_s=self._poll_s, timeout_s=self._poll_s)
+          break
+        except TimeoutError:
+          continue
+      assert choice["key"] == key, (choice, key)  # the same choices, in the same order
+      version = choice["version"]
+    self.count = n + 1
+    return version
+
+  def told(self) -> bool:
+    """The first process has made this process's next choice."""
+    return self.leader or self._choices.has(self.count)
+
+  def caught_up(self) -> bool:
+    """This process has taken every choice the first one made (after `close`)."""
+    return self.leader or (self.limit is not None and self.count >= self.limit)
+
+  def close(self, worker) -> None:
+    """Closes `worker` where the first process's closed."""
+    if self.leader:
+      try:
+        worker.close()
+      finally:
+        self._closed.post(0, {"count": self.count})
+    else:
+      self.limit = self._closed.take(0)["count"]
+      worker.close()
+
+
 class SamplerHost:
   """The sampler's side: `serve()` runs the workers the trainer starts until it is done."""
 
@@ -164,7 +213,7 @@ class SamplerHost:
     `make_worker`: train/rollout/source.py's."""
     self.ctx, self.split, self._make_worker = ctx, ctx.cluster.split, make_worker
     self.leader = jax.process_index() == min(self.split.sampler_processes)
-    self.worker, self.link = None, None
+    self.worker, self.link, self.decisions = None, None, None
     self._spans_sent = 0  # the timeline's events the trainer has (its generator's busy time)
     self._held = contextlib.ExitStack()  # a pause the trainer asked for, until it resumes
 
@@ -221,24 +270,11 @@ class SamplerHost:
     if request["state"] is not None:
       state = WorkerState(_with_params(arrays["state"], weights), request["state"])
     several = len(self.split.sampler_processes) > 1
+    self.decisions = Decisions(self.link.name, self.leader) if several else None
     self.worker = self._make_worker(
         self.ctx.cfg, self.ctx.generator, self.ctx.task.prompts, self.ctx.timeline, params,
         prompt_len=self.ctx.task.prompt_len, version=request["version"], state=state,
-        decide=self._decider(self.link) if several else None, **request["worker"])
-
-  def _decider(self, link: Link):
-    """The worker's `decide`: the first process's choice, posted; the others take it."""
-    decisions, count = crossing.Mailbox(f"{link.name}/decide"), [0]
-
-    def decide(key: str, version: int) -> int:
-      n, count[0] = count[0], count[0] + 1
-      if self.leader:
-        decisions.post(n, {"key": key, "version": version})
-        return version
-      agreed = decisions.take(n)
-      assert agreed["key"] == key, (agreed, key)  # the same decisions, in the same order
-      return agreed["version"]
-    return decide
+        decide=self.decisions, **request["worker"])
 
   def _batch(self, request: dict) -> dict:
     try:
@@ -269,6 +305,8 @@ class SamplerHost:
 
   def _close(self, request: dict) -> None:
     self._held.close()
-    if self.worker is not None:
+    if self.decisions is not None:
+      self.decisions.close(self.worker)
+    elif self.worker is not None:
       self.worker.close()
-    self.worker = None
+    self.worker = self.decisions = None

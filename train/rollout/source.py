@@ -25,7 +25,8 @@ from train.io.timeline import Timeline
 from train.roles.sampler_weights import SamplerWeights
 from train.rollout.generator import Generator, rollout_key
 from train.rollout.partial import PartialRolloutWorker
-from train.rollout.worker import RolloutBatch, RolloutWorker, WorkerState
+from train.rollout.whole import RolloutWorker
+from train.rollout.worker import RolloutBatch, WorkerState
 
 
 def stream_geometry(rl: RLConfig, prompt_width: int) -> StreamGeometry | None:

@@ -1,15 +1,16 @@
 """The asynchronous rollout workers: a background thread that owns generation.
 
-`RolloutWorker` generates whole prompt batches, one generate call each, with the weights it
-installed as the batch started. `train.rollout.partial.PartialRolloutWorker` decodes a continuous
-stream of rows in in-flight slots (`Sampler.stream`) and installs new weights between decode
-segments: the rows in flight continue with them (partial rollouts), every token recording its
-policy version and log-prob. Both tag each finished batch with its prompt index and the version
-of its oldest tokens; the trainer pushes weights with `update_weights(params, version)` and takes
-batches, in index order, with `get()`. When a batch may start and which weights it starts with
-is the schedule's (jaxrl/schedules.py), which reads a `WorkerView` taken under the lock. A
-subclass reaches the queue, the weights and the lock through `Worker`'s methods for subclasses
-(`start_batch`, `install_newest`, `put`, `finish`, `pause_point`, ...), not its fields.
+`train.rollout.whole.RolloutWorker` generates whole prompt batches, one generate call each, with
+the weights it installed as the batch started. `train.rollout.partial.PartialRolloutWorker`
+decodes a continuous stream of rows in in-flight slots (`Sampler.stream`) and installs new
+weights between decode segments: the rows in flight continue with them (partial rollouts), every
+token recording its policy version and log-prob. Both tag each finished batch with its prompt
+index and the version of its oldest tokens; the trainer pushes weights with
+`update_weights(params, version)` and takes batches, in index order, with `get()`. When a batch
+may start and which weights it starts with is the schedule's (jaxrl/schedules.py), which reads a
+`WorkerView` taken under the lock. A subclass reaches the queue, the weights and the lock
+through `Worker`'s methods for subclasses (`start_batch`, `install_newest`, `put`, `finish`,
+`pause_point`, ...), not its fields.
 
 Run state (`paused()` yields a `WorkerState`; `state=` puts one back): the batches not yet taken,
 the in-flight decode state, the installed version and, where older than the newest push, its
@@ -36,6 +37,11 @@ from jaxrl.schedules import SCHEDULES, WorkerView
 
 class RolloutWorkerError(RuntimeError):
   """Raised in the consumer when the worker thread failed; the cause carries its traceback."""
+
+
+class GroupClosed(Exception):
+  """Raised by `decide` on a process whose group's first process closed before deciding: the
+  worker's thread ends there, as the first process's did."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +85,11 @@ class Worker:
                seed: int, start_index: int, schedule: str, transfer: Callable | None,
                state: WorkerState | None, decide: Callable[[str, int], int] | None = None):
     """`decide(key, version)`: the group's first process's choice where several processes run
-    this worker on one mesh (train/rollout/remote.py), whatever each process's timing."""
+    this worker on one mesh (train/rollout/remote.py `Decisions`), whatever each process's
+    timing (`decide.leader`: this is the first process; `decide.told()`: the first process has
+    made the next choice; `decide.caught_up()`: this process has taken every choice the first
+    one made before it closed: closing, too, is the first process's choice, and the others run
+    on to the same point, through the same device programs)."""
     if schedule not in SCHEDULES:
       raise ValueError(f"schedule: expected one of {list(SCHEDULES)}, got {schedule!r}")
     self._prompts, self._seed = prompts, seed
@@ -236,7 +246,11 @@ class Worker:
   def start_batch(self, index: int) -> Weights | None:
     """Waits (holding the lock) until the schedule lets batch `index` start, and installs the
     weights it starts with; them (None: the worker was closed)."""
-    if not self._wait(lambda: self.schedule.ready(self.view(), index)):
+    if self._decide is not None and not self._decide.leader:  # (it serves pauses meanwhile)
+      ready = self._decide.told  # the first process's choice for this batch, whatever the view
+    else:
+      ready = lambda: self.schedule.ready(self.view(), index)  # noqa: E731
+    if not self._wait(ready):
       return None
     chosen = self._pending if self.schedule.takes_pending(self.view(), index) else self._installed
     if self._decide is not None and (chosen := self._agreed(f"batch {index}", chosen)) is None:
@@ -250,7 +264,7 @@ class Worker:
       return value
     self._cond.release()  # the group's first process may be waiting on this one's pushes
     try:
-      return self._decide(key, value)
+      return self._decide(key, value)  # (GroupClosed: the first process stopped before it)
     finally:
       self._cond.acquire()
 
@@ -277,7 +291,7 @@ class Worker:
     """(Holding the lock) serves a pause asked for meanwhile; False when the worker was
     closed."""
     self._serve_pause()
-    return not self._closed
+    return not self._closing()
 
   def wait_for_change(self, seen: int) -> bool:
     """Waits (holding the lock), serving pauses, until `changes` has moved past `seen`; False
@@ -301,6 +315,10 @@ class Worker:
     self._changes += 1
     self._cond.notify_all()
 
+  def _closing(self) -> bool:
+    """Closed, and (a group of processes) at the point where the first process stopped."""
+    return self._closed and (self._decide is None or self._decide.caught_up())
+
   def _raise_if_failed(self) -> None:
     if self._error is not None:
       raise RolloutWorkerError(f"rollout worker failed: {self._error!r}") from self._error
@@ -311,25 +329,27 @@ class Worker:
     """Waits (holding the lock) until `ready()`; False when the worker was closed. On the
     worker's thread a pause asked meanwhile is served here."""
     while not ready():
-      if self._closed or self._error is not None:
+      if self._closing() or self._error is not None:
         return False
       self._serve_pause()
       if ready():
         break
-      self._cond.wait()
-    return not self._closed
+      self._cond.wait(None if self._decide is None else 0.2)  # (a follower polls `told`)
+    return not self._closing()
 
   def _serve_pause(self) -> None:
     if threading.current_thread() is not self._thread or self._pause is None:
       return
     self._pause["state"] = self._state()
     self._changed()
-    while self._pause is not None and not self._closed:
+    while self._pause is not None and not self._closing():
       self._cond.wait()
 
   def _main(self) -> None:
     try:
       self._run()
+    except GroupClosed:
+      pass
     except BaseException as e:  # surfaced in the consumer by get()
       with self._cond:
         self._error = e
@@ -365,36 +385,3 @@ def _restore_queue(state: WorkerState, prompts: Sequence):
     versions = None if m["versions"] is None else np.asarray(m["versions"], np.int32)
     yield RolloutBatch(rollout, prompts[m["index"]], m["version"], m["index"], m["seconds"],
                        versions)
-
-
-class RolloutWorker(Worker):
-  """Whole batches: `generate_fn(params, prompts, key) -> rollout` per prompt batch, batch i
-  with `rollout_key(seed, i)`; `prompts[i]` is batch i (IndexError: the stream ended);
-  `transfer` moves trainer weights into the sampler's layout (identity when None)."""
-
-  def __init__(self, generate_fn: Callable[[Any, Any, jax.Array], Any], prompts: Sequence,
-               params: Any, *, version: int = 0, max_staleness: int = 1, seed: int = 0,
-               start_index: int = 0, schedule: str = "free", transfer: Callable | None = None,
-               state: WorkerState | None = None, decide: Callable | None = None):
-    super().__init__(prompts, params, version=version, max_staleness=max_staleness, seed=seed,
-                     start_index=start_index, schedule=schedule, transfer=transfer, state=state,
-                     decide=decide)
-    self._generate = generate_fn
-    self.launch()
-
-  def _run(self) -> None:
-    index = self.next_to_generate
-    while True:
-      try:
-        prompts = self.prompt_batch(index)
-      except IndexError:
-        return self.finish()
-      with self.locked():
-        weights = self.start_batch(index)
-      if weights is None:  # closed
-        return
-      t0 = time.perf_counter()
-      key = self.batch_key(index)
-      rollout = jax.block_until_ready(self._generate(weights.params, prompts, key))
-      self.put(RolloutBatch(rollout, prompts, weights.version, index, time.perf_counter() - t0))
-      index += 1
