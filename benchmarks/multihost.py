@@ -11,7 +11,8 @@ on 2 (`separate` on whole hosts: train/rollout/remote.py).
           max_staleness 0) and async (fixed, max_staleness 1), alternately `--repeats` times;
           RL steps per second after the first step (which compiles), and the trainer's mean
           seconds per step waiting for its batch, scoring and updating. `--pin` gives the
-          trainer's processes core 0 and the sampler's core 1.
+          trainer's processes core 0 and the sampler's core 1 (JAXRL_CPU_CORES: pinned once
+          JAX has started, sharding/host.py `pin_to_cores`).
   push    a float32 model of `--push-mb` MB crossing from the trainer's 2 processes to the
           sampler's 2 (sharding/crossing.py: the same shard shapes on both sides), timed on the
           receivers until the arrays are ready, against memcpy of the bytes each receiver gets,
@@ -29,6 +30,7 @@ import sys
 import tempfile
 
 from sharding.distributed import loopback_port
+from train.io.timeline import overlap_seconds, read_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLACED = ["--config=configs/tiny.py", "--config.sft.steps=0", "--config.eval.every=100",
@@ -39,18 +41,13 @@ WORKLOADS = {
     # generation-bound: multi-turn conversations, long completions
     "longtail": ["--config.rl.environment.name=synthetic_longtail",
                  "--config.rl.rollout.max_new_tokens=48"],
-    # generation and the update about as long (1.2 and 1.4 s a step on a 2-core Xeon, pinned)
-    "balanced": ["--config.rl.rollout.max_new_tokens=24", "--config.model.d_model=256",
+    # generation and the update about as long (1.3 and 1.4 s a step on a 2-core Xeon, pinned)
+    "balanced": ["--config.rl.rollout.max_new_tokens=32", "--config.model.d_model=256",
                  "--config.model.n_heads=4", "--config.model.head_dim=64",
                  "--config.model.d_ff=1024", "--config.model.n_layers=2",
                  "--config.rl.batching.num_minibatches=8"],
 }
 PINNED = [0, 0, 1, 1]  # --pin: the trainer's processes on core 0, the sampler's on core 1
-
-
-def _pinned(core: int | None):
-  """A child's start: on `core` alone (None: wherever the OS puts it)."""
-  return None if core is None else (lambda: os.sched_setaffinity(0, {core}))
 
 
 def _launch(argv: list[str], n: int = 4, cores: list[int | None] | None = None) -> list[str]:
@@ -59,11 +56,12 @@ def _launch(argv: list[str], n: int = 4, cores: list[int | None] | None = None) 
   port = loopback_port(n)
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   cores = cores or [None] * n
+  pins = [{} if core is None else {"JAXRL_CPU_CORES": str(core)} for core in cores]
   procs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=_pinned(cores[i]),
-                            env={**env, "JAXRL_COORDINATOR": f"127.0.0.1:{port}",
-                                 "JAXRL_NUM_PROCESSES": str(n),
-                                 "JAXRL_PROCESS_ID": str(i)}) for i in range(n)]
+                            text=True, env={**env, **pins[i],
+                                            "JAXRL_COORDINATOR": f"127.0.0.1:{port}",
+                                            "JAXRL_NUM_PROCESSES": str(n),
+                                            "JAXRL_PROCESS_ID": str(i)}) for i in range(n)]
   outs = [p.communicate(timeout=1200) for p in procs]
   for p, (_, err) in zip(procs, outs):
     if p.returncode:
@@ -73,8 +71,9 @@ def _launch(argv: list[str], n: int = 4, cores: list[int | None] | None = None) 
 
 def steps_per_s(mode: str, steps: int, run_dir: str, workload: str,
                 cores: list[int] | None = None) -> tuple[float, dict]:
-  """RL steps per second after the first (which compiles), and the trainer's mean seconds per
-  step waiting for its batch (`time_generate`), scoring and updating."""
+  """RL steps per second after the first (which compiles), the trainer's mean seconds per step
+  waiting for its batch (`time_generate`), scoring and updating, and the generator's per step:
+  generating, idle, and generating while the trainer runs (the run's trace.json)."""
   name = f"{mode}-{os.urandom(4).hex()}"
   extra = [f"--config.rl.steps={steps}", f"--config.rl.schedule.mode={mode}",
            "--config.rl.schedule.name=fixed", f"--config.run_dir={run_dir}",
@@ -83,18 +82,26 @@ def steps_per_s(mode: str, steps: int, run_dir: str, workload: str,
           cores=cores)
   with open(os.path.join(run_dir, name, "metrics.jsonl")) as f:
     rows = [r for line in f if (r := json.loads(line))["phase"] == "rl" and "loss" in r][1:]
-  seconds = {k: round(sum(r[k] for r in rows) / len(rows), 3)
+  seconds = {k: sum(r[k] for r in rows) / len(rows)
              for k in ("time_generate", "time_score", "time_update")}
-  return len(rows) / sum(r["step_time"] for r in rows), seconds
+  spans = read_trace(os.path.join(run_dir, name, "trace.json"))
+  since = next(e for label, _, e in spans["trainer"] if label == "update")  # (step 1's end)
+  until = spans["trainer"][-1][2]
+  busy = sum(max(0.0, min(e, until) - max(s, since)) for _, s, e in spans["sampler"])
+  seconds.update(generating=busy / len(rows), generator_idle=(until - since - busy) / len(rows),
+                 overlapped=overlap_seconds(spans["sampler"], spans["trainer"], since) / len(rows))
+  return len(rows) / sum(r["step_time"] for r in rows), {k: round(v, 3) for k, v in seconds.items()}
 
 
 def push_worker(mb: int, repeats: int) -> None:
   """One process of the push part (run by `_launch`): prints its JSON timings."""
   from sharding.distributed import initialize, leave
-  from sharding.host import force_cpu_devices
+  from sharding.host import force_cpu_devices, pin_to_cores
   force_cpu_devices(1)
   initialize()
   import jax
+  jax.devices()  # (the backend started: then the pin, sharding/host.py)
+  pin_to_cores()
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec

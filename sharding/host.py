@@ -61,6 +61,25 @@ def force_cpu_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def pin_to_cores() -> tuple[int, ...] | None:
+  """JAXRL_CPU_CORES (e.g. "1" or "0,1"): this process's threads run on these cores from now
+  on (Linux); None where unset. Call it once JAX's CPU backend has started: the backend sizes its thread pool
+  by the cores the process may use as it starts, and a process started on one core (`taskset`)
+  gets one thread, on which a crossing out of its devices waits for the program they run (a
+  generator's batch for the whole of the next generation, measured: sharding/crossing.py)."""
+  cores = os.environ.get("JAXRL_CPU_CORES", "").strip()
+  if not cores:
+    return None
+  try:
+    picked = tuple(sorted({int(c) for c in cores.split(",")}))
+    for thread in os.listdir("/proc/self/task"):  # (each thread has its own; new ones inherit)
+      os.sched_setaffinity(int(thread), picked)
+  except (ValueError, OSError) as e:
+    raise ValueError(f"JAXRL_CPU_CORES: expected cores of this machine such as 0 or 0,1 "
+                     f"(it has {os.cpu_count()}), got {cores!r} ({e})") from None
+  return picked
+
+
 def reserve_device_memory(fraction: float) -> None:
   """The share of each accelerator's memory JAX may use (placement.device_memory_fraction),
   taken at start; 0: allocated on demand, up to all of it. Variables the user set win."""

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from sharding.distributed import loopback_port
+from train.io.timeline import overlap_seconds, read_trace
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 ARGS = ["--config=configs/tiny.py", "--config.placement.strategy=separate",
@@ -33,10 +34,10 @@ def _env(**extra) -> dict:
   return {**env, **extra}
 
 
-def _launch(run_dir, name, *extra, resume=False, args=ARGS,
-            devices=1) -> list[subprocess.Popen]:
+def _launch(run_dir, name, *extra, resume=False, args=ARGS, devices=1,
+            cores=(None,) * 4) -> list[subprocess.Popen]:
   """The run on 4 processes of `devices` CPU devices each (ports apart by more than the 4
-  transfer sockets)."""
+  transfer sockets), process i on `cores[i]` (JAXRL_CPU_CORES; None: any)."""
   port = _port()
   return [subprocess.Popen(
       [sys.executable, "-m", "train.cli.train", *args, *extra,
@@ -44,7 +45,8 @@ def _launch(run_dir, name, *extra, resume=False, args=ARGS,
        f"--config.run_dir={run_dir}", f"--config.run_name={name}",
        *(["--resume"] if resume else [])], cwd=ROOT,
       env=_env(JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES="4",
-               JAXRL_PROCESS_ID=str(i), JAXRL_HEARTBEAT_S="10"),
+               JAXRL_PROCESS_ID=str(i), JAXRL_HEARTBEAT_S="10",
+               **({} if cores[i] is None else {"JAXRL_CPU_CORES": str(cores[i])})),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
 
 
@@ -124,6 +126,25 @@ def test_free_schedule_on_four_processes_keeps_its_staleness_bound(tmp_path, par
   steps = [r for r in rows if r["phase"] == "rl" and "loss" in r]
   assert [r["step"] for r in steps] == [1, 2, 3, 4]
   assert all(r["token_lag_max"] <= 2 for r in steps)
+
+
+@pytest.mark.slow
+def test_the_generator_generates_while_the_trainer_trains_on_cores_of_their_own(tmp_path):
+  """Async under the fixed schedule, the trainer's processes on one core and the sampler's on
+  the other: after the first step, generation and training run at the same time (batch s + 1
+  is generated during step s; sharding/host.py `pin_to_cores` says why the pin
+  comes after JAX starts)."""
+  cores = [0, 0, 1, 1] if os.cpu_count() > 1 else [0] * 4
+  _finish(_launch(tmp_path, "pinned", "--config.rl.schedule.name=fixed",
+                  "--config.rl.rollout.max_new_tokens=24", "--config.model.d_model=128",
+                  "--config.model.d_ff=512", "--config.rl.rollout.ignore_eos=True",
+                  cores=cores))
+  spans = read_trace(os.path.join(tmp_path, "pinned", "trace.json"))
+  since = next(end for label, _, end in spans["trainer"] if label == "update")
+  busy = {k: sum(max(0.0, end - max(start, since)) for _, start, end in spans[k])
+          for k in ("sampler", "trainer")}
+  assert min(busy.values()) > 0  # (the shorter of the two lies mostly within the other)
+  assert overlap_seconds(spans["sampler"], spans["trainer"], since) > 0.5 * min(busy.values())
 
 
 def _at_rl_step(procs, run_dir, step: int) -> None:

@@ -15,8 +15,8 @@ from ml_collections import config_flags
 
 from jaxrl.config_checks import unknown_field
 from jaxrl.config_files import moved
-from sharding.host import (cpu_only_here, force_cpu_devices, reserve_device_memory,
-                           retain_freed_memory)
+from sharding.host import (cpu_only_here, force_cpu_devices, pin_to_cores,
+                           reserve_device_memory, retain_freed_memory)
 
 def default_config() -> str:
   """configs/default.py of jaxrl's checkout (jaxrl/config_files.py `CONFIGS`)."""
@@ -177,7 +177,17 @@ def start_jax(raw, resume: str = "") -> None:
   except ValueError as e:
     raise UsageError(str(e)) from None
   import jax
-  _setup_logging(jax.process_index() == 0)
+  _setup_logging(jax.process_index() == 0)  # (the backend has started)
+  try:
+    pinned = pin_to_cores()
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+  if (not pinned and jax.process_count() > 1 and jax.default_backend() == "cpu"
+      and len(os.sched_getaffinity(0)) == 1):
+    logging.getLogger("jaxrl").warning(
+        "this process started on one core (taskset?): JAX's CPU backend then runs one thread, "
+        "and arrays crossing to the other processes wait for its programs; pin with "
+        "JAXRL_CPU_CORES=N instead (docs/hosts.md)")
 
 
 def start_jax_on_one_device() -> None:

@@ -114,3 +114,21 @@ class Timeline:
                  for executor, label, start, end, args in self._events]
     with open(path, "w", encoding="utf-8") as f:
       json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def read_trace(path: str) -> dict[str, list[tuple[str, float, float]]]:
+  """A written trace's spans: {executor: [(label, start_s, end_s)]} in time order."""
+  with open(path, encoding="utf-8") as f:
+    events = json.load(f)["traceEvents"]
+  spans: dict[str, list[tuple[str, float, float]]] = {}
+  for e in sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"]):
+    spans.setdefault(e["cat"], []).append((e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6))
+  return spans
+
+
+def overlap_seconds(a: list[tuple[str, float, float]], b: list[tuple[str, float, float]],
+                    since: float = 0.0) -> float:
+  """Seconds after `since` in which a span of `a` and one of `b` both run (each list's spans
+  disjoint, as one executor's are)."""
+  return sum(max(0.0, min(ea, eb) - max(sa, sb, since))
+             for _, sa, ea in a for _, sb, eb in b)
