@@ -18,8 +18,9 @@ step (DAPO's dynamic sampling) is never starved. `max_staleness=0` is synchronou
   fixed  batch i starts with exactly version max(0, i - max_staleness), which the worker waits
          for (partial rollouts: it opens batch i only once batch i - max_staleness - 1 has left
          the stream, and swaps weights only as a batch opens), and a push waits until the worker
-         has installed the version before it. Rollouts are then a function of the seed, not of
-         timing: a killed and resumed run reproduces an uninterrupted one bit for bit.
+         has installed the version before it (where one of its batches needs it: one of
+         several generators makes every N-th batch). Rollouts are then a function of the seed,
+         not of timing: a killed and resumed run reproduces an uninterrupted one bit for bit.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ class WorkerView:
   installed: int  # the policy version the worker decodes with
   newest: int  # the newest pushed policy version
   exhausted: bool  # the prompts ran out
+  next_own: int = 0  # the first of the worker's batches not yet started (or in flight)
+  stride: int = 1  # the worker generates every stride-th batch (one of several generators)
 
   def ahead(self, index: int) -> int:
     """How many policy updates can come before the trainer takes batch `index`: the batches
@@ -102,7 +105,15 @@ class Fixed(Schedule):
     return view.installed < self.version_for(index)
 
   def push_ready(self, view: WorkerView, version: int) -> bool:
-    return view.installed >= version - 1 or view.exhausted
+    # (the pending version - 1 stays until the batch that needs it has started, if one does)
+    return view.installed >= version - 1 or view.exhausted or not self._needs(view, version - 1)
+
+  def _needs(self, view: WorkerView, version: int) -> bool:
+    """Whether one of the worker's batches still to start decodes with `version`."""
+    if version == 0:  # batches 0 .. max_staleness
+      return view.next_own <= self.max_staleness
+    index = version + self.max_staleness
+    return index >= view.next_own and (index - view.next_own) % view.stride == 0
 
 
 SCHEDULES = {"free": Free, "fixed": Fixed}

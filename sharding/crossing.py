@@ -156,12 +156,15 @@ class Mailbox:
 
 @dataclasses.dataclass(frozen=True)
 class ProcessSplit:
-  """The trainer's processes and the sampler's, apart: the sampler's real mesh, and its
-  `mirror` over the trainer's devices (where the trainer keeps its copy of the sampler's
-  weights and evaluates)."""
-  sampler: Mesh
+  """The trainer's processes and the sampler's, apart: each generator replica's real mesh (one
+  unless `placement.sampler_replicas`; the same shape each), and their `mirror` over the
+  trainer's devices (where the trainer keeps its copy of the sampler's weights and evaluates)."""
+  replicas: tuple[Mesh, ...]
   mirror: Mesh
-  sampler_processes: frozenset[int]
+
+  @property
+  def sampler_processes(self) -> frozenset[int]:
+    return frozenset(d.process_index for mesh in self.replicas for d in mesh.devices.flat)
 
   @property
   def trainer_processes(self) -> frozenset[int]:
@@ -173,6 +176,14 @@ class ProcessSplit:
     """This process's group: "sampler" or "trainer"."""
     return "sampler" if jax.process_index() in self.sampler_processes else "trainer"
 
+  def replica_of(self, process: int) -> int | None:
+    """The generator replica `process` serves (None: the trainer's)."""
+    return next((r for r, mesh in enumerate(self.replicas)
+                 if process in {d.process_index for d in mesh.devices.flat}), None)
+
+  def processes(self, replica: int) -> frozenset[int]:
+    return frozenset(d.process_index for d in self.replicas[replica].devices.flat)
+
 
 def sampler_apart(meshes: dict[str, Mesh]) -> bool:
   """Whether the sampler's mesh lies on processes (hosts: a target topology's too) that none of
@@ -182,13 +193,14 @@ def sampler_apart(meshes: dict[str, Mesh]) -> bool:
   return hosts(meshes["sampler"]).isdisjoint(others)
 
 
-def process_split(meshes: dict[str, Mesh]) -> ProcessSplit | None:
-  """Where the sampler's mesh lies on processes of its own (on several processes), the split;
-  else None (every process runs every program)."""
+def process_split(meshes: dict[str, Mesh], replicas: list[Mesh] | None = None) -> \
+    ProcessSplit | None:
+  """Where the sampler's mesh lies on processes of its own (on several processes), the split
+  (`replicas`: each generator's mesh, `meshes["sampler"]` the first's); else None (every
+  process runs every program)."""
   if jax.process_count() == 1 or not sampler_apart(meshes):
     return None
-  sampler = meshes["sampler"]
   trainer = host_major_devices({d for role, m in meshes.items() if role != "sampler"
                                 for d in m.devices.flat})
-  return ProcessSplit(sampler, mirror(sampler, trainer),
-                      frozenset(d.process_index for d in sampler.devices.flat))
+  replicas = tuple(replicas or [meshes["sampler"]])
+  return ProcessSplit(replicas, mirror(replicas[0], trainer))

@@ -46,17 +46,28 @@ class RoleSpec:
 @dataclasses.dataclass(frozen=True)
 class Placement:
   strategy: str
-  roles: dict[str, RoleSpec]
+  roles: dict[str, RoleSpec]  # the sampler's: its first replica's devices (the shape of each)
+  replicas: tuple[tuple[int, ...], ...] = ()  # several generators: each one's devices
+
+  def replica_meshes(self, devices=None) -> list[Mesh]:
+    """Each generator replica's mesh (the sampler's alone where there is one)."""
+    if not self.replicas:
+      return [self.mesh("sampler", devices)]
+    spec = self.roles["sampler"]
+    return [self.mesh("sampler", devices, RoleSpec(r, spec.mesh)) for r in self.replicas]
 
   def describe(self) -> str:
     """One line: each role's devices (positions in the host-major list) and mesh."""
     roles = "; ".join(f"{role} on devices {list(spec.devices)} mesh {spec.shape}"
                       for role, spec in self.roles.items())
+    if self.replicas:
+      roles += f"; {len(self.replicas)} generators on devices " + ", ".join(
+          str(list(r)) for r in self.replicas)
     return f"{self.strategy}: {roles}"
 
-  def mesh(self, role: str, devices=None) -> Mesh:
+  def mesh(self, role: str, devices=None, spec: RoleSpec | None = None) -> Mesh:
     devices = host_major_devices() if devices is None else list(devices)
-    spec = self.roles[role]
+    spec = spec or self.roles[role]
     sizes = tuple(spec.shape.get(a, 1) for a in MESH_AXES)
     picked = np.asarray([devices[i] for i in spec.devices], dtype=object)
     return Mesh(picked.reshape(sizes), MESH_AXES)
@@ -104,6 +115,32 @@ def whole_hosts(strategy: str, n_devices: int, *, train_devices: int, n_hosts: i
           and train_devices % (n_devices // n_hosts) == 0)
 
 
+def _check_replicas(replicas: int, whole: bool, n_sampler: int, local: int) -> None:
+  """Each generator replica on whole hosts of the sampler's `n_sampler` devices."""
+  if replicas > 1 and not whole:
+    raise PlacementError(
+        f"placement.sampler_replicas: {replicas} generators need the sampler on hosts of its "
+        f"own: placement.strategy='separate' with train_devices a multiple of {local}, on "
+        f"several hosts")
+  hosts = n_sampler // local
+  if replicas > 1 and hosts % replicas:
+    raise PlacementError(
+        f"placement.sampler_replicas: {replicas} generators do not split the sampler's {hosts} "
+        f"hosts ({n_sampler} devices) into whole hosts each: expected a divisor of {hosts}")
+
+
+def _check_mirror(train_devices: int, per_generator: int, local: int) -> None:
+  """The trainer mirrors a generator's layout on its first devices (sharding/crossing.py): as
+  many as one generator has, reaching every trainer host (each reads what it evaluates)."""
+  if per_generator > train_devices or (train_devices > local
+                                       and per_generator <= train_devices - local):
+    raise PlacementError(
+        f"placement.train_devices: {train_devices} gives each generator {per_generator} devices "
+        f"on hosts of its own, whose layout the trainer mirrors on its first {per_generator}, "
+        f"which must reach each of its hosts: give the trainer as many devices as one "
+        f"generator, or one host ({local} devices)")
+
+
 def _split_error(strategy: str, train_devices: int, n_devices: int, n_hosts: int) -> str:
   """Why `train_devices` cannot split `n_devices` for `strategy`, what would, and the preset
   that needs no split."""
@@ -119,29 +156,27 @@ def _split_error(strategy: str, train_devices: int, n_devices: int, n_hosts: int
 
 
 def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler_tensor: int = 1,
-                   n_hosts: int = 1, train_fsdp: int = 0, one_network: bool = False) -> Placement:
+                   n_hosts: int = 1, train_fsdp: int = 0, one_network: bool = False,
+                   replicas: int = 1) -> Placement:
   """The preset for `strategy`; `train_devices` counts devices over all hosts. `train_fsdp`: the
   trainer's fsdp degree, the rest of its devices data-parallel; 0: all of them where the hosts
-  share one network of chips (`one_network`: a TPU slice's ICI), else one host's."""
+  share one network of chips (`one_network`: a TPU slice's ICI), else one host's. `replicas`:
+  independent generators, each on whole hosts of the sampler's (`separate` on hosts of its own)."""
   if strategy not in STRATEGIES:
     raise PlacementError(f"placement.strategy: expected one of {list(STRATEGIES)}, got {strategy!r}")
   if n_devices % n_hosts:
     raise PlacementError(f"placement: {n_devices} devices do not split over {n_hosts} hosts")
-  everything = tuple(range(n_devices))
+  everything, local = tuple(range(n_devices)), n_devices // n_hosts
+  whole = whole_hosts(strategy, n_devices, train_devices=train_devices, n_hosts=n_hosts)
+  _check_replicas(replicas, whole, n_devices - train_devices, local)
   if strategy == "colocate":
     train, rest = everything, everything
     sampler_devices = everything
   else:
-    whole = whole_hosts(strategy, n_devices, train_devices=train_devices, n_hosts=n_hosts)
     if not whole and (train_devices % n_hosts or not 0 < train_devices < n_devices):
       raise PlacementError(_split_error(strategy, train_devices, n_devices, n_hosts))
-    local = n_devices // n_hosts
     if whole:
-      if 2 * train_devices < n_devices:
-        raise PlacementError(
-            f"placement.train_devices: {train_devices} gives the sampler hosts of its own with "
-            f"{n_devices - train_devices} devices, whose layout the trainer mirrors on as many of "
-            f"its own (sharding/crossing.py); give the trainer at least half the devices")
+      _check_mirror(train_devices, (n_devices - train_devices) // replicas, local)
       train, rest = everything[:train_devices], everything[train_devices:]
       n_hosts = train_devices // local  # the trainer's
     elif one_network and n_hosts > 1:
@@ -153,14 +188,17 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
     else:
       train, rest = _per_host_split(n_devices, n_hosts, train_devices // n_hosts)
     sampler_devices = train if strategy == "interleave" else rest
-  if len(sampler_devices) % sampler_tensor:
+  if len(sampler_devices) // replicas % sampler_tensor:
     raise PlacementError(
         f"placement.sampler_tensor: the sampler's mesh axis tensor={sampler_tensor} does not "
-        f"divide its {len(sampler_devices)} devices")
+        f"divide its {len(sampler_devices) // replicas} devices" + (" per generator" if
+                                                                    replicas > 1 else ""))
   trainer = RoleSpec(train, _trainer_mesh(len(train), n_hosts, train_fsdp, one_network))
+  per = len(sampler_devices) // replicas
+  groups = tuple(sampler_devices[k * per:(k + 1) * per] for k in range(replicas))
   roles = {"actor": trainer, "critic": trainer, "reference": trainer, "reward": trainer,
-           "sampler": RoleSpec(sampler_devices, _mesh(data=len(sampler_devices) // sampler_tensor,
-                                                       tensor=sampler_tensor))}
+           "sampler": RoleSpec(groups[0], _mesh(data=per // sampler_tensor,
+                                                 tensor=sampler_tensor))}
   if strategy == "interleave":
     half = len(rest) // 2
     if half == 0:
@@ -168,7 +206,7 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
                            f"reference and reward, got {len(rest)}")
     roles["reference"] = RoleSpec(rest[:half], _mesh(fsdp=half))
     roles["reward"] = RoleSpec(rest[half:2 * half], _mesh(fsdp=half))
-  placement = Placement(strategy, roles)
+  placement = Placement(strategy, roles, groups if replicas > 1 else ())
   validate(placement, n_devices)
   return placement
 
@@ -184,7 +222,8 @@ def validate(placement: Placement, n_devices: int) -> None:
     if max(spec.devices) >= n_devices:
       raise PlacementError(f"{role}: asks for device {max(spec.devices)} but only {n_devices} exist")
   if placement.strategy == "separate":
-    train, sampler = set(placement.roles["actor"].devices), set(placement.roles["sampler"].devices)
+    train = set(placement.roles["actor"].devices)
+    sampler = set(sum(placement.replicas, placement.roles["sampler"].devices))
     if train & sampler:
       raise PlacementError(f"sampler: separate placement overlaps the actor on devices "
                            f"{sorted(train & sampler)}")

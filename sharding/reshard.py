@@ -91,7 +91,8 @@ def _first_replica(x: jax.Array, target: NamedSharding) -> jax.Array:
                                            target.spec))
   local = {s.device: s.data for s in spread.addressable_shards}
   return jax.make_array_from_single_device_arrays(
-      x.shape, target, [local[d] for d in target.addressable_devices_indices_map(x.shape)])
+      x.shape, target, [local[d] for d in target.addressable_devices_indices_map(x.shape)],
+      dtype=x.dtype)  # (a process with none of the target's devices holds no shard)
 
 
 def _from_local_copies(x: jax.Array, target) -> jax.Array:

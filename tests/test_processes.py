@@ -35,8 +35,8 @@ def _env(**extra) -> dict:
 
 
 def _launch(run_dir, name, *extra, resume=False, args=ARGS, devices=1,
-            cores=(None,) * 4) -> list[subprocess.Popen]:
-  """The run on 4 processes of `devices` CPU devices each (ports apart by more than the 4
+            cores=(None,) * 4, n=4) -> list[subprocess.Popen]:
+  """The run on `n` processes of `devices` CPU devices each (ports apart by more than the
   transfer sockets), process i on `cores[i]` (JAXRL_CPU_CORES; None: any)."""
   port = _port()
   return [subprocess.Popen(
@@ -44,10 +44,10 @@ def _launch(run_dir, name, *extra, resume=False, args=ARGS, devices=1,
        f"--config.placement.cpu_devices={devices}",
        f"--config.run_dir={run_dir}", f"--config.run_name={name}",
        *(["--resume"] if resume else [])], cwd=ROOT,
-      env=_env(JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES="4",
+      env=_env(JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES=str(n),
                JAXRL_PROCESS_ID=str(i), JAXRL_HEARTBEAT_S="10",
                **({} if cores[i] is None else {"JAXRL_CPU_CORES": str(cores[i])})),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
 
 
 def _finish(procs) -> list[tuple[str, str]]:
@@ -145,6 +145,30 @@ def test_the_generator_generates_while_the_trainer_trains_on_cores_of_their_own(
           for k in ("sampler", "trainer")}
   assert min(busy.values()) > 0  # (the shorter of the two lies mostly within the other)
   assert overlap_seconds(spans["sampler"], spans["trainer"], since) > 0.5 * min(busy.values())
+
+
+REPLICAS = ("--config.rl.schedule.name=fixed", "--config.placement.sampler_replicas=2")
+
+
+@pytest.mark.slow
+def test_two_generator_replicas_match_one_process_and_resume_exactly(tmp_path):
+  """3 processes of 2 devices: the trainer on one, a generator on each of the others (batch i
+  generator i mod 2's, every push to both). The run ends as the same meshes on one process; a
+  SIGTERM to the second generator's process mid-run saves both generators' states, every
+  process exits 0, and the resumed run ends bit for bit the same."""
+  three = dict(devices=2, n=3)
+  _finish(_launch(tmp_path, "replicas", *REPLICAS, **three))
+  _one_process(tmp_path, "one", "--config.rl.schedule.name=fixed", devices=4)
+  replicas, one = _result(tmp_path, "replicas"), _result(tmp_path, "one")
+  assert replicas == one
+  assert any(r.get("grad_norm", 0) > 0 for r in replicas[1])
+  procs = _launch(tmp_path, "stopped", *REPLICAS, **three)
+  _at_rl_step(procs, tmp_path / "stopped", 2)
+  procs[2].send_signal(signal.SIGTERM)
+  for p, (_, err) in zip(procs, [p.communicate(timeout=120) for p in procs]):
+    assert p.returncode == 0, err[-3000:]
+  _finish(_launch(tmp_path, "stopped", *REPLICAS, resume=True, **three))
+  assert _result(tmp_path, "stopped")[0] == replicas[0]
 
 
 def _at_rl_step(procs, run_dir, step: int) -> None:

@@ -167,7 +167,7 @@ def test_a_group_of_processes_closes_where_its_first_process_did(schedule, lag_s
   collective (a barrier both must reach). Whatever each side's timing, the follower takes the
   leader's choices (which batch starts with which weights, and where it stops): both generate
   the same batches, and both close without a collective left half-way."""
-  from train.rollout.remote import Decisions
+  from train.rollout.decisions import Decisions
   collective, made = threading.Barrier(2, timeout=5), {"leader": [], "follower": []}
 
   def generate_as(who):

@@ -29,12 +29,12 @@ class ExecutorError(RuntimeError):
 
 class Executor:
 
-  def __init__(self, name: str, timeline: Timeline, mesh=None, *, inline: bool = False):
-    """`mesh`: where the role's calls run (its devices count towards the timeline's bubble)."""
+  def __init__(self, name: str, timeline: Timeline, devices=(), *, inline: bool = False):
+    """`devices`: where the role's calls run (they count towards the timeline's bubble)."""
     self.name, self._timeline = name, timeline
     self._pool = (None if inline else
                   concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"jaxrl-{name}"))
-    timeline.register(name, () if mesh is None else [d.id for d in mesh.devices.flat])
+    timeline.register(name, [d.id for d in devices])
 
   def submit(self, fn: Callable[..., Any], *args, label: str = "",
              **kwargs) -> concurrent.futures.Future:
@@ -78,10 +78,12 @@ class Executors:
   def __init__(self, cluster, timeline: Timeline, *, reward_model: bool, critic_mesh=None):
     # Several processes holding these meshes must launch the same programs in the same order
     inline = len(cluster.process_group()[1]) > 1
-    ex = lambda name, mesh: Executor(name, timeline, mesh, inline=inline)
+    ex = lambda name, mesh: Executor(name, timeline, () if mesh is None else mesh.devices.flat,
+                                     inline=inline)
     # (the sampler's own processes' devices where it has some: its busy time comes from there)
-    sampler = cluster.meshes["sampler"] if cluster.split is None else cluster.split.sampler
-    self.sampler = ex("sampler", sampler)
+    sampler = ([cluster.meshes["sampler"]] if cluster.split is None else cluster.split.replicas)
+    self.sampler = Executor("sampler", timeline, [d for m in sampler for d in m.devices.flat],
+                            inline=inline)
     self.reward = ex("reward", cluster.meshes["reward"] if reward_model else None)
     self.reference = ex("reference", cluster.meshes["reference"])
     self.critic = None if critic_mesh is None else ex("critic", critic_mesh)

@@ -47,9 +47,11 @@ class RoleCluster:
     try:  # impossible meshes are user errors, found before anything is allocated
       self.placement = _placement(cfg, self.devices)
       self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
-      self.split = process_split(self.meshes)  # (the placement gave the trainer enough)
-      if self.split is not None and self.split.here == "trainer":
-        self.meshes["sampler"] = self.split.mirror  # its copy of the weights; evaluation
+      self.split = process_split(self.meshes, self.placement.replica_meshes(self.devices))
+      if self.split is not None:  # (the placement gave the trainer enough)
+        replica = self.split.replica_of(jax.process_index())
+        self.meshes["sampler"] = (self.split.mirror if replica is None  # the trainer's copy
+                                  else self.split.replicas[replica])  # this generator's
       self.actor = self._actor_role()
       plain = self._shape("actor")[0] if cfg.lora.enabled else None  # without adapters
       self.sampler_weights = SamplerWeights(cfg, self.actor, self.meshes["sampler"], plain,
@@ -178,9 +180,10 @@ class RoleCluster:
     program) and its processes."""
     if self.split is None:
       return "all", frozenset(range(jax.process_count()))
-    here = self.split.here
-    return here, (self.split.sampler_processes if here == "sampler" else
-                  self.split.trainer_processes)
+    replica = self.split.replica_of(jax.process_index())
+    if replica is None:
+      return "trainer", self.split.trainer_processes
+    return ("sampler" if replica == 0 else f"sampler{replica}"), self.split.processes(replica)
 
 
 def config_split(cfg: ExperimentConfig) -> ProcessSplit | None:
@@ -189,7 +192,8 @@ def config_split(cfg: ExperimentConfig) -> ProcessSplit | None:
   devices = host_major_devices()
   try:
     placement = _placement(cfg, devices)
-    return process_split({role: placement.mesh(role, devices) for role in ROLES})
+    return process_split({role: placement.mesh(role, devices) for role in ROLES},
+                         placement.replica_meshes(devices))
   except PlacementError:
     return None
 
@@ -199,7 +203,7 @@ def check_processes(cfg: ExperimentConfig, split: ProcessSplit | None, meshes: d
   """Async generation on several processes needs the sampler on processes of its own, and there
   a sync step takes one batch."""
   mode, hosts = cfg.rl.schedule.mode, host_count(devices)
-  real = meshes if split is None else {**meshes, "sampler": split.sampler}  # (not the mirror)
+  real = meshes if split is None else {**meshes, "sampler": split.replicas[0]}  # (not a mirror)
   if mode == "async" and hosts > 1 and not sampler_apart(real):
     local = len(devices) // hosts
     cpu = (f" (on the CPU, placement.cpu_devices={local} per process)"
@@ -209,6 +213,13 @@ def check_processes(cfg: ExperimentConfig, split: ProcessSplit | None, meshes: d
         f"its own: placement.strategy='separate' with placement.train_devices a multiple of "
         f"each process's {local} devices{cpu}, from {local} to {len(devices) - local}; got "
         f"{cfg.placement.strategy!r} with train_devices={cfg.placement.train_devices}")
+  schedule = cfg.rl.schedule
+  if cfg.placement.sampler_replicas > 1 and (mode == "async" and schedule.name != "fixed"
+                                             or schedule.partial_rollouts):
+    raise ConfigError(
+        f"config.placement.sampler_replicas: {cfg.placement.sampler_replicas} generators run "
+        f"whole batches under the fixed schedule (batch i is generator i mod N's); got "
+        f"rl.schedule.name={schedule.name!r}, partial_rollouts={schedule.partial_rollouts}")
   if mode == "sync" and split is not None and cfg.rl.dapo.dynamic_sampling:
     raise ConfigError(
         "config.rl.dapo.dynamic_sampling: the placement gives the sampler processes of its own, "
@@ -224,7 +235,8 @@ def _placement(cfg: ExperimentConfig, devices):
   one_network = {(d.platform, getattr(d, "slice_index", 0)) for d in devices} == {("tpu", 0)}
   build = lambda t: make_placement(pl.strategy, len(devices), train_devices=pl.train_devices,
                                    sampler_tensor=t, n_hosts=host_count(devices),
-                                   train_fsdp=pl.train_fsdp, one_network=one_network)
+                                   train_fsdp=pl.train_fsdp, one_network=one_network,
+                                   replicas=pl.sampler_replicas)
   if pl.sampler_tensor or tensor == 1:
     if not pl.sampler_tensor:
       m = cfg.model

@@ -19,7 +19,13 @@ from train.rollout.worker import WorkerState
 
 
 def to_checkpoint(state: WorkerState) -> tuple[dict, dict]:
-  """(orbax item, JSON meta) of a generator's run state."""
+  """(orbax item, JSON meta) of a generator's run state (several generators': each's, nested
+  by replica)."""
+  if "replicas" in state.meta:
+    parts = [to_checkpoint(WorkerState(state.arrays[f"replica{r}"], m))
+             for r, m in enumerate(state.meta["replicas"])]
+    return ({f"replica{r}": a for r, (a, _) in enumerate(parts)},
+            {"replicas": [m for _, m in parts]})
   arrays = {k: v for k, v in state.arrays.items() if k != "params"}
   meta = {"worker": state.meta, "arrays": describe(arrays)}
   if "params" in state.arrays:
@@ -30,6 +36,9 @@ def to_checkpoint(state: WorkerState) -> tuple[dict, dict]:
 def abstract_checkpoint(meta: dict, mesh: Mesh, sampler_params: nnx.State) -> dict:
   """What `to_checkpoint` saved, as abstract arrays; `sampler_params`: the sampler copy's
   abstract parameters (for older weights saved with the fixed schedule)."""
+  if "replicas" in meta:
+    return {f"replica{r}": abstract_checkpoint(m, mesh, sampler_params)
+            for r, m in enumerate(meta["replicas"])}
   out = abstract(meta["arrays"], mesh)
   if meta["worker"]["installed_params"]:
     out["params"] = nnx.to_pure_dict(sampler_params)
@@ -37,6 +46,11 @@ def abstract_checkpoint(meta: dict, mesh: Mesh, sampler_params: nnx.State) -> di
 
 
 def from_checkpoint(arrays: dict, meta: dict, sampler_params: nnx.State) -> WorkerState:
+  if "replicas" in meta:
+    parts = [from_checkpoint(arrays[f"replica{r}"], m, sampler_params)
+             for r, m in enumerate(meta["replicas"])]
+    return WorkerState({f"replica{r}": p.arrays for r, p in enumerate(parts)},
+                       {"replicas": [p.meta for p in parts]})
   arrays = dict(arrays)
   if "params" in arrays:
     params = jax.tree.map(lambda x: x, sampler_params)

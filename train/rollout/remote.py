@@ -33,7 +33,8 @@ from jaxrl.config import ConfigError
 from sampler.engine import Rollout
 from sharding import crossing
 from sharding.distributed import explained_by_a_lost_peer, from_the_runtime, job, kv_client
-from train.rollout.worker import GroupClosed, RolloutBatch, RolloutWorkerError, WorkerState
+from train.rollout.decisions import Decisions
+from train.rollout.worker import RolloutBatch, RolloutWorkerError, WorkerState
 
 log = logging.getLogger("jaxrl")
 EXIT_KEY = "jaxrl/sampler/exit"  # set by the trainer's first process when it is done
@@ -64,7 +65,9 @@ def _with_params(arrays: dict, like) -> dict:
 
 
 class Link:
-  """One worker's requests and replies, and the two meshes its crossings join."""
+  """One session's requests and replies (to every generator replica: one numbering, so that
+  every process calls every crossing in the same order, JAX's way of matching their ends), and
+  the meshes its crossings join."""
 
   def __init__(self, split):
     """The job's next session (sharding/distributed.py `Job`: both groups number them alike)."""
@@ -72,18 +75,21 @@ class Link:
     self.requests = crossing.Mailbox(f"{self.name}/request")
     self.replies = crossing.Mailbox(f"{self.name}/reply")
 
+  def mesh(self, replica: int):
+    return self.split.replicas[replica]
+
 
 class RemoteWorker:
   """The trainer's side: what the controller asks of a worker (`get`, `update_weights`,
   `paused`, `close`, `version`), served by the generator's processes."""
 
-  def __init__(self, split, prompts, params, *, version: int, state: WorkerState | None,
-               timeline, **worker):
-    """`split`: the process groups and meshes (sharding/crossing.py `ProcessSplit`);
-    `params`: the first weights, on the mirror; `timeline`: where the generator's busy
-    intervals go; `worker`: the worker's settings (start_index, schedule, max_staleness,
-    seed)."""
-    self._link, self._prompts, self._version = Link(split), prompts, version
+  def __init__(self, link: Link, prompts, params, *, version: int, state: WorkerState | None,
+               timeline, replica: int = 0, **worker):
+    """`link`: the session's; `params`: the first weights, on the mirror; `timeline`: where
+    the generator's busy intervals go; `replica`: which generator; `worker`: the worker's
+    settings (start_index, schedule, max_staleness, seed, stride)."""
+    self._link, self._prompts, self._version = link, prompts, version
+    self._replica = replica
     self._timeline = timeline
     self._like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     arrays = {"params": _leaves(params)}
@@ -100,8 +106,9 @@ class RemoteWorker:
     """Posts request n (the first process), sends `arrays` (every process), and returns the
     generator's reply where the request has one."""
     link = self._link
+    message["replica"] = self._replica
     if arrays is not None:
-      message["arrays"] = crossing.send(arrays, link.split.sampler)
+      message["arrays"] = crossing.send(arrays, link.mesh(self._replica))
     if jax.process_index() == 0:
       link.requests.post(link.n, message)
     link.n += 1
@@ -115,8 +122,8 @@ class RemoteWorker:
     return reply
 
   def _received(self, reply: dict) -> dict:
-    split = self._link.split
-    return crossing.receive(reply["arrays"], split.sampler, split.mirror)
+    link = self._link
+    return crossing.receive(reply["arrays"], link.mesh(self._replica), link.split.mirror)
 
   def get(self) -> RolloutBatch:
     reply = self._request({"op": "batch"})
@@ -148,60 +155,78 @@ class RemoteWorker:
     self._request({"op": "close"})
 
 
+def remote_worker(split, prompts, params, *, version: int, state: WorkerState | None,
+                  timeline, start_index: int, **worker):
+  """The trainer's worker of the generator(s) on processes of their own (the session's
+  `RemoteWorker`, or `Generators` over several)."""
+  link, n = Link(split), len(split.replicas)
+  if n == 1:
+    return RemoteWorker(link, prompts, params, version=version, state=_per_replica(state, 1)[0],
+                        timeline=timeline, start_index=start_index, **worker)
+  return Generators(link, prompts, params, version=version, state=state, timeline=timeline,
+                    start_index=start_index, **worker)
+
+
+class Generators:
+  """Several generator replicas behind one worker's face: batch i is generator i mod N's (each
+  generates every N-th batch, as its schedule allows), taken in index order; every push goes to
+  all. Under the fixed schedule a batch is a function of its index, whichever makes it."""
+
+  def __init__(self, link: Link, prompts, params, *, version: int, state: WorkerState | None,
+               timeline, start_index: int, **worker):
+    n = len(link.split.replicas)
+    states = _per_replica(state, n)
+    first = lambda r: start_index + (r - start_index) % n  # noqa: E731 - replica r's first
+    self.workers = [RemoteWorker(link, prompts, params, version=version, state=states[r],
+                                 timeline=timeline, replica=r, start_index=first(r), stride=n,
+                                 **worker) for r in range(n)]
+    self._next = start_index
+
+  @property
+  def version(self) -> int:
+    return self.workers[0].version
+
+  def get(self) -> RolloutBatch:
+    batch = self.workers[self._next % len(self.workers)].get()
+    self._next = batch.index + 1
+    return batch
+
+  def update_weights(self, params, version: int) -> None:
+    for worker in self.workers:
+      worker.update_weights(params, version)
+
+  @contextlib.contextmanager
+  def paused(self):
+    """Every generator's run state, nested by replica."""
+    with contextlib.ExitStack() as stack:
+      states = [stack.enter_context(w.paused()) for w in self.workers]
+      yield WorkerState({f"replica{r}": s.arrays for r, s in enumerate(states)},
+                        {"replicas": [s.meta for s in states]})
+
+  def close(self) -> None:
+    for worker in self.workers:
+      worker.close()
+
+
+def _per_replica(state: WorkerState | None, n: int) -> list:
+  """A checkpoint's generator state, one per replica (ConfigError: saved by another count)."""
+  if state is None:
+    return [None] * n
+  metas = state.meta.get("replicas")
+  if len(metas or [None]) != n:
+    raise ConfigError(f"config.placement.sampler_replicas: the checkpoint's generator state "
+                      f"comes from {len(metas or [None])} generator(s), this run has {n}; "
+                      f"resume with --config.placement.sampler_replicas={len(metas or [None])}")
+  if metas is None:
+    return [state]
+  return [WorkerState(state.arrays[f"replica{r}"], m) for r, m in enumerate(metas)]
+
+
 def release_samplers() -> None:
   """The trainer is done: the generator's processes leave their loop (the trainer's first
   process says it; a no-op elsewhere)."""
   if jax.process_index() == 0 and kv_client() is not None:
     kv_client().key_value_set(EXIT_KEY, "1", allow_overwrite=True)
-
-
-class Decisions:
-  """A worker's `decide` where several processes run it on one mesh: the group's first process
-  posts its choices in order (`__call__` returns its own), the others take them. Closing is the
-  first process's choice too: it stops its worker, then posts how many choices it made; the
-  others run on to that count (through the same device programs) and stop there."""
-
-  def __init__(self, name: str, leader: bool, *, made=crossing.Mailbox, poll_s: float = 0.5):
-    """`made(name)`: the mailbox kind (a test's in-memory one)."""
-    self.leader, self.count, self.limit, self._poll_s = leader, 0, None, poll_s
-    self._choices, self._closed = made(f"{name}/decide"), made(f"{name}/closed")
-
-  def __call__(self, key: str, version: int) -> int:
-    n = self.count
-    if self.leader:
-      self._choices.post(n, {"key": key, "version": version})
-    else:
-      while True:
-        if self.limit is not None and n >= self.limit:
-          raise GroupClosed(f"the group's first process closed before choice {n} ({key})")
-        try:
-          choice = self._choices.take(n, poll_s=self._poll_s, timeout_s=self._poll_s)
-          break
-        except TimeoutError:
-          continue
-      assert choice["key"] == key, (choice, key)  # the same choices, in the same order
-      version = choice["version"]
-    self.count = n + 1
-    return version
-
-  def told(self) -> bool:
-    """The first process has made this process's next choice."""
-    return self.leader or self._choices.has(self.count)
-
-  def caught_up(self) -> bool:
-    """This process has taken every choice the first one made (after `close`)."""
-    return self.leader or (self.limit is not None and self.count >= self.limit)
-
-  def close(self, worker) -> None:
-    """Closes `worker` where the first process's closed."""
-    if self.leader:
-      try:
-        worker.close()
-      finally:
-        self._closed.post(0, {"count": self.count})
-    else:
-      self.limit = self._closed.take(0)["count"]
-      worker.close()
 
 
 class SamplerHost:
@@ -212,7 +237,9 @@ class SamplerHost:
     abstract: what a worker needs (prompts, generator, the sampler's weights' layout);
     `make_worker`: train/rollout/source.py's."""
     self.ctx, self.split, self._make_worker = ctx, ctx.cluster.split, make_worker
-    self.leader = jax.process_index() == min(self.split.sampler_processes)
+    self.replica = self.split.replica_of(jax.process_index())  # (this process's generator)
+    self.mesh, group = self.split.replicas[self.replica], self.split.processes(self.replica)
+    self.leader, self.several = jax.process_index() == min(group), len(group) > 1
     self.worker, self.link, self.decisions = None, None, None
     self._spans_sent = 0  # the timeline's events the trainer has (its generator's busy time)
     self._held = contextlib.ExitStack()  # a pause the trainer asked for, until it resumes
@@ -244,6 +271,10 @@ class SamplerHost:
     while True:
       request = link.requests.take(link.n)
       op = request["op"]
+      if request["replica"] != self.replica:
+        self._bystander(request)
+        link.n += 1
+        continue
       try:
         reply = failed if failed and op != "close" else getattr(self, "_" + op)(request)
       except Exception as e:  # noqa: BLE001 - the trainer raises it, named
@@ -259,8 +290,19 @@ class SamplerHost:
       if op == "close":
         return
 
+  def _bystander(self, request: dict) -> None:
+    """Another generator's request: this process calls its crossings too (with nothing to send
+    or keep), so that every process counts every crossing alike."""
+    other = self.split.replicas[request["replica"]]
+    if "arrays" in request:
+      crossing.receive(request["arrays"], self.split.mirror, other)
+    if request["op"] in ("batch", "pause"):
+      reply = self.link.replies.take(self.link.n)
+      if "arrays" in reply:
+        crossing.receive(reply["arrays"], other, self.split.mirror)
+
   def _arrived(self, request: dict) -> dict:
-    return crossing.receive(request["arrays"], self.split.mirror, self.split.sampler)
+    return crossing.receive(request["arrays"], self.split.mirror, self.mesh)
 
   def _start(self, request: dict) -> None:
     arrays = self._arrived(request)
@@ -269,8 +311,8 @@ class SamplerHost:
     state = None
     if request["state"] is not None:
       state = WorkerState(_with_params(arrays["state"], weights), request["state"])
-    several = len(self.split.sampler_processes) > 1
-    self.decisions = Decisions(self.link.name, self.leader) if several else None
+    name = f"{self.link.name}/{self.replica}"
+    self.decisions = Decisions(name, self.leader) if self.several else None
     self.worker = self._make_worker(
         self.ctx.cfg, self.ctx.generator, self.ctx.task.prompts, self.ctx.timeline, params,
         prompt_len=self.ctx.task.prompt_len, version=request["version"], state=state,

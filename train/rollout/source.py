@@ -88,9 +88,9 @@ class RolloutSource:
     if self.split is not None:
       if sync:  # the fixed schedule that never runs ahead
         worker.update(schedule="fixed", max_staleness=0)
-      from train.rollout.remote import RemoteWorker
-      self.worker = RemoteWorker(self.split, self.prompts, params, version=version, state=state,
-                                 timeline=self.timeline, **worker)
+      from train.rollout.remote import remote_worker
+      self.worker = remote_worker(self.split, self.prompts, params, version=version, state=state,
+                                  timeline=self.timeline, **worker)
       return
     self.worker = make_worker(self.cfg, self.generator, self.prompts, self.timeline, params,
                               prompt_len=self.prompt_len, version=version, state=state, **worker)

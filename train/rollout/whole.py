@@ -20,10 +20,11 @@ class RolloutWorker(Worker):
   def __init__(self, generate_fn: Callable[[Any, Any, jax.Array], Any], prompts: Sequence,
                params: Any, *, version: int = 0, max_staleness: int = 1, seed: int = 0,
                start_index: int = 0, schedule: str = "free", transfer: Callable | None = None,
-               state: WorkerState | None = None, decide: Callable | None = None):
+               state: WorkerState | None = None, decide: Callable | None = None,
+               stride: int = 1):
     super().__init__(prompts, params, version=version, max_staleness=max_staleness, seed=seed,
                      start_index=start_index, schedule=schedule, transfer=transfer, state=state,
-                     decide=decide)
+                     decide=decide, stride=stride)
     self._generate = generate_fn
     self.launch()
 
@@ -42,4 +43,4 @@ class RolloutWorker(Worker):
       key = self.batch_key(index)
       rollout = jax.block_until_ready(self._generate(weights.params, prompts, key))
       self.put(RolloutBatch(rollout, prompts, weights.version, index, time.perf_counter() - t0))
-      index += 1
+      index += self.stride

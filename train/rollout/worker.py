@@ -83,16 +83,19 @@ class Worker:
 
   def __init__(self, prompts: Sequence, params: Any, *, version: int, max_staleness: int,
                seed: int, start_index: int, schedule: str, transfer: Callable | None,
-               state: WorkerState | None, decide: Callable[[str, int], int] | None = None):
+               state: WorkerState | None, decide: Callable[[str, int], int] | None = None,
+               stride: int = 1):
     """`decide(key, version)`: the group's first process's choice where several processes run
-    this worker on one mesh (train/rollout/remote.py `Decisions`), whatever each process's
+    this worker on one mesh (train/rollout/decisions.py), whatever each process's
     timing (`decide.leader`: this is the first process; `decide.told()`: the first process has
     made the next choice; `decide.caught_up()`: this process has taken every choice the first
     one made before it closed: closing, too, is the first process's choice, and the others run
-    on to the same point, through the same device programs)."""
+    on to the same point, through the same device programs). `stride`: this worker generates
+    every stride-th batch from `start_index` (one of several generators,
+    train/rollout/remote.py `Generators`)."""
     if schedule not in SCHEDULES:
       raise ValueError(f"schedule: expected one of {list(SCHEDULES)}, got {schedule!r}")
-    self._prompts, self._seed = prompts, seed
+    self._prompts, self._seed, self.stride = prompts, seed, stride
     self.schedule = SCHEDULES[schedule](max_staleness)
     self._transfer = transfer or (lambda p: p)
     self._cond = threading.Condition()
@@ -122,7 +125,8 @@ class Worker:
     """What the schedule reads (holding the lock)."""
     return WorkerView(taken=self._taken, push_coming=self._push_due and not self._waiting,
                       installed=self._installed.version, newest=self._pending.version,
-                      exhausted=self._exhausted)
+                      exhausted=self._exhausted, next_own=self.next_to_generate,
+                      stride=self.stride)
 
   # -- the trainer's side ---------------------------------------------------------------------
   def update_weights(self, params: Any, version: int) -> None:
@@ -154,7 +158,7 @@ class Worker:
             raise TimeoutError(f"no rollout batch within {timeout} s")
           self._cond.wait(remaining)
         batch = self._queue.popleft()
-        self._taken, self._push_due = batch.index + 1, True
+        self._taken, self._push_due = batch.index + self.stride, True
         return batch
       finally:
         self._waiting = False
@@ -218,8 +222,8 @@ class Worker:
 
   @property
   def next_to_generate(self) -> int:
-    """The first batch neither taken by the trainer nor queued."""
-    return self._taken + len(self._queue)
+    """The first of this worker's batches neither taken by the trainer nor queued."""
+    return self._taken + self.stride * len(self._queue)
 
   @property
   def failed(self) -> bool:
