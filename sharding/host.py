@@ -62,11 +62,12 @@ def force_cpu_devices(n: int) -> None:
 
 
 def pin_to_cores() -> tuple[int, ...] | None:
-  """JAXRL_CPU_CORES (e.g. "1" or "0,1"): this process's threads run on these cores from now
-  on (Linux); None where unset. Call it once JAX's CPU backend has started: the backend sizes its thread pool
-  by the cores the process may use as it starts, and a process started on one core (`taskset`)
-  gets one thread, on which a crossing out of its devices waits for the program they run (a
-  generator's batch for the whole of the next generation, measured: sharding/crossing.py)."""
+  """JAXRL_CPU_CORES (e.g. "1" or "0,1"): this process's threads run on these cores from now on
+  (Linux); None where unset. Call it once JAX's CPU backend has started: the backend sizes its
+  thread pool by the cores the process may use as it starts, and a process started on one core
+  (`taskset`) gets one thread, on which a crossing out of its devices waits for the program they
+  run (a generator's batch for the whole of the next generation, measured in
+  docs/benchmarks.md)."""
   cores = os.environ.get("JAXRL_CPU_CORES", "").strip()
   if not cores:
     return None

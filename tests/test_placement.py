@@ -91,6 +91,21 @@ def test_separate_on_whole_hosts_gives_each_group_hosts_of_its_own():
   assert split.roles["actor"].devices == (0, 1, 8, 9)  # each host's first two
 
 
+def test_generator_replicas_take_whole_hosts_of_the_samplers():
+  """`placement.sampler_replicas`: each generator on whole hosts of the sampler's, one mesh
+  shape; refused in one line where the hosts do not split, where the sampler shares hosts, and
+  where the trainer's mirror of one generator would not reach each trainer host."""
+  placement = make_placement("separate", 12, train_devices=4, n_hosts=6, replicas=2)
+  assert placement.replicas == ((4, 5, 6, 7), (8, 9, 10, 11))
+  assert placement.roles["sampler"].devices == (4, 5, 6, 7)
+  with pytest.raises(PlacementError, match="do not split the sampler's 4 hosts"):
+    make_placement("separate", 12, train_devices=4, n_hosts=6, replicas=3)
+  with pytest.raises(PlacementError, match="need the sampler on hosts of its own"):
+    make_placement("separate", 8, train_devices=4, n_hosts=1, replicas=2)
+  with pytest.raises(PlacementError, match="must reach each of its hosts"):
+    make_placement("separate", 4, train_devices=2, n_hosts=4, replicas=2)
+
+
 def test_plan_buckets():
   assert plan_buckets([4, 4, 4, 10, 1], 8) == [[0, 1], [2], [3], [4]]
   assert plan_buckets([], 8) == []

@@ -136,6 +136,12 @@ def test_schedules_decide_from_the_workers_view_alone():
   assert not fixed.push_ready(view(0, installed=3), 5)
   assert fixed.push_ready(view(0, installed=4), 5)
   assert fixed.push_ready(view(0, installed=3, exhausted=True), 5)
+  # One of two generators (odd batches, batch 5 next): version 4 stays until its batch 5 has
+  # started with it; version 5, which no batch of its needs, gives way to 6 at once
+  odd = dict(taken=5, push_coming=False, installed=3, newest=4, exhausted=False, next_own=5, stride=2)
+  assert not fixed.push_ready(WorkerView(**odd), 5)
+  assert fixed.push_ready(WorkerView(**{**odd, "newest": 5}), 6)
+  assert fixed.push_ready(WorkerView(**{**odd, "installed": 4}), 5)
 
 
 class _Box:

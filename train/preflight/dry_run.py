@@ -18,6 +18,7 @@ import math
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxrl import platform
 from jaxrl.config import ConfigError, ExperimentConfig, offload_items, usable_memory_gb
@@ -25,7 +26,8 @@ from jaxrl.models.attention import flash
 from jaxrl.models.config import from_fields
 from jaxrl.models.lm_head import chunk_length
 from planner import footprint, footprint_tpu
-from sharding.placement import PlacementError
+from sharding.crossing import mirror, sampler_apart
+from sharding.placement import PlacementError, host_major_devices
 from sharding.rules import SAMPLER_RULES, batch_ways
 from train.roles.cluster import RoleCluster
 from train.updates.batching import micro_batches
@@ -79,7 +81,26 @@ def resident_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dic
     table["sampler's LoRA adapters"] = shard_bytes(cluster.actor.split(copy.abstract())[0])
   else:
     table[f"sampler copy ({_dtype_name(copy.abstract())})"] = shard_bytes(copy.abstract())
+  if (mirrored := pushed_mirror(cluster)) is not None:
+    table[f"sampler copy, the trainer's mirror ({_dtype_name(mirrored)})"] = shard_bytes(mirrored)
   return table
+
+
+def pushed_mirror(cluster: RoleCluster):
+  """Where the sampler has hosts of its own (a target's several hosts, checked from one
+  process): the copy the trainer keeps in the sampler's layout on its own first devices, from
+  which each push crosses (sharding/crossing.py `mirror`), as abstract arrays; None elsewhere
+  (in a job of several processes the trainer's cluster holds its mirror as the sampler copy)."""
+  meshes = cluster.meshes
+  if cluster.split is not None or not sampler_apart(meshes):
+    return None
+  sampler = meshes["sampler"]
+  trainer = host_major_devices({d for role, m in meshes.items() if role != "sampler"
+                                for d in m.devices.flat})
+  on = mirror(sampler, trainer)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(on, x.sharding.spec)),
+      cluster.sampler_weights.abstract())
 
 
 def _reference_is_base(cfg: ExperimentConfig, cluster: RoleCluster, reference) -> bool:
@@ -183,6 +204,8 @@ def phase_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict[s
     role = cluster.get(name)
     peak = scoring_footprint(cfg, role)
     phases["scoring"][what] = _per_device(role.mesh, sum(peak.values()))
+  if (mirrored := pushed_mirror(cluster)) is not None:  # the new copy lands beside the old
+    phases["weight push"] = {"the pushed copy, before the old one is freed": shard_bytes(mirrored)}
   return phases
 
 

@@ -16,7 +16,9 @@ way, each batch and a paused generator's state the other) come in the same order
 The generator's first process answers each request with what the trainer needs on the host
 (a batch's index, version and token versions; an error), and decides for its group what timing
 decides (`Worker.agreed`: which weights a batch or segment decodes with, when a batch opens);
-the others take its choices. Only two waits join the groups: the
+the others take its choices (train/rollout/decisions.py). With several generators
+(`placement.sampler_replicas`) each serves its own requests in the one numbering and takes part
+in the others' crossings with nothing to send (`Generators`). Only two waits join the groups: the
 trainer's for its next batch, and the generator's for a push its schedule says to wait for (the
 fixed schedule's). A dead process ends the job through the coordination service's heartbeat.
 """
