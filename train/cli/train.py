@@ -81,8 +81,11 @@ def _serves_the_sampler(cfg) -> bool:
   split = config_split(resolve(cfg))
   if split is not None:  # (named in a survivor's line, should one die)
     from sharding.distributed import job
-    job().groups.update({p: "the sampler's" if p in split.sampler_processes else "the trainer's"
-                         for p in range(jax.process_count())})
+    several = len(split.replicas) > 1
+    for p in range(jax.process_count()):
+      r = split.replica_of(p)
+      job().groups[p] = ("the trainer's" if r is None else f"generator {r}'s" if several
+                         else "the sampler's")
   return split is not None and split.here == "sampler"
 
 
