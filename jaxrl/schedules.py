@@ -50,6 +50,9 @@ class Schedule:
   swaps_between_segments = False
   # The trainer takes one batch a step (DAPO's dynamic sampling, which takes several, cannot run)
   one_batch_per_step = False
+  # A batch's rollouts are a function of its index, not of timing: several generators may split
+  # the batches by index (placement.sampler_replicas)
+  by_index = False
 
   def __init__(self, max_staleness: int):
     if max_staleness < 0:
@@ -89,6 +92,7 @@ class Free(Schedule):
 
 class Fixed(Schedule):
   one_batch_per_step = True  # batch i belongs to step i: its version is i - max_staleness
+  by_index = True
 
   def version_for(self, index: int) -> int:
     return max(0, index - self.max_staleness)

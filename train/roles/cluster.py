@@ -214,7 +214,7 @@ def check_processes(cfg: ExperimentConfig, split: ProcessSplit | None, meshes: d
         f"each process's {local} devices{cpu}, from {local} to {len(devices) - local}; got "
         f"{cfg.placement.strategy!r} with train_devices={cfg.placement.train_devices}")
   schedule = cfg.rl.schedule
-  if cfg.placement.sampler_replicas > 1 and (mode == "async" and schedule.name != "fixed"
+  if cfg.placement.sampler_replicas > 1 and (mode == "async" and not schedule.entry.by_index
                                              or schedule.partial_rollouts):
     raise ConfigError(
         f"config.placement.sampler_replicas: {cfg.placement.sampler_replicas} generators run "
