@@ -30,7 +30,7 @@ import sys
 import tempfile
 
 from sharding.distributed import loopback_port
-from train.io.timeline import overlap_seconds, read_trace
+from train.io.timeline import overlap_seconds, read_trace, seconds_within
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLACED = ["--config=configs/tiny.py", "--config.sft.steps=0", "--config.eval.every=100",
@@ -87,7 +87,7 @@ def steps_per_s(mode: str, steps: int, run_dir: str, workload: str,
   spans = read_trace(os.path.join(run_dir, name, "trace.json"))
   since = next(e for label, _, e in spans["trainer"] if label == "update")  # (step 1's end)
   until = spans["trainer"][-1][2]
-  busy = sum(max(0.0, min(e, until) - max(s, since)) for _, s, e in spans["sampler"])
+  busy = seconds_within(spans["sampler"], since, until)
   seconds.update(generating=busy / len(rows), generator_idle=(until - since - busy) / len(rows),
                  overlapped=overlap_seconds(spans["sampler"], spans["trainer"], since) / len(rows))
   return len(rows) / sum(r["step_time"] for r in rows), {k: round(v, 3) for k, v in seconds.items()}

@@ -164,7 +164,7 @@ class ProcessSplit:
 
   @property
   def sampler_processes(self) -> frozenset[int]:
-    return frozenset(d.process_index for mesh in self.replicas for d in mesh.devices.flat)
+    return frozenset().union(*map(self.processes, range(len(self.replicas))))
 
   @property
   def trainer_processes(self) -> frozenset[int]:
@@ -178,8 +178,7 @@ class ProcessSplit:
 
   def replica_of(self, process: int) -> int | None:
     """The generator replica `process` serves (None: the trainer's)."""
-    return next((r for r, mesh in enumerate(self.replicas)
-                 if process in {d.process_index for d in mesh.devices.flat}), None)
+    return next((r for r in range(len(self.replicas)) if process in self.processes(r)), None)
 
   def processes(self, replica: int) -> frozenset[int]:
     return frozenset(d.process_index for d in self.replicas[replica].devices.flat)
@@ -200,7 +199,12 @@ def process_split(meshes: dict[str, Mesh], replicas: list[Mesh] | None = None) -
   process runs every program)."""
   if jax.process_count() == 1 or not sampler_apart(meshes):
     return None
+  return ProcessSplit(tuple(replicas or [meshes["sampler"]]), trainers_mirror(meshes))
+
+
+def trainers_mirror(meshes: dict[str, Mesh]) -> Mesh:
+  """The sampler's mesh shape over the other roles' devices, host-major: where the trainer keeps
+  its copy of the sampler's weights when the sampler is apart (each generator's shape alike)."""
   trainer = host_major_devices({d for role, m in meshes.items() if role != "sampler"
                                 for d in m.devices.flat})
-  replicas = tuple(replicas or [meshes["sampler"]])
-  return ProcessSplit(replicas, mirror(replicas[0], trainer))
+  return mirror(meshes["sampler"], trainer)

@@ -126,6 +126,12 @@ def read_trace(path: str) -> dict[str, list[tuple[str, float, float]]]:
   return spans
 
 
+def seconds_within(spans: list[tuple[str, float, float]], since: float = 0.0,
+                   until: float = float("inf")) -> float:
+  """Seconds of `spans` (one executor's: disjoint) between `since` and `until`."""
+  return sum(max(0.0, min(end, until) - max(start, since)) for _, start, end in spans)
+
+
 def overlap_seconds(a: list[tuple[str, float, float]], b: list[tuple[str, float, float]],
                     since: float = 0.0) -> float:
   """Seconds after `since` in which a span of `a` and one of `b` both run (each list's spans

@@ -26,8 +26,8 @@ from jaxrl.models.attention import flash
 from jaxrl.models.config import from_fields
 from jaxrl.models.lm_head import chunk_length
 from planner import footprint, footprint_tpu
-from sharding.crossing import mirror, sampler_apart
-from sharding.placement import PlacementError, host_major_devices
+from sharding.crossing import sampler_apart, trainers_mirror
+from sharding.placement import PlacementError
 from sharding.rules import SAMPLER_RULES, batch_ways
 from train.roles.cluster import RoleCluster
 from train.updates.batching import micro_batches
@@ -91,13 +91,9 @@ def pushed_mirror(cluster: RoleCluster):
   process): the copy the trainer keeps in the sampler's layout on its own first devices, from
   which each push crosses (sharding/crossing.py `mirror`), as abstract arrays; None elsewhere
   (in a job of several processes the trainer's cluster holds its mirror as the sampler copy)."""
-  meshes = cluster.meshes
-  if cluster.split is not None or not sampler_apart(meshes):
+  if cluster.split is not None or not sampler_apart(cluster.meshes):
     return None
-  sampler = meshes["sampler"]
-  trainer = host_major_devices({d for role, m in meshes.items() if role != "sampler"
-                                for d in m.devices.flat})
-  on = mirror(sampler, trainer)
+  on = trainers_mirror(cluster.meshes)
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       x.shape, x.dtype, sharding=NamedSharding(on, x.sharding.spec)),
       cluster.sampler_weights.abstract())

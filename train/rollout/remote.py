@@ -215,10 +215,11 @@ def _per_replica(state: WorkerState | None, n: int) -> list:
   if state is None:
     return [None] * n
   metas = state.meta.get("replicas")
-  if len(metas or [None]) != n:
+  saved = len(metas) if metas else 1
+  if saved != n:
     raise ConfigError(f"config.placement.sampler_replicas: the checkpoint's generator state "
-                      f"comes from {len(metas or [None])} generator(s), this run has {n}; "
-                      f"resume with --config.placement.sampler_replicas={len(metas or [None])}")
+                      f"comes from {saved} generator(s), this run has {n}; resume with "
+                      f"--config.placement.sampler_replicas={saved}")
   if metas is None:
     return [state]
   return [WorkerState(state.arrays[f"replica{r}"], m) for r, m in enumerate(metas)]

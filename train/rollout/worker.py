@@ -250,7 +250,7 @@ class Worker:
   def start_batch(self, index: int) -> Weights | None:
     """Waits (holding the lock) until the schedule lets batch `index` start, and installs the
     weights it starts with; them (None: the worker was closed)."""
-    if self._decide is not None and not self._decide.leader:  # (it serves pauses meanwhile)
+    if self._follows:  # (it serves pauses meanwhile)
       ready = self._decide.told  # the first process's choice for this batch, whatever the view
     else:
       ready = lambda: self.schedule.ready(self.view(), index)  # noqa: E731
@@ -319,6 +319,11 @@ class Worker:
     self._changes += 1
     self._cond.notify_all()
 
+  @property
+  def _follows(self) -> bool:
+    """One of a group's processes, not its first: it takes the first one's choices."""
+    return self._decide is not None and not self._decide.leader
+
   def _closing(self) -> bool:
     """Closed, and (a group of processes) at the point where the first process stopped."""
     return self._closed and (self._decide is None or self._decide.caught_up())
@@ -338,7 +343,7 @@ class Worker:
       self._serve_pause()
       if ready():
         break
-      self._cond.wait(None if self._decide is None else 0.2)  # (a follower polls `told`)
+      self._cond.wait(0.2 if self._follows else None)  # (a follower polls `told`)
     return not self._closing()
 
   def _serve_pause(self) -> None:
