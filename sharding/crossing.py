@@ -21,6 +21,7 @@ import dataclasses
 import json
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -138,9 +139,11 @@ class Mailbox:
     except Exception:  # noqa: BLE001 - NOT_FOUND
       return False
 
-  def take(self, key, *, poll_s: float = 5.0, timeout_s: float | None = None) -> dict:
+  def take(self, key, *, poll_s: float = 5.0, timeout_s: float | None = None,
+           instead: Callable[[], dict | None] | None = None) -> dict:
     """Message `key`, waited for (a peer that died ends the job through the heartbeat
-    first)."""
+    first). `instead()`, asked every `poll_s` while it has not come: a message to post in its
+    place (None: wait on); whichever is posted first is the message, for every reader."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
       try:
@@ -152,6 +155,12 @@ class Mailbox:
         if deadline is not None and time.monotonic() > deadline:
           raise TimeoutError(f"no message {key} in mailbox {self.name} within {timeout_s} s") \
               from None
+      substitute = None if instead is None else instead()
+      if substitute is not None:
+        try:  # (not over one posted meanwhile: the store refuses to overwrite)
+          self._client.key_value_set(f"jaxrl/{self.name}/{key}", json.dumps(substitute))
+        except Exception:  # noqa: BLE001 - ALREADY_EXISTS: the message came first
+          pass
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,8 @@ recoverable (`jax_enable_recoverability`: the service no longer aborts every sur
 check failure), and `PeerWatch` asks the service every half second which processes are alive:
 one that is gone without having said it leaves (`leave`, at a normal end) is reported by the
 caller's `lost(process)` (the CLI's line names it and the --resume command) and the survivor
-exits, within `heartbeat_timeout_s` of the death instead of hanging.
+exits, within `heartbeat_timeout_s` of the death instead of hanging, unless the dead processes
+are one generator replica's of several: the others drop it and go on (`Job.drop`).
 
 Arrays cross between meshes on disjoint processes (sharding/crossing.py) through the backend's
 transfer server; on the CPU it needs a socket of its own per process: JAXRL_TRANSFER_ADDRESS
@@ -27,6 +28,7 @@ import functools
 import itertools
 import json
 import os
+import random
 import socket
 import sys
 import threading
@@ -143,6 +145,11 @@ class PeerWatch:
         gone = self._gone()
       except Exception:  # noqa: BLE001 - the service itself is gone (process 0 died) or closing
         gone = [] if self._done.is_set() else [0]
+      joined = job()
+      if joined is not None:  # (a dropped generator's processes are no longer watched)
+        gone = [p for p in gone if joined.replicas.get(p, -1) not in joined.dropped]
+        if gone and joined.drop(gone):
+          continue  # a generator replica of several: the others take its batches over
       if gone and not self._done.is_set():
         self._lost.set()
         try:
@@ -257,6 +264,27 @@ class Job:
     self._lock = threading.Lock()
     self.watch: PeerWatch | None = None  # (set where the job is joined: `initialize`)
     self.groups: dict[int, str] = {}  # process -> its role group, once the placement is known
+    self.replicas: dict[int, int] = {}  # process -> its generator replica, where several
+    self.dropped: set[int] = set()  # the generator replicas this process saw die (`drop`)
+
+  def drop(self, gone: list[int]) -> bool:
+    """Whether the processes `gone` (dead) are those of one generator replica of several that
+    others survive, this process not among them: the replica is dropped (once, with a line),
+    its processes no longer watched, and the run goes on (train/rollout/replicas.py deals its
+    batches to the others)."""
+    with self._lock:
+      replicas = {self.replicas.get(p) for p in gone}
+      replica = replicas.pop() if len(replicas) == 1 else None
+      left = set(self.replicas.values()) - self.dropped - {replica}
+      if replica is None or not left or self.replicas.get(jax.process_index()) == replica:
+        return False
+      self.dropped.add(replica)
+    mates = sorted(p for p, r in self.replicas.items() if r == replica)
+    print(f"jaxrl: warning: process {gone[0]} (generator {replica}'s) of the job stopped "
+          f"answering; generator {replica} (processes {', '.join(map(str, mates))}) is dropped "
+          f"and its batches are dealt to generators {', '.join(map(str, sorted(left)))}",
+          file=sys.stderr, flush=True)
+    return True
 
   def agree(self, value, name: str, *, timeout_s: int = 3600):
     """Process 0's `value` (JSON) on every process that calls this, in the same order."""
@@ -299,13 +327,25 @@ def agree(value, name: str, *, timeout_s: int = 3600):
   return value if joined is None else joined.agree(value, name, timeout_s=timeout_s)
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+  """The range the kernel takes a connection's own port from (Linux's; the usual elsewhere)."""
+  try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+      low, high = map(int, f.read().split())
+    return low, high
+  except (OSError, ValueError):
+    return 32768, 60999
+
+
 def loopback_port(processes: int) -> int:
   """A coordinator port on 127.0.0.1 whose `processes` following ports (the transfer servers'
-  sockets, `transfer_address`) are free as well."""
-  for _ in range(100):
-    with socket.socket() as s:
-      s.bind(("127.0.0.1", 0))
-      port = s.getsockname()[1]
+  sockets, `transfer_address`) are free as well, below the ephemeral range: a port free when
+  asked must stay free while the job starts, and its many connections take their own ports
+  from that range."""
+  low, _ = _ephemeral_ports()
+  rng = random.Random()
+  for _ in range(200):
+    port = rng.randrange(10000, max(10001, low - processes - 1))
     try:
       for p in range(port, port + processes + 1):
         with socket.socket() as s:

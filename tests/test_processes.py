@@ -7,6 +7,7 @@ rollouts); a sampler process killed
 mid-run stops the others, and the resumed run ends bit for bit as the uninterrupted one."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -149,33 +150,62 @@ def test_the_generator_generates_while_the_trainer_trains_on_cores_of_their_own(
 REPLICAS = ("--config.rl.schedule.name=fixed", "--config.placement.sampler_replicas=2")
 
 
-@pytest.mark.slow
-def test_two_generator_replicas_match_one_process_and_resume_exactly(tmp_path):
+@pytest.fixture(scope="module")
+def replicas_run(tmp_path_factory):
   """3 processes of 2 devices: the trainer on one, a generator on each of the others (batch i
-  generator i mod 2's, every push to both). The run ends as the same meshes on one process; a
-  SIGTERM to the second generator's process mid-run saves both generators' states, every
-  process exits 0, and the resumed run ends bit for bit the same."""
+  generator i mod 2's, every push to both), uninterrupted."""
+  tmp = tmp_path_factory.mktemp("replicas")
+  _finish(_launch(tmp, "replicas", *REPLICAS, devices=2, n=3))
+  return _result(tmp, "replicas")
+
+
+@pytest.mark.slow
+def test_two_generator_replicas_match_one_process_and_resume_exactly(replicas_run, tmp_path):
+  """Two generators end the run as the same meshes on one process; a SIGTERM to the second
+  generator's process mid-run saves both generators' states, every process exits 0, and the
+  resumed run ends bit for bit the same."""
   three = dict(devices=2, n=3)
-  _finish(_launch(tmp_path, "replicas", *REPLICAS, **three))
   _one_process(tmp_path, "one", "--config.rl.schedule.name=fixed", devices=4)
-  replicas, one = _result(tmp_path, "replicas"), _result(tmp_path, "one")
-  assert replicas == one
-  assert any(r.get("grad_norm", 0) > 0 for r in replicas[1])
+  assert replicas_run == _result(tmp_path, "one")
+  assert any(r.get("grad_norm", 0) > 0 for r in replicas_run[1])
   procs = _launch(tmp_path, "stopped", *REPLICAS, **three)
   _at_rl_step(procs, tmp_path / "stopped", 2)
   procs[2].send_signal(signal.SIGTERM)
   for p, (_, err) in zip(procs, [p.communicate(timeout=120) for p in procs]):
     assert p.returncode == 0, err[-3000:]
   _finish(_launch(tmp_path, "stopped", *REPLICAS, resume=True, **three))
-  assert _result(tmp_path, "stopped")[0] == replicas[0]
+  assert _result(tmp_path, "stopped")[0] == replicas_run[0]
 
 
-def _at_rl_step(procs, run_dir, step: int) -> None:
-  """Waits until the run's metrics have RL step `step` and its RL checkpoint of step 2 is
-  saved (every process still running)."""
-  metrics, saved = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "rl" / "2"
+@pytest.mark.slow
+def test_a_dead_generator_replica_is_dropped_and_the_run_goes_on(replicas_run, tmp_path):
+  """SIGKILL to the second generator's process after RL step 1. The others drop it within the
+  heartbeat with a line naming it; the first generator makes the batches from the one the
+  trainer waits for on (that one with the newest weights, fresher than the fixed schedule's
+  version), and every survivor ends the run with exit 0; the rows before are the uninterrupted
+  run's."""
+  procs = _launch(tmp_path, "dropped", *REPLICAS, devices=2, n=3)
+  _at_rl_step(procs, tmp_path / "dropped", 1, saved=False)  # (batch 3, generator 1's, to come)
+  procs[2].send_signal(signal.SIGKILL)
+  outs = _finish(procs[:2])
+  line = "jaxrl: warning: process 2 (generator 1's) of the job stopped answering; generator 1"
+  assert all(line in err for _, err in outs), outs[0][1][-3000:]
+  first = int(re.search(r"generator 1 is dropped; from batch (\d+) on", outs[0][1]).group(1))
+  whole, dropped = replicas_run[1], _result(tmp_path, "dropped")[1]
+  before = lambda rows: [r for r in rows if r["phase"] != "rl" or r["step"] <= first]  # noqa
+  assert before(dropped) == before(whole)  # (step s trains batch s - 1)
+  steps = lambda rows: [r["step"] for r in rows if r["phase"] == "rl"]  # noqa: E731
+  assert steps(dropped) == steps(whole)
+  lags = {r["step"]: r.get("policy_lag", 0) for r in dropped if r["phase"] == "rl"}
+  assert lags[first + 1] == 0 and max(lags.values()) <= 1, lags
+
+
+def _at_rl_step(procs, run_dir, step: int, saved: bool = True) -> None:
+  """Waits until the run's metrics have RL step `step` and (`saved`) its RL checkpoint of step
+  2 is saved (every process still running)."""
+  metrics, checkpoint = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "rl" / "2"
   deadline = time.time() + 600
-  while not (saved.is_dir() and metrics.exists() and any(
+  while not ((checkpoint.is_dir() or not saved) and metrics.exists() and any(
       json.loads(line)["phase"] == "rl" and json.loads(line)["step"] >= step
       for line in metrics.read_text().splitlines() if line.endswith("}"))):
     assert all(p.poll() is None for p in procs) and time.time() < deadline

@@ -86,6 +86,8 @@ def _serves_the_sampler(cfg) -> bool:
       r = split.replica_of(p)
       job().groups[p] = ("the trainer's" if r is None else f"generator {r}'s" if several
                          else "the sampler's")
+      if several and r is not None:  # (one that dies is dropped: sharding/distributed.py)
+        job().replicas[p] = r
   return split is not None and split.here == "sampler"
 
 

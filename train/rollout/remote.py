@@ -18,9 +18,10 @@ The generator's first process answers each request with what the trainer needs o
 decides (`Worker.agreed`: which weights a batch or segment decodes with, when a batch opens);
 the others take its choices (train/rollout/decisions.py). With several generators
 (`placement.sampler_replicas`) each serves its own requests in the one numbering and takes part
-in the others' crossings with nothing to send (`Generators`). Only two waits join the groups: the
-trainer's for its next batch, and the generator's for a push its schedule says to wait for (the
-fixed schedule's). A dead process ends the job through the coordination service's heartbeat.
+in the others' crossings with nothing to send (train/rollout/replicas.py). Only two waits join
+the groups: the trainer's for its next batch, and the generator's for a push its schedule says
+to wait for (the fixed schedule's). A dead process ends the job through the coordination
+service's heartbeat, except one generator of several: it is dropped (replicas.py).
 """
 from __future__ import annotations
 
@@ -66,6 +67,15 @@ def _with_params(arrays: dict, like) -> dict:
   return arrays
 
 
+class GeneratorLost(Exception):
+  """A generator replica of several died before it answered (train/rollout/replicas.py deals
+  its batches to the others)."""
+
+  def __init__(self, replica: int):
+    super().__init__(f"generator {replica} stopped answering")
+    self.replica = replica
+
+
 class Link:
   """One session's requests and replies (to every generator replica: one numbering, so that
   every process calls every crossing in the same order, JAX's way of matching their ends), and
@@ -104,6 +114,10 @@ class RemoteWorker:
   def version(self) -> int:
     return self._version
 
+  @property
+  def replica(self) -> int:
+    return self._replica
+
   def _request(self, message: dict, arrays: dict | None = None) -> dict | None:
     """Posts request n (the first process), sends `arrays` (every process), and returns the
     generator's reply where the request has one."""
@@ -116,7 +130,11 @@ class RemoteWorker:
     link.n += 1
     if message["op"] not in ("batch", "pause"):
       return None
-    reply = link.replies.take(link.n - 1)
+    lost = lambda: {"lost": self._replica} if self._replica in job().dropped else None  # noqa
+    reply = link.replies.take(link.n - 1, poll_s=1.0,
+                              instead=lost if jax.process_index() == 0 else None)
+    if "lost" in reply:  # (the trainer's first process saw the generator die: every process)
+      raise GeneratorLost(self._replica)
     if "error" in reply:  # (a user's error, such as an environment's, stays one)
       cause = ConfigError(reply["error"]) if reply.get("config") else None
       raise RolloutWorkerError(f"rollout worker failed on the generator's processes: "
@@ -155,74 +173,6 @@ class RemoteWorker:
 
   def close(self) -> None:
     self._request({"op": "close"})
-
-
-def remote_worker(split, prompts, params, *, version: int, state: WorkerState | None,
-                  timeline, start_index: int, **worker):
-  """The trainer's worker of the generator(s) on processes of their own (the session's
-  `RemoteWorker`, or `Generators` over several)."""
-  link, n = Link(split), len(split.replicas)
-  if n == 1:
-    return RemoteWorker(link, prompts, params, version=version, state=_per_replica(state, 1)[0],
-                        timeline=timeline, start_index=start_index, **worker)
-  return Generators(link, prompts, params, version=version, state=state, timeline=timeline,
-                    start_index=start_index, **worker)
-
-
-class Generators:
-  """Several generator replicas behind one worker's face: batch i is generator i mod N's (each
-  generates every N-th batch, as its schedule allows), taken in index order; every push goes to
-  all. Under the fixed schedule a batch is a function of its index, whichever makes it."""
-
-  def __init__(self, link: Link, prompts, params, *, version: int, state: WorkerState | None,
-               timeline, start_index: int, **worker):
-    n = len(link.split.replicas)
-    states = _per_replica(state, n)
-    first = lambda r: start_index + (r - start_index) % n  # noqa: E731 - replica r's first
-    self.workers = [RemoteWorker(link, prompts, params, version=version, state=states[r],
-                                 timeline=timeline, replica=r, start_index=first(r), stride=n,
-                                 **worker) for r in range(n)]
-    self._next = start_index
-
-  @property
-  def version(self) -> int:
-    return self.workers[0].version
-
-  def get(self) -> RolloutBatch:
-    batch = self.workers[self._next % len(self.workers)].get()
-    self._next = batch.index + 1
-    return batch
-
-  def update_weights(self, params, version: int) -> None:
-    for worker in self.workers:
-      worker.update_weights(params, version)
-
-  @contextlib.contextmanager
-  def paused(self):
-    """Every generator's run state, nested by replica."""
-    with contextlib.ExitStack() as stack:
-      states = [stack.enter_context(w.paused()) for w in self.workers]
-      yield WorkerState({f"replica{r}": s.arrays for r, s in enumerate(states)},
-                        {"replicas": [s.meta for s in states]})
-
-  def close(self) -> None:
-    for worker in self.workers:
-      worker.close()
-
-
-def _per_replica(state: WorkerState | None, n: int) -> list:
-  """A checkpoint's generator state, one per replica (ConfigError: saved by another count)."""
-  if state is None:
-    return [None] * n
-  metas = state.meta.get("replicas")
-  saved = len(metas) if metas else 1
-  if saved != n:
-    raise ConfigError(f"config.placement.sampler_replicas: the checkpoint's generator state "
-                      f"comes from {saved} generator(s), this run has {n}; resume with "
-                      f"--config.placement.sampler_replicas={saved}")
-  if metas is None:
-    return [state]
-  return [WorkerState(state.arrays[f"replica{r}"], m) for r, m in enumerate(metas)]
 
 
 def release_samplers() -> None:

@@ -88,7 +88,7 @@ class RolloutSource:
     if self.split is not None:
       if sync:  # the fixed schedule that never runs ahead
         worker.update(schedule="fixed", max_staleness=0)
-      from train.rollout.remote import remote_worker
+      from train.rollout.replicas import remote_worker
       self.worker = remote_worker(self.split, self.prompts, params, version=version, state=state,
                                   timeline=self.timeline, **worker)
       return

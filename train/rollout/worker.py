@@ -92,7 +92,7 @@ class Worker:
     one made before it closed: closing, too, is the first process's choice, and the others run
     on to the same point, through the same device programs). `stride`: this worker generates
     every stride-th batch from `start_index` (one of several generators,
-    train/rollout/remote.py `Generators`)."""
+    train/rollout/replicas.py `Generators`)."""
     if schedule not in SCHEDULES:
       raise ValueError(f"schedule: expected one of {list(SCHEDULES)}, got {schedule!r}")
     self._prompts, self._seed, self.stride = prompts, seed, stride

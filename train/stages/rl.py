@@ -132,8 +132,8 @@ class RLStage(Stage):
     if worker is None:
       yield
       return
-    with worker.paused() as generator:
-      self._paused = async_state.to_checkpoint(generator)
+    with worker.paused() as generator:  # (None: no state to keep, train/rollout/replicas.py)
+      self._paused = None if generator is None else async_state.to_checkpoint(generator)
       try:
         yield
       finally:
