@@ -53,7 +53,8 @@ def _launch(run_dir, name, *extra, resume=False, args=ARGS, devices=1,
 
 def _finish(procs) -> list[tuple[str, str]]:
   outs = [p.communicate(timeout=600) for p in procs]
-  for p, (_, err) in zip(procs, outs):
+  for i, (p, (_, err)) in enumerate(zip(procs, outs)):
+    open(f"/tmp/drop/finish{i}.txt", "w").write(err)  # TEMP
     assert p.returncode == 0, err[-3000:]
   return outs
 

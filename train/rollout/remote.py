@@ -35,7 +35,8 @@ import numpy as np
 from jaxrl.config import ConfigError
 from sampler.engine import Rollout
 from sharding import crossing
-from sharding.distributed import explained_by_a_lost_peer, from_the_runtime, job, kv_client
+from sharding.distributed import (explained_by_a_lost_peer, from_env, from_the_runtime, job,
+                                  kv_client)
 from train.rollout.decisions import Decisions
 from train.rollout.worker import RolloutBatch, RolloutWorkerError, WorkerState
 
@@ -86,9 +87,16 @@ class Link:
     self.split, self.n, self.name = split, 0, f"sampler/{job().next_session()}"
     self.requests = crossing.Mailbox(f"{self.name}/request")
     self.replies = crossing.Mailbox(f"{self.name}/reply")
+    self.arrivals = crossing.Mailbox(f"{self.name}/arrived")  # (`pulled`)
 
   def mesh(self, replica: int):
     return self.split.replicas[replica]
+
+  def pulled(self, ok: bool) -> bool:
+    """Whether every trainer process pulled the last reply's arrays in full (each says `ok`)."""
+    me, n = jax.process_index(), self.n - 1
+    self.arrivals.post(f"{n}/{me}", {"ok": ok})
+    return all(self.arrivals.take(f"{n}/{p}")["ok"] for p in sorted(self.split.trainer_processes))
 
 
 class RemoteWorker:
@@ -142,8 +150,28 @@ class RemoteWorker:
     return reply
 
   def _received(self, reply: dict) -> dict:
+    """The reply's arrays, here. One generator of several may die while they cross: they are
+    pulled in full first, and where any trainer process failed to, every one raises
+    `GeneratorLost` once the peer watch dropped the generator."""
     link = self._link
-    return crossing.receive(reply["arrays"], link.mesh(self._replica), link.split.mirror)
+    arrays = crossing.receive(reply["arrays"], link.mesh(self._replica), link.split.mirror)
+    if len(link.split.replicas) == 1:  # (a dead generator ends the job: the peer watch)
+      return arrays
+    try:
+      jax.block_until_ready(arrays)
+      error = None
+    except jax.errors.JaxRuntimeError as e:
+      error = e
+    if link.pulled(error is None):
+      return arrays
+    deadline = time.monotonic() + from_env().heartbeat_timeout_s + 5
+    while self._replica not in job().dropped:
+      if time.monotonic() > deadline:  # (not a death: the error, or another process's)
+        raise RolloutWorkerError(f"generator {self._replica}'s reply {link.n - 1} did not "
+                                 f"arrive on every trainer process") from error
+      time.sleep(0.2)
+    log.warning("generator %d died while its reply %d crossed", self._replica, link.n - 1)
+    raise GeneratorLost(self._replica)
 
   def get(self) -> RolloutBatch:
     reply = self._request({"op": "batch"})
