@@ -79,16 +79,20 @@ def _spread_put(x: jax.Array, target) -> jax.Array:
   return _from_local_copies(x, target)
 
 
-def _first_replica(x: jax.Array, target: NamedSharding) -> jax.Array:
-  """`target` on a whole fraction of `x`'s devices: the first replica of a layout over all of
-  them (the target's mesh with a leading replica axis); each process keeps its own shards of
-  that replica."""
+def replicas_over(target: NamedSharding, devices) -> NamedSharding:
+  """`target`'s layout repeated over all of `devices` (of which its own are a whole fraction,
+  the first replica): its mesh with a leading replica axis."""
   mesh = target.mesh
-  rest = sorted(x.sharding.device_set - target.device_set, key=lambda d: (d.process_index, d.id))
+  rest = sorted(set(devices) - target.device_set, key=lambda d: (d.process_index, d.id))
   grid = np.concatenate([mesh.devices.reshape(1, -1), np.asarray(rest, object).reshape(
       -1, mesh.size)]).reshape(-1, *mesh.devices.shape)
-  spread = jax.device_put(x, NamedSharding(Mesh(grid, ("replica", *mesh.axis_names)),
-                                           target.spec))
+  return NamedSharding(Mesh(grid, ("replica", *mesh.axis_names)), target.spec)
+
+
+def _first_replica(x: jax.Array, target: NamedSharding) -> jax.Array:
+  """`target` on a whole fraction of `x`'s devices: the first replica of a layout over all of
+  them (`replicas_over`); each process keeps its own shards of that replica."""
+  spread = jax.device_put(x, replicas_over(target, x.sharding.device_set))
   local = {s.device: s.data for s in spread.addressable_shards}
   return jax.make_array_from_single_device_arrays(
       x.shape, target, [local[d] for d in target.addressable_devices_indices_map(x.shape)],

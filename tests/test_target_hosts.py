@@ -17,7 +17,8 @@ def test_async_on_whole_hosts_compiles_for_a_multi_host_slice(tmp_path):
   """`separate` on whole hosts of a v5e-16 (4 hosts of 4 chips): the trainer on hosts 0-1, the
   sampler on hosts 2-3 (docs/hosts.md), async with partial rollouts of multi-turn conversations
   (turns in slots that keep their caches), compiles; the slots' programs run one after another,
-  so the generation phase holds the largest of them, not their sum."""
+  so the generation phase holds the largest of them, not their sum; the push into the trainer's
+  mirror is compiled too."""
   from train.preflight.target_report import report
   raw = load_config_file("configs/tiny.py")
   raw.placement.update(strategy="separate", train_devices=8)
@@ -35,6 +36,10 @@ def test_async_on_whole_hosts_compiles_for_a_multi_host_slice(tmp_path):
   held = lambda p: p["argument_bytes"] + p["output_bytes"] + p["temp_bytes"] + p["code_bytes"]
   generation = summary["phases"]["generation"]["compiler_bytes"]
   assert max(map(held, turns)) <= generation < sum(map(held, turns))
+  [push] = [p for p in summary["programs"] if p["phase"] == "weight push"]  # into the mirror
+  assert push["name"] == "weight push (largest bucket)"
+  landed = summary["phases"]["weight push"]
+  assert landed["compiler_bytes"] >= held(push) > 0, landed
 
 
 def test_the_dry_run_counts_the_trainers_mirror_of_a_sampler_on_hosts_of_its_own():

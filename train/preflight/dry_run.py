@@ -86,6 +86,9 @@ def resident_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dic
   return table
 
 
+PUSHED = "the pushed copy, before the old one is freed"  # (a "weight push" phase item)
+
+
 def pushed_mirror(cluster: RoleCluster):
   """Where the sampler has hosts of its own (a target's several hosts, checked from one
   process): the copy the trainer keeps in the sampler's layout on its own first devices, from
@@ -201,7 +204,7 @@ def phase_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict[s
     peak = scoring_footprint(cfg, role)
     phases["scoring"][what] = _per_device(role.mesh, sum(peak.values()))
   if (mirrored := pushed_mirror(cluster)) is not None:  # the new copy lands beside the old
-    phases["weight push"] = {"the pushed copy, before the old one is freed": shard_bytes(mirrored)}
+    phases["weight push"] = {PUSHED: shard_bytes(mirrored)}
   return phases
 
 

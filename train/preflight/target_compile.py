@@ -32,6 +32,7 @@ from jaxrl.models import flops
 from jaxrl.models.attention import attention_impl
 from planner.targets import Target
 from train.preflight.target_generation import generation
+from train.preflight.target_push import push_bucket
 from sampler.engine import Rollout
 from sharding.host import tpu_chips_here
 from sharding.placement import host_count, host_major_devices
@@ -246,6 +247,9 @@ def rl_programs(cfg: ExperimentConfig, cluster: RoleCluster) -> list[Program]:
     programs.append(Program("LoRA merge (weight push)", "weight push", cluster.actor.mesh,
                             lambda: weights.merge.lower(cluster.actor.abstract()),
                             cluster.actor.abstract()))
+  if dry_run.pushed_mirror(cluster) is not None and (push := push_bucket(cfg, cluster)):
+    name, lower, sources = push  # (after the LoRA merge, whose output it moves)
+    programs.append(Program(name, "weight push", cluster.actor.mesh, lower, sources, step=1))
   return programs
 
 
@@ -283,11 +287,13 @@ def compile_program(program: Program, memo: dict | None = None) -> Compiled:
 
 def phase_peaks(compiled: list[Compiled], resident: dict, phases: dict) -> dict[str, dict]:
   """{phase: {device id: bytes}}: on each device of a phase's programs, what stays through the
-  step and what `placement.offload` brings back for the phase (the dry run's tables, less the
-  programs' own arguments, which they count) plus the programs of the phase's step together
-  (they run at the same time); of a phase's steps, which run in turn, the largest."""
+  step, what `placement.offload` brings back for the phase and the pushed copy landing (the
+  dry run's tables, less the programs' own arguments, which they count) plus the programs of
+  the phase's step together (they run at the same time); of a phase's steps, which run in turn,
+  the largest."""
   stays, steps = dry_run.summed(resident), {}
-  onloaded = {p: dry_run.summed({k: v for k, v in items.items() if k.endswith("(onloaded)")})
+  onloaded = {p: dry_run.summed({k: v for k, v in items.items()  # (data the phase holds)
+                                 if k.endswith("(onloaded)") or k == dry_run.PUSHED})
               for p, items in phases.items()}
   for c in compiled:
     state = dry_run.shard_bytes(c.program.state) if c.program.state is not None else {}
