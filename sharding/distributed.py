@@ -275,6 +275,8 @@ class Job:
     with self._lock:
       replicas = {self.replicas.get(p) for p in gone}
       replica = replicas.pop() if len(replicas) == 1 else None
+      if replica is not None and replica in self.dropped:
+        return True
       left = set(self.replicas.values()) - self.dropped - {replica}
       if replica is None or not left or self.replicas.get(jax.process_index()) == replica:
         return False

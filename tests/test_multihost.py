@@ -108,3 +108,19 @@ def test_survivor_stops_when_a_peer_dies():
   assert "process 1 of the job stopped answering" in outs[0][1]
   assert "Check failure" not in outs[0][1] and "Traceback" not in outs[0][1], outs[0][1][-3000:]
   assert elapsed < 180
+
+
+def test_only_a_generator_of_several_that_others_survive_is_dropped(capsys):
+  """`Job.drop` (the peer watch's choice): the processes of one generator replica, gone, are
+  dropped once with a line naming them, while another generator lives; a trainer process, two
+  generators at once or the last one end the job instead."""
+  from sharding.distributed import Job
+  joined = Job(client=None)
+  joined.replicas = {1: 0, 2: 1, 3: 1, 4: 2}  # (this process, 0, is the trainer's)
+  assert not joined.drop([0]) and not joined.drop([1, 2])
+  assert joined.drop([3]) and joined.dropped == {1}
+  assert "process 3 (generator 1's) of the job stopped answering; generator 1 (processes 2, 3) " \
+         "is dropped and its batches are dealt to generators 0, 2" in capsys.readouterr().err
+  assert joined.drop([2]) and capsys.readouterr().err == ""  # (its mate, going after it)
+  assert joined.drop([4]) and joined.dropped == {1, 2}
+  assert not joined.drop([1])  # the last generator
