@@ -292,10 +292,14 @@ class Worker:
     return self._installed
 
   def pause_point(self) -> bool:
-    """(Holding the lock) serves a pause asked for meanwhile; False when the worker was
-    closed."""
+    """(Holding the lock) serves a pause asked for meanwhile; False when the worker was closed.
+    In a group of processes whether to go on is the first process's choice: the device
+    programs that follow (a decode segment) may make none, and a process that ran one after
+    the first had stopped would wait in its collectives for ever."""
     self._serve_pause()
-    return not self._closing()
+    if self._decide is None:
+      return not self._closed
+    return bool(self.agreed("go on", int(not self._closed)))
 
   def wait_for_change(self, seen: int) -> bool:
     """Waits (holding the lock), serving pauses, until `changes` has moved past `seen`; False
