@@ -64,6 +64,11 @@ def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
   return buckets
 
 
+def cast_sizes(leaves, casts) -> list[int]:
+  """Each leaf's bytes in the dtype it moves in (`casts[i]`; None: its own)."""
+  return [x.size * np.dtype(c or x.dtype).itemsize for x, c in zip(leaves, casts)]
+
+
 def _spread_put(x: jax.Array, target) -> jax.Array:
   """An array spread over several processes (a trainer sharded across hosts) laid out as
   `target` by device programs over its own devices: collectives inside them, no byte through
@@ -130,7 +135,7 @@ def reshard(tree, target_shardings, *, bucket_bytes: int = 256 << 20, donate: bo
   targets = treedef.flatten_up_to(target_shardings)
   casts = ([None] * len(leaves) if dtypes is None else
            treedef.flatten_up_to(dtypes))
-  sizes = [x.size * np.dtype(c or x.dtype).itemsize for x, c in zip(leaves, casts)]
+  sizes = cast_sizes(leaves, casts)
   buckets = plan_buckets(sizes, bucket_bytes)
   out = [None] * len(leaves)
   t0 = time.perf_counter()

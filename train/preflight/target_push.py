@@ -12,13 +12,11 @@ the compile's peak adds (target_compile.py `phase_peaks`).
 from __future__ import annotations
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxrl.config import ExperimentConfig
-from jaxrl.models.dtypes import compute_dtypes
 from sharding.crossing import trainers_mirror
-from sharding.reshard import plan_buckets, replicas_over
+from sharding.reshard import cast_sizes, plan_buckets, replicas_over
 from train.roles.cluster import RoleCluster
 
 
@@ -30,18 +28,17 @@ def push_bucket(cfg: ExperimentConfig, cluster: RoleCluster):
   mirror = trainers_mirror(cluster.meshes)
   if not set(mirror.devices.flat) <= devices or len(devices) % mirror.size:
     return None
-  like = jax.tree.leaves(weights._like)
-  targets = jax.tree.leaves(weights.shardings)
-  casts = jax.tree.leaves(compute_dtypes(cfg.model, weights._like), is_leaf=lambda v: v is None)
-  casts = [c or x.dtype for x, c in zip(like, casts)]
-  sizes = [x.size * np.dtype(c).itemsize for x, c in zip(like, casts)]
+  like, dtypes = weights.sources()
+  like, targets = jax.tree.leaves(like), jax.tree.leaves(weights.shardings)
+  casts = jax.tree.leaves(dtypes, is_leaf=lambda v: v is None)
+  sizes = cast_sizes(like, casts)
   bucket = max(plan_buckets(sizes, cfg.placement.reshard_bucket_mb << 20),
                key=lambda idx: sum(sizes[i] for i in idx))
   sources = [like[i] for i in bucket]  # (the bucket's leaves, as the actor holds them)
   spread = [replicas_over(NamedSharding(mirror, targets[i].spec), devices) for i in bucket]
 
   def cast(leaves):
-    return [x.astype(casts[i]) for i, x in zip(bucket, leaves)]
+    return [x.astype(casts[i] or x.dtype) for i, x in zip(bucket, leaves)]
 
   lower = lambda: jax.jit(cast, out_shardings=spread).lower(sources)  # noqa: E731
   return "weight push (largest bucket)", lower, sources

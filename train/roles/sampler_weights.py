@@ -53,6 +53,11 @@ class SamplerWeights:
   def _bucket(self) -> int:
     return self.cfg.placement.reshard_bucket_mb << 20
 
+  def sources(self) -> tuple[nnx.State, object]:
+    """What a push moves, as the actor holds it (abstract), and the dtype each leaf moves in
+    (a tree like it; None: its own)."""
+    return self._like, compute_dtypes(self.cfg.model, self._like)
+
   def _moved(self, params, shardings, *, donate: bool = False):
     """`params` in the layout `shardings`, matrices in the compute dtype (timed)."""
     dtypes = compute_dtypes(self.cfg.model, params)
