@@ -154,7 +154,7 @@ def measure_scoring(p: Point, mesh, actor) -> dict:
   import jax.numpy as jnp
 
   from train.preflight.dry_run import scoring_footprint
-  from train.loop.scoring import logprobs, scorer
+  from train.loop.passes import logprobs, scorer
   from train.roles.role import ModelRole
   cfg = config(p)
   rl = cfg.rl

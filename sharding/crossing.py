@@ -167,30 +167,46 @@ class Mailbox:
 class ProcessSplit:
   """The trainer's processes and the sampler's, apart: each generator replica's real mesh (one
   unless `placement.sampler_replicas`; the same shape each), and their `mirror` over the
-  trainer's devices (where the trainer keeps its copy of the sampler's weights and evaluates)."""
+  trainer's devices (where the trainer keeps its copy of the sampler's weights and evaluates).
+  `scorer`: the reference's mesh where it stands on processes of its own
+  (`placement.reference_apart`), `trainer` the actor's (its shape: both ends of its crossings)."""
   replicas: tuple[Mesh, ...]
   mirror: Mesh
+  scorer: Mesh | None = None
+  trainer: Mesh | None = None
 
   @property
   def sampler_processes(self) -> frozenset[int]:
     return frozenset().union(*map(self.processes, range(len(self.replicas))))
 
   @property
+  def scorer_processes(self) -> frozenset[int]:
+    return frozenset() if self.scorer is None else _processes(self.scorer)
+
+  @property
   def trainer_processes(self) -> frozenset[int]:
-    """The processes that are not the sampler's: the trainer's (and the scoring roles')."""
-    return frozenset(range(jax.process_count())) - self.sampler_processes
+    """The processes that are neither the sampler's nor the reference's apart: the trainer's
+    (and the other scoring roles')."""
+    return (frozenset(range(jax.process_count())) - self.sampler_processes
+            - self.scorer_processes)
 
   @property
   def here(self) -> str:
-    """This process's group: "sampler" or "trainer"."""
-    return "sampler" if jax.process_index() in self.sampler_processes else "trainer"
+    """This process's group: "sampler", "scorer" or "trainer"."""
+    me = jax.process_index()
+    return ("sampler" if me in self.sampler_processes else
+            "scorer" if me in self.scorer_processes else "trainer")
 
   def replica_of(self, process: int) -> int | None:
     """The generator replica `process` serves (None: the trainer's)."""
     return next((r for r in range(len(self.replicas)) if process in self.processes(r)), None)
 
   def processes(self, replica: int) -> frozenset[int]:
-    return frozenset(d.process_index for d in self.replicas[replica].devices.flat)
+    return _processes(self.replicas[replica])
+
+
+def _processes(mesh: Mesh) -> frozenset[int]:
+  return frozenset(d.process_index for d in mesh.devices.flat)
 
 
 def sampler_apart(meshes: dict[str, Mesh]) -> bool:
@@ -208,12 +224,16 @@ def process_split(meshes: dict[str, Mesh], replicas: list[Mesh] | None = None) -
   process runs every program)."""
   if jax.process_count() == 1 or not sampler_apart(meshes):
     return None
-  return ProcessSplit(tuple(replicas or [meshes["sampler"]]), trainers_mirror(meshes))
+  apart = _processes(meshes["reference"]).isdisjoint(_processes(meshes["actor"]))
+  return ProcessSplit(tuple(replicas or [meshes["sampler"]]), trainers_mirror(meshes),
+                      meshes["reference"] if apart else None, meshes["actor"])
 
 
 def trainers_mirror(meshes: dict[str, Mesh]) -> Mesh:
-  """The sampler's mesh shape over the other roles' devices, host-major: where the trainer keeps
-  its copy of the sampler's weights when the sampler is apart (each generator's shape alike)."""
+  """The sampler's mesh shape over the trainer's devices (the roles' on the actor's processes),
+  host-major: where the trainer keeps its copy of the sampler's weights when the sampler is
+  apart (each generator's shape alike)."""
+  hosts = _processes(meshes["actor"])
   trainer = host_major_devices({d for role, m in meshes.items() if role != "sampler"
-                                for d in m.devices.flat})
+                                for d in m.devices.flat if d.process_index in hosts})
   return mirror(meshes["sampler"], trainer)

@@ -141,6 +141,19 @@ def _check_mirror(train_devices: int, per_generator: int, local: int) -> None:
         f"generator, or one host ({local} devices)")
 
 
+def _check_reference_apart(whole: bool, strategy: str, n_devices: int, train_devices: int,
+                           local: int) -> None:
+  """The reference on devices of its own, as many as the trainer's (on several hosts, whole
+  hosts), the sampler some after them."""
+  if strategy != "separate" or not (whole or local == n_devices) or 2 * train_devices >= n_devices:
+    raise PlacementError(
+        f"placement.reference_apart: the reference stands on devices of its own (on several "
+        f"hosts, hosts of its own), as many as the trainer's, after them: "
+        f"placement.strategy='separate' with train_devices a multiple of each host's {local} "
+        f"devices and twice it below the {n_devices} devices (the sampler takes the rest); got "
+        f"strategy={strategy!r}, train_devices={train_devices}")
+
+
 def _split_error(strategy: str, train_devices: int, n_devices: int, n_hosts: int) -> str:
   """Why `train_devices` cannot split `n_devices` for `strategy`, what would, and the preset
   that needs no split."""
@@ -157,28 +170,34 @@ def _split_error(strategy: str, train_devices: int, n_devices: int, n_hosts: int
 
 def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler_tensor: int = 1,
                    n_hosts: int = 1, train_fsdp: int = 0, one_network: bool = False,
-                   replicas: int = 1) -> Placement:
+                   replicas: int = 1, reference_apart: bool = False) -> Placement:
   """The preset for `strategy`; `train_devices` counts devices over all hosts. `train_fsdp`: the
   trainer's fsdp degree, the rest of its devices data-parallel; 0: all of them where the hosts
   share one network of chips (`one_network`: a TPU slice's ICI), else one host's. `replicas`:
-  independent generators, each on whole hosts of the sampler's (`separate` on hosts of its own)."""
+  independent generators, each on whole hosts of the sampler's (`separate` on hosts of its own).
+  `reference_apart`: the reference on the `train_devices` after the trainer's (hosts of its
+  own), its mesh the trainer's shape, so that the batch and its log-probs cross as they are."""
   if strategy not in STRATEGIES:
     raise PlacementError(f"placement.strategy: expected one of {list(STRATEGIES)}, got {strategy!r}")
   if n_devices % n_hosts:
     raise PlacementError(f"placement: {n_devices} devices do not split over {n_hosts} hosts")
   everything, local = tuple(range(n_devices)), n_devices // n_hosts
   whole = whole_hosts(strategy, n_devices, train_devices=train_devices, n_hosts=n_hosts)
-  _check_replicas(replicas, whole, n_devices - train_devices, local)
+  apart = train_devices if reference_apart else 0  # the reference's own devices
+  if reference_apart:
+    _check_reference_apart(whole, strategy, n_devices, train_devices, local)
+  _check_replicas(replicas, whole, n_devices - train_devices - apart, local)
   if strategy == "colocate":
     train, rest = everything, everything
     sampler_devices = everything
   else:
     if not whole and (train_devices % n_hosts or not 0 < train_devices < n_devices):
       raise PlacementError(_split_error(strategy, train_devices, n_devices, n_hosts))
-    if whole:
-      _check_mirror(train_devices, (n_devices - train_devices) // replicas, local)
-      train, rest = everything[:train_devices], everything[train_devices:]
-      n_hosts = train_devices // local  # the trainer's
+    if whole or apart:  # (apart on one host: devices of its own)
+      if whole:
+        _check_mirror(train_devices, (n_devices - train_devices - apart) // replicas, local)
+        n_hosts = train_devices // local  # the trainer's
+      train, rest = everything[:train_devices], everything[train_devices + apart:]
     elif one_network and n_hosts > 1:
       raise PlacementError(
           f"placement.strategy: {strategy} on {n_hosts} hosts of a TPU slice gives each role "
@@ -199,6 +218,8 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
   roles = {"actor": trainer, "critic": trainer, "reference": trainer, "reward": trainer,
            "sampler": RoleSpec(groups[0], _mesh(data=per // sampler_tensor,
                                                  tensor=sampler_tensor))}
+  if reference_apart:
+    roles["reference"] = RoleSpec(everything[train_devices:train_devices + apart], trainer.mesh)
   if strategy == "interleave":
     half = len(rest) // 2
     if half == 0:
@@ -224,6 +245,9 @@ def validate(placement: Placement, n_devices: int) -> None:
   if placement.strategy == "separate":
     train = set(placement.roles["actor"].devices)
     sampler = set(sum(placement.replicas, placement.roles["sampler"].devices))
+    if sampler & set(placement.roles["reference"].devices):
+      raise PlacementError(f"sampler: separate placement overlaps the reference on devices "
+                           f"{sorted(sampler & set(placement.roles['reference'].devices))}")
     if train & sampler:
       raise PlacementError(f"sampler: separate placement overlaps the actor on devices "
                            f"{sorted(train & sampler)}")

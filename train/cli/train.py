@@ -52,8 +52,8 @@ def _start(argv: list[str]):
     cfg = with_gin(raw, gin_files, gin_params)
     if opts["dry_run"]:
       return _dry_run(cfg, opts["target"], opts["target_json"])
-    if _serves_the_sampler(cfg):
-      from train.run.sampler_host import serve
+    if _serves_a_group_apart(cfg):
+      from train.run.apart import serve
       return serve(cfg)
     return Experiment(cfg, resume_run=opts["resume"] or opts["resume_or_start"],
                       start_if_none=opts["resume_or_start"])
@@ -64,15 +64,15 @@ def _start(argv: list[str]):
 RESUMING = ("--resume", "--resume_or_start")
 
 
-def _release_samplers() -> None:
+def _release_groups() -> None:
   from sharding.distributed import kv_client
   if kv_client() is not None:  # (a job of several processes was joined)
-    from train.rollout.remote import release_samplers
-    release_samplers()
+    from train.roles.link import release_groups
+    release_groups()
 
 
-def _serves_the_sampler(cfg) -> bool:
-  """A process the placement gives only to the sampler (train/rollout/remote.py)."""
+def _serves_a_group_apart(cfg) -> bool:
+  """A process the placement gives only to the sampler or to the reference (train/roles/link.py)."""
   import jax
   if jax.process_count() == 1:
     return False
@@ -84,11 +84,12 @@ def _serves_the_sampler(cfg) -> bool:
     several = len(split.replicas) > 1
     for p in range(jax.process_count()):
       r = split.replica_of(p)
-      job().groups[p] = ("the trainer's" if r is None else f"generator {r}'s" if several
+      job().groups[p] = ("the reference's" if p in split.scorer_processes else
+                         "the trainer's" if r is None else f"generator {r}'s" if several
                          else "the sampler's")
       if several and r is not None:  # (one that dies is dropped: sharding/distributed.py)
         job().replicas[p] = r
-  return split is not None and split.here == "sampler"
+  return split is not None and split.here != "trainer"
 
 
 def _dry_run(cfg, target: str, target_json: str) -> int:
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     return compile_guard.run([sys.executable, "-m", "train.cli.train", *argv[1:]])
   exp = _start(argv)
   if isinstance(exp, int):
-    _release_samplers()  # (a trainer that stopped early: the sampler's processes leave too)
+    _release_groups()  # (a trainer that stopped early: the groups apart leave too)
     return exp
   import jax
 

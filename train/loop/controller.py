@@ -56,7 +56,7 @@ class Controller:
       raise ConfigError(f"config.rl.batching.pack_length: at least a row's {task.prompt_len} "
                         f"prompt + {new} new tokens, got {pack}")
     self.scoring = Scoring(cfg.rl, cluster, actor, critic, judge, self.executors,
-                           transfers=transfers)
+                           transfers=transfers, link_of=lambda: self.worker.link)
     items = offload_items(cfg.placement.offload)
     self.offload = Offloader(items, cluster, [actor, critic], timeline) if items else None
 

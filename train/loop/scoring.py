@@ -13,15 +13,15 @@ from jaxrl.data.pipeline import bucket_length
 from train.io.host_transfers import HostTransfers
 from train.loop.executors import Executors
 from train.loop.experience import make_experience, trim_rollout
+from train.loop.passes import logprobs, packed_scorer, scorer
+from train.loop.remote_reference import RemoteReference
 from train.roles.cluster import RoleCluster
 from train.roles.learner import Learner
 from train.task.reward import Judge
-from train.updates.batching import map_minibatches
 from sharding.reshard import move
 from sharding.rules import batch_ways
 from train.updates import packing
-from train.updates.forward import completion_logprobs, completion_values, sequence_scores
-from train.updates.packing import packed_logprobs
+from train.updates.forward import completion_values, sequence_scores
 
 
 def _moved(role, rollout, *, mask: bool = True, routes: bool = False) -> tuple:
@@ -39,43 +39,18 @@ def _on(role, fn, arrays: tuple):
   return fn(role.params, *arrays)
 
 
-def logprobs(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_len: int):
-  """The completion tokens' log-probs (completion_logprobs without its entropies)."""
-  return completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, routes_BTLK)[0]
-
-
-def packed_scorer(cfg: RLConfig, role):
-  """`scorer(cfg, role, logprobs)` over packed rows: (params, tokens [B, T], completion mask
-  [B, N], pack[, routes]) -> [B, N], piece p of the pack holding rows p, p + n, ..."""
-  n = cfg.rollouts // cfg.pass_rows
-
-  def score(params, tokens_BT, mask_BN, pack, *routes):
-    return map_minibatches(lambda mb: packed_logprobs(role.graphdef, params, *mb)[0],
-                           (tokens_BT, pack, mask_BN, *routes), n)
-  return role.jit(score)
-
-
-def scorer(cfg: RLConfig, role, fn):
-  """`fn` (logprobs, completion_values) over a rollout batch on `role`'s mesh, jitted:
-  (params, tokens [B, T], valid [B, T], completion mask [B, N][, routes [B, T, L, k]]) ->
-  [B, N], in the update's pieces of `cfg.pass_rows` rows."""
-  n = cfg.rollouts // cfg.pass_rows
-
-  def score(params, tokens_BT, valid_BT, mask_BN, *routes):  # the prompt length: the shapes
-    p_len = tokens_BT.shape[1] - mask_BN.shape[1]
-    return map_minibatches(lambda mb: fn(role.graphdef, params, *mb, prompt_len=p_len),
-                           (tokens_BT, valid_BT, *routes), n)
-  return role.jit(score)
-
-
 class Scoring:
 
   def __init__(self, cfg: RLConfig, cluster: RoleCluster, actor: Learner, critic: Learner | None,
-               judge: Judge, executors: Executors, *, transfers: HostTransfers | None = None):
-    """`transfers`: the run's named host transfers (rewards up, rows' lengths down)."""
+               judge: Judge, executors: Executors, *, transfers: HostTransfers | None = None,
+               link_of=None):
+    """`transfers`: the run's named host transfers (rewards up, rows' lengths down);
+    `link_of()`: the session's link to the groups apart (the reference's, where it is one)."""
     self.cfg, self.actor, self.critic, self.judge, self.ex = cfg, actor, critic, judge, executors
     self.transfers = HostTransfers() if transfers is None else transfers
     self.reference, self.reward_model = cluster.get("reference"), cluster.get("reward")
+    self.remote = (RemoteReference(self.reference, link_of) if "reference" in cluster.apart
+                   else None)
     # (reference, old) log-prob passes over the [B, T] batch, and over packed rows
     self.logprob_fns = {packed: tuple(packed_scorer(cfg, r) if packed else scorer(cfg, r, logprobs)
                                       for r in (self.reference, actor.role))
@@ -157,12 +132,11 @@ class Scoring:
     scored = (None if self.reward_model is None else
               _moved(self.reward_model, rollout, mask=False))
     ref_fn, old_fn = self.logprob_fns[pack is not None]
+    ref_in = self._inputs(self.reference, rollout, packs.get(self.reference))
     calls = {"reward": (ex.reward, (self._rewards, rollout, examples_B, verified_B, scored),
                         "score"),
-             "ref": (ex.reference, (_on, self.reference, ref_fn,
-                                    self._inputs(self.reference, rollout,
-                                                 packs.get(self.reference))),
-                     "ref logprobs")}
+             "ref": (ex.reference, (_on, self.reference, ref_fn, ref_in) if self.remote is None
+                     else (self.remote.logprobs, ref_in, pack is not None), "ref logprobs")}
     if self.cfg.needs_old_logprobs:
       calls["old"] = (ex.trainer, (_on, self.actor.role, old_fn,
                                    self._inputs(self.actor.role, rollout,

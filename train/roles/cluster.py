@@ -52,6 +52,8 @@ class RoleCluster:
         replica = self.split.replica_of(jax.process_index())
         self.meshes["sampler"] = (self.split.mirror if replica is None  # the trainer's copy
                                   else self.split.replicas[replica])  # this generator's
+        if self.split.scorer is not None and self.split.here != "scorer":
+          self.meshes["reference"] = self.meshes["actor"]  # the trainer's copy (host memory)
       self.actor = self._actor_role()
       plain = self._shape("actor")[0] if cfg.lora.enabled else None  # without adapters
       self.sampler_weights = SamplerWeights(cfg, self.actor, self.meshes["sampler"], plain,
@@ -64,6 +66,9 @@ class RoleCluster:
     check_batch_sizes(cfg, self)
     self.roles: dict[str, ModelRole] = {"actor": self.actor}
     self.shared: set[str] = set()  # roles whose parameters are the actor's own arrays
+    # roles whose passes run on processes of their own (train/loop/remote_reference.py)
+    self.apart = {"reference"} if self.split is not None and self.split.scorer is not None \
+        else set()
     if initialize:
       self.initialize_actor()  # the sampler's copy follows on first use (`sampler_weights.fresh`)
 
@@ -169,8 +174,9 @@ class RoleCluster:
   def reference_shares_base(self, reference: ModelRole) -> bool:
     """Whether `reference` can hold the actor's own base: LoRA, and the same layout (mesh,
     shardings, dtypes)."""
-    return self.cfg.lora.enabled and jax.tree.leaves(reference.abstract()) == jax.tree.leaves(
-        self.plain(self.actor.abstract()))
+    return (self.cfg.lora.enabled and "reference" not in self.apart
+            and jax.tree.leaves(reference.abstract()) == jax.tree.leaves(
+                self.plain(self.actor.abstract())))
 
   def get(self, name: str) -> ModelRole | None:
     return self.roles.get(name)
@@ -180,6 +186,8 @@ class RoleCluster:
     program) and its processes."""
     if self.split is None:
       return "all", frozenset(range(jax.process_count()))
+    if self.split.here == "scorer":
+      return "reference", self.split.scorer_processes
     replica = self.split.replica_of(jax.process_index())
     if replica is None:
       return "trainer", self.split.trainer_processes
@@ -236,7 +244,8 @@ def _placement(cfg: ExperimentConfig, devices):
   build = lambda t: make_placement(pl.strategy, len(devices), train_devices=pl.train_devices,
                                    sampler_tensor=t, n_hosts=host_count(devices),
                                    train_fsdp=pl.train_fsdp, one_network=one_network,
-                                   replicas=pl.sampler_replicas)
+                                   replicas=pl.sampler_replicas,
+                                   reference_apart=pl.reference_apart)
   if pl.sampler_tensor or tensor == 1:
     if not pl.sampler_tensor:
       m = cfg.model

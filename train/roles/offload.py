@@ -51,8 +51,8 @@ class Offloader:
     self.seconds = 0.0
 
   def _frozen_roles(self):
-    return [r for name, r in self.cluster.roles.items()
-            if name in ("reference", "reward") and name not in self.cluster.shared]
+    return [r for name, r in self.cluster.roles.items() if name in ("reference", "reward")
+            and name not in self.cluster.shared | self.cluster.apart]
 
   def _move(self, item: str, kind: str) -> None:
     start, size = time.perf_counter(), 0

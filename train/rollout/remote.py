@@ -4,24 +4,21 @@ run different programs, and meet only where the schedule says.
 Where the placement gives the sampler whole processes (`separate` on several hosts,
 sharding/placement.py), the sampler's processes run `SamplerHost.serve` instead of the
 experiment: the worker of one process (train/rollout/worker.py, partial.py: whole batches or
-partial rollouts, either schedule) on the sampler's mesh, driven by requests. The trainer's
-processes run the experiment as on one process, with a `RemoteWorker` in the worker's place;
-their copy of the sampler's weights, and the evaluation, are on `mirror` of the sampler's mesh
-over the trainer's devices (sharding/crossing.py), from where each push crosses as it is.
+partial rollouts, either schedule) on the sampler's mesh, driven by requests (start, batch,
+weights, pause, resume, close) through the job's request service (train/roles/link.py). The
+trainer's processes run the experiment as on one process, with a `RemoteWorker` in the worker's
+place; their copy of the sampler's weights, and the evaluation, are on `mirror` of the sampler's
+mesh over the trainer's devices (sharding/crossing.py), from where each push crosses as it is.
 
-Control: the trainer's first process decides what is asked. It posts numbered requests
-(start, batch, weights, pause, resume, close) in the coordination service's key-value store;
-every process of both groups handles request n after n - 1, so the crossings (the weights one
-way, each batch and a paused generator's state the other) come in the same order everywhere.
 The generator's first process answers each request with what the trainer needs on the host
 (a batch's index, version and token versions; an error), and decides for its group what timing
 decides (`Worker.agreed`: which weights a batch or segment decodes with, when a batch opens);
 the others take its choices (train/rollout/decisions.py). With several generators
 (`placement.sampler_replicas`) each serves its own requests in the one numbering and takes part
-in the others' crossings with nothing to send (train/rollout/replicas.py). Only two waits join
-the groups: the trainer's for its next batch, and the generator's for a push its schedule says
-to wait for (the fixed schedule's). A dead process ends the job through the coordination
-service's heartbeat, except one generator of several: it is dropped (replicas.py).
+in the others' crossings (train/rollout/replicas.py). Only two waits join the groups: the
+trainer's for its next batch, and the generator's for a push its schedule says to wait for (the
+fixed schedule's). A dead process ends the job through the coordination service's heartbeat,
+except one generator of several: it is dropped (replicas.py).
 """
 from __future__ import annotations
 
@@ -35,13 +32,12 @@ import numpy as np
 from jaxrl.config import ConfigError
 from sampler.engine import Rollout
 from sharding import crossing
-from sharding.distributed import (explained_by_a_lost_peer, from_env, from_the_runtime, job,
-                                  kv_client)
+from sharding.distributed import explained_by_a_lost_peer, from_env, from_the_runtime, job
+from train.roles.link import GroupHost, Link
 from train.rollout.decisions import Decisions
 from train.rollout.worker import RolloutBatch, RolloutWorkerError, WorkerState
 
 log = logging.getLogger("jaxrl")
-EXIT_KEY = "jaxrl/sampler/exit"  # set by the trainer's first process when it is done
 
 
 def _leaves(params) -> dict:
@@ -77,39 +73,18 @@ class GeneratorLost(Exception):
     self.replica = replica
 
 
-class Link:
-  """One session's requests and replies (to every generator replica: one numbering, so that
-  every process calls every crossing in the same order, JAX's way of matching their ends), and
-  the meshes its crossings join."""
-
-  def __init__(self, split):
-    """The job's next session (sharding/distributed.py `Job`: both groups number them alike)."""
-    self.split, self.n, self.name = split, 0, f"sampler/{job().next_session()}"
-    self.requests = crossing.Mailbox(f"{self.name}/request")
-    self.replies = crossing.Mailbox(f"{self.name}/reply")
-    self.arrivals = crossing.Mailbox(f"{self.name}/arrived")  # (`pulled`)
-
-  def mesh(self, replica: int):
-    return self.split.replicas[replica]
-
-  def pulled(self, ok: bool) -> bool:
-    """Whether every trainer process pulled the last reply's arrays in full (each says `ok`)."""
-    me, n = jax.process_index(), self.n - 1
-    self.arrivals.post(f"{n}/{me}", {"ok": ok})
-    return all(self.arrivals.take(f"{n}/{p}")["ok"] for p in sorted(self.split.trainer_processes))
-
-
 class RemoteWorker:
   """The trainer's side: what the controller asks of a worker (`get`, `update_weights`,
   `paused`, `close`, `version`), served by the generator's processes."""
 
   def __init__(self, link: Link, prompts, params, *, version: int, state: WorkerState | None,
-               timeline, replica: int = 0, **worker):
+               timeline, replica: int = 0, ends: bool = True, **worker):
     """`link`: the session's; `params`: the first weights, on the mirror; `timeline`: where
-    the generator's busy intervals go; `replica`: which generator; `worker`: the worker's
-    settings (start_index, schedule, max_staleness, seed, stride)."""
+    the generator's busy intervals go; `replica`: which generator; `ends`: its `close` ends
+    the session (the only worker of it); `worker`: the worker's settings (start_index,
+    schedule, max_staleness, seed, stride)."""
     self._link, self._prompts, self._version = link, prompts, version
-    self._replica = replica
+    self._replica, self._ends = replica, ends
     self._timeline = timeline
     self._like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     arrays = {"params": _leaves(params)}
@@ -126,16 +101,15 @@ class RemoteWorker:
   def replica(self) -> int:
     return self._replica
 
+  @property
+  def link(self) -> Link:
+    return self._link
+
   def _request(self, message: dict, arrays: dict | None = None) -> dict | None:
     """Posts request n (the first process), sends `arrays` (every process), and returns the
     generator's reply where the request has one."""
     link = self._link
-    message["replica"] = self._replica
-    if arrays is not None:
-      message["arrays"] = crossing.send(arrays, link.mesh(self._replica))
-    if jax.process_index() == 0:
-      link.requests.post(link.n, message)
-    link.n += 1
+    link.post({**message, "replica": self._replica}, arrays)
     if message["op"] not in ("batch", "pause"):
       return None
     lost = lambda: {"lost": self._replica} if self._replica in job().dropped else None  # noqa
@@ -201,92 +175,47 @@ class RemoteWorker:
 
   def close(self) -> None:
     self._request({"op": "close"})
+    if self._ends:
+      self._link.end()
 
 
-def release_samplers() -> None:
-  """The trainer is done: the generator's processes leave their loop (the trainer's first
-  process says it; a no-op elsewhere)."""
-  if jax.process_index() == 0 and kv_client() is not None:
-    kv_client().key_value_set(EXIT_KEY, "1", allow_overwrite=True)
-
-
-class SamplerHost:
+class SamplerHost(GroupHost):
   """The sampler's side: `serve()` runs the workers the trainer starts until it is done."""
 
   def __init__(self, ctx, make_worker):
     """`ctx`: the run's context on these processes (train/stages/context.py), its cluster
     abstract: what a worker needs (prompts, generator, the sampler's weights' layout);
     `make_worker`: train/rollout/source.py's."""
-    self.ctx, self.split, self._make_worker = ctx, ctx.cluster.split, make_worker
-    self.replica = self.split.replica_of(jax.process_index())  # (this process's generator)
+    super().__init__(ctx.cluster.split)
+    self.ctx, self._make_worker = ctx, make_worker
+    self.replica = self.target = self.split.replica_of(jax.process_index())  # (its generator)
     self.mesh, group = self.split.replicas[self.replica], self.split.processes(self.replica)
     self.leader, self.several = jax.process_index() == min(group), len(group) > 1
-    self.worker, self.link, self.decisions = None, None, None
+    self.worker, self.decisions, self.failed = None, None, None
     self._spans_sent = 0  # the timeline's events the trainer has (its generator's busy time)
     self._held = contextlib.ExitStack()  # a pause the trainer asked for, until it resumes
 
-  def serve(self) -> int:
-    """Workers, one per session the trainer starts, until the trainer says it is done."""
-    while (link := self._next_session()) is not None:
-      self._session(link)
-    return 0
-
-  def _next_session(self) -> Link | None:
-    """The trainer's next worker (None: the trainer is done)."""
-    link = Link(self.split)
-    while True:
-      try:
-        link.requests.take(0, poll_s=2.0, timeout_s=2.0)
-        return link
-      except TimeoutError:
-        try:
-          kv_client().key_value_try_get(EXIT_KEY)
-          return None
-        except Exception:  # noqa: BLE001 - not set: the trainer is still at work
-          continue
-
-  def _session(self, link: Link) -> None:
-    """Request after request until "close"; a failure answers the next request that has a
-    reply (the trainer raises it), and every one after it."""
-    self.link, failed = link, None
-    while True:
-      request = link.requests.take(link.n)
-      op = request["op"]
-      if request["replica"] != self.replica:
-        self._bystander(request)
-        link.n += 1
-        continue
-      try:
-        reply = failed if failed and op != "close" else getattr(self, "_" + op)(request)
-      except Exception as e:  # noqa: BLE001 - the trainer raises it, named
-        if from_the_runtime(e):  # (a dead peer's collective: the peer watch's line, and exit)
-          explained_by_a_lost_peer()
-        log.exception("sampler: %s failed", op)
-        user = next((c for c in (e, e.__cause__) if isinstance(c, ConfigError)), None)
-        reply = failed = ({"error": str(user), "config": True} if user is not None else
-                          {"error": f"{op}: {type(e).__name__}: {e}"})
-      if self.leader and op in ("batch", "pause"):
-        link.replies.post(link.n, reply)
-      link.n += 1
-      if op == "close":
-        return
-
-  def _bystander(self, request: dict) -> None:
-    """Another generator's request: this process calls its crossings too (with nothing to send
-    or keep), so that every process counts every crossing alike."""
-    other = self.split.replicas[request["replica"]]
-    if "arrays" in request:
-      crossing.receive(request["arrays"], self.split.mirror, other)
-    if request["op"] in ("batch", "pause"):
-      reply = self.link.replies.take(self.link.n)
-      if "arrays" in reply:
-        crossing.receive(reply["arrays"], other, self.split.mirror)
-
-  def _arrived(self, request: dict) -> dict:
-    return crossing.receive(request["arrays"], self.split.mirror, self.mesh)
+  def serve_request(self, request: dict) -> None:
+    """One of this generator's requests; a failure answers the next request that has a reply
+    (the trainer raises it), and every one after it."""
+    op, link = request["op"], self.link
+    if op == "start":
+      self.failed = None
+    try:
+      reply = (self.failed if self.failed and op != "close" else
+               getattr(self, "_" + op)(request))
+    except Exception as e:  # noqa: BLE001 - the trainer raises it, named
+      if from_the_runtime(e):  # (a dead peer's collective: the peer watch's line, and exit)
+        explained_by_a_lost_peer()
+      log.exception("sampler: %s failed", op)
+      user = next((c for c in (e, e.__cause__) if isinstance(c, ConfigError)), None)
+      reply = self.failed = ({"error": str(user), "config": True} if user is not None else
+                             {"error": f"{op}: {type(e).__name__}: {e}"})
+    if self.leader and op in ("batch", "pause"):
+      link.replies.post(link.n, reply)
 
   def _start(self, request: dict) -> None:
-    arrays = self._arrived(request)
+    arrays = self.arrived(request)
     weights = self.ctx.cluster.sampler_weights.abstract()
     params = _unleaves(weights, arrays["params"])
     state = None
@@ -315,7 +244,7 @@ class SamplerHost:
 
   def _weights(self, request: dict) -> None:
     like = self.ctx.cluster.sampler_weights.abstract()
-    params = _unleaves(like, self._arrived(request)["params"])
+    params = _unleaves(like, self.arrived(request)["params"])
     self.worker.update_weights(params, request["version"])
 
   def _pause(self, request: dict) -> dict:

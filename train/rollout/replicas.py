@@ -22,7 +22,8 @@ import contextlib
 import logging
 
 from jaxrl.config import ConfigError
-from train.rollout.remote import GeneratorLost, Link, RemoteWorker
+from train.roles.link import Link
+from train.rollout.remote import GeneratorLost, RemoteWorker
 from train.rollout.worker import RolloutBatch, WorkerState
 
 log = logging.getLogger("jaxrl")
@@ -58,7 +59,12 @@ class Generators:
     n = len(self.live)
     return [RemoteWorker(link, params=self._params, version=self._version, state=states[k],
                          replica=r, start_index=start_index + (k - start_index) % n, stride=n,
-                         **self._make) for k, r in enumerate(self.live)]
+                         ends=False, **self._make) for k, r in enumerate(self.live)]
+
+  @property
+  def link(self) -> Link:
+    """The session's (train/roles/link.py)."""
+    return self.workers[0].link
 
   def _drop(self, lost: GeneratorLost) -> None:
     """The dead generator's batches, and the others', dealt again over the others, from the
@@ -68,6 +74,7 @@ class Generators:
     for worker in self.workers:
       if worker.replica != lost.replica:
         worker.close()
+    self.link.end()
     log.warning("generator %d is dropped; from batch %d on the batches are dealt over "
                 "generators %s", lost.replica, self._next, self.live)
     self.workers = self._start(Link(self._split), self._next, [None] * len(self.live))
@@ -108,6 +115,7 @@ class Generators:
   def close(self) -> None:
     for worker in self.workers:
       worker.close()
+    self.link.end()
 
 
 def _per_replica(state: WorkerState | None, n: int) -> list:

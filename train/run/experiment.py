@@ -33,7 +33,7 @@ from train.io.host_transfers import HostTransfers
 from train.io.metrics import MetricsWriter, plain_row, plot_metrics
 from train.io.tracking import Trackers, last_steps
 from train.roles.cluster import config_split
-from train.rollout.remote import release_samplers
+from train.roles.link import release_groups
 from train.run.hooks import Checkpoint, Evaluate, Log, NonFinite, Progress, StopRequest
 from train.run.resume import Resumed, latest_good, snapshot
 from train.run.sampling import Completion, sample
@@ -243,7 +243,7 @@ class Experiment:
       log.warning("%s", e)
     self.writer.close()
     if self.ctx.cluster.split is not None:
-      release_samplers()
+      release_groups()
     self.ctx.close()
     self.compiles.close()
 

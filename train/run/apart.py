@@ -1,6 +1,7 @@
-"""A process of the sampler's own (placement `separate` on whole hosts): it serves the async
-generator the trainer's processes start (train/rollout/remote.py) instead of running the
-experiment."""
+"""A process the placement gives to a group apart (`separate` on whole hosts): the sampler's,
+which serves the async generator the trainer's processes start (train/rollout/remote.py), or the
+reference's (`placement.reference_apart`, train/loop/remote_reference.py), instead of running
+the experiment."""
 from __future__ import annotations
 
 import contextlib
@@ -9,24 +10,28 @@ import signal
 
 from jaxrl.config_files import resolve
 from sharding.distributed import post_stop
+from train.loop.remote_reference import ReferenceHost
 from train.rollout.remote import SamplerHost
 from train.rollout.source import make_worker
 from train.stages.context import RunContext
 
 
 def serve(config) -> int:
-  """Builds what the generator needs (tokenizer, prompts, environments, the sampler's programs;
-  the models stay abstract) and serves the trainer until it is done; the exit code."""
+  """Builds what the group needs (tokenizer, prompts, environments, the sampler's or the
+  reference's programs; the models abstract) and serves the trainer until it is done; the exit
+  code."""
   cfg = resolve(config)
   with RunContext(cfg, "", initialize=False) as ctx, _stops_passed_on():
+    if ctx.cluster.split.here == "scorer":
+      return ReferenceHost(ctx).serve()
     return SamplerHost(ctx, make_worker).serve()
 
 
 @contextlib.contextmanager
 def _stops_passed_on():
   """SIGTERM / SIGINT here (a preemption reaches every host) become the job's stop request: the
-  trainer stops after its step, saves the generator's state with its checkpoint, and releases
-  these processes, which then exit 0."""
+  trainer stops after its step, saves a checkpoint (the generator's state brought over), and
+  releases these processes, which then exit 0."""
   def handle(signum, frame):
     name = signal.Signals(signum).name
     logging.getLogger("jaxrl").warning("%s: the trainer stops after its current step and saves "

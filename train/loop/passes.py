@@ -1,0 +1,39 @@
+"""The scoring passes over a rollout batch, jitted on a role's mesh: the log-probs of its
+completions (the reference's and the actor's old ones, over the [B, T] batch or its packed rows)
+and the critic's values (train/loop/scoring.py runs them; the reference apart's processes too,
+train/loop/remote_reference.py)."""
+from __future__ import annotations
+
+from jaxrl.config_rl import RLConfig
+from train.updates.batching import map_minibatches
+from train.updates.forward import completion_logprobs
+from train.updates.packing import packed_logprobs
+
+
+def logprobs(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_len: int):
+  """The completion tokens' log-probs (completion_logprobs without its entropies)."""
+  return completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, routes_BTLK)[0]
+
+
+def packed_scorer(cfg: RLConfig, role):
+  """`scorer(cfg, role, logprobs)` over packed rows: (params, tokens [B, T], completion mask
+  [B, N], pack[, routes]) -> [B, N], piece p of the pack holding rows p, p + n, ..."""
+  n = cfg.rollouts // cfg.pass_rows
+
+  def score(params, tokens_BT, mask_BN, pack, *routes):
+    return map_minibatches(lambda mb: packed_logprobs(role.graphdef, params, *mb)[0],
+                           (tokens_BT, pack, mask_BN, *routes), n)
+  return role.jit(score)
+
+
+def scorer(cfg: RLConfig, role, fn):
+  """`fn` (logprobs, completion_values) over a rollout batch on `role`'s mesh, jitted:
+  (params, tokens [B, T], valid [B, T], completion mask [B, N][, routes [B, T, L, k]]) ->
+  [B, N], in the update's pieces of `cfg.pass_rows` rows."""
+  n = cfg.rollouts // cfg.pass_rows
+
+  def score(params, tokens_BT, valid_BT, mask_BN, *routes):  # the prompt length: the shapes
+    p_len = tokens_BT.shape[1] - mask_BN.shape[1]
+    return map_minibatches(lambda mb: fn(role.graphdef, params, *mb, prompt_len=p_len),
+                           (tokens_BT, valid_BT, *routes), n)
+  return role.jit(score)

@@ -1,0 +1,113 @@
+"""The frozen reference on processes of its own (`placement.reference_apart`): its log-prob
+pass runs there, on a mesh of the trainer's shape, while the trainer computes its own.
+
+The trainer's processes keep the reference's weights in the trainer's layout, in pinned host
+memory (a checkpoint reads them there; a resumed run puts them back); the first scoring request
+after they change carries them across, and they leave the devices once its reply has come (the
+reference's processes have pulled them in full by then). Each request carries the batch as the
+reference's pass takes it (tokens, valid, completion mask; or the packed rows' plan) on the
+actor's mesh, which crosses as it is to the reference's mesh of the same shape, and the reply
+carries its [B, N] log-probs back: the same program on the same shapes, so the same numbers as
+on the trainer's devices. Requests go through the session's link (train/roles/link.py), so the
+generator's processes take part in these crossings too.
+"""
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from jaxrl.config import ConfigError
+from sharding import crossing
+from sharding.distributed import explained_by_a_lost_peer, from_the_runtime
+from train.loop.passes import logprobs, packed_scorer, scorer
+from train.roles.link import GroupHost
+from train.roles.offload import DEVICE, HOST
+from train.updates.packing import Pack
+
+log = logging.getLogger("jaxrl")
+
+
+def _leaves(tree) -> dict:
+  """A tree's leaves as a flat dict, in tree order (both ends know the tree)."""
+  return {str(i): x for i, x in enumerate(jax.tree.leaves(tree))}
+
+
+def _ordered(arrays: dict) -> list:
+  return [arrays[str(i)] for i in range(len(arrays))]
+
+
+def _inputs(arrays: dict, packed: bool) -> tuple:
+  """The pass's inputs from their leaves: (tokens, valid, mask) or (tokens, mask, pack)."""
+  leaves = _ordered(arrays)
+  return (*leaves[:2], Pack(*leaves[2:])) if packed else tuple(leaves)
+
+
+class RemoteReference:
+  """The trainer's side: `logprobs(inputs, packed)` as the reference's pass would return them
+  on the actor's mesh."""
+
+  def __init__(self, role, link_of):
+    """`role`: the trainer's copy of the reference (the actor's mesh); `link_of()`: the
+    session's link (the generator's worker has it)."""
+    self.role, self._link_of = role, link_of
+
+  def logprobs(self, inputs: tuple, packed: bool) -> jax.Array:
+    link, role = self._link_of(), self.role
+    arrays = {"inputs": _leaves(inputs)}
+    fresh = role.sent_version != role.version
+    if fresh:  # (from a restore, on the devices already; from RL's start, too)
+      role.move(DEVICE)
+      arrays["params"] = _leaves(role.params)
+    link.post({"op": "score", "replica": "reference", "packed": packed}, arrays)
+    reply = link.replies.take(link.n - 1)
+    if "error" in reply:
+      cause = ConfigError(reply["error"]) if reply.get("config") else None
+      raise RuntimeError(f"the reference's processes failed: {reply['error']}") from cause
+    home, there = link.ends("reference")
+    out = crossing.receive(reply["arrays"], there, home)["logprobs"]
+    if fresh:
+      role.move(HOST)
+      role.sent_version = role.version
+    return out
+
+
+class ReferenceHost(GroupHost):
+  """The reference's processes: each scoring request's pass, on the reference's mesh."""
+
+  target = "reference"
+
+  def __init__(self, ctx):
+    """`ctx`: the run's context on these processes (train/stages/context.py), its cluster
+    abstract; the reference's weights come with the first request."""
+    super().__init__(ctx.cluster.split)
+    self.role = ctx.cluster.add("reference", initialize=False)
+    self.leader = jax.process_index() == min(self.split.scorer_processes)
+    self.fns = {False: scorer(ctx.cfg.rl, self.role, logprobs),
+                True: packed_scorer(ctx.cfg.rl, self.role)}
+    self.failed = None
+
+  def serve_request(self, request: dict) -> None:
+    """A scoring request: its log-probs back, or the error (every later request answers it)."""
+    reply = self.failed
+    if reply is None:
+      try:
+        reply = self._score(request)
+      except Exception as e:  # noqa: BLE001 - the trainer raises it, named
+        if from_the_runtime(e):  # (a dead peer's collective: the peer watch's line, and exit)
+          explained_by_a_lost_peer()
+        log.exception("reference: scoring failed")
+        reply = self.failed = {"error": f"{type(e).__name__}: {e}"}
+    if self.leader:
+      self.link.replies.post(self.link.n, reply)
+
+  def _score(self, request: dict) -> dict:
+    arrays = self.arrived(request)
+    if "params" in arrays:
+      log.info("reference: its weights arrived (%d arrays)", len(arrays["params"]))
+      like = self.role.abstract()
+      self.role.adopt(jax.tree.unflatten(jax.tree.structure(like), _ordered(arrays["params"])))
+    packed = request["packed"]
+    out = self.fns[packed](self.role.params, *_inputs(arrays["inputs"], packed))
+    home, _ = self.link.ends("reference")
+    return {"arrays": crossing.send({"logprobs": out}, home)}
