@@ -363,3 +363,29 @@ def test_a_mirror_has_the_other_sides_shard_shapes_and_descriptions_round_trip()
   with pytest.raises(ValueError, match="needs 4 devices on each side"):
     crossing.mirror(sampler, devices[:2])
   assert crossing.process_split({"sampler": sampler, "actor": mirrored}) is None  # one process
+
+
+APART = ("--config.rl.schedule.name=fixed", "--config.placement.reference_apart=True")
+
+
+@pytest.mark.slow
+def test_the_reference_on_processes_of_its_own_matches_one_process_and_resumes_exactly(tmp_path):
+  """3 processes of 2 devices: the trainer on the first, the reference on the second (each
+  batch and its log-probs crossing device to device), the generator on the third. The run ends
+  as the same meshes on one process of 6 devices do, bit for bit; a SIGTERM to the reference's
+  process mid-run saves a checkpoint (the reference's weights from the trainer's host memory),
+  every process exits 0, and the resumed run ends the same."""
+  three = dict(devices=2, n=3)
+  _finish(_launch(tmp_path, "apart", *APART, **three))
+  _one_process(tmp_path, "one", *APART, devices=6)
+  apart = _result(tmp_path, "apart")
+  assert apart == _result(tmp_path, "one")
+  assert any(r.get("kl", 0) > 0 for r in apart[1])  # the reference's log-probs came back
+  procs = _launch(tmp_path, "stopped", *APART, **three)
+  _at_rl_step(procs, tmp_path / "stopped", 2)
+  procs[1].send_signal(signal.SIGTERM)
+  for p, (_, err) in zip(procs, [p.communicate(timeout=120) for p in procs]):
+    assert p.returncode == 0, err[-3000:]
+  outs = _finish(_launch(tmp_path, "stopped", *APART, resume=True, **three))
+  assert "resumed from checkpoints/rl/" in outs[0][1]
+  assert _result(tmp_path, "stopped")[0] == apart[0]

@@ -85,7 +85,8 @@ class Executors:
     self.sampler = Executor("sampler", timeline, [d for m in sampler for d in m.devices.flat],
                             inline=inline)
     self.reward = ex("reward", cluster.meshes["reward"] if reward_model else None)
-    self.reference = ex("reference", cluster.meshes["reference"])
+    self.reference = ex("reference", cluster.split.scorer if "reference" in cluster.apart
+                        else cluster.meshes["reference"])  # (apart: its own processes' devices)
     self.critic = None if critic_mesh is None else ex("critic", critic_mesh)
     self.trainer = ex("trainer", cluster.meshes["actor"])
 
