@@ -70,6 +70,21 @@ def nest(pairs) -> dict:
   return out
 
 
+def numbered(tree) -> dict:
+  """A tree's leaves as a flat dict {"0": leaf, ...}, in tree order (both ends know the tree)."""
+  return {str(i): x for i, x in enumerate(jax.tree.leaves(tree))}
+
+
+def in_order(arrays: dict) -> list:
+  """`numbered`'s leaves, in order."""
+  return [arrays[str(i)] for i in range(len(arrays))]
+
+
+def unnumbered(like, arrays: dict):
+  """The tree shaped like `like` from its `numbered` leaves."""
+  return jax.tree.unflatten(jax.tree.structure(like), in_order(arrays))
+
+
 def describe(arrays: dict) -> dict:
   """{path: [shape, dtype, spec]} of a nested dict of arrays (string keys): JSON."""
   return {path: [list(x.shape), str(x.dtype), _spec(x)] for path, x in flat(arrays)}

@@ -28,18 +28,9 @@ from train.updates.packing import Pack
 log = logging.getLogger("jaxrl")
 
 
-def _leaves(tree) -> dict:
-  """A tree's leaves as a flat dict, in tree order (both ends know the tree)."""
-  return {str(i): x for i, x in enumerate(jax.tree.leaves(tree))}
-
-
-def _ordered(arrays: dict) -> list:
-  return [arrays[str(i)] for i in range(len(arrays))]
-
-
 def _inputs(arrays: dict, packed: bool) -> tuple:
   """The pass's inputs from their leaves: (tokens, valid, mask) or (tokens, mask, pack)."""
-  leaves = _ordered(arrays)
+  leaves = crossing.in_order(arrays)
   return (*leaves[:2], Pack(*leaves[2:])) if packed else tuple(leaves)
 
 
@@ -54,11 +45,11 @@ class RemoteReference:
 
   def logprobs(self, inputs: tuple, packed: bool) -> jax.Array:
     link, role = self._link_of(), self.role
-    arrays = {"inputs": _leaves(inputs)}
+    arrays = {"inputs": crossing.numbered(inputs)}
     fresh = role.sent_version != role.version
     if fresh:  # (from a restore, on the devices already; from RL's start, too)
       role.move(DEVICE)
-      arrays["params"] = _leaves(role.params)
+      arrays["params"] = crossing.numbered(role.params)
     link.post({"op": "score", "replica": "reference", "packed": packed}, arrays)
     reply = link.replies.take(link.n - 1)
     if "error" in reply:
@@ -105,8 +96,7 @@ class ReferenceHost(GroupHost):
     arrays = self.arrived(request)
     if "params" in arrays:
       log.info("reference: its weights arrived (%d arrays)", len(arrays["params"]))
-      like = self.role.abstract()
-      self.role.adopt(jax.tree.unflatten(jax.tree.structure(like), _ordered(arrays["params"])))
+      self.role.adopt(crossing.unnumbered(self.role.abstract(), arrays["params"]))
     packed = request["packed"]
     out = self.fns[packed](self.role.params, *_inputs(arrays["inputs"], packed))
     home, _ = self.link.ends("reference")

@@ -40,27 +40,17 @@ from train.rollout.worker import RolloutBatch, RolloutWorkerError, WorkerState
 log = logging.getLogger("jaxrl")
 
 
-def _leaves(params) -> dict:
-  """Weights as a flat dict of their leaves, in tree order (both sides know the tree)."""
-  return {str(i): x for i, x in enumerate(jax.tree.leaves(params))}
-
-
-def _unleaves(like, arrays: dict):
-  return jax.tree.unflatten(jax.tree.structure(like),
-                            [arrays[str(i)] for i in range(len(arrays))])
-
-
 def _state_arrays(state: WorkerState) -> dict:
   arrays = {k: v for k, v in state.arrays.items() if k != "params"}
   if "params" in state.arrays:
-    arrays["params"] = _leaves(state.arrays["params"])
+    arrays["params"] = crossing.numbered(state.arrays["params"])
   return arrays
 
 
 def _with_params(arrays: dict, like) -> dict:
   arrays = dict(arrays)
   if "params" in arrays:
-    arrays["params"] = _unleaves(like, arrays["params"])
+    arrays["params"] = crossing.unnumbered(like, arrays["params"])
   return arrays
 
 
@@ -87,7 +77,7 @@ class RemoteWorker:
     self._replica, self._ends = replica, ends
     self._timeline = timeline
     self._like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    arrays = {"params": _leaves(params)}
+    arrays = {"params": crossing.numbered(params)}
     if state is not None:
       arrays["state"] = _state_arrays(state)
     self._request({"op": "start", "version": version, "worker": worker,
@@ -160,7 +150,7 @@ class RemoteWorker:
                         None if versions is None else np.asarray(versions, np.int32))
 
   def update_weights(self, params, version: int) -> None:
-    self._request({"op": "weights", "version": version}, {"params": _leaves(params)})
+    self._request({"op": "weights", "version": version}, {"params": crossing.numbered(params)})
     self._version = version
 
   @contextlib.contextmanager
@@ -217,7 +207,7 @@ class SamplerHost(GroupHost):
   def _start(self, request: dict) -> None:
     arrays = self.arrived(request)
     weights = self.ctx.cluster.sampler_weights.abstract()
-    params = _unleaves(weights, arrays["params"])
+    params = crossing.unnumbered(weights, arrays["params"])
     state = None
     if request["state"] is not None:
       state = WorkerState(_with_params(arrays["state"], weights), request["state"])
@@ -244,7 +234,7 @@ class SamplerHost(GroupHost):
 
   def _weights(self, request: dict) -> None:
     like = self.ctx.cluster.sampler_weights.abstract()
-    params = _unleaves(like, self.arrived(request)["params"])
+    params = crossing.unnumbered(like, self.arrived(request)["params"])
     self.worker.update_weights(params, request["version"])
 
   def _pause(self, request: dict) -> dict:
