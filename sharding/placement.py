@@ -141,6 +141,13 @@ def _check_mirror(train_devices: int, per_generator: int, local: int) -> None:
         f"generator, or one host ({local} devices)")
 
 
+def _check_tensor(sampler_tensor: int, per_generator: int, replicas: int) -> None:
+  if per_generator % sampler_tensor:
+    raise PlacementError(
+        f"placement.sampler_tensor: the sampler's mesh axis tensor={sampler_tensor} does not "
+        f"divide its {per_generator} devices" + (" per generator" if replicas > 1 else ""))
+
+
 def _check_reference_apart(whole: bool, strategy: str, n_devices: int, train_devices: int,
                            local: int) -> None:
   """The reference on devices of its own, as many as the trainer's (on several hosts, whole
@@ -207,11 +214,7 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
     else:
       train, rest = _per_host_split(n_devices, n_hosts, train_devices // n_hosts)
     sampler_devices = train if strategy == "interleave" else rest
-  if len(sampler_devices) // replicas % sampler_tensor:
-    raise PlacementError(
-        f"placement.sampler_tensor: the sampler's mesh axis tensor={sampler_tensor} does not "
-        f"divide its {len(sampler_devices) // replicas} devices" + (" per generator" if
-                                                                    replicas > 1 else ""))
+  _check_tensor(sampler_tensor, len(sampler_devices) // replicas, replicas)
   trainer = RoleSpec(train, _trainer_mesh(len(train), n_hosts, train_fsdp, one_network))
   per = len(sampler_devices) // replicas
   groups = tuple(sampler_devices[k * per:(k + 1) * per] for k in range(replicas))
