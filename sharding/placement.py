@@ -152,13 +152,15 @@ def _check_reference_apart(whole: bool, strategy: str, n_devices: int, train_dev
                            local: int) -> None:
   """The reference on devices of its own, as many as the trainer's (on several hosts, whole
   hosts), the sampler some after them."""
-  if strategy != "separate" or not (whole or local == n_devices) or 2 * train_devices >= n_devices:
+  one_host = local == n_devices
+  if strategy != "separate" or not (whole or one_host) or 2 * train_devices >= n_devices:
+    multiple = "" if one_host else f" a multiple of each host's {local} devices and"
     raise PlacementError(
         f"placement.reference_apart: the reference stands on devices of its own (on several "
         f"hosts, hosts of its own), as many as the trainer's, after them: "
-        f"placement.strategy='separate' with train_devices a multiple of each host's {local} "
-        f"devices and twice it below the {n_devices} devices (the sampler takes the rest); got "
-        f"strategy={strategy!r}, train_devices={train_devices}")
+        f"placement.strategy='separate' with train_devices{multiple} below half of the "
+        f"{n_devices} devices (the sampler takes the rest); got strategy={strategy!r}, "
+        f"train_devices={train_devices}")
 
 
 def _split_error(strategy: str, train_devices: int, n_devices: int, n_hosts: int) -> str:
