@@ -124,6 +124,15 @@ def put(x: jax.Array, target, may_alias: bool = False) -> jax.Array:
     return _spread_put(x, target)
 
 
+def _aliases(moved: jax.Array, source: jax.Array) -> bool:
+  """Whether `moved` may hold `source`'s buffers: the same array, or a layout equivalent to its
+  (over the same devices, e.g. another mesh's shape with the same shards), which `device_put`
+  with `may_alias` gives as a new array over the same buffers: deleting the source would delete
+  it too."""
+  return moved is source or (moved.dtype == source.dtype and
+                             moved.sharding.is_equivalent_to(source.sharding, source.ndim))
+
+
 def reshard(tree, target_shardings, *, bucket_bytes: int = 256 << 20, donate: bool = False,
             on_bucket: Callable[[int], None] | None = None, dtypes=None):
   """Returns (tree in the target layout, TransferStats). `target_shardings` mirrors `tree`
@@ -151,9 +160,9 @@ def reshard(tree, target_shardings, *, bucket_bytes: int = 256 << 20, donate: bo
       on_bucket(b)
     for i, x, src in zip(idx, moved, sources):
       out[i] = x
-      if src is not leaves[i] and x is not src:
+      if src is not leaves[i] and not _aliases(x, src):
         src.delete()  # the cast's temporary
-      if donate and x is not leaves[i] and not leaves[i].is_deleted():
+      if donate and not _aliases(x, leaves[i]) and not leaves[i].is_deleted():
         leaves[i].delete()
   seconds = time.perf_counter() - t0
   stats = TransferStats(bytes=sum(sizes), seconds=seconds, buckets=len(buckets),

@@ -213,6 +213,19 @@ def test_reshard_into_the_same_layout_copies_unless_donating():
   assert all(not x.is_deleted() for x in jax.tree.leaves(moved))
 
 
+def test_donating_into_an_equivalent_layout_keeps_the_buffers_it_shares():
+  """Another mesh over the same devices whose shards are the same (the trainer's mirror of the
+  sampler's mesh, a replicated leaf): `device_put` gives a new array over the source's buffers,
+  so donating must not delete the source (it did: LoRA's merged push on several processes
+  decoded with a deleted norm scale)."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  two = np.asarray(jax.devices()[:2], dtype=object)
+  rows, cols = (Mesh(two.reshape(shape), ("data", "tensor")) for shape in ((2, 1), (1, 2)))
+  x = jax.device_put(np.arange(32, dtype=np.float32), NamedSharding(rows, PartitionSpec()))
+  moved, _ = reshard({"scale": x}, {"scale": NamedSharding(cols, PartitionSpec())}, donate=True)
+  np.testing.assert_array_equal(np.asarray(moved["scale"]), np.arange(32))
+
+
 @pytest.mark.parametrize("src,dst", [
     ((("data", 2), ("tensor", 2)), (("fsdp", 4),)),  # sampler rows 2 ways -> trainer 4 ways
     ((("fsdp", 4),), (("data", 2), ("tensor", 2))),
