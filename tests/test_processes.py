@@ -52,7 +52,14 @@ def _launch(run_dir, name, *extra, resume=False, args=ARGS, devices=1,
 
 
 def _finish(procs) -> list[tuple[str, str]]:
-  outs = [p.communicate(timeout=600) for p in procs]
+  try:
+    outs = [p.communicate(timeout=600) for p in procs]
+  except subprocess.TimeoutExpired:  # (killed, not left to load the cores of the tests after)
+    for p in procs:
+      p.kill()
+    tails = [p.communicate()[1][-2000:] for p in procs]
+    pytest.fail("a process did not finish within 600 s; each one's stderr, last lines:\n"
+                + "\n---\n".join(tails))
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
   return outs
