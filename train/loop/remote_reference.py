@@ -19,7 +19,6 @@ import jax
 
 from jaxrl.config import ConfigError
 from sharding import crossing
-from sharding.distributed import explained_by_a_lost_peer, from_the_runtime
 from train.loop.passes import logprobs, packed_scorer, scorer
 from train.roles.link import GroupHost
 from train.roles.offload import DEVICE, HOST
@@ -66,31 +65,15 @@ class RemoteReference:
 class ReferenceHost(GroupHost):
   """The reference's processes: each scoring request's pass, on the reference's mesh."""
 
-  target = "reference"
+  target = name = "reference"
 
   def __init__(self, ctx):
     """`ctx`: the run's context on these processes (train/stages/context.py), its cluster
     abstract; the reference's weights come with the first request."""
-    super().__init__(ctx.cluster.split)
+    super().__init__(ctx.cluster.split, ctx.cluster.split.scorer_processes)
     self.role = ctx.cluster.add("reference", initialize=False)
-    self.leader = jax.process_index() == min(self.split.scorer_processes)
     self.fns = {False: scorer(ctx.cfg.rl, self.role, logprobs),
                 True: packed_scorer(ctx.cfg.rl, self.role)}
-    self.failed = None
-
-  def serve_request(self, request: dict) -> None:
-    """A scoring request: its log-probs back, or the error (every later request answers it)."""
-    reply = self.failed
-    if reply is None:
-      try:
-        reply = self._score(request)
-      except Exception as e:  # noqa: BLE001 - the trainer raises it, named
-        if from_the_runtime(e):  # (a dead peer's collective: the peer watch's line, and exit)
-          explained_by_a_lost_peer()
-        log.exception("reference: scoring failed")
-        reply = self.failed = {"error": f"{type(e).__name__}: {e}"}
-    if self.leader:
-      self.link.replies.post(self.link.n, reply)
 
   def _score(self, request: dict) -> dict:
     arrays = self.arrived(request)

@@ -19,8 +19,9 @@ import logging
 
 import jax
 
+from jaxrl.config import ConfigError
 from sharding import crossing
-from sharding.distributed import job, kv_client
+from sharding.distributed import explained_by_a_lost_peer, from_the_runtime, job, kv_client
 
 log = logging.getLogger("jaxrl")
 EXIT_KEY = "jaxrl/sampler/exit"  # set by the trainer's first process when it is done
@@ -44,9 +45,6 @@ class Link:
     if target == "reference":
       return self.split.trainer, self.split.scorer
     return self.split.mirror, self.split.replicas[target]
-
-  def mesh(self, replica: int):
-    return self.split.replicas[replica]
 
   def post(self, message: dict, arrays: dict | None = None) -> None:
     """Request n to `message["replica"]` (posted by the trainer's first process), `arrays`
@@ -81,9 +79,12 @@ class GroupHost:
   part in."""
 
   target = None  # the "replica" of the requests this group serves
+  name = "group"  # what the log calls it
 
-  def __init__(self, split):
-    self.split, self.link = split, None
+  def __init__(self, split, group: frozenset[int]):
+    """`group`: this group's processes (the first posts the replies)."""
+    self.split, self.link, self.failed = split, None, None
+    self.leader = jax.process_index() == min(group)
 
   def serve(self) -> int:
     """Sessions until the trainer says it is done; the exit code."""
@@ -120,7 +121,24 @@ class GroupHost:
       link.n += 1
 
   def serve_request(self, request: dict) -> None:
-    raise NotImplementedError
+    """One of this group's requests, by its op's handler (`_op`); a failure answers the next
+    request that has a reply (the trainer raises it), and every one after it until the next
+    "start"."""
+    op = request["op"]
+    if op == "start":
+      self.failed = None
+    try:
+      reply = (self.failed if self.failed and op != "close" else
+               getattr(self, "_" + op)(request))
+    except Exception as e:  # noqa: BLE001 - the trainer raises it, named
+      if from_the_runtime(e):  # (a dead peer's collective: the peer watch's line, and exit)
+        explained_by_a_lost_peer()
+      log.exception("%s: %s failed", self.name, op)
+      user = next((c for c in (e, e.__cause__) if isinstance(c, ConfigError)), None)
+      reply = self.failed = ({"error": str(user), "config": True} if user is not None else
+                             {"error": f"{op}: {type(e).__name__}: {e}"})
+    if self.leader and op in REPLIED:
+      self.link.replies.post(self.link.n, reply)
 
   def arrived(self, request: dict) -> dict:
     """This group's arrays of `request`, here."""

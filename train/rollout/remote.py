@@ -32,8 +32,8 @@ import numpy as np
 from jaxrl.config import ConfigError
 from sampler.engine import Rollout
 from sharding import crossing
-from sharding.distributed import explained_by_a_lost_peer, from_env, from_the_runtime, job
-from train.roles.link import GroupHost, Link
+from sharding.distributed import from_env, job
+from train.roles.link import REPLIED, GroupHost, Link
 from train.rollout.decisions import Decisions
 from train.rollout.worker import RolloutBatch, RolloutWorkerError, WorkerState
 
@@ -100,7 +100,7 @@ class RemoteWorker:
     generator's reply where the request has one."""
     link = self._link
     link.post({**message, "replica": self._replica}, arrays)
-    if message["op"] not in ("batch", "pause"):
+    if message["op"] not in REPLIED:
       return None
     lost = lambda: {"lost": self._replica} if self._replica in job().dropped else None  # noqa
     reply = link.replies.take(link.n - 1, poll_s=1.0,
@@ -118,7 +118,8 @@ class RemoteWorker:
     pulled in full first, and where any trainer process failed to, every one raises
     `GeneratorLost` once the peer watch dropped the generator."""
     link = self._link
-    arrays = crossing.receive(reply["arrays"], link.mesh(self._replica), link.split.mirror)
+    home, there = link.ends(self._replica)
+    arrays = crossing.receive(reply["arrays"], there, home)
     if len(link.split.replicas) == 1:  # (a dead generator ends the job: the peer watch)
       return arrays
     try:
@@ -172,37 +173,20 @@ class RemoteWorker:
 class SamplerHost(GroupHost):
   """The sampler's side: `serve()` runs the workers the trainer starts until it is done."""
 
+  name = "sampler"
+
   def __init__(self, ctx, make_worker):
     """`ctx`: the run's context on these processes (train/stages/context.py), its cluster
     abstract: what a worker needs (prompts, generator, the sampler's weights' layout);
     `make_worker`: train/rollout/source.py's."""
-    super().__init__(ctx.cluster.split)
+    split = ctx.cluster.split
+    self.replica = self.target = split.replica_of(jax.process_index())  # (its generator)
+    super().__init__(split, split.processes(self.replica))
     self.ctx, self._make_worker = ctx, make_worker
-    self.replica = self.target = self.split.replica_of(jax.process_index())  # (its generator)
-    self.mesh, group = self.split.replicas[self.replica], self.split.processes(self.replica)
-    self.leader, self.several = jax.process_index() == min(group), len(group) > 1
-    self.worker, self.decisions, self.failed = None, None, None
+    self.several = len(split.processes(self.replica)) > 1
+    self.worker, self.decisions = None, None
     self._spans_sent = 0  # the timeline's events the trainer has (its generator's busy time)
     self._held = contextlib.ExitStack()  # a pause the trainer asked for, until it resumes
-
-  def serve_request(self, request: dict) -> None:
-    """One of this generator's requests; a failure answers the next request that has a reply
-    (the trainer raises it), and every one after it."""
-    op, link = request["op"], self.link
-    if op == "start":
-      self.failed = None
-    try:
-      reply = (self.failed if self.failed and op != "close" else
-               getattr(self, "_" + op)(request))
-    except Exception as e:  # noqa: BLE001 - the trainer raises it, named
-      if from_the_runtime(e):  # (a dead peer's collective: the peer watch's line, and exit)
-        explained_by_a_lost_peer()
-      log.exception("sampler: %s failed", op)
-      user = next((c for c in (e, e.__cause__) if isinstance(c, ConfigError)), None)
-      reply = self.failed = ({"error": str(user), "config": True} if user is not None else
-                             {"error": f"{op}: {type(e).__name__}: {e}"})
-    if self.leader and op in ("batch", "pause"):
-      link.replies.post(link.n, reply)
 
   def _start(self, request: dict) -> None:
     arrays = self.arrived(request)
