@@ -54,15 +54,24 @@ def _launch(run_dir, name, *extra, resume=False, args=ARGS, devices=1,
 def _finish(procs) -> list[tuple[str, str]]:
   try:
     outs = [p.communicate(timeout=600) for p in procs]
-  except subprocess.TimeoutExpired:  # (killed, not left to load the cores of the tests after)
-    for p in procs:
-      p.kill()
-    tails = [p.communicate()[1][-2000:] for p in procs]
-    pytest.fail("a process did not finish within 600 s; each one's stderr, last lines:\n"
-                + "\n---\n".join(tails))
+  except subprocess.TimeoutExpired:
+    _hung(procs, "a process did not finish within 600 s")
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
   return outs
+
+
+def _hung(procs, what: str) -> None:
+  """Fails with every process's Python stacks (SIGUSR1: train/cli/train.py) and stderr tail;
+  the processes killed, not left to load the cores of the tests after."""
+  for p in procs:
+    if p.poll() is None:
+      p.send_signal(signal.SIGUSR1)
+  time.sleep(3)
+  for p in procs:
+    p.kill()
+  tails = [p.communicate()[1][-6000:] for p in procs]
+  pytest.fail(f"{what}; each process's stderr, last lines:\n" + "\n---\n".join(tails))
 
 
 def _one_process(run_dir, name, *extra, args=ARGS, devices=4):
@@ -215,7 +224,9 @@ def _at_rl_step(procs, run_dir, step: int, saved: bool = True) -> None:
   while not ((checkpoint.is_dir() or not saved) and metrics.exists() and any(
       json.loads(line)["phase"] == "rl" and json.loads(line)["step"] >= step
       for line in metrics.read_text().splitlines() if line.endswith("}"))):
-    assert all(p.poll() is None for p in procs) and time.time() < deadline
+    assert all(p.poll() is None for p in procs)
+    if time.time() > deadline:
+      _hung(procs, f"RL step {step} not reached within 600 s")
     time.sleep(0.05)
 
 

@@ -2,6 +2,7 @@ import functools
 import threading
 import time
 import traceback
+import types
 
 import jax
 import jax.numpy as jnp
@@ -210,3 +211,82 @@ def test_a_group_of_processes_closes_where_its_first_process_did(schedule, lag_s
   assert not errors, errors
   assert not any(w.failed for w in workers.values())
   assert made["leader"] == made["follower"] and len(made["leader"]) >= 4
+
+
+def test_a_group_of_processes_pauses_where_its_first_process_did():
+  """A pause asked of both processes of a group while the first one still generates a batch
+  the other has finished: both pause after the same batches (the state the trainer gathers
+  from the two is one state), and both go on after it to a common close."""
+  from train.rollout.decisions import Decisions
+  collective, made = threading.Barrier(2, timeout=5), {"leader": [], "follower": []}
+
+  def generate_as(who):
+    def generate(params, prompts, key):
+      collective.wait()
+      time.sleep(0.5 if who == "leader" else 0.0)
+      made[who].append(int(prompts))
+      return types.SimpleNamespace(tokens=np.full(2, int(prompts)))
+    return generate
+
+  decisions = {who: Decisions("pauses", who == "leader", made=_Box, poll_s=0.05)
+               for who in made}
+  workers = {who: RolloutWorker(generate_as(who), list(range(8)), 0, max_staleness=3,
+                                schedule="free", decide=decisions[who]) for who in made}
+  while len(made["follower"]) < 2:
+    time.sleep(0.01)
+  assert len(made["leader"]) < 2  # (the pause is asked while the first process is behind)
+  states = {}
+
+  def pause_and_close(who):
+    with workers[who].paused() as state:
+      states[who] = [(m["index"], m["version"]) for m in state.meta["queue"]]
+    decisions[who].close(workers[who])
+
+  threads = [threading.Thread(target=pause_and_close, args=(who,)) for who in made]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(30)
+  assert not any(t.is_alive() for t in threads)
+  assert states["leader"] == states["follower"] == [(0, 0), (1, 0)]
+  assert made["leader"] == made["follower"]
+
+
+class _SlowPosts(_Box):
+  """A store that shows a batch's choice before its post returns (the leader's thread is still
+  posting when the trainer closes it)."""
+
+  def post(self, key, message):
+    super().post(key, message)
+    if str(message.get("key", "")).startswith("batch"):
+      time.sleep(0.4)
+
+
+def test_a_choice_the_first_process_made_is_run_though_it_closed_meanwhile():
+  """The trainer closes both processes of a group while the first one posts the choice of
+  batch 0: the other took it and generates it (a collective), so the first one generates it
+  too, and both stop after it, none with a collective left half-way."""
+  from train.rollout.decisions import Decisions
+  collective, made = threading.Barrier(2, timeout=5), {"leader": [], "follower": []}
+
+  def generate_as(who):
+    def generate(params, prompts, key):
+      collective.wait()
+      made[who].append(int(prompts))
+      return np.zeros(2)
+    return generate
+
+  decisions = {who: Decisions("closing", who == "leader", made=_SlowPosts, poll_s=0.05)
+               for who in made}
+  workers = {who: RolloutWorker(generate_as(who), list(range(8)), 0, max_staleness=1,
+                                schedule="free", decide=decisions[who]) for who in made}
+  time.sleep(0.1)
+  threads = [threading.Thread(target=decisions[who].close, args=(workers[who],))
+             for who in made]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(30)
+  assert not any(t.is_alive() for t in threads)
+  assert not any(w.failed for w in workers.values())
+  assert made["leader"] == made["follower"] == [0]

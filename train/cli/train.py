@@ -19,6 +19,9 @@
                          per phase the busiest chip against its HBM (train/preflight/target_compile.py)
   --target_json=PATH     with --target: the report's numbers written to PATH as JSON too
 
+A job that seems hung: `kill -USR1 PID` prints every thread's Python stack to its stderr and
+the run goes on.
+
 Several hosts: the same command on every host; it joins `jax.distributed` first (auto-detected
 on TPU pods and Slurm, else JAXRL_COORDINATOR / JAXRL_NUM_PROCESSES / JAXRL_PROCESS_ID).
 User errors (unknown or ill-typed fields, impossible meshes, bad data files) print one line and
@@ -29,6 +32,7 @@ JAXRL_COMPILATION_CACHE=DIR|off; train/io/compilation.py).
 """
 from __future__ import annotations
 
+import faulthandler
 import signal
 import sys
 import traceback
@@ -116,6 +120,7 @@ def _compiles_for_a_target(argv: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv if argv is None else argv
+  faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung job: kill -USR1 PID
   if print_help(argv, __doc__):
     return 0
   if _compiles_for_a_target(argv):

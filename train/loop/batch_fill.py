@@ -11,7 +11,7 @@ from jaxrl.algos.advantages import informative_groups
 from jaxrl.config_rl import RLConfig
 from train.io.host_transfers import HostTransfers
 from train.loop.experience import combine_rollouts
-from train.rollout.worker import RolloutBatch
+from train.rollout.batches import RolloutBatch
 from train.task.reward import Judge
 
 

@@ -28,9 +28,10 @@ from train.loop.scoring import Scoring
 from train.roles.cluster import RoleCluster
 from train.roles.learner import Learner
 from train.roles.offload import Offloader
+from train.rollout.batches import WorkerState
 from train.rollout.generator import Generator
 from train.rollout.source import RolloutSource
-from train.rollout.worker import RolloutWorkerError, WorkerState
+from train.rollout.worker import RolloutWorkerError
 from train.task.data import TaskData
 from train.task.reward import Judge
 

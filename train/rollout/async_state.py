@@ -1,4 +1,4 @@
-"""The async generator's run state in a checkpoint (train.rollout.worker.WorkerState): its arrays as the
+"""The async generator's run state in a checkpoint (train.rollout.batches.WorkerState): its arrays as the
 RL stage's orbax item, each described in the JSON meta (shape, dtype, how it was split over the
 sampler's mesh), so that a resume reads every array straight back into the layout it had: a
 resumed decode runs the same programs on the same layouts, bit for bit.
@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from sharding.crossing import abstract, describe
-from train.rollout.worker import WorkerState
+from train.rollout.batches import WorkerState
 
 
 def to_checkpoint(state: WorkerState) -> tuple[dict, dict]:

@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sampler.stream import BatchStream
+from train.rollout.batches import RolloutBatch, WorkerState
 from train.rollout.conversations import NotReplayable
-from train.rollout.worker import RolloutBatch, Worker, WorkerState
+from train.rollout.worker import Worker
 
 log = logging.getLogger("jaxrl")
 

@@ -34,8 +34,9 @@ from sampler.engine import Rollout
 from sharding import crossing
 from sharding.distributed import from_env, job
 from train.roles.link import REPLIED, GroupHost, Link
+from train.rollout.batches import RolloutBatch, WorkerState
 from train.rollout.decisions import Decisions
-from train.rollout.worker import RolloutBatch, RolloutWorkerError, WorkerState
+from train.rollout.worker import RolloutWorkerError
 
 log = logging.getLogger("jaxrl")
 

@@ -23,8 +23,8 @@ import logging
 
 from jaxrl.config import ConfigError
 from train.roles.link import Link
+from train.rollout.batches import RolloutBatch, WorkerState
 from train.rollout.remote import GeneratorLost, RemoteWorker
-from train.rollout.worker import RolloutBatch, WorkerState
 
 log = logging.getLogger("jaxrl")
 

@@ -23,10 +23,10 @@ from jaxrl.config_rl import RLConfig
 from sampler.stream import StreamGeometry
 from train.io.timeline import Timeline
 from train.roles.sampler_weights import SamplerWeights
+from train.rollout.batches import RolloutBatch, WorkerState
 from train.rollout.generator import Generator, rollout_key
 from train.rollout.partial import PartialRolloutWorker
 from train.rollout.whole import RolloutWorker
-from train.rollout.worker import RolloutBatch, WorkerState
 
 
 def stream_geometry(rl: RLConfig, prompt_width: int) -> StreamGeometry | None:

@@ -9,7 +9,8 @@ from typing import Any
 
 import jax
 
-from train.rollout.worker import RolloutBatch, Worker, WorkerState
+from train.rollout.batches import RolloutBatch, WorkerState
+from train.rollout.worker import Worker
 
 
 class RolloutWorker(Worker):

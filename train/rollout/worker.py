@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,10 +28,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from sampler.engine import Rollout
-from sharding.reshard import to_host
-from train.rollout.generator import rollout_key
 from jaxrl.schedules import SCHEDULES, WorkerView
+from sharding.reshard import to_host
+from train.rollout.batches import RolloutBatch, WorkerState, queue_state, restored_queue
+from train.rollout.generator import rollout_key
 
 
 class RolloutWorkerError(RuntimeError):
@@ -42,29 +41,6 @@ class RolloutWorkerError(RuntimeError):
 class GroupClosed(Exception):
   """Raised by `decide` on a process whose group's first process closed before deciding: the
   worker's thread ends there, as the first process's did."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutBatch:
-  rollout: Any
-  prompts: Any
-  version: int  # policy version of its oldest tokens (whole batches: of all of them)
-  index: int  # position in the prompt stream
-  seconds: float  # wall time from its start to its end
-  versions_BN: np.ndarray | None = None  # partial rollouts: each token's policy version
-
-  def token_versions(self, n: int) -> np.ndarray:
-    """[B, n] policy versions of the completion slots."""
-    if self.versions_BN is not None:
-      return self.versions_BN[:, :n]
-    return np.full((self.rollout.completion_mask_BN.shape[0], n), self.version, np.int32)
-
-
-@dataclasses.dataclass
-class WorkerState:
-  """A worker's run state: device arrays (an orbax item: nested dicts) and JSON meta."""
-  arrays: dict
-  meta: dict
 
 
 class Weights(NamedTuple):
@@ -108,12 +84,15 @@ class Worker:
     self._changes = 0  # bumped by every event the worker may be waiting for
     self._closed = self._exhausted = False
     self._pause: dict | None = None  # {"state": WorkerState | None} while a pause is asked
+    self._done = False  # the thread's loop returned
     self._error: BaseException | None = None
     if state is not None:
-      self._queue.extend(_restore_queue(state, prompts))
+      self._queue.extend(restored_queue(state, prompts))
       if "params" in state.arrays:  # fixed schedule: older weights than the newest push
         self._installed = Weights(state.arrays["params"], state.meta["installed"])
     self._kept = {w.version: w for w in (self._installed, self._pending)}  # (`decide`'s)
+    if decide is not None:
+      decide.serve_pause = self._serve_told_pause
     self._thread = threading.Thread(target=self._main, name="rollout-worker", daemon=True)
 
   @property
@@ -179,7 +158,7 @@ class Worker:
       if self._thread.is_alive() and self._needs_pause():
         self._pause = {"state": None}
         self._changed()
-        self._wait(lambda: self._pause["state"] is not None or not self._thread.is_alive())
+        self._wait(lambda: self._pause["state"] is not None or self._done)
         state = self._pause["state"] or self._state()  # (the thread may have ended meanwhile)
       else:
         state = self._state()
@@ -254,7 +233,8 @@ class Worker:
       ready = self._decide.told  # the first process's choice for this batch, whatever the view
     else:
       ready = lambda: self.schedule.ready(self.view(), index)  # noqa: E731
-    if not self._wait(ready):
+    self._serve_pause()  # (a group's pause point, as every batch starts)
+    if not self._wait(ready, pause_here=True):
       return None
     chosen = self._pending if self.schedule.takes_pending(self.view(), index) else self._installed
     if self._decide is not None and (chosen := self._agreed(f"batch {index}", chosen)) is None:
@@ -273,9 +253,12 @@ class Worker:
       self._cond.acquire()
 
   def _agreed(self, key: str, weights: Weights) -> Weights | None:
-    """(Holding the lock) the agreed version's weights once here (None: closed)."""
+    """(Holding the lock) the agreed version's weights once here (None: closed before they
+    came). A choice made is run whether or not the worker was closed meanwhile: the group's
+    other processes run the device programs it leads to, which wait for this one's."""
     version = self.agreed(key, weights.version)
-    if not self._wait(lambda: version in self._kept):
+    self._wait(lambda: version in self._kept)  # (the first process's are here: no wait)
+    if version not in self._kept:
       return None
     self._kept = {v: w for v, w in self._kept.items() if v >= version}
     return self._kept[version]
@@ -338,25 +321,43 @@ class Worker:
     if self._closed:
       raise RolloutWorkerError("rollout worker is closed")
 
-  def _wait(self, ready: Callable[[], bool]) -> bool:
+  def _wait(self, ready: Callable[[], bool], *, pause_here: bool = False) -> bool:
     """Waits (holding the lock) until `ready()`; False when the worker was closed. On the
-    worker's thread a pause asked meanwhile is served here."""
+    worker's thread a pause asked meanwhile is served here (in a group of processes only where
+    `pause_here`: a point every process of the group reaches after the same choices)."""
+    serves = pause_here or self._decide is None
     while not ready():
       if self._closing() or self._error is not None:
         return False
-      self._serve_pause()
+      if serves:
+        self._serve_pause()
       if ready():
         break
       self._cond.wait(0.2 if self._follows else None)  # (a follower polls `told`)
     return not self._closing()
 
-  def _serve_pause(self) -> None:
-    if threading.current_thread() is not self._thread or self._pause is None:
+  def _serve_pause(self, told: bool = False) -> None:
+    """(Holding the lock, on the worker's thread) the state for a pause asked, and the wait
+    until it ends. In a group of processes the first process serves it where it is, and tells
+    the others among its choices (`decide.paused()`); they serve it there (`told`), and nowhere
+    else: every process's state is then taken after the same device programs."""
+    if threading.current_thread() is not self._thread or (self._follows and not told):
       return
+    while told and self._pause is None and not self._closed:  # (its trainer's request comes)
+      self._cond.wait()
+    if self._pause is None:
+      return
+    if self._decide is not None and self._decide.leader:
+      self._decide.paused()
     self._pause["state"] = self._state()
     self._changed()
     while self._pause is not None and not self._closing():
       self._cond.wait()
+
+  def _serve_told_pause(self) -> None:
+    """`decide`'s where the group's first process served a pause (a follower's choice)."""
+    with self._cond:
+      self._serve_pause(told=True)
 
   def _main(self) -> None:
     try:
@@ -366,35 +367,23 @@ class Worker:
     except BaseException as e:  # surfaced in the consumer by get()
       with self._cond:
         self._error = e
+    finally:
+      with self._cond:
+        self._done = True
         self._changed()
 
   def _state(self) -> WorkerState:
     """The run state now (holding the lock)."""
-    arrays, meta = {}, {"installed": self._installed.version, "queue": []}
-    if self._queue:
-      arrays["queue"] = {}
-    for batch in self._queue:
-      arrays["queue"][str(batch.index)] = {k: v for k, v in vars(batch.rollout).items()
-                                           if v is not None}
-      meta["queue"].append({"index": batch.index, "version": batch.version,
-                            "seconds": batch.seconds,
-                            "versions": None if batch.versions_BN is None
-                            else batch.versions_BN.tolist()})
-    meta["installed_params"] = self._installed.version != self._pending.version
-    if meta["installed_params"]:
-      arrays["params"] = self._installed.params
-    return WorkerState(arrays, meta)
+    state = queue_state(self._queue, self._installed.version)
+    state.meta["installed_params"] = self._installed.version != self._pending.version
+    if state.meta["installed_params"]:
+      state.arrays["params"] = self._installed.params
+    return state
 
   def _needs_pause(self) -> bool:
-    return False
+    """Whether a pause waits for the thread (a group's processes: to pause at one point)."""
+    return self._decide is not None
 
   def _run(self) -> None:
     raise NotImplementedError
 
-
-def _restore_queue(state: WorkerState, prompts: Sequence):
-  for m in state.meta["queue"]:
-    rollout = Rollout(**state.arrays["queue"][str(m["index"])])
-    versions = None if m["versions"] is None else np.asarray(m["versions"], np.int32)
-    yield RolloutBatch(rollout, prompts[m["index"]], m["version"], m["index"], m["seconds"],
-                       versions)
