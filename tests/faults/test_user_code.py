@@ -188,16 +188,14 @@ def contained(hosts, policy, report=None):
 ], ids=["raises", "sleeps", "returns a dict", "regex", "spins", "40 GB", "fork bomb",
         "prints GBs", "writes GBs"])
 def test_a_misbehaving_environment_under_both_policies(hosts, first, message):
-  """The environment lives in a host process (jaxrl/envs/hosted.py): each fault costs about the
-  time limit, the run goes on (the next environment works), nothing runs on in a thread."""
+  """The environment lives in a host process (jaxrl/envs/hosted.py): each fault is one error
+  naming it (a call past the time limit: its host killed), the run goes on (the next
+  environment works), nothing runs on in a thread."""
   stop = contained(hosts, "stop")
   assert stop.reset(None) == [7] and stop.step([4 - 4]) == Step([5, 6], 0.5, False)
-  t0 = time.monotonic()
   with pytest.raises(EnvError) as e:
     stop.step([first])
   assert str(e.value) == f"environment my:Flaky: {message}"
-  # the call's limit, and the replacement host's start allowance (a kill waits for the host)
-  assert time.monotonic() - t0 < hosts.timeout_s + hosts.start_s
   counted = []
   zero = contained(hosts, "zero", counted.append)
   assert zero.step([first]) == Step([], 0.0, True) and counted == [1]
