@@ -183,8 +183,8 @@ class ProcessSplit:
   """The trainer's processes and the sampler's, apart: each generator replica's real mesh (one
   unless `placement.sampler_replicas`; the same shape each), and their `mirror` over the
   trainer's devices (where the trainer keeps its copy of the sampler's weights and evaluates).
-  `scorer`: the reference's mesh where it stands on processes of its own
-  (`placement.reference_apart`), `trainer` the actor's (its shape: both ends of its crossings)."""
+  `scorer`: the frozen scorers' mesh where they stand on processes of their own
+  (`placement.scorers_apart`), `trainer` the actor's (its shape: both ends of its crossings)."""
   replicas: tuple[Mesh, ...]
   mirror: Mesh
   scorer: Mesh | None = None
@@ -200,7 +200,7 @@ class ProcessSplit:
 
   @property
   def trainer_processes(self) -> frozenset[int]:
-    """The processes that are neither the sampler's nor the reference's apart: the trainer's
+    """The processes that are neither the sampler's nor the scorers' apart: the trainer's
     (and the other scoring roles')."""
     return (frozenset(range(jax.process_count())) - self.sampler_processes
             - self.scorer_processes)

@@ -148,16 +148,17 @@ def _check_tensor(sampler_tensor: int, per_generator: int, replicas: int) -> Non
         f"divide its {per_generator} devices" + (" per generator" if replicas > 1 else ""))
 
 
-def _check_reference_apart(whole: bool, strategy: str, n_devices: int, train_devices: int,
-                           local: int) -> None:
-  """The reference on devices of its own, as many as the trainer's (on several hosts, whole
-  hosts), the sampler some after them."""
+def _check_scorers_apart(whole: bool, strategy: str, n_devices: int, train_devices: int,
+                         local: int) -> None:
+  """The frozen scorers on devices of their own, as many as the trainer's (on several hosts,
+  whole hosts), the sampler some after them."""
   one_host = local == n_devices
   if strategy != "separate" or not (whole or one_host) or 2 * train_devices >= n_devices:
     multiple = "" if one_host else f" a multiple of each host's {local} devices and"
     raise PlacementError(
-        f"placement.reference_apart: the reference stands on devices of its own (on several "
-        f"hosts, hosts of its own), as many as the trainer's, after them: "
+        f"placement.scorers_apart: the reference and the reward model stand on devices of "
+        f"their own (on several hosts, hosts of their own), as many as the trainer's, after "
+        f"them: "
         f"placement.strategy='separate' with train_devices{multiple} below half of the "
         f"{n_devices} devices (the sampler takes the rest); got strategy={strategy!r}, "
         f"train_devices={train_devices}")
@@ -179,22 +180,23 @@ def _split_error(strategy: str, train_devices: int, n_devices: int, n_hosts: int
 
 def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler_tensor: int = 1,
                    n_hosts: int = 1, train_fsdp: int = 0, one_network: bool = False,
-                   replicas: int = 1, reference_apart: bool = False) -> Placement:
+                   replicas: int = 1, scorers_apart: bool = False) -> Placement:
   """The preset for `strategy`; `train_devices` counts devices over all hosts. `train_fsdp`: the
   trainer's fsdp degree, the rest of its devices data-parallel; 0: all of them where the hosts
   share one network of chips (`one_network`: a TPU slice's ICI), else one host's. `replicas`:
   independent generators, each on whole hosts of the sampler's (`separate` on hosts of its own).
-  `reference_apart`: the reference on the `train_devices` after the trainer's (hosts of its
-  own), its mesh the trainer's shape, so that the batch and its log-probs cross as they are."""
+  `scorers_apart`: the frozen scorers (the reference and the reward model) on the
+  `train_devices` after the trainer's (hosts of their own), their mesh the trainer's shape, so
+  that the batch and its scores cross as they are."""
   if strategy not in STRATEGIES:
     raise PlacementError(f"placement.strategy: expected one of {list(STRATEGIES)}, got {strategy!r}")
   if n_devices % n_hosts:
     raise PlacementError(f"placement: {n_devices} devices do not split over {n_hosts} hosts")
   everything, local = tuple(range(n_devices)), n_devices // n_hosts
   whole = whole_hosts(strategy, n_devices, train_devices=train_devices, n_hosts=n_hosts)
-  apart = train_devices if reference_apart else 0  # the reference's own devices
-  if reference_apart:
-    _check_reference_apart(whole, strategy, n_devices, train_devices, local)
+  apart = train_devices if scorers_apart else 0  # the scorers' own devices
+  if scorers_apart:
+    _check_scorers_apart(whole, strategy, n_devices, train_devices, local)
   _check_replicas(replicas, whole, n_devices - train_devices - apart, local)
   if strategy == "colocate":
     train, rest = everything, everything
@@ -223,8 +225,9 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
   roles = {"actor": trainer, "critic": trainer, "reference": trainer, "reward": trainer,
            "sampler": RoleSpec(groups[0], _mesh(data=per // sampler_tensor,
                                                  tensor=sampler_tensor))}
-  if reference_apart:
-    roles["reference"] = RoleSpec(everything[train_devices:train_devices + apart], trainer.mesh)
+  if scorers_apart:
+    roles["reference"] = roles["reward"] = RoleSpec(
+        everything[train_devices:train_devices + apart], trainer.mesh)
   if strategy == "interleave":
     half = len(rest) // 2
     if half == 0:

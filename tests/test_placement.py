@@ -106,21 +106,21 @@ def test_generator_replicas_take_whole_hosts_of_the_samplers():
     make_placement("separate", 4, train_devices=2, n_hosts=4, replicas=2)
 
 
-def test_the_reference_apart_takes_the_trainers_count_of_devices_after_them():
-  """`placement.reference_apart`: the reference on the `train_devices` after the trainer's, in
-  the trainer's mesh shape (whole hosts on several; on one host devices of its own), the sampler
-  on the rest; refused in one line where it cannot stand apart."""
-  placement = make_placement("separate", 6, train_devices=2, n_hosts=3, reference_apart=True)
-  assert placement.roles["reference"].devices == (2, 3)
+def test_the_scorers_apart_takes_the_trainers_count_of_devices_after_them():
+  """`placement.scorers_apart`: the reference and the reward model on the `train_devices` after
+  the trainer's, in the trainer's mesh shape (whole hosts on several; on one host devices of
+  their own), the sampler on the rest; refused in one line where they cannot stand apart."""
+  placement = make_placement("separate", 6, train_devices=2, n_hosts=3, scorers_apart=True)
+  assert placement.roles["reference"].devices == placement.roles["reward"].devices == (2, 3)
   assert placement.roles["reference"].mesh == placement.roles["actor"].mesh
   assert placement.roles["sampler"].devices == (4, 5)
   assert placement.roles["critic"].devices == placement.roles["actor"].devices == (0, 1)
-  one = make_placement("separate", 6, train_devices=2, reference_apart=True)
+  one = make_placement("separate", 6, train_devices=2, scorers_apart=True)
   assert one.roles["reference"].devices == (2, 3) and one.roles["sampler"].devices == (4, 5)
   for kwargs in (dict(strategy="colocate", n_hosts=4), dict(strategy="separate", n_hosts=2),
                  dict(strategy="separate", n_hosts=4, train_devices=4)):
-    with pytest.raises(PlacementError, match="placement.reference_apart: the reference stands"):
-      make_placement(n_devices=8, **{"train_devices": 2, **kwargs}, reference_apart=True)
+    with pytest.raises(PlacementError, match="placement.scorers_apart: the reference and the reward model"):
+      make_placement(n_devices=8, **{"train_devices": 2, **kwargs}, scorers_apart=True)
 
 
 def test_plan_buckets():

@@ -383,22 +383,26 @@ def test_a_mirror_has_the_other_sides_shard_shapes_and_descriptions_round_trip()
   assert crossing.process_split({"sampler": sampler, "actor": mirrored}) is None  # one process
 
 
-APART = ("--config.rl.schedule.name=fixed", "--config.placement.reference_apart=True")
+APART = ("--config.rl.schedule.name=fixed", "--config.placement.scorers_apart=True",
+         "--config.rl.reward=reward_model", "--config.reward_model.steps=4",
+         "--config.reward_model.batch_size=8", "--config.reward_model.warmup_steps=1")
 
 
 @pytest.mark.slow
-def test_the_reference_on_processes_of_its_own_matches_one_process_and_resumes_exactly(tmp_path):
-  """3 processes of 2 devices: the trainer on the first, the reference on the second (each
-  batch and its log-probs crossing device to device), the generator on the third. The run ends
-  as the same meshes on one process of 6 devices do, bit for bit; a SIGTERM to the reference's
-  process mid-run saves a checkpoint (the reference's weights from the trainer's host memory),
-  every process exits 0, and the resumed run ends the same."""
+def test_the_scorers_on_processes_of_their_own_match_one_process_and_resume_exactly(tmp_path):
+  """3 processes of 2 devices: the trainer on the first (it trains the reward model first), the
+  reference and the reward model on the second (each batch crossing device to device, its
+  log-probs and scores crossing back), the generator on the third. The run ends as the same
+  meshes on one process of 6 devices do, bit for bit; a SIGTERM to the scorers' process mid-run
+  saves a checkpoint (their weights from the trainer's host memory), every process exits 0, and
+  the resumed run ends the same."""
   three = dict(devices=2, n=3)
-  _finish(_launch(tmp_path, "apart", *APART, **three))
+  outs = _finish(_launch(tmp_path, "apart", *APART, **three))
   _one_process(tmp_path, "one", *APART, devices=6)
   apart = _result(tmp_path, "apart")
   assert apart == _result(tmp_path, "one")
   assert any(r.get("kl", 0) > 0 for r in apart[1])  # the reference's log-probs came back
+  assert "scorers: the reward's weights arrived" in outs[1][1]  # its scores were made there
   procs = _launch(tmp_path, "stopped", *APART, **three)
   _at_rl_step(procs, tmp_path / "stopped", 2)
   procs[1].send_signal(signal.SIGTERM)

@@ -88,7 +88,7 @@ def _serves_a_group_apart(cfg) -> bool:
     several = len(split.replicas) > 1
     for p in range(jax.process_count()):
       r = split.replica_of(p)
-      job().groups[p] = ("the reference's" if p in split.scorer_processes else
+      job().groups[p] = ("the scorers'" if p in split.scorer_processes else
                          "the trainer's" if r is None else f"generator {r}'s" if several
                          else "the sampler's")
       if several and r is not None:  # (one that dies is dropped: sharding/distributed.py)

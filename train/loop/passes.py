@@ -1,7 +1,7 @@
 """The scoring passes over a rollout batch, jitted on a role's mesh: the log-probs of its
 completions (the reference's and the actor's old ones, over the [B, T] batch or its packed rows)
 and the critic's values (train/loop/scoring.py runs them; the reference apart's processes too,
-train/loop/remote_reference.py)."""
+train/loop/remote_scorers.py)."""
 from __future__ import annotations
 
 from jaxrl.config_rl import RLConfig

@@ -14,7 +14,7 @@ from train.io.host_transfers import HostTransfers
 from train.loop.executors import Executors
 from train.loop.experience import make_experience, trim_rollout
 from train.loop.passes import logprobs, packed_scorer, scorer
-from train.loop.remote_reference import RemoteReference
+from train.loop.remote_scorers import RemoteScorers
 from train.roles.cluster import RoleCluster
 from train.roles.learner import Learner
 from train.task.reward import Judge
@@ -45,19 +45,21 @@ class Scoring:
                judge: Judge, executors: Executors, *, transfers: HostTransfers | None = None,
                link_of=None):
     """`transfers`: the run's named host transfers (rewards up, rows' lengths down);
-    `link_of()`: the session's link to the groups apart (the reference's, where it is one)."""
+    `link_of()`: the session's link to the groups apart (the scorers', where they are one)."""
     self.cfg, self.actor, self.critic, self.judge, self.ex = cfg, actor, critic, judge, executors
     self.transfers = HostTransfers() if transfers is None else transfers
     self.reference, self.reward_model = cluster.get("reference"), cluster.get("reward")
-    self.remote = (RemoteReference(self.reference, link_of) if "reference" in cluster.apart
-                   else None)
+    self.remote = None  # (the reference's and the reward model's passes, on their processes)
+    if "reference" in cluster.apart:
+      self.remote = RemoteScorers({r.name: r for r in (self.reference, self.reward_model)
+                                   if r is not None}, link_of)
     # (reference, old) log-prob passes over the [B, T] batch, and over packed rows
     self.logprob_fns = {packed: tuple(packed_scorer(cfg, r) if packed else scorer(cfg, r, logprobs)
                                       for r in (self.reference, actor.role))
                         for packed in (False, True)}
     if critic is not None:
       self.values_fn = scorer(cfg, critic.role, completion_values)
-    if self.reward_model is not None:
+    if self.reward_model is not None and self.remote is None:
       self.scores_fn = self.reward_model.jit(functools.partial(sequence_scores,
                                                                self.reward_model.graphdef))
     self.experience_fn = actor.role.jit(functools.partial(
@@ -65,14 +67,17 @@ class Scoring:
 
   def _rewards(self, rollout, examples_B, verified_B=None, scored=None):
     """(rewards on the trainer's mesh, verified_B on the host; given: already verified).
-    `scored`: the rollout `_moved` to the reward model (with one)."""
+    `scored`: the rollout `_moved` to the reward model (with one, None where it scores apart:
+    then no rewards here)."""
     if verified_B is None:
       verified_B = self.judge.rewards(rollout, examples_B)
     role = self.actor.role
-    if self.reward_model is None:
-      return (self.transfers.to_device(verified_B, role.batch_shardings(verified_B), "rewards"),
-              verified_B)
-    return role.put(_on(self.reward_model, self.scores_fn, scored)), verified_B
+    if scored is not None:
+      return role.put(_on(self.reward_model, self.scores_fn, scored)), verified_B
+    if self.reward_model is not None:  # (its scores come with the reference's reply)
+      return None, verified_B
+    return (self.transfers.to_device(verified_B, role.batch_shardings(verified_B), "rewards"),
+            verified_B)
 
   def trimmed(self, rollout, lengths_B: np.ndarray):
     """The rollout with its completion slots cut to the bucket (`rl.batching.length_buckets`) of its
@@ -132,11 +137,11 @@ class Scoring:
     scored = (None if self.reward_model is None else
               _moved(self.reward_model, rollout, mask=False))
     ref_fn, old_fn = self.logprob_fns[pack is not None]
-    ref_in = self._inputs(self.reference, rollout, packs.get(self.reference))
-    calls = {"reward": (ex.reward, (self._rewards, rollout, examples_B, verified_B, scored),
-                        "score"),
-             "ref": (ex.reference, (_on, self.reference, ref_fn, ref_in) if self.remote is None
-                     else (self.remote.logprobs, ref_in, pack is not None), "ref logprobs")}
+    ref_in, remote = self._inputs(self.reference, rollout, packs.get(self.reference)), self.remote
+    calls = {"reward": (ex.reward, (self._rewards, rollout, examples_B, verified_B,
+                                    scored if remote is None else None), "score"),
+             "ref": (ex.reference, (_on, self.reference, ref_fn, ref_in) if remote is None
+                     else (remote.score, ref_in, pack is not None, scored), "ref logprobs")}
     if self.cfg.needs_old_logprobs:
       calls["old"] = (ex.trainer, (_on, self.actor.role, old_fn,
                                    self._inputs(self.actor.role, rollout,
@@ -148,6 +153,9 @@ class Scoring:
     futures = {k: (e, e.submit(*args, label=label)) for k, (e, args, label) in calls.items()}
     out = {k: e.result(f) for k, (e, f) in futures.items()}
     (rewards_B, verified_B), on_actor = out["reward"], self.actor.role.put
+    if remote is not None:  # ([B, N] log-probs, [B] scores or None)
+      out["ref"], scores_B = out["ref"]
+      rewards_B = rewards_B if scores_B is None else on_actor(scores_B)
     values_BN = on_actor(out["values"]) if "values" in out else None
     exp, metrics = self.experience_fn(on_actor(rollout), rewards_B, out.get("old"),
                                       on_actor(out["ref"]), values_BN)

@@ -33,6 +33,7 @@ from train.roles.sampler_weights import SamplerWeights
 log = logging.getLogger("jaxrl")
 MODEL_CLASSES = {"actor": LanguageModel, "reference": LanguageModel, "reward": RewardModel,
                  "critic": ValueModel}
+SCORERS = ("reference", "reward")  # the frozen roles `placement.scorers_apart` moves apart
 
 
 class RoleCluster:
@@ -53,7 +54,8 @@ class RoleCluster:
         self.meshes["sampler"] = (self.split.mirror if replica is None  # the trainer's copy
                                   else self.split.replicas[replica])  # this generator's
         if self.split.scorer is not None and self.split.here != "scorer":
-          self.meshes["reference"] = self.meshes["actor"]  # the trainer's copy (host memory)
+          for role in SCORERS:  # the trainer's copies (host memory)
+            self.meshes[role] = self.meshes["actor"]
       self.actor = self._actor_role()
       plain = self._shape("actor")[0] if cfg.lora.enabled else None  # without adapters
       self.sampler_weights = SamplerWeights(cfg, self.actor, self.meshes["sampler"], plain,
@@ -66,8 +68,8 @@ class RoleCluster:
     check_batch_sizes(cfg, self)
     self.roles: dict[str, ModelRole] = {"actor": self.actor}
     self.shared: set[str] = set()  # roles whose parameters are the actor's own arrays
-    # roles whose passes run on processes of their own (train/loop/remote_reference.py)
-    self.apart = {"reference"} if self.split is not None and self.split.scorer is not None \
+    # roles whose passes run on processes of their own (train/loop/remote_scorers.py)
+    self.apart = set(SCORERS) if self.split is not None and self.split.scorer is not None \
         else set()
     if initialize:
       self.initialize_actor()  # the sampler's copy follows on first use (`sampler_weights.fresh`)
@@ -187,7 +189,7 @@ class RoleCluster:
     if self.split is None:
       return "all", frozenset(range(jax.process_count()))
     if self.split.here == "scorer":
-      return "reference", self.split.scorer_processes
+      return "scorers", self.split.scorer_processes
     replica = self.split.replica_of(jax.process_index())
     if replica is None:
       return "trainer", self.split.trainer_processes
@@ -245,7 +247,7 @@ def _placement(cfg: ExperimentConfig, devices):
                                    sampler_tensor=t, n_hosts=host_count(devices),
                                    train_fsdp=pl.train_fsdp, one_network=one_network,
                                    replicas=pl.sampler_replicas,
-                                   reference_apart=pl.reference_apart)
+                                   scorers_apart=pl.scorers_apart)
   if pl.sampler_tensor or tensor == 1:
     if not pl.sampler_tensor:
       m = cfg.model

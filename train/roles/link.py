@@ -2,11 +2,11 @@
 the group asked answers, every process of the job takes part in every crossing.
 
 Where the placement gives a role processes of its own (the generator: `separate` on whole
-hosts; the reference: `placement.reference_apart`), the trainer's processes and that group's run
+hosts; the scorers: `placement.scorers_apart`), the trainer's processes and that group's run
 different programs and meet only where the trainer asks. The trainer's first process posts
 numbered requests in the coordination service's key-value store (`Link`: one session's, one
 numbering for every group); each names its target ("replica": a generator replica's index, or
-"reference"). Every process of the job handles request n after n - 1 (`GroupHost`): the target
+"scorers"). Every process of the job handles request n after n - 1 (`GroupHost`): the target
 group serves it, every other process takes part in its crossings with nothing to send or keep.
 JAX matches the two ends of a crossing between disjoint processes by the order in which each
 process makes them (sharding/crossing.py), so every process must count every crossing alike.
@@ -41,8 +41,8 @@ class Link:
 
   def ends(self, target) -> tuple:
     """(the trainer's mesh, the target's) of `target`'s crossings: a generator replica's (the
-    trainer's side its mirror of the sampler's mesh), or the reference apart's."""
-    if target == "reference":
+    trainer's side its mirror of the sampler's mesh), or the scorers' apart."""
+    if target == "scorers":
       return self.split.trainer, self.split.scorer
     return self.split.mirror, self.split.replicas[target]
 

@@ -97,7 +97,7 @@ class ModelRole:
     self.shardings = role_shardings(name, self._abstract, rules, mesh)
     self._params: nnx.State | None = None
     self.version = 0  # bumped whenever the parameters change (copies can tell they are stale)
-    self.sent_version = None  # the version a copy on processes apart holds (remote_reference.py)
+    self.sent_version = None  # the version a copy on processes apart holds (remote_scorers.py)
 
   @property
   def params(self) -> nnx.State | None:

@@ -1,6 +1,6 @@
 """A process the placement gives to a group apart (`separate` on whole hosts): the sampler's,
 which serves the async generator the trainer's processes start (train/rollout/remote.py), or the
-reference's (`placement.reference_apart`, train/loop/remote_reference.py), instead of running
+scorers' (`placement.scorers_apart`, train/loop/remote_scorers.py), instead of running
 the experiment."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import signal
 
 from jaxrl.config_files import resolve
 from sharding.distributed import post_stop
-from train.loop.remote_reference import ReferenceHost
+from train.loop.remote_scorers import ScorersHost
 from train.rollout.remote import SamplerHost
 from train.rollout.source import make_worker
 from train.stages.context import RunContext
@@ -18,12 +18,12 @@ from train.stages.context import RunContext
 
 def serve(config) -> int:
   """Builds what the group needs (tokenizer, prompts, environments, the sampler's or the
-  reference's programs; the models abstract) and serves the trainer until it is done; the exit
+  scorers' programs; the models abstract) and serves the trainer until it is done; the exit
   code."""
   cfg = resolve(config)
   with RunContext(cfg, "", initialize=False) as ctx, _stops_passed_on():
     if ctx.cluster.split.here == "scorer":
-      return ReferenceHost(ctx).serve()
+      return ScorersHost(ctx).serve()
     return SamplerHost(ctx, make_worker).serve()
 
 
