@@ -402,7 +402,7 @@ def test_the_scorers_on_processes_of_their_own_match_one_process_and_resume_exac
   apart = _result(tmp_path, "apart")
   assert apart == _result(tmp_path, "one")
   assert any(r.get("kl", 0) > 0 for r in apart[1])  # the reference's log-probs came back
-  assert "scorers: the reward's weights arrived" in outs[1][1]  # its scores were made there
+  assert "scorers: the reward's weights crossed" in outs[0][1]  # (its scores came from there)
   procs = _launch(tmp_path, "stopped", *APART, **three)
   _at_rl_step(procs, tmp_path / "stopped", 2)
   procs[1].send_signal(signal.SIGTERM)

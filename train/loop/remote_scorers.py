@@ -69,6 +69,8 @@ class RemoteScorers:
     for role in fresh:
       role.move(HOST)
       role.sent_version = role.version
+      log.info("scorers: the %s's weights crossed to their processes (version %d)", role.name,
+               role.version)
     return out["logprobs"], out.get("scores")
 
 
