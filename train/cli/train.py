@@ -120,7 +120,6 @@ def _compiles_for_a_target(argv: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv if argv is None else argv
-  faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung job: kill -USR1 PID
   if print_help(argv, __doc__):
     return 0
   if _compiles_for_a_target(argv):
@@ -188,6 +187,7 @@ def _stopped_exit(name: str) -> int:
 
 def cli() -> None:
   from sharding import distributed
+  faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung job: kill -USR1 PID
   try:
     code = main()
   except Exception:
