@@ -66,9 +66,11 @@ def _partial(model, schedule, staleness, version=0, state=None, start=0):
                               start_index=start)
 
 
-def _train(worker, params, *, seed=None, stop_after=None):
+def _train(worker, params, *, seed=None, stop_after=None, until=lambda state: True):
   """Takes every batch, 'updating' (a perturbation, after a random pause) after each; with
-  `stop_after`, returns the batches and the worker's state after that many updates."""
+  `stop_after`, returns the batches and the worker's state after that many updates, from the
+  first pause whose state meets `until` (the worker paused and resumed until then: what the
+  fixed schedule generates does not depend on when it pauses)."""
   rng, out, version = random.Random(seed), [], worker.version
   for batch in worker:
     out.append(batch)
@@ -76,9 +78,14 @@ def _train(worker, params, *, seed=None, stop_after=None):
     version += 1
     worker.update_weights(_weights(params, version), version)
     if version == stop_after:
-      with worker.paused() as state:
-        worker.close()
-        return out, state, version
+      for _ in range(2000):
+        with worker.paused() as state:
+          if until(state):
+            worker.close()
+            return out, state, version
+        time.sleep(0.005)
+      worker.close()
+      return out, state, version
   worker.close()
   return out, None, version
 
@@ -99,9 +106,11 @@ def test_fixed_schedule_is_a_function_of_the_seed_and_resumes_with_rows_in_fligh
   assert [b.version for b in batches] == [max(0, i - 1) for i in range(N_BATCHES)]
   # Rows in flight took the next version as the following batch opened: tokens of 2 versions.
   assert any(len(np.unique(b.versions_BN)) == 2 for b in batches)
-  first, state, version = _train(_partial(model, "fixed", 1), model[1], stop_after=3)
-  stream = state.meta["stream"]["batches"]
-  assert any(b["admitted"] > b["finished"] for b in stream), "no row in flight at the pause"
+  in_flight = lambda state: any(b["admitted"] > b["finished"]  # noqa: E731
+                                for b in state.meta["stream"]["batches"])
+  first, state, version = _train(_partial(model, "fixed", 1), model[1], stop_after=3,
+                                 until=in_flight)
+  assert in_flight(state), "no row in flight at a pause"
   resumed = _partial(model, "fixed", 1, version=version, state=state, start=version)
   _same(first + _train(resumed, model[1])[0], batches)
 

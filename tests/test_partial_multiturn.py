@@ -157,10 +157,12 @@ def test_fixed_schedule_is_a_function_of_the_seed_and_resumes_with_conversations
       replies = np.flatnonzero(~own[r] & b.rollout.completion_mask_BN[r])
       replies = replies[replies > 0]
       assert (v[r, replies] == v[r, replies - 1]).all()
-  first, state, version = _train(_worker(model, multiturn), model[1], stop_after=3)
-  talks = [(t, ended) for b in state.meta["stream"]["batches"]
-           for t, ended in zip(b["talks"], b["ended"])]
-  assert any(t["turns"] and not ended for t, ended in talks), "no conversation in flight"
+  talking = lambda state: any(t["turns"] and not ended  # noqa: E731
+                              for b in state.meta["stream"]["batches"]
+                              for t, ended in zip(b["talks"], b["ended"]))
+  first, state, version = _train(_worker(model, multiturn), model[1], stop_after=3,
+                                 until=talking)
+  assert talking(state), "no conversation in flight at a pause"
   resumed = _worker(model, multiturn, version=version, state=state, start=version)
   _same(first + _train(resumed, model[1])[0], batches)
   # An environment that replies otherwise on replay cannot continue its conversations
