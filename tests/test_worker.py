@@ -290,3 +290,34 @@ def test_a_choice_the_first_process_made_is_run_though_it_closed_meanwhile():
   assert not any(t.is_alive() for t in threads)
   assert not any(w.failed for w in workers.values())
   assert made["leader"] == made["follower"] == [0]
+
+
+def test_pauses_asked_back_to_back_are_each_served():
+  """The trainer asks the next pause as soon as one ends (before the worker's thread wakes from
+  the first): the thread serves that one too, rather than wait for the first to end again."""
+  from train.rollout.worker import Worker
+
+  class Idle(Worker):  # a thread that only waits (as a partial worker does for the trainer)
+    def _needs_pause(self):
+      return True
+
+    def _run(self):
+      with self.locked():
+        while self.wait_for_change(self.changes):
+          pass
+
+  worker = Idle([], 0, version=0, max_staleness=1, seed=0, start_index=0, schedule="free",
+                transfer=None, state=None)
+  worker.launch()
+  served = []
+
+  def pauses():
+    for _ in range(200):
+      with worker.paused() as state:
+        served.append(state.meta["installed"])
+
+  thread = threading.Thread(target=pauses, daemon=True)
+  thread.start()
+  thread.join(30)
+  assert not thread.is_alive() and len(served) == 200
+  worker.close()

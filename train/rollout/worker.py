@@ -345,14 +345,17 @@ class Worker:
       return
     while told and self._pause is None and not self._closed:  # (its trainer's request comes)
       self._cond.wait()
-    if self._pause is None:
-      return
-    if self._decide is not None and self._decide.leader:
-      self._decide.paused()
-    self._pause["state"] = self._state()
-    self._changed()
-    while self._pause is not None and not self._closing():
-      self._cond.wait()
+    while (pause := self._pause) is not None and pause["state"] is None:
+      if self._decide is not None and self._decide.leader:
+        self._decide.paused()
+      pause["state"] = self._state()
+      self._changed()
+      # Until this pause ends: the trainer may ask the next one before this thread wakes (then
+      # it is served here too, but a follower's comes with the first process's next marker).
+      while self._pause is pause and not self._closing():
+        self._cond.wait()
+      if told:
+        return
 
   def _serve_told_pause(self) -> None:
     """`decide`'s where the group's first process served a pause (a follower's choice)."""
