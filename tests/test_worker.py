@@ -210,7 +210,7 @@ def test_a_group_of_processes_closes_where_its_first_process_did(schedule, lag_s
     t.join(60)
   assert not errors, errors
   assert not any(w.failed for w in workers.values())
-  assert made["leader"] == made["follower"] and len(made["leader"]) >= 4
+  assert made["leader"] == made["follower"] and len(made["leader"]) >= 3  # (the 3 taken)
 
 
 def test_a_group_of_processes_pauses_where_its_first_process_did():
@@ -321,3 +321,19 @@ def test_pauses_asked_back_to_back_are_each_served():
   thread.join(30)
   assert not thread.is_alive() and len(served) == 200
   worker.close()
+
+
+def test_generators_dealt_every_other_batch_count_the_free_bound_from_the_trainers_batch():
+  """Two workers, each every other batch (replicas.py's generators), under the free schedule
+  with no staleness: each push says which batch the trainer takes next, so every batch starts
+  with the weights the trainer will be at (not ahead of the other worker's batches)."""
+  workers = [RolloutWorker(lambda params, prompts, key: prompts, list(range(6)), 0,
+                           max_staleness=0, schedule="free", start_index=k, stride=2,
+                           trainer_at=0) for k in (0, 1)]
+  for version in range(6):
+    batch = workers[version % 2].get(timeout=30)
+    assert (batch.index, batch.version) == (version, version)
+    for worker in workers:
+      worker.update_weights(version + 1, version + 1, taken=version + 1)
+  for worker in workers:
+    worker.close()

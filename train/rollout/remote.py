@@ -151,8 +151,9 @@ class RemoteWorker:
                         reply["version"], reply["index"], reply["seconds"],
                         None if versions is None else np.asarray(versions, np.int32))
 
-  def update_weights(self, params, version: int) -> None:
-    self._request({"op": "weights", "version": version}, {"params": crossing.numbered(params)})
+  def update_weights(self, params, version: int, taken: int | None = None) -> None:
+    self._request({"op": "weights", "version": version, "taken": taken},
+                  {"params": crossing.numbered(params)})
     self._version = version
 
   @contextlib.contextmanager
@@ -220,7 +221,7 @@ class SamplerHost(GroupHost):
   def _weights(self, request: dict) -> None:
     like = self.ctx.cluster.sampler_weights.abstract()
     params = crossing.unnumbered(like, self.arrived(request)["params"])
-    self.worker.update_weights(params, request["version"])
+    self.worker.update_weights(params, request["version"], request["taken"])
 
   def _pause(self, request: dict) -> dict:
     state = self._held.enter_context(self.worker.paused())

@@ -3,7 +3,10 @@ one worker's face for the trainer (train/rollout/remote.py serves each).
 
 Batch i is generator i mod N's (each generates every N-th batch, as its schedule allows), taken
 in index order; every push goes to all. Under the fixed schedule a batch is a function of its
-index, whichever generator makes it: N generators equal one, bit for bit.
+index, whichever generator makes it: N generators equal one, bit for bit. Under the free
+schedule each push tells every generator which batch the trainer takes next, from which its
+staleness bound counts (between pushes a generator sees only the batches taken from it: it
+counts from an older one, so the bound holds, the later of its batches wait for the next push).
 
 A generator that dies is dropped, and the run goes on. Every process's peer watch
 (sharding/distributed.py `Job.drop`) notices it within the heartbeat; the trainer's first
@@ -59,7 +62,8 @@ class Generators:
     n = len(self.live)
     return [RemoteWorker(link, params=self._params, version=self._version, state=states[k],
                          replica=r, start_index=start_index + (k - start_index) % n, stride=n,
-                         ends=False, **self._make) for k, r in enumerate(self.live)]
+                         trainer_at=start_index, ends=False, **self._make)
+            for k, r in enumerate(self.live)]
 
   @property
   def link(self) -> Link:
@@ -95,8 +99,8 @@ class Generators:
 
   def update_weights(self, params, version: int) -> None:
     self._params, self._version = params, version  # (a dropped generator's successors start so)
-    for worker in self.workers:
-      worker.update_weights(params, version)
+    for worker in self.workers:  # (each learns which batch the trainer takes next)
+      worker.update_weights(params, version, taken=self._next)
 
   @contextlib.contextmanager
   def paused(self):

@@ -22,10 +22,10 @@ class RolloutWorker(Worker):
                params: Any, *, version: int = 0, max_staleness: int = 1, seed: int = 0,
                start_index: int = 0, schedule: str = "free", transfer: Callable | None = None,
                state: WorkerState | None = None, decide: Callable | None = None,
-               stride: int = 1):
+               stride: int = 1, trainer_at: int | None = None):
     super().__init__(prompts, params, version=version, max_staleness=max_staleness, seed=seed,
                      start_index=start_index, schedule=schedule, transfer=transfer, state=state,
-                     decide=decide, stride=stride)
+                     decide=decide, stride=stride, trainer_at=trainer_at)
     self._generate = generate_fn
     self.launch()
 

@@ -60,7 +60,7 @@ class Worker:
   def __init__(self, prompts: Sequence, params: Any, *, version: int, max_staleness: int,
                seed: int, start_index: int, schedule: str, transfer: Callable | None,
                state: WorkerState | None, decide: Callable[[str, int], int] | None = None,
-               stride: int = 1):
+               stride: int = 1, trainer_at: int | None = None):
     """`decide(key, version)`: the group's first process's choice where several processes run
     this worker on one mesh (train/rollout/decisions.py), whatever each process's
     timing (`decide.leader`: this is the first process; `decide.told()`: the first process has
@@ -68,7 +68,8 @@ class Worker:
     one made before it closed: closing, too, is the first process's choice, and the others run
     on to the same point, through the same device programs). `stride`: this worker generates
     every stride-th batch from `start_index` (one of several generators,
-    train/rollout/replicas.py `Generators`)."""
+    train/rollout/replicas.py `Generators`); `trainer_at`: the batch the trainer takes next,
+    whichever generator's (default `start_index`; each push says it anew)."""
     if schedule not in SCHEDULES:
       raise ValueError(f"schedule: expected one of {list(SCHEDULES)}, got {schedule!r}")
     self._prompts, self._seed, self.stride = prompts, seed, stride
@@ -79,7 +80,10 @@ class Worker:
     self._installed = self._pending  # the weights the worker decodes with
     self._decide = decide
     self._queue: collections.deque[RolloutBatch] = collections.deque()
-    self._taken = start_index  # = the index of the next batch the trainer takes
+    self._taken = start_index  # = the index of the next of this worker's batches taken
+    # The index of the next batch the trainer takes (with several generators, as of the last
+    # batch it took here or its last push: a staleness bound on it holds for the true one)
+    self._trainer_at = start_index if trainer_at is None else trainer_at
     self._push_due = self._waiting = False
     self._changes = 0  # bumped by every event the worker may be waiting for
     self._closed = self._exhausted = False
@@ -102,21 +106,23 @@ class Worker:
 
   def view(self) -> WorkerView:
     """What the schedule reads (holding the lock)."""
-    return WorkerView(taken=self._taken, push_coming=self._push_due and not self._waiting,
+    return WorkerView(taken=self._trainer_at, push_coming=self._push_due and not self._waiting,
                       installed=self._installed.version, newest=self._pending.version,
                       exhausted=self._exhausted, next_own=self.next_to_generate,
                       stride=self.stride)
 
   # -- the trainer's side ---------------------------------------------------------------------
-  def update_weights(self, params: Any, version: int) -> None:
+  def update_weights(self, params: Any, version: int, taken: int | None = None) -> None:
     """Pushes new weights (the worker takes them when its schedule says; a fixed schedule first
-    waits until the worker has installed version - 1)."""
+    waits until the worker has installed version - 1); `taken`: the batch the trainer takes
+    next, where it takes others' too (several generators)."""
     params = self._transfer(params)  # outside the lock: a reshard can take a while
     with self._cond:
       if version <= self._pending.version:
         raise ValueError(f"policy version must increase: got {version} after {self.version}")
       self._wait(lambda: self.schedule.push_ready(self.view(), version))
       self._pending, self._push_due = Weights(params, version), False
+      self._trainer_at = max(self._trainer_at, taken or 0)
       if self._decide is not None:
         self._kept[version] = self._pending
       self._changed()
@@ -138,6 +144,7 @@ class Worker:
           self._cond.wait(remaining)
         batch = self._queue.popleft()
         self._taken, self._push_due = batch.index + self.stride, True
+        self._trainer_at = batch.index + 1
         return batch
       finally:
         self._waiting = False
