@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import logging
 
-from jaxrl.config import ConfigError
 from sharding import crossing
 from train.loop.passes import logprobs, packed_scorer, scorer
 from train.roles.link import GroupHost
@@ -60,10 +59,7 @@ class RemoteScorers:
       role.move(DEVICE)
       arrays[f"{role.name}_params"] = crossing.numbered(role.params)
     link.post({"op": "score", "replica": TARGET, "packed": packed}, arrays)
-    reply = link.replies.take(link.n - 1)
-    if "error" in reply:
-      cause = ConfigError(reply["error"]) if reply.get("config") else None
-      raise RuntimeError(f"the scorers' processes failed: {reply['error']}") from cause
+    reply = link.reply(RuntimeError, "the scorers' processes")
     home, there = link.ends(TARGET)
     out = crossing.receive(reply["arrays"], there, home)
     for role in fresh:

@@ -55,6 +55,16 @@ class Link:
       self.requests.post(self.n, message)
     self.n += 1
 
+  def reply(self, failed: type[Exception], who: str, **take) -> dict:
+    """The reply to the last request (its target's first process posts it; `take`: the
+    mailbox's options). A failure there is raised here as `failed`, "`who` failed: ...", from
+    a ConfigError where it was the user's (such as an environment's, which stays one)."""
+    reply = self.replies.take(self.n - 1, **take)
+    if "error" in reply:
+      cause = ConfigError(reply["error"]) if reply.get("config") else None
+      raise failed(f"{who} failed: {reply['error']}") from cause
+    return reply
+
   def end(self) -> None:
     """The session's last request: every group waits for the next session."""
     self.post({"op": "end", "replica": None})

@@ -29,7 +29,6 @@ import time
 import jax
 import numpy as np
 
-from jaxrl.config import ConfigError
 from sampler.engine import Rollout
 from sharding import crossing
 from sharding.distributed import from_env, job
@@ -104,14 +103,10 @@ class RemoteWorker:
     if message["op"] not in REPLIED:
       return None
     lost = lambda: {"lost": self._replica} if self._replica in job().dropped else None  # noqa
-    reply = link.replies.take(link.n - 1, poll_s=1.0,
-                              instead=lost if jax.process_index() == 0 else None)
+    reply = link.reply(RolloutWorkerError, "rollout worker on the generator's processes",
+                       poll_s=1.0, instead=lost if jax.process_index() == 0 else None)
     if "lost" in reply:  # (the trainer's first process saw the generator die: every process)
       raise GeneratorLost(self._replica)
-    if "error" in reply:  # (a user's error, such as an environment's, stays one)
-      cause = ConfigError(reply["error"]) if reply.get("config") else None
-      raise RolloutWorkerError(f"rollout worker failed on the generator's processes: "
-                               f"{reply['error']}") from cause
     return reply
 
   def _received(self, reply: dict) -> dict:
