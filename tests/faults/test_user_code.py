@@ -165,8 +165,9 @@ class Flaky:
 def hosts():
   from jaxrl.data.tokenizer import ByteTokenizer
   from jaxrl.envs import EnvHosts
+  # (the pool's 4 MB file limit: writing up to 64 MB outlasted the 0.5 s limit under load)
   hosted = EnvHosts("test_user_code:Flaky", ByteTokenizer(), "math", workers=1, timeout_s=0.5,
-                    memory_gb=2.0, start_s=START_S)
+                    memory_gb=2.0, file_mb=4.0, start_s=START_S)
   yield hosted
   hosted.close()
 
