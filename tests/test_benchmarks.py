@@ -80,3 +80,16 @@ def test_ignore_eos_runs_every_rollout_to_its_budget_past_sampled_eos(tmp_path):
   assert all(len(t) == 24 for t in tokens)
   # Without this the flag would be untested: some rollout did sample EOS and went on.
   assert any(eos in t[:-1] for t in tokens)
+
+
+def test_logprob_mismatch_measures_each_source_against_its_baseline():
+  """`benchmarks.logprob_mismatch` (small): each source's largest log-prob gap and bitwise
+  share, per dtype; the sampler's and the trainer's log-probs agree as a run's mismatch does."""
+  from benchmarks.logprob_mismatch import main
+  result = main(["--rows", "2", "--new_tokens", "6", "--d_model", "32", "--layers", "2",
+                 "--pad", "5", "--json"])
+  sources = {"sampler", "rows", "length", "head", "rules", "fsdp", "tensor"}
+  for dtype, bound in (("float32", 1e-4), ("bfloat16", 0.1)):
+    assert set(result[dtype]) == sources
+    assert all(0 <= g["bitwise_frac"] <= 1 and g["max"] >= 0 for g in result[dtype].values())
+    assert result[dtype]["sampler"]["max"] < bound

@@ -1,0 +1,126 @@
+"""Where the sampler's log-probs and the trainer's part: one source at a time.
+
+  python -m benchmarks.logprob_mismatch --json
+
+A random dense model (`--d_model`, `--layers`, vocabulary 512) samples `--rows` rows of
+`--new_tokens` tokens with the engine on one device (sampler/engine.py: a prefill, then one
+decode step per token over a KV cache). The trainer's pass (train/updates/forward.py: one
+forward over the whole sequence, the LM head in chunks) then scores the same tokens, and so do
+variants of it that each change one thing the two sides do differently:
+
+  sampler     the trainer's pass against the sampler's recorded log-probs (all sources)
+  rows        one row at a time against all rows at once (a matmul's row count: a decode step
+              multiplies B rows, the trainer B x T)
+  length      the sequence right-padded by `--pad` invalid slots against as it is (attention's
+              reduction over more keys: a cache's S slots against the causal T)
+  head        the full-vocabulary head against the trainer's chunked one
+  rules       the trainer's pass as the trainer jits it (on a mesh of one device, under the
+              train rules' activation constraints) against a plain jit
+  fsdp        that pass on an fsdp mesh of 4 devices against the mesh of one
+  tensor      that pass on a data 2 x tensor 2 mesh against the mesh of one (the sampler's
+              layout: the all-reduce of a partial sum)
+
+Per dtype (float32, bfloat16), each is the largest |log-prob difference| over the completion
+tokens and the share of those tokens whose log-probs are bitwise equal. A source whose max is 0
+does not contribute on this machine; `sampler` is what `mismatch_max` reports in a run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def _gap(a, b, mask) -> dict:
+  import numpy as np
+  a, b, mask = np.asarray(a, np.float32), np.asarray(b, np.float32), np.asarray(mask, bool)
+  return {"max": float(np.abs(a - b)[mask].max(initial=0.0)),
+          "bitwise_frac": float((a == b)[mask].mean())}
+
+
+def _on_mesh(make, shape: dict, params, score, *args):
+  """`score(graphdef, params, *args)` with the parameters laid out by the train rules on a
+  mesh of `shape` (activations constrained by the same rules)."""
+  import jax
+
+  from sharding.mesh import make_mesh
+  from sharding.rules import TRAIN_RULES
+  from train.roles.role import ModelRole
+  mesh = make_mesh(shape, jax.devices()[:int(__import__("math").prod(shape.values()))])
+  role = ModelRole("model", make, mesh, TRAIN_RULES)
+  placed = jax.device_put(params, role.shardings)
+  return role.jit(lambda p, *a: score(role.graphdef, p, *a))(placed, *args)
+
+
+def measure(dtype: str, args) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from jaxrl.models.config import ModelConfig
+  from jaxrl.models.lm_head import dense_logprobs
+  from jaxrl.models.rope import positions_from_valid
+  from jaxrl.models.transformer import LanguageModel
+  from sampler.engine import generate
+  from sampler.methods import SamplingConfig
+  from train.updates.forward import completion_logprobs
+  from train.updates.state import model_of
+
+  cfg = ModelConfig(vocab_size=512, d_model=args.d_model, n_layers=args.layers, n_heads=4,
+                    n_kv_heads=2, head_dim=args.d_model // 4, d_ff=4 * args.d_model,
+                    dtype=dtype)
+  make = lambda: LanguageModel(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+  graphdef, params = nnx.split(make())
+  p = 16
+  prompts_BP = jax.random.randint(jax.random.key(1), (args.rows, p), 3, cfg.vocab_size)
+  sampling = SamplingConfig(max_new_tokens=args.new_tokens, eos_id=1, pad_id=0, ignore_eos=True,
+                            method="temperature", temperature=1.0)
+  r = jax.jit(lambda q, t, v, k: generate(graphdef, q, t, v, k, cfg=sampling))(
+      params, prompts_BP, jnp.ones(prompts_BP.shape, bool), jax.random.key(2))
+  mask = r.completion_mask_BN
+  score = lambda g, q, t, v: completion_logprobs(g, q, t, v, p)[0]  # noqa: E731
+  trainer = jax.jit(score, static_argnums=0)
+  base = trainer(graphdef, params, r.tokens_BT, r.valid_BT)
+  one_by_one = np.concatenate([trainer(graphdef, params, r.tokens_BT[i:i + 1],
+                                       r.valid_BT[i:i + 1]) for i in range(args.rows)])
+  pad = lambda x, value: jnp.pad(x, ((0, 0), (0, args.pad)), constant_values=value)  # noqa
+  n = base.shape[1]
+  padded = trainer(graphdef, params, pad(r.tokens_BT, 0), pad(r.valid_BT, False))[:, :n]
+
+  def dense(g, q, t, v):
+    model = model_of(g, q)
+    h, _, _ = model.decoder.forward(t, positions_from_valid(v), v)
+    return dense_logprobs(h[:, p - 1:-1], model.head_VD(), t[:, p:],
+                          softcap=cfg.logit_softcap)[0]
+  head = jax.jit(dense, static_argnums=0)(graphdef, params, r.tokens_BT, r.valid_BT)
+  meshes = {name: _on_mesh(make, shape, params, score, r.tokens_BT, r.valid_BT) for name, shape
+            in (("one", {"fsdp": 1}), ("fsdp", {"fsdp": 4}), ("tensor", {"data": 2, "tensor": 2}))}
+  return {"sampler": _gap(base, r.logprobs_BN, mask), "rows": _gap(one_by_one, base, mask),
+          "length": _gap(padded, base, mask), "head": _gap(head, base, mask),
+          "rules": _gap(meshes["one"], base, mask),
+          **{k: _gap(meshes[k], meshes["one"], mask) for k in ("fsdp", "tensor")}}
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--rows", type=int, default=8)
+  parser.add_argument("--new_tokens", type=int, default=32)
+  parser.add_argument("--d_model", type=int, default=128)
+  parser.add_argument("--layers", type=int, default=4)
+  parser.add_argument("--pad", type=int, default=24)
+  parser.add_argument("--json", action="store_true")
+  args = parser.parse_args(argv)
+  if "XLA_FLAGS" not in os.environ:  # (the meshes need 4 devices on the CPU)
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  import jax
+
+  from benchmarks.common import emit
+  result = {"device": jax.devices()[0].device_kind, "rows": args.rows,
+            "new_tokens": args.new_tokens,
+            **{dtype: measure(dtype, args) for dtype in ("float32", "bfloat16")}}
+  emit(result, args.json)
+  return result
+
+
+if __name__ == "__main__":
+  main()
