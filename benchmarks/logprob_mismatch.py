@@ -19,6 +19,9 @@ variants of it that each change one thing the two sides do differently:
   fsdp        that pass on an fsdp mesh of 4 devices against the mesh of one
   tensor      that pass on a data 2 x tensor 2 mesh against the mesh of one (the sampler's
               layout: the all-reduce of a partial sum)
+  f32_one     the pass on one device against the same weights' float32 pass (the compute
+              dtype's own error; 0 in float32)
+  f32_mesh    the pass on the fsdp mesh of 4 against the same float32 pass
 
 Per dtype (float32, bfloat16), each is the largest |log-prob difference| over the completion
 tokens and the share of those tokens whose log-probs are bitwise equal. A source whose max is 0
@@ -52,6 +55,8 @@ def _on_mesh(make, shape: dict, params, score, *args):
 
 
 def measure(dtype: str, args) -> dict:
+  import dataclasses
+
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -95,10 +100,13 @@ def measure(dtype: str, args) -> dict:
   head = jax.jit(dense, static_argnums=0)(graphdef, params, r.tokens_BT, r.valid_BT)
   meshes = {name: _on_mesh(make, shape, params, score, r.tokens_BT, r.valid_BT) for name, shape
             in (("one", {"fsdp": 1}), ("fsdp", {"fsdp": 4}), ("tensor", {"data": 2, "tensor": 2}))}
+  g32 = nnx.split(LanguageModel(dataclasses.replace(cfg, dtype="float32"), rngs=nnx.Rngs(0)))[0]
+  f32 = trainer(g32, params, r.tokens_BT, r.valid_BT)
   return {"sampler": _gap(base, r.logprobs_BN, mask), "rows": _gap(one_by_one, base, mask),
           "length": _gap(padded, base, mask), "head": _gap(head, base, mask),
           "rules": _gap(meshes["one"], base, mask),
-          **{k: _gap(meshes[k], meshes["one"], mask) for k in ("fsdp", "tensor")}}
+          **{k: _gap(meshes[k], meshes["one"], mask) for k in ("fsdp", "tensor")},
+          "f32_one": _gap(base, f32, mask), "f32_mesh": _gap(meshes["fsdp"], f32, mask)}
 
 
 def main(argv=None) -> dict:

@@ -88,8 +88,11 @@ def test_logprob_mismatch_measures_each_source_against_its_baseline():
   from benchmarks.logprob_mismatch import main
   result = main(["--rows", "2", "--new_tokens", "6", "--d_model", "32", "--layers", "2",
                  "--pad", "5", "--json"])
-  sources = {"sampler", "rows", "length", "head", "rules", "fsdp", "tensor"}
+  sources = {"sampler", "rows", "length", "head", "rules", "fsdp", "tensor", "f32_one",
+             "f32_mesh"}
   for dtype, bound in (("float32", 1e-4), ("bfloat16", 0.1)):
     assert set(result[dtype]) == sources
     assert all(0 <= g["bitwise_frac"] <= 1 and g["max"] >= 0 for g in result[dtype].values())
     assert result[dtype]["sampler"]["max"] < bound
+  assert result["float32"]["f32_one"] == {"max": 0.0, "bitwise_frac": 1.0}  # (itself)
+  assert result["bfloat16"]["f32_one"]["max"] > 0
