@@ -30,6 +30,7 @@ does not contribute on this machine; `sampler` is what `mismatch_max` reports in
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 
@@ -48,7 +49,7 @@ def _on_mesh(make, shape: dict, params, score, *args):
   from sharding.mesh import make_mesh
   from sharding.rules import TRAIN_RULES
   from train.roles.role import ModelRole
-  mesh = make_mesh(shape, jax.devices()[:int(__import__("math").prod(shape.values()))])
+  mesh = make_mesh(shape, jax.devices()[:math.prod(shape.values())])
   role = ModelRole("model", make, mesh, TRAIN_RULES)
   placed = jax.device_put(params, role.shardings)
   return role.jit(lambda p, *a: score(role.graphdef, p, *a))(placed, *args)
