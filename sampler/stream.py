@@ -165,11 +165,13 @@ class StreamBatch(Protocol):
 class BatchStream(Protocol):
   """Batches decoded in in-flight slots while the weights change: what the partial-rollout
   worker (train/rollout/partial.py) drives, from one thread. Batch `next_index` opens next and
-  batch `next_emit` leaves next; `version` is the weights' version it decodes with."""
+  batch `next_emit` leaves next, each `stride` after the last (one of several generators makes
+  every stride-th batch); `version` is the weights' version it decodes with."""
   geometry: StreamGeometry
   version: int
   next_index: int
   next_emit: int
+  stride: int
 
   def poll(self) -> list[tuple[StreamBatch, Any]]:
     """The look between segments: the batches now complete, in index order, with rollouts."""
@@ -234,6 +236,7 @@ class Stream:
     self.state, self.out, self.g = self._start(self.model)
     self.batches: dict[int, Batch] = {}  # open, by index
     self.next_index = self.next_emit = 0  # the next batch to open / to leave
+    self.stride = 1  # (`BatchStream`)
     self._done_R = np.ones(count, bool)  # the host's copy of the slots' flags (poll, admit)
     self._row_R = np.full(count, -1, np.int32)
     self._step_R = np.zeros(count, np.int32)
@@ -257,7 +260,7 @@ class Stream:
       rollout = self._take(self.out, to_device(np.int32(b.region * self.rows)),
                            *to_device((tokens, valid), grid))
       out.append((self.batches.pop(self.next_emit), rollout))
-      self.next_emit += 1
+      self.next_emit += self.stride
     return out
 
   def _region_batch(self, region: int) -> Batch:
@@ -297,10 +300,10 @@ class Stream:
     live = self.geometry.live
     if len(self.batches) >= live:
       raise RuntimeError(f"at most {live} batches are open at once")
-    i = self.next_index
-    self.batches[i] = Batch(i, prompts, np.asarray(key, np.uint32), i % live, self.version,
-                            switches=[[] for _ in range(self.rows)])
-    self.next_index += 1
+    i = self.next_index  # (its region: consecutive ones apart, whatever the stride)
+    self.batches[i] = Batch(i, prompts, np.asarray(key, np.uint32), i // self.stride % live,
+                            self.version, switches=[[] for _ in range(self.rows)])
+    self.next_index += self.stride
 
   def admit(self) -> None:
     """Fills the free slots with the pending rows, oldest batch first (one prefill call)."""

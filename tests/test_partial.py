@@ -58,12 +58,12 @@ def _geometry(sampler, live):
                         prompt_width=8, max_new_tokens=sampler.cfg.max_new_tokens)
 
 
-def _partial(model, schedule, staleness, version=0, state=None, start=0):
+def _partial(model, schedule, staleness, version=0, state=None, start=0, stride=1):
   sampler, params = model
   stream = sampler.stream(params, _geometry(sampler, live=staleness + 1))
   return PartialRolloutWorker(stream, Batches(), _weights(params, version), version=version,
                               max_staleness=staleness, schedule=schedule, state=state,
-                              start_index=start)
+                              start_index=start, stride=stride)
 
 
 def _train(worker, params, *, seed=None, stop_after=None, until=lambda state: True):
@@ -113,6 +113,42 @@ def test_fixed_schedule_is_a_function_of_the_seed_and_resumes_with_rows_in_fligh
   assert in_flight(state), "no row in flight at a pause"
   resumed = _partial(model, "fixed", 1, version=version, state=state, start=version)
   _same(first + _train(resumed, model[1])[0], batches)
+
+
+def _train_dealt(workers, params, seed):
+  """As `_train`, batch i taken from `workers[i % len(workers)]`, every update pushed to all
+  (train/rollout/replicas.py `Generators`)."""
+  rng, out = random.Random(seed), []
+  try:
+    while True:
+      try:
+        out.append(workers[len(out) % len(workers)].get(timeout=60))
+      except StopIteration:
+        return out
+      time.sleep(rng.uniform(0, 0.05))
+      for worker in workers:
+        worker.update_weights(_weights(params, len(out)), len(out), taken=len(out))
+  finally:
+    for worker in workers:
+      worker.close()
+
+
+def test_two_streams_dealt_every_other_batch_follow_the_fixed_schedule(model):
+  """Two generators' streams (every other batch each, `stride`): under the fixed schedule each
+  batch starts with its version and the rollouts are a function of the seed; with nothing
+  generated ahead (max_staleness 0) they draw one stream's tokens, their log-probs within
+  float32 rounding (a row's keys lie elsewhere in its slot's ring, which the global decode
+  step places: sampler/slots.py; attention sums them in another order)."""
+  dealt = lambda s, seed: _train_dealt(  # noqa: E731
+      [_partial(model, "fixed", s, start=k, stride=2) for k in (0, 1)], model[1], seed)
+  runs = [dealt(1, seed) for seed in (0, 1)]
+  _same(*runs)
+  assert [b.version for b in runs[0]] == [max(0, i - 1) for i in range(N_BATCHES)]
+  one = _train(_partial(model, "fixed", 0), model[1])[0]
+  for x, y in zip(dealt(0, 0), one, strict=True):
+    assert (x.index, x.version) == (y.index, y.version)
+    np.testing.assert_array_equal(x.rollout.tokens_BT, y.rollout.tokens_BT)
+    np.testing.assert_allclose(x.rollout.logprobs_BN, y.rollout.logprobs_BN, atol=1e-5)
 
 
 def test_swapped_weights_reach_rows_in_flight_with_their_versions_and_logprobs(model, tiny_cfg):

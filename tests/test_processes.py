@@ -199,6 +199,26 @@ def test_two_generator_replicas_match_one_process_and_resume_exactly(replicas_ru
 
 
 @pytest.mark.slow
+def test_two_generators_with_partial_rollouts_resume_exactly(tmp_path):
+  """Partial rollouts on two generators (each a stream of every other batch) under the fixed
+  schedule: the policy lag is the schedule's, and a SIGTERM to the second generator's process
+  mid-run (rows in flight on both) saves both streams, every process exits 0, and the resumed
+  run ends bit for bit as the uninterrupted one."""
+  extra, three = (*REPLICAS, *PARTIAL[1:]), dict(devices=2, n=3)
+  _finish(_launch(tmp_path, "whole", *extra, **three))
+  whole = _result(tmp_path, "whole")
+  lags = [r["policy_lag"] for r in whole[1] if r["phase"] == "rl" and "loss" in r]
+  assert lags[1:] == [1] * (len(lags) - 1)  # generated ahead, by both
+  procs = _launch(tmp_path, "stopped", *extra, **three)
+  _at_rl_step(procs, tmp_path / "stopped", 2)
+  procs[2].send_signal(signal.SIGTERM)
+  for p, (_, err) in zip(procs, [p.communicate(timeout=120) for p in procs]):
+    assert p.returncode == 0, err[-3000:]
+  _finish(_launch(tmp_path, "stopped", *extra, resume=True, **three))
+  assert _result(tmp_path, "stopped")[0] == whole[0]
+
+
+@pytest.mark.slow
 def test_a_dead_generator_replica_is_dropped_and_the_run_goes_on(replicas_run, tmp_path):
   """SIGKILL to the second generator's process after RL step 1. The others drop it within the
   heartbeat with a line naming it; the first generator makes the batches from the one the

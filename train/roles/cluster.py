@@ -223,11 +223,6 @@ def check_processes(cfg: ExperimentConfig, split: ProcessSplit | None, meshes: d
         f"its own: placement.strategy='separate' with placement.train_devices a multiple of "
         f"each process's {local} devices{cpu}, from {local} to {len(devices) - local}; got "
         f"{cfg.placement.strategy!r} with train_devices={cfg.placement.train_devices}")
-  schedule = cfg.rl.schedule
-  if cfg.placement.sampler_replicas > 1 and schedule.partial_rollouts:
-    raise ConfigError(
-        f"config.placement.sampler_replicas: {cfg.placement.sampler_replicas} generators run "
-        f"whole batches (batch i is generator i mod N's); got partial_rollouts=True")
   if mode == "sync" and split is not None and cfg.rl.dapo.dynamic_sampling:
     raise ConfigError(
         "config.rl.dapo.dynamic_sampling: the placement gives the sampler processes of its own, "

@@ -28,11 +28,6 @@ class RolloutBatch:
       return self.versions_BN[:, :n]
     return np.full((self.rollout.completion_mask_BN.shape[0], n), self.version, np.int32)
 
-@dataclasses.dataclass
-class WorkerState:
-  """A worker's run state: device arrays (an orbax item: nested dicts) and JSON meta."""
-  arrays: dict
-  meta: dict
 
 @dataclasses.dataclass
 class WorkerState:

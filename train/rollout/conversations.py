@@ -100,6 +100,7 @@ class ConversationStream:
                            keep=keep_cache)
     self.batches: dict[int, TalkBatch] = {}
     self.next_index = self.next_emit = 0
+    self.stride = 1  # (sampler/stream.py `BatchStream`)
 
   # -- the host's look between segments -----------------------------------------------------
   def poll(self) -> list[tuple[TalkBatch, object]]:
@@ -119,7 +120,7 @@ class ConversationStream:
     out = []
     while (b := self.batches.get(self.next_emit)) is not None and all(b.ended):
       out.append((self.batches.pop(self.next_emit), self._finish(b.talks, b.prompts)))
-      self.next_emit += 1
+      self.next_emit += self.stride
     return out
 
   def _ask(self, b: TalkBatch, r: int) -> None:
@@ -171,7 +172,7 @@ class ConversationStream:
       b.versions.append([b.version] * len(talk.ids))
       self._ask(b, r)
     self.batches[b.index] = b
-    self.next_index += 1
+    self.next_index += self.stride
 
   def _batch(self, index: int, prompts: dict, key: np.ndarray, version: int) -> TalkBatch:
     """Batch `index` with its environments reset and nothing asked yet."""

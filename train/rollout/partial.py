@@ -30,22 +30,21 @@ class PartialRolloutWorker(Worker):
   batch opens (fixed), and each batch leaves with its rows' token versions. `prompts[i]` is
   batch i (host arrays; IndexError: the stream ended)."""
 
-  def __init__(self, stream: BatchStream, prompts: Sequence, params: Any, *, version: int = 0,
-               max_staleness: int = 1, seed: int = 0, start_index: int = 0,
-               schedule: str = "free", transfer: Callable | None = None,
-               state: WorkerState | None = None, span: Callable | None = None,
-               decide: Callable | None = None):
+  def __init__(self, stream: BatchStream, prompts: Sequence, params: Any, *,
+               span: Callable | None = None, **worker):
     """`span()`: a context manager around each look and segment (a timeline's busy time);
-    `decide`: the Worker's; here also whether each batch opens, and (free schedule) which
-    weights each segment decodes with, so that a group of processes runs the same segments."""
-    super().__init__(prompts, params, version=version, max_staleness=max_staleness, seed=seed,
-                     start_index=start_index, schedule=schedule, transfer=transfer, state=state,
-                     decide=decide)
+    `worker`: the Worker's settings, its `decide` here also whether each batch opens, and (free
+    schedule) which weights each segment decodes with, so that a group of processes runs the
+    same segments; with a `stride` (one of several generators) the stream opens every
+    stride-th batch."""
+    super().__init__(prompts, params, **worker)
     self.stream, self._ended = stream, False
     self._span = span or contextlib.nullcontext
     self._opened: dict[int, float] = {}  # batch index -> when it opened
     self._next: tuple[int, Any] | None = None  # the next batch's prompts, read once
     stream.install(*self.installed)
+    stream.stride = self.stride
+    state = worker.get("state")
     if not (state is not None and "stream" in state.arrays and self._restore(state)):
       stream.next_index = stream.next_emit = self.next_to_generate
     self.launch()
@@ -118,7 +117,7 @@ class PartialRolloutWorker(Worker):
     opened = s.next_index
     if not self._open():
       return False
-    self._opened.update({i: t for i in range(opened, s.next_index)})
+    self._opened.update({i: t for i in range(opened, s.next_index, self.stride)})
     if s.decoding or (s.unadmitted and s.free):
       with self._span():
         if s.unadmitted and s.free:

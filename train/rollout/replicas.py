@@ -3,7 +3,9 @@ one worker's face for the trainer (train/rollout/remote.py serves each).
 
 Batch i is generator i mod N's (each generates every N-th batch, as its schedule allows), taken
 in index order; every push goes to all. Under the fixed schedule a batch is a function of its
-index, whichever generator makes it: N generators equal one, bit for bit. Under the free
+index, whichever generator makes it: N generators equal one, bit for bit (with partial rollouts
+a function of the seed and N: a generator's rows in flight take the next version as its own
+next batch opens). Under the free
 schedule each push tells every generator which batch the trainer takes next, from which its
 staleness bound counts (between pushes a generator sees only the batches taken from it: it
 counts from an older one, so the bound holds, the later of its batches wait for the next push).

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from train.rollout.batches import RolloutBatch, WorkerState
+from train.rollout.batches import RolloutBatch
 from train.rollout.worker import Worker
 
 
@@ -19,13 +19,9 @@ class RolloutWorker(Worker):
   `transfer` moves trainer weights into the sampler's layout (identity when None)."""
 
   def __init__(self, generate_fn: Callable[[Any, Any, jax.Array], Any], prompts: Sequence,
-               params: Any, *, version: int = 0, max_staleness: int = 1, seed: int = 0,
-               start_index: int = 0, schedule: str = "free", transfer: Callable | None = None,
-               state: WorkerState | None = None, decide: Callable | None = None,
-               stride: int = 1, trainer_at: int | None = None):
-    super().__init__(prompts, params, version=version, max_staleness=max_staleness, seed=seed,
-                     start_index=start_index, schedule=schedule, transfer=transfer, state=state,
-                     decide=decide, stride=stride, trainer_at=trainer_at)
+               params: Any, **worker):
+    """`worker`: the Worker's settings (train/rollout/worker.py)."""
+    super().__init__(prompts, params, **worker)
     self._generate = generate_fn
     self.launch()
 

@@ -8,9 +8,8 @@ token recording its policy version and log-prob. Both tag each finished batch wi
 index and the version of its oldest tokens; the trainer pushes weights with
 `update_weights(params, version)` and takes batches, in index order, with `get()`. When a batch
 may start and which weights it starts with is the schedule's (jaxrl/schedules.py), which reads a
-`WorkerView` taken under the lock. A subclass reaches the queue, the weights and the lock
-through `Worker`'s methods for subclasses (`start_batch`, `install_newest`, `put`, `finish`,
-`pause_point`, ...), not its fields.
+`WorkerView` taken under the lock. A subclass reaches the queue, the weights and the lock through
+`Worker`'s methods (`start_batch`, `install_newest`, `put`, `finish`, `pause_point`, ...).
 
 Run state (`paused()` yields a `WorkerState`; `state=` puts one back): the batches not yet taken,
 the in-flight decode state, the installed version and, where older than the newest push, its
@@ -57,9 +56,10 @@ class Worker:
   worker's thread" below, holding `locked()` where they say so. The schedule reads the worker
   through `view()`."""
 
-  def __init__(self, prompts: Sequence, params: Any, *, version: int, max_staleness: int,
-               seed: int, start_index: int, schedule: str, transfer: Callable | None,
-               state: WorkerState | None, decide: Callable[[str, int], int] | None = None,
+  def __init__(self, prompts: Sequence, params: Any, *, version: int = 0,
+               max_staleness: int = 1, seed: int = 0, start_index: int = 0,
+               schedule: str = "free", transfer: Callable | None = None,
+               state: WorkerState | None = None, decide: Callable[[str, int], int] | None = None,
                stride: int = 1, trainer_at: int | None = None):
     """`decide(key, version)`: the group's first process's choice where several processes run
     this worker on one mesh (train/rollout/decisions.py), whatever each process's
