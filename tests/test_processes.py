@@ -3,7 +3,7 @@ the trainer on 2 and the sampler on 2 (`separate` on whole hosts), weights and b
 device to device. Each run ends as the same run on one process with the same meshes does (the
 fixed schedule: the same params_fingerprint and metrics rows), under partial rollouts and with a
 multi-turn environment; the free schedule keeps its staleness bound (whole batches, partial
-rollouts, two generators); a sampler process killed mid-run stops the others, and the resumed
+rollouts, two generators of either); a sampler process killed mid-run stops the others, and the resumed
 run ends bit for bit as the uninterrupted one; one of two generators killed is dropped and the
 run goes on."""
 import json
@@ -133,15 +133,16 @@ def test_multi_turn_whole_batches_on_four_processes_match_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["whole", "partial", "replicas"])
+@pytest.mark.parametrize("layout", ["whole", "partial", "replicas", "replicas_partial"])
 def test_free_schedule_on_several_processes_keeps_its_staleness_bound(tmp_path, layout):
   """The sampler's first process decides what timing decides (each batch's weights; with
   partial rollouts, each segment's and when each batch opens), the other one follows. Two
   generators (3 processes of 2 devices) each count the bound from the batch the trainer takes
   next, which every push tells them."""
   extra = {"whole": (), "partial": PARTIAL[1:],
-           "replicas": ("--config.placement.sampler_replicas=2",)}[layout]
-  shape = dict(devices=2, n=3) if layout == "replicas" else {}
+           "replicas": ("--config.placement.sampler_replicas=2",),
+           "replicas_partial": ("--config.placement.sampler_replicas=2", *PARTIAL[1:])}[layout]
+  shape = dict(devices=2, n=3) if layout.startswith("replicas") else {}
   _finish(_launch(tmp_path, "free", "--config.rl.schedule.name=free",
                   "--config.rl.schedule.max_staleness=2", *extra, **shape))
   _, rows = _result(tmp_path, "free")
