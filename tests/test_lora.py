@@ -175,8 +175,9 @@ def test_the_reference_is_the_base(adapted):
   assert dataclasses.replace(LORA, rank=0).enabled is False
 
 
-def _copies(mode: str, devices):
-  """A LoRA actor on `devices` (fsdp over them) and its SamplerWeights in `mode`."""
+def _copies(mode: str, devices, mirror: bool = False):
+  """A LoRA actor on `devices` (fsdp over them) and its SamplerWeights in `mode` (`mirror`: the
+  trainer's of a generator apart)."""
   from jaxrl.config_files import shipped
   tiny = shipped("tiny")
   from jaxrl.config_files import resolve
@@ -188,7 +189,7 @@ def _copies(mode: str, devices):
   role = ModelRole("actor", lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0), lora=cfg.lora),
                    mesh, trainable=lora.TRAINABLE).initialize()
   plain = nnx.split(nnx.eval_shape(lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0))))[0]
-  return role, SamplerWeights(cfg, role, mesh, plain)
+  return role, SamplerWeights(cfg, role, mesh, plain, mirror=mirror)
 
 
 def test_adapter_pushes_share_the_base_where_layouts_agree():
@@ -220,3 +221,25 @@ def test_merged_and_unshared_copies_hold_their_own():
   role.set_trained(_perturbed(role.split(role.params)[0]))
   again = role.split(copy.fresh())[1]
   assert all(a is b for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(again)))
+
+
+def test_the_trainers_mirror_is_dropped_once_sent_and_made_again_when_needed():
+  """A generator apart: `release` drops the trainer's copy (its arrays, the base's copy too,
+  freed once nothing else holds them: a crossing still pulling would), and the next `fresh`
+  makes the same weights again; a copy that is the sampler's own is never released."""
+  import gc
+  import weakref
+  role, copy = _copies("adapters", jax.devices()[:2], mirror=True)
+  first = copy.fresh()
+  values = [np.asarray(x) for x in jax.tree.leaves(first)]
+  refs = [weakref.ref(x) for x in jax.tree.leaves(first)]
+  del first
+  copy.release()
+  gc.collect()
+  assert copy.params is None and not any(r() is not None for r in refs)
+  for x, v in zip(jax.tree.leaves(copy.fresh()), values, strict=True):
+    np.testing.assert_array_equal(x, v)
+  role, own = _copies("merged", jax.devices()[:2])
+  own.fresh()
+  own.release()
+  assert own.params is not None

@@ -43,9 +43,10 @@ def test_async_on_whole_hosts_compiles_for_a_multi_host_slice(tmp_path):
 
 
 def test_the_dry_run_counts_the_trainers_mirror_of_a_sampler_on_hosts_of_its_own():
-  """`separate` on whole hosts of a v5e-16: the trainer keeps the sampler's copy in the
-  sampler's layout on its own first devices (the push's mirror), and a push lands a new one
-  beside it: the same bytes per device as the sampler's copy, on the trainer's devices."""
+  """`separate` on whole hosts of a v5e-16: the trainer makes the sampler's copy in the
+  sampler's layout on its own first devices for each push (the push's mirror) and drops it once
+  sent: not resident, a "weight push" phase of the same bytes per device as the sampler's copy,
+  on the trainer's devices."""
   from train.preflight import dry_run
   from train.preflight.target_compile import topology_devices
   raw = load_config_file("configs/tiny.py")
@@ -53,12 +54,12 @@ def test_the_dry_run_counts_the_trainers_mirror_of_a_sampler_on_hosts_of_its_own
   raw.rl.schedule.update(mode="async")
   devices = topology_devices(parse_target("v5e-16"))
   cluster, resident, phases = dry_run.tables(resolve(raw, hf=False), devices)
-  [copy] = [v for k, v in resident.items() if k.startswith("sampler copy (")]
-  [mirrored] = [v for k, v in resident.items() if k.startswith("sampler copy, the trainer's")]
+  [copy] = [v for k, v in resident.items() if k.startswith("sampler copy")]
+  [mirrored] = phases["weight push"].values()
   trainer = {d.id for d in cluster.meshes["actor"].devices.flat}
   assert set(mirrored) <= trainer and not set(copy) & trainer
   assert sorted(mirrored.values()) == sorted(copy.values())
-  assert phases["weight push"] == {"the pushed copy, before the old one is freed": mirrored}
+  assert list(phases["weight push"]) == ["the trainer's mirror, made for the push"]
 
 
 def test_async_where_every_process_runs_every_program_is_refused_in_one_line():

@@ -81,19 +81,18 @@ def resident_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dic
     table["sampler's LoRA adapters"] = shard_bytes(cluster.actor.split(copy.abstract())[0])
   else:
     table[f"sampler copy ({_dtype_name(copy.abstract())})"] = shard_bytes(copy.abstract())
-  if (mirrored := pushed_mirror(cluster)) is not None:
-    table[f"sampler copy, the trainer's mirror ({_dtype_name(mirrored)})"] = shard_bytes(mirrored)
   return table
 
 
-PUSHED = "the pushed copy, before the old one is freed"  # (a "weight push" phase item)
+PUSHED = "the trainer's mirror, made for the push"  # (a "weight push" phase item)
 
 
 def pushed_mirror(cluster: RoleCluster):
   """Where the sampler has hosts of its own (a target's several hosts, checked from one
-  process): the copy the trainer keeps in the sampler's layout on its own first devices, from
-  which each push crosses (sharding/crossing.py `mirror`), as abstract arrays; None elsewhere
-  (in a job of several processes the trainer's cluster holds its mirror as the sampler copy)."""
+  process): the copy the trainer makes in the sampler's layout on its own first devices for a
+  push (or a held-out evaluation), which crosses from there and is dropped once sent
+  (train/roles/sampler_weights.py `release`), as abstract arrays; None elsewhere (in a job of
+  several processes the trainer's cluster holds its mirror as the sampler copy)."""
   if cluster.split is not None or not sampler_apart(cluster.meshes):
     return None
   on = trainers_mirror(cluster.meshes)
@@ -203,7 +202,7 @@ def phase_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict[s
     role = cluster.get(name)
     peak = scoring_footprint(cfg, role)
     phases["scoring"][what] = _per_device(role.mesh, sum(peak.values()))
-  if (mirrored := pushed_mirror(cluster)) is not None:  # the new copy lands beside the old
+  if (mirrored := pushed_mirror(cluster)) is not None:  # (resident only while it is sent)
     phases["weight push"] = {PUSHED: shard_bytes(mirrored)}
   return phases
 

@@ -287,7 +287,7 @@ def compile_program(program: Program, memo: dict | None = None) -> Compiled:
 
 def phase_peaks(compiled: list[Compiled], resident: dict, phases: dict) -> dict[str, dict]:
   """{phase: {device id: bytes}}: on each device of a phase's programs, what stays through the
-  step, what `placement.offload` brings back for the phase and the pushed copy landing (the
+  step, what `placement.offload` brings back for the phase and the mirror a push makes (the
   dry run's tables, less the programs' own arguments, which they count) plus the programs of
   the phase's step together (they run at the same time); of a phase's steps, which run in turn,
   the largest."""

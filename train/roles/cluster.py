@@ -58,8 +58,9 @@ class RoleCluster:
             self.meshes[role] = self.meshes["actor"]
       self.actor = self._actor_role()
       plain = self._shape("actor")[0] if cfg.lora.enabled else None  # without adapters
-      self.sampler_weights = SamplerWeights(cfg, self.actor, self.meshes["sampler"], plain,
-                                            transfers)
+      self.sampler_weights = SamplerWeights(
+          cfg, self.actor, self.meshes["sampler"], plain, transfers,
+          mirror=self.split is not None and self.split.here == "trainer")
     except PlacementError as e:
       message = str(e)
       raise ConfigError(f"config.{message}" if message.startswith("placement") else message) \

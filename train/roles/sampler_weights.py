@@ -12,7 +12,11 @@ sampler's mesh) in the compute dtype, bucketed, device to device. With LoRA, `lo
             decodes with the adapters (jaxrl/models/layouts.py adds their low-rank products).
 
 A copy's arrays are freed when a newer one replaces it, except those the actor holds and while an
-asynchronous generator may still be decoding with it (between `pin()` and `unpin()`).
+asynchronous generator may still be decoding with it (between `pin()` and `unpin()`). Where the
+generator stands on processes of its own, the trainer's copy is a `mirror` of its layout, made
+for a push (or a held-out evaluation) and dropped once sent (`release()`): the crossing holds
+what it sends until the generator has pulled it (sharding/crossing.py), so between pushes the
+trainer's devices hold no copy.
 """
 from __future__ import annotations
 
@@ -33,10 +37,11 @@ from train.roles.role import ModelRole, role_shardings
 class SamplerWeights:
 
   def __init__(self, cfg: ExperimentConfig, actor: ModelRole, mesh, plain_graphdef=None,
-               transfers: HostTransfers | None = None):
+               transfers: HostTransfers | None = None, *, mirror: bool = False):
     """`plain_graphdef`: the actor's module without adapters; `transfers`: the run's named
-    host transfers (a push is "weights")."""
-    self.cfg, self.actor = cfg, actor
+    host transfers (a push is "weights"); `mirror`: the copy is the trainer's of a generator
+    on processes of its own (`release` drops it)."""
+    self.cfg, self.actor, self.mirror = cfg, actor, mirror
     self.transfers = HostTransfers() if transfers is None else transfers
     self.lora = cfg.lora.enabled
     self.adapters = self.lora and cfg.lora.sampler == "adapters"
@@ -138,6 +143,12 @@ class SamplerWeights:
     if self._version != self.actor.version:
       self.push()
     return self.params
+
+  def release(self) -> None:
+    """The trainer's mirror, sent: its references dropped (not deleted: a crossing still
+    pulling holds its arrays until done), the next `fresh` makes it again. A no-op elsewhere."""
+    if self.mirror:  # (adapters mode: the base's copy too, made again with the next)
+      self.params, self._base, self._version = None, None, -1
 
   def drop(self) -> None:
     """Frees the copy now (the next `fresh` pushes a new one), unless the copies are pinned; a

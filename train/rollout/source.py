@@ -91,6 +91,7 @@ class RolloutSource:
       from train.rollout.replicas import remote_worker
       self.worker = remote_worker(self.split, self.prompts, params, version=version, state=state,
                                   timeline=self.timeline, **worker)
+      self.weights.release()  # (sent: the trainer keeps no mirror between pushes)
       return
     self.worker = make_worker(self.cfg, self.generator, self.prompts, self.timeline, params,
                               prompt_len=self.prompt_len, version=version, state=state, **worker)
@@ -115,6 +116,7 @@ class RolloutSource:
     stats = self.weights.push()
     if self.worker is not None:
       self.worker.update_weights(self.weights.params, version)
+      self.weights.release()
     return stats
 
   def close(self) -> None:

@@ -61,9 +61,10 @@ class RunContext:
     """Held-out mean score of the newest policy's greedy completions (for a 0/1 verifier: the
     accuracy); train/task/heldout.py, as `jaxrl-eval` computes it."""
     examples = self.task.heldout if examples is None else examples
-    result = evaluate(self.generator, self.task, self.judge,
-                      self.cluster.sampler_weights.fresh(), examples,
+    weights = self.cluster.sampler_weights
+    result = evaluate(self.generator, self.task, self.judge, weights.fresh(), examples,
                       batch_size=self.cfg.eval.batch_size)
+    weights.release()  # (a mirror of a generator apart is made for the evaluation only)
     return float(result.scores_EN.mean())
 
   def close(self) -> None:
