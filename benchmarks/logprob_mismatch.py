@@ -26,6 +26,11 @@ variants of it that each change one thing the two sides do differently:
 Per dtype (float32, bfloat16), each is the largest |log-prob difference| over the completion
 tokens and the share of those tokens whose log-probs are bitwise equal. A source whose max is 0
 does not contribute on this machine; `sampler` is what `mismatch_max` reports in a run.
+
+`--no_excess_precision` compiles every program with XLA's `--xla_allow_excess_precision=false`:
+by default XLA may keep a bfloat16 program's intermediates in float32 where no collective or
+other boundary forces the rounding, which a program split over a mesh does at other places than
+one device's.
 """
 from __future__ import annotations
 
@@ -117,15 +122,19 @@ def main(argv=None) -> dict:
   parser.add_argument("--d_model", type=int, default=128)
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--pad", type=int, default=24)
+  parser.add_argument("--no_excess_precision", action="store_true",
+                      help="XLA rounds every bfloat16 intermediate as the program says")
   parser.add_argument("--json", action="store_true")
   args = parser.parse_args(argv)
   if "XLA_FLAGS" not in os.environ:  # (the meshes need 4 devices on the CPU)
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  if args.no_excess_precision:  # (read as JAX starts its backend)
+    os.environ["XLA_FLAGS"] += " --xla_allow_excess_precision=false"
   import jax
 
   from benchmarks.common import emit
   result = {"device": jax.devices()[0].device_kind, "rows": args.rows,
-            "new_tokens": args.new_tokens,
+            "new_tokens": args.new_tokens, "excess_precision": not args.no_excess_precision,
             **{dtype: measure(dtype, args) for dtype in ("float32", "bfloat16")}}
   emit(result, args.json)
   return result

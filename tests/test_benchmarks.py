@@ -96,3 +96,19 @@ def test_logprob_mismatch_measures_each_source_against_its_baseline():
     assert result[dtype]["sampler"]["max"] < bound
   assert result["float32"]["f32_one"] == {"max": 0.0, "bitwise_frac": 1.0}  # (itself)
   assert result["bfloat16"]["f32_one"]["max"] > 0
+
+
+def test_without_excess_precision_a_bf16_mesh_scores_as_one_device():
+  """XLA's excess precision, off (its flag is read as JAX starts: a process of its own): the
+  bfloat16 pass over an fsdp mesh of 4 equals one device's bit for bit, and both are as far
+  from the float32 pass."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run([sys.executable, "-m", "benchmarks.logprob_mismatch", "--rows", "2",
+                        "--new_tokens", "6", "--d_model", "32", "--layers", "2", "--pad", "5",
+                        "--no_excess_precision", "--json"], cwd=ROOT, env=env, check=True,
+                       capture_output=True, text=True, timeout=600).stdout
+  result = json.loads(out.strip().splitlines()[-1])
+  assert result["excess_precision"] is False
+  bf16 = result["bfloat16"]
+  assert bf16["fsdp"] == {"max": 0.0, "bitwise_frac": 1.0}
+  assert bf16["f32_one"] == bf16["f32_mesh"] and bf16["f32_one"]["max"] > 0
