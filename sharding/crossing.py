@@ -185,10 +185,15 @@ class ProcessSplit:
   trainer's devices (where the trainer keeps its copy of the sampler's weights and evaluates).
   `scorer`: the frozen scorers' mesh where they stand on processes of their own
   (`placement.scorers_apart`), `trainer` the actor's (its shape: both ends of its crossings)."""
-  replicas: tuple[Mesh, ...]
-  mirror: Mesh
+  replicas: tuple[Mesh, ...]  # (none: the sampler on the trainer's processes)
+  mirror: Mesh | None
   scorer: Mesh | None = None
   trainer: Mesh | None = None
+
+  @property
+  def generators(self) -> bool:
+    """The generator stands on processes of its own."""
+    return bool(self.replicas)
 
   @property
   def sampler_processes(self) -> frozenset[int]:
@@ -234,14 +239,19 @@ def sampler_apart(meshes: dict[str, Mesh]) -> bool:
 
 def process_split(meshes: dict[str, Mesh], replicas: list[Mesh] | None = None) -> \
     ProcessSplit | None:
-  """Where the sampler's mesh lies on processes of its own (on several processes), the split
-  (`replicas`: each generator's mesh, `meshes["sampler"]` the first's); else None (every
-  process runs every program)."""
-  if jax.process_count() == 1 or not sampler_apart(meshes):
+  """Where the sampler's mesh or the scorers' lie on processes of their own (on several
+  processes), the split (`replicas`: each generator's mesh, `meshes["sampler"]` the first's;
+  none where the sampler shares the trainer's); else None (every process runs every
+  program)."""
+  if jax.process_count() == 1:
     return None
-  apart = _processes(meshes["reference"]).isdisjoint(_processes(meshes["actor"]))
-  return ProcessSplit(tuple(replicas or [meshes["sampler"]]), trainers_mirror(meshes),
-                      meshes["reference"] if apart else None, meshes["actor"])
+  scorers = _processes(meshes["reference"]).isdisjoint(_processes(meshes["actor"]))
+  if sampler_apart(meshes):
+    return ProcessSplit(tuple(replicas or [meshes["sampler"]]), trainers_mirror(meshes),
+                        meshes["reference"] if scorers else None, meshes["actor"])
+  if scorers:  # (`interleave`: the sampler on the trainer's devices)
+    return ProcessSplit((), None, meshes["reference"], meshes["actor"])
+  return None
 
 
 def trainers_mirror(meshes: dict[str, Mesh]) -> Mesh:

@@ -4,13 +4,15 @@ Strategies (adaptive placement, docs/architecture.md "Placement: roles on sub-me
   colocate   every role on every device, run in turn (flattening); the sampler re-lays the
              actor's weights out for decoding on the same devices (ReaL-style reallocation).
   interleave the trainer (actor, critic) and the sampler share the first `train_devices`;
-             reference and reward get exclusive halves of the rest and run concurrently.
+             reference and reward get exclusive halves of the rest and run concurrently
+             (with `scorers_apart`: both on the other half, of the trainer's mesh shape).
   separate   trainer roles on the first `train_devices`, the sampler on the rest, holding a
              shadow copy of the actor refreshed after every update.
 Devices are taken host by host. On several hosts `separate` gives the trainer whole hosts where
 `train_devices` fills them, and the sampler the other hosts: each role group then runs on
 processes of its own (MPMD: train/rollout/remote.py), and the weights and rollouts cross
-between them device to device (sharding/crossing.py). Otherwise, and for `interleave`, each host
+between them device to device (sharding/crossing.py); so does `interleave` with the scorers
+apart (the trainer's and the sampler's hosts, the scorers' hosts). Otherwise each host
 gives its first devices to training and the rest to sampling, every process runs every program,
 and the train -> sampler transfer stays inside a host: on GPU nodes; a TPU slice's compiler
 refuses collectives over part of several hosts' chips, so there it is a PlacementError.
@@ -108,10 +110,13 @@ def _per_host_split(n_devices: int, n_hosts: int, train_per_host: int):
   return train, rest
 
 
-def whole_hosts(strategy: str, n_devices: int, *, train_devices: int, n_hosts: int) -> bool:
-  """Whether `strategy` puts the trainer and the sampler on hosts of their own: `separate` on
-  several hosts, `train_devices` filling whole ones."""
-  return (strategy == "separate" and n_hosts > 1 and 0 < train_devices < n_devices
+def whole_hosts(strategy: str, n_devices: int, *, train_devices: int, n_hosts: int,
+                scorers_apart: bool = False) -> bool:
+  """Whether `strategy` gives each group hosts of its own, `train_devices` filling whole ones
+  on several hosts: `separate` (the trainer's, the sampler's), or `interleave` with the scorers
+  apart (the trainer's with the sampler, the scorers')."""
+  return ((strategy == "separate" or strategy == "interleave" and scorers_apart)
+          and n_hosts > 1 and 0 < train_devices < n_devices
           and train_devices % (n_devices // n_hosts) == 0)
 
 
@@ -148,20 +153,24 @@ def _check_tensor(sampler_tensor: int, per_generator: int, replicas: int) -> Non
         f"divide its {per_generator} devices" + (" per generator" if replicas > 1 else ""))
 
 
-def _check_scorers_apart(whole: bool, strategy: str, n_devices: int, train_devices: int,
+def _check_scorers_apart(strategy: str, n_devices: int, train_devices: int,
                          local: int) -> None:
   """The frozen scorers on devices of their own, as many as the trainer's (on several hosts,
-  whole hosts), the sampler some after them."""
+  whole hosts), after them: `separate`, the sampler on the rest; `interleave`, the sampler on
+  the trainer's devices and nothing left."""
   one_host = local == n_devices
-  if strategy != "separate" or not (whole or one_host) or 2 * train_devices >= n_devices:
+  hosts_ok = one_host or (train_devices % local == 0 and 0 < train_devices < n_devices)
+  if strategy == "interleave" and 2 * train_devices == n_devices and hosts_ok:
+    return
+  if strategy != "separate" or not hosts_ok or 2 * train_devices >= n_devices:
     multiple = "" if one_host else f" a multiple of each host's {local} devices and"
     raise PlacementError(
         f"placement.scorers_apart: the reference and the reward model stand on devices of "
         f"their own (on several hosts, hosts of their own), as many as the trainer's, after "
-        f"them: "
-        f"placement.strategy='separate' with train_devices{multiple} below half of the "
-        f"{n_devices} devices (the sampler takes the rest); got strategy={strategy!r}, "
-        f"train_devices={train_devices}")
+        f"them: placement.strategy='separate' with train_devices{multiple} below half of the "
+        f"{n_devices} devices (the sampler takes the rest), or 'interleave' with "
+        f"train_devices={n_devices // 2} (the sampler on the trainer's); got "
+        f"strategy={strategy!r}, train_devices={train_devices}")
 
 
 def _split_error(strategy: str, train_devices: int, n_devices: int, n_hosts: int) -> str:
@@ -193,10 +202,11 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
   if n_devices % n_hosts:
     raise PlacementError(f"placement: {n_devices} devices do not split over {n_hosts} hosts")
   everything, local = tuple(range(n_devices)), n_devices // n_hosts
-  whole = whole_hosts(strategy, n_devices, train_devices=train_devices, n_hosts=n_hosts)
+  whole = whole_hosts(strategy, n_devices, train_devices=train_devices, n_hosts=n_hosts,
+                      scorers_apart=scorers_apart)
   apart = train_devices if scorers_apart else 0  # the scorers' own devices
   if scorers_apart:
-    _check_scorers_apart(whole, strategy, n_devices, train_devices, local)
+    _check_scorers_apart(strategy, n_devices, train_devices, local)
   _check_replicas(replicas, whole, n_devices - train_devices - apart, local)
   if strategy == "colocate":
     train, rest = everything, everything
@@ -205,16 +215,20 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
     if not whole and (train_devices % n_hosts or not 0 < train_devices < n_devices):
       raise PlacementError(_split_error(strategy, train_devices, n_devices, n_hosts))
     if whole or apart:  # (apart on one host: devices of its own)
-      if whole:
+      if whole and strategy == "separate":
         _check_mirror(train_devices, (n_devices - train_devices - apart) // replicas, local)
+      if whole:
         n_hosts = train_devices // local  # the trainer's
       train, rest = everything[:train_devices], everything[train_devices + apart:]
     elif one_network and n_hosts > 1:
+      whole_interleave = (f", 'interleave' with placement.scorers_apart=True and train_devices="
+                          f"{n_devices // 2}" if (n_devices // 2) % local == 0 else "")
       raise PlacementError(
           f"placement.strategy: {strategy} on {n_hosts} hosts of a TPU slice gives each role "
           f"part of every host's {local} chips, which the TPU compiler refuses (collectives over "
           f"part of several hosts' chips, docs/hosts.md); use 'separate' with "
-          f"placement.train_devices a multiple of {local} (hosts of their own), or 'colocate'")
+          f"placement.train_devices a multiple of {local} (hosts of their own)"
+          f"{whole_interleave}, or 'colocate'")
     else:
       train, rest = _per_host_split(n_devices, n_hosts, train_devices // n_hosts)
     sampler_devices = train if strategy == "interleave" else rest
@@ -228,7 +242,7 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
   if scorers_apart:
     roles["reference"] = roles["reward"] = RoleSpec(
         everything[train_devices:train_devices + apart], trainer.mesh)
-  if strategy == "interleave":
+  if strategy == "interleave" and not scorers_apart:
     half = len(rest) // 2
     if half == 0:
       raise PlacementError(f"placement.train_devices: interleave needs >= 2 devices left for "
@@ -261,5 +275,5 @@ def validate(placement: Placement, n_devices: int) -> None:
                            f"{sorted(train & sampler)}")
   if placement.strategy == "interleave":
     ref, reward = set(placement.roles["reference"].devices), set(placement.roles["reward"].devices)
-    if ref & reward or (ref | reward) & set(placement.roles["actor"].devices):
+    if (ref & reward and ref != reward) or (ref | reward) & set(placement.roles["actor"].devices):
       raise PlacementError("reference/reward: interleave needs exclusive device groups")

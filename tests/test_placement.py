@@ -118,9 +118,27 @@ def test_the_scorers_apart_takes_the_trainers_count_of_devices_after_them():
   one = make_placement("separate", 6, train_devices=2, scorers_apart=True)
   assert one.roles["reference"].devices == (2, 3) and one.roles["sampler"].devices == (4, 5)
   for kwargs in (dict(strategy="colocate", n_hosts=4), dict(strategy="separate", n_hosts=2),
-                 dict(strategy="separate", n_hosts=4, train_devices=4)):
+                 dict(strategy="separate", n_hosts=4, train_devices=4),
+                 dict(strategy="interleave", n_hosts=4, train_devices=2)):
     with pytest.raises(PlacementError, match="placement.scorers_apart: the reference and the reward model"):
       make_placement(n_devices=8, **{"train_devices": 2, **kwargs}, scorers_apart=True)
+
+
+@pytest.mark.parametrize("n_hosts", [1, 2, 4])
+def test_interleave_with_the_scorers_apart_gives_each_group_half(n_hosts):
+  """`interleave` with `scorers_apart`: the trainer and the sampler on the first half of the
+  devices (whole hosts on several, as a TPU slice needs), the reference and the reward model
+  both on the other half in the trainer's mesh shape; without it a TPU slice's hosts would be
+  split, refused in one line that names this placement."""
+  placement = make_placement("interleave", 8, train_devices=4, n_hosts=n_hosts,
+                             one_network=True, scorers_apart=True)
+  assert placement.roles["actor"].devices == placement.roles["sampler"].devices == (0, 1, 2, 3)
+  assert placement.roles["reference"].devices == placement.roles["reward"].devices == (4, 5, 6, 7)
+  assert placement.roles["reference"].mesh == placement.roles["actor"].mesh
+  if n_hosts > 1:
+    with pytest.raises(PlacementError, match="'interleave' with placement.scorers_apart=True "
+                                             "and train_devices=4"):
+      make_placement("interleave", 8, train_devices=4, n_hosts=n_hosts, one_network=True)
 
 
 def test_plan_buckets():

@@ -3,9 +3,9 @@ the trainer on 2 and the sampler on 2 (`separate` on whole hosts), weights and b
 device to device. Each run ends as the same run on one process with the same meshes does (the
 fixed schedule: the same params_fingerprint and metrics rows), under partial rollouts and with a
 multi-turn environment; the free schedule keeps its staleness bound (whole batches, partial
-rollouts, two generators of either); a sampler process killed mid-run stops the others, and the resumed
-run ends bit for bit as the uninterrupted one; one of two generators killed is dropped and the
-run goes on."""
+rollouts, two generators of either); a sampler process killed mid-run stops the others, and the
+resumed run ends bit for bit as the uninterrupted one; one of two generators killed is dropped
+and the run goes on. The scorers apart, with a generator apart and with `interleave`."""
 import json
 import os
 import re
@@ -376,3 +376,19 @@ def test_the_scorers_on_processes_of_their_own_match_one_process_and_resume_exac
   outs = _finish(_launch(tmp_path, "stopped", *APART, resume=True, **three))
   assert "resumed from checkpoints/rl/" in outs[0][1]
   assert _result(tmp_path, "stopped")[0] == apart[0]
+
+
+@pytest.mark.slow
+def test_interleave_with_the_scorers_apart_on_two_processes_matches_one_process(tmp_path):
+  """`interleave`, the scorers apart, 2 processes of 2 devices: the trainer and the sampler on
+  the first (generation there, sync), the reference and the reward model on the second (each
+  batch crossing to them, log-probs and scores crossing back through a session of their own).
+  The run ends as the same meshes on one process of 4 devices do, bit for bit."""
+  args = [a for a in ARGS if "mode=" not in a and "strategy=" not in a] + [
+      "--config.placement.strategy=interleave", "--config.rl.schedule.mode=sync"]
+  outs = _finish(_launch(tmp_path, "two", *APART[1:], args=args, devices=2, n=2))
+  _one_process(tmp_path, "one", *APART[1:], args=args, devices=4)
+  two = _result(tmp_path, "two")
+  assert two == _result(tmp_path, "one")
+  assert any(r.get("kl", 0) > 0 for r in two[1])  # the reference's log-probs came back
+  assert "scorers: the reward's weights crossed" in outs[0][1]

@@ -27,6 +27,7 @@ from train.loop.executors import ExecutorError, Executors
 from train.loop.scoring import Scoring
 from train.roles.cluster import RoleCluster
 from train.roles.learner import Learner
+from train.roles.link import Link
 from train.roles.offload import Offloader
 from train.rollout.batches import WorkerState
 from train.rollout.generator import Generator
@@ -51,13 +52,15 @@ class Controller:
     self.rollouts = RolloutSource(cfg, generator, cluster.sampler_weights, task.prompts,
                                   prompt_len=task.prompt_len, timeline=timeline,
                                   run=self.executors.sampler, next_index=next_index,
-                                  split=cluster.split)
+                                  split=cluster.split if cluster.split and cluster.split.generators
+                                  else None)
     pack, new = cfg.rl.batching.pack_length, cfg.rl.rollout.max_new_tokens
     if pack and pack < task.prompt_len + new:
       raise ConfigError(f"config.rl.batching.pack_length: at least a row's {task.prompt_len} "
                         f"prompt + {new} new tokens, got {pack}")
     self.scoring = Scoring(cfg.rl, cluster, actor, critic, judge, self.executors,
-                           transfers=transfers, link_of=lambda: self.worker.link)
+                           transfers=transfers, link_of=self._link)
+    self._split, self._own_link = cluster.split, None  # (`_link`)
     items = offload_items(cfg.placement.offload)
     self.offload = Offloader(items, cluster, [actor, critic], timeline) if items else None
 
@@ -69,6 +72,16 @@ class Controller:
   def worker(self):
     """The async generator's worker (None in sync mode)."""
     return self.rollouts.worker
+
+  def _link(self):
+    """The session's link to the groups apart: the generator's worker's where it stands apart,
+    else (the sampler on the trainer's processes: `interleave`) one for the scorers alone,
+    opened at its first request and ended by `close`."""
+    if self.worker is not None:
+      return self.worker.link
+    if self._own_link is None:
+      self._own_link = Link(self._split)
+    return self._own_link
 
   def start(self, state: WorkerState | None = None) -> None:
     """Async mode: the generator starts ahead of the trainer (from a checkpoint's `state`)."""
@@ -144,6 +157,9 @@ class Controller:
 
   def close(self) -> None:
     self.rollouts.close()
+    if self._own_link is not None:
+      self._own_link.end()
+      self._own_link = None
     self.executors.close()
 
 

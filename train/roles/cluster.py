@@ -49,18 +49,20 @@ class RoleCluster:
       self.placement = _placement(cfg, self.devices)
       self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
       self.split = process_split(self.meshes, self.placement.replica_meshes(self.devices))
-      if self.split is not None:  # (the placement gave the trainer enough)
+      if self.split is not None and self.split.generators:  # (the trainer given enough)
         replica = self.split.replica_of(jax.process_index())
         self.meshes["sampler"] = (self.split.mirror if replica is None  # the trainer's copy
                                   else self.split.replicas[replica])  # this generator's
-        if self.split.scorer is not None and self.split.here != "scorer":
-          for role in SCORERS:  # the trainer's copies (host memory)
-            self.meshes[role] = self.meshes["actor"]
+      if self.split is not None and self.split.scorer is not None \
+          and self.split.here != "scorer":
+        for role in SCORERS:  # the trainer's copies (host memory)
+          self.meshes[role] = self.meshes["actor"]
       self.actor = self._actor_role()
       plain = self._shape("actor")[0] if cfg.lora.enabled else None  # without adapters
       self.sampler_weights = SamplerWeights(
           cfg, self.actor, self.meshes["sampler"], plain, transfers,
-          mirror=self.split is not None and self.split.here == "trainer")
+          mirror=self.split is not None and self.split.generators
+          and self.split.here == "trainer")
     except PlacementError as e:
       message = str(e)
       raise ConfigError(f"config.{message}" if message.startswith("placement") else message) \
@@ -198,8 +200,8 @@ class RoleCluster:
 
 
 def config_split(cfg: ExperimentConfig) -> ProcessSplit | None:
-  """The trainer's and the sampler's processes where `cfg`'s placement puts them apart (None:
-  together, or a placement that cannot work, which the cluster reports)."""
+  """The trainer's, the sampler's and the scorers' processes where `cfg`'s placement puts some
+  apart (None: together, or a placement that cannot work, which the cluster reports)."""
   devices = host_major_devices()
   try:
     placement = _placement(cfg, devices)
@@ -214,7 +216,8 @@ def check_processes(cfg: ExperimentConfig, split: ProcessSplit | None, meshes: d
   """Async generation on several processes needs the sampler on processes of its own, and there
   a sync step takes one batch."""
   mode, hosts = cfg.rl.schedule.mode, host_count(devices)
-  real = meshes if split is None else {**meshes, "sampler": split.replicas[0]}  # (not a mirror)
+  real = (meshes if split is None or not split.generators  # (the sampler's, not a mirror)
+          else {**meshes, "sampler": split.replicas[0]})
   if mode == "async" and hosts > 1 and not sampler_apart(real):
     local = len(devices) // hosts
     cpu = (f" (on the CPU, placement.cpu_devices={local} per process)"
@@ -224,7 +227,7 @@ def check_processes(cfg: ExperimentConfig, split: ProcessSplit | None, meshes: d
         f"its own: placement.strategy='separate' with placement.train_devices a multiple of "
         f"each process's {local} devices{cpu}, from {local} to {len(devices) - local}; got "
         f"{cfg.placement.strategy!r} with train_devices={cfg.placement.train_devices}")
-  if mode == "sync" and split is not None and cfg.rl.dapo.dynamic_sampling:
+  if mode == "sync" and split is not None and split.generators and cfg.rl.dapo.dynamic_sampling:
     raise ConfigError(
         "config.rl.dapo.dynamic_sampling: the placement gives the sampler processes of its own, "
         "whose sync generation takes one batch a step; use placement.strategy='colocate'")
