@@ -187,6 +187,28 @@ def _split_error(strategy: str, train_devices: int, n_devices: int, n_hosts: int
           f"{want}; or --config.placement.strategy=colocate, every role on all {n_devices}")
 
 
+def _split_slice_error(strategy: str, n_devices: int, n_hosts: int) -> str:
+  """Why `strategy` cannot split each host of a TPU slice, and what places it instead."""
+  local = n_devices // n_hosts
+  whole_interleave = (f", 'interleave' with placement.scorers_apart=True and train_devices="
+                      f"{n_devices // 2}" if (n_devices // 2) % local == 0 else "")
+  return (f"placement.strategy: {strategy} on {n_hosts} hosts of a TPU slice gives each role "
+          f"part of every host's {local} chips, which the TPU compiler refuses (collectives over "
+          f"part of several hosts' chips, docs/hosts.md); use 'separate' with "
+          f"placement.train_devices a multiple of {local} (hosts of their own)"
+          f"{whole_interleave}, or 'colocate'")
+
+
+def _interleaved_scorers(rest: tuple[int, ...]) -> dict[str, RoleSpec]:
+  """`interleave`'s reference and reward model: exclusive halves of the devices `rest`."""
+  half = len(rest) // 2
+  if half == 0:
+    raise PlacementError(f"placement.train_devices: interleave needs >= 2 devices left for "
+                         f"reference and reward, got {len(rest)}")
+  return {"reference": RoleSpec(rest[:half], _mesh(fsdp=half)),
+          "reward": RoleSpec(rest[half:2 * half], _mesh(fsdp=half))}
+
+
 def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler_tensor: int = 1,
                    n_hosts: int = 1, train_fsdp: int = 0, one_network: bool = False,
                    replicas: int = 1, scorers_apart: bool = False) -> Placement:
@@ -221,14 +243,7 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
         n_hosts = train_devices // local  # the trainer's
       train, rest = everything[:train_devices], everything[train_devices + apart:]
     elif one_network and n_hosts > 1:
-      whole_interleave = (f", 'interleave' with placement.scorers_apart=True and train_devices="
-                          f"{n_devices // 2}" if (n_devices // 2) % local == 0 else "")
-      raise PlacementError(
-          f"placement.strategy: {strategy} on {n_hosts} hosts of a TPU slice gives each role "
-          f"part of every host's {local} chips, which the TPU compiler refuses (collectives over "
-          f"part of several hosts' chips, docs/hosts.md); use 'separate' with "
-          f"placement.train_devices a multiple of {local} (hosts of their own)"
-          f"{whole_interleave}, or 'colocate'")
+      raise PlacementError(_split_slice_error(strategy, n_devices, n_hosts))
     else:
       train, rest = _per_host_split(n_devices, n_hosts, train_devices // n_hosts)
     sampler_devices = train if strategy == "interleave" else rest
@@ -242,13 +257,8 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
   if scorers_apart:
     roles["reference"] = roles["reward"] = RoleSpec(
         everything[train_devices:train_devices + apart], trainer.mesh)
-  if strategy == "interleave" and not scorers_apart:
-    half = len(rest) // 2
-    if half == 0:
-      raise PlacementError(f"placement.train_devices: interleave needs >= 2 devices left for "
-                           f"reference and reward, got {len(rest)}")
-    roles["reference"] = RoleSpec(rest[:half], _mesh(fsdp=half))
-    roles["reward"] = RoleSpec(rest[half:2 * half], _mesh(fsdp=half))
+  elif strategy == "interleave":
+    roles.update(_interleaved_scorers(rest))
   placement = Placement(strategy, roles, groups if replicas > 1 else ())
   validate(placement, n_devices)
   return placement

@@ -183,3 +183,23 @@ def test_tool_calls_in_each_tool_form():
       "Tom earns 56*35 = <calc>56*35</calc> <result>1960</result> dollars.\n#### 1960")
   assert gs.tool_calls(answer, "python") == (
       "Tom earns 56*35 = <python>print(56*35)</python> <output>1960\n</output> dollars.\n#### 1960")
+
+
+def test_the_assets_are_the_same_whoever_makes_them(tmp_path):
+  """`gsm8k_tiny.ensure` from this process (the tests' XLA_FLAGS: a lower optimisation level)
+  makes the assets a process at XLA's defaults makes, byte for byte: a run's held-out
+  accuracy does not depend on which process made them first."""
+  import os
+  import subprocess
+  import sys
+
+  from jaxrl.data.gsm8k_tiny import ensure
+  assert "--xla_backend_optimization_level=0" in os.environ["XLA_FLAGS"]  # (tests/conftest.py)
+  here = ensure(str(tmp_path / "here"))
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  subprocess.run([sys.executable, "-c", "from jaxrl.data.gsm8k_tiny import ensure; "
+                  f"ensure({str(tmp_path / 'default')!r})"], env=env, check=True, timeout=300)
+  for name in ("model/model.safetensors", "train.jsonl", "test.jsonl"):
+    with open(os.path.join(here, name), "rb") as a, \
+        open(tmp_path / "default" / name, "rb") as b:
+      assert a.read() == b.read(), name
