@@ -22,6 +22,10 @@ variants of it that each change one thing the two sides do differently:
   f32_one     the pass on one device against the same weights' float32 pass (the compute
               dtype's own error; 0 in float32)
   f32_mesh    the pass on the fsdp mesh of 4 against the same float32 pass
+  decode_rows the sampler decoding in the "rows" layout (as off the CPU) against the trainer's
+              pass, where `sampler` decodes in the CPU's "features" layout
+  depth       `sampler` for the same model cut to 1, 2, ... of its layers (each depth's own
+              samples): where along the stack the two sides first part, and how it grows
 
 Per dtype (float32, bfloat16), each is the largest |log-prob difference| over the completion
 tokens and the share of those tokens whose log-probs are bitwise equal. A source whose max is 0
@@ -60,6 +64,37 @@ def _on_mesh(make, shape: dict, params, score, *args):
   return role.jit(lambda p, *a: score(role.graphdef, p, *a))(placed, *args)
 
 
+def _sampled(cfg, args, layout: str = "auto"):
+  """(graphdef, params, the engine's rollout, prompt length): `cfg`'s random model sampling
+  `args.rows` rows of `args.new_tokens` tokens on one device, decoding in `layout`."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from jaxrl.models.transformer import LanguageModel
+  from sampler.engine import generate
+  from sampler.methods import SamplingConfig
+  graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
+  p = 16
+  prompts_BP = jax.random.randint(jax.random.key(1), (args.rows, p), 3, cfg.vocab_size)
+  sampling = SamplingConfig(max_new_tokens=args.new_tokens, eos_id=1, pad_id=0, ignore_eos=True,
+                            method="temperature", temperature=1.0, decode_layout=layout)
+  r = jax.jit(lambda q, t, v, k: generate(graphdef, q, t, v, k, cfg=sampling))(
+      params, prompts_BP, jnp.ones(prompts_BP.shape, bool), jax.random.key(2))
+  return graphdef, params, r, p
+
+
+def _sampler_gap(cfg, args, layout: str = "auto") -> dict:
+  """The trainer's pass against the sampler's log-probs, `cfg`'s model decoding in `layout`."""
+  import jax
+
+  from train.updates.forward import completion_logprobs
+  graphdef, params, r, p = _sampled(cfg, args, layout)
+  score = jax.jit(lambda g, q, t, v: completion_logprobs(g, q, t, v, p)[0], static_argnums=0)
+  return _gap(score(graphdef, params, r.tokens_BT, r.valid_BT), r.logprobs_BN,
+              r.completion_mask_BN)
+
+
 def measure(dtype: str, args) -> dict:
   import dataclasses
 
@@ -72,8 +107,6 @@ def measure(dtype: str, args) -> dict:
   from jaxrl.models.lm_head import dense_logprobs
   from jaxrl.models.rope import positions_from_valid
   from jaxrl.models.transformer import LanguageModel
-  from sampler.engine import generate
-  from sampler.methods import SamplingConfig
   from train.updates.forward import completion_logprobs
   from train.updates.state import model_of
 
@@ -81,13 +114,7 @@ def measure(dtype: str, args) -> dict:
                     n_kv_heads=2, head_dim=args.d_model // 4, d_ff=4 * args.d_model,
                     dtype=dtype)
   make = lambda: LanguageModel(cfg, rngs=nnx.Rngs(0))  # noqa: E731
-  graphdef, params = nnx.split(make())
-  p = 16
-  prompts_BP = jax.random.randint(jax.random.key(1), (args.rows, p), 3, cfg.vocab_size)
-  sampling = SamplingConfig(max_new_tokens=args.new_tokens, eos_id=1, pad_id=0, ignore_eos=True,
-                            method="temperature", temperature=1.0)
-  r = jax.jit(lambda q, t, v, k: generate(graphdef, q, t, v, k, cfg=sampling))(
-      params, prompts_BP, jnp.ones(prompts_BP.shape, bool), jax.random.key(2))
+  graphdef, params, r, p = _sampled(cfg, args)
   mask = r.completion_mask_BN
   score = lambda g, q, t, v: completion_logprobs(g, q, t, v, p)[0]  # noqa: E731
   trainer = jax.jit(score, static_argnums=0)
@@ -112,7 +139,10 @@ def measure(dtype: str, args) -> dict:
           "length": _gap(padded, base, mask), "head": _gap(head, base, mask),
           "rules": _gap(meshes["one"], base, mask),
           **{k: _gap(meshes[k], meshes["one"], mask) for k in ("fsdp", "tensor")},
-          "f32_one": _gap(base, f32, mask), "f32_mesh": _gap(meshes["fsdp"], f32, mask)}
+          "f32_one": _gap(base, f32, mask), "f32_mesh": _gap(meshes["fsdp"], f32, mask),
+          "decode_rows": _sampler_gap(cfg, args, "rows"),
+          "depth": [_sampler_gap(dataclasses.replace(cfg, n_layers=d), args)
+                    for d in range(1, cfg.n_layers + 1)]}
 
 
 def main(argv=None) -> dict:

@@ -89,11 +89,14 @@ def test_logprob_mismatch_measures_each_source_against_its_baseline():
   result = main(["--rows", "2", "--new_tokens", "6", "--d_model", "32", "--layers", "2",
                  "--pad", "5", "--json"])
   sources = {"sampler", "rows", "length", "head", "rules", "fsdp", "tensor", "f32_one",
-             "f32_mesh"}
+             "f32_mesh", "decode_rows"}
   for dtype, bound in (("float32", 1e-4), ("bfloat16", 0.1)):
-    assert set(result[dtype]) == sources
-    assert all(0 <= g["bitwise_frac"] <= 1 and g["max"] >= 0 for g in result[dtype].values())
+    gaps = {k: v for k, v in result[dtype].items() if k != "depth"}
+    assert set(gaps) == sources and len(result[dtype]["depth"]) == 2  # (--layers 2)
+    assert all(0 <= g["bitwise_frac"] <= 1 and g["max"] >= 0
+               for g in [*gaps.values(), *result[dtype]["depth"]])
     assert result[dtype]["sampler"]["max"] < bound
+    assert result[dtype]["depth"][-1] == result[dtype]["sampler"]  # (the whole model)
   assert result["float32"]["f32_one"] == {"max": 0.0, "bitwise_frac": 1.0}  # (itself)
   assert result["bfloat16"]["f32_one"]["max"] > 0
 
