@@ -191,13 +191,19 @@ def test_two_generator_replicas_match_one_process_and_resume_exactly(replicas_ru
   _one_process(tmp_path, "one", "--config.rl.schedule.name=fixed", devices=4)
   assert replicas_run == _result(tmp_path, "one")
   assert any(r.get("grad_norm", 0) > 0 for r in replicas_run[1])
-  procs = _launch(tmp_path, "stopped", *REPLICAS, **three)
+  assert _stopped_and_resumed(tmp_path, REPLICAS, 2, **three) == replicas_run[0]
+
+
+def _stopped_and_resumed(tmp_path, extra, victim: int, **shape) -> str:
+  """The run stopped by a SIGTERM to process `victim` at RL step 2 (every process exits 0),
+  then resumed: its params_fingerprint."""
+  procs = _launch(tmp_path, "stopped", *extra, **shape)
   _at_rl_step(procs, tmp_path / "stopped", 2)
-  procs[2].send_signal(signal.SIGTERM)
+  procs[victim].send_signal(signal.SIGTERM)
   for p, (_, err) in zip(procs, [p.communicate(timeout=120) for p in procs]):
     assert p.returncode == 0, err[-3000:]
-  _finish(_launch(tmp_path, "stopped", *REPLICAS, resume=True, **three))
-  assert _result(tmp_path, "stopped")[0] == replicas_run[0]
+  _finish(_launch(tmp_path, "stopped", *extra, resume=True, **shape))
+  return _result(tmp_path, "stopped")[0]
 
 
 @pytest.mark.slow
@@ -211,13 +217,7 @@ def test_two_generators_with_partial_rollouts_resume_exactly(tmp_path):
   whole = _result(tmp_path, "whole")
   lags = [r["policy_lag"] for r in whole[1] if r["phase"] == "rl" and "loss" in r]
   assert lags[1:] == [1] * (len(lags) - 1)  # generated ahead, by both
-  procs = _launch(tmp_path, "stopped", *extra, **three)
-  _at_rl_step(procs, tmp_path / "stopped", 2)
-  procs[2].send_signal(signal.SIGTERM)
-  for p, (_, err) in zip(procs, [p.communicate(timeout=120) for p in procs]):
-    assert p.returncode == 0, err[-3000:]
-  _finish(_launch(tmp_path, "stopped", *extra, resume=True, **three))
-  assert _result(tmp_path, "stopped")[0] == whole[0]
+  assert _stopped_and_resumed(tmp_path, extra, 2, **three) == whole[0]
 
 
 @pytest.mark.slow
