@@ -153,16 +153,15 @@ def _check_tensor(sampler_tensor: int, per_generator: int, replicas: int) -> Non
         f"divide its {per_generator} devices" + (" per generator" if replicas > 1 else ""))
 
 
-def _check_scorers_apart(strategy: str, n_devices: int, train_devices: int,
+def _check_scorers_apart(whole: bool, strategy: str, n_devices: int, train_devices: int,
                          local: int) -> None:
   """The frozen scorers on devices of their own, as many as the trainer's (on several hosts,
   whole hosts), after them: `separate`, the sampler on the rest; `interleave`, the sampler on
   the trainer's devices and nothing left."""
   one_host = local == n_devices
-  hosts_ok = one_host or (train_devices % local == 0 and 0 < train_devices < n_devices)
-  if strategy == "interleave" and 2 * train_devices == n_devices and hosts_ok:
+  if strategy == "interleave" and 2 * train_devices == n_devices and (whole or one_host):
     return
-  if strategy != "separate" or not hosts_ok or 2 * train_devices >= n_devices:
+  if strategy != "separate" or not (whole or one_host) or 2 * train_devices >= n_devices:
     multiple = "" if one_host else f" a multiple of each host's {local} devices and"
     raise PlacementError(
         f"placement.scorers_apart: the reference and the reward model stand on devices of "
@@ -228,7 +227,7 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
                       scorers_apart=scorers_apart)
   apart = train_devices if scorers_apart else 0  # the scorers' own devices
   if scorers_apart:
-    _check_scorers_apart(strategy, n_devices, train_devices, local)
+    _check_scorers_apart(whole, strategy, n_devices, train_devices, local)
   _check_replicas(replicas, whole, n_devices - train_devices - apart, local)
   if strategy == "colocate":
     train, rest = everything, everything

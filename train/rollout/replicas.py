@@ -5,10 +5,10 @@ Batch i is generator i mod N's (each generates every N-th batch, as its schedule
 in index order; every push goes to all. Under the fixed schedule a batch is a function of its
 index, whichever generator makes it: N generators equal one, bit for bit (with partial rollouts
 a function of the seed and N: a generator's rows in flight take the next version as its own
-next batch opens). Under the free
-schedule each push tells every generator which batch the trainer takes next, from which its
-staleness bound counts (between pushes a generator sees only the batches taken from it: it
-counts from an older one, so the bound holds, the later of its batches wait for the next push).
+next batch opens). Under the free schedule each push tells every generator which batch the
+trainer takes next, from which its staleness bound counts (between pushes a generator sees only
+the batches taken from it: it counts from an older one, so the bound holds, the later of its
+batches wait for the next push).
 
 A generator that dies is dropped, and the run goes on. Every process's peer watch
 (sharding/distributed.py `Job.drop`) notices it within the heartbeat; the trainer's first
