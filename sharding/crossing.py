@@ -28,7 +28,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sharding.distributed import kv_client
-from sharding.placement import host_major_devices
+from sharding.placement import (ROLES, Placement, PlacementError, generator_group,
+                                host_major_devices)
 
 
 def mirror(mesh: Mesh, devices) -> Mesh:
@@ -180,15 +181,18 @@ class Mailbox:
 
 @dataclasses.dataclass(frozen=True)
 class ProcessSplit:
-  """The trainer's processes and the sampler's, apart: each generator replica's real mesh (one
-  unless `placement.sampler_replicas`; the same shape each), and their `mirror` over the
-  trainer's devices (where the trainer keeps its copy of the sampler's weights and evaluates).
-  `scorer`: the frozen scorers' mesh where they stand on processes of their own
-  (`placement.scorers_apart`), `trainer` the actor's (its shape: both ends of its crossings)."""
-  replicas: tuple[Mesh, ...]  # (none: the sampler on the trainer's processes)
+  """The placement's process groups where some stand on hosts of their own (role -> group ->
+  processes: `groups`, named as sharding/placement.py's `Placement.groups`): the trainer's, each
+  generator replica's, the scorers'. `replicas`: each generator's real mesh (the same shape
+  each; none where the sampler runs on the trainer's processes), `mirror` their shape over the
+  trainer's devices (where the trainer keeps its copy of the sampler's weights and evaluates);
+  `scorer` the frozen scorers' mesh where they stand apart (`placement.scorers_apart`),
+  `trainer` the actor's (its shape: both ends of their crossings)."""
+  groups: dict[str, frozenset[int]]
+  replicas: tuple[Mesh, ...]
   mirror: Mesh | None
-  scorer: Mesh | None = None
-  trainer: Mesh | None = None
+  scorer: Mesh | None
+  trainer: Mesh
 
   @property
   def generators(self) -> bool:
@@ -201,64 +205,54 @@ class ProcessSplit:
 
   @property
   def scorer_processes(self) -> frozenset[int]:
-    return frozenset() if self.scorer is None else _processes(self.scorer)
+    return self.groups.get("scorers", frozenset())
 
   @property
   def trainer_processes(self) -> frozenset[int]:
-    """The processes that are neither the sampler's nor the scorers' apart: the trainer's
-    (and the other scoring roles')."""
-    return (frozenset(range(jax.process_count())) - self.sampler_processes
-            - self.scorer_processes)
+    """The trainer's processes (with every role that runs there)."""
+    return self.groups["trainer"]
 
   @property
   def here(self) -> str:
-    """This process's group: "sampler", "scorer" or "trainer"."""
-    me = jax.process_index()
-    return ("sampler" if me in self.sampler_processes else
-            "scorer" if me in self.scorer_processes else "trainer")
+    """This process's group."""
+    return self.group_of(jax.process_index())
+
+  def group_of(self, process: int) -> str:
+    return next(g for g, processes in self.groups.items() if process in processes)
 
   def replica_of(self, process: int) -> int | None:
-    """The generator replica `process` serves (None: the trainer's)."""
+    """The generator replica `process` serves (None: none)."""
     return next((r for r in range(len(self.replicas)) if process in self.processes(r)), None)
 
   def processes(self, replica: int) -> frozenset[int]:
-    return _processes(self.replicas[replica])
+    return self.groups[generator_group(replica)]
 
 
-def _processes(mesh: Mesh) -> frozenset[int]:
-  return frozenset(d.process_index for d in mesh.devices.flat)
-
-
-def sampler_apart(meshes: dict[str, Mesh]) -> bool:
-  """Whether the sampler's mesh lies on processes (hosts: a target topology's too) that none of
-  the other roles' meshes touch."""
-  hosts = lambda mesh: {d.process_index for d in mesh.devices.flat}
-  others = set().union(*(hosts(m) for role, m in meshes.items() if role != "sampler"))
-  return hosts(meshes["sampler"]).isdisjoint(others)
-
-
-def process_split(meshes: dict[str, Mesh], replicas: list[Mesh] | None = None) -> \
-    ProcessSplit | None:
-  """Where the sampler's mesh or the scorers' lie on processes of their own (on several
-  processes), the split (`replicas`: each generator's mesh, `meshes["sampler"]` the first's;
-  none where the sampler shares the trainer's); else None (every process runs every
-  program)."""
-  if jax.process_count() == 1:
+def process_split(placement: Placement, devices) -> ProcessSplit | None:
+  """`placement`'s process groups on `devices` (this job's, host-major) where it gives some
+  hosts of their own in a job of several processes; else None (every process runs every
+  program; a target topology's hosts are compiled from one process)."""
+  positions = placement.groups()
+  if jax.process_count() == 1 or len(positions) == 1:
     return None
-  scorers = _processes(meshes["reference"]).isdisjoint(_processes(meshes["actor"]))
-  if sampler_apart(meshes):
-    return ProcessSplit(tuple(replicas or [meshes["sampler"]]), trainers_mirror(meshes),
-                        meshes["reference"] if scorers else None, meshes["actor"])
-  if scorers:  # (`interleave`: the sampler on the trainer's devices)
-    return ProcessSplit((), None, meshes["reference"], meshes["actor"])
-  return None
+  groups = {g: frozenset(devices[i].process_index for i in at) for g, at in positions.items()}
+  shared = [(a, b) for a in groups for b in groups if a < b and groups[a] & groups[b]]
+  if shared:  # (the presets give groups whole hosts: a devices list that is not this job's)
+    raise PlacementError(f"placement: process groups {shared[0]} share processes "
+                         f"{sorted(groups[shared[0][0]] & groups[shared[0][1]])}")
+  meshes = {role: placement.mesh(role, devices) for role in ROLES}
+  generators = placement.roles["sampler"].group != "trainer"
+  return ProcessSplit(groups,
+                      tuple(placement.replica_meshes(devices)) if generators else (),
+                      trainers_mirror(meshes) if generators else None,
+                      meshes["reference"] if "scorers" in groups else None, meshes["actor"])
 
 
 def trainers_mirror(meshes: dict[str, Mesh]) -> Mesh:
   """The sampler's mesh shape over the trainer's devices (the roles' on the actor's processes),
   host-major: where the trainer keeps its copy of the sampler's weights when the sampler is
   apart (each generator's shape alike)."""
-  hosts = _processes(meshes["actor"])
+  hosts = {d.process_index for d in meshes["actor"].devices.flat}
   trainer = host_major_devices({d for role, m in meshes.items() if role != "sampler"
                                 for d in m.devices.flat if d.process_index in hosts})
   return mirror(meshes["sampler"], trainer)

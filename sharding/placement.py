@@ -39,6 +39,9 @@ class PlacementError(ValueError):
 class RoleSpec:
   devices: tuple[int, ...]  # positions in the host-major device list
   mesh: tuple[tuple[str, int], ...]  # ((axis, size), ...) over MESH_AXES
+  # the process group that runs the role's programs: "trainer", or on hosts of their own
+  # "sampler" (the first generator's; GENERATOR names the others) or "scorers"
+  group: str = "trainer"
 
   @property
   def shape(self) -> dict[str, int]:
@@ -51,12 +54,27 @@ class Placement:
   roles: dict[str, RoleSpec]  # the sampler's: its first replica's devices (the shape of each)
   replicas: tuple[tuple[int, ...], ...] = ()  # several generators: each one's devices
 
+  def groups(self) -> dict[str, tuple[int, ...]]:
+    """Each process group's devices (positions in the host-major list): the trainer's (with
+    every role that runs on its processes), and where the placement gives them hosts of their
+    own, each generator's (`generator_group`) and the scorers'. One group: every process runs
+    every program."""
+    out: dict[str, set[int]] = {}
+    for role, spec in self.roles.items():
+      if role != "sampler" or spec.group == "trainer":
+        out.setdefault(spec.group, set()).update(spec.devices)
+    if self.roles["sampler"].group != "trainer":
+      for k, devices in enumerate(self.replicas or (self.roles["sampler"].devices,)):
+        out[generator_group(k)] = set(devices)
+    return {group: tuple(sorted(devices)) for group, devices in out.items()}
+
   def replica_meshes(self, devices=None) -> list[Mesh]:
     """Each generator replica's mesh (the sampler's alone where there is one)."""
     if not self.replicas:
       return [self.mesh("sampler", devices)]
     spec = self.roles["sampler"]
-    return [self.mesh("sampler", devices, RoleSpec(r, spec.mesh)) for r in self.replicas]
+    return [self.mesh("sampler", devices, RoleSpec(r, spec.mesh, spec.group))
+            for r in self.replicas]
 
   def describe(self) -> str:
     """One line: each role's devices (positions in the host-major list) and mesh."""
@@ -65,6 +83,10 @@ class Placement:
     if self.replicas:
       roles += f"; {len(self.replicas)} generators on devices " + ", ".join(
           str(list(r)) for r in self.replicas)
+    groups = self.groups()
+    if len(groups) > 1:
+      roles += "; process groups: " + ", ".join(f"{g} on devices {list(at)}"
+                                                for g, at in groups.items())
     return f"{self.strategy}: {roles}"
 
   def mesh(self, role: str, devices=None, spec: RoleSpec | None = None) -> Mesh:
@@ -73,6 +95,11 @@ class Placement:
     sizes = tuple(spec.shape.get(a, 1) for a in MESH_AXES)
     picked = np.asarray([devices[i] for i in spec.devices], dtype=object)
     return Mesh(picked.reshape(sizes), MESH_AXES)
+
+
+def generator_group(replica: int) -> str:
+  """The process group of generator `replica` on hosts of its own: "sampler", "sampler1", ..."""
+  return "sampler" if replica == 0 else f"sampler{replica}"
 
 
 def host_major_devices(devices=None) -> list:
@@ -249,16 +276,18 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
   _check_tensor(sampler_tensor, len(sampler_devices) // replicas, replicas)
   trainer = RoleSpec(train, _trainer_mesh(len(train), n_hosts, train_fsdp, one_network))
   per = len(sampler_devices) // replicas
-  groups = tuple(sampler_devices[k * per:(k + 1) * per] for k in range(replicas))
+  generators = tuple(sampler_devices[k * per:(k + 1) * per] for k in range(replicas))
   roles = {"actor": trainer, "critic": trainer, "reference": trainer, "reward": trainer,
-           "sampler": RoleSpec(groups[0], _mesh(data=per // sampler_tensor,
-                                                 tensor=sampler_tensor))}
+           "sampler": RoleSpec(generators[0], _mesh(data=per // sampler_tensor,
+                                                 tensor=sampler_tensor),
+                               "sampler" if whole and strategy == "separate" else "trainer")}
   if scorers_apart:
     roles["reference"] = roles["reward"] = RoleSpec(
-        everything[train_devices:train_devices + apart], trainer.mesh)
+        everything[train_devices:train_devices + apart], trainer.mesh,
+        "scorers" if whole else "trainer")
   elif strategy == "interleave":
     roles.update(_interleaved_scorers(rest))
-  placement = Placement(strategy, roles, groups if replicas > 1 else ())
+  placement = Placement(strategy, roles, generators if replicas > 1 else ())
   validate(placement, n_devices)
   return placement
 

@@ -52,6 +52,7 @@ def test_a_mirror_has_the_other_sides_shard_shapes_and_descriptions_round_trip()
   from jax.sharding import NamedSharding, PartitionSpec
   from sharding import crossing
   from sharding.mesh import make_mesh
+  from sharding.placement import make_placement
   devices = jax.devices()
   sampler = make_mesh({"data": 2, "tensor": 2}, devices[4:8])
   mirrored = crossing.mirror(sampler, devices[:4])
@@ -65,4 +66,5 @@ def test_a_mirror_has_the_other_sides_shard_shapes_and_descriptions_round_trip()
   assert like.sharding.shard_shape(like.shape) == x.sharding.shard_shape(x.shape)
   with pytest.raises(ValueError, match="needs 4 devices on each side"):
     crossing.mirror(sampler, devices[:2])
-  assert crossing.process_split({"sampler": sampler, "actor": mirrored}) is None  # one process
+  placement = make_placement("separate", 8, train_devices=4, sampler_tensor=2)
+  assert crossing.process_split(placement, devices) is None  # one process

@@ -87,8 +87,10 @@ def test_separate_on_whole_hosts_gives_each_group_hosts_of_its_own():
   assert placement.roles["actor"].devices == tuple(range(8))  # hosts 0 and 1
   assert placement.roles["sampler"].devices == tuple(range(8, 16))
   assert placement.roles["actor"].shape["fsdp"] == 4  # inside a host; data-parallel over two
+  assert placement.groups() == {"trainer": tuple(range(8)), "sampler": tuple(range(8, 16))}
   split = make_placement("separate", 16, train_devices=4, n_hosts=2)
   assert split.roles["actor"].devices == (0, 1, 8, 9)  # each host's first two
+  assert split.groups() == {"trainer": tuple(range(16))}  # every process runs every program
 
 
 def test_generator_replicas_take_whole_hosts_of_the_samplers():
@@ -98,6 +100,8 @@ def test_generator_replicas_take_whole_hosts_of_the_samplers():
   placement = make_placement("separate", 12, train_devices=4, n_hosts=6, replicas=2)
   assert placement.replicas == ((4, 5, 6, 7), (8, 9, 10, 11))
   assert placement.roles["sampler"].devices == (4, 5, 6, 7)
+  assert placement.groups() == {"trainer": (0, 1, 2, 3), "sampler": (4, 5, 6, 7),
+                                "sampler1": (8, 9, 10, 11)}
   with pytest.raises(PlacementError, match="do not split the sampler's 4 hosts"):
     make_placement("separate", 12, train_devices=4, n_hosts=6, replicas=3)
   with pytest.raises(PlacementError, match="need the sampler on hosts of its own"):
@@ -115,8 +119,10 @@ def test_the_scorers_apart_takes_the_trainers_count_of_devices_after_them():
   assert placement.roles["reference"].mesh == placement.roles["actor"].mesh
   assert placement.roles["sampler"].devices == (4, 5)
   assert placement.roles["critic"].devices == placement.roles["actor"].devices == (0, 1)
+  assert placement.groups() == {"trainer": (0, 1), "scorers": (2, 3), "sampler": (4, 5)}
   one = make_placement("separate", 6, train_devices=2, scorers_apart=True)
   assert one.roles["reference"].devices == (2, 3) and one.roles["sampler"].devices == (4, 5)
+  assert list(one.groups()) == ["trainer"]  # (one host: devices of their own, one process)
   for kwargs in (dict(strategy="colocate", n_hosts=4), dict(strategy="separate", n_hosts=2),
                  dict(strategy="separate", n_hosts=4, train_devices=4),
                  dict(strategy="interleave", n_hosts=4, train_devices=2)):
@@ -135,6 +141,8 @@ def test_interleave_with_the_scorers_apart_gives_each_group_half(n_hosts):
   assert placement.roles["actor"].devices == placement.roles["sampler"].devices == (0, 1, 2, 3)
   assert placement.roles["reference"].devices == placement.roles["reward"].devices == (4, 5, 6, 7)
   assert placement.roles["reference"].mesh == placement.roles["actor"].mesh
+  assert placement.groups() == ({"trainer": (0, 1, 2, 3), "scorers": (4, 5, 6, 7)}
+                                if n_hosts > 1 else {"trainer": tuple(range(8))})
   if n_hosts > 1:
     with pytest.raises(PlacementError, match="'interleave' with placement.scorers_apart=True "
                                              "and train_devices=4"):

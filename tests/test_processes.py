@@ -206,28 +206,41 @@ def _stopped_and_resumed(tmp_path, extra, victim: int, **shape) -> str:
   return _result(tmp_path, "stopped")[0]
 
 
+REPLICAS_PARTIAL = (*REPLICAS, *PARTIAL[1:])
+
+
+@pytest.fixture(scope="module")
+def replicas_partial_run(tmp_path_factory):
+  """`replicas_run` with partial rollouts: each generator a stream of every other batch."""
+  tmp = tmp_path_factory.mktemp("replicas_partial")
+  _finish(_launch(tmp, "replicas", *REPLICAS_PARTIAL, devices=2, n=3))
+  return _result(tmp, "replicas")
+
+
 @pytest.mark.slow
-def test_two_generators_with_partial_rollouts_resume_exactly(tmp_path):
+def test_two_generators_with_partial_rollouts_resume_exactly(replicas_partial_run, tmp_path):
   """Partial rollouts on two generators (each a stream of every other batch) under the fixed
   schedule: the policy lag is the schedule's, and a SIGTERM to the second generator's process
   mid-run (rows in flight on both) saves both streams, every process exits 0, and the resumed
   run ends bit for bit as the uninterrupted one."""
-  extra, three = (*REPLICAS, *PARTIAL[1:]), dict(devices=2, n=3)
-  _finish(_launch(tmp_path, "whole", *extra, **three))
-  whole = _result(tmp_path, "whole")
-  lags = [r["policy_lag"] for r in whole[1] if r["phase"] == "rl" and "loss" in r]
+  lags = [r["policy_lag"] for r in replicas_partial_run[1] if r["phase"] == "rl" and "loss" in r]
   assert lags[1:] == [1] * (len(lags) - 1)  # generated ahead, by both
-  assert _stopped_and_resumed(tmp_path, extra, 2, **three) == whole[0]
+  assert _stopped_and_resumed(tmp_path, REPLICAS_PARTIAL, 2, devices=2, n=3) == \
+      replicas_partial_run[0]
 
 
 @pytest.mark.slow
-def test_a_dead_generator_replica_is_dropped_and_the_run_goes_on(replicas_run, tmp_path):
-  """SIGKILL to the second generator's process after RL step 1. The others drop it within the
-  heartbeat with a line naming it; the first generator makes the batches from the one the
-  trainer waits for on (that one with the newest weights, fresher than the fixed schedule's
-  version), and every survivor ends the run with exit 0; the rows before are the uninterrupted
-  run's."""
-  procs = _launch(tmp_path, "dropped", *REPLICAS, devices=2, n=3)
+@pytest.mark.parametrize("batches", ["whole", "partial"])
+def test_a_dead_generator_replica_is_dropped_and_the_run_goes_on(request, tmp_path, batches):
+  """SIGKILL to the second generator's process after RL step 1 (with partial rollouts: its
+  rows in flight lost with it). The others drop it within the heartbeat with a line naming it;
+  the first generator makes the batches from the one the trainer waits for on (that one with
+  the newest weights, fresher than the fixed schedule's version), and every survivor ends the
+  run with exit 0; the rows before are the uninterrupted run's."""
+  extra, uninterrupted = {"whole": (REPLICAS, "replicas_run"),
+                          "partial": (REPLICAS_PARTIAL, "replicas_partial_run")}[batches]
+  replicas_run = request.getfixturevalue(uninterrupted)
+  procs = _launch(tmp_path, "dropped", *extra, devices=2, n=3)
   _at_rl_step(procs, tmp_path / "dropped", 1, saved=False)  # (batch 3, generator 1's, to come)
   procs[2].send_signal(signal.SIGKILL)
   outs = _finish(procs[:2])

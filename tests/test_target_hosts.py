@@ -67,16 +67,15 @@ def test_async_where_every_process_runs_every_program_is_refused_in_one_line():
   program on every process: the generator would have no processes of its own, so async is a
   config error naming the placement that gives it some (docs/hosts.md)."""
   from train.preflight.target_compile import topology_devices
-  from sharding.placement import ROLES, make_placement
-  from train.roles.cluster import check_processes
+  from sharding.placement import make_placement
+  from train.roles.layout import Layout, check_processes
   raw = load_config_file("configs/tiny.py")
   raw.rl.schedule.update(mode="async")
   devices = topology_devices(parse_target("v5p-16"))
   placement = make_placement("separate", 8, train_devices=2, n_hosts=2)
-  meshes = {role: placement.mesh(role, devices) for role in ROLES}
   with pytest.raises(ConfigError, match=r"^config.rl.schedule.mode: async on 2 processes .*"
                                         r"placement.strategy='separate'"):
-    check_processes(resolve(raw, hf=False), None, meshes, devices)
+    check_processes(Layout(resolve(raw, hf=False), placement, tuple(devices), None))
 
 
 @pytest.mark.parametrize("strategy", ["separate", "interleave"])

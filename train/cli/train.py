@@ -56,11 +56,16 @@ def _start(argv: list[str]):
     cfg = with_gin(raw, gin_files, gin_params)
     if opts["dry_run"]:
       return _dry_run(cfg, opts["target"], opts["target_json"])
-    if _serves_a_group_apart(cfg):
-      from train.run.apart import serve
-      return serve(cfg)
+    from jaxrl.config_files import resolve
+    from train.roles.layout import layout
+    run = layout(resolve(cfg))  # (worked out once, here)
+    if run.split is not None:
+      _name_groups(run.split)
+      if run.split.here != "trainer":  # a group apart: it serves the trainer's processes
+        from train.run.apart import serve
+        return serve(run)
     return Experiment(cfg, resume_run=opts["resume"] or opts["resume_or_start"],
-                      start_if_none=opts["resume_or_start"])
+                      start_if_none=opts["resume_or_start"], layout=run)
   except ConfigError as e:
     return fail(str(e))
 
@@ -75,25 +80,19 @@ def _release_groups() -> None:
     release_groups()
 
 
-def _serves_a_group_apart(cfg) -> bool:
-  """A process the placement gives only to the sampler or to the reference (train/roles/link.py)."""
+def _name_groups(split) -> None:
+  """Each process's group, for the line a survivor prints should one die (sharding/distributed.py);
+  with several generators, which one each serves (one that dies is dropped)."""
   import jax
-  if jax.process_count() == 1:
-    return False
-  from jaxrl.config_files import resolve
-  from train.roles.cluster import config_split
-  split = config_split(resolve(cfg))
-  if split is not None:  # (named in a survivor's line, should one die)
-    from sharding.distributed import job
-    several = len(split.replicas) > 1
-    for p in range(jax.process_count()):
-      r = split.replica_of(p)
-      job().groups[p] = ("the scorers'" if p in split.scorer_processes else
-                         "the trainer's" if r is None else f"generator {r}'s" if several
-                         else "the sampler's")
-      if several and r is not None:  # (one that dies is dropped: sharding/distributed.py)
-        job().replicas[p] = r
-  return split is not None and split.here != "trainer"
+  from sharding.distributed import job
+  several = len(split.replicas) > 1
+  for p in range(jax.process_count()):
+    group, r = split.group_of(p), split.replica_of(p)
+    job().groups[p] = ("the scorers'" if group == "scorers" else
+                       "the trainer's" if group == "trainer" else
+                       f"generator {r}'s" if several else "the sampler's")
+    if several and r is not None:
+      job().replicas[p] = r
 
 
 def _dry_run(cfg, target: str, target_json: str) -> int:

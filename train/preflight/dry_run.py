@@ -26,7 +26,7 @@ from jaxrl.models.attention import flash
 from jaxrl.models.config import from_fields
 from jaxrl.models.lm_head import chunk_length
 from planner import footprint, footprint_tpu
-from sharding.crossing import sampler_apart, trainers_mirror
+from sharding.crossing import trainers_mirror
 from sharding.placement import PlacementError
 from sharding.rules import SAMPLER_RULES, batch_ways
 from train.roles.cluster import RoleCluster
@@ -93,7 +93,7 @@ def pushed_mirror(cluster: RoleCluster):
   push (or a held-out evaluation), which crosses from there and is dropped once sent
   (train/roles/sampler_weights.py `release`), as abstract arrays; None elsewhere (in a job of
   several processes the trainer's cluster holds its mirror as the sampler copy)."""
-  if cluster.split is not None or not sampler_apart(cluster.meshes):
+  if cluster.split is not None or cluster.placement.roles["sampler"].group == "trainer":
     return None
   on = trainers_mirror(cluster.meshes)
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(

@@ -9,7 +9,6 @@ checked here, once, against the real meshes on the real devices.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 
 import jax
@@ -21,16 +20,14 @@ from jaxrl.models.dtypes import compute_dtypes, frozen_base_dtypes
 from jaxrl.models.value_models import RewardModel, ValueModel
 from jaxrl.models.hf import HFError, load_params
 from jaxrl.models.transformer import LanguageModel
-from sharding.crossing import ProcessSplit, process_split, sampler_apart
-from sharding.placement import (ROLES, PlacementError, host_count, host_major_devices,
-                                make_placement)
+from sharding.placement import PlacementError
 from sharding.rules import SAMPLER_RULES, batch_ways
 from train.io.checkpoint import load_actor_params, saved_actor_shapes
 from train.io.host_transfers import HostTransfers
+from train.roles.layout import Layout, config_error, layout as make_layout
 from train.roles.role import ModelRole
 from train.roles.sampler_weights import SamplerWeights
 
-log = logging.getLogger("jaxrl")
 MODEL_CLASSES = {"actor": LanguageModel, "reference": LanguageModel, "reward": RewardModel,
                  "critic": ValueModel}
 SCORERS = ("reference", "reward")  # the frozen roles `placement.scorers_apart` moves apart
@@ -38,25 +35,18 @@ SCORERS = ("reference", "reward")  # the frozen roles `placement.scorers_apart` 
 
 class RoleCluster:
 
-  def __init__(self, cfg: ExperimentConfig, devices=None, *, initialize: bool = True,
-               transfers: HostTransfers | None = None):
-    """`initialize=False` leaves the actor abstract (a restore fills it); `transfers`: the
-    run's named host transfers (the weight push's)."""
-    self.cfg = cfg
-    self.devices = host_major_devices() if devices is None else list(devices)
+  def __init__(self, cfg: ExperimentConfig, devices=None, *, layout: Layout | None = None,
+               initialize: bool = True, transfers: HostTransfers | None = None):
+    """On `layout` (default: `cfg`'s on `devices`, this job's by default); `initialize=False`
+    leaves the actor abstract (a restore fills it); `transfers`: the run's named host transfers
+    (the weight push's)."""
+    self.layout = make_layout(cfg, devices) if layout is None else layout
+    self.cfg = cfg = self.layout.cfg  # (the planner's choice filled in)
+    self.placement, self.split = self.layout.placement, self.layout.split
+    self.devices = list(self.layout.devices)
     self._shapes: dict[tuple, tuple] = {}  # traced modules (`_shape`)
-    try:  # impossible meshes are user errors, found before anything is allocated
-      self.placement = _placement(cfg, self.devices)
-      self.meshes = {role: self.placement.mesh(role, self.devices) for role in ROLES}
-      self.split = process_split(self.meshes, self.placement.replica_meshes(self.devices))
-      if self.split is not None and self.split.generators:  # (the trainer given enough)
-        replica = self.split.replica_of(jax.process_index())
-        self.meshes["sampler"] = (self.split.mirror if replica is None  # the trainer's copy
-                                  else self.split.replicas[replica])  # this generator's
-      if self.split is not None and self.split.scorer is not None \
-          and self.split.here != "scorer":
-        for role in SCORERS:  # the trainer's copies (host memory)
-          self.meshes[role] = self.meshes["actor"]
+    self.meshes = self._role_meshes()
+    try:  # (a mesh axis that does not divide a parameter)
       self.actor = self._actor_role()
       plain = self._shape("actor")[0] if cfg.lora.enabled else None  # without adapters
       self.sampler_weights = SamplerWeights(
@@ -64,10 +54,7 @@ class RoleCluster:
           mirror=self.split is not None and self.split.generators
           and self.split.here == "trainer")
     except PlacementError as e:
-      message = str(e)
-      raise ConfigError(f"config.{message}" if message.startswith("placement") else message) \
-          from None
-    check_processes(cfg, self.split, self.meshes, self.devices)  # (the placement's mode first)
+      raise config_error(e) from None
     check_batch_sizes(cfg, self)
     self.roles: dict[str, ModelRole] = {"actor": self.actor}
     self.shared: set[str] = set()  # roles whose parameters are the actor's own arrays
@@ -76,6 +63,19 @@ class RoleCluster:
         else set()
     if initialize:
       self.initialize_actor()  # the sampler's copy follows on first use (`sampler_weights.fresh`)
+
+  def _role_meshes(self) -> dict:
+    """Each role's mesh on this process: the placement's, but where groups stand apart the
+    sampler's is this generator's own, or on the trainer's processes its mirror (the trainer's
+    copy), and the scorers apart are the trainer's host copies on the actor's mesh."""
+    meshes, split = self.layout.meshes(), self.split
+    if split is not None and split.generators:
+      replica = split.replica_of(jax.process_index())
+      meshes["sampler"] = split.mirror if replica is None else split.replicas[replica]
+    if split is not None and split.scorer is not None and split.here != "scorers":
+      for role in SCORERS:
+        meshes[role] = meshes["actor"]
+    return meshes
 
   def initialize_actor(self) -> None:
     """The actor's starting weights: `model.hf_path`'s, read slice by slice straight into the
@@ -187,79 +187,11 @@ class RoleCluster:
     return self.roles.get(name)
 
   def process_group(self) -> tuple[str, frozenset[int]]:
-    """This process's group ("trainer", "sampler", or "all" where every process runs every
-    program) and its processes."""
+    """This process's group ("trainer", "sampler", "sampler1", ..., "scorers", or "all" where
+    every process runs every program) and its processes."""
     if self.split is None:
       return "all", frozenset(range(jax.process_count()))
-    if self.split.here == "scorer":
-      return "scorers", self.split.scorer_processes
-    replica = self.split.replica_of(jax.process_index())
-    if replica is None:
-      return "trainer", self.split.trainer_processes
-    return ("sampler" if replica == 0 else f"sampler{replica}"), self.split.processes(replica)
-
-
-def config_split(cfg: ExperimentConfig) -> ProcessSplit | None:
-  """The trainer's, the sampler's and the scorers' processes where `cfg`'s placement puts some
-  apart (None: together, or a placement that cannot work, which the cluster reports)."""
-  devices = host_major_devices()
-  try:
-    placement = _placement(cfg, devices)
-    return process_split({role: placement.mesh(role, devices) for role in ROLES},
-                         placement.replica_meshes(devices))
-  except PlacementError:
-    return None
-
-
-def check_processes(cfg: ExperimentConfig, split: ProcessSplit | None, meshes: dict,
-                    devices) -> None:
-  """Async generation on several processes needs the sampler on processes of its own, and there
-  a sync step takes one batch."""
-  mode, hosts = cfg.rl.schedule.mode, host_count(devices)
-  real = (meshes if split is None or not split.generators  # (the sampler's, not a mirror)
-          else {**meshes, "sampler": split.replicas[0]})
-  if mode == "async" and hosts > 1 and not sampler_apart(real):
-    local = len(devices) // hosts
-    cpu = (f" (on the CPU, placement.cpu_devices={local} per process)"
-           if list(devices)[0].platform == "cpu" else "")
-    raise ConfigError(
-        f"config.rl.schedule.mode: async on {hosts} processes runs the generator on processes of "
-        f"its own: placement.strategy='separate' with placement.train_devices a multiple of "
-        f"each process's {local} devices{cpu}, from {local} to {len(devices) - local}; got "
-        f"{cfg.placement.strategy!r} with train_devices={cfg.placement.train_devices}")
-  if mode == "sync" and split is not None and split.generators and cfg.rl.dapo.dynamic_sampling:
-    raise ConfigError(
-        "config.rl.dapo.dynamic_sampling: the placement gives the sampler processes of its own, "
-        "whose sync generation takes one batch a step; use placement.strategy='colocate'")
-
-
-def _placement(cfg: ExperimentConfig, devices):
-  """The placement preset on `devices` (of as many hosts as they name processes: a target
-  topology's, or this job's), its sampler `cfg.sampler_tensor` ways tensor-parallel; with
-  `placement.sampler_tensor=0` (auto), 1 way where the model or the sampler's devices do not
-  split 2 ways, said in the log."""
-  pl, tensor = cfg.placement, cfg.sampler_tensor
-  one_network = {(d.platform, getattr(d, "slice_index", 0)) for d in devices} == {("tpu", 0)}
-  build = lambda t: make_placement(pl.strategy, len(devices), train_devices=pl.train_devices,
-                                   sampler_tensor=t, n_hosts=host_count(devices),
-                                   train_fsdp=pl.train_fsdp, one_network=one_network,
-                                   replicas=pl.sampler_replicas,
-                                   scorers_apart=pl.scorers_apart)
-  if pl.sampler_tensor or tensor == 1:
-    if not pl.sampler_tensor:
-      m = cfg.model
-      log.info("placement: the sampler decodes without tensor parallelism (the model's %d "
-               "heads, %d KV heads, MLP %d, vocabulary %d do not all split 2 ways; "
-               "placement.sampler_tensor sets it)", m.n_heads, m.n_kv_heads, m.d_ff,
-               m.vocab_size)
-    return build(tensor)
-  try:
-    return build(tensor)
-  except PlacementError:
-    placement = build(1)  # (raises what is wrong besides the tensor degree)
-    log.info("placement: the sampler decodes without tensor parallelism (its devices do not "
-             "split 2 ways; placement.sampler_tensor sets it)")
-    return placement
+    return self.split.here, self.split.groups[self.split.here]
 
 
 def check_batch_sizes(cfg: ExperimentConfig, cluster: RoleCluster) -> None:

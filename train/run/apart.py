@@ -8,21 +8,20 @@ import contextlib
 import logging
 import signal
 
-from jaxrl.config_files import resolve
 from sharding.distributed import post_stop
 from train.loop.remote_scorers import ScorersHost
+from train.roles.layout import Layout
 from train.rollout.remote import SamplerHost
 from train.rollout.source import make_worker
 from train.stages.context import RunContext
 
 
-def serve(config) -> int:
-  """Builds what the group needs (tokenizer, prompts, environments, the sampler's or the
-  scorers' programs; the models abstract) and serves the trainer until it is done; the exit
-  code."""
-  cfg = resolve(config)
-  with RunContext(cfg, "", initialize=False) as ctx, _stops_passed_on():
-    if ctx.cluster.split.here == "scorer":
+def serve(layout: Layout) -> int:
+  """Builds what this process's group needs (tokenizer, prompts, environments, the sampler's or
+  the scorers' programs; the models abstract) on the run's `layout` and serves the trainer until
+  it is done; the exit code."""
+  with RunContext(layout.cfg, "", initialize=False, layout=layout) as ctx, _stops_passed_on():
+    if layout.split.here == "scorers":
       return ScorersHost(ctx).serve()
     return SamplerHost(ctx, make_worker).serve()
 

@@ -26,13 +26,12 @@ from flax import nnx
 
 from jaxrl.config import ConfigError, ExperimentConfig, to_dict
 from jaxrl.config_files import merge, resolve
-from sharding.placement import host_major_devices
 from train.io import compilation, rundir
 from train.io.checkpoint import CheckpointError, RunCheckpointer, params_fingerprint
 from train.io.host_transfers import HostTransfers
 from train.io.metrics import MetricsWriter, plain_row, plot_metrics
 from train.io.tracking import Trackers, last_steps
-from train.roles.cluster import config_split
+from train.roles.layout import Layout, layout as make_layout
 from train.roles.link import release_groups
 from train.run.hooks import Checkpoint, Evaluate, Log, NonFinite, Progress, StopRequest
 from train.run.resume import Resumed, latest_good, snapshot
@@ -60,10 +59,11 @@ class StageHandle:
 class Experiment:
 
   def __init__(self, config, *, run_dir: str | None = None, resume_run: bool = False,
-               start_if_none: bool = False):
+               start_if_none: bool = False, layout: Layout | None = None):
     """`resume_run`: continue from the run dir's newest good checkpoint (a ConfigError when it
-    has none, unless `start_if_none`)."""
-    self.cfg: ExperimentConfig = resolve(config)
+    has none, unless `start_if_none`); `layout`: `config`'s, already worked out (the CLI's)."""
+    self.layout = make_layout(resolve(config)) if layout is None else layout
+    self.cfg: ExperimentConfig = self.layout.cfg  # (the planner's choice filled in)
     compilation.enable_cache(self.cfg.compilation_cache_dir)
     self.compiles = compilation.CompileRecord()  # this run's compiles, from now to `close`
     weakref.finalize(self, self.compiles.close)  # (an Experiment never closed stops too)
@@ -74,17 +74,13 @@ class Experiment:
       raise
 
   def _build(self, resume_run: bool, run_dir: str | None, start_if_none: bool) -> None:
-    self.plan = None  # placement.strategy="plan": the planner's choice (planner/plan.py)
-    if self.cfg.placement.strategy == "plan":
-      from planner.plan import choose
-      self.cfg, self.plan = choose(self.cfg, host_major_devices(), jax.process_count())
     names = [name for name, cls in STAGES.items() if cls.enabled(self.cfg)]
     for name in names:
       STAGES[name].check(self.cfg)
     self.run_dir = rundir.prepare(self.cfg, resume=resume_run, run_dir=run_dir,
                                   start_if_none=start_if_none)
     transfers = HostTransfers()  # the run's: its context's, its checkpoints'
-    split = config_split(self.cfg)  # the sampler's own processes save nothing
+    split = self.layout.split  # the sampler's own processes save nothing
     self.checkpointer = RunCheckpointer(
         self.run_dir, names, keep=self.cfg.keep_checkpoints, transfers=transfers,
         processes=None if split is None else set(split.trainer_processes))
@@ -94,7 +90,7 @@ class Experiment:
                         f"{self.run_dir}; pass --resume_or_start to start the run")
     fresh = not saved and not self.cfg.init_checkpoint
     self.ctx = RunContext(self.cfg, self.run_dir, initialize=fresh, transfers=transfers,
-                          compiles=self.compiles)
+                          compiles=self.compiles, layout=self.layout)
     self.writer = MetricsWriter(self.run_dir, enabled=jax.process_index() == 0)
     kinds = {name: STAGES[name] for name in names}
     resumed = latest_good(self.checkpointer, self.ctx, kinds, saved) if saved else None
@@ -124,10 +120,7 @@ class Experiment:
     purged; the config and its placement logged once."""
     trackers = Trackers(self.cfg, self.run_dir, enabled=jax.process_index() == 0,
                         purge_after=last_steps(self.writer.rows))
-    placement = self.ctx.cluster.placement.describe()
-    trackers.log_config(self.cfg, placement if self.plan is None else
-                        f"{placement} (planner: {self.plan.plan.describe()}, predicted "
-                        f"{self.plan.step_s:.3g} s per RL step: {self.plan.reason})")
+    trackers.log_config(self.cfg, self.layout.describe())
     self.writer.trackers = trackers
 
   def _take(self, resumed: Resumed) -> None:

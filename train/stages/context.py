@@ -14,6 +14,7 @@ from train.io.compilation import CompileRecord
 from train.io.host_transfers import HostTransfers
 from train.io.timeline import Timeline
 from train.roles.cluster import RoleCluster
+from train.roles.layout import Layout, layout as make_layout
 from train.rollout.generator import Generator
 from train.rollout.shared_env import shared
 from train.task.heldout import evaluate
@@ -30,15 +31,18 @@ class RunContext:
   host transfers (`transfers`); `close` stops them."""
 
   def __init__(self, cfg: ExperimentConfig, run_dir: str, *, initialize: bool = True,
-               transfers: HostTransfers | None = None, compiles: CompileRecord | None = None):
+               transfers: HostTransfers | None = None, compiles: CompileRecord | None = None,
+               layout: Layout | None = None):
     """`initialize=False`: the actor stays abstract (a restore fills it). `transfers`: the
     run's record of named host transfers (default: a new one); `compiles`: its record of
-    compile seconds, which the timeline's spans label."""
-    self.cfg, self.run_dir, self.compiles = cfg, run_dir, compiles
+    compile seconds, which the timeline's spans label; `layout`: the run's (default: `cfg`'s,
+    train/roles/layout.py)."""
+    self.layout = make_layout(cfg) if layout is None else layout
+    self.cfg, self.run_dir, self.compiles = self.layout.cfg, run_dir, compiles
     self.transfers = HostTransfers() if transfers is None else transfers
     self.processes = UserProcesses()
     try:
-      self._build(cfg, initialize)
+      self._build(self.cfg, initialize)
     except BaseException:
       self.processes.close()
       raise
@@ -47,7 +51,8 @@ class RunContext:
     self.tok = load_tokenizer_for(cfg)
     self.task = load_task(cfg, self.tok, self.processes)
     self.judge = Judge(self.tok, self.task.reward, self.transfers)
-    self.cluster = RoleCluster(cfg, initialize=initialize, transfers=self.transfers)
+    self.cluster = RoleCluster(cfg, layout=self.layout, initialize=initialize,
+                               transfers=self.transfers)
     environment = environment_for(cfg, self.tok, self.task, self.processes)
     name, group = self.cluster.process_group()
     if environment is not None and len(group) > 1:  # stepped once, by the group's first
