@@ -36,26 +36,30 @@ def _loss(fn):
   return loss
 
 
-def _reference(h, w, t, softcap: float = 0.0):
-  """The full logits in plain jnp, the soft cap written out here (not lm_head.py's)."""
+def _reference(h, w, t, softcap: float = 0.0, temperature: float = 1.0):
+  """The full logits in plain jnp, the soft cap and the temperature written out here (not
+  lm_head.py's)."""
   z = jnp.einsum("bnd,vd->bnv", h, w)
   if softcap:
     z = softcap * jnp.tanh(z / softcap)
+  z = z / temperature
   logp_all = jax.nn.log_softmax(z, axis=-1)
   return (jnp.take_along_axis(logp_all, t[..., None], axis=-1)[..., 0],
           -(jnp.exp(logp_all) * logp_all).sum(-1))
 
 
 @pytest.mark.parametrize("chunk", [None, 1, 3, 4, 10])
-@pytest.mark.parametrize("softcap", [0.0, 2.0])
+@pytest.mark.parametrize("softcap,temperature", [(0.0, 1.0), (2.0, 1.0), (0.0, 0.6), (2.0, 1.7)])
 @pytest.mark.accelerator
-def test_chunked_equals_dense_values_and_gradients(chunk, softcap):
+def test_chunked_equals_dense_values_and_gradients(chunk, softcap, temperature):
   """Chunked (its hand-written backward) against autodiff of lm_head.py's full logits and of the
-  plain formula; a cap of 2 bends these logits (std ~1) a lot."""
+  plain formula; a cap of 2 bends these logits (std ~1) a lot; the temperature divides the
+  capped logits, as the sampler's does (sampler/methods.py)."""
   h, w, t = _inputs()
-  chunked = lambda h, w, t: chunked_logprobs(h, w, t, softcap=softcap, chunk=chunk)
-  dense = lambda h, w, t: dense_logprobs(h, w, t, softcap=softcap)
-  reference = lambda h, w, t: _reference(h, w, t, softcap)
+  chunked = lambda h, w, t: chunked_logprobs(h, w, t, softcap=softcap, chunk=chunk,
+                                             temperature=temperature)
+  dense = lambda h, w, t: dense_logprobs(h, w, t, softcap=softcap, temperature=temperature)
+  reference = lambda h, w, t: _reference(h, w, t, softcap, temperature)
   for want_fn in (dense, reference):
     for got, want in zip(chunked(h, w, t), want_fn(h, w, t)):
       np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
@@ -64,7 +68,7 @@ def test_chunked_equals_dense_values_and_gradients(chunk, softcap):
     for g, e in zip(got, want):
       assert float(jnp.abs(e).max()) > 1e-2  # a real gradient, not zeros on both sides
       np.testing.assert_allclose(g, e, atol=1e-5, rtol=1e-5)
-  if softcap:  # the cap changes what it caps: a head that ignored it would fail above
+  if softcap or temperature != 1.0:  # each changes the log-probs: one ignored would fail above
     assert float(jnp.abs(chunked(h, w, t)[0] - _reference(h, w, t)[0]).max()) > 0.1
 
 

@@ -82,10 +82,13 @@ def chunk_length(batch: int, length: int, vocab: int, budget: int | None = None)
   return max(1, min(length, budget // max(batch * vocab, 1)))
 
 
-def _chunk_stats(h_BnD, head_VD, targets_Bn, softcap: float):
-  """One chunk's float32 logits [B, n, V] (the head's), their log-sum-exp, softmax and target
-  one-hot, and the targets' log-probs and the entropy [B, n]."""
+def _chunk_stats(h_BnD, head_VD, targets_Bn, softcap: float, temperature: float):
+  """One chunk's float32 logits [B, n, V] (the head's, divided by `temperature` as the sampler
+  divides them: sampler/methods.py), their log-sum-exp, softmax and target one-hot, and the
+  targets' log-probs and the entropy [B, n]."""
   logits_BnV = lm_head(h_BnD, head_VD, softcap=softcap, product=chunk_product)
+  if temperature != 1.0:
+    logits_BnV = logits_BnV / temperature
   lse_Bn = jax.nn.logsumexp(logits_BnV, axis=-1)
   hit_BnV = jnp.arange(logits_BnV.shape[-1]) == targets_Bn[..., None]
   logp_Bn = jnp.where(hit_BnV, logits_BnV, 0.0).sum(-1) - lse_Bn
@@ -108,33 +111,37 @@ def _join(x_CBn, length: int):
   return jnp.moveaxis(x_CBn, 0, 1).reshape(b, c * n, *x_CBn.shape[3:])[:, :length]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _chunked(h_BND, head_VD, targets_BN, n: int, softcap: float):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked(h_BND, head_VD, targets_BN, n: int, softcap: float, temperature: float):
   head_VD = head_VD.astype(h_BND.dtype)  # once, not in every chunk's step
-  step = lambda xs: _chunk_stats(xs[0], head_VD, xs[1], softcap)[4:]
+  step = lambda xs: _chunk_stats(xs[0], head_VD, xs[1], softcap, temperature)[4:]
   logp_CBn, entropy_CBn = jax.lax.map(step, (_split(h_BND, n), _split(targets_BN, n)))
   return _join(logp_CBn, h_BND.shape[1]), _join(entropy_CBn, h_BND.shape[1])
 
 
-def _fwd(h_BND, head_VD, targets_BN, n: int, softcap: float):
-  return _chunked(h_BND, head_VD, targets_BN, n, softcap), (h_BND, head_VD, targets_BN)
+def _fwd(h_BND, head_VD, targets_BN, n: int, softcap: float, temperature: float):
+  return (_chunked(h_BND, head_VD, targets_BN, n, softcap, temperature),
+          (h_BND, head_VD, targets_BN))
 
 
-def _bwd(n: int, softcap: float, res, grads):
+def _bwd(n: int, softcap: float, temperature: float, res, grads):
   """Recomputes each chunk's logits z and turns the cotangents of (logp, entropy) into the
   chunk's hidden-state gradient and its share of the head's: d logp(y) / dz = onehot(y) - p,
-  d H / dz = -p (log p + H), and through the soft cap z = c tanh(y / c), dz / dy = 1 - (z / c)^2."""
+  d H / dz = -p (log p + H), through the temperature z = c / t, dz / dc = 1 / t, and through
+  the soft cap c = s tanh(y / s), dc / dy = 1 - (c / s)^2."""
   h_BND, head_VD, targets_BN = res
   g_logp_BN, g_entropy_BN = grads
   head_dt_VD = head_VD.astype(h_BND.dtype)  # once, not in every chunk's step
 
   def step(dhead_VD, xs):
     h_BnD, targets_Bn, g_logp_Bn, g_ent_Bn = xs
-    logits_BnV, lse_Bn, p_BnV, hit_BnV, _, entropy_Bn = _chunk_stats(h_BnD, head_dt_VD,
-                                                                      targets_Bn, softcap)
+    logits_BnV, lse_Bn, p_BnV, hit_BnV, _, entropy_Bn = _chunk_stats(
+        h_BnD, head_dt_VD, targets_Bn, softcap, temperature)
     logp_BnV = logits_BnV - lse_Bn[..., None]
     dz_BnV = (g_logp_Bn[..., None] * (hit_BnV - p_BnV)
               - g_ent_Bn[..., None] * p_BnV * (logp_BnV + entropy_Bn[..., None]))
+    if temperature != 1.0:
+      dz_BnV, logits_BnV = dz_BnV / temperature, logits_BnV * temperature  # (the capped ones)
     if softcap:
       dz_BnV = dz_BnV * (1.0 - jnp.square(logits_BnV / softcap))
     # Both products in the compute dtype with float32 accumulation, as the forward's (a bf16
@@ -154,19 +161,20 @@ def _bwd(n: int, softcap: float, res, grads):
 _chunked.defvjp(_fwd, _bwd)
 
 
-def chunked_logprobs(h_BND, head_VD, targets_BN, *, softcap: float, chunk: int | None = None):
+def chunked_logprobs(h_BND, head_VD, targets_BN, *, softcap: float, chunk: int | None = None,
+                     temperature: float = 1.0):
   """(log p(targets_BN), entropy), each [B, N] float32, from hidden states h_BND (any compute
   dtype) and the LM head [V, D] with its `softcap`, `chunk` positions at a time (default:
-  `chunk_length`)."""
+  `chunk_length`), of the distribution at `temperature` (the one RL samples from)."""
   b, length, _ = h_BND.shape
   n = chunk or chunk_length(b, length, head_VD.shape[0])
-  return _chunked(h_BND, head_VD, targets_BN, n, float(softcap))
+  return _chunked(h_BND, head_VD, targets_BN, n, float(softcap), float(temperature))
 
 
-def dense_logprobs(h_BND, head_VD, targets_BN, *, softcap: float):
+def dense_logprobs(h_BND, head_VD, targets_BN, *, softcap: float, temperature: float = 1.0):
   """The same from the full [B, N, V] logits at once: the reference the tests and
   benchmarks/logprob_memory.py compare `chunked_logprobs` with."""
-  logits_BNV = lm_head(h_BND, head_VD, softcap=softcap, product=chunk_product)
+  logits_BNV = lm_head(h_BND, head_VD, softcap=softcap, product=chunk_product) / temperature
   logp_all_BNV = jax.nn.log_softmax(logits_BNV, axis=-1)
   logp_BN = jnp.take_along_axis(logp_all_BNV, targets_BN[..., None], axis=-1)[..., 0]
   return logp_BN, -(jnp.exp(logp_all_BNV) * logp_all_BNV).sum(-1)

@@ -10,9 +10,12 @@ from train.updates.forward import completion_logprobs
 from train.updates.packing import packed_logprobs
 
 
-def logprobs(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_len: int):
-  """The completion tokens' log-probs (completion_logprobs without its entropies)."""
-  return completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, routes_BTLK)[0]
+def logprobs(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_len: int,
+             temperature: float):
+  """The completion tokens' log-probs at RL's sampling `temperature` (completion_logprobs
+  without its entropies)."""
+  return completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, routes_BTLK,
+                             temperature)[0]
 
 
 def packed_scorer(cfg: RLConfig, role):
@@ -21,19 +24,22 @@ def packed_scorer(cfg: RLConfig, role):
   n = cfg.rollouts // cfg.pass_rows
 
   def score(params, tokens_BT, mask_BN, pack, *routes):
-    return map_minibatches(lambda mb: packed_logprobs(role.graphdef, params, *mb)[0],
-                           (tokens_BT, pack, mask_BN, *routes), n)
+    return map_minibatches(lambda mb: packed_logprobs(
+        role.graphdef, params, *mb, temperature=cfg.rollout.temperature)[0],
+        (tokens_BT, pack, mask_BN, *routes), n)
   return role.jit(score)
 
 
 def scorer(cfg: RLConfig, role, fn):
   """`fn` (logprobs, completion_values) over a rollout batch on `role`'s mesh, jitted:
   (params, tokens [B, T], valid [B, T], completion mask [B, N][, routes [B, T, L, k]]) ->
-  [B, N], in the update's pieces of `cfg.pass_rows` rows."""
+  [B, N], in the update's pieces of `cfg.pass_rows` rows; log-probs at RL's sampling
+  temperature."""
   n = cfg.rollouts // cfg.pass_rows
+  kw = {"temperature": cfg.rollout.temperature} if fn is logprobs else {}
 
   def score(params, tokens_BT, valid_BT, mask_BN, *routes):  # the prompt length: the shapes
     p_len = tokens_BT.shape[1] - mask_BN.shape[1]
-    return map_minibatches(lambda mb: fn(role.graphdef, params, *mb, prompt_len=p_len),
+    return map_minibatches(lambda mb: fn(role.graphdef, params, *mb, prompt_len=p_len, **kw),
                            (tokens_BT, valid_BT, *routes), n)
   return role.jit(score)

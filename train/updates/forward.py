@@ -21,11 +21,13 @@ def token_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT=None, s
 
 
 def routed_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT=None, start: int = 0,
-                    routes_BTLK=None):
+                    routes_BTLK=None, temperature: float = 1.0):
   """`token_logprobs`, and a mixture of experts' router loss (its config's moe.aux_loss x
   the load-balancing loss + moe.z_loss x the z-loss; 0 for a dense model) with its
   metrics. `routes_BTLK`: the experts each token used when it was sampled (replayed under
-  `model.moe.routing_replay="rollout"`, else compared: jaxrl/models/moe.py)."""
+  `model.moe.routing_replay="rollout"`, else compared: jaxrl/models/moe.py). `temperature`:
+  of the distribution scored, RL's sampling temperature (`rl.rollout.temperature`) for the
+  policy's and the reference's log-probs."""
   model = model_of(graphdef, params)
   if segment_ids_BT is None:
     positions_BT = positions_from_valid(valid_BT)
@@ -35,7 +37,7 @@ def routed_logprobs(graphdef, params, tokens_BT, valid_BT, segment_ids_BT=None, 
                                             segment_ids_BT=segment_ids_BT,
                                             routes_BTLK=routes_BTLK)
   logp, entropy = chunked_logprobs(h_BTD[:, start:-1], model.head_VD(), tokens_BT[:, start + 1:],
-                                   softcap=model.cfg.logit_softcap)
+                                   softcap=model.cfg.logit_softcap, temperature=temperature)
   loss, metrics = router_loss(model.cfg, routing, compared=routes_BTLK is not None)
   return logp, entropy, loss, metrics
 
@@ -54,10 +56,12 @@ def router_loss(cfg, routing, compared: bool = False) -> tuple[jax.Array, dict]:
   return cfg.moe.aux_loss * balance + cfg.moe.z_loss * z, metrics
 
 
-def completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int, routes_BTLK=None):
-  """Log-probs and entropies of the completion slots (the last T - prompt_len tokens)."""
+def completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int, routes_BTLK=None,
+                        temperature: float = 1.0):
+  """Log-probs and entropies of the completion slots (the last T - prompt_len tokens), at
+  `temperature`."""
   return routed_logprobs(graphdef, params, tokens_BT, valid_BT, start=prompt_len - 1,
-                         routes_BTLK=routes_BTLK)[:2]
+                         routes_BTLK=routes_BTLK, temperature=temperature)[:2]
 
 
 def completion_values(graphdef, params, tokens_BT, valid_BT, prompt_len: int) -> jax.Array:

@@ -92,10 +92,10 @@ def plan(prompt_lens_B: np.ndarray, lengths_B: np.ndarray, *, prompt_width: int,
 
 
 def packed_logprobs(graphdef, params, tokens_BT, pack: Pack, completion_mask_BN,
-                    routes_BTLK=None):
+                    routes_BTLK=None, temperature: float = 1.0):
   """(log-probs, entropies) [b, N] of one piece's completion slots (0 after a row's end), its
-  model run over the piece's packed rows; with a mixture of experts also its router loss and
-  metrics, as `forward.routed_logprobs`."""
+  model run over the piece's packed rows, at `temperature`; with a mixture of experts also its
+  router loss and metrics, as `forward.routed_logprobs`."""
   source_RL, segments_RL, unpack_BN = (x[0] for x in (pack.source_PRL, pack.segment_ids_PRL,
                                                       pack.unpack_PBN))
   b, t = tokens_BT.shape
@@ -112,7 +112,8 @@ def packed_logprobs(graphdef, params, tokens_BT, pack: Pack, completion_mask_BN,
                                             routes_BTLK=routes)
   h_BND = h_RLD.reshape(-1, h_RLD.shape[-1])[unpack_BN]
   logp_BN, entropy_BN = chunked_logprobs(h_BND, model.head_VD(), tokens_BT[:, t - n:],
-                                         softcap=model.cfg.logit_softcap)
+                                         softcap=model.cfg.logit_softcap,
+                                         temperature=temperature)
   logp_BN, entropy_BN = (jnp.where(completion_mask_BN, x, 0.0) for x in (logp_BN, entropy_BN))
   loss, metrics = router_loss(model.cfg, routing, compared=routes_BTLK is not None)
   return logp_BN, entropy_BN, loss, metrics

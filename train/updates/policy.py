@@ -33,11 +33,12 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
   exp, weights_BN, token_weights_BN = micro
   if exp.pack is not None:  # its rows packed to a token budget (train/updates/packing.py)
     logp_BN, entropy_BN, router, router_metrics = packed_logprobs(
-        graphdef, params, exp.tokens_BT, exp.pack, exp.completion_mask_BN, exp.routes_BTLK)
+        graphdef, params, exp.tokens_BT, exp.pack, exp.completion_mask_BN, exp.routes_BTLK,
+        temperature=cfg.rollout.temperature)
   else:
     logp_BN, entropy_BN, router, router_metrics = routed_logprobs(
         graphdef, params, exp.tokens_BT, exp.valid_BT, start=exp.prompt_len - 1,
-        routes_BTLK=exp.routes_BTLK)
+        routes_BTLK=exp.routes_BTLK, temperature=cfg.rollout.temperature)
   share = token_weights_BN.sum()  # this micro-batch's share of the minibatch's tokens
   old_BN = exp.old_logprobs_BN
   if old_BN is None:  # one minibatch: these weights are the ones before the update
