@@ -180,9 +180,14 @@ class DPOConfig:
 class EvalConfig:
   every: int = 10  # RL steps between held-out greedy evaluations
   batch_size: int = 256
+  # At each RL evaluation, KL(sampler || trainer) over the whole vocabulary at this many
+  # positions of each of the last batch's first rows (train/loop/full_kl.py); 0 rows: off
+  sampler_kl_rows: int = 8
+  sampler_kl_positions: int = 4
 
   def __post_init__(self):
-    positive(self, "every", "batch_size")
+    positive(self, "every", "batch_size", "sampler_kl_positions")
+    at_least_zero(self, "sampler_kl_rows")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -121,12 +121,15 @@ def test_a_tempered_sampler_is_scored_at_its_temperature(tmp_path, temperature):
   as before, they were up to 1.68 apart at temperature 0.5 on this model)."""
   row = _one_step(tmp_path, f"t{temperature}", rollout={"temperature": temperature})
   assert 0.0 <= row["mismatch_max"] <= 1e-5, row
+  # the whole distributions too (train/loop/full_kl.py), at the evaluation after the step
+  assert 0.0 <= row["sampler_kl_full"] <= row["sampler_kl_full_max"] < 1e-10, row
 
 
 def test_bf16_mismatch_is_reported_and_a_perturbed_sampler_raises_it(tmp_path, monkeypatch):
   bf16 = _one_step(tmp_path, "bf16", dtype="bfloat16")
   assert 0.0 < bf16["mismatch_max"] < 1.0 and 0.0 < bf16["mismatch_mean"] <= bf16["mismatch_max"]
   assert bf16["mismatch_kl"] >= 0.0
+  assert bf16["sampler_kl_full_max"] > 1e-8  # (float32: < 1e-10, above)
   sample = Generator.sample
 
   def perturbed(self, params, prompts, key):  # a sampler whose log-probs are off by 0.05

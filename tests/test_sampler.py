@@ -256,3 +256,33 @@ def test_bad_sampling_config_fails_with_one_line(kw, message):
   with pytest.raises(ValueError) as e:
     SamplingConfig(max_new_tokens=4, eos_id=0, pad_id=0, **kw)
   assert str(e.value) == message
+
+
+@LAYOUTS
+def test_forced_decode_gives_the_distributions_the_sampler_drew_from(tiny_model, layout):
+  """sampler/forced.py: the sampler's prefill and decode step fed the tokens it drew give at
+  each step the distribution it drew from (the drawn token's log-prob is the one it reported,
+  at temperature 0.7), and the trainer's distributions at those positions
+  (train/loop/full_kl.py) are within float32 rounding of them over the whole vocabulary."""
+  from sampler.forced import forced_logprobs
+  from train.loop.full_kl import kl_stats, spread_steps, trainer_logprobs
+  rollout = _gen(tiny_model, ["12+34=", "7+5=", "rev ab=", "1="], 7, method="temperature",
+                 temperature=0.7, eos_id=-1, decode_layout=layout)
+  graphdef, params = nnx.split(tiny_model)
+  cfg = SamplingConfig(max_new_tokens=7, eos_id=-1, pad_id=TOK.pad_id, temperature=0.7,
+                       decode_layout=layout)
+  tokens_BT, valid_BT = rollout.tokens_BT, rollout.valid_BT
+  steps_BK, weights_BK = spread_steps(np.ones((4, 7), bool), 7)
+  assert (steps_BK == np.arange(7)).all() and np.isclose(weights_BK.sum(), 1.0)
+  sampler_BKV = jax.jit(functools.partial(forced_logprobs, graphdef, cfg=cfg))(
+      params, tokens_BT[:, :8], valid_BT[:, :8], tokens_BT[:, 8:], jnp.asarray(steps_BK))
+  drawn_BN = np.take_along_axis(np.asarray(sampler_BKV), np.asarray(tokens_BT[:, 8:, None]),
+                                -1)[..., 0]
+  np.testing.assert_allclose(drawn_BN, rollout.logprobs_BN, atol=1e-6, rtol=0)
+  trainer_BKV = jax.jit(functools.partial(trainer_logprobs, graphdef, prompt_len=8,
+                                          temperature=0.7))(params, tokens_BT, valid_BT,
+                                                            jnp.asarray(steps_BK))
+  mean, peak = kl_stats(np.asarray(sampler_BKV), np.asarray(trainer_BKV), weights_BK)
+  assert 0.0 <= mean <= peak < 1e-10, (mean, peak)
+  other = np.asarray(trainer_BKV)[::-1]  # another row's distributions: far apart
+  assert kl_stats(np.asarray(sampler_BKV), other, weights_BK)[0] > 1e-3

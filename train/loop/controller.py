@@ -24,6 +24,7 @@ from train.io.host_transfers import HostTransfers
 from train.io.timeline import Timeline
 from train.loop.batch_fill import FilledBatch, fill_batch
 from train.loop.executors import ExecutorError, Executors
+from train.loop.full_kl import check_rows, rows_of
 from train.loop.scoring import Scoring
 from train.roles.cluster import RoleCluster
 from train.roles.learner import Learner
@@ -63,6 +64,8 @@ class Controller:
     self._split, self._own_link = cluster.split, None  # (`_link`)
     items = offload_items(cfg.placement.offload)
     self.offload = Offloader(items, cluster, [actor, critic], timeline) if items else None
+    self.kl_rows = check_rows(cfg, cluster)  # (train/loop/full_kl.py)
+    self.last_rows: dict | None = None  # the last batch's first rows, for that check
 
   @property
   def next_index(self) -> int:
@@ -140,6 +143,8 @@ class Controller:
     exp, exp_metrics, verified_B = self.scoring.experience(batch.rollout, batch.prompts,
                                                            batch.verified_B)
     t_score = time.perf_counter() - t0 - batch.waited
+    if self.kl_rows:
+      self.last_rows = rows_of(exp, self.kl_rows)
     self._enter("update")
     metrics, times = self.update(exp)
     self._enter("generate")  # between steps (evaluation, checkpoints) too

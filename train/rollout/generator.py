@@ -21,11 +21,13 @@ from jaxrl.config_rl import RLConfig, RolloutConfig
 from jaxrl.envs import EnvError, Environment
 from sampler import lowering
 from sampler.engine import Rollout
+from sampler.forced import forced_program
 from sampler.methods import SamplingConfig
 from sampler.sampler import Sampler
 from sampler.stops import StopText
 from sampler.stream import BatchStream, StreamGeometry
 from sharding.mesh import batch_sharding
+from sharding.reshard import move
 from sharding.rules import SAMPLER_RULES
 from train.io.host_transfers import HostTransfers
 from train.roles.cluster import RoleCluster
@@ -96,6 +98,7 @@ class Generator:
     strings = () if environment is None else tuple(environment().stop_strings)
     self._turn_text = StopText(strings, tok.token_bytes()) if strings else None
     self.multiturn = None if environment is None else MultiTurn(self.transfers)
+    self._forced = None  # (`forced_logprobs`' program, compiled on first use)
 
   def close(self) -> None:
     """Stops the threads its conversations' environments step in."""
@@ -121,6 +124,18 @@ class Generator:
     the RL sampler's settings otherwise."""
     return self._generate(self.sampler.variant(n=n, temperature=temperature), params, prompts,
                           key)
+
+  def forced_logprobs(self, params, tokens_BT, valid_BT, steps_BK, *, prompt_len: int):
+    """The sampler's full log-probs [B, K, V] along rows it drew (any mesh's arrays: moved to
+    the sampler's rows), at completion steps `steps_BK` (sampler/forced.py), at the RL
+    temperature."""
+    if self._forced is None:
+      s = self.sampler
+      self._forced = forced_program(s.graphdef, s.cfg, s.mesh, s.param_shardings)
+    p = prompt_len
+    inputs = move((tokens_BT[:, :p], valid_BT[:, :p], tokens_BT[:, p:], steps_BK),
+                  (self._rows,) * 4)
+    return self._forced(params, *inputs)
 
   def _generate(self, sampler: Sampler, params, prompts: dict, key: jax.Array) -> Rollout:
     if self.environment is not None:

@@ -19,6 +19,7 @@ import time
 
 from jaxrl.config_rl import RLConfig
 from train.loop.controller import Controller
+from train.loop.full_kl import FullKL
 from train.roles.learner import Learner
 from train.roles.role import ModelRole
 from train.rollout import async_state
@@ -30,6 +31,7 @@ from train.updates.state import make_optimizer
 log = logging.getLogger("jaxrl")
 # summary.json entry -> the metrics row's value whose maximum over the run it keeps
 MAXIMA = {"mismatch_max": "mismatch_max", "mismatch_kl_max": "mismatch_kl"}
+KL_MAX = "sampler_kl_full_max"  # (kept from the evaluations' rows: `evaluate`)
 
 
 def learners(rl: RLConfig, actor: ModelRole, critic: ModelRole | None, *,
@@ -62,9 +64,25 @@ class RLStage(Stage):
     # The async worker's state from a checkpoint, until the controller takes it
     self._worker_state = None
     self._paused = None  # while a checkpoint is taken: the generator's state
+    self._full_kl: FullKL | None = None
 
   def eval_due(self, done: int) -> bool:
     return done % self.cfg.eval.every == 0 or done == self.total
+
+  def evaluate(self) -> dict:
+    """The held-out score and, from the last batch's rows, the full-distribution check
+    (train/loop/full_kl.py) at the current weights."""
+    rows = None if self.controller is None else self.controller.last_rows
+    if rows is None:
+      return super().evaluate()
+    if self._full_kl is None:
+      e = self.cfg.eval
+      self._full_kl = FullKL(self.actor.role, self.ctx.generator, self.ctx.transfers,
+                             positions=e.sampler_kl_positions,
+                             temperature=self.cfg.rl.rollout.temperature)
+    kl = self._full_kl(rows, self.actor.role.params, self.ctx.cluster.sampler_weights.fresh())
+    self.maxima[KL_MAX] = max(self.maxima.get(KL_MAX, 0.0), kl[KL_MAX])
+    return {**super().evaluate(), **kl}  # (the evaluation releases a mirror made for both)
 
   def start(self, *, restoring: bool = False) -> None:
     rl, cluster = self.cfg.rl, self.ctx.cluster
