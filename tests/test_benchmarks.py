@@ -115,3 +115,15 @@ def test_without_excess_precision_a_bf16_mesh_scores_as_one_device():
   bf16 = result["bfloat16"]
   assert bf16["fsdp"] == {"max": 0.0, "bitwise_frac": 1.0}
   assert bf16["f32_one"] == bf16["f32_mesh"] and bf16["f32_one"]["max"] > 0
+
+
+def test_batch_invariance_compares_each_rows_result_with_the_same_rows_among_more():
+  """`benchmarks.batch_invariance` (small): per op the share of rows equal to the same rows
+  computed among all of them; all of them against themselves is every row (the ops are
+  deterministic on this machine)."""
+  from benchmarks.batch_invariance import MATMULS, main
+  result = main(["--rows", "128", "--counts", "1", "8", "128", "--json"])
+  assert set(result["matmul"]) == {f"{k}x{n}" for k, n in MATMULS}
+  for shares in result["matmul"].values():
+    assert shares[128] == 1.0 and all(0.0 <= v <= 1.0 for v in shares.values())
+  assert all(0.0 <= result[op] <= 1.0 for op in ("scores", "mix", "log_softmax"))

@@ -55,6 +55,9 @@ def layout(cfg: ExperimentConfig, devices=None) -> Layout:
   except PlacementError as e:
     raise config_error(e) from None
   check_processes(out)
+  if out.split is not None:
+    log.info("process groups: %s; this process serves the %s group", ", ".join(
+        f"{g} on processes {sorted(p)}" for g, p in out.split.groups.items()), out.split.here)
   return out
 
 
