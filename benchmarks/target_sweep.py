@@ -154,7 +154,7 @@ def measure_scoring(p: Point, mesh, actor) -> dict:
   import jax.numpy as jnp
 
   from train.preflight.dry_run import scoring_footprint
-  from train.loop.passes import logprobs, scorer
+  from train.loop.passes import policy_logprobs, scorer
   from train.roles.role import ModelRole
   cfg = config(p)
   rl = cfg.rl
@@ -169,7 +169,7 @@ def measure_scoring(p: Point, mesh, actor) -> dict:
                           role.batch_shardings(arrays))
     with tempfile.TemporaryDirectory() as dump:
       compiled, seconds, live, allocated = _compiled(
-          scorer(rl, role, logprobs).lower(role.abstract(), *arrays), dump, "jit_score")
+          scorer(rl, role, policy_logprobs(rl)).lower(role.abstract(), *arrays), dump, "jit_score")
     temp = compiled.memory_analysis().temp_size_in_bytes
     peak = sum(scoring_footprint(cfg, role).values())
     out[name] = {"temp_bytes": int(temp), "live_bytes": live, "allocated_bytes": allocated,

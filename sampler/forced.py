@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.decoding import LMDecoding
-from sampler.engine import _decode_forward, resolve_layout
+from sampler.engine import decode_forward, resolve_layout
 from sampler.methods import SamplingConfig
 from sharding.mesh import batch_sharding
 from sharding.rules import SAMPLER_RULES, jit_per_shard
@@ -28,7 +28,7 @@ def forced_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP,
   logits_BV, kv_cache, _ = model.prefill(prompt_tokens_BP, prompt_valid_BP)
   kv_cache = model.grow_cache(kv_cache, p + n - 1)
   key_valid_BS = jnp.concatenate([prompt_valid_BP, jnp.ones((b, n - 1), bool)], axis=1)
-  forward = _decode_forward(model, resolve_layout(cfg), key_valid_BS,
+  forward = decode_forward(model, resolve_layout(cfg), key_valid_BS,
                             prompt_valid_BP.sum(axis=1).astype(jnp.int32), n, p)
 
   def keep(i, logits_BV, out_BKV):

@@ -96,6 +96,25 @@ def test_launch_scripts_run_an_experiment_on_two_processes_and_resume_it(tmp_pat
 
 
 @pytest.mark.slow
+def test_the_planners_placement_gives_each_group_its_processes(tmp_path):
+  """`placement.strategy=plan` on 2 processes of 2 devices, async: every process works the
+  layout out once, with the planner's choice (the trainer on process 0, the generator on
+  process 1), and serves its group; the run ends on both with exit 0. (Before, the groups were
+  read before the planner ran: process 1 ran the trainer's experiment too and died.)"""
+  port = _free_port()
+  procs = [_launch("tpu_pod.sh", port, i, tmp_path, "--config.placement.strategy=plan",
+                   "--config.placement.cpu_devices=2", "--config.rl.schedule.mode=async",
+                   "--config.sft.steps=0", "--config.rl.steps=2") for i in range(2)]
+  outs = [p.communicate(timeout=600) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  assert ("process groups: trainer on processes [0], sampler on processes [1]; this process "
+          "serves the trainer group") in outs[0][1], outs[0][1][-3000:]
+  rows = [json.loads(line) for line in (tmp_path / "mh" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows if r["phase"] == "rl" and "loss" in r] == [1, 2]
+
+
+@pytest.mark.slow
 def test_survivor_stops_when_a_peer_dies():
   port = _free_port()
   procs = [_start(port, i, "die") for i in range(2)]

@@ -32,8 +32,8 @@ def _port() -> int:
 
 
 def _env(**extra) -> dict:
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  return {**env, **extra}
+  drop = ("XLA_FLAGS", "JAX_PLATFORMS")
+  return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
 
 
 def _launch(run_dir, name, *extra, resume=False, args=ARGS, devices=1,
@@ -237,9 +237,8 @@ def test_a_dead_generator_replica_is_dropped_and_the_run_goes_on(request, tmp_pa
   the first generator makes the batches from the one the trainer waits for on (that one with
   the newest weights, fresher than the fixed schedule's version), and every survivor ends the
   run with exit 0; the rows before are the uninterrupted run's."""
-  extra, uninterrupted = {"whole": (REPLICAS, "replicas_run"),
-                          "partial": (REPLICAS_PARTIAL, "replicas_partial_run")}[batches]
-  replicas_run = request.getfixturevalue(uninterrupted)
+  extra = REPLICAS if batches == "whole" else REPLICAS_PARTIAL
+  replicas_run = request.getfixturevalue(f"replicas{'' if batches == 'whole' else '_partial'}_run")
   procs = _launch(tmp_path, "dropped", *extra, devices=2, n=3)
   _at_rl_step(procs, tmp_path / "dropped", 1, saved=False)  # (batch 3, generator 1's, to come)
   procs[2].send_signal(signal.SIGKILL)
@@ -382,14 +381,7 @@ def test_the_scorers_on_processes_of_their_own_match_one_process_and_resume_exac
   assert apart == _result(tmp_path, "one")
   assert any(r.get("kl", 0) > 0 for r in apart[1])  # the reference's log-probs came back
   assert "scorers: the reward's weights crossed" in outs[0][1]  # (its scores came from there)
-  procs = _launch(tmp_path, "stopped", *APART, **three)
-  _at_rl_step(procs, tmp_path / "stopped", 2)
-  procs[1].send_signal(signal.SIGTERM)
-  for p, (_, err) in zip(procs, [p.communicate(timeout=120) for p in procs]):
-    assert p.returncode == 0, err[-3000:]
-  outs = _finish(_launch(tmp_path, "stopped", *APART, resume=True, **three))
-  assert "resumed from checkpoints/rl/" in outs[0][1]
-  assert _result(tmp_path, "stopped")[0] == apart[0]
+  assert _stopped_and_resumed(tmp_path, APART, 1, **three) == apart[0]
 
 
 @pytest.mark.slow

@@ -4,6 +4,8 @@ and the critic's values (train/loop/scoring.py runs them; the reference apart's 
 train/loop/remote_scorers.py)."""
 from __future__ import annotations
 
+import functools
+
 from jaxrl.config_rl import RLConfig
 from train.updates.batching import map_minibatches
 from train.updates.forward import completion_logprobs
@@ -18,8 +20,14 @@ def logprobs(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_
                              temperature)[0]
 
 
+def policy_logprobs(cfg: RLConfig):
+  """`logprobs` at RL's sampling temperature (`rl.rollout.temperature`): the policy's and the
+  reference's, for `scorer`."""
+  return functools.partial(logprobs, temperature=cfg.rollout.temperature)
+
+
 def packed_scorer(cfg: RLConfig, role):
-  """`scorer(cfg, role, logprobs)` over packed rows: (params, tokens [B, T], completion mask
+  """`scorer(cfg, role, policy_logprobs(cfg))` over packed rows: (params, tokens [B, T], completion mask
   [B, N], pack[, routes]) -> [B, N], piece p of the pack holding rows p, p + n, ..."""
   n = cfg.rollouts // cfg.pass_rows
 
@@ -34,12 +42,11 @@ def scorer(cfg: RLConfig, role, fn):
   """`fn` (logprobs, completion_values) over a rollout batch on `role`'s mesh, jitted:
   (params, tokens [B, T], valid [B, T], completion mask [B, N][, routes [B, T, L, k]]) ->
   [B, N], in the update's pieces of `cfg.pass_rows` rows; log-probs at RL's sampling
-  temperature."""
+  temperature (`policy_logprobs`)."""
   n = cfg.rollouts // cfg.pass_rows
-  kw = {"temperature": cfg.rollout.temperature} if fn is logprobs else {}
 
   def score(params, tokens_BT, valid_BT, mask_BN, *routes):  # the prompt length: the shapes
     p_len = tokens_BT.shape[1] - mask_BN.shape[1]
-    return map_minibatches(lambda mb: fn(role.graphdef, params, *mb, prompt_len=p_len, **kw),
+    return map_minibatches(lambda mb: fn(role.graphdef, params, *mb, prompt_len=p_len),
                            (tokens_BT, valid_BT, *routes), n)
   return role.jit(score)

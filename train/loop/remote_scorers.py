@@ -20,7 +20,7 @@ import functools
 import logging
 
 from sharding import crossing
-from train.loop.passes import logprobs, packed_scorer, scorer
+from train.loop.passes import packed_scorer, policy_logprobs, scorer
 from train.roles.link import GroupHost
 from train.roles.offload import DEVICE, HOST
 from train.updates.forward import sequence_scores
@@ -86,7 +86,7 @@ class ScorersHost(GroupHost):
       reward = self.roles["reward"]
       self.scores_fn = reward.jit(functools.partial(sequence_scores, reward.graphdef))
     reference = self.roles["reference"]
-    self.fns = {False: scorer(rl, reference, logprobs), True: packed_scorer(rl, reference)}
+    self.fns = {False: scorer(rl, reference, policy_logprobs(rl)), True: packed_scorer(rl, reference)}
 
   def _score(self, request: dict) -> dict:
     arrays = self.arrived(request)

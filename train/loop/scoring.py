@@ -13,7 +13,7 @@ from jaxrl.data.pipeline import bucket_length
 from train.io.host_transfers import HostTransfers
 from train.loop.executors import Executors
 from train.loop.experience import make_experience, trim_rollout
-from train.loop.passes import logprobs, packed_scorer, scorer
+from train.loop.passes import packed_scorer, policy_logprobs, scorer
 from train.loop.remote_scorers import RemoteScorers
 from train.roles.cluster import RoleCluster
 from train.roles.learner import Learner
@@ -54,7 +54,7 @@ class Scoring:
       self.remote = RemoteScorers({r.name: r for r in (self.reference, self.reward_model)
                                    if r is not None}, link_of)
     # (reference, old) log-prob passes over the [B, T] batch, and over packed rows
-    self.logprob_fns = {packed: tuple(packed_scorer(cfg, r) if packed else scorer(cfg, r, logprobs)
+    self.logprob_fns = {packed: tuple(packed_scorer(cfg, r) if packed else scorer(cfg, r, policy_logprobs(cfg))
                                       for r in (self.reference, actor.role))
                         for packed in (False, True)}
     if critic is not None:
