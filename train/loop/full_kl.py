@@ -41,8 +41,9 @@ def check_rows(cfg, cluster) -> int:
 def rows_of(exp, rows: int) -> dict:
   """What the check needs of a step's experience, its first `rows` rows (small: kept until
   the next evaluation)."""
-  return {"tokens_BT": exp.tokens_BT[:rows], "valid_BT": exp.valid_BT[:rows],
-          "policy_BN": exp.policy_mask_BN[:rows]}
+  first = lambda x: jax.lax.slice_in_dim(x, 0, rows)  # (static bounds: nothing from the host)
+  return {"tokens_BT": first(exp.tokens_BT), "valid_BT": first(exp.valid_BT),
+          "policy_BN": first(exp.policy_mask_BN)}
 
 
 def spread_steps(policy_BN: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
