@@ -17,83 +17,9 @@ import time
 import pytest
 
 from sharding.distributed import loopback_port
+from tests.job import (ARGS, HELD_HEARTBEAT_S, ROOT, at_rl_step, finish, job_env, launch,
+                       one_process, result, signal_at_checkpoint)
 from train.io.timeline import overlap_seconds, read_trace, seconds_within
-
-ROOT = __file__.rsplit("/tests/", 1)[0]
-ARGS = ["--config=configs/tiny.py", "--config.placement.strategy=separate",
-        "--config.placement.train_devices=2", "--config.placement.train_fsdp=1",
-        "--config.rl.schedule.mode=async", "--config.rl.loss.entropy_coef=0.01",
-        "--config.rl.steps=4"]
-TIMING = ("step_time", "tokens_per_s", "reshard_gbps")
-
-
-def _port() -> int:
-  return loopback_port(4)
-
-
-def _env(**extra) -> dict:
-  drop = ("XLA_FLAGS", "JAX_PLATFORMS")
-  return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
-
-
-def _launch(run_dir, name, *extra, resume=False, args=ARGS, devices=1,
-            cores=(None,) * 4, n=4) -> list[subprocess.Popen]:
-  """The run on `n` processes of `devices` CPU devices each (ports apart by more than the
-  transfer sockets), process i on `cores[i]` (JAXRL_CPU_CORES; None: any)."""
-  port = _port()
-  return [subprocess.Popen(
-      [sys.executable, "-m", "train.cli.train", *args, *extra,
-       f"--config.placement.cpu_devices={devices}",
-       f"--config.run_dir={run_dir}", f"--config.run_name={name}",
-       *(["--resume"] if resume else [])], cwd=ROOT,
-      env=_env(JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES=str(n),
-               JAXRL_PROCESS_ID=str(i), JAXRL_HEARTBEAT_S="10",
-               **({} if cores[i] is None else {"JAXRL_CPU_CORES": str(cores[i])})),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
-
-
-def _finish(procs) -> list[tuple[str, str]]:
-  try:
-    outs = [p.communicate(timeout=600) for p in procs]
-  except subprocess.TimeoutExpired:
-    _hung(procs, "a process did not finish within 600 s")
-  for p, (_, err) in zip(procs, outs):
-    assert p.returncode == 0, err[-3000:]
-  return outs
-
-
-def _hung(procs, what: str) -> None:
-  """Fails with every process's Python stacks (SIGUSR1: train/cli/train.py) and stderr tail;
-  the processes killed, not left to load the cores of the tests after."""
-  for p in procs:
-    if p.poll() is None:
-      p.send_signal(signal.SIGUSR1)
-  time.sleep(3)
-  for p in procs:
-    p.kill()
-  tails = [p.communicate()[1][-6000:] for p in procs]
-  pytest.fail(f"{what}; each process's stderr, last lines:\n" + "\n---\n".join(tails))
-
-
-def _one_process(run_dir, name, *extra, args=ARGS, devices=4):
-  """The same run on one process of 4 devices: the same meshes."""
-  subprocess.run([sys.executable, "-m", "train.cli.train", *args, *extra,
-                  f"--config.placement.cpu_devices={devices}", f"--config.run_dir={run_dir}",
-                  f"--config.run_name={name}"], cwd=ROOT, env=_env(), check=True,
-                 capture_output=True, timeout=600)
-
-
-def _result(run_dir, name):
-  """(params_fingerprint, metrics rows without wall-clock values)."""
-  path = os.path.join(run_dir, name)
-  with open(os.path.join(path, "summary.json")) as f:
-    summary = json.load(f)
-  with open(os.path.join(path, "metrics.jsonl")) as f:
-    rows = [json.loads(line) for line in f]
-  return summary["params_fingerprint"], [
-      {k: v for k, v in r.items() if k not in TIMING and not k.startswith("time_")}
-      for r in rows]
-
 
 PARTIAL = ("--config.rl.schedule.name=fixed", "--config.rl.schedule.partial_rollouts=True",
            "--config.rl.rollout.inflight_slots=8")
@@ -104,15 +30,15 @@ def partial_run(tmp_path_factory):
   """Partial rollouts under the fixed schedule, on 4 processes (the kill-and-resume test's
   reference too)."""
   tmp = tmp_path_factory.mktemp("partial")
-  outs = _finish(_launch(tmp, "four", *PARTIAL))
+  outs = finish(launch(tmp, "four", *PARTIAL))
   return tmp, outs
 
 
 @pytest.mark.slow
 def test_partial_rollouts_on_four_processes_match_one_process(partial_run):
   tmp, outs = partial_run
-  _one_process(tmp, "one", *PARTIAL)
-  four, one = _result(tmp, "four"), _result(tmp, "one")
+  one_process(tmp, "one", *PARTIAL)
+  four, one = result(tmp, "four"), result(tmp, "one")
   assert four == one
   assert any(r.get("grad_norm", 0) > 0 for r in four[1])  # the policy did move
   lags = [r["policy_lag"] for r in four[1] if r["phase"] == "rl" and "loss" in r]
@@ -127,9 +53,9 @@ def test_partial_rollouts_on_four_processes_match_one_process(partial_run):
 def test_multi_turn_whole_batches_on_four_processes_match_one_process(tmp_path):
   extra = ("--config.rl.schedule.name=fixed", "--config.rl.environment.name=synthetic_short",
            "--config.rl.steps=2")
-  _finish(_launch(tmp_path, "four", *extra))
-  _one_process(tmp_path, "one", *extra)
-  assert _result(tmp_path, "four") == _result(tmp_path, "one")
+  finish(launch(tmp_path, "four", *extra))
+  one_process(tmp_path, "one", *extra)
+  assert result(tmp_path, "four") == result(tmp_path, "one")
 
 
 @pytest.mark.slow
@@ -143,9 +69,9 @@ def test_free_schedule_on_several_processes_keeps_its_staleness_bound(tmp_path, 
            "replicas": ("--config.placement.sampler_replicas=2",),
            "replicas_partial": ("--config.placement.sampler_replicas=2", *PARTIAL[1:])}[layout]
   shape = dict(devices=2, n=3) if layout.startswith("replicas") else {}
-  _finish(_launch(tmp_path, "free", "--config.rl.schedule.name=free",
+  finish(launch(tmp_path, "free", "--config.rl.schedule.name=free",
                   "--config.rl.schedule.max_staleness=2", *extra, **shape))
-  _, rows = _result(tmp_path, "free")
+  _, rows = result(tmp_path, "free")
   steps = [r for r in rows if r["phase"] == "rl" and "loss" in r]
   assert [r["step"] for r in steps] == [1, 2, 3, 4]
   assert all(r["token_lag_max"] <= 2 for r in steps)
@@ -158,7 +84,7 @@ def test_the_generator_generates_while_the_trainer_trains_on_cores_of_their_own(
   is generated during step s; sharding/host.py `pin_to_cores` says why the pin
   comes after JAX starts)."""
   cores = [0, 0, 1, 1] if os.cpu_count() > 1 else [0] * 4
-  _finish(_launch(tmp_path, "pinned", "--config.rl.schedule.name=fixed",
+  finish(launch(tmp_path, "pinned", "--config.rl.schedule.name=fixed",
                   "--config.rl.rollout.max_new_tokens=24", "--config.model.d_model=128",
                   "--config.model.d_ff=512", "--config.rl.rollout.ignore_eos=True",
                   cores=cores))
@@ -178,8 +104,8 @@ def replicas_run(tmp_path_factory):
   """3 processes of 2 devices: the trainer on one, a generator on each of the others (batch i
   generator i mod 2's, every push to both), uninterrupted."""
   tmp = tmp_path_factory.mktemp("replicas")
-  _finish(_launch(tmp, "replicas", *REPLICAS, devices=2, n=3))
-  return _result(tmp, "replicas")
+  finish(launch(tmp, "replicas", *REPLICAS, devices=2, n=3))
+  return result(tmp, "replicas")
 
 
 @pytest.mark.slow
@@ -188,8 +114,8 @@ def test_two_generator_replicas_match_one_process_and_resume_exactly(replicas_ru
   generator's process mid-run saves both generators' states, every process exits 0, and the
   resumed run ends bit for bit the same."""
   three = dict(devices=2, n=3)
-  _one_process(tmp_path, "one", "--config.rl.schedule.name=fixed", devices=4)
-  assert replicas_run == _result(tmp_path, "one")
+  one_process(tmp_path, "one", "--config.rl.schedule.name=fixed", devices=4)
+  assert replicas_run == result(tmp_path, "one")
   assert any(r.get("grad_norm", 0) > 0 for r in replicas_run[1])
   assert _stopped_and_resumed(tmp_path, REPLICAS, 2, **three) == replicas_run[0]
 
@@ -197,13 +123,12 @@ def test_two_generator_replicas_match_one_process_and_resume_exactly(replicas_ru
 def _stopped_and_resumed(tmp_path, extra, victim: int, **shape) -> str:
   """The run stopped by a SIGTERM to process `victim` at RL step 2 (every process exits 0),
   then resumed: its params_fingerprint."""
-  procs = _launch(tmp_path, "stopped", *extra, **shape)
-  _at_rl_step(procs, tmp_path / "stopped", 2)
-  procs[victim].send_signal(signal.SIGTERM)
+  procs = launch(tmp_path, "stopped", *extra, heartbeat=HELD_HEARTBEAT_S, **shape)
+  signal_at_checkpoint(procs, tmp_path / "stopped", victim, signal.SIGTERM)
   for p, (_, err) in zip(procs, [p.communicate(timeout=120) for p in procs]):
     assert p.returncode == 0, err[-3000:]
-  _finish(_launch(tmp_path, "stopped", *extra, resume=True, **shape))
-  return _result(tmp_path, "stopped")[0]
+  finish(launch(tmp_path, "stopped", *extra, resume=True, **shape))
+  return result(tmp_path, "stopped")[0]
 
 
 REPLICAS_PARTIAL = (*REPLICAS, *PARTIAL[1:])
@@ -213,8 +138,8 @@ REPLICAS_PARTIAL = (*REPLICAS, *PARTIAL[1:])
 def replicas_partial_run(tmp_path_factory):
   """`replicas_run` with partial rollouts: each generator a stream of every other batch."""
   tmp = tmp_path_factory.mktemp("replicas_partial")
-  _finish(_launch(tmp, "replicas", *REPLICAS_PARTIAL, devices=2, n=3))
-  return _result(tmp, "replicas")
+  finish(launch(tmp, "replicas", *REPLICAS_PARTIAL, devices=2, n=3))
+  return result(tmp, "replicas")
 
 
 @pytest.mark.slow
@@ -239,14 +164,14 @@ def test_a_dead_generator_replica_is_dropped_and_the_run_goes_on(request, tmp_pa
   run with exit 0; the rows before are the uninterrupted run's."""
   extra = REPLICAS if batches == "whole" else REPLICAS_PARTIAL
   replicas_run = request.getfixturevalue(f"replicas{'' if batches == 'whole' else '_partial'}_run")
-  procs = _launch(tmp_path, "dropped", *extra, devices=2, n=3)
-  _at_rl_step(procs, tmp_path / "dropped", 1, saved=False)  # (batch 3, generator 1's, to come)
+  procs = launch(tmp_path, "dropped", *extra, devices=2, n=3)
+  at_rl_step(procs, tmp_path / "dropped", 1)  # (batch 3, generator 1's, to come)
   procs[2].send_signal(signal.SIGKILL)
-  outs = _finish(procs[:2])
+  outs = finish(procs[:2])
   line = "jaxrl: warning: process 2 (generator 1's) of the job stopped answering; generator 1"
   assert all(line in err for _, err in outs), outs[0][1][-3000:]
   first = int(re.search(r"generator 1 is dropped; from batch (\d+) on", outs[0][1]).group(1))
-  whole, dropped = replicas_run[1], _result(tmp_path, "dropped")[1]
+  whole, dropped = replicas_run[1], result(tmp_path, "dropped")[1]
   before = lambda rows: [r for r in rows if r["phase"] != "rl" or r["step"] <= first]  # noqa
   assert before(dropped) == before(whole)  # (step s trains batch s - 1)
   steps = lambda rows: [r["step"] for r in rows if r["phase"] == "rl"]  # noqa: E731
@@ -255,25 +180,11 @@ def test_a_dead_generator_replica_is_dropped_and_the_run_goes_on(request, tmp_pa
   assert lags[first + 1] == 0 and max(lags.values()) <= 1, lags
 
 
-def _at_rl_step(procs, run_dir, step: int, saved: bool = True) -> None:
-  """Waits until the run's metrics have RL step `step` and (`saved`) its RL checkpoint of step
-  2 is saved (every process still running)."""
-  metrics, checkpoint = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "rl" / "2"
-  deadline = time.time() + 600
-  while not ((checkpoint.is_dir() or not saved) and metrics.exists() and any(
-      json.loads(line)["phase"] == "rl" and json.loads(line)["step"] >= step
-      for line in metrics.read_text().splitlines() if line.endswith("}"))):
-    assert all(p.poll() is None for p in procs)
-    if time.time() > deadline:
-      _hung(procs, f"RL step {step} not reached within 600 s")
-    time.sleep(0.05)
-
-
 def _resumes_exactly(partial_run, tmp_path, name) -> None:
-  outs = _finish(_launch(tmp_path, name, *PARTIAL, resume=True))
+  outs = finish(launch(tmp_path, name, *PARTIAL, resume=True))
   assert "resumed from checkpoints/rl/" in outs[0][1]
-  reference, _ = _result(partial_run[0], "four")
-  assert _result(tmp_path, name)[0] == reference
+  reference, _ = result(partial_run[0], "four")
+  assert result(tmp_path, name)[0] == reference
 
 
 @pytest.mark.slow
@@ -284,14 +195,13 @@ def test_a_killed_process_stops_the_run_with_one_line_and_it_resumes_exactly(
   survivor stops within the heartbeat with jaxrl's line naming the dead process and the
   command that continues (no C++ abort, no traceback), and the resumed run ends bit for bit as
   the uninterrupted one."""
-  procs = _launch(tmp_path, "killed", *PARTIAL)
-  _at_rl_step(procs, tmp_path / "killed", 2)  # (two of the four RL steps to go)
-  procs[victim].send_signal(signal.SIGKILL)
+  procs = launch(tmp_path, "killed", *PARTIAL, heartbeat=HELD_HEARTBEAT_S)
+  signal_at_checkpoint(procs, tmp_path / "killed", victim, signal.SIGKILL, held=3)
   t0 = time.time()
   outs = [p.communicate(timeout=120) for p in procs]
   assert all(p.returncode != 0 for p in procs), [(p.returncode, e[-1500:]) for p, (_, e) in
                                                  zip(procs, outs)]
-  assert time.time() - t0 < 60  # within the heartbeat (10 s here), not a hang
+  assert time.time() - t0 < 60  # within the heartbeat (20 s here), not a hang
   for i, (_, err) in enumerate(outs):
     if i != victim:
       line = f"jaxrl: error: process {victim} (the {group}'s) of the job stopped answering"
@@ -305,9 +215,8 @@ def test_sigterm_to_a_sampler_process_saves_and_every_process_exits_0(partial_ru
   """A preemption's SIGTERM reaching one process of the generator's: the trainer stops after its
   step with a checkpoint (the generator's state brought over), every process exits 0, and the
   resumed run ends bit for bit as the uninterrupted one."""
-  procs = _launch(tmp_path, "stopped", *PARTIAL)
-  _at_rl_step(procs, tmp_path / "stopped", 2)
-  procs[2].send_signal(signal.SIGTERM)
+  procs = launch(tmp_path, "stopped", *PARTIAL, heartbeat=HELD_HEARTBEAT_S)
+  signal_at_checkpoint(procs, tmp_path / "stopped", 2, signal.SIGTERM)
   outs = [p.communicate(timeout=120) for p in procs]
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
@@ -326,7 +235,7 @@ def test_a_placement_that_leaves_the_generator_no_whole_processes_is_one_line():
       [sys.executable, "-m", "train.cli.train", "--config=configs/tiny.py",
        "--config.placement.strategy=separate", "--config.placement.train_devices=2",
        "--config.rl.schedule.mode=async", "--config.placement.cpu_devices=4"], cwd=ROOT,
-      env=_env(JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES="2",
+      env=job_env(JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES="2",
                JAXRL_PROCESS_ID=str(i)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
       text=True) for i in range(2)]
   for p in procs:
@@ -349,9 +258,9 @@ def test_a_trainer_spread_over_two_processes_pushes_to_the_sampler_device_to_dev
   run equals the same meshes on one process of 8 devices within docs/hosts.md's tolerance
   (gloo sums a 4-way reduction in another order than one process)."""
   extra = ("--config.rl.schedule.name=fixed", "--config.rl.steps=3")
-  _finish(_launch(tmp_path, "four", *extra, args=SPREAD, devices=2))
-  _one_process(tmp_path, "one", *extra, args=SPREAD, devices=8)
-  (_, four), (_, one) = _result(tmp_path, "four"), _result(tmp_path, "one")
+  finish(launch(tmp_path, "four", *extra, args=SPREAD, devices=2))
+  one_process(tmp_path, "one", *extra, args=SPREAD, devices=8)
+  (_, four), (_, one) = result(tmp_path, "four"), result(tmp_path, "one")
   assert [sorted(r) for r in four] == [sorted(r) for r in one]
   for a, b in zip(four, one):
     for k, v in a.items():
@@ -375,10 +284,10 @@ def test_the_scorers_on_processes_of_their_own_match_one_process_and_resume_exac
   saves a checkpoint (their weights from the trainer's host memory), every process exits 0, and
   the resumed run ends the same."""
   three = dict(devices=2, n=3)
-  outs = _finish(_launch(tmp_path, "apart", *APART, **three))
-  _one_process(tmp_path, "one", *APART, devices=6)
-  apart = _result(tmp_path, "apart")
-  assert apart == _result(tmp_path, "one")
+  outs = finish(launch(tmp_path, "apart", *APART, **three))
+  one_process(tmp_path, "one", *APART, devices=6)
+  apart = result(tmp_path, "apart")
+  assert apart == result(tmp_path, "one")
   assert any(r.get("kl", 0) > 0 for r in apart[1])  # the reference's log-probs came back
   assert "scorers: the reward's weights crossed" in outs[0][1]  # (its scores came from there)
   assert _stopped_and_resumed(tmp_path, APART, 1, **three) == apart[0]
@@ -392,9 +301,9 @@ def test_interleave_with_the_scorers_apart_on_two_processes_matches_one_process(
   The run ends as the same meshes on one process of 4 devices do, bit for bit."""
   args = [a for a in ARGS if "mode=" not in a and "strategy=" not in a] + [
       "--config.placement.strategy=interleave", "--config.rl.schedule.mode=sync"]
-  outs = _finish(_launch(tmp_path, "two", *APART[1:], args=args, devices=2, n=2))
-  _one_process(tmp_path, "one", *APART[1:], args=args, devices=4)
-  two = _result(tmp_path, "two")
-  assert two == _result(tmp_path, "one")
+  outs = finish(launch(tmp_path, "two", *APART[1:], args=args, devices=2, n=2))
+  one_process(tmp_path, "one", *APART[1:], args=args, devices=4)
+  two = result(tmp_path, "two")
+  assert two == result(tmp_path, "one")
   assert any(r.get("kl", 0) > 0 for r in two[1])  # the reference's log-probs came back
   assert "scorers: the reward's weights crossed" in outs[0][1]
