@@ -120,7 +120,7 @@ def resolve_layout(cfg: SamplingConfig) -> str:
 
 
 def decode_forward(model: DecodeModel, layout: str, key_valid_BS, next_pos_B, steps: int,
-                    p: int):
+                   p: int):
   """`forward(tok_B, i, kv_cache, slots) -> (logits_BV, kv_cache, routes_BLK or None)`: the
   decode step for the token sampled at step i (cache slot p + i), in the `layout` the step runs
   in."""
@@ -173,7 +173,7 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP: jax.Ar
   b = prompt_tokens_BP.shape[0]
   max_new_B = jnp.full((b,), steps, jnp.int32) if max_new_B is None else max_new_B
   forward = decode_forward(model, resolve_layout(cfg), key_valid_BS,
-                            prompt_valid_BP.sum(axis=1).astype(jnp.int32), steps, p)
+                           prompt_valid_BP.sum(axis=1).astype(jnp.int32), steps, p)
   # All of the call's randomness, drawn once.
   emit = _emitter(cfg, jax.random.uniform(key, (steps, b)), max_new_B)
 

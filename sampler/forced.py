@@ -3,7 +3,7 @@ step (sampler/engine.py) run over tokens already drawn, each step fed the comple
 token instead of a sampled one, keeping the log-softmax at the temperature it samples at (top-k
 not applied: the distribution the trainer scores) at chosen steps only. Not on the sampling
 path: the run's held-out evaluation compares these with the trainer's distributions at the same
-positions (train/task/full_kl.py).
+positions (train/loop/full_kl.py).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def forced_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens_BP,
   kv_cache = model.grow_cache(kv_cache, p + n - 1)
   key_valid_BS = jnp.concatenate([prompt_valid_BP, jnp.ones((b, n - 1), bool)], axis=1)
   forward = decode_forward(model, resolve_layout(cfg), key_valid_BS,
-                            prompt_valid_BP.sum(axis=1).astype(jnp.int32), n, p)
+                           prompt_valid_BP.sum(axis=1).astype(jnp.int32), n, p)
 
   def keep(i, logits_BV, out_BKV):
     logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32) / cfg.temperature, axis=-1)

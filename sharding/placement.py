@@ -40,7 +40,7 @@ class RoleSpec:
   devices: tuple[int, ...]  # positions in the host-major device list
   mesh: tuple[tuple[str, int], ...]  # ((axis, size), ...) over MESH_AXES
   # the process group that runs the role's programs: "trainer", or on hosts of their own
-  # "sampler" (the first generator's; GENERATOR names the others) or "scorers"
+  # "sampler" (the first generator's; `generator_group` names the others) or "scorers"
   group: str = "trainer"
 
   @property

@@ -65,7 +65,7 @@ class Controller:
     items = offload_items(cfg.placement.offload)
     self.offload = Offloader(items, cluster, [actor, critic], timeline) if items else None
     self.kl_rows = check_rows(cfg, cluster)  # (train/loop/full_kl.py)
-    self.last_rows: dict | None = None  # the last batch's first rows, for that check
+    self.last_rows: dict | None = None  # the first rows of the batch before an evaluation
 
   @property
   def next_index(self) -> int:
@@ -131,8 +131,9 @@ class Controller:
     return metrics, {"time_update": t1 - t0, "time_reshard": time.perf_counter() - t1,
                      "reshard_gbps": stats.gbps}
 
-  def step(self) -> dict:
-    """One RL step; returns its metrics row (host values)."""
+  def step(self, *, keep_rows: bool = False) -> dict:
+    """One RL step; returns its metrics row (host values). `keep_rows`: an evaluation follows,
+    whose full-distribution check reads the batch's first rows (`last_rows`)."""
     t0, errors = time.perf_counter(), self.task.user_code_errors.total()
     self._enter("generate")
     batch = self._batch()
@@ -143,7 +144,7 @@ class Controller:
     exp, exp_metrics, verified_B = self.scoring.experience(batch.rollout, batch.prompts,
                                                            batch.verified_B)
     t_score = time.perf_counter() - t0 - batch.waited
-    if self.kl_rows:
+    if keep_rows and self.kl_rows:
       self.last_rows = rows_of(exp, self.kl_rows)
     self._enter("update")
     metrics, times = self.update(exp)

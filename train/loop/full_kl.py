@@ -5,8 +5,8 @@ step: jaxrl/algos/correction.py).
 At each held-out evaluation of RL (`eval.every`), the first `eval.sampler_kl_rows` rows of the
 last step's batch are scored both ways at the policy's current weights: the sampler's
 distributions by its own prefill and decode step, fed the rows' tokens (sampler/forced.py, on the
-sampler's copy in its layout), and the trainer's by its forward and LM head, at `eval.
-sampler_kl_positions` steps of each row spread over the tokens the policy drew (in multi-turn
+sampler's copy in its layout), and the trainer's by its forward and LM head, at
+`eval.sampler_kl_positions` steps of each row spread over the tokens the policy drew (in multi-turn
 rows, not the environment's), both at RL's sampling temperature. Logged as `sampler_kl_full`
 (the mean over those positions) and `sampler_kl_full_max`. The sampler's side runs its decode
 over every token of the row, environment tokens included, where a conversation's sampler

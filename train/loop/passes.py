@@ -27,8 +27,9 @@ def policy_logprobs(cfg: RLConfig):
 
 
 def packed_scorer(cfg: RLConfig, role):
-  """`scorer(cfg, role, policy_logprobs(cfg))` over packed rows: (params, tokens [B, T], completion mask
-  [B, N], pack[, routes]) -> [B, N], piece p of the pack holding rows p, p + n, ..."""
+  """`scorer(cfg, role, policy_logprobs(cfg))` over packed rows: (params, tokens [B, T],
+  completion mask [B, N], pack[, routes]) -> [B, N], piece p of the pack holding rows p, p + n,
+  ..."""
   n = cfg.rollouts // cfg.pass_rows
 
   def score(params, tokens_BT, mask_BN, pack, *routes):

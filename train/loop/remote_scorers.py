@@ -86,7 +86,8 @@ class ScorersHost(GroupHost):
       reward = self.roles["reward"]
       self.scores_fn = reward.jit(functools.partial(sequence_scores, reward.graphdef))
     reference = self.roles["reference"]
-    self.fns = {False: scorer(rl, reference, policy_logprobs(rl)), True: packed_scorer(rl, reference)}
+    self.fns = {False: scorer(rl, reference, policy_logprobs(rl)),
+                True: packed_scorer(rl, reference)}
 
   def _score(self, request: dict) -> dict:
     arrays = self.arrived(request)

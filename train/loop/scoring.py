@@ -54,7 +54,8 @@ class Scoring:
       self.remote = RemoteScorers({r.name: r for r in (self.reference, self.reward_model)
                                    if r is not None}, link_of)
     # (reference, old) log-prob passes over the [B, T] batch, and over packed rows
-    self.logprob_fns = {packed: tuple(packed_scorer(cfg, r) if packed else scorer(cfg, r, policy_logprobs(cfg))
+    policy = policy_logprobs(cfg)
+    self.logprob_fns = {packed: tuple(packed_scorer(cfg, r) if packed else scorer(cfg, r, policy)
                                       for r in (self.reference, actor.role))
                         for packed in (False, True)}
     if critic is not None:

@@ -132,9 +132,10 @@ class Generator:
     if self._forced is None:
       s = self.sampler
       self._forced = forced_program(s.graphdef, s.cfg, s.mesh, s.param_shardings)
-    p = prompt_len
-    inputs = move((tokens_BT[:, :p], valid_BT[:, :p], tokens_BT[:, p:], steps_BK),
-                  (self._rows,) * 4)
+    cut = lambda x, start, stop: jax.lax.slice_in_dim(x, start, stop, axis=1)  # (static)
+    t = tokens_BT.shape[1]
+    inputs = move((cut(tokens_BT, 0, prompt_len), cut(valid_BT, 0, prompt_len),
+                   cut(tokens_BT, prompt_len, t), steps_BK), (self._rows,) * 4)
     return self._forced(params, *inputs)
 
   def _generate(self, sampler: Sampler, params, prompts: dict, key: jax.Array) -> Rollout:

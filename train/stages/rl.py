@@ -114,7 +114,7 @@ class RLStage(Stage):
                                    next_index=self.next_index, version=self.progress.done)
       self.controller.start(self._worker_state)
       self._worker_state = None
-    row = self.controller.step()
+    row = self.controller.step(keep_rows=self.eval_due(self.progress.done + 1))
     self.next_index = self.controller.next_index
     for lag, count in enumerate(row.pop("token_lags", ())):
       self.lags += [0] * (lag + 1 - len(self.lags))
