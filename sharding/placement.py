@@ -5,7 +5,8 @@ Strategies (adaptive placement, docs/architecture.md "Placement: roles on sub-me
              actor's weights out for decoding on the same devices (ReaL-style reallocation).
   interleave the trainer (actor, critic) and the sampler share the first `train_devices`;
              reference and reward get exclusive halves of the rest and run concurrently
-             (with `scorers_apart`: both on the other half, of the trainer's mesh shape).
+             (with `scorers_apart`: both and the critic on the other half, of the
+             trainer's mesh shape).
   separate   trainer roles on the first `train_devices`, the sampler on the rest, holding a
              shadow copy of the actor refreshed after every update.
 Devices are taken host by host. On several hosts `separate` gives the trainer whole hosts where
@@ -182,7 +183,7 @@ def _check_tensor(sampler_tensor: int, per_generator: int, replicas: int) -> Non
 
 def _check_scorers_apart(whole: bool, strategy: str, n_devices: int, train_devices: int,
                          local: int) -> None:
-  """The frozen scorers on devices of their own, as many as the trainer's (on several hosts,
+  """The scorers on devices of their own, as many as the trainer's (on several hosts,
   whole hosts), after them: `separate`, the sampler on the rest; `interleave`, the sampler on
   the trainer's devices and nothing left."""
   one_host = local == n_devices
@@ -191,7 +192,8 @@ def _check_scorers_apart(whole: bool, strategy: str, n_devices: int, train_devic
   if strategy != "separate" or not (whole or one_host) or 2 * train_devices >= n_devices:
     multiple = "" if one_host else f" a multiple of each host's {local} devices and"
     raise PlacementError(
-        f"placement.scorers_apart: the reference and the reward model stand on devices of "
+        f"placement.scorers_apart: the reference, the reward model and the critic stand on "
+        f"devices of "
         f"their own (on several hosts, hosts of their own), as many as the trainer's, after "
         f"them: placement.strategy='separate' with train_devices{multiple} below half of the "
         f"{n_devices} devices (the sampler takes the rest), or 'interleave' with "
@@ -242,9 +244,9 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
   trainer's fsdp degree, the rest of its devices data-parallel; 0: all of them where the hosts
   share one network of chips (`one_network`: a TPU slice's ICI), else one host's. `replicas`:
   independent generators, each on whole hosts of the sampler's (`separate` on hosts of its own).
-  `scorers_apart`: the frozen scorers (the reference and the reward model) on the
-  `train_devices` after the trainer's (hosts of their own), their mesh the trainer's shape, so
-  that the batch and its scores cross as they are."""
+  `scorers_apart`: the scorers (the reference, the reward model and the critic, which trains
+  there) on the `train_devices` after the trainer's (hosts of their own), their mesh the
+  trainer's shape, so that the batch and its scores cross as they are."""
   if strategy not in STRATEGIES:
     raise PlacementError(f"placement.strategy: expected one of {list(STRATEGIES)}, got {strategy!r}")
   if n_devices % n_hosts:
@@ -281,8 +283,8 @@ def make_placement(strategy: str, n_devices: int, *, train_devices: int, sampler
            "sampler": RoleSpec(generators[0], _mesh(data=per // sampler_tensor,
                                                  tensor=sampler_tensor),
                                "sampler" if whole and strategy == "separate" else "trainer")}
-  if scorers_apart:
-    roles["reference"] = roles["reward"] = RoleSpec(
+  if scorers_apart:  # (the critic with them: it scores each batch and trains on it there)
+    roles["reference"] = roles["reward"] = roles["critic"] = RoleSpec(
         everything[train_devices:train_devices + apart], trainer.mesh,
         "scorers" if whole else "trainer")
   elif strategy == "interleave":

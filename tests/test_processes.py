@@ -272,17 +272,19 @@ def test_a_trainer_spread_over_two_processes_pushes_to_the_sampler_device_to_dev
 
 APART = ("--config.rl.schedule.name=fixed", "--config.placement.scorers_apart=True",
          "--config.rl.reward=reward_model", "--config.reward_model.steps=4",
-         "--config.reward_model.batch_size=8", "--config.reward_model.warmup_steps=1")
+         "--config.reward_model.batch_size=8", "--config.reward_model.warmup_steps=1",
+         "--config.rl.advantage.name=gae")  # (a critic: it trains with the scorers)
 
 
 @pytest.mark.slow
 def test_the_scorers_on_processes_of_their_own_match_one_process_and_resume_exactly(tmp_path):
   """3 processes of 2 devices: the trainer on the first (it trains the reward model first), the
-  reference and the reward model on the second (each batch crossing device to device, its
-  log-probs and scores crossing back), the generator on the third. The run ends as the same
-  meshes on one process of 6 devices do, bit for bit; a SIGTERM to the scorers' process mid-run
-  saves a checkpoint (their weights from the trainer's host memory), every process exits 0, and
-  the resumed run ends the same."""
+  reference, the reward model and the critic on the second (each batch crossing device to
+  device, its log-probs, scores and values crossing back; the critic's update there), the
+  generator on the third. The run ends as the same meshes on one process of 6 devices do, bit
+  for bit; a SIGTERM to the scorers' process mid-run saves a checkpoint (their weights from the
+  trainer's host memory, the critic's brought home), every process exits 0, and the resumed run
+  ends the same."""
   three = dict(devices=2, n=3)
   outs = finish(launch(tmp_path, "apart", *APART, **three))
   one_process(tmp_path, "one", *APART, devices=6)
@@ -290,14 +292,16 @@ def test_the_scorers_on_processes_of_their_own_match_one_process_and_resume_exac
   assert apart == result(tmp_path, "one")
   assert any(r.get("kl", 0) > 0 for r in apart[1])  # the reference's log-probs came back
   assert "scorers: the reward's weights crossed" in outs[0][1]  # (its scores came from there)
+  assert "scorers: the critic crossed" in outs[0][1]
   assert _stopped_and_resumed(tmp_path, APART, 1, **three) == apart[0]
 
 
 @pytest.mark.slow
 def test_interleave_with_the_scorers_apart_on_two_processes_matches_one_process(tmp_path):
   """`interleave`, the scorers apart, 2 processes of 2 devices: the trainer and the sampler on
-  the first (generation there, sync), the reference and the reward model on the second (each
-  batch crossing to them, log-probs and scores crossing back through a session of their own).
+  the first (generation there, sync), the reference, the reward model and the critic on the
+  second (each batch crossing to them, log-probs, scores and values crossing back through a
+  session of their own).
   The run ends as the same meshes on one process of 4 devices do, bit for bit."""
   args = [a for a in ARGS if "mode=" not in a and "strategy=" not in a] + [
       "--config.placement.strategy=interleave", "--config.rl.schedule.mode=sync"]

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import time
 
+import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxrl.config import ConfigError, ExperimentConfig, offload_items
+from sharding.reshard import move
 from train.io.host_transfers import HostTransfers
 from train.io.timeline import Timeline
 from train.loop.batch_fill import FilledBatch, fill_batch
 from train.loop.executors import ExecutorError, Executors
+from train.loop.experience import critic_batch
 from train.loop.full_kl import check_rows, rows_of
 from train.loop.scoring import Scoring
 from train.roles.cluster import RoleCluster
@@ -120,7 +124,7 @@ class Controller:
     def learn():
       metrics = self.actor.update(exp)
       if self.critic is not None:
-        metrics = {**metrics, **self.critic.update(exp)}
+        metrics = {**metrics, **self._update_critic(exp)}
       return metrics
 
     metrics = self.executors.trainer(learn, label="update")
@@ -130,6 +134,24 @@ class Controller:
                                    label="reshard" if self.worker is None else "push")
     return metrics, {"time_update": t1 - t0, "time_reshard": time.perf_counter() - t1,
                      "reshard_gbps": stats.gbps}
+
+  def _update_critic(self, exp) -> dict:
+    """The critic's update: on the scorers' processes where it stands apart with them, else on
+    its mesh (the batch's critic fields moved there, in the same layout, where it is not the
+    actor's)."""
+    if self.scoring.critic_apart:
+      return self.scoring.remote.update_critic(exp)
+    mesh = self.critic.role.mesh
+    if mesh == self.actor.role.mesh:
+      return self.critic.update(exp)
+    batch = critic_batch(exp)
+    return self.critic.update(move(batch, jax.tree.map(
+        lambda x: NamedSharding(mesh, x.sharding.spec), batch)))
+
+  def bring_critic_home(self) -> None:
+    """The critic's state into the trainer's copy, where it trains apart (before a checkpoint)."""
+    if self.scoring.critic_apart:
+      self.scoring.remote.bring_critic_home()
 
   def step(self, *, keep_rows: bool = False) -> dict:
     """One RL step; returns its metrics row (host values). `keep_rows`: an evaluation follows,

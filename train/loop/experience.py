@@ -49,6 +49,17 @@ class Experience:
     return self.tokens_BT.shape[1] - self.completion_mask_BN.shape[1]
 
 
+CRITIC_FIELDS = ("tokens_BT", "valid_BT", "completion_mask_BN", "old_values_BN", "returns_BN")
+
+
+def critic_batch(exp) -> Experience:
+  """What the critic's update reads (train/updates/policy.py `critic_update`): the fields
+  `CRITIC_FIELDS` of `exp` (an Experience, or a dict of them), the others None."""
+  get = exp.get if isinstance(exp, dict) else functools.partial(getattr, exp)
+  return Experience(*(get(k) for k in CRITIC_FIELDS[:3]), None, None, None,
+                    old_values_BN=get("old_values_BN"), returns_BN=get("returns_BN"))
+
+
 def advantages(rewards_B, mask_BN, kl_BN=None, values_BN=None, *, cfg: RLConfig):
   """Per-token advantages from sequence rewards by `cfg.advantage` (its entry reading the
   section's hyperparameters): `(adv_BN, raw_BN)`, where `raw_BN` is before `advantage.whiten`

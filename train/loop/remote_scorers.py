@@ -13,6 +13,13 @@ programs on the same shapes, so the same numbers as on the trainer's devices. On
 both (the crossings of one thread, in one order on every process). Requests go through the
 session's link (train/roles/link.py), so the generator's processes take part in these crossings
 too.
+
+The critic (`gae`), which trains, stands with them: its values come with the same reply, and
+its update runs there on the batch's critic fields (`critic_update`), the metrics crossing back.
+Its parameters and optimizer state live there; the trainer's copy (in the trainer's layout, in
+pinned host memory) crosses over with the first request and comes home before a checkpoint
+(`bring_critic_home`), so a checkpoint holds the critic as on one process and a resumed run
+sends it again.
 """
 from __future__ import annotations
 
@@ -20,10 +27,12 @@ import functools
 import logging
 
 from sharding import crossing
+from train.loop.experience import CRITIC_FIELDS, critic_batch
 from train.loop.passes import packed_scorer, policy_logprobs, scorer
+from train.roles.learner import Learner, critic_learner
 from train.roles.link import GroupHost
 from train.roles.offload import DEVICE, HOST
-from train.updates.forward import sequence_scores
+from train.updates.forward import completion_values, sequence_scores
 from train.updates.packing import Pack
 
 log = logging.getLogger("jaxrl")
@@ -37,41 +46,93 @@ def _inputs(arrays: dict, packed: bool) -> tuple:
   return (*leaves[:2], Pack(*leaves[2:])) if packed else tuple(leaves)
 
 
+def _critic_arrays(critic: Learner) -> dict:
+  """The critic's parameters and optimizer state, numbered (both ends know their trees)."""
+  return {"params": crossing.numbered(critic.role.params),
+          "state": crossing.numbered(critic.checkpoint_state())}
+
+
+def _adopt_critic(critic: Learner, arrays: dict) -> None:
+  """`_critic_arrays`, arrived, as `critic`'s parameters and optimizer state."""
+  critic.role.adopt(crossing.unnumbered(critic.role.abstract(), arrays["params"]))
+  critic.load_state(crossing.unnumbered(critic.abstract_state(), arrays["state"]))
+
+
 class RemoteScorers:
   """The trainer's side: `score(...)` returns what the scorers' passes would on the actor's
-  mesh."""
+  mesh; `update_critic` and `bring_critic_home`, the critic's update there and its state back."""
 
-  def __init__(self, roles: dict, link_of):
+  def __init__(self, roles: dict, link_of, critic: Learner | None = None):
     """`roles`: the trainer's copies of the scorers on the actor's mesh (the reference's, and the
     reward model's where RL has one); `link_of()`: the session's link (the generator's worker
-    has it)."""
-    self.roles, self._link_of = roles, link_of
+    has it); `critic`: the trainer's copy of the critic's learner (`gae`)."""
+    self.roles, self._link_of, self.critic = roles, link_of, critic
+    self.critic_there = False  # the scorers' processes hold the critic (sent this session)
+    self.critic_home = True  # the trainer's copy is the critic as it is there
 
-  def score(self, inputs: tuple, packed: bool, scored: tuple | None = None) -> tuple:
-    """(the reference's [B, N] log-probs, the reward model's [B] scores or None): `inputs` the
-    reference pass's, `scored` the reward model's (tokens, valid), both on the actor's mesh."""
+  def _ask(self, op: str, arrays: dict | None = None, **message) -> dict:
+    """Request `op` to the scorers and its reply's arrays, on the actor's mesh."""
     link = self._link_of()
+    link.post({"op": op, "replica": TARGET, **message}, arrays)
+    reply = link.reply(RuntimeError, "the scorers' processes")
+    home, there = link.ends(TARGET)
+    return crossing.receive(reply["arrays"], there, home)
+
+  def score(self, inputs: tuple, packed: bool, scored: tuple | None = None,
+            values: tuple | None = None) -> tuple:
+    """(the reference's [B, N] log-probs, the reward model's [B] scores or None, the critic's
+    [B, N] values or None): `inputs` the reference pass's, `scored` the reward model's (tokens,
+    valid), `values` the critic's (tokens, valid, completion mask), all on the actor's mesh."""
     arrays = {"inputs": crossing.numbered(inputs)}
     if scored is not None:
       arrays["scored"] = crossing.numbered(scored)
+    if values is not None:
+      arrays["values"] = crossing.numbered(values)
     fresh = [r for r in self.roles.values() if r.sent_version != r.version]
     for role in fresh:  # (from a restore, on the devices already; from RL's start, too)
       role.move(DEVICE)
       arrays[f"{role.name}_params"] = crossing.numbered(role.params)
-    link.post({"op": "score", "replica": TARGET, "packed": packed}, arrays)
-    reply = link.reply(RuntimeError, "the scorers' processes")
-    home, there = link.ends(TARGET)
-    out = crossing.receive(reply["arrays"], there, home)
+    send_critic = self.critic is not None and not self.critic_there
+    if send_critic:
+      self.critic.role.move(DEVICE)
+      self.critic.move_state(DEVICE)
+      arrays["critic"] = _critic_arrays(self.critic)
+    out = self._ask("score", arrays, packed=packed)
     for role in fresh:
       role.move(HOST)
       role.sent_version = role.version
       log.info("scorers: the %s's weights crossed to their processes (version %d)", role.name,
                role.version)
-    return out["logprobs"], out.get("scores")
+    if send_critic:
+      self._critic_to_host()
+      self.critic_there = True
+      log.info("scorers: the critic crossed to their processes")
+    return out["logprobs"], out.get("scores"), out.get("values")
+
+  def update_critic(self, exp) -> dict:
+    """The critic's update on the scorers' processes, on `exp`'s critic fields; its metrics."""
+    batch = critic_batch(exp)
+    out = self._ask("critic_update", {"batch": {k: getattr(batch, k) for k in CRITIC_FIELDS}})
+    self.critic_home = False
+    return out
+
+  def bring_critic_home(self) -> None:
+    """The critic's parameters and optimizer state from the scorers' processes into the
+    trainer's copy (a checkpoint reads them there), unless it is the critic there already."""
+    if self.critic is None or self.critic_home or not self.critic_there:
+      return
+    _adopt_critic(self.critic, self._ask("critic_home"))
+    self._critic_to_host()
+    self.critic_home = True
+
+  def _critic_to_host(self) -> None:
+    self.critic.role.move(HOST)
+    self.critic.move_state(HOST)
 
 
 class ScorersHost(GroupHost):
-  """The scorers' processes: each scoring request's passes, on the scorers' mesh."""
+  """The scorers' processes: each scoring request's passes, and the critic's update, on the
+  scorers' mesh."""
 
   target = name = TARGET
 
@@ -88,6 +149,11 @@ class ScorersHost(GroupHost):
     reference = self.roles["reference"]
     self.fns = {False: scorer(rl, reference, policy_logprobs(rl)),
                 True: packed_scorer(rl, reference)}
+    self.critic = None
+    if rl.trains_critic:
+      role = cluster.add("critic", initialize=False)
+      self.critic = critic_learner(rl, role, initialize=False)
+      self.values_fn = scorer(rl, role, completion_values)
 
   def _score(self, request: dict) -> dict:
     arrays = self.arrived(request)
@@ -95,12 +161,27 @@ class ScorersHost(GroupHost):
       if f"{name}_params" in arrays:
         log.info("scorers: the %s's weights arrived", name)
         role.adopt(crossing.unnumbered(role.abstract(), arrays[f"{name}_params"]))
+    if "critic" in arrays:
+      log.info("scorers: the critic arrived")
+      _adopt_critic(self.critic, arrays["critic"])
     packed = request["packed"]
     out = {"logprobs": self.fns[packed](self.roles["reference"].params,
                                         *_inputs(arrays["inputs"], packed))}
     if "scored" in arrays:
       out["scores"] = self.scores_fn(self.roles["reward"].params,
                                      *crossing.in_order(arrays["scored"]))
-    home, _ = self.link.ends(TARGET)
-    return {"arrays": crossing.send(out, home)}
+    if "values" in arrays:
+      out["values"] = self.values_fn(self.critic.role.params,
+                                     *crossing.in_order(arrays["values"]))
+    return self._reply(out)
 
+  def _critic_update(self, request: dict) -> dict:
+    fields = self.arrived(request)["batch"]
+    return self._reply(self.critic.update(critic_batch(fields)))
+
+  def _critic_home(self, request: dict) -> dict:
+    return self._reply(_critic_arrays(self.critic))
+
+  def _reply(self, arrays: dict) -> dict:
+    home, _ = self.link.ends(TARGET)
+    return {"arrays": crossing.send(arrays, home)}

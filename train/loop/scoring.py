@@ -50,9 +50,11 @@ class Scoring:
     self.transfers = HostTransfers() if transfers is None else transfers
     self.reference, self.reward_model = cluster.get("reference"), cluster.get("reward")
     self.remote = None  # (the reference's and the reward model's passes, on their processes)
+    self.critic_apart = critic is not None and "critic" in cluster.apart
     if "reference" in cluster.apart:
       self.remote = RemoteScorers({r.name: r for r in (self.reference, self.reward_model)
-                                   if r is not None}, link_of)
+                                   if r is not None}, link_of,
+                                  critic if self.critic_apart else None)
     # (reference, old) log-prob passes over the [B, T] batch, and over packed rows
     policy = policy_logprobs(cfg)
     self.logprob_fns = {packed: tuple(packed_scorer(cfg, r) if packed else scorer(cfg, r, policy)
@@ -139,24 +141,28 @@ class Scoring:
               _moved(self.reward_model, rollout, mask=False))
     ref_fn, old_fn = self.logprob_fns[pack is not None]
     ref_in, remote = self._inputs(self.reference, rollout, packs.get(self.reference)), self.remote
+    values_in = _moved(self.actor.role, rollout) if self.critic_apart else None
     calls = {"reward": (ex.reward, (self._rewards, rollout, examples_B, verified_B,
                                     scored if remote is None else None), "score"),
              "ref": (ex.reference, (_on, self.reference, ref_fn, ref_in) if remote is None
-                     else (remote.score, ref_in, pack is not None, scored), "ref logprobs")}
+                     else (remote.score, ref_in, pack is not None, scored, values_in),
+                     "ref logprobs")}
     if self.cfg.needs_old_logprobs:
       calls["old"] = (ex.trainer, (_on, self.actor.role, old_fn,
                                    self._inputs(self.actor.role, rollout,
                                                 packs.get(self.actor.role), routes=True)),
                       "old logprobs")
-    if self.critic is not None:
+    if self.critic is not None and not self.critic_apart:
       calls["values"] = (ex.critic, (_on, self.critic.role, self.values_fn,
                                      _moved(self.critic.role, rollout)), "values")
     futures = {k: (e, e.submit(*args, label=label)) for k, (e, args, label) in calls.items()}
     out = {k: e.result(f) for k, (e, f) in futures.items()}
     (rewards_B, verified_B), on_actor = out["reward"], self.actor.role.put
-    if remote is not None:  # ([B, N] log-probs, [B] scores or None)
-      out["ref"], scores_B = out["ref"]
+    if remote is not None:  # ([B, N] log-probs, [B] scores or None, [B, N] values or None)
+      out["ref"], scores_B, values_BN = out["ref"]
       rewards_B = rewards_B if scores_B is None else on_actor(scores_B)
+      if values_BN is not None:
+        out["values"] = values_BN
     values_BN = on_actor(out["values"]) if "values" in out else None
     exp, metrics = self.experience_fn(on_actor(rollout), rewards_B, out.get("old"),
                                       on_actor(out["ref"]), values_BN)

@@ -30,7 +30,7 @@ from train.roles.sampler_weights import SamplerWeights
 
 MODEL_CLASSES = {"actor": LanguageModel, "reference": LanguageModel, "reward": RewardModel,
                  "critic": ValueModel}
-SCORERS = ("reference", "reward")  # the frozen roles `placement.scorers_apart` moves apart
+SCORERS = ("reference", "reward", "critic")  # the roles `placement.scorers_apart` moves apart
 
 
 class RoleCluster:
@@ -67,7 +67,8 @@ class RoleCluster:
   def _role_meshes(self) -> dict:
     """Each role's mesh on this process: the placement's, but where groups stand apart the
     sampler's is this generator's own, or on the trainer's processes its mirror (the trainer's
-    copy), and the scorers apart are the trainer's host copies on the actor's mesh."""
+    copy), and the scorers apart (the critic too) are the trainer's host copies on the actor's
+    mesh."""
     meshes, split = self.layout.meshes(), self.split
     if split is not None and split.generators:
       replica = split.replica_of(jax.process_index())

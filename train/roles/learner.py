@@ -7,6 +7,8 @@ optimizer state and the step counter, sharded like the parameters they belong to
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -15,7 +17,8 @@ from flax import nnx
 from jaxrl import platform
 from train.roles.offload import moved
 from train.roles.role import ModelRole, abstract_like
-from train.updates.state import Frozen, TrainState
+from train.updates.policy import critic_update
+from train.updates.state import Frozen, TrainState, make_optimizer
 
 
 def compiler_options(role: ModelRole) -> dict | None:
@@ -100,3 +103,17 @@ class Learner:
 
   def load_state(self, restored: dict) -> None:
     self.step, self.opt_state = restored["step"], restored["opt_state"]
+
+
+def rl_optimizer(rl, learning_rate: float) -> optax.GradientTransformation:
+  """An RL learner's optimizer: `learning_rate` with RL's warmup, schedule and clipping."""
+  return make_optimizer(learning_rate, warmup_steps=rl.warmup_steps,
+                        total_steps=rl.steps * rl.batching.num_minibatches,
+                        max_grad_norm=rl.max_grad_norm)
+
+
+def critic_learner(rl, critic: ModelRole, *, initialize: bool) -> Learner:
+  """The critic's Learner (its clipped value loss), wherever it trains (the trainer's
+  processes, or the scorers' apart: train/loop/remote_scorers.py)."""
+  return Learner(critic, functools.partial(critic_update, cfg=rl),
+                 rl_optimizer(rl, rl.critic.learning_rate), initialize=initialize)

@@ -25,7 +25,7 @@ from sharding.distributed import explained_by_a_lost_peer, from_the_runtime, job
 
 log = logging.getLogger("jaxrl")
 EXIT_KEY = "jaxrl/sampler/exit"  # set by the trainer's first process when it is done
-REPLIED = ("batch", "pause", "score")  # the requests that have a reply
+REPLIED = ("batch", "pause", "score", "critic_update", "critic_home")  # the requests with a reply
 
 
 class Link:

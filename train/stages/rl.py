@@ -20,13 +20,12 @@ import time
 from jaxrl.config_rl import RLConfig
 from train.loop.controller import Controller
 from train.loop.full_kl import FullKL
-from train.roles.learner import Learner
+from train.roles.learner import Learner, critic_learner, rl_optimizer
 from train.roles.role import ModelRole
 from train.rollout import async_state
 from train.rollout.source import stream_geometry
 from train.stages.base import Stage
-from train.updates.policy import critic_update, policy_update
-from train.updates.state import make_optimizer
+from train.updates.policy import policy_update
 
 log = logging.getLogger("jaxrl")
 # summary.json entry -> the metrics row's value whose maximum over the run it keeps
@@ -39,15 +38,11 @@ def learners(rl: RLConfig, actor: ModelRole, critic: ModelRole | None, *,
   """The actor's Learner (the RL loss) and, for `gae`, the critic's (its value loss), each with
   its optimizer and learning-rate schedule; `initialize=False`: abstract state (a restore, or a
   target compile)."""
-  optimizer = lambda lr: make_optimizer(lr, warmup_steps=rl.warmup_steps,
-                                        total_steps=rl.steps * rl.batching.num_minibatches,
-                                        max_grad_norm=rl.max_grad_norm)
   actor_learner = Learner(actor, functools.partial(policy_update, cfg=rl),
-                          optimizer(rl.learning_rate), initialize=initialize)
+                          rl_optimizer(rl, rl.learning_rate), initialize=initialize)
   if critic is None:
     return actor_learner, None
-  return actor_learner, Learner(critic, functools.partial(critic_update, cfg=rl),
-                                optimizer(rl.critic.learning_rate), initialize=initialize)
+  return actor_learner, critic_learner(rl, critic, initialize=initialize)
 
 
 class RLStage(Stage):
@@ -126,6 +121,8 @@ class RLStage(Stage):
             "samples_generated": self.next_index * rollouts}
 
   def finish(self) -> dict:
+    if self.controller is not None:  # (the last checkpoint reads the critic on the trainer)
+      self.controller.bring_critic_home()
     self.close()
     t = self.ctx.timeline.summary(self.wall0)
     log.info("RL timeline (trace.json): %s; bubble %.2f",
@@ -145,7 +142,9 @@ class RLStage(Stage):
   @contextlib.contextmanager
   def paused(self):
     """The async generator paused at a point it can continue from, while a checkpoint is
-    taken (`state` and `arrays` then include it)."""
+    taken (`state` and `arrays` then include it); a critic apart is brought home first."""
+    if self.controller is not None:
+      self.controller.bring_critic_home()
     worker = None if self.controller is None else self.controller.worker
     if worker is None:
       yield
