@@ -95,13 +95,15 @@ def test_part_of_each_host_of_a_tpu_slice_is_refused_before_any_compile(capsys, 
 
 def test_interleave_with_the_scorers_apart_compiles_for_a_tpu_slice(capsys):
   """`interleave` on a v5p-16's 2 hosts, the scorers apart: the trainer and the sampler on one
-  host's chips, the reference and the reward model on the other's; the TPU compiler takes every
-  program (part of each host, without them apart, is refused)."""
+  host's chips, the reference, the reward model and the critic on the other's (the critic's
+  update there); the TPU compiler takes every program (part of each host, without them apart,
+  is refused)."""
   rc = train.main(["train", "--config=configs/tiny.py", "--dry_run", "--target=v5p-16",
                    "--config.placement.strategy=interleave",
                    "--config.placement.scorers_apart=True", "--config.placement.train_devices=4",
-                   "--config.rl.reward=reward_model"])
+                   "--config.rl.reward=reward_model", "--config.rl.advantage.name=gae"])
   out = capsys.readouterr().out
   assert rc == 0, out[-3000:]
   assert "  reward-model scores " in out and "verdict: fits" in out
   assert "placement interleave: actor {'fsdp': 4}" in out and "reward {'fsdp': 4}" in out
+  assert "critic update (device 4)" in out  # (the first of the scorers' host's chips)
