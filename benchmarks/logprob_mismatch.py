@@ -26,6 +26,13 @@ variants of it that each change one thing the two sides do differently:
               pass, where `sampler` decodes in the CPU's "features" layout
   depth       `sampler` for the same model cut to 1, 2, ... of its layers (each depth's own
               samples): where along the stack the two sides first part, and how it grows
+  grad        the log-probs a gradient program computes (the update's forward: value_and_grad
+              of their sum) against the scoring pass's (the trainer's pi_old)
+  trainer_decode  each token's log-prob from the trainer's pass over the sequence as a decode
+              step would hold it (the tokens up to it, the later slots empty and masked)
+              against the pass over the whole sequence: what decoding by the trainer's own
+              forward would report; `trainer_decode_cost`: the wall time of those passes (one
+              per new token, compiled once) over the engine's generation, in this process
 
 Per dtype (float32, bfloat16), each is the largest |log-prob difference| over the completion
 tokens and the share of those tokens whose log-probs are bitwise equal. A source whose max is 0
@@ -95,6 +102,63 @@ def _sampler_gap(cfg, args, layout: str = "auto") -> dict:
               r.completion_mask_BN)
 
 
+def _with_grad(score):
+  """`score`'s log-probs as a gradient program computes them (aux of value_and_grad)."""
+  import jax
+
+  def fn(g, q, t, v):
+    return jax.value_and_grad(lambda q: (lambda lp: (lp.sum(), lp))(score(g, q, t, v)),
+                              has_aux=True)(q)[0][1]
+  return jax.jit(fn, static_argnums=0)
+
+
+def _trainer_decode(trainer, graphdef, params, r, p: int) -> tuple:
+  """(each completion token's log-prob from the trainer's pass over the tokens up to it, the
+  later slots empty and masked; the seconds those passes took, after a compiling one)."""
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  n, t = r.completion_mask_BN.shape[1], r.tokens_BT.shape[1]
+
+  def upto(i):
+    keep = jnp.arange(t) <= p + i
+    return (jnp.where(keep, r.tokens_BT, 0), r.valid_BT & keep)
+  jax.block_until_ready(trainer(graphdef, params, *upto(0)))
+  t0, cols = time.perf_counter(), []
+  for i in range(n):
+    cols.append(trainer(graphdef, params, *upto(i))[:, i])
+  out = jax.block_until_ready(jnp.stack(cols, axis=1))
+  return out, time.perf_counter() - t0
+
+
+def _generation_seconds(cfg, args) -> float:
+  """The engine's generation of `_sampled`'s rows, compiled, best of 3."""
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from jaxrl.models.transformer import LanguageModel
+  from sampler.engine import generate
+  from sampler.methods import SamplingConfig
+  graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
+  prompts_BP = jax.random.randint(jax.random.key(1), (args.rows, 16), 3, cfg.vocab_size)
+  sampling = SamplingConfig(max_new_tokens=args.new_tokens, eos_id=1, pad_id=0, ignore_eos=True,
+                            method="temperature", temperature=1.0)
+  gen = jax.jit(lambda q, t, v, k: generate(graphdef, q, t, v, k, cfg=sampling))
+  run = lambda: jax.block_until_ready(gen(params, prompts_BP, jnp.ones(prompts_BP.shape, bool),  # noqa
+                                          jax.random.key(2)))
+  run()
+  best = float("inf")
+  for _ in range(3):
+    t0 = time.perf_counter()
+    run()
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
 def measure(dtype: str, args) -> dict:
   import dataclasses
 
@@ -133,6 +197,8 @@ def measure(dtype: str, args) -> dict:
   head = jax.jit(dense, static_argnums=0)(graphdef, params, r.tokens_BT, r.valid_BT)
   meshes = {name: _on_mesh(make, shape, params, score, r.tokens_BT, r.valid_BT) for name, shape
             in (("one", {"fsdp": 1}), ("fsdp", {"fsdp": 4}), ("tensor", {"data": 2, "tensor": 2}))}
+  grad = _with_grad(score)(graphdef, params, r.tokens_BT, r.valid_BT)
+  decoded, decode_s = _trainer_decode(trainer, graphdef, params, r, p)
   g32 = nnx.split(LanguageModel(dataclasses.replace(cfg, dtype="float32"), rngs=nnx.Rngs(0)))[0]
   f32 = trainer(g32, params, r.tokens_BT, r.valid_BT)
   return {"sampler": _gap(base, r.logprobs_BN, mask), "rows": _gap(one_by_one, base, mask),
@@ -142,7 +208,9 @@ def measure(dtype: str, args) -> dict:
           "f32_one": _gap(base, f32, mask), "f32_mesh": _gap(meshes["fsdp"], f32, mask),
           "decode_rows": _sampler_gap(cfg, args, "rows"),
           "depth": [_sampler_gap(dataclasses.replace(cfg, n_layers=d), args)
-                    for d in range(1, cfg.n_layers + 1)]}
+                    for d in range(1, cfg.n_layers + 1)],
+          "grad": _gap(grad, base, mask), "trainer_decode": _gap(decoded, base, mask),
+          "trainer_decode_cost": decode_s / _generation_seconds(cfg, args)}
 
 
 def main(argv=None) -> dict:

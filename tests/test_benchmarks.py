@@ -84,14 +84,18 @@ def test_ignore_eos_runs_every_rollout_to_its_budget_past_sampled_eos(tmp_path):
 
 def test_logprob_mismatch_measures_each_source_against_its_baseline():
   """`benchmarks.logprob_mismatch` (small): each source's largest log-prob gap and bitwise
-  share, per dtype; the sampler's and the trainer's log-probs agree as a run's mismatch does."""
+  share, per dtype; the sampler's and the trainer's log-probs agree as a run's mismatch does; a
+  gradient program's log-probs and a decode by the trainer's own pass are the scoring pass's,
+  bit for bit (what an exact mode can stand on)."""
   from benchmarks.logprob_mismatch import main
   result = main(["--rows", "2", "--new_tokens", "6", "--d_model", "32", "--layers", "2",
                  "--pad", "5", "--json"])
   sources = {"sampler", "rows", "length", "head", "rules", "fsdp", "tensor", "f32_one",
-             "f32_mesh", "decode_rows"}
+             "f32_mesh", "decode_rows", "grad", "trainer_decode"}
   for dtype, bound in (("float32", 1e-4), ("bfloat16", 0.1)):
-    gaps = {k: v for k, v in result[dtype].items() if k != "depth"}
+    gaps = {k: v for k, v in result[dtype].items() if k not in ("depth", "trainer_decode_cost")}
+    assert gaps["grad"] == gaps["trainer_decode"] == {"max": 0.0, "bitwise_frac": 1.0}
+    assert result[dtype]["trainer_decode_cost"] > 0
     assert set(gaps) == sources and len(result[dtype]["depth"]) == 2  # (--layers 2)
     assert all(0 <= g["bitwise_frac"] <= 1 and g["max"] >= 0
                for g in [*gaps.values(), *result[dtype]["depth"]])
