@@ -1,0 +1,51 @@
+"""Exact decoding (train/rollout/exact.py): the log-prob of every token drawn is the trainer's
+scoring pass's, bit for bit, in float32 and bfloat16, rows ending at EOS."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import LanguageModel
+from sampler.methods import SamplingConfig
+from train.rollout.exact import exact_generate, exact_step
+from train.updates.batching import map_minibatches
+from train.updates.forward import completion_logprobs
+
+B, P, N, PIECES, TEMPERATURE = 8, 6, 10, 2, 0.7
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_exact_decoding_reports_the_trainers_logprobs_bit_for_bit(dtype):
+  cfg = ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                    d_ff=64, dtype=dtype)
+  graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
+  prompts_BP = jax.random.randint(jax.random.key(1), (B, P), 3, cfg.vocab_size)
+  valid_BP = jnp.arange(P)[None, :] >= jnp.arange(B)[:, None] % 3  # (some left padding)
+
+  def generate(eos_id: int):
+    sampling = SamplingConfig(max_new_tokens=N, eos_id=eos_id, pad_id=0, temperature=TEMPERATURE)
+    step = jax.jit(functools.partial(exact_step, graphdef, prompt_len=P, cfg=sampling,
+                                     pieces=PIECES))
+    return exact_generate(lambda *a: step(params, *a), prompts_BP, valid_BP, jax.random.key(2),
+                          cfg=sampling)
+  eos = int(generate(-1).tokens_BT[0, P + 3])  # (a token row 0 draws: it ends there)
+  r = generate(eos)
+
+  # the scoring pass as the trainer runs it (train/loop/passes.py `scorer`): pieces of rows
+  score = jax.jit(lambda q, t, v: map_minibatches(
+      lambda mb: completion_logprobs(graphdef, q, *mb, P, temperature=TEMPERATURE)[0],
+      (t, v), PIECES))
+  pi_BN = np.asarray(score(params, r.tokens_BT, r.valid_BT))
+  mask_BN, mu_BN = np.asarray(r.completion_mask_BN), np.asarray(r.logprobs_BN)
+  assert np.array_equal(pi_BN[mask_BN], mu_BN[mask_BN])
+  assert (mu_BN[~mask_BN] == 0).all() and (mu_BN[mask_BN] < 0).all()
+  tokens_BN = np.asarray(r.tokens_BT[:, P:])
+  ended = ~mask_BN.all(axis=1)
+  assert ended.any()  # (some rows drew EOS: their slots after it are PAD, masked)
+  for row in np.flatnonzero(ended):
+    length = int(r.lengths_B[row])
+    assert tokens_BN[row, length - 1] == eos and (tokens_BN[row, length:] == 0).all()
