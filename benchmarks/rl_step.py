@@ -3,6 +3,7 @@ roofline, compile seconds and peak memory.
 
   python -m benchmarks.rl_step --json                       # the default experiment, + modes
   python -m benchmarks.rl_step --json --workload w1         # the 4-layer d_model-256 workload
+  python -m benchmarks.rl_step --json --workload w1 --exact # its sampling by the trainer's pass
   python -m benchmarks.rl_step --json --workload qwen0.5b   # on a GPU: Qwen2.5-0.5B, gsm8k shapes
   python -m benchmarks.rl_step --json --workload qwen1.5b   # on a GPU: Qwen2.5-1.5B, gsm8k shapes
 
@@ -300,6 +301,8 @@ def parse_args():
                       help="rl.batching.micro_batch_size (default: the workload's)")
   parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                       help="model.layers.scan (default: auto, unrolled on a CPU)")
+  parser.add_argument("--exact", action="store_true",
+                      help="rl.rollout.exact: each token drawn by the trainer's own pass")
   add_host_flags(parser)
   args = parser.parse_args()
   if args.warmup < 1 or args.steps < 1:
@@ -321,7 +324,10 @@ def main() -> None:
   reduced = args.scale == "reduced" or (args.scale == "auto" and cpu and bool(work.reduced))
   rl = ({} if args.micro_batch_size is None
         else {"batching": {"micro_batch_size": args.micro_batch_size}})
+  if args.exact:
+    rl["rollout"] = {"exact": True}
   result = {"workload": args.workload, "scale": "reduced" if reduced else "full",
+            "exact": args.exact,
             "scan_layers": cpu is False if args.scan_layers is None else args.scan_layers,
             **run_stages(work, steps=args.steps, warmup=args.warmup, reduced=reduced, rl=rl)}
   if work.modes if args.modes is None else args.modes:

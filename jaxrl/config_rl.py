@@ -153,6 +153,10 @@ class RolloutConfig:
   # 0: each prompt batch decodes as one static batch; > 0: in-flight batching in this many row
   # slots, refilled as rows finish (a multiple of the sampler's data shards; uneven lengths).
   inflight_slots: int = 0
+  # Each token drawn by the trainer's own pass on the trainer's devices (train/rollout/exact.py):
+  # the sampler's log-probs are the trainer's bit for bit (mismatch exactly 0), at the price of
+  # that pass once per new token. Sync, single-turn, static batches, whole rows (no packing).
+  exact: bool = False
 
   def __post_init__(self):
     positive(self, "max_new_tokens", "temperature")
@@ -293,9 +297,25 @@ class RLConfig:
       raise ValueError(f"batching.micro_batch_size: must divide a minibatch's {minibatch} rows "
                        f"(prompts_per_step*group_size/num_minibatches), got "
                        f"{self.batching.micro_batch_size}")
+    self._check_exact()
     if self.advantage.entry.kl_in_reward and self.kl.mode != "reward":
       raise ValueError(f"kl.mode: {self.advantage.name} folds the KL into the rewards; expected "
                        f"'reward', got {self.kl.mode!r}")
+
+  def _check_exact(self) -> None:
+    """`rollout.exact` decodes by the trainer's pass, in turn with the update, over whole rows:
+    the settings it cannot honour, named."""
+    if not self.rollout.exact:
+      return
+    wanted = [("schedule.mode", self.schedule.mode, "sync", "'sync'"),
+              ("rollout.inflight_slots", self.rollout.inflight_slots, 0, "0"),
+              ("rollout.top_k", self.rollout.top_k, 0, "0 (the trainer scores every token)"),
+              ("environment.name", self.environment.name, "", "'' (single-turn)"),
+              ("batching.pack_length", self.batching.pack_length, 0, "0 (whole rows)")]
+    for field, value, ok, want in wanted:
+      if value != ok:
+        raise ValueError(f"{field}: rollout.exact decodes by the trainer's own pass; expected "
+                         f"{want}, got {value!r}")
 
   @property
   def rollouts(self) -> int:

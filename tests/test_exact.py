@@ -1,5 +1,6 @@
-"""Exact decoding (train/rollout/exact.py): the log-prob of every token drawn is the trainer's
-scoring pass's, bit for bit, in float32 and bfloat16, rows ending at EOS."""
+"""Exact decoding (train/rollout/exact.py, `rl.rollout.exact`): the log-prob of every token
+drawn is the trainer's scoring pass's, bit for bit, in float32 and bfloat16, rows ending at EOS;
+in a run, the mismatch is exactly 0."""
 import functools
 
 import jax
@@ -8,14 +9,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrl.config import ConfigError
+from jaxrl.config_files import shipped
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import LanguageModel
 from sampler.methods import SamplingConfig
 from train.rollout.exact import exact_generate, exact_step
+from train.run import Experiment
 from train.updates.batching import map_minibatches
 from train.updates.forward import completion_logprobs
 
 B, P, N, PIECES, TEMPERATURE = 8, 6, 10, 2, 0.7
+tiny = shipped("tiny")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -49,3 +54,25 @@ def test_exact_decoding_reports_the_trainers_logprobs_bit_for_bit(dtype):
   for row in np.flatnonzero(ended):
     length = int(r.lengths_B[row])
     assert tokens_BN[row, length - 1] == eos and (tokens_BN[row, length:] == 0).all()
+
+
+def test_an_exact_run_has_no_mismatch_and_refuses_what_it_cannot_honour(tmp_path):
+  """`rl.rollout.exact` in a run (bfloat16, temperature 0.7, two minibatches: the old log-probs
+  a pass of their own): the sampler's log-probs are the trainer's at every step, bit for bit
+  (mismatch exactly 0, where the engine's are 1e-3 to 1e-2 off in bfloat16); async refused in
+  one line that names the field."""
+  raw = tiny.get_config().to_dict()
+  raw.update(run_dir=str(tmp_path), run_name="exact")
+  raw["model"]["dtype"] = "bfloat16"
+  raw["rl"].update(steps=2)
+  raw["rl"]["batching"]["num_minibatches"] = 2
+  raw["rl"]["rollout"].update(exact=True, temperature=0.7)
+  with Experiment(raw) as exp:
+    exp.run()
+    rows = [r for r in exp.writer.rows if r["phase"] == "rl" and "mismatch_max" in r]
+  assert [r["step"] for r in rows] == [1, 2]
+  assert all(r["mismatch_max"] == r["mismatch_kl"] == r["mismatch_mean"] == 0.0 for r in rows)
+  raw["rl"]["schedule"]["mode"] = "async"
+  with pytest.raises(ConfigError, match=r"schedule.mode: rollout.exact decodes by the "
+                                        r"trainer's own pass; expected 'sync', got 'async'"):
+    Experiment(raw)

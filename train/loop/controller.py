@@ -35,6 +35,7 @@ from train.roles.learner import Learner
 from train.roles.link import Link
 from train.roles.offload import Offloader
 from train.rollout.batches import WorkerState
+from train.rollout.exact import ExactSampler
 from train.rollout.generator import Generator
 from train.rollout.source import RolloutSource
 from train.rollout.worker import RolloutWorkerError
@@ -58,7 +59,9 @@ class Controller:
                                   prompt_len=task.prompt_len, timeline=timeline,
                                   run=self.executors.sampler, next_index=next_index,
                                   split=cluster.split if cluster.split and cluster.split.generators
-                                  else None)
+                                  else None,
+                                  exact=ExactSampler(cfg.rl, actor.role, generator.sampler.cfg,
+                                                     transfers) if cfg.rl.rollout.exact else None)
     pack, new = cfg.rl.batching.pack_length, cfg.rl.rollout.max_new_tokens
     if pack and pack < task.prompt_len + new:
       raise ConfigError(f"config.rl.batching.pack_length: at least a row's {task.prompt_len} "

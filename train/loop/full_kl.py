@@ -31,7 +31,7 @@ def check_rows(cfg, cluster) -> int:
   """How many rows of each batch the check reads: `eval.sampler_kl_rows` rounded up to what
   splits over the trainer's and the sampler's batch axes, at most the batch's (0: off)."""
   rows, rl = cfg.eval.sampler_kl_rows, cfg.rl
-  if not rows:
+  if not rows or rl.rollout.exact:  # (exact: the trainer's pass drew them; the engine did not)
     return 0
   ways = math.lcm(batch_ways(cluster.meshes["actor"], cluster.actor.rules),
                   batch_ways(cluster.meshes["sampler"], SAMPLER_RULES))

@@ -86,6 +86,8 @@ class Scoring:
     """The rollout with its completion slots cut to the bucket (`rl.batching.length_buckets`) of its
     longest response (`lengths_B`: its rows' lengths, fetched): scoring and the update then skip
     the slots no row reached."""
+    if self.cfg.rollout.exact:  # (its log-probs were the pass's over every slot)
+      return rollout
     budget = rollout.completion_mask_BN.shape[1]
     n = bucket_length(int(lengths_B.max(initial=0)), budget, self.cfg.batching.length_buckets)
     return rollout if n == budget else trim_rollout(rollout, n)

@@ -18,8 +18,11 @@ a mixture-of-experts model with its own routes (no replay: nothing to replay).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl.models.lm_head import _chunk_stats, _split, chunk_length
 from jaxrl.models.rope import positions_from_valid
@@ -50,11 +53,21 @@ def _next_token(graphdef, params, tokens_BT, valid_BT, gumbel_BV, i, *, prompt_l
   return tok_B, jnp.where(hit_BV, logits_BV, 0.0).sum(-1) - lse_B
 
 
+def _stop_ids(cfg: SamplingConfig) -> tuple[int, ...]:
+  """The tokens that end a row: EOS and single-token stop sequences (ValueError for what exact
+  decoding does not sample: top-k, top-p, longer stop sequences, stop strings)."""
+  if cfg.method != "temperature" or cfg.top_k or cfg.top_p < 1.0 or cfg.stop_text is not None \
+      or any(len(s) != 1 for s in cfg.stop_sequences):
+    raise ValueError("exact decoding samples at a temperature, rows ending at EOS or a stop "
+                     "token (no top-k, top-p, stop strings: the trainer scores every token)")
+  return () if cfg.ignore_eos else (cfg.eos_id, *(s[0] for s in cfg.stop_sequences))
+
+
 def exact_step(graphdef, params, tokens_BT, valid_BT, done_B, key, i, *, prompt_len: int,
                cfg: SamplingConfig, pieces: int = 1):
-  """One exact decode step at completion slot `i` (a traced int): (tokens, valid, done, the
-  drawn tokens' log-probs [B]); rows already `done` keep PAD there, masked. Pure: jit it on the
-  trainer's mesh as the scoring pass is (the role's rules), so the pieces match."""
+  """One exact decode step at completion slot `i` (a device int): (tokens, valid, done, the
+  drawn tokens' log-probs [B], i + 1); rows already `done` keep PAD there, masked. Pure: jit it
+  on the trainer's mesh as the scoring pass is (the role's rules), so the pieces match."""
   vocab = model_of(graphdef, params).head_VD().shape[0]
   gumbel_BV = jax.random.gumbel(jax.random.fold_in(key, i), (tokens_BT.shape[0], vocab))
   draw = lambda mb: _next_token(graphdef, params, *mb, i, prompt_len=prompt_len,  # noqa: E731
@@ -64,26 +77,50 @@ def exact_step(graphdef, params, tokens_BT, valid_BT, done_B, key, i, *, prompt_
   slot = prompt_len + i
   tokens_BT = jax.lax.dynamic_update_index_in_dim(tokens_BT, tok_B, slot, 1)
   valid_BT = jax.lax.dynamic_update_index_in_dim(valid_BT, ~done_B, slot, 1)
-  ends_B = jnp.zeros_like(done_B) if cfg.ignore_eos else tok_B == cfg.eos_id
-  return tokens_BT, valid_BT, done_B | ends_B, jnp.where(done_B, 0.0, logp_B)
+  ends_B = jnp.isin(tok_B, jnp.asarray(_stop_ids(cfg), jnp.int32))
+  return tokens_BT, valid_BT, done_B | ends_B, jnp.where(done_B, 0.0, logp_B), i + 1
 
 
 def exact_generate(step, prompt_tokens_BP, prompt_valid_BP, key, *,
                    cfg: SamplingConfig) -> Rollout:
-  """Rows of `cfg.max_new_tokens` completion slots, decoded by `step` (`exact_step` jitted with
-  everything but the arrays bound: (tokens, valid, done, key, i) -> ...), one call per slot
-  (the trainer's pass compiled once)."""
-  if cfg.method != "temperature" or cfg.top_k or cfg.top_p < 1.0 or cfg.stop_sequences \
-      or cfg.stop_text is not None:
-    raise ValueError("exact decoding samples at a temperature only (no top-k, top-p or stop "
-                     "sequences: the trainer scores the whole distribution)")
+  """Rows of `cfg.max_new_tokens` completion slots (the prompts on the device already),
+  decoded by `step` (`exact_step` jitted, all but the arrays bound: (tokens, valid, done, key,
+  i) -> ...), one call per slot: the trainer's pass compiled once, the slot counted on the
+  device (nothing from the host)."""
+  _stop_ids(cfg)
   b, n = prompt_tokens_BP.shape[0], cfg.max_new_tokens
   tokens_BT = jnp.pad(prompt_tokens_BP, ((0, 0), (0, n)), constant_values=cfg.pad_id)
   valid_BT = jnp.pad(prompt_valid_BP, ((0, 0), (0, n)))
-  done_B, logps = jnp.zeros((b,), bool), []
-  for i in range(n):  # (the slot traced: one program for every slot)
-    tokens_BT, valid_BT, done_B, logp_B = step(tokens_BT, valid_BT, done_B, key, jnp.int32(i))
+  done_B, i, logps = jnp.zeros((b,), bool), jnp.zeros((), jnp.int32), []
+  for _ in range(n):
+    tokens_BT, valid_BT, done_B, logp_B, i = step(tokens_BT, valid_BT, done_B, key, i)
     logps.append(logp_B)
   mask_BN = valid_BT[:, -n:]
   return Rollout(tokens_BT=tokens_BT, valid_BT=valid_BT, completion_mask_BN=mask_BN,
                  logprobs_BN=jnp.stack(logps, axis=1), lengths_B=mask_BN.sum(axis=1))
+
+
+class ExactSampler:
+  """`rl.rollout.exact`: a step's rollouts decoded by the trainer's pass on the actor's mesh,
+  from the actor's own parameters (the sampler's copy is not read), `group_size` rows per prompt
+  (group-major), in the scoring pass's pieces (`rollouts // pass_rows`)."""
+
+  def __init__(self, rl, role, sampling: SamplingConfig, transfers):
+    """`role`: the actor; `sampling`: the RL sampler's settings; `transfers`: the run's named
+    host transfers (the prompts go up)."""
+    self.role, self.sampling, self.group, self.transfers = role, sampling, rl.group_size, transfers
+    self.pieces = rl.rollouts // rl.pass_rows
+    self._steps: dict[int, object] = {}  # prompt width -> its jitted step
+
+  def sample(self, prompts: dict, key) -> Rollout:
+    rows = lambda x: np.repeat(x, self.group, axis=0)  # noqa: E731
+    host = (rows(prompts["prompt_tokens"]), rows(prompts["prompt_valid"]))
+    tokens_BP, valid_BP = self.transfers.to_device(host, self.role.batch_shardings(host),
+                                                   "prompts")
+    width = tokens_BP.shape[1]
+    if width not in self._steps:
+      self._steps[width] = self.role.jit(functools.partial(
+          exact_step, self.role.graphdef, prompt_len=width, cfg=self.sampling,
+          pieces=self.pieces))
+    step = functools.partial(self._steps[width], self.role.params)
+    return exact_generate(step, tokens_BP, valid_BP, key, cfg=self.sampling)

@@ -62,11 +62,13 @@ class RolloutSource:
 
   def __init__(self, cfg: ExperimentConfig, generator: Generator, weights: SamplerWeights,
                prompts, *, prompt_len: int, timeline: Timeline, run: Callable, next_index: int,
-               split=None):
+               split=None, exact=None):
     """`prompts[i]`: prompt batch i (host arrays); `run(fn, *args, label=...)`: a call on the
     generator's executor (sync mode); `next_index`: the first batch not yet trained on; `split`: the
-    trainer's and the sampler's processes where they are apart (sharding/crossing.py)."""
+    trainer's and the sampler's processes where they are apart (sharding/crossing.py); `exact`:
+    `rl.rollout.exact`'s sampler (train/rollout/exact.py), which then draws every batch."""
     self.cfg, self.rl, self.generator, self.weights = cfg, cfg.rl, generator, weights
+    self.exact = exact
     self.prompts, self.prompt_len, self.timeline, self._run = prompts, prompt_len, timeline, run
     self.next_index = next_index
     self.split = split
@@ -79,7 +81,7 @@ class RolloutSource:
     runs there (train/rollout/remote.py), in sync mode as the fixed schedule with
     `max_staleness=0` (the same rollouts as generated in turn)."""
     sync = self.rl.schedule.mode != "async"
-    if sync and self.split is None:
+    if sync and (self.split is None or self.exact is not None):
       return
     self.weights.pin()  # the worker may decode with a copy the trainer replaced
     params = self.weights.fresh()
@@ -101,9 +103,12 @@ class RolloutSource:
     t0 = time.perf_counter()
     if self.worker is None:
       index = self.next_index
-      prompts = self.prompts[index]
-      rollout = self._run(self.generator.sample, self.weights.fresh(), prompts,
-                          rollout_key(self.cfg.seed, index), label="generate")
+      prompts, key = self.prompts[index], rollout_key(self.cfg.seed, index)
+      if self.exact is not None:  # (the actor's own weights: no copy to refresh)
+        rollout = self._run(self.exact.sample, prompts, key, label="generate")
+      else:
+        rollout = self._run(self.generator.sample, self.weights.fresh(), prompts, key,
+                            label="generate")
       batch = RolloutBatch(rollout, prompts, version, index, 0.0)
     else:  # (a failed worker thread raises RolloutWorkerError here)
       batch = self.worker.get()
