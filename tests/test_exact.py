@@ -1,6 +1,7 @@
 """Exact decoding (train/rollout/exact.py, `rl.rollout.exact`): the log-prob of every token
-drawn is the trainer's scoring pass's, bit for bit, in float32 and bfloat16, rows ending at EOS;
-in a run, the mismatch is exactly 0."""
+drawn is the trainer's scoring pass's, bit for bit, in float32 and bfloat16, rows ending at EOS,
+for dense, scanned, Gemma 3 (a sliding window) and mixture-of-experts models; in a run, the
+mismatch is exactly 0."""
 import functools
 
 import jax
@@ -11,7 +12,7 @@ from flax import nnx
 
 from jaxrl.config import ConfigError
 from jaxrl.config_files import shipped
-from jaxrl.models.config import ModelConfig
+from jaxrl.models.config import from_fields
 from jaxrl.models.transformer import LanguageModel
 from sampler.methods import SamplingConfig
 from train.rollout.exact import exact_generate, exact_step
@@ -23,10 +24,19 @@ B, P, N, PIECES, TEMPERATURE = 8, 6, 10, 2, 0.7
 tiny = shipped("tiny")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_exact_decoding_reports_the_trainers_logprobs_bit_for_bit(dtype):
-  cfg = ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                    d_ff=64, dtype=dtype)
+BASE = dict(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
+MODELS = {  # (a window of 3 on every other layer; experts with their own routes)
+    "llama": {}, "llama_scanned": {"layers.scan": True},
+    "gemma3": {"family": "gemma3", "n_layers": 3, "attention.sliding_window": 3,
+               "attention.global_every": 2},
+    "qwen3_moe": {"family": "qwen3_moe", "moe.experts": 4, "moe.per_token": 2, "moe.d_ff": 16}}
+
+
+@pytest.mark.parametrize("model,dtype", [("llama", "float32"), ("llama", "bfloat16"),
+                                         ("llama_scanned", "float32"), ("gemma3", "bfloat16"),
+                                         ("qwen3_moe", "float32")])
+def test_exact_decoding_reports_the_trainers_logprobs_bit_for_bit(model, dtype):
+  cfg = from_fields({**BASE, **MODELS[model], "dtype": dtype})
   graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
   prompts_BP = jax.random.randint(jax.random.key(1), (B, P), 3, cfg.vocab_size)
   valid_BP = jnp.arange(P)[None, :] >= jnp.arange(B)[:, None] % 3  # (some left padding)
