@@ -66,22 +66,34 @@ def test_exact_decoding_reports_the_trainers_logprobs_bit_for_bit(model, dtype):
     assert tokens_BN[row, length - 1] == eos and (tokens_BN[row, length:] == 0).all()
 
 
-def test_an_exact_run_has_no_mismatch_and_refuses_what_it_cannot_honour(tmp_path):
-  """`rl.rollout.exact` in a run (bfloat16, temperature 0.7, two minibatches: the old log-probs
-  a pass of their own): the sampler's log-probs are the trainer's at every step, bit for bit
-  (mismatch exactly 0, where the engine's are 1e-3 to 1e-2 off in bfloat16); async refused in
-  one line that names the field."""
+def _exact_run(tmp_path, name: str, **correction) -> tuple[list[dict], str]:
   raw = tiny.get_config().to_dict()
-  raw.update(run_dir=str(tmp_path), run_name="exact")
+  raw.update(run_dir=str(tmp_path), run_name=name)
   raw["model"]["dtype"] = "bfloat16"
   raw["rl"].update(steps=2)
   raw["rl"]["batching"]["num_minibatches"] = 2
   raw["rl"]["rollout"].update(exact=True, temperature=0.7)
+  raw["rl"]["correction"].update(correction)
   with Experiment(raw) as exp:
-    exp.run()
+    summary = exp.run()
     rows = [r for r in exp.writer.rows if r["phase"] == "rl" and "mismatch_max" in r]
+  return rows, summary["params_fingerprint"]
+
+
+def test_an_exact_run_has_no_mismatch_and_its_corrections_are_no_ops(tmp_path):
+  """`rl.rollout.exact` in a run (bfloat16, temperature 0.7, two minibatches: the old log-probs
+  a pass of their own): the sampler's log-probs are the trainer's at every step, bit for bit
+  (mismatch exactly 0, where the engine's are 1e-3 to 1e-2 off in bfloat16); a truncated IS
+  weight capped at 1 with IcePop's mask then changes nothing (the same weights at the end);
+  async is refused in one line that names the field."""
+  rows, fingerprint = _exact_run(tmp_path, "exact")
   assert [r["step"] for r in rows] == [1, 2]
   assert all(r["mismatch_max"] == r["mismatch_kl"] == r["mismatch_mean"] == 0.0 for r in rows)
+  corrected, same = _exact_run(tmp_path, "corrected", tis_cap=1.0, mask="icepop")
+  assert all(r["tis_capped_frac"] == r["rollout_masked_frac"] == 0.0 for r in corrected)
+  assert same == fingerprint
+  raw = tiny.get_config().to_dict()
+  raw["rl"]["rollout"]["exact"] = True
   raw["rl"]["schedule"]["mode"] = "async"
   with pytest.raises(ConfigError, match=r"schedule.mode: rollout.exact decodes by the "
                                         r"trainer's own pass; expected 'sync', got 'async'"):
