@@ -39,8 +39,8 @@ def launch(run_dir, name, *extra, resume=False, args=ARGS, devices=1,
        f"--config.run_dir={run_dir}", f"--config.run_name={name}",
        *(["--resume"] if resume else [])], cwd=ROOT,
       env=job_env(JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES=str(n),
-               JAXRL_PROCESS_ID=str(i), JAXRL_HEARTBEAT_S=str(heartbeat),
-               **({} if cores[i] is None else {"JAXRL_CPU_CORES": str(cores[i])})),
+                  JAXRL_PROCESS_ID=str(i), JAXRL_HEARTBEAT_S=str(heartbeat),
+                  **({} if cores[i] is None else {"JAXRL_CPU_CORES": str(cores[i])})),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
 
 

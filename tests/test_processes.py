@@ -70,7 +70,7 @@ def test_free_schedule_on_several_processes_keeps_its_staleness_bound(tmp_path, 
            "replicas_partial": ("--config.placement.sampler_replicas=2", *PARTIAL[1:])}[layout]
   shape = dict(devices=2, n=3) if layout.startswith("replicas") else {}
   finish(launch(tmp_path, "free", "--config.rl.schedule.name=free",
-                  "--config.rl.schedule.max_staleness=2", *extra, **shape))
+                "--config.rl.schedule.max_staleness=2", *extra, **shape))
   _, rows = result(tmp_path, "free")
   steps = [r for r in rows if r["phase"] == "rl" and "loss" in r]
   assert [r["step"] for r in steps] == [1, 2, 3, 4]
@@ -82,12 +82,15 @@ def test_the_generator_generates_while_the_trainer_trains_on_cores_of_their_own(
   """Async under the fixed schedule, the trainer's processes on one core and the sampler's on
   the other: after the first step, generation and training run at the same time (batch s + 1
   is generated during step s; sharding/host.py `pin_to_cores` says why the pin
-  comes after JAX starts)."""
+  comes after JAX starts). 6 steps, evaluated at the end only: an evaluation between steps
+  (seconds of the generator's and the trainer's time, with compiles) would let the generator
+  finish every batch before the steady steps that should overlap it begin (measured: at 4 steps
+  evaluated at step 2, 0.005-0.10 s of overlap against 0.6 s busy; now 0.83 of it)."""
   cores = [0, 0, 1, 1] if os.cpu_count() > 1 else [0] * 4
   finish(launch(tmp_path, "pinned", "--config.rl.schedule.name=fixed",
-                  "--config.rl.rollout.max_new_tokens=24", "--config.model.d_model=128",
-                  "--config.model.d_ff=512", "--config.rl.rollout.ignore_eos=True",
-                  cores=cores))
+                "--config.rl.rollout.max_new_tokens=24", "--config.model.d_model=128",
+                "--config.model.d_ff=512", "--config.rl.rollout.ignore_eos=True",
+                "--config.rl.steps=6", "--config.eval.every=100", cores=cores))
   spans = read_trace(os.path.join(tmp_path, "pinned", "trace.json"))
   since = next(end for label, _, end in spans["trainer"] if label == "update")
   busy = {k: seconds_within(spans[k], since) for k in ("sampler", "trainer")}
@@ -236,7 +239,7 @@ def test_a_placement_that_leaves_the_generator_no_whole_processes_is_one_line():
        "--config.placement.strategy=separate", "--config.placement.train_devices=2",
        "--config.rl.schedule.mode=async", "--config.placement.cpu_devices=4"], cwd=ROOT,
       env=job_env(JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES="2",
-               JAXRL_PROCESS_ID=str(i)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                  JAXRL_PROCESS_ID=str(i)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
       text=True) for i in range(2)]
   for p in procs:
     _, err = p.communicate(timeout=300)
