@@ -111,14 +111,16 @@ def test_generator_replicas_take_whole_hosts_of_the_samplers():
 
 
 def test_the_scorers_apart_takes_the_trainers_count_of_devices_after_them():
-  """`placement.scorers_apart`: the reference and the reward model on the `train_devices` after
-  the trainer's, in the trainer's mesh shape (whole hosts on several; on one host devices of
-  their own), the sampler on the rest; refused in one line where they cannot stand apart."""
+  """`placement.scorers_apart`: the reference, the reward model and the critic on the
+  `train_devices` after the trainer's, in the trainer's mesh shape (whole hosts on several; on
+  one host devices of their own), the sampler on the rest; refused in one line where they
+  cannot stand apart."""
   placement = make_placement("separate", 6, train_devices=2, n_hosts=3, scorers_apart=True)
   assert placement.roles["reference"].devices == placement.roles["reward"].devices == (2, 3)
   assert placement.roles["reference"].mesh == placement.roles["actor"].mesh
   assert placement.roles["sampler"].devices == (4, 5)
-  assert placement.roles["critic"].devices == placement.roles["actor"].devices == (0, 1)
+  assert placement.roles["critic"] == placement.roles["reference"]  # (it trains there)
+  assert placement.roles["actor"].devices == (0, 1)
   assert placement.groups() == {"trainer": (0, 1), "scorers": (2, 3), "sampler": (4, 5)}
   one = make_placement("separate", 6, train_devices=2, scorers_apart=True)
   assert one.roles["reference"].devices == (2, 3) and one.roles["sampler"].devices == (4, 5)
@@ -126,20 +128,22 @@ def test_the_scorers_apart_takes_the_trainers_count_of_devices_after_them():
   for kwargs in (dict(strategy="colocate", n_hosts=4), dict(strategy="separate", n_hosts=2),
                  dict(strategy="separate", n_hosts=4, train_devices=4),
                  dict(strategy="interleave", n_hosts=4, train_devices=2)):
-    with pytest.raises(PlacementError, match="placement.scorers_apart: the reference and the reward model"):
+    with pytest.raises(PlacementError, match="placement.scorers_apart: the reference, the "
+                                             "reward model and the critic stand on devices"):
       make_placement(n_devices=8, **{"train_devices": 2, **kwargs}, scorers_apart=True)
 
 
 @pytest.mark.parametrize("n_hosts", [1, 2, 4])
 def test_interleave_with_the_scorers_apart_gives_each_group_half(n_hosts):
   """`interleave` with `scorers_apart`: the trainer and the sampler on the first half of the
-  devices (whole hosts on several, as a TPU slice needs), the reference and the reward model
-  both on the other half in the trainer's mesh shape; without it a TPU slice's hosts would be
+  devices (whole hosts on several, as a TPU slice needs), the reference, the reward model and
+  the critic on the other half in the trainer's mesh shape; without it a TPU slice's hosts would be
   split, refused in one line that names this placement."""
   placement = make_placement("interleave", 8, train_devices=4, n_hosts=n_hosts,
                              one_network=True, scorers_apart=True)
   assert placement.roles["actor"].devices == placement.roles["sampler"].devices == (0, 1, 2, 3)
   assert placement.roles["reference"].devices == placement.roles["reward"].devices == (4, 5, 6, 7)
+  assert placement.roles["critic"] == placement.roles["reference"]
   assert placement.roles["reference"].mesh == placement.roles["actor"].mesh
   assert placement.groups() == ({"trainer": (0, 1, 2, 3), "scorers": (4, 5, 6, 7)}
                                 if n_hosts > 1 else {"trainer": tuple(range(8))})
