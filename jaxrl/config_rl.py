@@ -153,7 +153,7 @@ class RolloutConfig:
   # 0: each prompt batch decodes as one static batch; > 0: in-flight batching in this many row
   # slots, refilled as rows finish (a multiple of the sampler's data shards; uneven lengths).
   inflight_slots: int = 0
-  # Each token drawn by the trainer's own pass on the trainer's devices (train/rollout/exact.py):
+  # Each token drawn by the trainer's own pass on the trainer's devices (train/loop/exact.py):
   # the sampler's log-probs are the trainer's bit for bit (mismatch exactly 0), at the price of
   # that pass once per new token. Sync, single-turn, static batches, whole rows (no packing).
   exact: bool = False

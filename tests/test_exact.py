@@ -1,4 +1,4 @@
-"""Exact decoding (train/rollout/exact.py, `rl.rollout.exact`): the log-prob of every token
+"""Exact decoding (train/loop/exact.py, `rl.rollout.exact`): the log-prob of every token
 drawn is the trainer's scoring pass's, bit for bit, in float32 and bfloat16, rows ending at EOS,
 for dense, scanned, Gemma 3 (a sliding window) and mixture-of-experts models; in a run, the
 mismatch is exactly 0."""
@@ -15,7 +15,7 @@ from jaxrl.config_files import shipped
 from jaxrl.models.config import from_fields
 from jaxrl.models.transformer import LanguageModel
 from sampler.methods import SamplingConfig
-from train.rollout.exact import exact_generate, exact_step
+from train.loop.exact import exact_generate, exact_step
 from train.run import Experiment
 from train.updates.batching import map_minibatches
 from train.updates.forward import completion_logprobs

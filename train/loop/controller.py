@@ -35,7 +35,7 @@ from train.roles.learner import Learner
 from train.roles.link import Link
 from train.roles.offload import Offloader
 from train.rollout.batches import WorkerState
-from train.rollout.exact import ExactSampler
+from train.loop.exact import ExactSampler
 from train.rollout.generator import Generator
 from train.rollout.source import RolloutSource
 from train.rollout.worker import RolloutWorkerError

@@ -66,7 +66,7 @@ class RolloutSource:
     """`prompts[i]`: prompt batch i (host arrays); `run(fn, *args, label=...)`: a call on the
     generator's executor (sync mode); `next_index`: the first batch not yet trained on; `split`: the
     trainer's and the sampler's processes where they are apart (sharding/crossing.py); `exact`:
-    `rl.rollout.exact`'s sampler (train/rollout/exact.py), which then draws every batch."""
+    `rl.rollout.exact`'s sampler (train/loop/exact.py), which then draws every batch."""
     self.cfg, self.rl, self.generator, self.weights = cfg, cfg.rl, generator, weights
     self.exact = exact
     self.prompts, self.prompt_len, self.timeline, self._run = prompts, prompt_len, timeline, run
