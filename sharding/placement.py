@@ -193,10 +193,9 @@ def _check_scorers_apart(whole: bool, strategy: str, n_devices: int, train_devic
     multiple = "" if one_host else f" a multiple of each host's {local} devices and"
     raise PlacementError(
         f"placement.scorers_apart: the reference, the reward model and the critic stand on "
-        f"devices of "
-        f"their own (on several hosts, hosts of their own), as many as the trainer's, after "
-        f"them: placement.strategy='separate' with train_devices{multiple} below half of the "
-        f"{n_devices} devices (the sampler takes the rest), or 'interleave' with "
+        f"devices of their own (on several hosts, hosts of their own), as many as the "
+        f"trainer's, after them: placement.strategy='separate' with train_devices{multiple} "
+        f"below half of the {n_devices} devices (the sampler takes the rest), or 'interleave' with "
         f"train_devices={n_devices // 2} (the sampler on the trainer's); got "
         f"strategy={strategy!r}, train_devices={train_devices}")
 

@@ -26,6 +26,7 @@ from sharding.reshard import move
 from train.io.host_transfers import HostTransfers
 from train.io.timeline import Timeline
 from train.loop.batch_fill import FilledBatch, fill_batch
+from train.loop.exact import ExactSampler
 from train.loop.executors import ExecutorError, Executors
 from train.loop.experience import critic_batch
 from train.loop.full_kl import check_rows, rows_of
@@ -35,7 +36,6 @@ from train.roles.learner import Learner
 from train.roles.link import Link
 from train.roles.offload import Offloader
 from train.rollout.batches import WorkerState
-from train.loop.exact import ExactSampler
 from train.rollout.generator import Generator
 from train.rollout.source import RolloutSource
 from train.rollout.worker import RolloutWorkerError
