@@ -301,8 +301,9 @@ def parse_args():
                       help="rl.batching.micro_batch_size (default: the workload's)")
   parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                       help="model.layers.scan (default: auto, unrolled on a CPU)")
-  parser.add_argument("--exact", action="store_true",
-                      help="rl.rollout.exact: each token drawn by the trainer's own pass")
+  parser.add_argument("--exact", choices=("", "pass", "replay"), default="",
+                      help="rl.rollout.exact: each token drawn by the trainer's own pass, or "
+                           "the trainer replaying the sampler's decode loop")
   add_host_flags(parser)
   args = parser.parse_args()
   if args.warmup < 1 or args.steps < 1:
@@ -325,7 +326,7 @@ def main() -> None:
   rl = ({} if args.micro_batch_size is None
         else {"batching": {"micro_batch_size": args.micro_batch_size}})
   if args.exact:
-    rl["rollout"] = {"exact": True}
+    rl["rollout"] = {"exact": args.exact}
   result = {"workload": args.workload, "scale": "reduced" if reduced else "full",
             "exact": args.exact,
             "scan_layers": cpu is False if args.scan_layers is None else args.scan_layers,

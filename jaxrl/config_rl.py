@@ -30,6 +30,8 @@ from jaxrl.rewards.user import POLICIES as USER_CODE_POLICIES
 from jaxrl.rewards.verifier import VERIFIERS
 from jaxrl.schedules import SCHEDULES
 
+EXACT_ROUTES = ("", "pass", "replay")
+
 REWARDS = ("verifier", "reward_model")
 MODES = ("sync", "async")
 KL_MODES = ("loss", "reward")  # KL(pi || ref) as a loss term, or folded into per-token rewards
@@ -153,14 +155,17 @@ class RolloutConfig:
   # 0: each prompt batch decodes as one static batch; > 0: in-flight batching in this many row
   # slots, refilled as rows finish (a multiple of the sampler's data shards; uneven lengths).
   inflight_slots: int = 0
-  # Each token drawn by the trainer's own pass on the trainer's devices (train/loop/exact.py):
-  # the sampler's log-probs are the trainer's bit for bit (mismatch exactly 0), at the price of
-  # that pass once per new token. Sync, single-turn, static batches, whole rows (no packing).
-  exact: bool = False
+  # The sampler's log-probs the trainer's bit for bit (mismatch exactly 0), on the trainer's
+  # devices (train/loop/exact.py; sync, single-turn, static batches, whole rows): "" off; "pass":
+  # each token drawn by the trainer's own pass (any dtype; that pass once per new token);
+  # "replay": the trainer's passes and update replay the sampler's decode loop (float32; the
+  # update as T small steps; a dense model).
+  exact: str = ""
 
   def __post_init__(self):
     positive(self, "max_new_tokens", "temperature")
     at_least_zero(self, "top_k", "inflight_slots")
+    choice(self, "exact", EXACT_ROUTES)
 
 
 @section
@@ -303,8 +308,8 @@ class RLConfig:
                        f"'reward', got {self.kl.mode!r}")
 
   def _check_exact(self) -> None:
-    """`rollout.exact` decodes by the trainer's pass, in turn with the update, over whole rows:
-    the settings it cannot honour, named."""
+    """`rollout.exact` decodes on the trainer's devices, in turn with the update, over whole
+    rows: the settings it cannot honour, named."""
     if not self.rollout.exact:
       return
     wanted = [("schedule.mode", self.schedule.mode, "sync", "'sync'"),
@@ -314,8 +319,8 @@ class RLConfig:
               ("batching.pack_length", self.batching.pack_length, 0, "0 (whole rows)")]
     for field, value, ok, want in wanted:
       if value != ok:
-        raise ValueError(f"{field}: rollout.exact decodes by the trainer's own pass; expected "
-                         f"{want}, got {value!r}")
+        raise ValueError(f"{field}: rollout.exact={self.rollout.exact!r} decodes on the "
+                         f"trainer's devices; expected {want}, got {value!r}")
 
   @property
   def rollouts(self) -> int:

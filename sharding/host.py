@@ -61,6 +61,24 @@ def force_cpu_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+NO_EXCESS_PRECISION = "--xla_allow_excess_precision=false"
+
+
+def round_as_written() -> None:
+  """XLA rounds every bfloat16 intermediate where the program says (no float32 kept where
+  nothing forces the rounding, which programs of other shapes do at other places): what
+  `rl.rollout.exact="replay"` needs in bfloat16 (docs/benchmarks.md). Read as JAX starts its
+  backend."""
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_allow_excess_precision" not in xla_flags:
+    os.environ["XLA_FLAGS"] = f"{xla_flags} {NO_EXCESS_PRECISION}".strip()
+
+
+def rounds_as_written() -> bool:
+  """Whether this process's XLA_FLAGS turn excess precision off (`round_as_written`)."""
+  return NO_EXCESS_PRECISION in os.environ.get("XLA_FLAGS", "")
+
+
 def pin_to_cores() -> tuple[int, ...] | None:
   """JAXRL_CPU_CORES (e.g. "1" or "0,1"): this process's threads run on these cores from now on
   (Linux); None where unset. Call it once JAX's CPU backend has started: the backend sizes its

@@ -86,29 +86,33 @@ def test_logprob_mismatch_measures_each_source_against_its_baseline():
   """`benchmarks.logprob_mismatch` (small): each source's largest log-prob gap and bitwise
   share, per dtype; the sampler's and the trainer's log-probs agree as a run's mismatch does; a
   gradient program's log-probs and a decode by the trainer's own pass are the scoring pass's,
-  bit for bit (what an exact mode can stand on)."""
+  bit for bit, and a decode loop replayed in a gradient program is the loop's in float32 (what
+  the exact routes stand on)."""
   from benchmarks.logprob_mismatch import main
   result = main(["--rows", "2", "--new_tokens", "6", "--d_model", "32", "--layers", "2",
                  "--pad", "5", "--json"])
   sources = {"sampler", "rows", "length", "head", "rules", "fsdp", "tensor", "f32_one",
-             "f32_mesh", "decode_rows", "grad", "trainer_decode"}
+             "f32_mesh", "decode_rows", "grad", "trainer_decode", "decode_replay"}
   for dtype, bound in (("float32", 1e-4), ("bfloat16", 0.1)):
-    gaps = {k: v for k, v in result[dtype].items() if k not in ("depth", "trainer_decode_cost")}
+    gaps = {k: v for k, v in result[dtype].items()
+            if k not in ("depth", "trainer_decode_cost", "decode_replay_cost")}
     assert gaps["grad"] == gaps["trainer_decode"] == {"max": 0.0, "bitwise_frac": 1.0}
-    assert result[dtype]["trainer_decode_cost"] > 0
+    assert result[dtype]["trainer_decode_cost"] > 0 and result[dtype]["decode_replay_cost"] > 0
     assert set(gaps) == sources and len(result[dtype]["depth"]) == 2  # (--layers 2)
     assert all(0 <= g["bitwise_frac"] <= 1 and g["max"] >= 0
                for g in [*gaps.values(), *result[dtype]["depth"]])
     assert result[dtype]["sampler"]["max"] < bound
     assert result[dtype]["depth"][-1] == result[dtype]["sampler"]  # (the whole model)
   assert result["float32"]["f32_one"] == {"max": 0.0, "bitwise_frac": 1.0}  # (itself)
+  assert result["float32"]["decode_replay"] == {"max": 0.0, "bitwise_frac": 1.0}
   assert result["bfloat16"]["f32_one"]["max"] > 0
 
 
 def test_without_excess_precision_a_bf16_mesh_scores_as_one_device():
   """XLA's excess precision, off (its flag is read as JAX starts: a process of its own): the
   bfloat16 pass over an fsdp mesh of 4 equals one device's bit for bit, and both are as far
-  from the float32 pass."""
+  from the float32 pass; a bfloat16 decode loop replayed in a gradient program is the loop's,
+  bit for bit (`rl.rollout.exact="replay"` in bfloat16)."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   out = subprocess.run([sys.executable, "-m", "benchmarks.logprob_mismatch", "--rows", "2",
                         "--new_tokens", "6", "--d_model", "32", "--layers", "2", "--pad", "5",
@@ -119,6 +123,7 @@ def test_without_excess_precision_a_bf16_mesh_scores_as_one_device():
   bf16 = result["bfloat16"]
   assert bf16["fsdp"] == {"max": 0.0, "bitwise_frac": 1.0}
   assert bf16["f32_one"] == bf16["f32_mesh"] and bf16["f32_one"]["max"] > 0
+  assert bf16["decode_replay"] == {"max": 0.0, "bitwise_frac": 1.0}
 
 
 def test_batch_invariance_compares_each_rows_result_with_the_same_rows_among_more():

@@ -13,12 +13,15 @@ from flax import nnx
 from jaxrl.config import ConfigError
 from jaxrl.config_files import shipped
 from jaxrl.models.config import from_fields
+from jaxrl.models.lora import LoRAConfig
 from jaxrl.models.transformer import LanguageModel
+from model_checks import perturbed
 from sampler.methods import SamplingConfig
-from train.loop.exact import exact_generate, exact_step
+from train.loop.exact import exact_generate, exact_step, replay_generate
 from train.run import Experiment
 from train.updates.batching import map_minibatches
 from train.updates.forward import completion_logprobs
+from train.updates.replay import replay_logprobs
 
 B, P, N, PIECES, TEMPERATURE = 8, 6, 10, 2, 0.7
 tiny = shipped("tiny")
@@ -29,15 +32,19 @@ MODELS = {  # (a window of 3 on every other layer; experts with their own routes
     "llama": {}, "llama_scanned": {"layers.scan": True},
     "gemma3": {"family": "gemma3", "n_layers": 3, "attention.sliding_window": 3,
                "attention.global_every": 2},
-    "qwen3_moe": {"family": "qwen3_moe", "moe.experts": 4, "moe.per_token": 2, "moe.d_ff": 16}}
+    "qwen3_moe": {"family": "qwen3_moe", "moe.experts": 4, "moe.per_token": 2, "moe.d_ff": 16},
+    "llama_lora": {}}  # (LoRA adapters on every projection, unmerged, off their init)
 
 
 @pytest.mark.parametrize("model,dtype", [("llama", "float32"), ("llama", "bfloat16"),
                                          ("llama_scanned", "float32"), ("gemma3", "bfloat16"),
-                                         ("qwen3_moe", "float32")])
+                                         ("qwen3_moe", "float32"), ("llama_lora", "bfloat16")])
 def test_exact_decoding_reports_the_trainers_logprobs_bit_for_bit(model, dtype):
   cfg = from_fields({**BASE, **MODELS[model], "dtype": dtype})
-  graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
+  if model.endswith("lora"):
+    graphdef, params = perturbed(cfg, LoRAConfig(rank=4, alpha=8.0))
+  else:
+    graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
   prompts_BP = jax.random.randint(jax.random.key(1), (B, P), 3, cfg.vocab_size)
   valid_BP = jnp.arange(P)[None, :] >= jnp.arange(B)[:, None] % 3  # (some left padding)
 
@@ -66,13 +73,46 @@ def test_exact_decoding_reports_the_trainers_logprobs_bit_for_bit(model, dtype):
     assert tokens_BN[row, length - 1] == eos and (tokens_BN[row, length:] == 0).all()
 
 
-def _exact_run(tmp_path, name: str, **correction) -> tuple[list[dict], str]:
+@pytest.mark.parametrize("model", ["llama", "llama_scanned", "gemma3", "llama_lora"])
+def test_replayed_decoding_scores_the_samplers_logprobs_bit_for_bit(model):
+  """`exact="replay"`: the trainer's log-probs replayed through the sampler's decode loop
+  (teacher-forced, inside a gradient program as the update computes them) are the ones the
+  sampler drew with, bit for bit, float32, rows ending at EOS, in the same pieces of rows."""
+  cfg = from_fields({**BASE, **MODELS[model], "dtype": "float32"})
+  if model.endswith("lora"):
+    graphdef, params = perturbed(cfg, LoRAConfig(rank=4, alpha=8.0))
+  else:
+    graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
+  prompts_BP = jax.random.randint(jax.random.key(1), (B, P), 3, cfg.vocab_size)
+  valid_BP = jnp.arange(P)[None, :] >= jnp.arange(B)[:, None] % 3
+
+  def generate(eos_id: int):
+    sampling = SamplingConfig(max_new_tokens=N, eos_id=eos_id, pad_id=0, temperature=TEMPERATURE)
+    return jax.jit(functools.partial(replay_generate, graphdef, cfg=sampling, pieces=PIECES))(
+        params, prompts_BP, valid_BP, jax.random.key(2))
+  r = generate(int(generate(-1).tokens_BT[0, P + 3]))
+
+  def replayed(q, t, v):
+    lp_BN = map_minibatches(lambda mb: replay_logprobs(graphdef, q, *mb, P, TEMPERATURE)[0],
+                            (t, v), PIECES)
+    return (lp_BN * r.completion_mask_BN).sum(), lp_BN
+  (_, pi_BN), grads = jax.jit(jax.value_and_grad(replayed, has_aux=True))(
+      params, r.tokens_BT, r.valid_BT)
+  mask_BN, mu_BN = np.asarray(r.completion_mask_BN), np.asarray(r.logprobs_BN)
+  assert not mask_BN.all() and mask_BN.any(axis=1).all()  # (rows that ended, none empty)
+  assert np.array_equal(np.asarray(pi_BN)[mask_BN], mu_BN[mask_BN])
+  assert (mu_BN[~mask_BN] == 0).all()
+  assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+def _exact_run(tmp_path, name: str, route: str = "pass", dtype: str = "bfloat16",
+               **correction) -> tuple[list[dict], str]:
   raw = tiny.get_config().to_dict()
   raw.update(run_dir=str(tmp_path), run_name=name)
-  raw["model"]["dtype"] = "bfloat16"
+  raw["model"]["dtype"] = dtype
   raw["rl"].update(steps=2)
   raw["rl"]["batching"]["num_minibatches"] = 2
-  raw["rl"]["rollout"].update(exact=True, temperature=0.7)
+  raw["rl"]["rollout"].update(exact=route, temperature=0.7)
   raw["rl"]["correction"].update(correction)
   with Experiment(raw) as exp:
     summary = exp.run()
@@ -93,8 +133,28 @@ def test_an_exact_run_has_no_mismatch_and_its_corrections_are_no_ops(tmp_path):
   assert all(r["tis_capped_frac"] == r["rollout_masked_frac"] == 0.0 for r in corrected)
   assert same == fingerprint
   raw = tiny.get_config().to_dict()
-  raw["rl"]["rollout"]["exact"] = True
+  raw["rl"]["rollout"]["exact"] = "pass"
   raw["rl"]["schedule"]["mode"] = "async"
-  with pytest.raises(ConfigError, match=r"schedule.mode: rollout.exact decodes by the "
-                                        r"trainer's own pass; expected 'sync', got 'async'"):
+  with pytest.raises(ConfigError, match=r"schedule.mode: rollout.exact='pass' decodes on the "
+                                        r"trainer's devices; expected 'sync', got 'async'"):
+    Experiment(raw)
+
+
+def test_a_replayed_exact_run_has_no_mismatch(tmp_path):
+  """`rl.rollout.exact="replay"` in a run (float32, temperature 0.7, two minibatches: the old
+  log-probs a replay of their own, the update's a replay in its gradient program): the
+  mismatch is exactly 0 at every step; bfloat16 where XLA keeps excess precision and a mixture
+  of experts are refused in one line."""
+  rows, _ = _exact_run(tmp_path, "replay", route="replay", dtype="float32")
+  assert [r["step"] for r in rows] == [1, 2]
+  assert all(r["mismatch_max"] == r["mismatch_kl"] == r["mismatch_mean"] == 0.0 for r in rows)
+  raw = tiny.get_config().to_dict()
+  raw["rl"]["rollout"]["exact"] = "replay"
+  raw["model"]["dtype"] = "bfloat16"  # (this process's XLA keeps excess precision)
+  with pytest.raises(ConfigError, match=r"rl.rollout.exact: 'replay' in bfloat16 needs "
+                                        r"XLA_FLAGS=--xla_allow_excess_precision=false"):
+    Experiment(raw)
+  raw["model"].update(dtype="float32", family="qwen3_moe")
+  raw["model"]["moe"].update(experts=4, per_token=2, d_ff=16)
+  with pytest.raises(ConfigError, match=r"rl.rollout.exact: 'replay' scores a dense model"):
     Experiment(raw)

@@ -16,7 +16,7 @@ from ml_collections import config_flags
 from jaxrl.config_checks import unknown_field
 from jaxrl.config_files import moved
 from sharding.host import (cpu_only_here, force_cpu_devices, pin_to_cores,
-                           reserve_device_memory, retain_freed_memory)
+                           reserve_device_memory, retain_freed_memory, round_as_written)
 
 def default_config() -> str:
   """configs/default.py of jaxrl's checkout (jaxrl/config_files.py `CONFIGS`)."""
@@ -162,11 +162,15 @@ def _setup_logging(primary: bool) -> None:
 
 def start_jax(raw, resume: str = "") -> None:
   """Before JAX starts its backend: fake CPU devices, the accelerators' memory fraction (read
-  from the raw config; it is validated later), the job joined on several hosts (`resume`: the
-  command a survivor names when a peer dies, sharding/distributed.py), logging."""
+  from the raw config; it is validated later), XLA's rounding for `rl.rollout.exact="replay"`,
+  the job joined on several hosts (`resume`: the command a survivor names when a peer dies,
+  sharding/distributed.py), logging."""
   placement = raw.get("placement", {})
   cpu_devices = placement.get("cpu_devices", 8)
   force_cpu_devices(cpu_devices if isinstance(cpu_devices, int) else 8)
+  rollout = raw.get("rl", {}).get("rollout", {})
+  if rollout.get("exact") == "replay":  # (its bfloat16 programs round where they say)
+    round_as_written()
   fraction = placement.get("device_memory_fraction", 0.9)
   reserve_device_memory(fraction if isinstance(fraction, (int, float)) and 0 <= fraction <= 1
                         else 0.9)

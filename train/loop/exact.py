@@ -1,5 +1,9 @@
 """Exact decoding: each token drawn from the trainer's own distribution, bit for bit.
 
+Two routes (`rl.rollout.exact`): "pass", below, decodes by the trainer's pass; "replay"
+(train/updates/replay.py) has the trainer score in the decode loop's shapes instead, and the
+sampler here draws in that loop (`replay_generate`).
+
 The engine (sampler/engine.py) decodes a token per step over a KV cache: each step's products
 have B rows where the trainer's scoring pass has B x T, and XLA rounds a row's result by the
 shape it is computed in (`benchmarks.batch_invariance`), so the sampler's log-probs and the
@@ -29,6 +33,7 @@ from jaxrl.models.rope import positions_from_valid
 from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
 from train.updates.batching import map_minibatches
+from train.updates.replay import decode_loop
 from train.updates.state import model_of
 
 
@@ -100,15 +105,48 @@ def exact_generate(step, prompt_tokens_BP, prompt_valid_BP, key, *,
                  logprobs_BN=jnp.stack(logps, axis=1), lengths_B=mask_BN.sum(axis=1))
 
 
+def replay_generate(graphdef, params, prompt_tokens_BP, prompt_valid_BP, key, *,
+                    cfg: SamplingConfig, pieces: int = 1) -> Rollout:
+  """`exact="replay"`: rows of `cfg.max_new_tokens` slots drawn in the decode loop the trainer
+  replays (train/updates/replay.py), in `pieces` strided pieces of rows as the trainer's passes
+  hold them; each row's Gumbel noise from its own key (the draw does not depend on the pieces).
+  Pure: jit it on the actor's mesh."""
+  b, p, n = *prompt_tokens_BP.shape, cfg.max_new_tokens
+  stops = jnp.asarray(_stop_ids(cfg), jnp.int32)
+
+  def rows(mb):
+    tokens_BT, valid_BT, keys_B = mb
+
+    def draw(logp_BV, i, done_B):
+      gumbel_BV = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, i),
+                                                       logp_BV.shape[-1:]))(keys_B)
+      tok_B = jnp.argmax(logp_BV + gumbel_BV, axis=-1).astype(jnp.int32)
+      tok_B = jnp.where(done_B, cfg.pad_id, tok_B)
+      return tok_B, jnp.isin(tok_B, stops)
+    tokens_BT, valid_BT, logp_BN, _ = decode_loop(graphdef, params, tokens_BT, valid_BT,
+                                                  prompt_len=p, temperature=cfg.temperature,
+                                                  draw=draw)
+    return tokens_BT, valid_BT, jnp.where(valid_BT[:, p:], logp_BN, 0.0)
+  tokens_BT = jnp.pad(prompt_tokens_BP, ((0, 0), (0, n)), constant_values=cfg.pad_id)
+  valid_BT = jnp.pad(prompt_valid_BP, ((0, 0), (0, n)))
+  tokens_BT, valid_BT, logp_BN = map_minibatches(
+      rows, (tokens_BT, valid_BT, jax.random.split(key, b)), pieces)
+  mask_BN = valid_BT[:, p:]
+  return Rollout(tokens_BT=tokens_BT, valid_BT=valid_BT, completion_mask_BN=mask_BN,
+                 logprobs_BN=logp_BN, lengths_B=mask_BN.sum(axis=1))
+
+
 class ExactSampler:
-  """`rl.rollout.exact`: a step's rollouts decoded by the trainer's pass on the actor's mesh,
-  from the actor's own parameters (the sampler's copy is not read), `group_size` rows per prompt
-  (group-major), in the scoring pass's pieces (`rollouts // pass_rows`)."""
+  """`rl.rollout.exact`: a step's rollouts decoded on the actor's mesh from the actor's own
+  parameters (the sampler's copy is not read), by the trainer's pass ("pass") or in the loop
+  the trainer replays ("replay"), `group_size` rows per prompt (group-major), in the trainer's
+  passes' pieces (`rollouts // pass_rows`)."""
 
   def __init__(self, rl, role, sampling: SamplingConfig, transfers):
     """`role`: the actor; `sampling`: the RL sampler's settings; `transfers`: the run's named
     host transfers (the prompts go up)."""
     self.role, self.sampling, self.group, self.transfers = role, sampling, rl.group_size, transfers
+    self.route = rl.rollout.exact
     self.pieces = rl.rollouts // rl.pass_rows
     self._steps: dict[int, object] = {}  # prompt width -> its jitted step
 
@@ -118,6 +156,11 @@ class ExactSampler:
     tokens_BP, valid_BP = self.transfers.to_device(host, self.role.batch_shardings(host),
                                                    "prompts")
     width = tokens_BP.shape[1]
+    if self.route == "replay":
+      if width not in self._steps:
+        self._steps[width] = self.role.jit(functools.partial(
+            replay_generate, self.role.graphdef, cfg=self.sampling, pieces=self.pieces))
+      return self._steps[width](self.role.params, tokens_BP, valid_BP, key)
     if width not in self._steps:
       self._steps[width] = self.role.jit(functools.partial(
           exact_step, self.role.graphdef, prompt_len=width, cfg=self.sampling,

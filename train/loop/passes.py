@@ -10,6 +10,7 @@ from jaxrl.config_rl import RLConfig
 from train.updates.batching import map_minibatches
 from train.updates.forward import completion_logprobs
 from train.updates.packing import packed_logprobs
+from train.updates.replay import replay_logprobs
 
 
 def logprobs(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_len: int,
@@ -20,10 +21,19 @@ def logprobs(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_
                              temperature)[0]
 
 
-def policy_logprobs(cfg: RLConfig):
+def replayed(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_len: int,
+             temperature: float):
+  """`logprobs` in the sampler's decode loop (`rl.rollout.exact="replay"`: replay.py)."""
+  del routes_BTLK  # (a dense model)
+  return replay_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, temperature)[0]
+
+
+def policy_logprobs(cfg: RLConfig, actor: bool = False):
   """`logprobs` at RL's sampling temperature (`rl.rollout.temperature`): the policy's and the
-  reference's, for `scorer`."""
-  return functools.partial(logprobs, temperature=cfg.rollout.temperature)
+  reference's, for `scorer`; the `actor`'s replayed under `rl.rollout.exact="replay"` (the
+  reference's need not be: the KL reads them, not the correction)."""
+  fn = replayed if actor and cfg.rollout.exact == "replay" else logprobs
+  return functools.partial(fn, temperature=cfg.rollout.temperature)
 
 
 def packed_scorer(cfg: RLConfig, role):

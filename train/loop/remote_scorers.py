@@ -111,8 +111,7 @@ class RemoteScorers:
 
   def update_critic(self, exp) -> dict:
     """The critic's update on the scorers' processes, on `exp`'s critic fields; its metrics."""
-    batch = critic_batch(exp)
-    out = self._ask("critic_update", {"batch": {k: getattr(batch, k) for k in CRITIC_FIELDS}})
+    out = self._ask("critic_update", {"batch": {k: getattr(exp, k) for k in CRITIC_FIELDS}})
     self.critic_home = False
     return out
 

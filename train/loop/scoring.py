@@ -56,10 +56,9 @@ class Scoring:
                                    if r is not None}, link_of,
                                   critic if self.critic_apart else None)
     # (reference, old) log-prob passes over the [B, T] batch, and over packed rows
-    policy = policy_logprobs(cfg)
-    self.logprob_fns = {packed: tuple(packed_scorer(cfg, r) if packed else scorer(cfg, r, policy)
-                                      for r in (self.reference, actor.role))
-                        for packed in (False, True)}
+    self.logprob_fns = {packed: tuple(
+        packed_scorer(cfg, r) if packed else scorer(cfg, r, policy_logprobs(cfg, r is actor.role))
+        for r in (self.reference, actor.role)) for packed in (False, True)}
     if critic is not None:
       self.values_fn = scorer(cfg, critic.role, completion_values)
     if self.reward_model is not None and self.remote is None:

@@ -17,7 +17,9 @@ import functools
 import logging
 import time
 
+from jaxrl.config import ConfigError
 from jaxrl.config_rl import RLConfig
+from sharding.host import NO_EXCESS_PRECISION, rounds_as_written
 from train.loop.controller import Controller
 from train.loop.full_kl import FullKL
 from train.roles.learner import Learner, critic_learner, rl_optimizer
@@ -60,6 +62,16 @@ class RLStage(Stage):
     self._worker_state = None
     self._paused = None  # while a checkpoint is taken: the generator's state
     self._full_kl: FullKL | None = None
+
+  @classmethod
+  def check(cls, cfg) -> None:
+    """`rl.rollout.exact="replay"` in bfloat16 needs XLA to round as its programs say, a flag
+    read as JAX starts (the train command sets it: train/cli/flags.py)."""
+    if cfg.rl.rollout.exact == "replay" and cfg.model.dtype != "float32" and \
+        not rounds_as_written():
+      raise ConfigError(f"rl.rollout.exact: 'replay' in {cfg.model.dtype} needs XLA_FLAGS="
+                        f"{NO_EXCESS_PRECISION} set before JAX starts (jaxrl-train sets it); "
+                        f"expected that, model.dtype='float32' or exact='pass'")
 
   def eval_due(self, done: int) -> bool:
     return done % self.cfg.eval.every == 0 or done == self.total

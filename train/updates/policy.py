@@ -15,6 +15,7 @@ from jaxrl.config_rl import RLConfig
 from train.updates.batching import accumulate_grads, compute_copy, micro_batches, scan_minibatches
 from train.updates.forward import completion_values, routed_logprobs
 from train.updates.packing import packed_logprobs
+from train.updates.replay import replay_logprobs
 from train.updates.state import TrainState, apply_gradients
 
 
@@ -31,7 +32,11 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
   (|log mu - log pi_old|, KL(mu || pi_old)) over every valid token (`token_weights_BN`: a token
   mean over the minibatch)."""
   exp, weights_BN, token_weights_BN = micro
-  if exp.pack is not None:  # its rows packed to a token budget (train/updates/packing.py)
+  if cfg.rollout.exact == "replay":  # the sampler's decode loop replayed (train/updates/replay.py)
+    logp_BN, entropy_BN = replay_logprobs(graphdef, params, exp.tokens_BT, exp.valid_BT,
+                                          exp.prompt_len, cfg.rollout.temperature)
+    router, router_metrics = jnp.zeros((), jnp.float32), {}
+  elif exp.pack is not None:  # its rows packed to a token budget (train/updates/packing.py)
     logp_BN, entropy_BN, router, router_metrics = packed_logprobs(
         graphdef, params, exp.tokens_BT, exp.pack, exp.completion_mask_BN, exp.routes_BTLK,
         temperature=cfg.rollout.temperature)

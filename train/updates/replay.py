@@ -1,0 +1,72 @@
+"""The trainer's log-probs in the sampler's shapes: `rl.rollout.exact="replay"`.
+
+XLA rounds a row's products and reductions by the shape they are computed in, so a decode step
+(B rows, one query over a KV cache) and the trainer's pass over the whole sequence (B x T rows,
+T queries) give a token log-probs a few ULPs apart (docs/benchmarks.md,
+`benchmarks.logprob_mismatch`). Here both sides run one decode loop: a prefill of the prompt
+slots, then a `lax.scan` of one-token steps over a KV cache of every slot (the rows layout), the
+LM head and the log-softmax at the sampling temperature per step. The sampler draws each token
+in it (train/loop/exact.py); the trainer's scoring passes and its update feed the drawn tokens
+back (teacher-forced) through the same loop, so in float32 every log-prob is the sampler's bit
+for bit, and a gradient program's forward rounds as the plain one (`decode_replay` measured 0).
+Its price is the update's forward and backward as T small steps instead of one pass (2.3x the
+gradient's time at the W1 shapes on a 2-core CPU: docs/benchmarks.md).
+
+Rows that ended (EOS) carry PAD in their later slots, invalid; the mask every query sees is the
+same on both sides (keys at or before its slot), so the sampler's growing `valid` and the
+trainer's final one give the same numbers. A dense model (no router loss is computed here).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.models.attention import init_kv_cache
+from jaxrl.models.layouts import ROWS
+from jaxrl.models.rope import positions_from_valid
+from train.updates.state import model_of
+
+
+def decode_loop(graphdef, params, tokens_BT, valid_BT, *, prompt_len: int, temperature: float,
+                draw=None):
+  """(tokens [B, T], valid [B, T], log-probs [B, N], entropies [B, N]) of the N = T -
+  prompt_len completion slots. `draw(logits_BV, i, done_B) -> (tokens_B, ends_B)` picks slot
+  i's tokens (the sampler: `valid` grows, rows that ended keep PAD); without it the buffer's
+  tokens are fed (the trainer)."""
+  model, (b, t) = model_of(graphdef, params), tokens_BT.shape
+  valid_BS = jnp.pad(valid_BT, ((0, 0), (0, 1)))  # (a slot for the last step's unused forward)
+  tokens_BS = jnp.pad(tokens_BT, ((0, 0), (0, 1)))
+  cache = init_kv_cache(model.cfg, b, t + 1)
+  h_B1D, cache, _ = model.decoder.forward(
+      tokens_BS[:, :prompt_len], positions_from_valid(valid_BS)[:, :prompt_len], valid_BS, cache,
+      0, last_only=True)
+
+  def step(carry, i):
+    h_B1D, cache, tokens_BS, valid_BS, done_B = carry
+    slot = prompt_len + i
+    logits_BV = ROWS.next_logits(h_B1D[:, -1:], model.head_VD(), model.cfg.logit_softcap)
+    logp_BV = jax.nn.log_softmax(logits_BV / temperature)
+    if draw is None:
+      tok_B = jax.lax.dynamic_index_in_dim(tokens_BS, slot, 1, keepdims=False)
+    else:
+      tok_B, ends_B = draw(logp_BV, i, done_B)
+      tokens_BS = jax.lax.dynamic_update_index_in_dim(tokens_BS, tok_B, slot, 1)
+      valid_BS = jax.lax.dynamic_update_index_in_dim(valid_BS, ~done_B, slot, 1)
+      done_B = done_B | ends_B
+    pos_B1 = jax.lax.dynamic_slice_in_dim(positions_from_valid(valid_BS), slot, 1, 1)
+    h_B1D, cache, _ = model.decoder.forward(tok_B[:, None], pos_B1, valid_BS, cache, slot)
+    logp_B = jnp.take_along_axis(logp_BV, tok_B[:, None], 1)[:, 0]
+    entropy_B = -(jnp.exp(logp_BV) * logp_BV).sum(-1)
+    return (h_B1D, cache, tokens_BS, valid_BS, done_B), (logp_B, entropy_B)
+  carry = (h_B1D, cache, tokens_BS, valid_BS, jnp.zeros((b,), bool))
+  (_, _, tokens_BS, valid_BS, _), (logp_NB, entropy_NB) = jax.lax.scan(
+      step, carry, jnp.arange(t - prompt_len))
+  return tokens_BS[:, :t], valid_BS[:, :t], logp_NB.T, entropy_NB.T
+
+
+def replay_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int,
+                    temperature: float = 1.0):
+  """The completion tokens' log-probs and entropies [B, N] as the sampler computed them when it
+  drew them (`decode_loop`, teacher-forced): `completion_logprobs` for `exact="replay"`."""
+  return decode_loop(graphdef, params, tokens_BT, valid_BT, prompt_len=prompt_len,
+                     temperature=temperature)[2:]
