@@ -155,11 +155,11 @@ class RolloutConfig:
   # 0: each prompt batch decodes as one static batch; > 0: in-flight batching in this many row
   # slots, refilled as rows finish (a multiple of the sampler's data shards; uneven lengths).
   inflight_slots: int = 0
-  # The sampler's log-probs the trainer's bit for bit (mismatch exactly 0), on the trainer's
-  # devices (train/loop/exact.py; sync, single-turn, static batches, whole rows): "" off; "pass":
-  # each token drawn by the trainer's own pass (any dtype; that pass once per new token);
-  # "replay": the trainer's passes and update replay the sampler's decode loop (float32; the
-  # update as T small steps; a dense model).
+  # The sampler's log-probs the trainer's bit for bit (mismatch exactly 0; train/loop/exact.py;
+  # single-turn static batches, whole rows): "" off; "pass": each token drawn by the trainer's
+  # own pass on its devices (sync; any dtype; that pass once per new token); "replay": the
+  # trainer's passes and update replay the sampler's decode loop (sync or async; float32, or
+  # bfloat16 without XLA's excess precision; the update as T small steps; a dense model).
   exact: str = ""
 
   def __post_init__(self):
@@ -308,19 +308,21 @@ class RLConfig:
                        f"'reward', got {self.kl.mode!r}")
 
   def _check_exact(self) -> None:
-    """`rollout.exact` decodes on the trainer's devices, in turn with the update, over whole
-    rows: the settings it cannot honour, named."""
+    """`rollout.exact` draws whole static single-turn rows the trainer scores at the sampling
+    temperature ("pass" on the trainer's devices, in turn with the update): the settings it
+    cannot honour, named."""
     if not self.rollout.exact:
       return
-    wanted = [("schedule.mode", self.schedule.mode, "sync", "'sync'"),
-              ("rollout.inflight_slots", self.rollout.inflight_slots, 0, "0"),
+    wanted = [("rollout.inflight_slots", self.rollout.inflight_slots, 0, "0"),
               ("rollout.top_k", self.rollout.top_k, 0, "0 (the trainer scores every token)"),
               ("environment.name", self.environment.name, "", "'' (single-turn)"),
               ("batching.pack_length", self.batching.pack_length, 0, "0 (whole rows)")]
+    if self.rollout.exact == "pass":  # (the trainer's pass: on its devices, in turn)
+      wanted.append(("schedule.mode", self.schedule.mode, "sync", "'sync'"))
     for field, value, ok, want in wanted:
       if value != ok:
-        raise ValueError(f"{field}: rollout.exact={self.rollout.exact!r} decodes on the "
-                         f"trainer's devices; expected {want}, got {value!r}")
+        raise ValueError(f"{field}: not with rollout.exact={self.rollout.exact!r}; expected "
+                         f"{want}, got {value!r}")
 
   @property
   def rollouts(self) -> int:

@@ -17,11 +17,11 @@ from jaxrl.models.lora import LoRAConfig
 from jaxrl.models.transformer import LanguageModel
 from model_checks import perturbed
 from sampler.methods import SamplingConfig
-from train.loop.exact import exact_generate, exact_step, replay_generate
+from train.loop.exact import exact_generate, exact_step
 from train.run import Experiment
 from train.updates.batching import map_minibatches
 from train.updates.forward import completion_logprobs
-from train.updates.replay import replay_logprobs
+from train.updates.replay import replay_generate, replay_logprobs
 
 B, P, N, PIECES, TEMPERATURE = 8, 6, 10, 2, 0.7
 tiny = shipped("tiny")
@@ -106,9 +106,12 @@ def test_replayed_decoding_scores_the_samplers_logprobs_bit_for_bit(model):
 
 
 def _exact_run(tmp_path, name: str, route: str = "pass", dtype: str = "bfloat16",
-               **correction) -> tuple[list[dict], str]:
+               schedule: dict | None = None, **correction) -> tuple[list[dict], str]:
   raw = tiny.get_config().to_dict()
   raw.update(run_dir=str(tmp_path), run_name=name)
+  if schedule:  # (async: the sampler's mesh split by rows as the trainer's)
+    raw["rl"]["schedule"].update(schedule)
+    raw["placement"]["sampler_tensor"] = 1
   raw["model"]["dtype"] = dtype
   raw["rl"].update(steps=2)
   raw["rl"]["batching"]["num_minibatches"] = 2
@@ -135,8 +138,8 @@ def test_an_exact_run_has_no_mismatch_and_its_corrections_are_no_ops(tmp_path):
   raw = tiny.get_config().to_dict()
   raw["rl"]["rollout"]["exact"] = "pass"
   raw["rl"]["schedule"]["mode"] = "async"
-  with pytest.raises(ConfigError, match=r"schedule.mode: rollout.exact='pass' decodes on the "
-                                        r"trainer's devices; expected 'sync', got 'async'"):
+  with pytest.raises(ConfigError, match=r"schedule.mode: not with rollout.exact='pass'; "
+                                        r"expected 'sync', got 'async'"):
     Experiment(raw)
 
 
@@ -158,3 +161,19 @@ def test_a_replayed_exact_run_has_no_mismatch(tmp_path):
   raw["model"]["moe"].update(experts=4, per_token=2, d_ff=16)
   with pytest.raises(ConfigError, match=r"rl.rollout.exact: 'replay' scores a dense model"):
     Experiment(raw)
+
+
+def test_replay_in_async_mode_is_exact_and_its_mismatch_is_the_policy_lag(tmp_path):
+  """`exact="replay"` in async mode (fixed schedule): the sampler's copy draws on its own devices,
+  each holding the trainer's rows a device. With no staleness allowed every batch is drawn by
+  the weights the trainer scores it with, and the mismatch is exactly 0 at every step; a batch
+  a version behind (`max_staleness=1`) then differs from pi_old by the policy lag alone."""
+  fixed = {"mode": "async", "name": "fixed"}
+  rows, _ = _exact_run(tmp_path, "async0", route="replay", dtype="float32",
+                       schedule={**fixed, "max_staleness": 0})
+  assert [r["step"] for r in rows] == [1, 2]
+  assert all(r["mismatch_max"] == r["mismatch_kl"] == 0.0 for r in rows)
+  rows, _ = _exact_run(tmp_path, "async1", route="replay", dtype="float32",
+                       schedule={**fixed, "max_staleness": 1})
+  assert [r["policy_lag"] for r in rows] == [0, 1]
+  assert rows[0]["mismatch_max"] == 0.0 and rows[1]["mismatch_max"] > 0.0

@@ -34,7 +34,7 @@ TRAIN_MAY_IMPORT = {
     "io": set(),  # run I/O: checkpoints, run dir, metrics, tracking, timeline, compile stats
     "updates": set(),  # the pure update steps
     "roles": {"io", "updates"},  # models on their meshes, their weights, learners, offload
-    "rollout": {"io", "roles"},  # generation, multi-turn, the async worker and its schedule
+    "rollout": {"io", "updates", "roles"},  # generation, multi-turn, the async worker and its schedule
     "task": {"io", "roles", "rollout"},  # the run's data, reward and held-out evaluation
     "loop": {"io", "updates", "roles", "rollout", "task"},  # the RL loop and its executors
     "stages": {"io", "updates", "roles", "rollout", "task", "loop"},

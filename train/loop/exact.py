@@ -2,7 +2,7 @@
 
 Two routes (`rl.rollout.exact`): "pass", below, decodes by the trainer's pass; "replay"
 (train/updates/replay.py) has the trainer score in the decode loop's shapes instead, and the
-sampler here draws in that loop (`replay_generate`).
+sampler here draws in that loop (`replay_generate` there).
 
 The engine (sampler/engine.py) decodes a token per step over a KV cache: each step's products
 have B rows where the trainer's scoring pass has B x T, and XLA rounds a row's result by the
@@ -33,7 +33,7 @@ from jaxrl.models.rope import positions_from_valid
 from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
 from train.updates.batching import map_minibatches
-from train.updates.replay import decode_loop
+from train.updates.replay import replay_generate, stop_ids
 from train.updates.state import model_of
 
 
@@ -58,16 +58,6 @@ def _next_token(graphdef, params, tokens_BT, valid_BT, gumbel_BV, i, *, prompt_l
   return tok_B, jnp.where(hit_BV, logits_BV, 0.0).sum(-1) - lse_B
 
 
-def _stop_ids(cfg: SamplingConfig) -> tuple[int, ...]:
-  """The tokens that end a row: EOS and single-token stop sequences (ValueError for what exact
-  decoding does not sample: top-k, top-p, longer stop sequences, stop strings)."""
-  if cfg.method != "temperature" or cfg.top_k or cfg.top_p < 1.0 or cfg.stop_text is not None \
-      or any(len(s) != 1 for s in cfg.stop_sequences):
-    raise ValueError("exact decoding samples at a temperature, rows ending at EOS or a stop "
-                     "token (no top-k, top-p, stop strings: the trainer scores every token)")
-  return () if cfg.ignore_eos else (cfg.eos_id, *(s[0] for s in cfg.stop_sequences))
-
-
 def exact_step(graphdef, params, tokens_BT, valid_BT, done_B, key, i, *, prompt_len: int,
                cfg: SamplingConfig, pieces: int = 1):
   """One exact decode step at completion slot `i` (a device int): (tokens, valid, done, the
@@ -82,7 +72,7 @@ def exact_step(graphdef, params, tokens_BT, valid_BT, done_B, key, i, *, prompt_
   slot = prompt_len + i
   tokens_BT = jax.lax.dynamic_update_index_in_dim(tokens_BT, tok_B, slot, 1)
   valid_BT = jax.lax.dynamic_update_index_in_dim(valid_BT, ~done_B, slot, 1)
-  ends_B = jnp.isin(tok_B, jnp.asarray(_stop_ids(cfg), jnp.int32))
+  ends_B = jnp.isin(tok_B, jnp.asarray(stop_ids(cfg), jnp.int32))
   return tokens_BT, valid_BT, done_B | ends_B, jnp.where(done_B, 0.0, logp_B), i + 1
 
 
@@ -92,7 +82,7 @@ def exact_generate(step, prompt_tokens_BP, prompt_valid_BP, key, *,
   decoded by `step` (`exact_step` jitted, all but the arrays bound: (tokens, valid, done, key,
   i) -> ...), one call per slot: the trainer's pass compiled once, the slot counted on the
   device (nothing from the host)."""
-  _stop_ids(cfg)
+  stop_ids(cfg)
   b, n = prompt_tokens_BP.shape[0], cfg.max_new_tokens
   tokens_BT = jnp.pad(prompt_tokens_BP, ((0, 0), (0, n)), constant_values=cfg.pad_id)
   valid_BT = jnp.pad(prompt_valid_BP, ((0, 0), (0, n)))
@@ -103,37 +93,6 @@ def exact_generate(step, prompt_tokens_BP, prompt_valid_BP, key, *,
   mask_BN = valid_BT[:, -n:]
   return Rollout(tokens_BT=tokens_BT, valid_BT=valid_BT, completion_mask_BN=mask_BN,
                  logprobs_BN=jnp.stack(logps, axis=1), lengths_B=mask_BN.sum(axis=1))
-
-
-def replay_generate(graphdef, params, prompt_tokens_BP, prompt_valid_BP, key, *,
-                    cfg: SamplingConfig, pieces: int = 1) -> Rollout:
-  """`exact="replay"`: rows of `cfg.max_new_tokens` slots drawn in the decode loop the trainer
-  replays (train/updates/replay.py), in `pieces` strided pieces of rows as the trainer's passes
-  hold them; each row's Gumbel noise from its own key (the draw does not depend on the pieces).
-  Pure: jit it on the actor's mesh."""
-  b, p, n = *prompt_tokens_BP.shape, cfg.max_new_tokens
-  stops = jnp.asarray(_stop_ids(cfg), jnp.int32)
-
-  def rows(mb):
-    tokens_BT, valid_BT, keys_B = mb
-
-    def draw(logp_BV, i, done_B):
-      gumbel_BV = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, i),
-                                                       logp_BV.shape[-1:]))(keys_B)
-      tok_B = jnp.argmax(logp_BV + gumbel_BV, axis=-1).astype(jnp.int32)
-      tok_B = jnp.where(done_B, cfg.pad_id, tok_B)
-      return tok_B, jnp.isin(tok_B, stops)
-    tokens_BT, valid_BT, logp_BN, _ = decode_loop(graphdef, params, tokens_BT, valid_BT,
-                                                  prompt_len=p, temperature=cfg.temperature,
-                                                  draw=draw)
-    return tokens_BT, valid_BT, jnp.where(valid_BT[:, p:], logp_BN, 0.0)
-  tokens_BT = jnp.pad(prompt_tokens_BP, ((0, 0), (0, n)), constant_values=cfg.pad_id)
-  valid_BT = jnp.pad(prompt_valid_BP, ((0, 0), (0, n)))
-  tokens_BT, valid_BT, logp_BN = map_minibatches(
-      rows, (tokens_BT, valid_BT, jax.random.split(key, b)), pieces)
-  mask_BN = valid_BT[:, p:]
-  return Rollout(tokens_BT=tokens_BT, valid_BT=valid_BT, completion_mask_BN=mask_BN,
-                 logprobs_BN=logp_BN, lengths_B=mask_BN.sum(axis=1))
 
 
 class ExactSampler:
@@ -149,6 +108,8 @@ class ExactSampler:
     self.route = rl.rollout.exact
     self.pieces = rl.rollouts // rl.pass_rows
     self._steps: dict[int, object] = {}  # prompt width -> its jitted step
+    self._replay = role.jit(functools.partial(replay_generate, role.graphdef, cfg=sampling,
+                                              pieces=self.pieces))
 
   def sample(self, prompts: dict, key) -> Rollout:
     rows = lambda x: np.repeat(x, self.group, axis=0)  # noqa: E731
@@ -156,11 +117,8 @@ class ExactSampler:
     tokens_BP, valid_BP = self.transfers.to_device(host, self.role.batch_shardings(host),
                                                    "prompts")
     width = tokens_BP.shape[1]
-    if self.route == "replay":
-      if width not in self._steps:
-        self._steps[width] = self.role.jit(functools.partial(
-            replay_generate, self.role.graphdef, cfg=self.sampling, pieces=self.pieces))
-      return self._steps[width](self.role.params, tokens_BP, valid_BP, key)
+    if self.route == "replay":  # (one program: its trace follows the prompts' width)
+      return self._replay(self.role.params, tokens_BP, valid_BP, key)
     if width not in self._steps:
       self._steps[width] = self.role.jit(functools.partial(
           exact_step, self.role.graphdef, prompt_len=width, cfg=self.sampling,

@@ -10,6 +10,7 @@ with `rollout_key(seed, i)`, in turn or ahead of the trainer (train/rollout/sour
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -28,11 +29,12 @@ from sampler.stops import StopText
 from sampler.stream import BatchStream, StreamGeometry
 from sharding.mesh import batch_sharding
 from sharding.reshard import move
-from sharding.rules import SAMPLER_RULES
+from sharding.rules import SAMPLER_RULES, batch_ways, jit_on
 from train.io.host_transfers import HostTransfers
 from train.roles.cluster import RoleCluster
 from train.rollout.conversations import ConversationStream
 from train.rollout.multiturn import MultiTurn, Turns, as_rollout, turn_lowerings
+from train.updates.replay import replay_generate
 
 
 def rollout_key(seed: int, index: int) -> jax.Array:
@@ -67,6 +69,24 @@ def keeps_turn_cache(rl: RLConfig, sliding_window: int) -> bool:
   return rl.environment.keep_turn_cache and not sliding_window
 
 
+def _replay_program(cluster: RoleCluster, sampling: SamplingConfig, rl: RLConfig):
+  """`rl.rollout.exact="replay"` on the sampler's own devices (async): `replay_generate` on the
+  sampler's mesh, from its copy of the weights, in the trainer's pieces of rows, each device
+  holding as many rows as a trainer's device does (so every product has the trainer's shapes).
+  A ConfigError where the two meshes split the batch apart."""
+  train = batch_ways(cluster.meshes["actor"], cluster.actor.rules)
+  mesh = cluster.meshes["sampler"]
+  if batch_ways(mesh, SAMPLER_RULES) != train or mesh.size != train:
+    raise ConfigError(
+        f"config.placement.sampler_tensor: rl.rollout.exact='replay' in async mode draws on "
+        f"the sampler's devices with the trainer's rows a device; expected a sampler mesh of "
+        f"{train} devices, split {train} ways by rows (sampler_tensor=1), got "
+        f"{dict(mesh.shape)}")
+  return jit_on(mesh, SAMPLER_RULES, functools.partial(
+      replay_generate, cluster.sampler_weights.graphdef, cfg=sampling,
+      pieces=rl.rollouts // rl.pass_rows))
+
+
 class Generator:
 
   def __init__(self, cluster: RoleCluster, *, max_new_tokens: int, tok, rl: RLConfig,
@@ -99,6 +119,8 @@ class Generator:
     self._turn_text = StopText(strings, tok.token_bytes()) if strings else None
     self.multiturn = None if environment is None else MultiTurn(self.transfers)
     self._forced = None  # (`forced_logprobs`' program, compiled on first use)
+    self._replay = (_replay_program(cluster, sampling, rl) if rl.rollout.exact == "replay"
+                    and rl.schedule.mode == "async" else None)
 
   def close(self) -> None:
     """Stops the threads its conversations' environments step in."""
@@ -112,7 +134,12 @@ class Generator:
 
   def sample(self, params, prompts: dict, key: jax.Array) -> Rollout:
     """`group_size` samples per prompt (rows group-major), from `params` in the sampler
-    layout; prompt batch i of a run uses `rollout_key(seed, i)`."""
+    layout; prompt batch i of a run uses `rollout_key(seed, i)`. Async under
+    `rl.rollout.exact="replay"`: drawn in the decode loop the trainer replays."""
+    if self._replay is not None:
+      group = lambda x: np.repeat(x, self.sampler.n, axis=0)  # noqa: E731
+      return self._replay(params, *self.put_prompts(
+          {k: group(prompts[k]) for k in ("prompt_tokens", "prompt_valid")}), key)
     return self._generate(self.sampler, params, prompts, key)
 
   def greedy(self, params, prompts: dict) -> Rollout:

@@ -24,6 +24,9 @@ import jax.numpy as jnp
 from jaxrl.models.attention import init_kv_cache
 from jaxrl.models.layouts import ROWS
 from jaxrl.models.rope import positions_from_valid
+from sampler.engine import Rollout
+from sampler.methods import SamplingConfig
+from train.updates.batching import map_minibatches
 from train.updates.state import model_of
 
 
@@ -70,3 +73,44 @@ def replay_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int,
   drew them (`decode_loop`, teacher-forced): `completion_logprobs` for `exact="replay"`."""
   return decode_loop(graphdef, params, tokens_BT, valid_BT, prompt_len=prompt_len,
                      temperature=temperature)[2:]
+
+
+def stop_ids(cfg: SamplingConfig) -> tuple[int, ...]:
+  """The tokens that end a row: EOS and single-token stop sequences (ValueError for what exact
+  decoding does not sample: top-k, top-p, longer stop sequences, stop strings)."""
+  if cfg.method != "temperature" or cfg.top_k or cfg.top_p < 1.0 or cfg.stop_text is not None \
+      or any(len(s) != 1 for s in cfg.stop_sequences):
+    raise ValueError("exact decoding samples at a temperature, rows ending at EOS or a stop "
+                     "token (no top-k, top-p, stop strings: the trainer scores every token)")
+  return () if cfg.ignore_eos else (cfg.eos_id, *(s[0] for s in cfg.stop_sequences))
+
+
+def replay_generate(graphdef, params, prompt_tokens_BP, prompt_valid_BP, key, *,
+                    cfg: SamplingConfig, pieces: int = 1) -> Rollout:
+  """`exact="replay"`: rows of `cfg.max_new_tokens` slots drawn in the decode loop the trainer
+  replays (`decode_loop`), in `pieces` strided pieces of rows as the trainer's passes
+  hold them; each row's Gumbel noise from its own key (the draw does not depend on the pieces).
+  Pure: jit it on the actor's mesh."""
+  b, p, n = *prompt_tokens_BP.shape, cfg.max_new_tokens
+  stops = jnp.asarray(stop_ids(cfg), jnp.int32)
+
+  def rows(mb):
+    tokens_BT, valid_BT, keys_B = mb
+
+    def draw(logp_BV, i, done_B):
+      gumbel_BV = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, i),
+                                                       logp_BV.shape[-1:]))(keys_B)
+      tok_B = jnp.argmax(logp_BV + gumbel_BV, axis=-1).astype(jnp.int32)
+      tok_B = jnp.where(done_B, cfg.pad_id, tok_B)
+      return tok_B, jnp.isin(tok_B, stops)
+    tokens_BT, valid_BT, logp_BN, _ = decode_loop(graphdef, params, tokens_BT, valid_BT,
+                                                  prompt_len=p, temperature=cfg.temperature,
+                                                  draw=draw)
+    return tokens_BT, valid_BT, jnp.where(valid_BT[:, p:], logp_BN, 0.0)
+  tokens_BT = jnp.pad(prompt_tokens_BP, ((0, 0), (0, n)), constant_values=cfg.pad_id)
+  valid_BT = jnp.pad(prompt_valid_BP, ((0, 0), (0, n)))
+  tokens_BT, valid_BT, logp_BN = map_minibatches(
+      rows, (tokens_BT, valid_BT, jax.random.split(key, b)), pieces)
+  mask_BN = valid_BT[:, p:]
+  return Rollout(tokens_BT=tokens_BT, valid_BT=valid_BT, completion_mask_BN=mask_BN,
+                 logprobs_BN=logp_BN, lengths_B=mask_BN.sum(axis=1))
