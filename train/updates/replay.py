@@ -33,8 +33,8 @@ from train.updates.state import model_of
 def decode_loop(graphdef, params, tokens_BT, valid_BT, *, prompt_len: int, temperature: float,
                 draw=None):
   """(tokens [B, T], valid [B, T], log-probs [B, N], entropies [B, N]) of the N = T -
-  prompt_len completion slots. `draw(logits_BV, i, done_B) -> (tokens_B, ends_B)` picks slot
-  i's tokens (the sampler: `valid` grows, rows that ended keep PAD); without it the buffer's
+  prompt_len completion slots. `draw(logp_BV, i, done_B) -> (tokens_B, ends_B)` picks slot
+  i's tokens from its log-probs (the sampler: `valid` grows, rows that ended keep PAD); without it the buffer's
   tokens are fed (the trainer)."""
   model, (b, t) = model_of(graphdef, params), tokens_BT.shape
   valid_BS = jnp.pad(valid_BT, ((0, 0), (0, 1)))  # (a slot for the last step's unused forward)
@@ -90,7 +90,7 @@ def replay_generate(graphdef, params, prompt_tokens_BP, prompt_valid_BP, key, *,
   """`exact="replay"`: rows of `cfg.max_new_tokens` slots drawn in the decode loop the trainer
   replays (`decode_loop`), in `pieces` strided pieces of rows as the trainer's passes
   hold them; each row's Gumbel noise from its own key (the draw does not depend on the pieces).
-  Pure: jit it on the actor's mesh."""
+  Pure: jit it on the actor's mesh (sync) or on the sampler's, as many rows a device (async)."""
   b, p, n = *prompt_tokens_BP.shape, cfg.max_new_tokens
   stops = jnp.asarray(stop_ids(cfg), jnp.int32)
 
