@@ -34,8 +34,8 @@ def decode_loop(graphdef, params, tokens_BT, valid_BT, *, prompt_len: int, tempe
                 draw=None):
   """(tokens [B, T], valid [B, T], log-probs [B, N], entropies [B, N]) of the N = T -
   prompt_len completion slots. `draw(logp_BV, i, done_B) -> (tokens_B, ends_B)` picks slot
-  i's tokens from its log-probs (the sampler: `valid` grows, rows that ended keep PAD); without it the buffer's
-  tokens are fed (the trainer)."""
+  i's tokens from its log-probs (the sampler: `valid` grows, rows that ended keep PAD);
+  without it the buffer's tokens are fed (the trainer)."""
   model, (b, t) = model_of(graphdef, params), tokens_BT.shape
   valid_BS = jnp.pad(valid_BT, ((0, 0), (0, 1)))  # (a slot for the last step's unused forward)
   tokens_BS = jnp.pad(tokens_BT, ((0, 0), (0, 1)))
