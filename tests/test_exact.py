@@ -21,7 +21,7 @@ from train.loop.exact import exact_generate, exact_step
 from train.run import Experiment
 from train.updates.batching import map_minibatches
 from train.updates.forward import completion_logprobs
-from train.updates.replay import replay_generate, replay_logprobs
+from train.updates.replay import decode_loop, replay_generate, replay_logprobs
 
 B, P, N, PIECES, TEMPERATURE = 8, 6, 10, 2, 0.7
 tiny = shipped("tiny")
@@ -77,7 +77,8 @@ def test_exact_decoding_reports_the_trainers_logprobs_bit_for_bit(model, dtype):
 def test_replayed_decoding_scores_the_samplers_logprobs_bit_for_bit(model):
   """`exact="replay"`: the trainer's log-probs replayed through the sampler's decode loop
   (teacher-forced, inside a gradient program as the update computes them) are the ones the
-  sampler drew with, bit for bit, float32, rows ending at EOS, in the same pieces of rows."""
+  sampler drew with, bit for bit, float32, rows ending at EOS, in the same pieces of rows; their
+  gradient (the whole pass's) is the decode loop's own to float32 rounding."""
   cfg = from_fields({**BASE, **MODELS[model], "dtype": "float32"})
   if model.endswith("lora"):
     graphdef, params = perturbed(cfg, LoRAConfig(rank=4, alpha=8.0))
@@ -102,7 +103,13 @@ def test_replayed_decoding_scores_the_samplers_logprobs_bit_for_bit(model):
   assert not mask_BN.all() and mask_BN.any(axis=1).all()  # (rows that ended, none empty)
   assert np.array_equal(np.asarray(pi_BN)[mask_BN], mu_BN[mask_BN])
   assert (mu_BN[~mask_BN] == 0).all()
-  assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+  # its gradient (the whole pass's, train/updates/replay.py) is the decode loop's own
+  loop = jax.jit(jax.grad(lambda q, t, v: (decode_loop(graphdef, q, t, v, prompt_len=P,
+                                                       temperature=TEMPERATURE)[2]
+                                           * r.completion_mask_BN).sum()))
+  for g, want in zip(jax.tree.leaves(grads), jax.tree.leaves(loop(params, r.tokens_BT,
+                                                                 r.valid_BT)), strict=True):
+    np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-6)
 
 
 def _exact_run(tmp_path, name: str, route: str = "pass", dtype: str = "bfloat16",

@@ -6,11 +6,12 @@ T queries) give a token log-probs a few ULPs apart (docs/benchmarks.md,
 `benchmarks.logprob_mismatch`). Here both sides run one decode loop: a prefill of the prompt
 slots, then a `lax.scan` of one-token steps over a KV cache of every slot (the rows layout), the
 LM head and the log-softmax at the sampling temperature per step. The sampler draws each token
-in it (train/loop/exact.py); the trainer's scoring passes and its update feed the drawn tokens
-back (teacher-forced) through the same loop, so in float32 every log-prob is the sampler's bit
-for bit, and a gradient program's forward rounds as the plain one (`decode_replay` measured 0).
-Its price is the update's forward and backward as T small steps instead of one pass (2.3x the
-gradient's time at the W1 shapes on a 2-core CPU: docs/benchmarks.md).
+in it (`replay_generate`, on the trainer's mesh or the sampler's); the trainer's scoring passes
+and its update feed the drawn tokens back (teacher-forced) through the same loop, so in float32
+every log-prob is the sampler's bit for bit, and a gradient program's forward rounds as the
+plain one (`decode_replay` measured 0). Only the values need the loop: their gradient is the
+whole-sequence pass's (a custom VJP), since T backward steps of B rows cost about twice one
+backward pass of B x T rows (docs/benchmarks.md). The price left is the loop's forward.
 
 Rows that ended (EOS) carry PAD in their later slots, invalid; the mask every query sees is the
 same on both sides (keys at or before its slot), so the sampler's growing `valid` and the
@@ -18,8 +19,11 @@ trainer's final one give the same numbers. A dense model (no router loss is comp
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl.models.attention import init_kv_cache
 from jaxrl.models.layouts import ROWS
@@ -27,6 +31,7 @@ from jaxrl.models.rope import positions_from_valid
 from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
 from train.updates.batching import map_minibatches
+from train.updates.forward import completion_logprobs
 from train.updates.state import model_of
 
 
@@ -70,9 +75,35 @@ def decode_loop(graphdef, params, tokens_BT, valid_BT, *, prompt_len: int, tempe
 def replay_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int,
                     temperature: float = 1.0):
   """The completion tokens' log-probs and entropies [B, N] as the sampler computed them when it
-  drew them (`decode_loop`, teacher-forced): `completion_logprobs` for `exact="replay"`."""
+  drew them (`decode_loop`, teacher-forced): `completion_logprobs` for `exact="replay"`. Their
+  gradient is the whole-sequence pass's (`completion_logprobs`, the same function rounded as
+  one pass): only the values must be the sampler's, and T backward steps of B rows cost twice
+  what one pass of B x T rows does."""
+  return _replayed(graphdef, params, tokens_BT, valid_BT, prompt_len, temperature)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
+def _replayed(graphdef, params, tokens_BT, valid_BT, prompt_len, temperature):
   return decode_loop(graphdef, params, tokens_BT, valid_BT, prompt_len=prompt_len,
                      temperature=temperature)[2:]
+
+
+def _replayed_fwd(graphdef, params, tokens_BT, valid_BT, prompt_len, temperature):
+  out = decode_loop(graphdef, params, tokens_BT, valid_BT, prompt_len=prompt_len,
+                    temperature=temperature)[2:]
+  _, pass_vjp = jax.vjp(lambda p: completion_logprobs(graphdef, p, tokens_BT, valid_BT,
+                                                      prompt_len, temperature=temperature), params)
+  return out, (pass_vjp, tokens_BT, valid_BT)
+
+
+def _replayed_bwd(graphdef, prompt_len, temperature, res, g):
+  del graphdef, prompt_len, temperature
+  pass_vjp, tokens_BT, valid_BT = res
+  zero = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731 (integer inputs)
+  return (*pass_vjp(g), zero(tokens_BT), zero(valid_BT))
+
+
+_replayed.defvjp(_replayed_fwd, _replayed_bwd)
 
 
 def stop_ids(cfg: SamplingConfig) -> tuple[int, ...]:
