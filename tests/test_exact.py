@@ -109,7 +109,7 @@ def test_replayed_decoding_scores_the_samplers_logprobs_bit_for_bit(model):
                                            * r.completion_mask_BN).sum()))
   for g, want in zip(jax.tree.leaves(grads), jax.tree.leaves(loop(params, r.tokens_BT,
                                                                  r.valid_BT)), strict=True):
-    np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(g, want, rtol=1e-3, atol=1e-4 * float(np.abs(want).max()))
 
 
 def _exact_run(tmp_path, name: str, route: str = "pass", dtype: str = "bfloat16",
