@@ -3,6 +3,9 @@ drawn is the trainer's scoring pass's, bit for bit, in float32 and bfloat16, row
 for dense, scanned, Gemma 3 (a sliding window) and mixture-of-experts models; in a run, the
 mismatch is exactly 0."""
 import functools
+import json
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +27,7 @@ from train.updates.forward import completion_logprobs
 from train.updates.replay import decode_loop, replay_generate, replay_logprobs
 
 B, P, N, PIECES, TEMPERATURE = 8, 6, 10, 2, 0.7
+ROOT = __file__.rsplit("/tests/", 1)[0]
 tiny = shipped("tiny")
 
 
@@ -184,3 +188,20 @@ def test_replay_in_async_mode_is_exact_and_its_mismatch_is_the_policy_lag(tmp_pa
                        schedule={**fixed, "max_staleness": 1})
   assert [r["policy_lag"] for r in rows] == [0, 1]
   assert rows[0]["mismatch_max"] == 0.0 and rows[1]["mismatch_max"] > 0.0
+
+
+@pytest.mark.slow
+def test_the_train_command_runs_a_bfloat16_replay_exactly(tmp_path):
+  """`jaxrl-train` turns XLA's excess precision off for `exact="replay"` before JAX starts
+  (train/cli/flags.py): a bfloat16 run at temperature 0.7 with two minibatches (the old
+  log-probs a replay of their own) has no mismatch at any step."""
+  subprocess.run([sys.executable, "-m", "train.cli.train", "--config=configs/tiny.py",
+                  f"--config.run_dir={tmp_path}", "--config.run_name=bf16",
+                  "--config.model.dtype=bfloat16", "--config.rl.rollout.exact=replay",
+                  "--config.rl.rollout.temperature=0.7", "--config.rl.batching.num_minibatches=2",
+                  "--config.progress=False"], cwd=ROOT, check=True, capture_output=True,
+                 text=True, timeout=600)
+  lines = (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()
+  rows = [r for r in map(json.loads, lines) if r["phase"] == "rl" and "mismatch_max" in r]
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert all(r["mismatch_max"] == r["mismatch_kl"] == 0.0 for r in rows)
