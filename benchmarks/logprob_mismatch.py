@@ -33,9 +33,9 @@ variants of it that each change one thing the two sides do differently:
               against the pass over the whole sequence: what decoding by the trainer's own
               forward would report; `trainer_decode_cost`: the wall time of those passes (one
               per new token, compiled once) over the engine's generation, in this process
-  decode_replay  the other way round: the trainer scoring in the sampler's shapes. A decode loop
-              (a prefill, then a `lax.scan` of one-token steps over a KV cache, the rows layout)
-              draws the tokens; the same loop fed those tokens (teacher-forced) inside a
+  decode_replay  the other way round: the trainer scoring in the sampler's shapes. The decode
+              loop of `rl.rollout.exact="replay"` (train/updates/replay.py: a prefill, then a
+              `lax.scan` of one-token steps over a KV cache, the rows layout) draws the tokens; the same loop fed those tokens (teacher-forced) inside a
               gradient program (the update's kind) gives their log-probs; `decode_replay_cost`:
               that gradient program's wall time over the whole-sequence pass's gradient, in
               this process
@@ -165,47 +165,26 @@ def _generation_seconds(cfg, args) -> float:
   return best
 
 
-def _decode_loop(cfg, graphdef, params, tokens_BT, valid_BT, key, p: int):
-  """(tokens, their log-probs [B, N]): a prefill of the first `p` slots, then one decode step
-  per slot over a KV cache of all T slots (`lax.scan`); with a `key` each token is drawn
-  (Gumbel-max at temperature 1), without one the buffer's tokens are fed (teacher-forced)."""
-  import jax
-  import jax.numpy as jnp
-
-  from jaxrl.models.attention import init_kv_cache
-  from jaxrl.models.layouts import ROWS
-  from jaxrl.models.rope import positions_from_valid
-  from train.updates.state import model_of
-  model, (b, t) = model_of(graphdef, params), tokens_BT.shape
-  pos_BT = positions_from_valid(valid_BT)
-  h, cache, _ = model.decoder.forward(tokens_BT[:, :p], pos_BT[:, :p], valid_BT,
-                                      init_kv_cache(cfg, b, t), 0, last_only=True)
-
-  def step(carry, i):
-    h_B1D, cache, tokens_BT = carry
-    logp_BV = jax.nn.log_softmax(ROWS.next_logits(h_B1D[:, -1:], model.head_VD(), 0.0))
-    tok_B = (jax.lax.dynamic_index_in_dim(tokens_BT, p + i, 1, keepdims=False) if key is None
-             else jnp.argmax(logp_BV + jax.random.gumbel(jax.random.fold_in(key, i), logp_BV.shape),
-                             -1).astype(jnp.int32))
-    tokens_BT = jax.lax.dynamic_update_index_in_dim(tokens_BT, tok_B, p + i, 1)
-    h_B1D, cache, _ = model.decoder.forward(
-        tok_B[:, None], jax.lax.dynamic_slice_in_dim(pos_BT, p + i, 1, 1), valid_BT, cache, p + i)
-    return (h_B1D, cache, tokens_BT), jnp.take_along_axis(logp_BV, tok_B[:, None], 1)[:, 0]
-  (_, _, tokens_BT), logp_NB = jax.lax.scan(step, (h, cache, tokens_BT), jnp.arange(t - p))
-  return tokens_BT, logp_NB.T
-
-
-def _decode_replay(cfg, graphdef, params, r, p: int) -> tuple:
+def _decode_replay(graphdef, params, r, p: int) -> tuple:
   """(the decode loop's drawn log-probs against its replay's in a gradient program; that
-  gradient's seconds over the whole-sequence pass's gradient's)."""
+  gradient's seconds over the whole-sequence pass's gradient's): train/updates/replay.py
+  `decode_loop`, its own gradient (not the custom VJP `replay_logprobs` uses)."""
   import time
 
   import jax
+  import jax.numpy as jnp
 
   from train.updates.forward import completion_logprobs
-  draw = jax.jit(lambda q, t, v, k: _decode_loop(cfg, graphdef, q, t, v, k, p))
-  tokens_BT, drawn = draw(params, r.tokens_BT, r.valid_BT, jax.random.key(3))
-  replay = lambda q, t, v: _decode_loop(cfg, graphdef, q, t, v, None, p)[1]  # noqa: E731
+  from train.updates.replay import decode_loop
+
+  def gumbel_max(key):  # (temperature 1; no row ends: every slot drawn)
+    return lambda logp_BV, i, done_B: (jnp.argmax(logp_BV + jax.random.gumbel(
+        jax.random.fold_in(key, i), logp_BV.shape), -1).astype(jnp.int32), done_B)
+  loop = lambda q, t, v, **kw: decode_loop(graphdef, q, t, v, prompt_len=p,  # noqa: E731
+                                           temperature=1.0, **kw)
+  draw = jax.jit(lambda q, t, v, k: loop(q, t, v, draw=gumbel_max(k)))
+  tokens_BT, _, drawn, _ = draw(params, r.tokens_BT, r.valid_BT, jax.random.key(3))
+  replay = lambda q, t, v: loop(q, t, v)[2]  # noqa: E731
   whole = lambda q, t, v: completion_logprobs(graphdef, q, t, v, p)[0]  # noqa: E731
   grads = [jax.jit(lambda q, t, v, f=f: jax.value_and_grad(
       lambda q: (lambda lp: (lp.sum(), lp))(f(q, t, v)), has_aux=True)(q)) for f in (replay, whole)]
@@ -260,7 +239,7 @@ def measure(dtype: str, args) -> dict:
             in (("one", {"fsdp": 1}), ("fsdp", {"fsdp": 4}), ("tensor", {"data": 2, "tensor": 2}))}
   grad = _with_grad(score)(graphdef, params, r.tokens_BT, r.valid_BT)
   decoded, decode_s = _trainer_decode(trainer, graphdef, params, r, p)
-  replayed, replay_cost = _decode_replay(cfg, graphdef, params, r, p)
+  replayed, replay_cost = _decode_replay(graphdef, params, r, p)
   g32 = nnx.split(LanguageModel(dataclasses.replace(cfg, dtype="float32"), rngs=nnx.Rngs(0)))[0]
   f32 = trainer(g32, params, r.tokens_BT, r.valid_BT)
   return {"sampler": _gap(base, r.logprobs_BN, mask), "rows": _gap(one_by_one, base, mask),
