@@ -105,20 +105,21 @@ class ExactSampler:
     """`role`: the actor; `sampling`: the RL sampler's settings; `transfers`: the run's named
     host transfers (the prompts go up)."""
     self.role, self.sampling, self.group, self.transfers = role, sampling, rl.group_size, transfers
-    self.route = rl.rollout.exact
     self.pieces = rl.rollouts // rl.pass_rows
-    self._steps: dict[int, object] = {}  # prompt width -> its jitted step
-    self._replay = role.jit(functools.partial(replay_generate, role.graphdef, cfg=sampling,
-                                              pieces=self.pieces))
+    self._steps: dict[int, object] = {}  # "pass": prompt width -> its jitted step
+    self._replay = None  # "replay": one program, traced per prompt width
+    if rl.rollout.exact == "replay":
+      self._replay = role.jit(functools.partial(replay_generate, role.graphdef, cfg=sampling,
+                                                pieces=self.pieces))
 
   def sample(self, prompts: dict, key) -> Rollout:
     rows = lambda x: np.repeat(x, self.group, axis=0)  # noqa: E731
     host = (rows(prompts["prompt_tokens"]), rows(prompts["prompt_valid"]))
     tokens_BP, valid_BP = self.transfers.to_device(host, self.role.batch_shardings(host),
                                                    "prompts")
-    width = tokens_BP.shape[1]
-    if self.route == "replay":  # (one program: its trace follows the prompts' width)
+    if self._replay is not None:
       return self._replay(self.role.params, tokens_BP, valid_BP, key)
+    width = tokens_BP.shape[1]
     if width not in self._steps:
       self._steps[width] = self.role.jit(functools.partial(
           exact_step, self.role.graphdef, prompt_len=width, cfg=self.sampling,
