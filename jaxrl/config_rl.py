@@ -341,6 +341,35 @@ class RLConfig:
     return self.batching.num_minibatches > 1 or self.kl.mode == "reward"
 
   @property
+  def replay_pieces(self) -> int:
+    """The pieces of rows `rollout.exact="replay"`'s decode loop runs in, on both sides: the
+    minibatches (a forward alone, whose memory is its KV cache's; the update replays a minibatch
+    before its micro-batches)."""
+    return self.batching.num_minibatches
+
+  @property
+  def replay_group(self) -> int:
+    """Consecutive rows of a replay piece that share a prompt (`group_size` a prompt, rows
+    group-major, split over `replay_pieces` strided pieces): the decode loop prefills each
+    prompt once, as the sampler's engine does."""
+    g, n = self.group_size, self.replay_pieces
+    return g // n if g % n == 0 else 1
+
+  @property
+  def sampler_is_trainer(self) -> bool:
+    """Exact rollouts in sync mode: the sampler drew with the trainer's own numbers at the
+    weights the trainer holds, so its log-probs are pi_old bit for bit; the old log-prob pass runs
+    only to check that, before each evaluation (train/loop/scoring.py)."""
+    return bool(self.rollout.exact) and self.schedule.mode == "sync"
+
+  @property
+  def carries_old_logprobs(self) -> bool:
+    """Whether a step's Experience holds pi_old, so the update reads it: the old pass's
+    (`needs_old_logprobs`), or the sampler's under `sampler_is_trainer` (on the steps that run
+    no pass: the same numbers)."""
+    return self.needs_old_logprobs or self.sampler_is_trainer
+
+  @property
   def trains_critic(self) -> bool:
     """Whether the advantage estimator needs a critic (trained beside the actor)."""
     return self.advantage.entry.critic

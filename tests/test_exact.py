@@ -24,7 +24,7 @@ from train.loop.exact import exact_generate, exact_step
 from train.run import Experiment
 from train.updates.batching import map_minibatches
 from train.updates.forward import completion_logprobs
-from train.updates.replay import decode_loop, replay_generate, replay_logprobs
+from train.updates.replay import decode_loop, replay_generate, replay_logprobs, replayed_logprobs
 
 B, P, N, PIECES, TEMPERATURE = 8, 6, 10, 2, 0.7
 ROOT = __file__.rsplit("/tests/", 1)[0]
@@ -80,32 +80,39 @@ def test_exact_decoding_reports_the_trainers_logprobs_bit_for_bit(model, dtype):
 @pytest.mark.parametrize("model", ["llama", "llama_scanned", "gemma3", "llama_lora"])
 def test_replayed_decoding_scores_the_samplers_logprobs_bit_for_bit(model):
   """`exact="replay"`: the trainer's log-probs replayed through the sampler's decode loop
-  (teacher-forced, inside a gradient program as the update computes them) are the ones the
-  sampler drew with, bit for bit, float32, rows ending at EOS, in the same pieces of rows; their
-  gradient (the whole pass's) is the decode loop's own to float32 rounding."""
+  (teacher-forced) are the ones the sampler drew with, bit for bit, float32, rows ending at EOS,
+  in the same pieces of rows, each prompt prefilled once for the rows that share it; riding on the whole pass in the update's gradient program they
+  keep their values, and their gradient (the whole pass's) is the decode loop's own to float32
+  rounding."""
   cfg = from_fields({**BASE, **MODELS[model], "dtype": "float32"})
   if model.endswith("lora"):
     graphdef, params = perturbed(cfg, LoRAConfig(rank=4, alpha=8.0))
   else:
     graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)))
-  prompts_BP = jax.random.randint(jax.random.key(1), (B, P), 3, cfg.vocab_size)
-  valid_BP = jnp.arange(P)[None, :] >= jnp.arange(B)[:, None] % 3
+  # 4 rows a prompt (group-major): 2 rows of each in either piece, prefilled once
+  group = lambda x: jnp.repeat(x, 4, axis=0)  # noqa: E731
+  prompts_BP = group(jax.random.randint(jax.random.key(1), (B // 4, P), 3, cfg.vocab_size))
+  valid_BP = group(jnp.arange(P)[None, :] >= jnp.arange(B // 4)[:, None] + 1)
 
   def generate(eos_id: int):
     sampling = SamplingConfig(max_new_tokens=N, eos_id=eos_id, pad_id=0, temperature=TEMPERATURE)
-    return jax.jit(functools.partial(replay_generate, graphdef, cfg=sampling, pieces=PIECES))(
-        params, prompts_BP, valid_BP, jax.random.key(2))
+    return jax.jit(functools.partial(replay_generate, graphdef, cfg=sampling, pieces=PIECES,
+                                     group=2))(params, prompts_BP, valid_BP, jax.random.key(2))
   r = generate(int(generate(-1).tokens_BT[0, P + 3]))
 
-  def replayed(q, t, v):
-    lp_BN = map_minibatches(lambda mb: replay_logprobs(graphdef, q, *mb, P, TEMPERATURE)[0],
-                            (t, v), PIECES)
-    return (lp_BN * r.completion_mask_BN).sum(), lp_BN
-  (_, pi_BN), grads = jax.jit(jax.value_and_grad(replayed, has_aux=True))(
-      params, r.tokens_BT, r.valid_BT)
+  values_BN = jax.jit(lambda q, t, v: map_minibatches(
+      lambda mb: replayed_logprobs(graphdef, q, *mb, P, TEMPERATURE, 2), (t, v), PIECES))(
+          params, r.tokens_BT, r.valid_BT)
   mask_BN, mu_BN = np.asarray(r.completion_mask_BN), np.asarray(r.logprobs_BN)
   assert not mask_BN.all() and mask_BN.any(axis=1).all()  # (rows that ended, none empty)
-  assert np.array_equal(np.asarray(pi_BN)[mask_BN], mu_BN[mask_BN])
+  assert np.array_equal(np.asarray(values_BN)[mask_BN], mu_BN[mask_BN])
+
+  def riding(q, t, v):
+    lp_BN = replay_logprobs(graphdef, q, t, v, P, values_BN, TEMPERATURE)[0]
+    return (lp_BN * r.completion_mask_BN).sum(), lp_BN
+  (_, pi_BN), grads = jax.jit(jax.value_and_grad(riding, has_aux=True))(
+      params, r.tokens_BT, r.valid_BT)
+  assert np.array_equal(np.asarray(pi_BN), np.asarray(values_BN))
   assert (mu_BN[~mask_BN] == 0).all()
   # its gradient (the whole pass's, train/updates/replay.py) is the decode loop's own
   loop = jax.jit(jax.grad(lambda q, t, v: (decode_loop(graphdef, q, t, v, prompt_len=P,
@@ -117,9 +124,15 @@ def test_replayed_decoding_scores_the_samplers_logprobs_bit_for_bit(model):
 
 
 def _exact_run(tmp_path, name: str, route: str = "pass", dtype: str = "bfloat16",
-               schedule: dict | None = None, **correction) -> tuple[list[dict], str]:
+               schedule: dict | None = None, every: int = 1,
+               **correction) -> tuple[list[dict], str]:
+  """(the RL rows that measured the mismatch, the run's params fingerprint); sync runs measure
+  it at the steps before an evaluation (`eval.every`: 1, each step)."""
   raw = tiny.get_config().to_dict()
+  raw["eval"]["every"] = every
   raw.update(run_dir=str(tmp_path), run_name=name)
+  if route == "replay":  # (4 rows a prompt: 2 in either minibatch, prefilled once)
+    raw["rl"].update(prompts_per_step=4, group_size=4)
   if schedule:  # (async: the sampler's mesh split by rows as the trainer's)
     raw["rl"]["schedule"].update(schedule)
     raw["placement"]["sampler_tensor"] = 1
@@ -138,12 +151,14 @@ def test_an_exact_run_has_no_mismatch_and_its_corrections_are_no_ops(tmp_path):
   """`rl.rollout.exact` in a run (bfloat16, temperature 0.7, two minibatches: the old log-probs
   a pass of their own): the sampler's log-probs are the trainer's at every step, bit for bit
   (mismatch exactly 0, where the engine's are 1e-3 to 1e-2 off in bfloat16); a truncated IS
-  weight capped at 1 with IcePop's mask then changes nothing (the same weights at the end);
-  async is refused in one line that names the field."""
+  weight capped at 1 with IcePop's mask then changes nothing, and so does taking the sampler's
+  log-probs as pi_old on the steps that do not check them (the same weights at the end); async
+  is refused in one line that names the field."""
   rows, fingerprint = _exact_run(tmp_path, "exact")
   assert [r["step"] for r in rows] == [1, 2]
   assert all(r["mismatch_max"] == r["mismatch_kl"] == r["mismatch_mean"] == 0.0 for r in rows)
-  corrected, same = _exact_run(tmp_path, "corrected", tis_cap=1.0, mask="icepop")
+  corrected, same = _exact_run(tmp_path, "corrected", every=2, tis_cap=1.0, mask="icepop")
+  assert [r["step"] for r in corrected] == [2]  # (step 1: pi_old the sampler's, unchecked)
   assert all(r["tis_capped_frac"] == r["rollout_masked_frac"] == 0.0 for r in corrected)
   assert same == fingerprint
   raw = tiny.get_config().to_dict()
@@ -156,12 +171,17 @@ def test_an_exact_run_has_no_mismatch_and_its_corrections_are_no_ops(tmp_path):
 
 def test_a_replayed_exact_run_has_no_mismatch(tmp_path):
   """`rl.rollout.exact="replay"` in a run (float32, temperature 0.7, two minibatches: the old
-  log-probs a replay of their own, the update's a replay in its gradient program): the
-  mismatch is exactly 0 at every step; bfloat16 where XLA keeps excess precision and a mixture
-  of experts are refused in one line."""
-  rows, _ = _exact_run(tmp_path, "replay", route="replay", dtype="float32")
+  log-probs a replay of their own, the second minibatch's a replay in its gradient program): the
+  mismatch is exactly 0 at every step, and a run that checks only before its last step's
+  evaluation (pi_old and the first minibatch's log-probs the sampler's, no replay) ends with the
+  same weights; bfloat16 where XLA keeps excess precision and a mixture of experts are refused
+  in one line."""
+  rows, fingerprint = _exact_run(tmp_path, "replay", route="replay", dtype="float32")
   assert [r["step"] for r in rows] == [1, 2]
   assert all(r["mismatch_max"] == r["mismatch_kl"] == r["mismatch_mean"] == 0.0 for r in rows)
+  rows, same = _exact_run(tmp_path, "unchecked", route="replay", dtype="float32", every=2)
+  assert [r["step"] for r in rows] == [2] and rows[0]["mismatch_max"] == 0.0
+  assert same == fingerprint
   raw = tiny.get_config().to_dict()
   raw["rl"]["rollout"]["exact"] = "replay"
   raw["model"]["dtype"] = "bfloat16"  # (this process's XLA keeps excess precision)
@@ -194,12 +214,12 @@ def test_replay_in_async_mode_is_exact_and_its_mismatch_is_the_policy_lag(tmp_pa
 def test_the_train_command_runs_a_bfloat16_replay_exactly(tmp_path):
   """`jaxrl-train` turns XLA's excess precision off for `exact="replay"` before JAX starts
   (train/cli/flags.py): a bfloat16 run at temperature 0.7 with two minibatches (the old
-  log-probs a replay of their own) has no mismatch at any step."""
+  log-probs a replay of their own, checked at each step) has no mismatch at any step."""
   subprocess.run([sys.executable, "-m", "train.cli.train", "--config=configs/tiny.py",
                   f"--config.run_dir={tmp_path}", "--config.run_name=bf16",
                   "--config.model.dtype=bfloat16", "--config.rl.rollout.exact=replay",
                   "--config.rl.rollout.temperature=0.7", "--config.rl.batching.num_minibatches=2",
-                  "--config.progress=False"], cwd=ROOT, check=True, capture_output=True,
+                  "--config.eval.every=1", "--config.progress=False"], cwd=ROOT, check=True, capture_output=True,
                  text=True, timeout=600)
   lines = (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()
   rows = [r for r in map(json.loads, lines) if r["phase"] == "rl" and "mismatch_max" in r]

@@ -158,7 +158,8 @@ class Controller:
 
   def step(self, *, keep_rows: bool = False) -> dict:
     """One RL step; returns its metrics row (host values). `keep_rows`: an evaluation follows,
-    whose full-distribution check reads the batch's first rows (`last_rows`)."""
+    whose full-distribution check reads the batch's first rows (`last_rows`); exact sync
+    rollouts check their log-probs then (`Scoring.old_pass`: the step's mismatch metrics)."""
     t0, errors = time.perf_counter(), self.task.user_code_errors.total()
     self._enter("generate")
     batch = self._batch()
@@ -167,7 +168,7 @@ class Controller:
       extra.update(token_lags(self.version, batch.rollout, batch.versions_BN, self.transfers))
     self._enter("score")
     exp, exp_metrics, verified_B = self.scoring.experience(batch.rollout, batch.prompts,
-                                                           batch.verified_B)
+                                                           batch.verified_B, check=keep_rows)
     t_score = time.perf_counter() - t0 - batch.waited
     if keep_rows and self.kl_rows:
       self.last_rows = rows_of(exp, self.kl_rows)
@@ -178,6 +179,8 @@ class Controller:
       extra["time_offload"] = self.offload.take_seconds()
     if self.task.user_code:  # calls of it scored 0 or ended (async: those of this interval)
       extra["user_code_errors"] = self.task.user_code_errors.total() - errors
+    if self.rl.sampler_is_trainer and not keep_rows:  # (pi_old was mu: nothing measured)
+      metrics = {k: v for k, v in metrics.items() if not k.startswith("mismatch")}
     row = self.transfers.to_host({**exp_metrics, **metrics}, "metrics")
     step_time = time.perf_counter() - t0
     return {**row, **extra, "verified_mean": float(verified_B.mean()), **times,

@@ -99,7 +99,7 @@ class ExactSampler:
   """`rl.rollout.exact`: a step's rollouts decoded on the actor's mesh from the actor's own
   parameters (the sampler's copy is not read), by the trainer's pass ("pass") or in the loop
   the trainer replays ("replay"), `group_size` rows per prompt (group-major), in the trainer's
-  passes' pieces (`rollouts // pass_rows`)."""
+  passes' pieces (`rollouts // pass_rows`; "replay": `RLConfig.replay_pieces`)."""
 
   def __init__(self, rl, role, sampling: SamplingConfig, transfers):
     """`role`: the actor; `sampling`: the RL sampler's settings; `transfers`: the run's named
@@ -110,7 +110,8 @@ class ExactSampler:
     self._replay = None  # "replay": one program, traced per prompt width
     if rl.rollout.exact == "replay":
       self._replay = role.jit(functools.partial(replay_generate, role.graphdef, cfg=sampling,
-                                                pieces=self.pieces))
+                                                pieces=rl.replay_pieces,
+                                                group=rl.replay_group))
 
   def sample(self, prompts: dict, key) -> Rollout:
     rows = lambda x: np.repeat(x, self.group, axis=0)  # noqa: E731

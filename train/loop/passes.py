@@ -10,7 +10,7 @@ from jaxrl.config_rl import RLConfig
 from train.updates.batching import map_minibatches
 from train.updates.forward import completion_logprobs
 from train.updates.packing import packed_logprobs
-from train.updates.replay import replay_logprobs
+from train.updates.replay import replayed_logprobs
 
 
 def logprobs(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_len: int,
@@ -22,18 +22,26 @@ def logprobs(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_
 
 
 def replayed(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_len: int,
-             temperature: float):
+             temperature: float, group: int = 1):
   """`logprobs` in the sampler's decode loop (`rl.rollout.exact="replay"`: replay.py)."""
   del routes_BTLK  # (a dense model)
-  return replay_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, temperature)[0]
+  return replayed_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, temperature, group)
 
 
-def policy_logprobs(cfg: RLConfig, actor: bool = False):
+def policy_logprobs(cfg: RLConfig):
   """`logprobs` at RL's sampling temperature (`rl.rollout.temperature`): the policy's and the
-  reference's, for `scorer`; the `actor`'s replayed under `rl.rollout.exact="replay"` (the
+  reference's, for `scorer`."""
+  return functools.partial(logprobs, temperature=cfg.rollout.temperature)
+
+
+def logprob_scorer(cfg: RLConfig, role, actor: bool = False):
+  """`scorer` of `policy_logprobs`; the `actor`'s under `rl.rollout.exact="replay"` replayed
+  in the sampler's decode loop, in its pieces of rows (`RLConfig.replay_pieces`; the
   reference's need not be: the KL reads them, not the correction)."""
-  fn = replayed if actor and cfg.rollout.exact == "replay" else logprobs
-  return functools.partial(fn, temperature=cfg.rollout.temperature)
+  if actor and cfg.rollout.exact == "replay":
+    return scorer(cfg, role, functools.partial(replayed, temperature=cfg.rollout.temperature,
+                                               group=cfg.replay_group), cfg.replay_pieces)
+  return scorer(cfg, role, policy_logprobs(cfg))
 
 
 def packed_scorer(cfg: RLConfig, role):
@@ -49,12 +57,12 @@ def packed_scorer(cfg: RLConfig, role):
   return role.jit(score)
 
 
-def scorer(cfg: RLConfig, role, fn):
+def scorer(cfg: RLConfig, role, fn, pieces: int = 0):
   """`fn` (logprobs, completion_values) over a rollout batch on `role`'s mesh, jitted:
   (params, tokens [B, T], valid [B, T], completion mask [B, N][, routes [B, T, L, k]]) ->
-  [B, N], in the update's pieces of `cfg.pass_rows` rows; log-probs at RL's sampling
-  temperature (`policy_logprobs`)."""
-  n = cfg.rollouts // cfg.pass_rows
+  [B, N], in the update's pieces of `cfg.pass_rows` rows (or in `pieces`); log-probs at RL's
+  sampling temperature (`policy_logprobs`)."""
+  n = pieces or cfg.rollouts // cfg.pass_rows
 
   def score(params, tokens_BT, valid_BT, mask_BN, *routes):  # the prompt length: the shapes
     p_len = tokens_BT.shape[1] - mask_BN.shape[1]

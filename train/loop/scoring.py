@@ -13,7 +13,7 @@ from jaxrl.data.pipeline import bucket_length
 from train.io.host_transfers import HostTransfers
 from train.loop.executors import Executors
 from train.loop.experience import make_experience, trim_rollout
-from train.loop.passes import packed_scorer, policy_logprobs, scorer
+from train.loop.passes import logprob_scorer, packed_scorer, scorer
 from train.loop.remote_scorers import RemoteScorers
 from train.roles.cluster import RoleCluster
 from train.roles.learner import Learner
@@ -57,7 +57,7 @@ class Scoring:
                                   critic if self.critic_apart else None)
     # (reference, old) log-prob passes over the [B, T] batch, and over packed rows
     self.logprob_fns = {packed: tuple(
-        packed_scorer(cfg, r) if packed else scorer(cfg, r, policy_logprobs(cfg, r is actor.role))
+        packed_scorer(cfg, r) if packed else logprob_scorer(cfg, r, r is actor.role)
         for r in (self.reference, actor.role)) for packed in (False, True)}
     if critic is not None:
       self.values_fn = scorer(cfg, critic.role, completion_values)
@@ -129,9 +129,18 @@ class Scoring:
       return rollout, None, None  # packing would not save slots (rows near the budget)
     return rollout, pack, padding
 
-  def experience(self, rollout, prompts, verified_B=None):
+  def old_pass(self, check: bool) -> bool:
+    """Whether this step runs the actor's old log-prob pass: where the update needs them apart,
+    except under exact sync rollouts (`sampler_is_trainer`: the sampler's are those, bit for bit),
+    which run it only to `check` that (then the mismatch metrics measure it; else pi_old is
+    the sampler's)."""
+    cfg = self.cfg
+    return check if cfg.sampler_is_trainer else cfg.needs_old_logprobs
+
+  def experience(self, rollout, prompts, verified_B=None, *, check: bool = False):
     """Scores one rollout batch (the reward, reference, critic and old-log-prob calls overlap)
-    and assembles its Experience on the trainer's mesh: (experience, metrics, verified_B)."""
+    and assembles its Experience on the trainer's mesh: (experience, metrics, verified_B).
+    `check`: exact sync rollouts' check step (`old_pass`)."""
     examples_B = np.repeat(prompts["examples"], self.cfg.group_size)
     (rollout, pack, packed_padding), ex = self._packed(rollout), self.ex
     # the pack, replicated on each log-prob pass's mesh (the actor's also feeds the update)
@@ -148,7 +157,7 @@ class Scoring:
              "ref": (ex.reference, (_on, self.reference, ref_fn, ref_in) if remote is None
                      else (remote.score, ref_in, pack is not None, scored, values_in),
                      "ref logprobs")}
-    if self.cfg.needs_old_logprobs:
+    if self.old_pass(check):
       calls["old"] = (ex.trainer, (_on, self.actor.role, old_fn,
                                    self._inputs(self.actor.role, rollout,
                                                 packs.get(self.actor.role), routes=True)),
@@ -165,7 +174,9 @@ class Scoring:
       if values_BN is not None:
         out["values"] = values_BN
     values_BN = on_actor(out["values"]) if "values" in out else None
-    exp, metrics = self.experience_fn(on_actor(rollout), rewards_B, out.get("old"),
+    rollout = on_actor(rollout)
+    old_BN = rollout.logprobs_BN if self.cfg.sampler_is_trainer else None  # (`old_pass`)
+    exp, metrics = self.experience_fn(rollout, rewards_B, out.get("old", old_BN),
                                       on_actor(out["ref"]), values_BN)
     if pack is not None:  # the update's forward runs over the packed rows too
       exp = exp.replace(pack=packs[self.actor.role])

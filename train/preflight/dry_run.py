@@ -195,7 +195,7 @@ def phase_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict[s
   for name in trained:
     phases[f"{name} update"] = _update_items(cfg, cluster.get(name), lm_head=name == "actor")
   scoring = [("reference", "reference")] + [("reward", "reward")] * (rl.reward == "reward_model")
-  scoring += [("actor", "old log-probs")] * rl.needs_old_logprobs
+  scoring += [("actor", "old log-probs")] * rl.carries_old_logprobs
   scoring += [("critic", "values")] * rl.trains_critic
   phases["scoring"] = {}
   for name, what in scoring:  # started together: on shared devices they add up

@@ -164,7 +164,7 @@ def abstract_experience(cfg: ExperimentConfig, role) -> Experience:
   exp = Experience(tokens_BT=S((b, t), jnp.int32), valid_BT=S((b, t), bool),
                    completion_mask_BN=S((b, n), bool), sampler_logprobs_BN=f32,
                    ref_logprobs_BN=f32, advantages_BN=f32,
-                   old_logprobs_BN=f32 if rl.needs_old_logprobs else None,
+                   old_logprobs_BN=f32 if rl.carries_old_logprobs else None,
                    old_values_BN=f32 if gae else None, returns_BN=f32 if gae else None,
                    loss_mask_BN=S((b, n), bool) if masked else None)
   return _abstract(exp, role.batch_shardings(exp))
@@ -183,7 +183,7 @@ def _scoring(cfg: ExperimentConfig, cluster: RoleCluster, actor, critic) -> list
   # (the [B, T] passes: a packed pass's rows depend on the lengths a rollout has)
   ref_fn, old_fn = scoring.logprob_fns[False]
   passes = [("reference log-probs", cluster.get("reference"), ref_fn)]
-  if rl.needs_old_logprobs:
+  if rl.carries_old_logprobs:  # (exact sync rollouts: to check, before evaluations)
     passes.append(("old log-probs", actor.role, old_fn))
   if critic is not None:
     passes.append(("values", critic.role, scoring.values_fn))
@@ -206,7 +206,7 @@ def _scoring(cfg: ExperimentConfig, cluster: RoleCluster, actor, critic) -> list
   per_row = _abstract((rollout, S((b,), jnp.float32), f32, f32, f32),
                       role.batch_shardings((rollout, S((b,), jnp.float32), f32, f32, f32)))
   rollout, rewards, old, ref, values = per_row
-  args = (rollout, rewards, old if rl.needs_old_logprobs else None, ref,
+  args = (rollout, rewards, old if rl.carries_old_logprobs else None, ref,
           values if critic is not None else None)
   programs.append(Program("experience", "experience", role.mesh,
                           lambda: scoring.experience_fn.lower(*args)))

@@ -71,8 +71,9 @@ def keeps_turn_cache(rl: RLConfig, sliding_window: int) -> bool:
 
 def _replay_program(cluster: RoleCluster, sampling: SamplingConfig, rl: RLConfig):
   """`rl.rollout.exact="replay"` on the sampler's own devices (async): `replay_generate` on the
-  sampler's mesh, from its copy of the weights, in the trainer's pieces of rows, each device
-  holding as many rows as a trainer's device does (so every product has the trainer's shapes).
+  sampler's mesh, from its copy of the weights, in the trainer's pieces of rows (a minibatch:
+  `RLConfig.replay_pieces`), each device holding as many rows as a trainer's device does (so
+  every product has the trainer's shapes).
   A ConfigError where the two meshes split the batch apart."""
   train = batch_ways(cluster.meshes["actor"], cluster.actor.rules)
   mesh = cluster.meshes["sampler"]
@@ -84,7 +85,7 @@ def _replay_program(cluster: RoleCluster, sampling: SamplingConfig, rl: RLConfig
         f"{dict(mesh.shape)}")
   return jit_on(mesh, SAMPLER_RULES, functools.partial(
       replay_generate, cluster.sampler_weights.graphdef, cfg=sampling,
-      pieces=rl.rollouts // rl.pass_rows))
+      pieces=rl.replay_pieces, group=rl.replay_group))
 
 
 class Generator:

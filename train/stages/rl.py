@@ -126,8 +126,9 @@ class RLStage(Stage):
     for lag, count in enumerate(row.pop("token_lags", ())):
       self.lags += [0] * (lag + 1 - len(self.lags))
       self.lags[lag] += count
-    for key, name in MAXIMA.items():
-      self.maxima[key] = max(self.maxima[key], float(row[name]))
+    for key, name in MAXIMA.items():  # (exact sync rollouts: the checked steps')
+      if name in row:
+        self.maxima[key] = max(self.maxima[key], float(row[name]))
     rollouts = self.cfg.rl.rollouts
     return {**row, "samples": (self.progress.done + 1) * rollouts,
             "samples_generated": self.next_index * rollouts}

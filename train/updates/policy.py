@@ -15,7 +15,7 @@ from jaxrl.config_rl import RLConfig
 from train.updates.batching import accumulate_grads, compute_copy, micro_batches, scan_minibatches
 from train.updates.forward import completion_values, routed_logprobs
 from train.updates.packing import packed_logprobs
-from train.updates.replay import replay_logprobs
+from train.updates.replay import minibatch_values, replay_logprobs
 from train.updates.state import TrainState, apply_gradients
 
 
@@ -30,11 +30,12 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
   [B, N] advantages, the trainer's log-probs before the update (`old`), the reference's, and the
   sampler's (mu, what it drew with). The metrics include the sampler/trainer mismatch
   (|log mu - log pi_old|, KL(mu || pi_old)) over every valid token (`token_weights_BN`: a token
-  mean over the minibatch)."""
-  exp, weights_BN, token_weights_BN = micro
-  if cfg.rollout.exact == "replay":  # the sampler's decode loop replayed (train/updates/replay.py)
+  mean over the minibatch). Under `rl.rollout.exact="replay"` `micro` ends with the log-probs'
+  values [B, N] (`policy_update`: the sampler's decode loop's, train/updates/replay.py)."""
+  exp, weights_BN, token_weights_BN, *replayed = micro
+  if replayed:  # the values the sampler's decode loop's (train/updates/replay.py)
     logp_BN, entropy_BN = replay_logprobs(graphdef, params, exp.tokens_BT, exp.valid_BT,
-                                          exp.prompt_len, cfg.rollout.temperature)
+                                          exp.prompt_len, replayed[0], cfg.rollout.temperature)
     router, router_metrics = jnp.zeros((), jnp.float32), {}
   elif exp.pack is not None:  # its rows packed to a token budget (train/updates/packing.py)
     logp_BN, entropy_BN, router, router_metrics = packed_logprobs(
@@ -79,18 +80,24 @@ def policy_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig)
   its gradient over `cfg.batching.micro_batch_size`-row micro-batches."""
   batching = cfg.batching
 
-  def one(state, mb):
+  def one(state, mb_i):
+    mb, i = mb_i
     weights_BN = aggregation_weights(cfg.loss.aggregation, mb.policy_mask_BN,
                                      horizon=cfg.rollout.max_new_tokens)
     token_weights_BN = aggregation_weights("token_mean", mb.policy_mask_BN)
     loss_fn = functools.partial(policy_loss, graphdef=graphdef, cfg=cfg)
+    params, micro = compute_copy(graphdef, state.params), (mb, weights_BN, token_weights_BN)
+    if cfg.rollout.exact == "replay":  # (before the first minibatch: the old log-probs)
+      micro += (minibatch_values(graphdef, params, mb.tokens_BT, mb.valid_BT, mb.prompt_len,
+                                 cfg.rollout.temperature, mb.old_logprobs_BN, i[0] == 0,
+                                 cfg.replay_group),)
     loss, metrics, grads = accumulate_grads(
-        loss_fn, compute_copy(graphdef, state.params), (mb, weights_BN, token_weights_BN),
-        micro_batches(mb.tokens_BT.shape[0], batching.micro_batch_size))
+        loss_fn, params, micro, micro_batches(mb.tokens_BT.shape[0], batching.micro_batch_size))
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     return apply_gradients(state, grads, optimizer, metrics)
 
-  return scan_minibatches(one, state, exp, batching.num_minibatches)
+  n = batching.num_minibatches  # (minibatch j holds index j)
+  return scan_minibatches(one, state, (exp, jnp.arange(n)), n)
 
 
 def critic_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig):

@@ -10,8 +10,12 @@ in it (`replay_generate`, on the trainer's mesh or the sampler's); the trainer's
 and its update feed the drawn tokens back (teacher-forced) through the same loop, so in float32
 every log-prob is the sampler's bit for bit, and a gradient program's forward rounds as the
 plain one (`decode_replay` measured 0). Only the values need the loop: their gradient is the
-whole-sequence pass's (a custom VJP), since T backward steps of B rows cost about twice one
-backward pass of B x T rows (docs/benchmarks.md). The price left is the loop's forward.
+whole-sequence pass's (`replay_logprobs`), since T backward steps of B rows cost about twice one
+backward pass of B x T rows (docs/benchmarks.md). The loop is a forward alone (its memory the KV
+cache's), so both sides run it a minibatch of rows at a time (`RLConfig.replay_pieces`), the
+sampler's batch shape. In sync mode the sampler drew at the very weights the trainer then holds,
+so its log-probs are the trainer's own, and the loop runs only where the weights moved (the later
+minibatches) or to check (train/loop/scoring.py).
 
 Rows that ended (EOS) carry PAD in their later slots, invalid; the mask every query sees is the
 same on both sides (keys at or before its slot), so the sampler's growing `valid` and the
@@ -19,11 +23,8 @@ trainer's final one give the same numbers. A dense model (no router loss is comp
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrl.models.attention import init_kv_cache
 from jaxrl.models.layouts import ROWS
@@ -36,18 +37,20 @@ from train.updates.state import model_of
 
 
 def decode_loop(graphdef, params, tokens_BT, valid_BT, *, prompt_len: int, temperature: float,
-                draw=None):
+                draw=None, group: int = 1):
   """(tokens [B, T], valid [B, T], log-probs [B, N], entropies [B, N]) of the N = T -
   prompt_len completion slots. `draw(logp_BV, i, done_B) -> (tokens_B, ends_B)` picks slot
   i's tokens from its log-probs (the sampler: `valid` grows, rows that ended keep PAD);
-  without it the buffer's tokens are fed (the trainer)."""
+  without it the buffer's tokens are fed (the trainer). `group`: consecutive rows share their
+  prompt (`RLConfig.replay_group`): each prompt is prefilled once, its cache then repeated."""
   model, (b, t) = model_of(graphdef, params), tokens_BT.shape
   valid_BS = jnp.pad(valid_BT, ((0, 0), (0, 1)))  # (a slot for the last step's unused forward)
   tokens_BS = jnp.pad(tokens_BT, ((0, 0), (0, 1)))
-  cache = init_kv_cache(model.cfg, b, t + 1)
+  prompts = lambda x: x[::group, :prompt_len]  # noqa: E731
   h_B1D, cache, _ = model.decoder.forward(
-      tokens_BS[:, :prompt_len], positions_from_valid(valid_BS)[:, :prompt_len], valid_BS, cache,
-      0, last_only=True)
+      prompts(tokens_BS), prompts(positions_from_valid(valid_BS)), valid_BS[::group],
+      init_kv_cache(model.cfg, b // group, t + 1), 0, last_only=True)
+  h_B1D, cache = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), (h_B1D, cache))
 
   def step(carry, i):
     h_B1D, cache, tokens_BS, valid_BS, done_B = carry
@@ -72,38 +75,37 @@ def decode_loop(graphdef, params, tokens_BT, valid_BT, *, prompt_len: int, tempe
   return tokens_BS[:, :t], valid_BS[:, :t], logp_NB.T, entropy_NB.T
 
 
-def replay_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int,
-                    temperature: float = 1.0):
-  """The completion tokens' log-probs and entropies [B, N] as the sampler computed them when it
-  drew them (`decode_loop`, teacher-forced): `completion_logprobs` for `exact="replay"`. Their
-  gradient is the whole-sequence pass's (`completion_logprobs`, the same function rounded as
-  one pass): only the values must be the sampler's, and T backward steps of B rows cost twice
-  what one pass of B x T rows does."""
-  return _replayed(graphdef, params, tokens_BT, valid_BT, prompt_len, temperature)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
-def _replayed(graphdef, params, tokens_BT, valid_BT, prompt_len, temperature):
+def replayed_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int,
+                      temperature: float = 1.0, group: int = 1):
+  """The completion tokens' log-probs [B, N] as the sampler computed them when it drew them
+  (`decode_loop`, teacher-forced, `group` rows a prompt): the scoring passes'
+  `completion_logprobs` for `exact="replay"`."""
   return decode_loop(graphdef, params, tokens_BT, valid_BT, prompt_len=prompt_len,
-                     temperature=temperature)[2:]
+                     temperature=temperature, group=group)[2]
 
 
-def _replayed_fwd(graphdef, params, tokens_BT, valid_BT, prompt_len, temperature):
-  out = decode_loop(graphdef, params, tokens_BT, valid_BT, prompt_len=prompt_len,
-                    temperature=temperature)[2:]
-  _, pass_vjp = jax.vjp(lambda p: completion_logprobs(graphdef, p, tokens_BT, valid_BT,
-                                                      prompt_len, temperature=temperature), params)
-  return out, (pass_vjp, tokens_BT, valid_BT)
+def minibatch_values(graphdef, params, tokens_BT, valid_BT, prompt_len: int,
+                     temperature: float, known_BN=None, known=False, group: int = 1):
+  """A minibatch's log-probs [B, N] as the sampler computed them (`replayed_logprobs`, all its
+  rows at once as the sampler drew them: `RLConfig.replay_pieces`), or `known_BN` where `known`:
+  the trainer's own at these very weights (the old log-probs, before the update's first
+  minibatch), so the loop need not run. A forward alone, outside the gradient."""
+  loop = lambda: replayed_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len,  # noqa
+                                   temperature, group)
+  return loop() if known_BN is None else jax.lax.cond(known, lambda: known_BN, loop)
 
 
-def _replayed_bwd(graphdef, prompt_len, temperature, res, g):
-  del graphdef, prompt_len, temperature
-  pass_vjp, tokens_BT, valid_BT = res
-  zero = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731 (integer inputs)
-  return (*pass_vjp(g), zero(tokens_BT), zero(valid_BT))
-
-
-_replayed.defvjp(_replayed_fwd, _replayed_bwd)
+def replay_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int, values_BN,
+                    temperature: float = 1.0):
+  """(log-probs, entropies) [B, N] for the update under `exact="replay"`: the values
+  `values_BN` (`minibatch_values`: the sampler's), the gradient the whole-sequence pass's
+  (`completion_logprobs`, the same function rounded as one pass: T backward steps of B rows cost
+  twice one backward pass of B x T rows). The values ride on the pass as `values + (pass -
+  pass)`: exactly the values, the pass's gradient."""
+  pass_BN, entropy_BN = completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len,
+                                            temperature=temperature)
+  values_BN = jax.lax.stop_gradient(values_BN)
+  return values_BN + (pass_BN - jax.lax.stop_gradient(pass_BN)), entropy_BN
 
 
 def stop_ids(cfg: SamplingConfig) -> tuple[int, ...]:
@@ -117,10 +119,11 @@ def stop_ids(cfg: SamplingConfig) -> tuple[int, ...]:
 
 
 def replay_generate(graphdef, params, prompt_tokens_BP, prompt_valid_BP, key, *,
-                    cfg: SamplingConfig, pieces: int = 1) -> Rollout:
+                    cfg: SamplingConfig, pieces: int = 1, group: int = 1) -> Rollout:
   """`exact="replay"`: rows of `cfg.max_new_tokens` slots drawn in the decode loop the trainer
   replays (`decode_loop`), in `pieces` strided pieces of rows as the trainer's passes
-  hold them; each row's Gumbel noise from its own key (the draw does not depend on the pieces).
+  hold them, `group` consecutive rows of a piece sharing a prompt (prefilled once); each row's
+  Gumbel noise from its own key (the draw does not depend on the pieces).
   Pure: jit it on the actor's mesh (sync) or on the sampler's, as many rows a device (async)."""
   b, p, n = *prompt_tokens_BP.shape, cfg.max_new_tokens
   stops = jnp.asarray(stop_ids(cfg), jnp.int32)
@@ -136,7 +139,7 @@ def replay_generate(graphdef, params, prompt_tokens_BP, prompt_valid_BP, key, *,
       return tok_B, jnp.isin(tok_B, stops)
     tokens_BT, valid_BT, logp_BN, _ = decode_loop(graphdef, params, tokens_BT, valid_BT,
                                                   prompt_len=p, temperature=cfg.temperature,
-                                                  draw=draw)
+                                                  draw=draw, group=group)
     return tokens_BT, valid_BT, jnp.where(valid_BT[:, p:], logp_BN, 0.0)
   tokens_BT = jnp.pad(prompt_tokens_BP, ((0, 0), (0, n)), constant_values=cfg.pad_id)
   valid_BT = jnp.pad(prompt_valid_BP, ((0, 0), (0, n)))
