@@ -65,9 +65,6 @@ def sections_agree(cfg) -> None:
     raise ValueError(
         "model.moe.routing_replay: multi-turn rollouts (rl.environment.name) do not record "
         "their experts yet, expected 'off' with them")
-  if cfg.rl.rollout.exact == "replay" and cfg.model.moe.experts:
-    raise ValueError("rl.rollout.exact: 'replay' scores a dense model (its decode loop computes "
-                     "no router loss); expected 'pass' for a mixture of experts")
   if cfg.rl.rollout.exact == "replay" and cfg.rl.schedule.mode == "async" and cfg.lora.enabled:
     raise ValueError("lora.rank: rl.rollout.exact='replay' in async mode draws from the "
                      "sampler's merged copy, which rounds apart from the adapters; expected 0")

@@ -159,7 +159,7 @@ class RolloutConfig:
   # single-turn static batches, whole rows): "" off; "pass": each token drawn by the trainer's
   # own pass on its devices (sync; any dtype; that pass once per new token); "replay": the
   # trainer's passes and update replay the sampler's decode loop (sync or async; float32, or
-  # bfloat16 without XLA's excess precision; a dense model). In sync mode pi_old is then the
+  # bfloat16 without XLA's excess precision; dense or MoE). In sync mode pi_old is then the
   # sampler's log-probs, which the trainer recomputes to check before each evaluation.
   exact: str = ""
 

@@ -24,7 +24,7 @@ from train.loop.exact import exact_generate, exact_step
 from train.run import Experiment
 from train.updates.batching import map_minibatches
 from train.updates.forward import completion_logprobs
-from train.updates.replay import decode_loop, replay_generate, replay_logprobs, replayed_logprobs
+from train.updates.replay import decode_loop, replay_generate, replayed_logprobs, ride
 
 B, P, N, PIECES, TEMPERATURE = 8, 6, 10, 2, 0.7
 ROOT = __file__.rsplit("/tests/", 1)[0]
@@ -77,14 +77,15 @@ def test_exact_decoding_reports_the_trainers_logprobs_bit_for_bit(model, dtype):
     assert tokens_BN[row, length - 1] == eos and (tokens_BN[row, length:] == 0).all()
 
 
-@pytest.mark.parametrize("model", ["llama", "llama_scanned", "gemma3", "llama_lora"])
+@pytest.mark.parametrize("model", ["llama", "llama_scanned", "gemma3", "llama_lora", "qwen3_moe"])
 def test_replayed_decoding_scores_the_samplers_logprobs_bit_for_bit(model):
   """`exact="replay"`: the trainer's log-probs replayed through the sampler's decode loop
   (teacher-forced) are the ones the sampler drew with, bit for bit, float32, rows ending at EOS,
   in the same pieces of rows, each prompt prefilled once for the rows that share it; riding on the whole pass in the update's gradient program they
-  keep their values, and their gradient (the whole pass's) is the decode loop's own to float32
-  rounding."""
-  cfg = from_fields({**BASE, **MODELS[model], "dtype": "float32"})
+  keep their values, and their gradient (the whole pass's, a mixture of experts' routed as the
+  loop routed: `model.moe.routing_replay`) is the decode loop's own to float32 rounding."""
+  replay = {"moe.routing_replay": "rollout"} if model == "qwen3_moe" else {}
+  cfg = from_fields({**BASE, **MODELS[model], **replay, "dtype": "float32"})
   if model.endswith("lora"):
     graphdef, params = perturbed(cfg, LoRAConfig(rank=4, alpha=8.0))
   else:
@@ -108,7 +109,8 @@ def test_replayed_decoding_scores_the_samplers_logprobs_bit_for_bit(model):
   assert np.array_equal(np.asarray(values_BN)[mask_BN], mu_BN[mask_BN])
 
   def riding(q, t, v):
-    lp_BN = replay_logprobs(graphdef, q, t, v, P, values_BN, TEMPERATURE)[0]
+    lp_BN = ride(values_BN, completion_logprobs(graphdef, q, t, v, P, r.routes_BTLK,
+                                                TEMPERATURE)[0])
     return (lp_BN * r.completion_mask_BN).sum(), lp_BN
   (_, pi_BN), grads = jax.jit(jax.value_and_grad(riding, has_aux=True))(
       params, r.tokens_BT, r.valid_BT)
@@ -124,7 +126,7 @@ def test_replayed_decoding_scores_the_samplers_logprobs_bit_for_bit(model):
 
 
 def _exact_run(tmp_path, name: str, route: str = "pass", dtype: str = "bfloat16",
-               schedule: dict | None = None, every: int = 1,
+               schedule: dict | None = None, every: int = 1, moe: dict | None = None,
                **correction) -> tuple[list[dict], str]:
   """(the RL rows that measured the mismatch, the run's params fingerprint); sync runs measure
   it at the steps before an evaluation (`eval.every`: 1, each step)."""
@@ -137,6 +139,9 @@ def _exact_run(tmp_path, name: str, route: str = "pass", dtype: str = "bfloat16"
     raw["rl"]["schedule"].update(schedule)
     raw["placement"]["sampler_tensor"] = 1
   raw["model"]["dtype"] = dtype
+  if moe:  # (a mixture of experts: tiny's model with experts)
+    raw["model"]["family"] = "qwen3_moe"
+    raw["model"]["moe"].update(moe)
   raw["rl"].update(steps=2)
   raw["rl"]["batching"]["num_minibatches"] = 2
   raw["rl"]["rollout"].update(exact=route, temperature=0.7)
@@ -170,16 +175,19 @@ def test_an_exact_run_has_no_mismatch_and_its_corrections_are_no_ops(tmp_path):
 
 
 def test_a_replayed_exact_run_has_no_mismatch(tmp_path):
-  """`rl.rollout.exact="replay"` in a run (float32, temperature 0.7, two minibatches: the old
-  log-probs a replay of their own, the second minibatch's a replay in its gradient program): the
-  mismatch is exactly 0 at every step, and a run that checks only before its last step's
-  evaluation (pi_old and the first minibatch's log-probs the sampler's, no replay) ends with the
-  same weights; bfloat16 where XLA keeps excess precision and a mixture of experts are refused
-  in one line."""
-  rows, fingerprint = _exact_run(tmp_path, "replay", route="replay", dtype="float32")
+  """`rl.rollout.exact="replay"` in a run of a mixture of experts (float32, temperature 0.7, two
+  minibatches: the old log-probs a replay of their own, the second minibatch's values a replay;
+  the update's pass routes as the loop did, `routing_replay="rollout"`): the mismatch is
+  exactly 0 at every step, and a run that checks only before its last step's evaluation
+  (pi_old and the first minibatch's log-probs the sampler's, no replay) ends with the same
+  weights; bfloat16 where XLA keeps excess precision is refused in one line."""
+  moe = {"experts": 4, "per_token": 2, "d_ff": 16, "routing_replay": "rollout"}
+  rows, fingerprint = _exact_run(tmp_path, "replay", route="replay", dtype="float32", moe=moe)
   assert [r["step"] for r in rows] == [1, 2]
   assert all(r["mismatch_max"] == r["mismatch_kl"] == r["mismatch_mean"] == 0.0 for r in rows)
-  rows, same = _exact_run(tmp_path, "unchecked", route="replay", dtype="float32", every=2)
+  assert all(r["router_balance"] > 0.0 for r in rows)  # (the pass's router loss)
+  rows, same = _exact_run(tmp_path, "unchecked", route="replay", dtype="float32", every=2,
+                          moe=moe)
   assert [r["step"] for r in rows] == [2] and rows[0]["mismatch_max"] == 0.0
   assert same == fingerprint
   raw = tiny.get_config().to_dict()
@@ -187,10 +195,6 @@ def test_a_replayed_exact_run_has_no_mismatch(tmp_path):
   raw["model"]["dtype"] = "bfloat16"  # (this process's XLA keeps excess precision)
   with pytest.raises(ConfigError, match=r"rl.rollout.exact: 'replay' in bfloat16 needs "
                                         r"XLA_FLAGS=--xla_allow_excess_precision=false"):
-    Experiment(raw)
-  raw["model"].update(dtype="float32", family="qwen3_moe")
-  raw["model"]["moe"].update(experts=4, per_token=2, d_ff=16)
-  with pytest.raises(ConfigError, match=r"rl.rollout.exact: 'replay' scores a dense model"):
     Experiment(raw)
 
 

@@ -24,7 +24,7 @@ def logprobs(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_
 def replayed(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_len: int,
              temperature: float, group: int = 1):
   """`logprobs` in the sampler's decode loop (`rl.rollout.exact="replay"`: replay.py)."""
-  del routes_BTLK  # (a dense model)
+  del routes_BTLK  # (the loop routes as the sampler's loop did)
   return replayed_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, temperature, group)
 
 

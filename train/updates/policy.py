@@ -15,7 +15,7 @@ from jaxrl.config_rl import RLConfig
 from train.updates.batching import accumulate_grads, compute_copy, micro_batches, scan_minibatches
 from train.updates.forward import completion_values, routed_logprobs
 from train.updates.packing import packed_logprobs
-from train.updates.replay import minibatch_values, replay_logprobs
+from train.updates.replay import minibatch_values, ride
 from train.updates.state import TrainState, apply_gradients
 
 
@@ -33,11 +33,7 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
   mean over the minibatch). Under `rl.rollout.exact="replay"` `micro` ends with the log-probs'
   values [B, N] (`policy_update`: the sampler's decode loop's, train/updates/replay.py)."""
   exp, weights_BN, token_weights_BN, *replayed = micro
-  if replayed:  # the values the sampler's decode loop's (train/updates/replay.py)
-    logp_BN, entropy_BN = replay_logprobs(graphdef, params, exp.tokens_BT, exp.valid_BT,
-                                          exp.prompt_len, replayed[0], cfg.rollout.temperature)
-    router, router_metrics = jnp.zeros((), jnp.float32), {}
-  elif exp.pack is not None:  # its rows packed to a token budget (train/updates/packing.py)
+  if exp.pack is not None:  # its rows packed to a token budget (train/updates/packing.py)
     logp_BN, entropy_BN, router, router_metrics = packed_logprobs(
         graphdef, params, exp.tokens_BT, exp.pack, exp.completion_mask_BN, exp.routes_BTLK,
         temperature=cfg.rollout.temperature)
@@ -45,6 +41,8 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
     logp_BN, entropy_BN, router, router_metrics = routed_logprobs(
         graphdef, params, exp.tokens_BT, exp.valid_BT, start=exp.prompt_len - 1,
         routes_BTLK=exp.routes_BTLK, temperature=cfg.rollout.temperature)
+  if replayed:  # the values the sampler's decode loop's (train/updates/replay.py)
+    logp_BN = ride(replayed[0], logp_BN)
   share = token_weights_BN.sum()  # this micro-batch's share of the minibatch's tokens
   old_BN = exp.old_logprobs_BN
   if old_BN is None:  # one minibatch: these weights are the ones before the update

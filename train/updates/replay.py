@@ -10,7 +10,7 @@ in it (`replay_generate`, on the trainer's mesh or the sampler's); the trainer's
 and its update feed the drawn tokens back (teacher-forced) through the same loop, so in float32
 every log-prob is the sampler's bit for bit, and a gradient program's forward rounds as the
 plain one (`decode_replay` measured 0). Only the values need the loop: their gradient is the
-whole-sequence pass's (`replay_logprobs`), since T backward steps of B rows cost about twice one
+whole-sequence pass's (`ride`), since T backward steps of B rows cost about twice one
 backward pass of B x T rows (docs/benchmarks.md). The loop is a forward alone (its memory the KV
 cache's), so both sides run it a minibatch of rows at a time (`RLConfig.replay_pieces`), the
 sampler's batch shape. In sync mode the sampler drew at the very weights the trainer then holds,
@@ -19,7 +19,9 @@ minibatches) or to check (train/loop/scoring.py).
 
 Rows that ended (EOS) carry PAD in their later slots, invalid; the mask every query sees is the
 same on both sides (keys at or before its slot), so the sampler's growing `valid` and the
-trainer's final one give the same numbers. A dense model (no router loss is computed here).
+trainer's final one give the same numbers. A mixture of experts routes in the loop as the sampler
+did; the update's pass (its gradient and router loss) replays or compares the loop's routes as
+it does the engine's (`model.moe.routing_replay`).
 """
 from __future__ import annotations
 
@@ -27,19 +29,22 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models.attention import init_kv_cache
+from jaxrl.models.decoding import ROUTE_DTYPE
 from jaxrl.models.layouts import ROWS
 from jaxrl.models.rope import positions_from_valid
 from sampler.engine import Rollout
 from sampler.methods import SamplingConfig
 from train.updates.batching import map_minibatches
-from train.updates.forward import completion_logprobs
 from train.updates.state import model_of
 
 
 def decode_loop(graphdef, params, tokens_BT, valid_BT, *, prompt_len: int, temperature: float,
                 draw=None, group: int = 1):
-  """(tokens [B, T], valid [B, T], log-probs [B, N], entropies [B, N]) of the N = T -
-  prompt_len completion slots. `draw(logp_BV, i, done_B) -> (tokens_B, ends_B)` picks slot
+  """(tokens [B, T], valid [B, T], log-probs [B, N] of the N = T - prompt_len completion slots,
+  a mixture of experts' routes [B, T, L, k] or None): each token's experts per layer as the
+  loop routed them (-1 where not routed: the prefill's last layer runs for the last prompt
+  position alone), for the update's pass to replay or compare as the engine's
+  (`model.moe.routing_replay`). `draw(logp_BV, i, done_B) -> (tokens_B, ends_B)` picks slot
   i's tokens from its log-probs (the sampler: `valid` grows, rows that ended keep PAD);
   without it the buffer's tokens are fed (the trainer). `group`: consecutive rows share their
   prompt (`RLConfig.replay_group`): each prompt is prefilled once, its cache then repeated."""
@@ -47,10 +52,12 @@ def decode_loop(graphdef, params, tokens_BT, valid_BT, *, prompt_len: int, tempe
   valid_BS = jnp.pad(valid_BT, ((0, 0), (0, 1)))  # (a slot for the last step's unused forward)
   tokens_BS = jnp.pad(tokens_BT, ((0, 0), (0, 1)))
   prompts = lambda x: x[::group, :prompt_len]  # noqa: E731
-  h_B1D, cache, _ = model.decoder.forward(
+  h_B1D, cache, routing = model.decoder.forward(
       prompts(tokens_BS), prompts(positions_from_valid(valid_BS)), valid_BS[::group],
       init_kv_cache(model.cfg, b // group, t + 1), 0, last_only=True)
-  h_B1D, cache = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), (h_B1D, cache))
+  routes = () if routing is None else (routing.ids.astype(ROUTE_DTYPE),)  # [B, P, L, k]
+  h_B1D, cache, routes = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0),
+                                      (h_B1D, cache, routes))
 
   def step(carry, i):
     h_B1D, cache, tokens_BS, valid_BS, done_B = carry
@@ -65,14 +72,16 @@ def decode_loop(graphdef, params, tokens_BT, valid_BT, *, prompt_len: int, tempe
       valid_BS = jax.lax.dynamic_update_index_in_dim(valid_BS, ~done_B, slot, 1)
       done_B = done_B | ends_B
     pos_B1 = jax.lax.dynamic_slice_in_dim(positions_from_valid(valid_BS), slot, 1, 1)
-    h_B1D, cache, _ = model.decoder.forward(tok_B[:, None], pos_B1, valid_BS, cache, slot)
+    h_B1D, cache, routing = model.decoder.forward(tok_B[:, None], pos_B1, valid_BS, cache, slot)
     logp_B = jnp.take_along_axis(logp_BV, tok_B[:, None], 1)[:, 0]
-    entropy_B = -(jnp.exp(logp_BV) * logp_BV).sum(-1)
-    return (h_B1D, cache, tokens_BS, valid_BS, done_B), (logp_B, entropy_B)
+    ids = () if routing is None else (routing.ids[:, 0].astype(ROUTE_DTYPE),)  # [B, L, k]
+    return (h_B1D, cache, tokens_BS, valid_BS, done_B), (logp_B, ids)
   carry = (h_B1D, cache, tokens_BS, valid_BS, jnp.zeros((b,), bool))
-  (_, _, tokens_BS, valid_BS, _), (logp_NB, entropy_NB) = jax.lax.scan(
+  (_, _, tokens_BS, valid_BS, _), (logp_NB, ids) = jax.lax.scan(
       step, carry, jnp.arange(t - prompt_len))
-  return tokens_BS[:, :t], valid_BS[:, :t], logp_NB.T, entropy_NB.T
+  routes_BTLK = None if not routes else jnp.concatenate(
+      [routes[0], jnp.moveaxis(ids[0], 0, 1)], axis=1)
+  return tokens_BS[:, :t], valid_BS[:, :t], logp_NB.T, routes_BTLK
 
 
 def replayed_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int,
@@ -95,17 +104,12 @@ def minibatch_values(graphdef, params, tokens_BT, valid_BT, prompt_len: int,
   return loop() if known_BN is None else jax.lax.cond(known, lambda: known_BN, loop)
 
 
-def replay_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int, values_BN,
-                    temperature: float = 1.0):
-  """(log-probs, entropies) [B, N] for the update under `exact="replay"`: the values
-  `values_BN` (`minibatch_values`: the sampler's), the gradient the whole-sequence pass's
-  (`completion_logprobs`, the same function rounded as one pass: T backward steps of B rows cost
-  twice one backward pass of B x T rows). The values ride on the pass as `values + (pass -
-  pass)`: exactly the values, the pass's gradient."""
-  pass_BN, entropy_BN = completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len,
-                                            temperature=temperature)
-  values_BN = jax.lax.stop_gradient(values_BN)
-  return values_BN + (pass_BN - jax.lax.stop_gradient(pass_BN)), entropy_BN
+def ride(values_BN, pass_BN):
+  """The update's log-probs under `exact="replay"`: the values `values_BN` (`minibatch_values`:
+  the sampler's), the gradient the whole-sequence pass's `pass_BN` (the same function rounded
+  as one pass: T backward steps of B rows cost twice one backward pass of B x T rows), as
+  `values + (pass - pass)`: exactly the values, the pass's gradient."""
+  return jax.lax.stop_gradient(values_BN) + (pass_BN - jax.lax.stop_gradient(pass_BN))
 
 
 def stop_ids(cfg: SamplingConfig) -> tuple[int, ...]:
@@ -137,14 +141,14 @@ def replay_generate(graphdef, params, prompt_tokens_BP, prompt_valid_BP, key, *,
       tok_B = jnp.argmax(logp_BV + gumbel_BV, axis=-1).astype(jnp.int32)
       tok_B = jnp.where(done_B, cfg.pad_id, tok_B)
       return tok_B, jnp.isin(tok_B, stops)
-    tokens_BT, valid_BT, logp_BN, _ = decode_loop(graphdef, params, tokens_BT, valid_BT,
-                                                  prompt_len=p, temperature=cfg.temperature,
-                                                  draw=draw, group=group)
-    return tokens_BT, valid_BT, jnp.where(valid_BT[:, p:], logp_BN, 0.0)
+    tokens_BT, valid_BT, logp_BN, routes_BTLK = decode_loop(
+        graphdef, params, tokens_BT, valid_BT, prompt_len=p, temperature=cfg.temperature,
+        draw=draw, group=group)
+    return tokens_BT, valid_BT, jnp.where(valid_BT[:, p:], logp_BN, 0.0), routes_BTLK
   tokens_BT = jnp.pad(prompt_tokens_BP, ((0, 0), (0, n)), constant_values=cfg.pad_id)
   valid_BT = jnp.pad(prompt_valid_BP, ((0, 0), (0, n)))
-  tokens_BT, valid_BT, logp_BN = map_minibatches(
+  tokens_BT, valid_BT, logp_BN, routes_BTLK = map_minibatches(
       rows, (tokens_BT, valid_BT, jax.random.split(key, b)), pieces)
   mask_BN = valid_BT[:, p:]
   return Rollout(tokens_BT=tokens_BT, valid_BT=valid_BT, completion_mask_BN=mask_BN,
-                 logprobs_BN=logp_BN, lengths_B=mask_BN.sum(axis=1))
+                 logprobs_BN=logp_BN, lengths_B=mask_BN.sum(axis=1), routes_BTLK=routes_BTLK)
