@@ -316,10 +316,10 @@ class RLConfig:
       return
     wanted = [("rollout.inflight_slots", self.rollout.inflight_slots, 0, "0"),
               ("rollout.top_k", self.rollout.top_k, 0, "0 (the trainer scores every token)"),
-              ("environment.name", self.environment.name, "", "'' (single-turn)"),
-              ("batching.pack_length", self.batching.pack_length, 0, "0 (whole rows)")]
-    if self.rollout.exact == "pass":  # (the trainer's pass: on its devices, in turn)
-      wanted.append(("schedule.mode", self.schedule.mode, "sync", "'sync'"))
+              ("environment.name", self.environment.name, "", "'' (single-turn)")]
+    if self.rollout.exact == "pass":  # (the trainer's pass: on its devices, in turn, unpacked)
+      wanted += [("schedule.mode", self.schedule.mode, "sync", "'sync'"),
+                 ("batching.pack_length", self.batching.pack_length, 0, "0 (whole rows)")]
     for field, value, ok, want in wanted:
       if value != ok:
         raise ValueError(f"{field}: not with rollout.exact={self.rollout.exact!r}; expected "

@@ -218,14 +218,18 @@ def test_replay_in_async_mode_is_exact_and_its_mismatch_is_the_policy_lag(tmp_pa
 def test_the_train_command_runs_a_bfloat16_replay_exactly(tmp_path):
   """`jaxrl-train` turns XLA's excess precision off for `exact="replay"` before JAX starts
   (train/cli/flags.py): a bfloat16 run at temperature 0.7 with two minibatches (the old
-  log-probs a replay of their own, checked at each step) has no mismatch at any step."""
+  log-probs a replay of their own, checked at each step) has no mismatch at any step; its
+  update's pass runs over packed rows (`pack_length`: only the gradient comes from the pass)."""
   subprocess.run([sys.executable, "-m", "train.cli.train", "--config=configs/tiny.py",
                   f"--config.run_dir={tmp_path}", "--config.run_name=bf16",
                   "--config.model.dtype=bfloat16", "--config.rl.rollout.exact=replay",
                   "--config.rl.rollout.temperature=0.7", "--config.rl.batching.num_minibatches=2",
-                  "--config.eval.every=1", "--config.progress=False"], cwd=ROOT, check=True, capture_output=True,
+                  "--config.eval.every=1", "--config.rl.rollout.max_new_tokens=24",
+                  "--config.rl.batching.pack_length=56", "--config.progress=False"], cwd=ROOT, check=True, capture_output=True,
                  text=True, timeout=600)
   lines = (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()
   rows = [r for r in map(json.loads, lines) if r["phase"] == "rl" and "mismatch_max" in r]
   assert [r["step"] for r in rows] == [1, 2, 3]
   assert all(r["mismatch_max"] == r["mismatch_kl"] == 0.0 for r in rows)
+  # packed: less padding than the [B, 12 + 24] rows could have (prompts of at most 12 tokens)
+  assert all(r["padding_fraction"] < 1 - (12 + r["response_len"]) / 36 for r in rows)

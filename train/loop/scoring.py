@@ -55,9 +55,12 @@ class Scoring:
       self.remote = RemoteScorers({r.name: r for r in (self.reference, self.reward_model)
                                    if r is not None}, link_of,
                                   critic if self.critic_apart else None)
-    # (reference, old) log-prob passes over the [B, T] batch, and over packed rows
+    # (reference, old) log-prob passes over the [B, T] batch, and over packed rows (the actor's
+    # under `exact="replay"` over the [B, T] batch either way: the decode loop's rows)
+    self.replays = cfg.rollout.exact == "replay"
     self.logprob_fns = {packed: tuple(
-        packed_scorer(cfg, r) if packed else logprob_scorer(cfg, r, r is actor.role)
+        packed_scorer(cfg, r) if packed and not (self.replays and r is actor.role)
+        else logprob_scorer(cfg, r, r is actor.role)
         for r in (self.reference, actor.role)) for packed in (False, True)}
     if critic is not None:
       self.values_fn = scorer(cfg, critic.role, completion_values)
@@ -158,9 +161,9 @@ class Scoring:
                      else (remote.score, ref_in, pack is not None, scored, values_in),
                      "ref logprobs")}
     if self.old_pass(check):
+      old_pack = None if self.replays else packs.get(self.actor.role)
       calls["old"] = (ex.trainer, (_on, self.actor.role, old_fn,
-                                   self._inputs(self.actor.role, rollout,
-                                                packs.get(self.actor.role), routes=True)),
+                                   self._inputs(self.actor.role, rollout, old_pack, routes=True)),
                       "old logprobs")
     if self.critic is not None and not self.critic_apart:
       calls["values"] = (ex.critic, (_on, self.critic.role, self.values_fn,
