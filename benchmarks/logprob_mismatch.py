@@ -168,7 +168,7 @@ def _generation_seconds(cfg, args) -> float:
 def _decode_replay(graphdef, params, r, p: int) -> tuple:
   """(the decode loop's drawn log-probs against its replay's in a gradient program; that
   gradient's seconds over the whole-sequence pass's gradient's): train/updates/replay.py
-  `decode_loop`, its own gradient (not the whole pass's, on which `replay_logprobs` rides)."""
+  `decode_loop`, its own gradient (not the whole pass's, on which `ride` puts the values)."""
   import time
 
   import jax

@@ -240,6 +240,7 @@ class BatchingConfig:
   num_minibatches: int = 2
   # Rows of one gradient micro-batch (whole mesh), accumulated exactly; the scoring passes run
   # in pieces of the same size (less activation memory). 0: the whole minibatch at once.
+  # (rollout.exact="replay"'s decode loop, a forward holding a KV cache, runs a minibatch.)
   micro_batch_size: int = 0
   # > 0: the scoring passes and the update run over rows packed to this many tokens (at least
   # the prompt width + max_new_tokens), not the [B, T] batch (train/updates/packing.py).
@@ -316,7 +317,9 @@ class RLConfig:
       return
     wanted = [("rollout.inflight_slots", self.rollout.inflight_slots, 0, "0"),
               ("rollout.top_k", self.rollout.top_k, 0, "0 (the trainer scores every token)"),
-              ("environment.name", self.environment.name, "", "'' (single-turn)")]
+              ("environment.name", self.environment.name, "", "'' (single-turn)"),
+              ("dapo.dynamic_sampling", self.dapo.dynamic_sampling, False,
+               "False (its rounds' rows are padded to the widest prompt: other shapes)")]
     if self.rollout.exact == "pass":  # (the trainer's pass: on its devices, in turn, unpacked)
       wanted += [("schedule.mode", self.schedule.mode, "sync", "'sync'"),
                  ("batching.pack_length", self.batching.pack_length, 0, "0 (whole rows)")]
@@ -338,7 +341,8 @@ class RLConfig:
   def needs_old_logprobs(self) -> bool:
     """Whether a step needs the trainer's log-probs before its update as a separate pass.
     With one minibatch the update starts from exactly those weights, so they are its own
-    log-probs, detached (as TRL and verl do); a KL folded into the rewards needs them first."""
+    log-probs, detached (as TRL and verl do); a KL folded into the rewards needs them first.
+    (Exact sync rollouts take the sampler's instead, `sampler_is_trainer`: `Scoring.old_pass`.)"""
     return self.batching.num_minibatches > 1 or self.kl.mode == "reward"
 
   @property

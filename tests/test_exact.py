@@ -77,13 +77,15 @@ def test_exact_decoding_reports_the_trainers_logprobs_bit_for_bit(model, dtype):
     assert tokens_BN[row, length - 1] == eos and (tokens_BN[row, length:] == 0).all()
 
 
-@pytest.mark.parametrize("model", ["llama", "llama_scanned", "gemma3", "llama_lora", "qwen3_moe"])
+@pytest.mark.parametrize("model",
+                         ["llama", "llama_scanned", "gemma3", "llama_lora", "qwen3_moe"])
 def test_replayed_decoding_scores_the_samplers_logprobs_bit_for_bit(model):
   """`exact="replay"`: the trainer's log-probs replayed through the sampler's decode loop
   (teacher-forced) are the ones the sampler drew with, bit for bit, float32, rows ending at EOS,
-  in the same pieces of rows, each prompt prefilled once for the rows that share it; riding on the whole pass in the update's gradient program they
-  keep their values, and their gradient (the whole pass's, a mixture of experts' routed as the
-  loop routed: `model.moe.routing_replay`) is the decode loop's own to float32 rounding."""
+  in the same pieces of rows, each prompt prefilled once for the rows that share it; riding on
+  the whole pass in the update's gradient program they keep their values, and their gradient
+  (the whole pass's, a mixture of experts' routed as the loop routed:
+  `model.moe.routing_replay`) is the decode loop's own to float32 rounding."""
   replay = {"moe.routing_replay": "rollout"} if model == "qwen3_moe" else {}
   cfg = from_fields({**BASE, **MODELS[model], **replay, "dtype": "float32"})
   if model.endswith("lora"):
@@ -180,7 +182,8 @@ def test_a_replayed_exact_run_has_no_mismatch(tmp_path):
   the update's pass routes as the loop did, `routing_replay="rollout"`): the mismatch is
   exactly 0 at every step, and a run that checks only before its last step's evaluation
   (pi_old and the first minibatch's log-probs the sampler's, no replay) ends with the same
-  weights; bfloat16 where XLA keeps excess precision is refused in one line."""
+  weights; bfloat16 where XLA keeps excess precision and DAPO's dynamic sampling (its rounds
+  padded to the widest prompt: other shapes than the sampler's) are refused in one line."""
   moe = {"experts": 4, "per_token": 2, "d_ff": 16, "routing_replay": "rollout"}
   rows, fingerprint = _exact_run(tmp_path, "replay", route="replay", dtype="float32", moe=moe)
   assert [r["step"] for r in rows] == [1, 2]
@@ -195,6 +198,10 @@ def test_a_replayed_exact_run_has_no_mismatch(tmp_path):
   raw["model"]["dtype"] = "bfloat16"  # (this process's XLA keeps excess precision)
   with pytest.raises(ConfigError, match=r"rl.rollout.exact: 'replay' in bfloat16 needs "
                                         r"XLA_FLAGS=--xla_allow_excess_precision=false"):
+    Experiment(raw)
+  raw["model"]["dtype"] = "float32"
+  raw["rl"]["dapo"]["dynamic_sampling"] = True
+  with pytest.raises(ConfigError, match=r"dapo.dynamic_sampling: not with rollout.exact='replay'"):
     Experiment(raw)
 
 
@@ -225,8 +232,8 @@ def test_the_train_command_runs_a_bfloat16_replay_exactly(tmp_path):
                   "--config.model.dtype=bfloat16", "--config.rl.rollout.exact=replay",
                   "--config.rl.rollout.temperature=0.7", "--config.rl.batching.num_minibatches=2",
                   "--config.eval.every=1", "--config.rl.rollout.max_new_tokens=24",
-                  "--config.rl.batching.pack_length=56", "--config.progress=False"], cwd=ROOT, check=True, capture_output=True,
-                 text=True, timeout=600)
+                  "--config.rl.batching.pack_length=56", "--config.progress=False"],
+                 cwd=ROOT, check=True, capture_output=True, text=True, timeout=600)
   lines = (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()
   rows = [r for r in map(json.loads, lines) if r["phase"] == "rl" and "mismatch_max" in r]
   assert [r["step"] for r in rows] == [1, 2, 3]

@@ -27,8 +27,9 @@ class Experience:
   sampler_logprobs_BN: jax.Array  # mu: what the sampler drew with
   ref_logprobs_BN: jax.Array
   advantages_BN: jax.Array
-  # The trainer's policy before this update; None when the update's own (detached) log-probs
-  # are these (one minibatch: RLConfig.needs_old_logprobs).
+  # The trainer's policy before this update (exact sync rollouts: the sampler's, the same
+  # numbers); None when the update's own (detached) log-probs are these (one minibatch:
+  # RLConfig.carries_old_logprobs).
   old_logprobs_BN: jax.Array | None = None
   old_values_BN: jax.Array | None = None  # critic (gae) only
   returns_BN: jax.Array | None = None

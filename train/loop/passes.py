@@ -24,8 +24,8 @@ def logprobs(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_
 def replayed(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_len: int,
              temperature: float, group: int = 1):
   """`logprobs` in the sampler's decode loop (`rl.rollout.exact="replay"`: replay.py)."""
-  del routes_BTLK  # (the loop routes as the sampler's loop did)
-  return replayed_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, temperature, group)
+  return replayed_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, temperature, group,
+                           routes_BTLK)
 
 
 def policy_logprobs(cfg: RLConfig):

@@ -170,6 +170,13 @@ def abstract_experience(cfg: ExperimentConfig, role) -> Experience:
   return _abstract(exp, role.batch_shardings(exp))
 
 
+def _pieces(rl, name: str) -> int:
+  """The pieces of rows a scoring pass runs in: the update's, or the decode loop's where the
+  actor's old log-probs replay it (`rl.rollout.exact="replay"`)."""
+  replays = name == "old log-probs" and rl.rollout.exact == "replay"
+  return rl.replay_pieces if replays else rl.rollouts // rl.pass_rows
+
+
 def _scoring(cfg: ExperimentConfig, cluster: RoleCluster, actor, critic) -> list[Program]:
   """The scoring passes, as Scoring jits them, and the experience they make."""
   rl, b = cfg.rl, cfg.rl.rollouts
@@ -193,7 +200,7 @@ def _scoring(cfg: ExperimentConfig, cluster: RoleCluster, actor, critic) -> list
                                                     update=False)
     programs.append(Program(name, "scoring", role.mesh,
                             lambda fn=fn, role=role: fn.lower(role.abstract(), *batch(role)),
-                            role.abstract(), kernel, counted, rl.rollouts // rl.pass_rows))
+                            role.abstract(), kernel, counted, _pieces(rl, name)))
   if scoring.reward_model is not None:
     rm = scoring.reward_model
     programs.append(Program("reward-model scores", "scoring", rm.mesh, lambda: scoring.scores_fn

@@ -27,11 +27,13 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
   `aggregation_weights`), plus a mixture of experts' router loss (`forward.router_loss`).
 
   `micro` = (exp, weights_BN, token_weights_BN). `exp` (train/loop/experience.py) holds per-token
-  [B, N] advantages, the trainer's log-probs before the update (`old`), the reference's, and the
-  sampler's (mu, what it drew with). The metrics include the sampler/trainer mismatch
-  (|log mu - log pi_old|, KL(mu || pi_old)) over every valid token (`token_weights_BN`: a token
-  mean over the minibatch). Under `rl.rollout.exact="replay"` `micro` ends with the log-probs'
-  values [B, N] (`policy_update`: the sampler's decode loop's, train/updates/replay.py)."""
+  [B, N] advantages, the trainer's log-probs before the update (`old`; exact sync rollouts: the
+  sampler's, the same numbers), the reference's, and the sampler's (mu, what it drew with). The
+  metrics include the sampler/trainer mismatch (|log mu - log pi_old|, KL(mu || pi_old)) over
+  every valid token (`token_weights_BN`: a token mean over the minibatch; exact sync steps
+  keep it only where the old pass ran, `Controller.step`). Under `rl.rollout.exact="replay"`
+  `micro` ends with the log-probs' values [B, N] (`policy_update`: the sampler's decode
+  loop's, train/updates/replay.py)."""
   exp, weights_BN, token_weights_BN, *replayed = micro
   if exp.pack is not None:  # its rows packed to a token budget (train/updates/packing.py)
     logp_BN, entropy_BN, router, router_metrics = packed_logprobs(
@@ -78,6 +80,8 @@ def policy_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig)
   its gradient over `cfg.batching.micro_batch_size`-row micro-batches."""
   batching = cfg.batching
 
+  n = batching.num_minibatches  # (minibatch j holds index j)
+
   def one(state, mb_i):
     mb, i = mb_i
     weights_BN = aggregation_weights(cfg.loss.aggregation, mb.policy_mask_BN,
@@ -87,14 +91,14 @@ def policy_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig)
     params, micro = compute_copy(graphdef, state.params), (mb, weights_BN, token_weights_BN)
     if cfg.rollout.exact == "replay":  # (before the first minibatch: the old log-probs)
       micro += (minibatch_values(graphdef, params, mb.tokens_BT, mb.valid_BT, mb.prompt_len,
-                                 cfg.rollout.temperature, mb.old_logprobs_BN, i[0] == 0,
-                                 cfg.replay_group),)
+                                 cfg.rollout.temperature, mb.old_logprobs_BN,
+                                 i[0] == 0 if n > 1 else True, cfg.replay_group,
+                                 mb.routes_BTLK),)
     loss, metrics, grads = accumulate_grads(
         loss_fn, params, micro, micro_batches(mb.tokens_BT.shape[0], batching.micro_batch_size))
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     return apply_gradients(state, grads, optimizer, metrics)
 
-  n = batching.num_minibatches  # (minibatch j holds index j)
   return scan_minibatches(one, state, (exp, jnp.arange(n)), n)
 
 

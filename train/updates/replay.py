@@ -19,9 +19,9 @@ minibatches) or to check (train/loop/scoring.py).
 
 Rows that ended (EOS) carry PAD in their later slots, invalid; the mask every query sees is the
 same on both sides (keys at or before its slot), so the sampler's growing `valid` and the
-trainer's final one give the same numbers. A mixture of experts routes in the loop as the sampler
-did; the update's pass (its gradient and router loss) replays or compares the loop's routes as
-it does the engine's (`model.moe.routing_replay`).
+trainer's final one give the same numbers. A mixture of experts' sampler records each token's
+experts in the loop; the trainer's loop and the update's pass (its gradient and router loss)
+replay or compare them as they do the engine's (`model.moe.routing_replay`).
 """
 from __future__ import annotations
 
@@ -39,22 +39,25 @@ from train.updates.state import model_of
 
 
 def decode_loop(graphdef, params, tokens_BT, valid_BT, *, prompt_len: int, temperature: float,
-                draw=None, group: int = 1):
+                draw=None, group: int = 1, routes_BTLK=None):
   """(tokens [B, T], valid [B, T], log-probs [B, N] of the N = T - prompt_len completion slots,
   a mixture of experts' routes [B, T, L, k] or None): each token's experts per layer as the
   loop routed them (-1 where not routed: the prefill's last layer runs for the last prompt
   position alone), for the update's pass to replay or compare as the engine's
   (`model.moe.routing_replay`). `draw(logp_BV, i, done_B) -> (tokens_B, ends_B)` picks slot
   i's tokens from its log-probs (the sampler: `valid` grows, rows that ended keep PAD);
-  without it the buffer's tokens are fed (the trainer). `group`: consecutive rows share their
-  prompt (`RLConfig.replay_group`): each prompt is prefilled once, its cache then repeated."""
+  without it the buffer's tokens are fed (the trainer), with `routes_BTLK` the experts they were
+  drawn with. `group`: consecutive rows share their prompt (`RLConfig.replay_group`): each
+  prompt is prefilled once, its cache then repeated."""
   model, (b, t) = model_of(graphdef, params), tokens_BT.shape
   valid_BS = jnp.pad(valid_BT, ((0, 0), (0, 1)))  # (a slot for the last step's unused forward)
   tokens_BS = jnp.pad(tokens_BT, ((0, 0), (0, 1)))
   prompts = lambda x: x[::group, :prompt_len]  # noqa: E731
+  given = lambda at: None if routes_BTLK is None else at(routes_BTLK)  # noqa: E731
   h_B1D, cache, routing = model.decoder.forward(
       prompts(tokens_BS), prompts(positions_from_valid(valid_BS)), valid_BS[::group],
-      init_kv_cache(model.cfg, b // group, t + 1), 0, last_only=True)
+      init_kv_cache(model.cfg, b // group, t + 1), 0, last_only=True,
+      routes_BTLK=given(prompts))
   routes = () if routing is None else (routing.ids.astype(ROUTE_DTYPE),)  # [B, P, L, k]
   h_B1D, cache, routes = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0),
                                       (h_B1D, cache, routes))
@@ -72,7 +75,9 @@ def decode_loop(graphdef, params, tokens_BT, valid_BT, *, prompt_len: int, tempe
       valid_BS = jax.lax.dynamic_update_index_in_dim(valid_BS, ~done_B, slot, 1)
       done_B = done_B | ends_B
     pos_B1 = jax.lax.dynamic_slice_in_dim(positions_from_valid(valid_BS), slot, 1, 1)
-    h_B1D, cache, routing = model.decoder.forward(tok_B[:, None], pos_B1, valid_BS, cache, slot)
+    h_B1D, cache, routing = model.decoder.forward(
+        tok_B[:, None], pos_B1, valid_BS, cache, slot,
+        routes_BTLK=given(lambda r: jax.lax.dynamic_slice_in_dim(r, slot, 1, 1)))
     logp_B = jnp.take_along_axis(logp_BV, tok_B[:, None], 1)[:, 0]
     ids = () if routing is None else (routing.ids[:, 0].astype(ROUTE_DTYPE),)  # [B, L, k]
     return (h_B1D, cache, tokens_BS, valid_BS, done_B), (logp_B, ids)
@@ -85,23 +90,28 @@ def decode_loop(graphdef, params, tokens_BT, valid_BT, *, prompt_len: int, tempe
 
 
 def replayed_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int,
-                      temperature: float = 1.0, group: int = 1):
+                      temperature: float = 1.0, group: int = 1, routes_BTLK=None):
   """The completion tokens' log-probs [B, N] as the sampler computed them when it drew them
   (`decode_loop`, teacher-forced, `group` rows a prompt): the scoring passes'
-  `completion_logprobs` for `exact="replay"`."""
+  `completion_logprobs` for `exact="replay"`; a mixture of experts' recorded `routes_BTLK`
+  replayed or compared as the model says (`model.moe.routing_replay`)."""
   return decode_loop(graphdef, params, tokens_BT, valid_BT, prompt_len=prompt_len,
-                     temperature=temperature, group=group)[2]
+                     temperature=temperature, group=group, routes_BTLK=routes_BTLK)[2]
 
 
 def minibatch_values(graphdef, params, tokens_BT, valid_BT, prompt_len: int,
-                     temperature: float, known_BN=None, known=False, group: int = 1):
+                     temperature: float, known_BN=None, known=False, group: int = 1,
+                     routes_BTLK=None):
   """A minibatch's log-probs [B, N] as the sampler computed them (`replayed_logprobs`, all its
   rows at once as the sampler drew them: `RLConfig.replay_pieces`), or `known_BN` where `known`:
   the trainer's own at these very weights (the old log-probs, before the update's first
-  minibatch), so the loop need not run. A forward alone, outside the gradient."""
+  minibatch: a Python True compiles no loop), so the loop need not run. A forward alone,
+  outside the gradient; `routes_BTLK`: the sampler's experts, replayed or compared."""
   loop = lambda: replayed_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len,  # noqa
-                                   temperature, group)
-  return loop() if known_BN is None else jax.lax.cond(known, lambda: known_BN, loop)
+                                   temperature, group, routes_BTLK)
+  if known_BN is None or known is False:
+    return loop()
+  return known_BN if known is True else jax.lax.cond(known, lambda: known_BN, loop)
 
 
 def ride(values_BN, pass_BN):
