@@ -207,36 +207,41 @@ def test_a_replayed_exact_run_has_no_mismatch(tmp_path):
 
 def test_replay_in_async_mode_is_exact_and_its_mismatch_is_the_policy_lag(tmp_path):
   """`exact="replay"` in async mode (fixed schedule): the sampler's copy draws on its own devices,
-  each holding the trainer's rows a device. With no staleness allowed every batch is drawn by
-  the weights the trainer scores it with, and the mismatch is exactly 0 at every step; a batch
-  a version behind (`max_staleness=1`) then differs from pi_old by the policy lag alone."""
-  fixed = {"mode": "async", "name": "fixed"}
-  rows, _ = _exact_run(tmp_path, "async0", route="replay", dtype="float32",
-                       schedule={**fixed, "max_staleness": 0})
-  assert [r["step"] for r in rows] == [1, 2]
-  assert all(r["mismatch_max"] == r["mismatch_kl"] == 0.0 for r in rows)
+  each holding the trainer's rows a device. A batch drawn by the weights the trainer scores it
+  with has no mismatch (step 1; every step of a run with no staleness allowed: the bfloat16
+  test below); a batch a version behind (`max_staleness=1`) then differs from pi_old by the
+  policy lag alone."""
   rows, _ = _exact_run(tmp_path, "async1", route="replay", dtype="float32",
-                       schedule={**fixed, "max_staleness": 1})
+                       schedule={"mode": "async", "name": "fixed", "max_staleness": 1})
   assert [r["policy_lag"] for r in rows] == [0, 1]
   assert rows[0]["mismatch_max"] == 0.0 and rows[1]["mismatch_max"] > 0.0
 
 
+ASYNC = ["--config.rl.schedule.mode=async", "--config.rl.schedule.name=fixed",
+         "--config.rl.schedule.max_staleness=0", "--config.placement.sampler_tensor=1"]
+
+
 @pytest.mark.slow
-def test_the_train_command_runs_a_bfloat16_replay_exactly(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_train_command_runs_a_bfloat16_replay_exactly(tmp_path, mode):
   """`jaxrl-train` turns XLA's excess precision off for `exact="replay"` before JAX starts
   (train/cli/flags.py): a bfloat16 run at temperature 0.7 with two minibatches (the old
-  log-probs a replay of their own, checked at each step) has no mismatch at any step; its
-  update's pass runs over packed rows (`pack_length`: only the gradient comes from the pass)."""
+  log-probs a replay of their own, checked at each step) has no mismatch at any step. Sync:
+  its update's pass runs over packed rows (`pack_length`: only the gradient comes from the
+  pass); async: the sampler's bfloat16 copy draws on its own devices, no staleness allowed."""
+  flags = ASYNC if mode == "async" else ["--config.rl.batching.pack_length=56"]
   subprocess.run([sys.executable, "-m", "train.cli.train", "--config=configs/tiny.py",
                   f"--config.run_dir={tmp_path}", "--config.run_name=bf16",
                   "--config.model.dtype=bfloat16", "--config.rl.rollout.exact=replay",
                   "--config.rl.rollout.temperature=0.7", "--config.rl.batching.num_minibatches=2",
                   "--config.eval.every=1", "--config.rl.rollout.max_new_tokens=24",
-                  "--config.rl.batching.pack_length=56", "--config.progress=False"],
+                  "--config.progress=False", *flags],
                  cwd=ROOT, check=True, capture_output=True, text=True, timeout=600)
   lines = (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()
   rows = [r for r in map(json.loads, lines) if r["phase"] == "rl" and "mismatch_max" in r]
   assert [r["step"] for r in rows] == [1, 2, 3]
   assert all(r["mismatch_max"] == r["mismatch_kl"] == 0.0 for r in rows)
-  # packed: less padding than the [B, 12 + 24] rows could have (prompts of at most 12 tokens)
-  assert all(r["padding_fraction"] < 1 - (12 + r["response_len"]) / 36 for r in rows)
+  if mode == "async":
+    assert all(r["policy_lag"] == 0 for r in rows)
+  else:  # packed: less padding than the [B, 12 + 24] rows could have (prompts of <= 12 tokens)
+    assert all(r["padding_fraction"] < 1 - (12 + r["response_len"]) / 36 for r in rows)
