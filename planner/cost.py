@@ -72,7 +72,8 @@ class Workload:
     return cls(model=cfg.model, prompts=rl.prompts_per_step, group_size=rl.group_size,
                prompt_len=cfg.data.max_prompt_tokens, new_tokens=rl.rollout.max_new_tokens,
                num_minibatches=rl.batching.num_minibatches,
-               micro_batch_size=rl.batching.micro_batch_size, old_pass=rl.needs_old_logprobs,
+               micro_batch_size=rl.batching.micro_batch_size,
+               old_pass=rl.needs_old_logprobs and not rl.sampler_is_trainer,
                reference=rl.kl.coef > 0, critic=rl.trains_critic,
                reward_model=rl.reward == "reward_model", inflight=rl.rollout.inflight_slots > 0,
                flash_attention=flash(cfg.model, platform), lora_params=lora_params(cfg))
