@@ -194,6 +194,13 @@ def phase_table(cfg: ExperimentConfig, cluster: RoleCluster) -> dict[str, dict[s
   phases = {"generation": {"KV cache": _per_device(smesh, kv)}}
   for name in trained:
     phases[f"{name} update"] = _update_items(cfg, cluster.get(name), lm_head=name == "actor")
+  if rl.rollout.exact == "replay" and not (rl.batching.num_minibatches == 1
+                                           and rl.carries_old_logprobs):
+    actor = cluster.get("actor")  # (the later minibatches' values: a decode loop's KV cache)
+    rows = rl.rollouts / rl.replay_pieces / batch_ways(actor.mesh, actor.rules)
+    replay = footprint.kv_cache_bytes(m, rows, slots + 1, actor.mesh.shape.get("tensor", 1))
+    phases["actor update"]["the replayed decode loop's KV cache"] = _per_device(actor.mesh,
+                                                                                replay)
   scoring = [("reference", "reference")] + [("reward", "reward")] * (rl.reward == "reward_model")
   scoring += [("actor", "old log-probs")] * rl.carries_old_logprobs
   scoring += [("critic", "values")] * rl.trains_critic
