@@ -55,12 +55,11 @@ class Scoring:
       self.remote = RemoteScorers({r.name: r for r in (self.reference, self.reward_model)
                                    if r is not None}, link_of,
                                   critic if self.critic_apart else None)
-    # (reference, old) log-prob passes over the [B, T] batch, and over packed rows (the actor's
-    # under `exact="replay"` over the [B, T] batch either way: the decode loop's rows)
+    # (reference, old) log-prob passes over the [B, T] batch, and over packed rows (`experience`
+    # takes the actor's [B, T] one either way under `exact="replay"`: the decode loop's rows)
     self.replays = cfg.rollout.exact == "replay"
     self.logprob_fns = {packed: tuple(
-        packed_scorer(cfg, r) if packed and not (self.replays and r is actor.role)
-        else logprob_scorer(cfg, r, r is actor.role)
+        packed_scorer(cfg, r) if packed else logprob_scorer(cfg, r, r is actor.role)
         for r in (self.reference, actor.role)) for packed in (False, True)}
     if critic is not None:
       self.values_fn = scorer(cfg, critic.role, completion_values)
@@ -152,7 +151,8 @@ class Scoring:
         for r in (self.reference, self.actor.role)}
     scored = (None if self.reward_model is None else
               _moved(self.reward_model, rollout, mask=False))
-    ref_fn, old_fn = self.logprob_fns[pack is not None]
+    old_packed = pack is not None and not self.replays
+    ref_fn, old_fn = self.logprob_fns[pack is not None][0], self.logprob_fns[old_packed][1]
     ref_in, remote = self._inputs(self.reference, rollout, packs.get(self.reference)), self.remote
     values_in = _moved(self.actor.role, rollout) if self.critic_apart else None
     calls = {"reward": (ex.reward, (self._rewards, rollout, examples_B, verified_B,
@@ -161,7 +161,7 @@ class Scoring:
                      else (remote.score, ref_in, pack is not None, scored, values_in),
                      "ref logprobs")}
     if self.old_pass(check):
-      old_pack = None if self.replays else packs.get(self.actor.role)
+      old_pack = packs[self.actor.role] if old_packed else None
       calls["old"] = (ex.trainer, (_on, self.actor.role, old_fn,
                                    self._inputs(self.actor.role, rollout, old_pack, routes=True)),
                       "old logprobs")
