@@ -35,8 +35,8 @@ variants of it that each change one thing the two sides do differently:
               per new token, compiled once) over the engine's generation, in this process
   decode_replay  the other way round: the trainer scoring in the sampler's shapes. The decode
               loop of `rl.rollout.exact="replay"` (train/updates/replay.py: a prefill, then a
-              `lax.scan` of one-token steps over a KV cache, the rows layout) draws the tokens; the same loop fed those tokens (teacher-forced) inside a
-              gradient program (the update's kind) gives their log-probs; `decode_replay_cost`:
+              `lax.scan` of one-token steps over a KV cache, the rows layout) draws the tokens;
+              the same loop fed those tokens (teacher-forced) inside a gradient program (the update's kind) gives their log-probs; `decode_replay_cost`:
               that gradient program's wall time over the whole-sequence pass's gradient, in
               this process
 
