@@ -36,9 +36,9 @@ variants of it that each change one thing the two sides do differently:
   decode_replay  the other way round: the trainer scoring in the sampler's shapes. The decode
               loop of `rl.rollout.exact="replay"` (train/updates/replay.py: a prefill, then a
               `lax.scan` of one-token steps over a KV cache, the rows layout) draws the tokens;
-              the same loop fed those tokens (teacher-forced) inside a gradient program (the update's kind) gives their log-probs; `decode_replay_cost`:
-              that gradient program's wall time over the whole-sequence pass's gradient, in
-              this process
+              the same loop fed those tokens (teacher-forced) inside a gradient program (the
+              update's kind) gives their log-probs; `decode_replay_cost`: that gradient
+              program's wall time over the whole-sequence pass's gradient, in this process
 
 Per dtype (float32, bfloat16), each is the largest |log-prob difference| over the completion
 tokens and the share of those tokens whose log-probs are bitwise equal. A source whose max is 0
