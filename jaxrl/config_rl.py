@@ -245,6 +245,10 @@ class BatchingConfig:
   # > 0: the scoring passes and the update run over rows packed to this many tokens (at least
   # the prompt width + max_new_tokens), not the [B, T] batch (train/updates/packing.py).
   pack_length: int = 0
+  # With pack_length: a piece's rows of one prompt packed as a tree, the prompt once and each
+  # completion a branch that sees it (train/updates/packing.py): G completions of a P-token
+  # prompt cost P + G * N tokens instead of G * (P + N), in every pass and the update.
+  share_prefix: bool = False
   # Prompt batches padded, rollouts trimmed to the bucket of their longest prompt / response: at
   # most this many lengths each (few compiled shapes). 0: pad to max_prompt_/max_new_tokens.
   length_buckets: int = 8
@@ -252,6 +256,9 @@ class BatchingConfig:
   def __post_init__(self):
     positive(self, "num_minibatches")
     at_least_zero(self, "micro_batch_size", "pack_length", "length_buckets")
+    if self.share_prefix and not self.pack_length:
+      raise ValueError("share_prefix: a prompt is shared inside packed rows; set "
+                       "batching.pack_length > 0 (at least the prompt width + max_new_tokens)")
 
 
 @section

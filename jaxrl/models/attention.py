@@ -54,6 +54,46 @@ def attention_mask(key_valid_BS: jax.Array, t: int, cache_index,
   return mask_BTS
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["parent_ids_BT", "copies_BT"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Tree:
+  """Prefix trees in packed rows (with their segment ids: train/updates/packing.py): the segment
+  each position's segment sees besides itself (its own, or the prefix a branch shares), and how
+  many of the batch's rows each position stands for (a shared prefix's: its branches' rows; 0:
+  padding), which weighs a mixture of experts' routing statistics as the unshared batch's."""
+  parent_ids_BT: jax.Array
+  copies_BT: jax.Array
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["mask_BTS", "positions_BT"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class TreeMask:
+  """The mask of a cacheless pass over prefix trees (packed rows in which several branch
+  segments follow the prefix segment they share: train/updates/packing.py): a token sees the
+  earlier tokens of its own segment and of its segment's parent. A sliding window counts
+  positions (`within`), not slots: a branch's slots follow its siblings'. Dense on every
+  backend (no flash kernel here takes a parent)."""
+  mask_BTS: jax.Array
+  positions_BT: jax.Array
+
+  @classmethod
+  def of(cls, key_valid_BT, segment_ids_BT, tree: Tree, positions_BT) -> TreeMask:
+    t = key_valid_BT.shape[1]
+    seg_BT1, seg_B1T = segment_ids_BT[:, :, None], segment_ids_BT[:, None, :]
+    related_BTT = (seg_B1T == seg_BT1) | (seg_B1T == tree.parent_ids_BT[:, :, None])
+    causal_TT = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+    return cls(causal_TT[None] & key_valid_BT[:, None, :] & related_BTT, positions_BT)
+
+  def within(self, window: int) -> jax.Array:
+    """The dense mask narrowed to keys fewer than `window` positions before each query."""
+    if not window:
+      return self.mask_BTS
+    pos_BT = self.positions_BT
+    return self.mask_BTS & (pos_BT[:, :, None] - pos_BT[:, None, :] < window)
+
+
 def windowed(mask, window: int, t: int, cache_index):
   """`mask` (a dense [B, T, S] mask, a `ValidPrefix` or splash's `Segments`) narrowed to keys
   fewer than `window` slots before each query (a sliding-window layer's; 0: no window). A

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.attention import (KVCache, StackedLayer, ValidPrefix, attention_impl,
-                                    attention_mask, valid_first, windowed)
+from jaxrl.models.attention import (KVCache, StackedLayer, Tree, TreeMask, ValidPrefix,
+                                    attention_impl, attention_mask, valid_first, windowed)
 from jaxrl.models.config import REMAT_POLICIES, ModelConfig
 from jaxrl.models.families import ACTIVATIONS
 from jaxrl.models.layouts import ROWS
@@ -209,13 +209,19 @@ class Decoder(nnx.Module):
 
   def forward(self, tokens, positions, key_valid_BS, kv_cache: KVCache | None = None,
               cache_index=0, segment_ids_BT=None, last_only=False, layout=ROWS,
-              routes_BTLK=None):
+              routes_BTLK=None, tree: Tree | None = None):
     """(hidden states, the updated cache, the MoE layers' stacked `MoEStats` or None).
     `positions`: RoPE positions, or their (sin, cos) table computed ahead (a decode loop does).
     `segment_ids_BT` (training): packed rows, attention stays inside a segment. `last_only` (a
     prefill that samples from the last position): the final block's queries, attention and MLP
     run for the last position alone, and the states come back as [B, 1, D]. `routes_BTLK`:
-    each token's experts per MoE layer when it was sampled (replayed or compared: moe.py)."""
+    each token's experts per MoE layer when it was sampled (replayed or compared: moe.py).
+    `tree` (with `segment_ids_BT`): prefix trees, each segment also seeing its parent segment
+    (`TreeMask`; `positions` the tokens' own, a branch's continuing from its prefix)."""
+    if tree is not None:
+      mask = TreeMask.of(key_valid_BS, segment_ids_BT, tree, positions)
+      return self.blocks_over(tokens, positions, mask, None, 0, False, ROWS, tree.copies_BT,
+                              routes_BTLK)
     impl = attention_impl(self.cfg)
     cacheless = kv_cache is None and not last_only and layout is ROWS
     if cacheless and impl == "cudnn":
@@ -260,7 +266,10 @@ class Decoder(nnx.Module):
     if cfg.block.scale_embedding:  # (in the compute dtype, as Gemma rounds it)
       x = x * jnp.asarray(cfg.d_model**0.5, cfg.compute_dtype)
     rope = layout.rope_table(positions, cfg)
-    local = windowed(mask, cfg.attention.sliding_window, layout.length(tokens), cache_index)
+    if isinstance(mask, TreeMask):  # its window counts positions
+      local, mask = mask.within(cfg.attention.sliding_window), mask.mask_BTS
+    else:
+      local = windowed(mask, cfg.attention.sliding_window, layout.length(tokens), cache_index)
     kind = lambda i: (layout.rope_part(rope, cfg, cfg.is_local(i)),
                       local if cfg.is_local(i) else mask)
     run = _Pass(kind, cache_index, last_only, layout, valid_BT, layout.length(tokens))

@@ -47,12 +47,13 @@ def logprob_scorer(cfg: RLConfig, role, actor: bool = False):
 def packed_scorer(cfg: RLConfig, role):
   """`scorer(cfg, role, policy_logprobs(cfg))` over packed rows: (params, tokens [B, T],
   completion mask [B, N], pack[, routes]) -> [B, N], piece p of the pack holding rows p, p + n,
-  ..."""
+  ... (as trees of shared prompts: `rl.batching.share_prefix`)."""
   n = cfg.rollouts // cfg.pass_rows
 
   def score(params, tokens_BT, mask_BN, pack, *routes):
     return map_minibatches(lambda mb: packed_logprobs(
-        role.graphdef, params, *mb, temperature=cfg.rollout.temperature)[0],
+        role.graphdef, params, *mb, temperature=cfg.rollout.temperature,
+        tree=cfg.batching.share_prefix)[0],
         (tokens_BT, pack, mask_BN, *routes), n)
   return role.jit(score)
 

@@ -38,7 +38,7 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
   if exp.pack is not None:  # its rows packed to a token budget (train/updates/packing.py)
     logp_BN, entropy_BN, router, router_metrics = packed_logprobs(
         graphdef, params, exp.tokens_BT, exp.pack, exp.completion_mask_BN, exp.routes_BTLK,
-        temperature=cfg.rollout.temperature)
+        temperature=cfg.rollout.temperature, tree=cfg.batching.share_prefix)
   else:
     logp_BN, entropy_BN, router, router_metrics = routed_logprobs(
         graphdef, params, exp.tokens_BT, exp.valid_BT, start=exp.prompt_len - 1,

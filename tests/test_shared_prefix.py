@@ -1,0 +1,130 @@
+"""Shared prefixes (`rl.batching.share_prefix`, train/updates/packing.py): a piece's rows of one
+prompt packed as a tree, the prompt once and each completion a branch that sees it, give the
+log-probs, entropies, loss and gradients of the [B, T] batch, for every family (Gemma 3's window
+counted in positions, Qwen3-MoE's routes replayed per branch), scanned with remat, and LoRA."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrl.algos.losses import aggregation_weights
+from jaxrl.config_rl import BatchingConfig, KLConfig, LossConfig, RLConfig, RolloutConfig
+from jaxrl.models.config import from_fields
+from jaxrl.models.lora import LoRAConfig
+from jaxrl.models.transformer import LanguageModel
+from model_checks import perturbed
+from train.loop.experience import Experience
+from train.updates.forward import completion_logprobs
+from train.updates.packing import plan
+from train.updates.policy import policy_loss, policy_update
+from train.updates.state import TrainState, model_of
+
+P, N, B, G = 6, 10, 8, 4  # two prompts of four rows each
+LENGTHS = np.array([0, 10, 3, 7, 9, 2, 5, 1])  # an empty one, a full one
+BASE = dict(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
+MODELS = {
+    "llama": {}, "llama_scanned_remat": {"layers.scan": True, "layers.remat": "full"},
+    "gemma3": {"family": "gemma3", "n_layers": 3, "attention.sliding_window": 3,
+               "attention.global_every": 2},
+    "qwen3_moe": {"family": "qwen3_moe", "moe.experts": 4, "moe.per_token": 2, "moe.d_ff": 16,
+                  "moe.routing_replay": "rollout"},
+    "llama_lora": {}}
+
+
+def _batch(model: str):
+  cfg = from_fields({**BASE, **MODELS[model], "dtype": "float32"})
+  if model.endswith("lora"):
+    graphdef, params = perturbed(cfg, LoRAConfig(rank=4, alpha=8.0))
+  else:
+    graphdef, params = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(1)))
+  rng = np.random.default_rng(0)
+  prompt_lens = np.repeat([4, 6], G)
+  valid = np.zeros((B, P + N), bool)
+  for b in range(B):
+    valid[b, P - prompt_lens[b]:P + LENGTHS[b]] = True
+  tokens = rng.integers(2, 48, (B, P + N))
+  tokens[:, :P] = np.repeat(tokens[::G, :P], G, axis=0)  # a group's rows share their prompt
+  tokens = jnp.asarray(np.where(valid, tokens, 0), jnp.int32)
+  valid, mask = jnp.asarray(valid), jnp.asarray(valid[:, P:])
+  routes = None
+  if model == "qwen3_moe":  # the experts the sampler chose: one forward's, replayed
+    routes = model_of(graphdef, params).decoder.forward(tokens, jnp.cumsum(valid, 1) - 1,
+                                                         valid)[2].ids
+  logp, _ = completion_logprobs(graphdef, params, tokens, valid, P, routes)
+  noisy = lambda scale: jnp.where(mask, logp + scale * rng.standard_normal(mask.shape), 0.0)
+  exp = Experience(tokens_BT=tokens, valid_BT=valid, completion_mask_BN=mask,
+                   sampler_logprobs_BN=noisy(0.3), ref_logprobs_BN=noisy(0.5),
+                   advantages_BN=jnp.asarray(rng.standard_normal((B, N)) * mask, jnp.float32),
+                   old_logprobs_BN=noisy(0.2), routes_BTLK=routes)
+  return graphdef, params, exp, prompt_lens
+
+
+def _shared(exp, prompt_lens, pieces: int, length: int = 48):
+  pack = plan(prompt_lens, LENGTHS, prompt_width=P, completion_slots=N, pieces=pieces,
+              length=length, row_buckets=(1, 2, B // pieces), group=G)
+  return exp.replace(pack=jax.tree.map(jnp.asarray, pack)), pack
+
+
+def test_the_plan_holds_a_pieces_prompt_once_its_completions_branches_of_it():
+  prompt_lens = np.repeat([4, 6], G)
+  for pieces, prompts in ((1, 2), (2, 4)):  # (pieces of 2 rows of either prompt: 4 copies)
+    pack = plan(prompt_lens, LENGTHS, prompt_width=P, completion_slots=N, pieces=pieces,
+                length=48, row_buckets=(B // pieces,), group=G)
+    assert (pack.source_PRL >= 0).sum() == LENGTHS.sum() + prompts // 2 * (4 + 6)
+    segments, parents, positions = pack.segment_ids_PRL, pack.parent_ids_PRL, pack.positions_PRL
+    branch = (segments != parents) & (segments > 0)
+    assert branch.sum() == LENGTHS.sum()  # every completion token in a branch
+    roots = (segments == parents) & (segments > 0)
+    assert roots.sum() == prompts // 2 * (4 + 6)
+    # a branch's positions continue from its prompt's length
+    for p, r in zip(*np.nonzero(branch.any(axis=2))):
+      for seg in set(segments[p, r][branch[p, r]]):
+        at = segments[p, r] == seg
+        prompt = segments[p, r] == parents[p, r][at][0]
+        assert positions[p, r][at][0] == prompt.sum()
+  # a tree too long for a row is cut into trees that each hold the prompt
+  pack = plan(prompt_lens, LENGTHS, prompt_width=P, completion_slots=N, pieces=1, length=16,
+              row_buckets=(B,), group=G)
+  assert (pack.source_PRL >= 0).sum() > LENGTHS.sum() + 10
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_shared_loss_and_gradients_equal_the_unshared(model):
+  graphdef, params, exp, prompt_lens = _batch(model)
+  cfg = RLConfig(loss=LossConfig(name="ppo_clip", entropy_coef=0.01), kl=KLConfig(coef=0.1),
+                 rollout=RolloutConfig(max_new_tokens=N),
+                 batching=BatchingConfig(pack_length=48, share_prefix=True))
+  weights = aggregation_weights("token_mean", exp.policy_mask_BN)
+  fn = jax.jit(jax.value_and_grad(
+      lambda p, e: policy_loss(p, (e, weights, weights), graphdef=graphdef, cfg=cfg),
+      has_aux=True))
+  (want, want_m), want_g = fn(params, exp)
+  shared, pack = _shared(exp, prompt_lens, pieces=1)
+  assert pack.packed_tokens < exp.tokens_BT.size
+  (got, got_m), got_g = fn(params, shared)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+  for k in want_m:
+    np.testing.assert_allclose(got_m[k], want_m[k], atol=1e-5, rtol=0, err_msg=k)
+  assert float(jnp.abs(want)) > 1e-3
+  for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_an_update_over_shared_minibatches_moves_the_weights_alike():
+  graphdef, params, exp, prompt_lens = _batch("llama")
+  cfg = RLConfig(prompts_per_step=2, group_size=G,
+                 batching=BatchingConfig(num_minibatches=2, pack_length=48, share_prefix=True),
+                 kl=KLConfig(coef=0.1), rollout=RolloutConfig(max_new_tokens=N))
+  optimizer = optax.sgd(1.0)
+  update = jax.jit(
+      lambda s, e: policy_update(s, e, graphdef=graphdef, optimizer=optimizer, cfg=cfg))
+  new = lambda: TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                           opt_state=optimizer.init(params))
+  want, want_m = update(new(), exp)
+  # 2 pieces of 4 rows (rows p, p + 2, ..): two of either prompt, each prompt held once
+  got, got_m = update(new(), _shared(exp, prompt_lens, pieces=2)[0])
+  np.testing.assert_allclose(got_m["loss"], want_m["loss"], atol=1e-5, rtol=0)
+  for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
