@@ -76,7 +76,8 @@ class Workload:
                old_pass=rl.needs_old_logprobs and not rl.sampler_is_trainer,
                reference=rl.kl.coef > 0, critic=rl.trains_critic,
                reward_model=rl.reward == "reward_model", inflight=rl.rollout.inflight_slots > 0,
-               flash_attention=flash(cfg.model, platform), lora_params=lora_params(cfg))
+               flash_attention=flash(cfg.model, platform) and not rl.batching.share_prefix,
+               lora_params=lora_params(cfg))
 
   @property
   def rows(self) -> int:

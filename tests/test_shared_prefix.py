@@ -1,6 +1,7 @@
-"""Shared prefixes (`rl.batching.share_prefix`, train/updates/packing.py): a piece's rows of one
-prompt packed as a tree, the prompt once and each completion a branch that sees it, give the
-log-probs, entropies, loss and gradients of the [B, T] batch, for every family (Gemma 3's window
+"""Shared prefixes (`rl.batching.share_prefix`): a piece's rows of one prompt run over it once,
+unpacked (its KV cache computed once: train/updates/prefix.py) or packed as a tree (the prompt
+once, each completion a branch that sees it: train/updates/packing.py), give the log-probs,
+entropies, loss and gradients of the unshared batch, for every family (Gemma 3's window
 counted in positions, Qwen3-MoE's routes replayed per branch), scanned with remat, and LoRA."""
 import jax
 import jax.numpy as jnp
@@ -90,41 +91,52 @@ def test_the_plan_holds_a_pieces_prompt_once_its_completions_branches_of_it():
   assert (pack.source_PRL >= 0).sum() > LENGTHS.sum() + 10
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-def test_shared_loss_and_gradients_equal_the_unshared(model):
+@pytest.mark.parametrize("model,packed", [(m, False) for m in MODELS] + [
+    (m, True) for m in MODELS])
+def test_shared_loss_and_gradients_equal_the_unshared(model, packed):
+  """Unpacked: the prompt's KV cache computed once, its rows' completions continuing from it
+  (train/updates/prefix.py); packed: a tree."""
   graphdef, params, exp, prompt_lens = _batch(model)
-  cfg = RLConfig(loss=LossConfig(name="ppo_clip", entropy_coef=0.01), kl=KLConfig(coef=0.1),
-                 rollout=RolloutConfig(max_new_tokens=N),
-                 batching=BatchingConfig(pack_length=48, share_prefix=True))
+  loss = lambda share: RLConfig(  # noqa: E731
+      prompts_per_step=B // G, group_size=G, loss=LossConfig(name="ppo_clip", entropy_coef=0.01),
+      kl=KLConfig(coef=0.1), rollout=RolloutConfig(max_new_tokens=N),
+      batching=BatchingConfig(num_minibatches=1, pack_length=48 * packed, share_prefix=share))
   weights = aggregation_weights("token_mean", exp.policy_mask_BN)
-  fn = jax.jit(jax.value_and_grad(
+  fn = lambda cfg: jax.jit(jax.value_and_grad(  # noqa: E731
       lambda p, e: policy_loss(p, (e, weights, weights), graphdef=graphdef, cfg=cfg),
       has_aux=True))
-  (want, want_m), want_g = fn(params, exp)
-  shared, pack = _shared(exp, prompt_lens, pieces=1)
-  assert pack.packed_tokens < exp.tokens_BT.size
-  (got, got_m), got_g = fn(params, shared)
+  (want, want_m), want_g = fn(loss(False))(params, exp)
+  shared = exp
+  if packed:
+    shared, pack = _shared(exp, prompt_lens, pieces=1)
+    assert pack.packed_tokens < exp.tokens_BT.size
+  else:
+    assert loss(True).share_group == G
+  (got, got_m), got_g = fn(loss(True))(params, shared)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
   for k in want_m:
     np.testing.assert_allclose(got_m[k], want_m[k], atol=1e-5, rtol=0, err_msg=k)
   assert float(jnp.abs(want)) > 1e-3
-  for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
-    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+  for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):  # (a prompt's gradient
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)  # summed over its rows' branches)
 
 
-def test_an_update_over_shared_minibatches_moves_the_weights_alike():
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_update_over_shared_minibatches_moves_the_weights_alike(packed):
   graphdef, params, exp, prompt_lens = _batch("llama")
-  cfg = RLConfig(prompts_per_step=2, group_size=G,
-                 batching=BatchingConfig(num_minibatches=2, pack_length=48, share_prefix=True),
-                 kl=KLConfig(coef=0.1), rollout=RolloutConfig(max_new_tokens=N))
+  cfg = lambda share: RLConfig(  # noqa: E731
+      prompts_per_step=2, group_size=G, kl=KLConfig(coef=0.1),
+      batching=BatchingConfig(num_minibatches=2, pack_length=48 * packed, share_prefix=share),
+      rollout=RolloutConfig(max_new_tokens=N))
   optimizer = optax.sgd(1.0)
-  update = jax.jit(
-      lambda s, e: policy_update(s, e, graphdef=graphdef, optimizer=optimizer, cfg=cfg))
+  update = lambda c: jax.jit(  # noqa: E731
+      lambda s, e: policy_update(s, e, graphdef=graphdef, optimizer=optimizer, cfg=c))
   new = lambda: TrainState(step=jnp.zeros((), jnp.int32), params=params,
                            opt_state=optimizer.init(params))
-  want, want_m = update(new(), exp)
-  # 2 pieces of 4 rows (rows p, p + 2, ..): two of either prompt, each prompt held once
-  got, got_m = update(new(), _shared(exp, prompt_lens, pieces=2)[0])
+  want, want_m = update(cfg(False))(new(), exp)
+  # 2 pieces of 4 rows (rows p, p + 2, ..): two of either prompt, each prompt run once
+  assert cfg(True).share_group == 2
+  got, got_m = update(cfg(True))(new(), _shared(exp, prompt_lens, pieces=2)[0] if packed else exp)
   np.testing.assert_allclose(got_m["loss"], want_m["loss"], atol=1e-5, rtol=0)
   for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)

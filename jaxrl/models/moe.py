@@ -255,6 +255,15 @@ class MoE(nnx.Module):
     return y_RD.reshape(b, t, d), stats(ids_RK, probs_RE, logits_RE, differs_R, valid_R, (b, t))
 
 
+def pooled_stats(a: MoEStats, weight_a, b: MoEStats, weight_b, ids) -> MoEStats:
+  """Two passes' statistics as one pass's over the tokens of both (`weight_a`, `weight_b`:
+  their tokens' summed weights), the experts `ids` given."""
+  total = jnp.maximum(weight_a + weight_b, 1.0)
+  mix = lambda x, y: (x * weight_a + y * weight_b) / total  # noqa: E731
+  return MoEStats(ids, *(mix(getattr(a, f), getattr(b, f))
+                         for f in ("load_E", "prob_E", "z", "replay_differs")))
+
+
 def stack_stats(per_layer: list) -> MoEStats | None:
   """The MoE layers' `MoEStats` stacked: ids [B, T, L, k], the rest with a leading layer axis
   (None for a model without MoE layers)."""

@@ -209,7 +209,7 @@ class Decoder(nnx.Module):
 
   def forward(self, tokens, positions, key_valid_BS, kv_cache: KVCache | None = None,
               cache_index=0, segment_ids_BT=None, last_only=False, layout=ROWS,
-              routes_BTLK=None, tree: Tree | None = None):
+              routes_BTLK=None, tree: Tree | None = None, weights_BT=None):
     """(hidden states, the updated cache, the MoE layers' stacked `MoEStats` or None).
     `positions`: RoPE positions, or their (sin, cos) table computed ahead (a decode loop does).
     `segment_ids_BT` (training): packed rows, attention stays inside a segment. `last_only` (a
@@ -217,7 +217,9 @@ class Decoder(nnx.Module):
     run for the last position alone, and the states come back as [B, 1, D]. `routes_BTLK`:
     each token's experts per MoE layer when it was sampled (replayed or compared: moe.py).
     `tree` (with `segment_ids_BT`): prefix trees, each segment also seeing its parent segment
-    (`TreeMask`; `positions` the tokens' own, a branch's continuing from its prefix)."""
+    (`TreeMask`; `positions` the tokens' own, a branch's continuing from its prefix).
+    `weights_BT`: the tokens' weights in a mixture of experts' routing statistics (default:
+    the tokens' validity, where the key mask is over the tokens)."""
     if tree is not None:
       mask = TreeMask.of(key_valid_BS, segment_ids_BT, tree, positions)
       return self.blocks_over(tokens, positions, mask, None, 0, False, ROWS, tree.copies_BT,
@@ -233,6 +235,7 @@ class Decoder(nnx.Module):
     # The tokens' own validity (the routing statistics count only valid tokens): a decode
     # step's key mask is over the cache's slots instead.
     valid_BT = key_valid_BS if key_valid_BS.shape[-1] == layout.length(tokens) else None
+    valid_BT = valid_BT if weights_BT is None else weights_BT
     return self.blocks_over(tokens, positions, mask, kv_cache, cache_index, last_only, layout,
                             valid_BT, routes_BTLK)
 

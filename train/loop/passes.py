@@ -10,6 +10,7 @@ from jaxrl.config_rl import RLConfig
 from train.updates.batching import map_minibatches
 from train.updates.forward import completion_logprobs
 from train.updates.packing import packed_logprobs
+from train.updates.prefix import prefix_logprobs
 from train.updates.replay import replayed_logprobs
 
 
@@ -28,9 +29,19 @@ def replayed(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_
                            routes_BTLK)
 
 
+def shared(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_len: int,
+           temperature: float, group: int):
+  """`logprobs` with every `group` rows' prompt run once (`rl.batching.share_prefix`)."""
+  return prefix_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, group, routes_BTLK,
+                         temperature)[0]
+
+
 def policy_logprobs(cfg: RLConfig):
   """`logprobs` at RL's sampling temperature (`rl.rollout.temperature`): the policy's and the
-  reference's, for `scorer`."""
+  reference's, for `scorer` (`shared` where a piece's rows share prompts: `share_group`)."""
+  if cfg.share_group > 1:
+    return functools.partial(shared, temperature=cfg.rollout.temperature,
+                             group=cfg.share_group)
   return functools.partial(logprobs, temperature=cfg.rollout.temperature)
 
 

@@ -151,7 +151,13 @@ def _pass(cfg: ExperimentConfig, mesh, rules, lm_head: bool = True) -> dict:
       rows=rl.pass_rows / batch_ways(mesh, rules),
       seq_len=cfg.data.max_prompt_tokens + rl.rollout.max_new_tokens,
       logit_chunk=chunk_length(rl.pass_rows, rl.rollout.max_new_tokens, m.vocab_size) * lm_head,
-      tensor=mesh.shape.get("tensor", 1), flash_attention=flash(m, target_platform()))
+      tensor=mesh.shape.get("tensor", 1), flash_attention=_flash(cfg))
+
+
+def _flash(cfg: ExperimentConfig) -> bool:
+  """Whether the passes' attention is a flash kernel on the target: not over shared prefixes'
+  trees (`rl.batching.share_prefix`: a dense mask, jaxrl/models/attention.TreeMask)."""
+  return flash(cfg.model, target_platform()) and not cfg.rl.batching.share_prefix
 
 
 def update_footprint(cfg: ExperimentConfig, mesh, rules, param_bytes: float, params: int,
@@ -177,7 +183,7 @@ def _update_items(cfg: ExperimentConfig, role, lm_head: bool) -> dict[str, dict]
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(role.abstract()))
   peaks = {d: update_footprint(cfg, role.mesh, role.rules, b, n, lm_head)
            for d, b in params.items()}
-  scores = "flash attention" if flash(cfg.model, target_platform()) else "[T, T] scores"
+  scores = "flash attention" if _flash(cfg) else "[T, T] scores"
   names = {"activations": f"activations (remat={cfg.model.layers.remat}, {scores})"}
   return {names.get(item, item): {d: int(p[item]) for d, p in peaks.items()}
           for item in footprint.UPDATE_ITEMS}

@@ -15,6 +15,7 @@ from jaxrl.config_rl import RLConfig
 from train.updates.batching import accumulate_grads, compute_copy, micro_batches, scan_minibatches
 from train.updates.forward import completion_values, routed_logprobs
 from train.updates.packing import packed_logprobs
+from train.updates.prefix import prefix_logprobs
 from train.updates.replay import minibatch_values, ride
 from train.updates.state import TrainState, apply_gradients
 
@@ -39,6 +40,10 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
     logp_BN, entropy_BN, router, router_metrics = packed_logprobs(
         graphdef, params, exp.tokens_BT, exp.pack, exp.completion_mask_BN, exp.routes_BTLK,
         temperature=cfg.rollout.temperature, tree=cfg.batching.share_prefix)
+  elif cfg.share_group > 1:  # each prompt run once for its rows (train/updates/prefix.py)
+    logp_BN, entropy_BN, router, router_metrics = prefix_logprobs(
+        graphdef, params, exp.tokens_BT, exp.valid_BT, exp.prompt_len, cfg.share_group,
+        exp.routes_BTLK, temperature=cfg.rollout.temperature)
   else:
     logp_BN, entropy_BN, router, router_metrics = routed_logprobs(
         graphdef, params, exp.tokens_BT, exp.valid_BT, start=exp.prompt_len - 1,

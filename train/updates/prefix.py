@@ -1,0 +1,48 @@
+"""Shared prefixes over the [B, T] batch (`rl.batching.share_prefix` without packing): the
+consecutive rows of a piece that share a prompt (`RLConfig.share_group`) run it once, as the
+sampler's prefill does, and their completions continue from its KV cache, repeated for each
+(its gradient the sum of theirs). G completions of a P-token prompt cost P + G * N tokens of
+the linear layers and P^2 + G * N * (P + N) attention scores instead of G * (P + N) and
+G * (P + N)^2. The logits of completion slot 0 come from the prompt's last position, the
+others from the completion's own positions, so every downstream array is the unshared pass's
+(tests/test_shared_prefix.py: losses and gradients to 1e-5). Packed rows share a prompt as a
+tree instead (train/updates/packing.py).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.models.attention import init_kv_cache
+from jaxrl.models.lm_head import chunked_logprobs
+from jaxrl.models.moe import pooled_stats
+from jaxrl.models.rope import positions_from_valid
+from train.updates.forward import router_loss
+from train.updates.state import model_of
+
+
+def prefix_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int, group: int,
+                    routes_BTLK=None, temperature: float = 1.0):
+  """`forward.routed_logprobs` of the completion slots (log-probs, entropies [B, N], the
+  router's loss and metrics), every `group` consecutive rows' prompt run once."""
+  model, (b, t), p = model_of(graphdef, params), tokens_BT.shape, prompt_len
+  positions_BT = positions_from_valid(valid_BT)
+  prompt = lambda x: None if x is None else x[::group, :p]  # noqa: E731
+  weights_BP = prompt(valid_BT).astype(jnp.float32) * group  # (the rows each token stands for)
+  h_BPD, cache, first = model.decoder.forward(
+      prompt(tokens_BT), prompt(positions_BT), valid_BT[::group],
+      init_kv_cache(model.cfg, b // group, t), 0, routes_BTLK=prompt(routes_BTLK),
+      weights_BT=weights_BP)
+  h_B1D, cache = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), (h_BPD[:, -1:], cache))
+  weights_BN = valid_BT[:, p:].astype(jnp.float32)
+  h_BND, _, rest = model.decoder.forward(
+      tokens_BT[:, p:], positions_BT[:, p:], valid_BT, cache, p,
+      routes_BTLK=None if routes_BTLK is None else routes_BTLK[:, p:], weights_BT=weights_BN)
+  logp_BN, entropy_BN = chunked_logprobs(
+      jnp.concatenate([h_B1D, h_BND[:, :-1]], axis=1), model.head_VD(), tokens_BT[:, p:],
+      softcap=model.cfg.logit_softcap, temperature=temperature)
+  routing = None if first is None else pooled_stats(
+      first, weights_BP.sum(), rest, weights_BN.sum(),
+      jnp.concatenate([jnp.repeat(first.ids, group, axis=0), rest.ids], axis=1))
+  loss, metrics = router_loss(model.cfg, routing, compared=routes_BTLK is not None)
+  return logp_BN, entropy_BN, loss, metrics
