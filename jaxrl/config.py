@@ -170,6 +170,9 @@ class DPOConfig:
   pairs_path: str = ""  # empty: synthetic pairs from the verifier, as for the reward model
   pairs_per_prompt: int = 1
   policy_negatives: bool = True
+  # Each pair's prompt run once, its chosen and rejected responses continuing from its KV cache
+  # (train/updates/prefix.py): P + 2N tokens a pair instead of 2(P + N).
+  share_prefix: bool = False
 
   def __post_init__(self):
     positive(self, "batch_size", "beta", "pairs_per_prompt", "learning_rate")

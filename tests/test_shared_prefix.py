@@ -15,11 +15,14 @@ from jaxrl.config_rl import BatchingConfig, KLConfig, LossConfig, RLConfig, Roll
 from jaxrl.models.config import from_fields
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.models.transformer import LanguageModel
+from jaxrl.models.value_models import RewardModel, ValueModel
 from model_checks import perturbed
 from train.loop.experience import Experience
-from train.updates.forward import completion_logprobs
+from train.updates.forward import completion_logprobs, completion_values, sequence_scores
 from train.updates.packing import plan
 from train.updates.policy import policy_loss, policy_update
+from train.updates.preference import pair_logprobs
+from train.updates.prefix import prefix_scores, prefix_values
 from train.updates.state import TrainState, model_of
 
 P, N, B, G = 6, 10, 8, 4  # two prompts of four rows each
@@ -140,3 +143,30 @@ def test_an_update_over_shared_minibatches_moves_the_weights_alike(packed):
   np.testing.assert_allclose(got_m["loss"], want_m["loss"], atol=1e-5, rtol=0)
   for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_critic_values_reward_scores_and_dpo_pairs_equal_the_unshared():
+  """The critic's values and their gradient, a reward model's scores, and DPO's pair log-probs
+  (a pair's prompt run once for its chosen and rejected response) as the unshared passes'."""
+  graphdef, params, exp, _ = _batch("llama")
+  tokens, valid, mask = exp.tokens_BT, exp.valid_BT, exp.completion_mask_BN
+  cfg = from_fields({**BASE, "dtype": "float32"})
+  head = jax.random.normal(jax.random.key(3), (cfg.d_model,))
+  split = lambda kind: nnx.split(kind(cfg, rngs=nnx.Rngs(2)))  # noqa: E731
+  (critic, weights), (scorer, _) = split(ValueModel), split(RewardModel)
+  weights["head"][...] = head
+  close = lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)  # noqa: E731
+  summed = lambda fn: jax.grad(lambda q: (fn(q) * mask).sum())(weights)  # noqa: E731
+  want = jax.jit(lambda q: completion_values(critic, q, tokens, valid, P))
+  got = jax.jit(lambda q: prefix_values(critic, q, tokens, valid, P, G))
+  close(np.asarray(got(weights))[mask], np.asarray(want(weights))[mask])
+  jax.tree.map(close, summed(got), summed(want))
+  close(prefix_scores(scorer, weights, tokens, valid, P, G),
+        sequence_scores(scorer, weights, tokens, valid))
+  # pairs (i, i + 4) share a prompt: chosen rows 0, 1, 4, 5, rejected rows 2, 3, 6, 7
+  order = np.array([0, 1, 4, 5, 2, 3, 6, 7])
+  pairs = (tokens[order], valid[order], mask[order])
+  for fn in (lambda q, s: pair_logprobs(graphdef, q, *pairs, prompt_len=P, share=s),
+             jax.grad(lambda q, s: pair_logprobs(graphdef, q, *pairs, prompt_len=P,
+                                                 share=s).sum())):
+    jax.tree.map(close, fn(params, True), fn(params, False))

@@ -19,6 +19,10 @@ class ValueModel(nnx.Module):
 
   def __call__(self, tokens_BT, positions_BT, key_valid_BS):
     h_BTD, _ = self.decoder(tokens_BT, positions_BT, key_valid_BS)
+    return self.values(h_BTD)
+
+  def values(self, h_BTD):
+    """The value head on the decoder's hidden states: [B, T, D] -> [B, T]."""
     return jnp.einsum("btd,d->bt", h_BTD.astype(jnp.float32), self.head[...]) + self.bias[...]
 
 

@@ -8,9 +8,9 @@ import functools
 
 from jaxrl.config_rl import RLConfig
 from train.updates.batching import map_minibatches
-from train.updates.forward import completion_logprobs
+from train.updates.forward import completion_logprobs, completion_values, sequence_scores
 from train.updates.packing import packed_logprobs
-from train.updates.prefix import prefix_logprobs
+from train.updates.prefix import prefix_logprobs, prefix_scores, prefix_values
 from train.updates.replay import replayed_logprobs
 
 
@@ -43,6 +43,26 @@ def policy_logprobs(cfg: RLConfig):
     return functools.partial(shared, temperature=cfg.rollout.temperature,
                              group=cfg.share_group)
   return functools.partial(logprobs, temperature=cfg.rollout.temperature)
+
+
+def critic_values(cfg: RLConfig):
+  """The critic's `completion_values` for `scorer` (every `share_group` rows' prompt run once
+  where they share it: train/updates/prefix.py)."""
+  if cfg.share_group > 1:
+    return functools.partial(prefix_values, group=cfg.share_group)
+  return completion_values
+
+
+def reward_scores(cfg: RLConfig, graphdef):
+  """The reward model's scores of a rollout batch, (params, tokens [B, T], valid [B, T],
+  completion mask [B, N]) -> [B]: with `batching.share_prefix` each prompt run once for its
+  `group_size` rows (the whole batch in one pass: train/updates/prefix.py)."""
+  def score(params, tokens_BT, valid_BT, mask_BN):
+    if cfg.batching.share_prefix and cfg.group_size > 1:
+      return prefix_scores(graphdef, params, tokens_BT, valid_BT,
+                           tokens_BT.shape[1] - mask_BN.shape[1], cfg.group_size)
+    return sequence_scores(graphdef, params, tokens_BT, valid_BT)
+  return score
 
 
 def logprob_scorer(cfg: RLConfig, role, actor: bool = False):

@@ -23,16 +23,15 @@ sends it again.
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 from sharding import crossing
 from train.loop.experience import CRITIC_FIELDS, critic_batch
-from train.loop.passes import packed_scorer, policy_logprobs, scorer
+from train.loop.passes import (critic_values, packed_scorer, policy_logprobs, reward_scores,
+                               scorer)
 from train.roles.learner import Learner, critic_learner
 from train.roles.link import GroupHost
 from train.roles.offload import DEVICE, HOST
-from train.updates.forward import completion_values, sequence_scores
 from train.updates.packing import Pack
 
 log = logging.getLogger("jaxrl")
@@ -144,7 +143,7 @@ class ScorersHost(GroupHost):
     if rl.reward == "reward_model":
       self.roles["reward"] = cluster.add("reward", initialize=False)
       reward = self.roles["reward"]
-      self.scores_fn = reward.jit(functools.partial(sequence_scores, reward.graphdef))
+      self.scores_fn = reward.jit(reward_scores(rl, reward.graphdef))
     reference = self.roles["reference"]
     self.fns = {False: scorer(rl, reference, policy_logprobs(rl)),
                 True: packed_scorer(rl, reference)}
@@ -152,7 +151,7 @@ class ScorersHost(GroupHost):
     if rl.trains_critic:
       role = cluster.add("critic", initialize=False)
       self.critic = critic_learner(rl, role, initialize=False)
-      self.values_fn = scorer(rl, role, completion_values)
+      self.values_fn = scorer(rl, role, critic_values(rl))
 
   def _score(self, request: dict) -> dict:
     arrays = self.arrived(request)

@@ -13,7 +13,8 @@ from jaxrl.data.pipeline import bucket_length
 from train.io.host_transfers import HostTransfers
 from train.loop.executors import Executors
 from train.loop.experience import make_experience, trim_rollout
-from train.loop.passes import logprob_scorer, packed_scorer, scorer
+from train.loop.passes import (critic_values, logprob_scorer, packed_scorer, reward_scores,
+                               scorer)
 from train.loop.remote_scorers import RemoteScorers
 from train.roles.cluster import RoleCluster
 from train.roles.learner import Learner
@@ -21,7 +22,6 @@ from train.task.reward import Judge
 from sharding.reshard import move
 from sharding.rules import batch_ways
 from train.updates import packing
-from train.updates.forward import completion_values, sequence_scores
 
 
 def _moved(role, rollout, *, mask: bool = True, routes: bool = False) -> tuple:
@@ -62,10 +62,9 @@ class Scoring:
         packed_scorer(cfg, r) if packed else logprob_scorer(cfg, r, r is actor.role)
         for r in (self.reference, actor.role)) for packed in (False, True)}
     if critic is not None:
-      self.values_fn = scorer(cfg, critic.role, completion_values)
+      self.values_fn = scorer(cfg, critic.role, critic_values(cfg))
     if self.reward_model is not None and self.remote is None:
-      self.scores_fn = self.reward_model.jit(functools.partial(sequence_scores,
-                                                               self.reward_model.graphdef))
+      self.scores_fn = self.reward_model.jit(reward_scores(cfg, self.reward_model.graphdef))
     self.experience_fn = actor.role.jit(functools.partial(
         make_experience, cfg=cfg, stop_ids=tuple(judge.tok.stop_ids) if judge else ()))
 
@@ -151,7 +150,7 @@ class Scoring:
         r: move(pack, jax.tree.map(lambda _, r=r: r.replicated, pack))
         for r in (self.reference, self.actor.role)}
     scored = (None if self.reward_model is None else
-              _moved(self.reward_model, rollout, mask=False))
+              _moved(self.reward_model, rollout))
     old_packed = pack is not None and not self.replays
     ref_fn, old_fn = self.logprob_fns[pack is not None][0], self.logprob_fns[old_packed][1]
     ref_in, remote = self._inputs(self.reference, rollout, packs.get(self.reference)), self.remote

@@ -184,8 +184,8 @@ def _scoring(cfg: ExperimentConfig, cluster: RoleCluster, actor, critic) -> list
   scoring = Scoring(rl, cluster, actor, critic, judge=None, executors=None)
   programs = []
 
-  def batch(role, mask=True):
-    arrays = (S((b, t), jnp.int32), S((b, t), bool)) + ((S((b, n), bool),) if mask else ())
+  def batch(role):
+    arrays = (S((b, t), jnp.int32), S((b, t), bool), S((b, n), bool))
     return _abstract(arrays, role.batch_shardings(arrays))
   # (the [B, T] passes: a packed pass's rows depend on the lengths a rollout has)
   ref_fn, old_fn = scoring.logprob_fns[False]
@@ -204,7 +204,7 @@ def _scoring(cfg: ExperimentConfig, cluster: RoleCluster, actor, critic) -> list
   if scoring.reward_model is not None:
     rm = scoring.reward_model
     programs.append(Program("reward-model scores", "scoring", rm.mesh, lambda: scoring.scores_fn
-                            .lower(rm.abstract(), *batch(rm, mask=False)), rm.abstract(),
+                            .lower(rm.abstract(), *batch(rm)), rm.abstract(),
                             _splash_flops(cfg, rm, 1)))
   role, f32 = actor.role, S((b, n), jnp.float32)
   rollout = Rollout(tokens_BT=S((b, t), jnp.int32), valid_BT=S((b, t), bool),

@@ -17,8 +17,7 @@ from train.roles.learner import Learner
 from train.stages.base import Stage
 from train.task.heldout import chunks
 from train.task.pairs import check_pairs_file, load_pairs
-from train.updates.forward import sequence_logprobs
-from train.updates.preference import dpo_update
+from train.updates.preference import dpo_update, pair_logprobs
 from train.updates.state import make_optimizer
 
 
@@ -37,15 +36,17 @@ class DPOStage(Stage):
         policy_negatives=d.policy_negatives)
     self.note(skipped)  # a pairs file's bad rows, for the summary
     self.lengths = pair_lengths(self.train_pairs + self.heldout_pairs, ctx.task.enc)
-    self._seq_logp = actor.jit(functools.partial(sequence_logprobs, actor.graphdef,
-                                                 prompt_len=self.lengths[0]))
+    self._seq_logp = actor.jit(functools.partial(pair_logprobs, actor.graphdef,
+                                                 prompt_len=self.lengths[0],
+                                                 share=d.share_prefix))
     if not restoring:
       self.ref_train = self._logprobs(self.train_pairs)
       self.ref_heldout = self._logprobs(self.heldout_pairs)
       self.margin0 = self._margins()[0]
     optimizer = make_optimizer(d.learning_rate, warmup_steps=d.warmup_steps,
                                      total_steps=d.steps)
-    update = functools.partial(dpo_update, beta=d.beta, prompt_len=self.lengths[0])
+    update = functools.partial(dpo_update, beta=d.beta, prompt_len=self.lengths[0],
+                               share=d.share_prefix)
     self.learner = Learner(actor, update, optimizer, initialize=not restoring)
     self._data = None
 

@@ -15,7 +15,7 @@ from jaxrl.config_rl import RLConfig
 from train.updates.batching import accumulate_grads, compute_copy, micro_batches, scan_minibatches
 from train.updates.forward import completion_values, routed_logprobs
 from train.updates.packing import packed_logprobs
-from train.updates.prefix import prefix_logprobs
+from train.updates.prefix import prefix_logprobs, prefix_values
 from train.updates.replay import minibatch_values, ride
 from train.updates.state import TrainState, apply_gradients
 
@@ -113,7 +113,11 @@ def critic_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig)
 
   def loss_fn(params, micro):
     mb, weights_BN = micro
-    values_BN = completion_values(graphdef, params, mb.tokens_BT, mb.valid_BT, mb.prompt_len)
+    if cfg.share_group > 1:  # each prompt run once for its rows (train/updates/prefix.py)
+      values_BN = prefix_values(graphdef, params, mb.tokens_BT, mb.valid_BT, mb.prompt_len,
+                                cfg.share_group)
+    else:
+      values_BN = completion_values(graphdef, params, mb.tokens_BT, mb.valid_BT, mb.prompt_len)
     per_token = value_loss(values_BN, mb.old_values_BN, mb.returns_BN,
                            clip_eps=cfg.critic.clip_eps)
     return (per_token * weights_BN).sum(), {}

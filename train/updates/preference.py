@@ -7,6 +7,7 @@ import optax
 
 from jaxrl.algos import bradley_terry_loss, dpo_loss
 from train.updates.forward import sequence_logprobs, sequence_scores
+from train.updates.prefix import prefix_sequence_logprobs
 from train.updates.state import TrainState, apply_gradients
 
 
@@ -24,12 +25,29 @@ def reward_model_update(state: TrainState, batch, *, graphdef, optimizer):
   return apply_gradients(state, grads, optimizer, metrics)
 
 
-def dpo_update(state: TrainState, batch, *, graphdef, optimizer, beta: float, prompt_len: int):
-  """DPO's sigmoid loss; `batch["ref_logprobs"]` [2B] was computed once, before training."""
+def pair_logprobs(graphdef, params, tokens_BT, valid_BT, completion_mask_BN, *, prompt_len: int,
+                  share: bool = False):
+  """`sequence_logprobs` of a pair batch (the chosen rows, then the rejected rows), [2B];
+  `share` (`dpo.share_prefix`): each pair's prompt run once, its two responses continuing from
+  its KV cache (train/updates/prefix.py)."""
+  if not share:
+    return sequence_logprobs(graphdef, params, tokens_BT, valid_BT, completion_mask_BN,
+                             prompt_len)
+  b = tokens_BT.shape[0] // 2
+  pairs_B = jnp.arange(2 * b).reshape(2, b).T.reshape(-1)  # chosen i, rejected i, ...
+  logp_B = prefix_sequence_logprobs(graphdef, params, tokens_BT[pairs_B], valid_BT[pairs_B],
+                                    completion_mask_BN[pairs_B], prompt_len, 2)
+  return logp_B.reshape(b, 2).T.reshape(-1)
+
+
+def dpo_update(state: TrainState, batch, *, graphdef, optimizer, beta: float, prompt_len: int,
+               share: bool = False):
+  """DPO's sigmoid loss; `batch["ref_logprobs"]` [2B] was computed once, before training
+  (`share`: each pair's prompt run once, `pair_logprobs`)."""
 
   def loss_fn(params):
-    logp_B2 = sequence_logprobs(graphdef, params, batch["tokens"], batch["valid"],
-                                batch["completion_mask"], prompt_len)
+    logp_B2 = pair_logprobs(graphdef, params, batch["tokens"], batch["valid"],
+                            batch["completion_mask"], prompt_len=prompt_len, share=share)
     ref_c, ref_r = jnp.split(batch["ref_logprobs"], 2)
     loss_B, margin_B = dpo_loss(*jnp.split(logp_B2, 2), ref_c, ref_r, beta=beta)
     return loss_B.mean(), margin_B
