@@ -96,7 +96,7 @@ def programs(args, variant: str, graphdef, exp, prompt_lens, lengths):
   cfg = RLConfig(prompts_per_step=args.prompts, group_size=g, kl=KLConfig(coef=0.0),
                  rollout=RolloutConfig(max_new_tokens=n),
                  batching=BatchingConfig(num_minibatches=1, pack_length=pack_length,
-                                         share_prefix=variant != "unshared"))
+                                         share_prefix="off" if variant == "unshared" else "on"))
   tokens = b * t
   if variant == "tree":
     pack = plan(prompt_lens, lengths, prompt_width=p, completion_slots=n, pieces=1,

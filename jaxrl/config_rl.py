@@ -245,11 +245,10 @@ class BatchingConfig:
   # > 0: the scoring passes and the update run over rows packed to this many tokens (at least
   # the prompt width + max_new_tokens), not the [B, T] batch (train/updates/packing.py).
   pack_length: int = 0
-  # The log-prob passes and the update run a piece's rows of one prompt over it once: G
-  # completions of a P-token prompt cost P + G * N tokens instead of G * (P + N). Unpacked,
-  # the completions continue from its KV cache (train/updates/prefix.py); packed, a tree
-  # holds the prompt once and each completion as a branch (train/updates/packing.py).
-  share_prefix: bool = False
+  # "on": the scoring passes and the updates run a piece's rows of one prompt over it once
+  # (P + G * N tokens, not G * (P + N): train/updates/prefix.py; packed, as trees); "auto":
+  # "on" where the planner prices the step faster (planner/plan.py, as the layout is made).
+  share_prefix: str = "off"
   # Prompt batches padded, rollouts trimmed to the bucket of their longest prompt / response: at
   # most this many lengths each (few compiled shapes). 0: pad to max_prompt_/max_new_tokens.
   length_buckets: int = 8
@@ -257,6 +256,7 @@ class BatchingConfig:
   def __post_init__(self):
     positive(self, "num_minibatches")
     at_least_zero(self, "micro_batch_size", "pack_length", "length_buckets")
+    choice(self, "share_prefix", ("off", "on", "auto"))
 
 
 @section
@@ -328,8 +328,8 @@ class RLConfig:
     if self.rollout.exact == "pass":  # (the trainer's pass: on its devices, in turn, unpacked)
       wanted += [("schedule.mode", self.schedule.mode, "sync", "'sync'"),
                  ("batching.pack_length", self.batching.pack_length, 0, "0 (whole rows)"),
-                 ("batching.share_prefix", self.batching.share_prefix, False,
-                  "False (the sampler's pass runs whole rows)")]
+                 ("batching.share_prefix", self.batching.share_prefix, "off",
+                  "'off' (the sampler's pass runs whole rows)")]
     for field, value, ok, want in wanted:
       if value != ok:
         raise ValueError(f"{field}: not with rollout.exact={self.rollout.exact!r}; expected "
@@ -353,12 +353,17 @@ class RLConfig:
     return self.batching.num_minibatches > 1 or self.kl.mode == "reward"
 
   @property
+  def shares_prefix(self) -> bool:
+    """`batching.share_prefix` is "on" ("auto" shares nothing until train/roles/layout.py)."""
+    return self.batching.share_prefix == "on"
+
+  @property
   def share_group(self) -> int:
-    """Consecutive rows of a pass's piece that share their prompt under
-    `batching.share_prefix` (`group_size` rows a prompt, group-major, in rollouts / pass_rows
-    strided pieces: train/updates/prefix.py); 1: none shared."""
+    """Consecutive rows of a pass's piece that share their prompt where `shares_prefix`
+    (`group_size` rows a prompt, group-major, in rollouts / pass_rows strided pieces:
+    train/updates/prefix.py); 1: none shared."""
     g, n = self.group_size, self.rollouts // self.pass_rows
-    return g // n if self.batching.share_prefix and g % n == 0 else 1
+    return g // n if self.shares_prefix and g % n == 0 else 1
 
   @property
   def replay_pieces(self) -> int:

@@ -63,6 +63,7 @@ class Workload:
   sampler_bytes: int = 0  # bytes per weight of the sampler's copy (1: fp8); 0: compute dtype
   flash_attention: bool = False  # attention never holds [T, T] scores (a flash kernel)
   lora_params: int = 0  # LoRA: the adapters' parameters, the only ones trained; 0: all train
+  share_group: int = 1  # rows of a pass's piece running their prompt once (share_prefix)
 
   @classmethod
   def from_config(cls, cfg: ExperimentConfig, platform: str) -> Workload:
@@ -76,8 +77,8 @@ class Workload:
                old_pass=rl.needs_old_logprobs and not rl.sampler_is_trainer,
                reference=rl.kl.coef > 0, critic=rl.trains_critic,
                reward_model=rl.reward == "reward_model", inflight=rl.rollout.inflight_slots > 0,
-               flash_attention=flash(cfg.model, platform) and not rl.batching.share_prefix,
-               lora_params=lora_params(cfg))
+               flash_attention=flash(cfg.model, platform) and not rl.shares_prefix,
+               lora_params=lora_params(cfg), share_group=rl.share_group)
 
   @property
   def rows(self) -> int:
@@ -91,6 +92,10 @@ class Workload:
   def seq_len(self) -> float:
     """Tokens per row of a scoring or update pass."""
     return self.prompt_len + (self.mean_response if self.packed else self.new_tokens)
+
+  @property
+  def decoder_passes(self) -> int:  # per piece: a shared prompt's, then its rows'
+    return 2 if self.share_group > 1 else 1
 
   @property
   def pieces(self) -> int:
@@ -259,12 +264,12 @@ def _piece_rows(w: Workload, mesh: Mesh) -> float:
 
 def forward_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh) -> float:
   """A scoring pass (reference, old log-probs, values) over the step's rows."""
-  flop = flops.forward_flops(w.model, w.rows, w.seq_len, w.seq_len - w.prompt_len)
+  flop = flops.pass_flops(w.model, w.rows, w.seq_len, w.prompt_len, w.share_group)
   compute = _compute_s(dev, eff, flop, mesh, eff.forward_mfu, w.model.d_model,
                        _piece_rows(w, mesh))
   comm = _fsdp_s(w, dev, eff, mesh, 1, scatter=False)
   return (max(compute, comm) + _tensor_s(w, dev, eff, mesh, w.rows * w.seq_len, 2)
-          + _fixed_s(dev, eff, mesh, w.model.n_layers, w.pieces, 1))
+          + _fixed_s(dev, eff, mesh, w.model.n_layers, w.pieces * w.decoder_passes, 1))
 
 
 def update_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh,
@@ -275,6 +280,8 @@ def update_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh,
   flop = flops.executed_train_flops(w.model, w.rows, w.seq_len, w.seq_len - w.prompt_len,
                                     remat=remat, lora_params=w.lora_params,
                                     pass_rows=w.rows // w.num_minibatches)
+  flop *= (flops.pass_flops(w.model, w.rows, w.seq_len, w.prompt_len, w.share_group)
+           / flops.pass_flops(w.model, w.rows, w.seq_len, w.prompt_len))  # (a shared prompt)
   compute = _compute_s(dev, eff, flop, mesh, eff.train_mfu, w.model.d_model,
                        _piece_rows(w, mesh))
   comm = _fsdp_s(w, dev, eff, mesh, 2, scatter=True)
@@ -283,7 +290,8 @@ def update_s(w: Workload, dev: DeviceSpec, eff: Efficiency, mesh: Mesh,
   if dev.shared_compute:
     optimizer *= mesh.size
   return (max(compute, comm) + _tensor_s(w, dev, eff, mesh, w.rows * w.seq_len, 4) + optimizer
-          + _fixed_s(dev, eff, mesh, w.model.n_layers, 3 * w.pieces, w.num_minibatches))
+          + _fixed_s(dev, eff, mesh, w.model.n_layers, 3 * w.pieces * w.decoder_passes,
+                     w.num_minibatches))
 
 
 def decode_steps(w: Workload, rows: float, concurrent: float) -> float:

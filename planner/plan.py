@@ -15,7 +15,7 @@ import logging
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.models.config import from_fields
 from planner.calibrate import Calibration
-from planner.cost import Plan, Workload
+from planner.cost import Mesh, Plan, Workload, forward_s, update_s
 from planner.devices import CPU_EFFICIENCY, DEVICES, Efficiency
 from planner.search import Ranked, search
 
@@ -100,3 +100,24 @@ def applied(cfg: ExperimentConfig, plan: Plan) -> ExperimentConfig:
       cfg.rl.batching, micro_batch_size=plan.micro_batch_size))
   model = from_fields({"layers.remat": plan.remat}, base=cfg.model)
   return dataclasses.replace(cfg, placement=placement, rl=rl, model=model)
+
+
+def share_prefix(cfg: ExperimentConfig, device) -> ExperimentConfig:
+  """`cfg` with `rl.batching.share_prefix="auto"` decided: "on" where the cost model prices the
+  step's scoring passes (reference, old log-probs) and update faster with each prompt run once
+  for its rows (planner/cost.py, on one device of the run's kind: the FLOPs against the
+  passes' fixed costs), else "off"."""
+  key = device_key(device) or "cpu"
+  cal = calibration_for(cfg, device, 1) if cfg.placement.calibration else builtin_calibration(key)
+  def seconds(choice: str) -> float:
+    rl = dataclasses.replace(cfg.rl, batching=dataclasses.replace(cfg.rl.batching,
+                                                                  share_prefix=choice))
+    w = Workload.from_config(dataclasses.replace(cfg, rl=rl), cal.device.platform)
+    return (2 * forward_s(w, cal.device, cal.efficiency, Mesh())
+            + update_s(w, cal.device, cal.efficiency, Mesh()))
+  on, off = seconds("on"), seconds("off")
+  choice = "on" if on < off else "off"
+  log.info("rl.batching.share_prefix=auto: %s (the scoring passes and update priced %.3g s "
+           "shared, %.3g s not, on %s)", choice, on, off, cal.device.name)
+  return dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, batching=dataclasses.replace(
+      cfg.rl.batching, share_prefix=choice)))

@@ -108,14 +108,14 @@ def test_shared_loss_and_gradients_equal_the_unshared(model, packed):
   fn = lambda cfg: jax.jit(jax.value_and_grad(  # noqa: E731
       lambda p, e: policy_loss(p, (e, weights, weights), graphdef=graphdef, cfg=cfg),
       has_aux=True))
-  (want, want_m), want_g = fn(loss(False))(params, exp)
+  (want, want_m), want_g = fn(loss("off"))(params, exp)
   shared = exp
   if packed:
     shared, pack = _shared(exp, prompt_lens, pieces=1)
     assert pack.packed_tokens < exp.tokens_BT.size
   else:
-    assert loss(True).share_group == G
-  (got, got_m), got_g = fn(loss(True))(params, shared)
+    assert loss("on").share_group == G
+  (got, got_m), got_g = fn(loss("on"))(params, shared)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
   for k in want_m:
     np.testing.assert_allclose(got_m[k], want_m[k], atol=1e-5, rtol=0, err_msg=k)
@@ -136,10 +136,10 @@ def test_an_update_over_shared_minibatches_moves_the_weights_alike(packed):
       lambda s, e: policy_update(s, e, graphdef=graphdef, optimizer=optimizer, cfg=c))
   new = lambda: TrainState(step=jnp.zeros((), jnp.int32), params=params,
                            opt_state=optimizer.init(params))
-  want, want_m = update(cfg(False))(new(), exp)
+  want, want_m = update(cfg("off"))(new(), exp)
   # 2 pieces of 4 rows (rows p, p + 2, ..): two of either prompt, each prompt run once
-  assert cfg(True).share_group == 2
-  got, got_m = update(cfg(True))(new(), _shared(exp, prompt_lens, pieces=2)[0] if packed else exp)
+  assert cfg("on").share_group == 2
+  got, got_m = update(cfg("on"))(new(), _shared(exp, prompt_lens, pieces=2)[0] if packed else exp)
   np.testing.assert_allclose(got_m["loss"], want_m["loss"], atol=1e-5, rtol=0)
   for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
@@ -170,3 +170,20 @@ def test_critic_values_reward_scores_and_dpo_pairs_equal_the_unshared():
              jax.grad(lambda q, s: pair_logprobs(graphdef, q, *pairs, prompt_len=P,
                                                  share=s).sum())):
     jax.tree.map(close, fn(params, True), fn(params, False))
+
+
+def test_auto_shares_where_the_cost_model_prices_the_step_faster():
+  """`share_prefix="auto"`: decided as the layout is worked out, by the planner's prices."""
+  from jaxrl.config_files import resolve, shipped
+  from planner.plan import share_prefix
+  from train.roles.layout import layout
+  raw = shipped("default").get_config()
+  raw.rl.batching.share_prefix = "auto"
+  cfg = resolve(raw)
+  assert cfg.rl.share_group == 1  # (undecided: nothing shared)
+  # 8 rows a prompt in 2 pieces: 4 of each prompt a piece
+  assert layout(cfg).cfg.rl.batching.share_prefix == "on"
+  assert layout(cfg).cfg.rl.share_group == 4
+  # 16 pieces of 32 rows: no piece holds two rows of a prompt, priced alike: off
+  raw.rl.batching.num_minibatches = 16
+  assert share_prefix(resolve(raw), jax.devices()[0]).rl.batching.share_prefix == "off"

@@ -86,6 +86,30 @@ def forward_flops(cfg: ModelConfig, rows: int, seq_len: int, scored: int) -> flo
           + head_flops(cfg, rows * scored))
 
 
+def shared_forward_flops(cfg: ModelConfig, prompts: int, prompt_len: int, samples: int,
+                         scored: int) -> float:
+  """`forward_flops` with each prompt run once for its `samples` rows (`rl.batching.share_prefix`,
+  train/updates/prefix.py): the prompts' causal pass, then each row's `scored` completion
+  positions attending to its prompt and to the completion so far; the LM head at those."""
+  window, rows = cfg.attention.sliding_window, prompts * samples
+  keys = prompt_len + (scored + 1) / 2
+  return (2.0 * matmul_params(cfg) * (prompts * prompt_len + rows * scored)
+          + attention_flops(cfg, prompts * prompt_len, (prompt_len + 1) / 2,
+                            causal_keys(prompt_len, window))
+          + attention_flops(cfg, rows * scored, keys, min(keys, window or keys))
+          + head_flops(cfg, rows * scored))
+
+
+def pass_flops(cfg: ModelConfig, rows: int, seq_len: int, prompt_len: int,
+               share_group: int = 1) -> float:
+  """A scoring pass over `rows` rows of a `prompt_len`-token prompt and a completion: each
+  prompt run once for `share_group` rows of it where > 1 (`shared_forward_flops`)."""
+  scored = seq_len - prompt_len
+  if share_group > 1:
+    return shared_forward_flops(cfg, rows // share_group, prompt_len, share_group, scored)
+  return forward_flops(cfg, rows, seq_len, scored)
+
+
 def train_flops(cfg: ModelConfig, rows: int, seq_len: int, scored: int) -> float:
   """Forward + backward (twice the forward)."""
   return 3.0 * forward_flops(cfg, rows, seq_len, scored)

@@ -58,7 +58,7 @@ def reward_scores(cfg: RLConfig, graphdef):
   completion mask [B, N]) -> [B]: with `batching.share_prefix` each prompt run once for its
   `group_size` rows (the whole batch in one pass: train/updates/prefix.py)."""
   def score(params, tokens_BT, valid_BT, mask_BN):
-    if cfg.batching.share_prefix and cfg.group_size > 1:
+    if cfg.shares_prefix and cfg.group_size > 1:
       return prefix_scores(graphdef, params, tokens_BT, valid_BT,
                            tokens_BT.shape[1] - mask_BN.shape[1], cfg.group_size)
     return sequence_scores(graphdef, params, tokens_BT, valid_BT)
@@ -84,7 +84,7 @@ def packed_scorer(cfg: RLConfig, role):
   def score(params, tokens_BT, mask_BN, pack, *routes):
     return map_minibatches(lambda mb: packed_logprobs(
         role.graphdef, params, *mb, temperature=cfg.rollout.temperature,
-        tree=cfg.batching.share_prefix)[0],
+        tree=cfg.shares_prefix)[0],
         (tokens_BT, pack, mask_BN, *routes), n)
   return role.jit(score)
 

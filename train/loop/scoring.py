@@ -107,7 +107,7 @@ class Scoring:
                         completion_slots=rollout.completion_mask_BN.shape[1],
                         pieces=self.cfg.rollouts // rows, length=self.cfg.batching.pack_length,
                         row_buckets=buckets,
-                        group=self.cfg.group_size if self.cfg.batching.share_prefix else 1)
+                        group=self.cfg.group_size if self.cfg.shares_prefix else 1)
     return pack, 1.0 - valid_B.sum() / pack.packed_tokens
 
   def _inputs(self, role, rollout, pack, routes: bool = False):

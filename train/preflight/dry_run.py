@@ -156,8 +156,8 @@ def _pass(cfg: ExperimentConfig, mesh, rules, lm_head: bool = True) -> dict:
 
 def _flash(cfg: ExperimentConfig) -> bool:
   """Whether the passes' attention is a flash kernel on the target: not over shared prefixes'
-  trees (`rl.batching.share_prefix`: a dense mask, jaxrl/models/attention.TreeMask)."""
-  return flash(cfg.model, target_platform()) and not cfg.rl.batching.share_prefix
+  prefixes (`rl.batching.share_prefix`: a cached chunk's dense scores, or a tree's dense mask)."""
+  return flash(cfg.model, target_platform()) and not cfg.rl.shares_prefix
 
 
 def update_footprint(cfg: ExperimentConfig, mesh, rules, param_bytes: float, params: int,

@@ -49,6 +49,9 @@ def layout(cfg: ExperimentConfig, devices=None) -> Layout:
   if cfg.placement.strategy == "plan":  # (a fixed table: every process chooses alike)
     from planner.plan import choose
     cfg, plan = choose(cfg, list(devices), host_count(devices))
+  if cfg.rl.batching.share_prefix == "auto":  # (priced alike on every process)
+    from planner.plan import share_prefix
+    cfg = share_prefix(cfg, devices[0])
   try:
     placement = placement_for(cfg, devices)
     out = Layout(cfg, placement, devices, process_split(placement, list(devices)), plan)

@@ -39,7 +39,7 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
   if exp.pack is not None:  # its rows packed to a token budget (train/updates/packing.py)
     logp_BN, entropy_BN, router, router_metrics = packed_logprobs(
         graphdef, params, exp.tokens_BT, exp.pack, exp.completion_mask_BN, exp.routes_BTLK,
-        temperature=cfg.rollout.temperature, tree=cfg.batching.share_prefix)
+        temperature=cfg.rollout.temperature, tree=cfg.shares_prefix)
   elif cfg.share_group > 1:  # each prompt run once for its rows (train/updates/prefix.py)
     logp_BN, entropy_BN, router, router_metrics = prefix_logprobs(
         graphdef, params, exp.tokens_BT, exp.valid_BT, exp.prompt_len, cfg.share_group,
