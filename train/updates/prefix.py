@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.models.attention import init_kv_cache
+from jaxrl.models.attention import grow_kv_cache, init_kv_cache
 from jaxrl.models.lm_head import chunked_logprobs
 from jaxrl.models.moe import pooled_stats
 from jaxrl.models.rope import positions_from_valid
@@ -29,10 +29,12 @@ def prefix_states(decoder, tokens_BT, valid_BT, prompt_len: int, group: int, rou
   positions_BT = positions_from_valid(valid_BT)
   prompt = lambda x: None if x is None else x[::group, :p]  # noqa: E731
   weights_BP = prompt(valid_BT).astype(jnp.float32) * group  # (the rows each token stands for)
+  # (a cache of the prompt's slots alone: its pass attends over them, fused where it can)
   h_BPD, cache, first = decoder.forward(
-      prompt(tokens_BT), prompt(positions_BT), valid_BT[::group],
-      init_kv_cache(decoder.cfg, b // group, t), 0, routes_BTLK=prompt(routes_BTLK),
+      prompt(tokens_BT), prompt(positions_BT), prompt(valid_BT),
+      init_kv_cache(decoder.cfg, b // group, p), 0, routes_BTLK=prompt(routes_BTLK),
       weights_BT=weights_BP)
+  cache = grow_kv_cache(decoder.cfg, cache, t)
   h_B1D, cache = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), (h_BPD[:, -1:], cache))
   weights_BN = valid_BT[:, p:].astype(jnp.float32)
   h_BND, _, rest = decoder.forward(
