@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrl.algos.losses import aggregation_weights
+from jaxrl.algos.losses import POLICY_LOSSES, aggregation_weights
 from jaxrl.config_rl import BatchingConfig, KLConfig, LossConfig, RLConfig, RolloutConfig
 from jaxrl.models.config import from_fields
 from jaxrl.models.lora import LoRAConfig
@@ -126,6 +126,7 @@ def test_shared_loss_and_gradients_equal_the_unshared(model, packed):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_an_update_over_shared_minibatches_moves_the_weights_alike(packed):
+  """Two minibatches (the second's loss at moved weights, against the first's pi_old)."""
   graphdef, params, exp, prompt_lens = _batch("llama")
   cfg = lambda share: RLConfig(  # noqa: E731
       prompts_per_step=2, group_size=G, kl=KLConfig(coef=0.1),
@@ -187,3 +188,21 @@ def test_auto_shares_where_the_cost_model_prices_the_step_faster():
   # 16 pieces of 32 rows: no piece holds two rows of a prompt, priced alike: off
   raw.rl.batching.num_minibatches = 16
   assert share_prefix(resolve(raw), jax.devices()[0]).rl.batching.share_prefix == "off"
+
+
+def test_every_policy_loss_shared_equals_the_unshared():
+  """Each policy loss (its aggregation, clipping, correction) reads the shared pass's
+  log-probs as the unshared pass's: the same loss and metrics."""
+  graphdef, params, exp, _ = _batch("llama")
+  weights = aggregation_weights("token_mean", exp.policy_mask_BN)
+  for name in POLICY_LOSSES:
+    rl = lambda share: RLConfig(  # noqa: E731
+        prompts_per_step=B // G, group_size=G, loss=LossConfig(name=name),
+        rollout=RolloutConfig(max_new_tokens=N),
+        batching=BatchingConfig(num_minibatches=1, share_prefix=share))
+    (want, want_m), (got, got_m) = (jax.jit(lambda p, share=share: policy_loss(
+        p, (exp, weights, weights), graphdef=graphdef, cfg=rl(share)))(params)
+                                    for share in ("off", "on"))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=name)
+    for k in want_m:
+      np.testing.assert_allclose(got_m[k], want_m[k], atol=1e-5, rtol=1e-5, err_msg=k)
