@@ -153,6 +153,7 @@ class RewardModelConfig:
   pairs_path: str = ""
   pairs_per_prompt: int = 2  # synthetic pairs per training prompt
   policy_negatives: bool = True  # synthetic rejected answers include the SFT policy's mistakes
+  share_prefix: bool = False  # each pair's prompt run once (train/updates/prefix.py)
 
   def __post_init__(self):
     positive(self, "batch_size", "pairs_per_prompt", "learning_rate")

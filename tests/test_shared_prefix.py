@@ -21,7 +21,7 @@ from train.loop.experience import Experience
 from train.updates.forward import completion_logprobs, completion_values, sequence_scores
 from train.updates.packing import plan
 from train.updates.policy import policy_loss, policy_update
-from train.updates.preference import pair_logprobs
+from train.updates.preference import pair_logprobs, pair_scores
 from train.updates.prefix import prefix_scores, prefix_values
 from train.updates.state import TrainState, model_of
 
@@ -147,8 +147,9 @@ def test_an_update_over_shared_minibatches_moves_the_weights_alike(packed):
 
 
 def test_critic_values_reward_scores_and_dpo_pairs_equal_the_unshared():
-  """The critic's values and their gradient, a reward model's scores, and DPO's pair log-probs
-  (a pair's prompt run once for its chosen and rejected response) as the unshared passes'."""
+  """The critic's values and their gradient, a reward model's scores, DPO's pair log-probs and
+  the reward model's pair scores (a pair's prompt run once for its chosen and rejected
+  response) as the unshared passes'."""
   graphdef, params, exp, _ = _batch("llama")
   tokens, valid, mask = exp.tokens_BT, exp.valid_BT, exp.completion_mask_BN
   cfg = from_fields({**BASE, "dtype": "float32"})
@@ -171,6 +172,11 @@ def test_critic_values_reward_scores_and_dpo_pairs_equal_the_unshared():
              jax.grad(lambda q, s: pair_logprobs(graphdef, q, *pairs, prompt_len=P,
                                                  share=s).sum())):
     jax.tree.map(close, fn(params, True), fn(params, False))
+  # the reward model's Bradley-Terry pairs: their scores and the scores' gradient
+  for fn in (lambda q, s: pair_scores(scorer, q, *pairs[:2], prompt_len=P, share=s),
+             jax.grad(lambda q, s: pair_scores(scorer, q, *pairs[:2], prompt_len=P,
+                                               share=s).sum())):
+    jax.tree.map(close, fn(weights, True), fn(weights, False))
 
 
 def test_auto_shares_where_the_cost_model_prices_the_step_faster():

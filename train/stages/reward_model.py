@@ -16,8 +16,7 @@ from train.roles.learner import Learner
 from train.stages.base import Stage
 from train.task.heldout import chunks
 from train.task.pairs import check_pairs_file, load_pairs
-from train.updates.forward import sequence_scores
-from train.updates.preference import reward_model_update
+from train.updates.preference import pair_scores, reward_model_update
 from train.updates.state import make_optimizer
 
 log = logging.getLogger("jaxrl")
@@ -47,13 +46,17 @@ class RewardModelStage(Stage):
       role = cluster.add("reward")
       role.load(cluster.actor_weights(), subtree="decoder")
     self.role = role
-    self._scores = role.jit(functools.partial(sequence_scores, role.graphdef))
+    self._scores = role.jit(functools.partial(pair_scores, role.graphdef,
+                                              prompt_len=self.lengths[0],
+                                              share=rm.share_prefix))
     self.data = pair_dataset(self.train_pairs, ctx.task.enc, batch_size=rm.batch_size,
                              prompt_len=self.lengths[0], response_len=self.lengths[1],
                              seed=self.cfg.seed + 2)
     optimizer = make_optimizer(rm.learning_rate, warmup_steps=rm.warmup_steps,
                                      total_steps=rm.steps)
-    self.learner = Learner(role, reward_model_update, optimizer, initialize=not restoring)
+    update = functools.partial(reward_model_update, prompt_len=self.lengths[0],
+                               share=rm.share_prefix)
+    self.learner = Learner(role, update, optimizer, initialize=not restoring)
     if not restoring:
       self.accuracy0 = self._accuracy()[0]
 

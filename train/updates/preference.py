@@ -7,15 +7,38 @@ import optax
 
 from jaxrl.algos import bradley_terry_loss, dpo_loss
 from train.updates.forward import sequence_logprobs, sequence_scores
-from train.updates.prefix import prefix_sequence_logprobs
+from train.updates.prefix import prefix_scores, prefix_sequence_logprobs
 from train.updates.state import TrainState, apply_gradients
 
 
-def reward_model_update(state: TrainState, batch, *, graphdef, optimizer):
-  """Bradley-Terry on a pair batch (chosen rows, then rejected rows)."""
+def _paired(x):
+  """A pair batch's rows (the chosen, then the rejected) as chosen i, rejected i, ..."""
+  b = x.shape[0] // 2
+  return x[jnp.arange(2 * b).reshape(2, b).T.reshape(-1)]
+
+
+def _unpaired(x_B):
+  return x_B.reshape(-1, 2).T.reshape(-1)
+
+
+def pair_scores(graphdef, params, tokens_BT, valid_BT, *, prompt_len: int = 0,
+                share: bool = False):
+  """`sequence_scores` of a pair batch (the chosen rows, then the rejected rows), [2B];
+  `share` (`reward_model.share_prefix`): each pair's prompt (`prompt_len` slots) run once."""
+  if not share:
+    return sequence_scores(graphdef, params, tokens_BT, valid_BT)
+  return _unpaired(prefix_scores(graphdef, params, _paired(tokens_BT), _paired(valid_BT),
+                                 prompt_len, 2))
+
+
+def reward_model_update(state: TrainState, batch, *, graphdef, optimizer, prompt_len: int = 0,
+                        share: bool = False):
+  """Bradley-Terry on a pair batch (chosen rows, then rejected rows; `share`: each pair's
+  prompt run once, `pair_scores`)."""
 
   def loss_fn(params):
-    scores_B2 = sequence_scores(graphdef, params, batch["tokens"], batch["valid"])
+    scores_B2 = pair_scores(graphdef, params, batch["tokens"], batch["valid"],
+                            prompt_len=prompt_len, share=share)
     chosen_B, rejected_B = jnp.split(scores_B2, 2)
     return bradley_terry_loss(chosen_B, rejected_B).mean(), (chosen_B, rejected_B)
 
@@ -33,11 +56,9 @@ def pair_logprobs(graphdef, params, tokens_BT, valid_BT, completion_mask_BN, *, 
   if not share:
     return sequence_logprobs(graphdef, params, tokens_BT, valid_BT, completion_mask_BN,
                              prompt_len)
-  b = tokens_BT.shape[0] // 2
-  pairs_B = jnp.arange(2 * b).reshape(2, b).T.reshape(-1)  # chosen i, rejected i, ...
-  logp_B = prefix_sequence_logprobs(graphdef, params, tokens_BT[pairs_B], valid_BT[pairs_B],
-                                    completion_mask_BN[pairs_B], prompt_len, 2)
-  return logp_B.reshape(b, 2).T.reshape(-1)
+  return _unpaired(prefix_sequence_logprobs(graphdef, params, _paired(tokens_BT),
+                                            _paired(valid_BT), _paired(completion_mask_BN),
+                                            prompt_len, 2))
 
 
 def dpo_update(state: TrainState, batch, *, graphdef, optimizer, beta: float, prompt_len: int,
