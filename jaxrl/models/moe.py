@@ -49,6 +49,8 @@ class MoEStats:
   z: jax.Array
   replay_differs: jax.Array
 
+  POOLED = ("load_E", "prob_E", "z", "replay_differs")  # the statistics over the tokens
+
 
 def route(x_RD, router_ED, k: int, norm: bool, routes_RK=None, replay: bool = True):
   """(expert ids [R, k], their weights [R, k] float32, router probabilities [R, E] and logits,
@@ -260,8 +262,7 @@ def pooled_stats(a: MoEStats, weight_a, b: MoEStats, weight_b, ids) -> MoEStats:
   their tokens' summed weights), the experts `ids` given."""
   total = jnp.maximum(weight_a + weight_b, 1.0)
   mix = lambda x, y: (x * weight_a + y * weight_b) / total  # noqa: E731
-  return MoEStats(ids, *(mix(getattr(a, f), getattr(b, f))
-                         for f in ("load_E", "prob_E", "z", "replay_differs")))
+  return MoEStats(ids, *(mix(getattr(a, f), getattr(b, f)) for f in MoEStats.POOLED))
 
 
 def stack_stats(per_layer: list) -> MoEStats | None:
@@ -271,5 +272,4 @@ def stack_stats(per_layer: list) -> MoEStats | None:
   if not layers:
     return None
   return MoEStats(jnp.stack([s.ids for s in layers], axis=2),
-                  *(jnp.stack([getattr(s, f) for s in layers])
-                    for f in ("load_E", "prob_E", "z", "replay_differs")))
+                  *(jnp.stack([getattr(s, f) for s in layers]) for f in MoEStats.POOLED))

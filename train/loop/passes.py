@@ -8,18 +8,18 @@ import functools
 
 from jaxrl.config_rl import RLConfig
 from train.updates.batching import map_minibatches
-from train.updates.forward import completion_logprobs, completion_values, sequence_scores
+from train.updates.forward import sequence_scores
 from train.updates.packing import packed_logprobs
-from train.updates.prefix import prefix_logprobs, prefix_scores, prefix_values
+from train.updates.prefix import completion_pass, prefix_scores, values_pass
 from train.updates.replay import replayed_logprobs
 
 
 def logprobs(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_len: int,
-             temperature: float):
-  """The completion tokens' log-probs at RL's sampling `temperature` (completion_logprobs
-  without its entropies)."""
-  return completion_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, routes_BTLK,
-                             temperature)[0]
+             temperature: float, group: int = 1):
+  """The completion tokens' log-probs at RL's sampling `temperature` (`prefix.completion_pass`
+  without its entropies; `group` > 1: every `group` rows' prompt run once)."""
+  return completion_pass(graphdef, params, tokens_BT, valid_BT, prompt_len, routes_BTLK,
+                         temperature, group)[0]
 
 
 def replayed(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_len: int,
@@ -29,28 +29,17 @@ def replayed(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_
                            routes_BTLK)
 
 
-def shared(graphdef, params, tokens_BT, valid_BT, routes_BTLK=None, *, prompt_len: int,
-           temperature: float, group: int):
-  """`logprobs` with every `group` rows' prompt run once (`rl.batching.share_prefix`)."""
-  return prefix_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, group, routes_BTLK,
-                         temperature)[0]
-
-
 def policy_logprobs(cfg: RLConfig):
   """`logprobs` at RL's sampling temperature (`rl.rollout.temperature`): the policy's and the
-  reference's, for `scorer` (`shared` where a piece's rows share prompts: `share_group`)."""
-  if cfg.share_group > 1:
-    return functools.partial(shared, temperature=cfg.rollout.temperature,
-                             group=cfg.share_group)
-  return functools.partial(logprobs, temperature=cfg.rollout.temperature)
+  reference's, for `scorer` (each prompt run once for a piece's rows of it: `share_group`)."""
+  return functools.partial(logprobs, temperature=cfg.rollout.temperature,
+                           group=cfg.share_group)
 
 
 def critic_values(cfg: RLConfig):
-  """The critic's `completion_values` for `scorer` (every `share_group` rows' prompt run once
-  where they share it: train/updates/prefix.py)."""
-  if cfg.share_group > 1:
-    return functools.partial(prefix_values, group=cfg.share_group)
-  return completion_values
+  """The critic's values for `scorer` (`prefix.values_pass`, each prompt run once for a
+  piece's rows of it: `share_group`)."""
+  return functools.partial(values_pass, group=cfg.share_group)
 
 
 def reward_scores(cfg: RLConfig, graphdef):

@@ -155,8 +155,8 @@ def _pass(cfg: ExperimentConfig, mesh, rules, lm_head: bool = True) -> dict:
 
 
 def _flash(cfg: ExperimentConfig) -> bool:
-  """Whether the passes' attention is a flash kernel on the target: not over shared prefixes'
-  prefixes (`rl.batching.share_prefix`: a cached chunk's dense scores, or a tree's dense mask)."""
+  """Whether the passes' attention is a flash kernel on the target: not with shared prefixes
+  (`rl.batching.share_prefix`: a cached chunk's dense scores, or a tree's dense mask)."""
   return flash(cfg.model, target_platform()) and not cfg.rl.shares_prefix
 
 

@@ -139,11 +139,12 @@ def _place(members, rows, row_arrays, unpack_BN, at: int, seg: int, offset: int,
     parents[branch:branch + size] = seg
     positions[branch:branch + size] = p_len + np.arange(size)
     copies[branch:branch + size] = 1
-    # slot j > 0: the branch's token j - 1 (one member: the span's p_len + j - 1)
+    # slot 0: the prompt's last; slot j > 0 in the row: the branch's token j - 1 (one member:
+    # the span's p_len + j - 1); after the row's end: the unit's first position
     own = branch - 1 if tree else last
     j = np.arange(n)
-    inside = (j == 0) | (j < int(lengths_B[rows[i]]))
-    unpack_BN[i] = offset + np.where(j == 0, last, np.where(inside, own + j, at))
+    unpack_BN[i] = offset + np.where(j == 0, last,
+                                     np.where(j < int(lengths_B[rows[i]]), own + j, at))
     branch += size
   return branch, seg + 1 + (len(members) if tree else 0)
 

@@ -13,9 +13,8 @@ from jaxrl.algos.correction import mismatch, rollout_weights, tis_capped
 from jaxrl.algos.losses import aggregation_weights, value_loss
 from jaxrl.config_rl import RLConfig
 from train.updates.batching import accumulate_grads, compute_copy, micro_batches, scan_minibatches
-from train.updates.forward import completion_values, routed_logprobs
 from train.updates.packing import packed_logprobs
-from train.updates.prefix import prefix_logprobs, prefix_values
+from train.updates.prefix import completion_pass, values_pass
 from train.updates.replay import minibatch_values, ride
 from train.updates.state import TrainState, apply_gradients
 
@@ -40,14 +39,10 @@ def policy_loss(params, micro, *, graphdef, cfg: RLConfig):
     logp_BN, entropy_BN, router, router_metrics = packed_logprobs(
         graphdef, params, exp.tokens_BT, exp.pack, exp.completion_mask_BN, exp.routes_BTLK,
         temperature=cfg.rollout.temperature, tree=cfg.shares_prefix)
-  elif cfg.share_group > 1:  # each prompt run once for its rows (train/updates/prefix.py)
-    logp_BN, entropy_BN, router, router_metrics = prefix_logprobs(
-        graphdef, params, exp.tokens_BT, exp.valid_BT, exp.prompt_len, cfg.share_group,
-        exp.routes_BTLK, temperature=cfg.rollout.temperature)
-  else:
-    logp_BN, entropy_BN, router, router_metrics = routed_logprobs(
-        graphdef, params, exp.tokens_BT, exp.valid_BT, start=exp.prompt_len - 1,
-        routes_BTLK=exp.routes_BTLK, temperature=cfg.rollout.temperature)
+  else:  # (`share_group` > 1: each prompt run once for its rows, train/updates/prefix.py)
+    logp_BN, entropy_BN, router, router_metrics = completion_pass(
+        graphdef, params, exp.tokens_BT, exp.valid_BT, exp.prompt_len, exp.routes_BTLK,
+        temperature=cfg.rollout.temperature, group=cfg.share_group)
   if replayed:  # the values the sampler's decode loop's (train/updates/replay.py)
     logp_BN = ride(replayed[0], logp_BN)
   share = token_weights_BN.sum()  # this micro-batch's share of the minibatch's tokens
@@ -113,11 +108,8 @@ def critic_update(state: TrainState, exp, *, graphdef, optimizer, cfg: RLConfig)
 
   def loss_fn(params, micro):
     mb, weights_BN = micro
-    if cfg.share_group > 1:  # each prompt run once for its rows (train/updates/prefix.py)
-      values_BN = prefix_values(graphdef, params, mb.tokens_BT, mb.valid_BT, mb.prompt_len,
-                                cfg.share_group)
-    else:
-      values_BN = completion_values(graphdef, params, mb.tokens_BT, mb.valid_BT, mb.prompt_len)
+    values_BN = values_pass(graphdef, params, mb.tokens_BT, mb.valid_BT, mb.prompt_len,
+                            cfg.share_group)
     per_token = value_loss(values_BN, mb.old_values_BN, mb.returns_BN,
                            clip_eps=cfg.critic.clip_eps)
     return (per_token * weights_BN).sum(), {}

@@ -17,7 +17,7 @@ from jaxrl.models.attention import grow_kv_cache, init_kv_cache
 from jaxrl.models.lm_head import chunked_logprobs
 from jaxrl.models.moe import pooled_stats
 from jaxrl.models.rope import positions_from_valid
-from train.updates.forward import router_loss
+from train.updates.forward import completion_values, routed_logprobs, router_loss
 from train.updates.state import model_of
 
 
@@ -58,6 +58,24 @@ def prefix_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len: int, grou
       softcap=model.cfg.logit_softcap, temperature=temperature)
   loss, metrics = router_loss(model.cfg, routing, compared=routes_BTLK is not None)
   return logp_BN, entropy_BN, loss, metrics
+
+
+def completion_pass(graphdef, params, tokens_BT, valid_BT, prompt_len: int, routes_BTLK=None,
+                    temperature: float = 1.0, group: int = 1):
+  """`forward.routed_logprobs` of the completion slots (log-probs, entropies [B, N], the
+  router's loss and metrics); `group` > 1 (`RLConfig.share_group`): `prefix_logprobs`."""
+  if group > 1:
+    return prefix_logprobs(graphdef, params, tokens_BT, valid_BT, prompt_len, group,
+                           routes_BTLK, temperature)
+  return routed_logprobs(graphdef, params, tokens_BT, valid_BT, start=prompt_len - 1,
+                         routes_BTLK=routes_BTLK, temperature=temperature)
+
+
+def values_pass(graphdef, params, tokens_BT, valid_BT, prompt_len: int, group: int = 1):
+  """A critic's values [B, N] (`forward.completion_values`); `group` > 1: `prefix_values`."""
+  if group > 1:
+    return prefix_values(graphdef, params, tokens_BT, valid_BT, prompt_len, group)
+  return completion_values(graphdef, params, tokens_BT, valid_BT, prompt_len)
 
 
 def prefix_values(graphdef, params, tokens_BT, valid_BT, prompt_len: int, group: int):
