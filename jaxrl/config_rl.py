@@ -156,11 +156,11 @@ class RolloutConfig:
   # slots, refilled as rows finish (a multiple of the sampler's data shards; uneven lengths).
   inflight_slots: int = 0
   # The sampler's log-probs the trainer's bit for bit (mismatch exactly 0; train/loop/exact.py;
-  # single-turn static batches, whole rows): "" off; "pass": each token drawn by the trainer's
-  # own pass on its devices (sync; any dtype; that pass once per new token); "replay": the
-  # trainer's passes and update replay the sampler's decode loop (sync or async; float32, or
-  # bfloat16 without XLA's excess precision; dense or MoE). In sync mode pi_old is then the
-  # sampler's log-probs, which the trainer recomputes to check before each evaluation.
+  # single-turn rows): "" off; "pass": each token drawn by the trainer's own pass on its devices
+  # (sync; any dtype; that pass once per new token); "replay": the trainer's passes and update
+  # replay the sampler's decode loop (sync or async; float32, or bfloat16 without XLA's excess
+  # precision; dense or MoE), or its in-flight slots' schedule (sync, one minibatch). In sync
+  # mode pi_old is the sampler's log-probs, which the trainer recomputes before each evaluation.
   exact: str = ""
 
   def __post_init__(self):
@@ -315,21 +315,24 @@ class RLConfig:
                        f"'reward', got {self.kl.mode!r}")
 
   def _check_exact(self) -> None:
-    """`rollout.exact` draws whole static single-turn rows the trainer scores at the sampling
-    temperature ("pass" on the trainer's devices, in turn with the update): the settings it
-    cannot honour, named."""
+    """`rollout.exact` draws single-turn rows the trainer scores at the sampling temperature
+    ("pass" by its pass, in turn; "replay" in in-flight slots: replayed whole, in turn): the
+    settings it cannot honour, named."""
     if not self.rollout.exact:
       return
-    wanted = [("rollout.inflight_slots", self.rollout.inflight_slots, 0, "0"),
-              ("rollout.top_k", self.rollout.top_k, 0, "0 (the trainer scores every token)"),
+    wanted = [("rollout.top_k", self.rollout.top_k, 0, "0 (the trainer scores every token)"),
               ("environment.name", self.environment.name, "", "'' (single-turn)"),
               ("dapo.dynamic_sampling", self.dapo.dynamic_sampling, False,
                "False (its rounds' rows are padded to the widest prompt: other shapes)")]
-    if self.rollout.exact == "pass":  # (the trainer's pass: on its devices, in turn, unpacked)
-      wanted += [("schedule.mode", self.schedule.mode, "sync", "'sync'"),
-                 ("batching.pack_length", self.batching.pack_length, 0, "0 (whole rows)"),
-                 ("batching.share_prefix", self.batching.share_prefix, "off",
-                  "'off' (the sampler's pass runs whole rows)")]
+    if self.rollout.exact == "pass" or self.rollout.inflight_slots:
+      wanted += [("schedule.mode", self.schedule.mode, "sync", "'sync'")]
+    if self.rollout.exact == "pass":  # (the trainer's pass: on its devices, unpacked)
+      wanted += [("batching.pack_length", self.batching.pack_length, 0, "0 (whole rows)"),
+                 ("batching.share_prefix", self.batching.share_prefix, "off", "'off'"),
+                 ("rollout.inflight_slots", self.rollout.inflight_slots, 0, "0")]
+    elif self.rollout.inflight_slots:  # (the engine's schedule replayed on the actor's mesh)
+      wanted += [("batching.num_minibatches", self.batching.num_minibatches, 1,
+                  "1 (the engine's schedule replays whole batches)")]
     for field, value, ok, want in wanted:
       if value != ok:
         raise ValueError(f"{field}: not with rollout.exact={self.rollout.exact!r}; expected "

@@ -55,12 +55,13 @@ class DecodeState:
   routes_BNLK: jax.Array | None = None  # the generated tokens' experts (a mixture of experts)
 
 
-def emit_tokens(logits_BV, u_B, done_B, stop: StopState, cfg: SamplingConfig):
+def emit_tokens(logits_BV, u_B, done_B, stop: StopState, cfg: SamplingConfig, forced_B=None):
   """The token-emit step of both engines (this one and sampler/inflight.py): each row's next
   token drawn with its uniform (PAD for rows already done), its stop state moved on
   (sampler/stops.py), and whether the token ends the row (a stop sequence or string or, unless
-  ignored, EOS). Returns (tok_B, logp_B, stop, finished_B)."""
-  tok_B, logp_B = SAMPLERS[cfg.method](logits_BV, u_B, cfg)
+  ignored, EOS); `forced_B`: tokens emitted instead where >= 0 (a replay's). Returns (tok_B,
+  logp_B, stop, finished_B)."""
+  tok_B, logp_B = SAMPLERS[cfg.method](logits_BV, u_B, cfg, forced_B)
   tok_B = jnp.where(done_B, cfg.pad_id, tok_B)
   stop, finished_B = stop.after(tok_B, cfg)
   if not cfg.ignore_eos:

@@ -36,17 +36,20 @@ from sampler.slots import (CHECK_EVERY, Outputs, Slots, caster, decode, empty_ou
 from sharding.reshard import to_device, to_host
 from sharding.rules import SAMPLER_RULES, batch_ways
 
-def init(model: DecodeModel, tokens_BP, *, cfg: SamplingConfig, slots: int, n: int):
+def init(model: DecodeModel, tokens_BP, *, cfg: SamplingConfig, slots: int, n: int,
+         forced: bool = False):
   """Every slot free, the output buffers empty, global step 0."""
   p = tokens_BP.shape[1]
-  state = empty_slots(model, cfg=cfg, slots=slots, p=p, ring=ring_width(p, cfg.max_new_tokens))
+  state = empty_slots(model, cfg=cfg, slots=slots, p=p, ring=ring_width(p, cfg.max_new_tokens),
+                      forced=forced)
   return state, empty_outputs(tokens_BP.shape[0] * n, cfg, state.routes_RTLK), jnp.int32(0)
 
 
 def refill(model: DecodeModel, state: Slots, out: Outputs, g, tokens_BP, valid_BP, key,
-           max_new_B, rows_K, src_R, *, cfg: SamplingConfig, n: int):
+           max_new_B, rows_K, src_R, forced_BN=None, *, cfg: SamplingConfig, n: int):
   """Harvests the finished rows, then starts rows `rows_K` in the slots r with src_R[r] >= 0
-  (row rows_K[src_R[r]]); entries of rows_K that no slot names are bucket padding."""
+  (row rows_K[src_R[r]]); entries of rows_K that no slot names are bucket padding.
+  `forced_BN`: each output row's tokens to replay (-1: draw)."""
   out = harvest(state, out)
   budget_K = jnp.full(rows_K.shape, cfg.max_new_tokens, jnp.int32)
   if max_new_B is not None:
@@ -54,7 +57,8 @@ def refill(model: DecodeModel, state: Slots, out: Outputs, g, tokens_BP, valid_B
   p = tokens_BP.shape[1]
   new = row_state(model, cfg, tokens_BP[rows_K // n], valid_BP[rows_K // n], rows_K, budget_K,
                    row_uniforms(key, rows_K, cfg.max_new_tokens), g,
-                   ring_width(p, cfg.max_new_tokens))
+                   ring_width(p, cfg.max_new_tokens),
+                   None if forced_BN is None else forced_BN[rows_K])
   return jax.tree.map(functools.partial(put_rows, src_R=src_R), state, new), out
 
 
@@ -108,26 +112,34 @@ class RowPrograms(NamedTuple):
 
 
 def row_programs(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, slots: int, n: int = 1,
-                 mesh: Mesh | None = None, rules: Rules = SAMPLER_RULES) -> RowPrograms:
+                 mesh: Mesh | None = None, rules: Rules = SAMPLER_RULES,
+                 forced: bool = False) -> RowPrograms:
   buckets, shards = refill_buckets(mesh, rules, slots), batch_ways(mesh, rules)
   # The tail: a quarter at a time (each batch size is another decode program to compile).
   tails = tuple(sorted(slots // 4**i for i in range(slots.bit_length())
                        if slots % 4**i == 0 and (slots // 4**i) % shards == 0))
   jit = jitter(mesh, rules)
-  return RowPrograms(caster(graphdef), jit(init, cfg=cfg, slots=slots, n=n),
+  return RowPrograms(caster(graphdef), jit(init, cfg=cfg, slots=slots, n=n, forced=forced),
                      jit(refill, (1, 2), cfg=cfg, n=n), jit(decode, (1,), cfg=cfg),
                      jit(shrink, (1,)), jit(finish, n=n), buckets, tails)
 
 
 def jit_inflight(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, slots: int, n: int = 1,
-                 mesh: Mesh | None = None, rules: Rules = SAMPLER_RULES):
-  """`fn(params, tokens_BP, valid_BP, key, max_new_B=None) -> Rollout` as the static engine's,
-  decoding in `slots` row slots that are refilled as their rows finish."""
-  p = row_programs(graphdef, cfg, slots=slots, n=n, mesh=mesh, rules=rules)
+                 mesh: Mesh | None = None, rules: Rules = SAMPLER_RULES, forced: bool = False):
+  """`fn(params, tokens_BP, valid_BP, key, max_new_B=None, forced_BN=None) -> Rollout` as the
+  static engine's, decoding in `slots` row slots that are refilled as their rows finish.
 
-  def run(params, tokens_BP, valid_BP, key, max_new_B=None) -> Rollout:
+  `forced`: the programs also replay (`rl.rollout.exact="replay"`). Given `forced_BN` (the rows'
+  completions) and as budgets their lengths, each row emits its own tokens again, so every
+  refill, decode segment and tail batch runs as when they were drawn, in one compiled program
+  each for both: the log-probs reported are the drawing run's bit for bit at the same weights."""
+  p = row_programs(graphdef, cfg, slots=slots, n=n, mesh=mesh, rules=rules, forced=forced)
+
+  def run(params, tokens_BP, valid_BP, key, max_new_B=None, forced_BN=None) -> Rollout:
     model = p.cast(params)  # weights in the compute dtype once per call
     state, out, g = p.start(model, tokens_BP)
+    if forced and forced_BN is None:  # (drawing: no token forced)
+      forced_BN = jnp.full(out.tokens_BN.shape, -1, jnp.int32)
     segment, total, queued = to_device(np.int32(CHECK_EVERY)), tokens_BP.shape[0] * n, 0
     while True:
       done_R = to_host(state.done_R)  # the host's look, every CHECK_EVERY steps
@@ -136,7 +148,7 @@ def jit_inflight(graphdef: nnx.GraphDef, cfg: SamplingConfig, *, slots: int, n: 
       if queued < total and done_R.any():
         rows_K, src_R = _plan(done_R, queued, total, p.buckets)
         state, out = p.refill(model, state, out, g, tokens_BP, valid_BP, key, max_new_B,
-                              to_device(rows_K), to_device(src_R))
+                              to_device(rows_K), to_device(src_R), forced_BN)
         queued += int((src_R >= 0).sum())
       elif queued == total and (keep_K := _keep(done_R, p.tails)) is not None:
         state, out = p.shrink(state, out, to_device(keep_K))

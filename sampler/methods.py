@@ -71,9 +71,16 @@ def _first(hit_BV, default):
   return jnp.where(first_B == v, default, first_B).astype(jnp.int32)
 
 
-def greedy(logits_BV, u_B, cfg: SamplingConfig):
+def _forced(tokens_B, forced_B):
+  """The drawn tokens, but `forced_B`'s where it holds one (>= 0): a replay feeds the tokens
+  drawn before through the program that drew them (sampler/inflight.py)."""
+  return tokens_B if forced_B is None else jnp.where(forced_B >= 0, forced_B, tokens_B)
+
+
+def greedy(logits_BV, u_B, cfg: SamplingConfig, forced_B=None):
   del u_B, cfg
-  tokens_B = _first(logits_BV == jnp.max(logits_BV, axis=-1, keepdims=True), 0)
+  tokens_B = _forced(_first(logits_BV == jnp.max(logits_BV, axis=-1, keepdims=True), 0),
+                     forced_B)
   return tokens_B, _pick(jax.nn.log_softmax(logits_BV, -1), tokens_B)
 
 
@@ -106,10 +113,10 @@ def top_p_filter(logits_BV, p: float):
   return jnp.where(logits_BV < threshold_B1, NEG_INF, logits_BV)
 
 
-def temperature(logits_BV, u_B, cfg: SamplingConfig):
+def temperature(logits_BV, u_B, cfg: SamplingConfig, forced_B=None):
   scaled_BV = top_p_filter(top_k_filter(logits_BV / cfg.temperature, cfg.top_k), cfg.top_p)
   logp_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
-  tokens_B = inverse_cdf(logp_BV, u_B)
+  tokens_B = _forced(inverse_cdf(logp_BV, u_B), forced_B)
   return tokens_B, _pick(logp_BV, tokens_B)
 
 

@@ -62,6 +62,8 @@ class Slots:
   # A mixture of experts: the row's tokens' experts per layer, its P prompt slots then its N
   # tokens (-1: not routed), as the static engine's `Rollout.routes_BTLK`.
   routes_RTLK: jax.Array | None = None
+  # A replay's tokens (sampler/inflight.py): token index i of the row is forced_RN[i] where >= 0
+  forced_RN: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -102,10 +104,10 @@ def keyed_uniforms(keys_K2, index_K, n: int):
 
 
 def row_state(model: DecodeModel, cfg: SamplingConfig, tokens_KP, valid_KP, rows_K, budget_K,
-               uniforms_KN, g, ring: int) -> Slots:
+               uniforms_KN, g, ring: int, forced_KN=None) -> Slots:
   """Fresh state for K rows whose decoding starts at global step `g` in a ring of `ring` slots
   (at least the prompt width P): their prefill in the ring layout, their own random draws
-  (`row_uniforms`), nothing generated yet."""
+  (`row_uniforms`) or tokens to replay (`forced_KN`), nothing generated yet."""
   (k, p), n = tokens_KP.shape, cfg.max_new_tokens
   logits_KV, cache_KP, routes_KPLK = model.prefill(tokens_KP, valid_KP)
   routes_KTLK = None if routes_KPLK is None else jnp.concatenate(
@@ -113,7 +115,8 @@ def row_state(model: DecodeModel, cfg: SamplingConfig, tokens_KP, valid_KP, rows
   key_valid_KS = jnp.roll(jnp.pad(valid_KP, ((0, 0), (0, ring - p))), (g - p) % ring, axis=1)
   return new_rows(cfg, rows_K, budget_K, uniforms_KN, logits_KV,
                   _ring_cache(model, cache_KP, ring, g), key_valid_KS,
-                  valid_KP.sum(axis=1, dtype=jnp.int32), routes_KTLK)
+                  valid_KP.sum(axis=1, dtype=jnp.int32), routes_KTLK).replace(
+                      forced_RN=forced_KN)
 
 
 def new_rows(cfg: SamplingConfig, rows_K, budget_K, uniforms_KN, logits_KV, kv_cache,
@@ -148,12 +151,13 @@ def harvest(slots: Slots, out: Outputs) -> Outputs:
 
 
 def empty_slots(model: DecodeModel, *, cfg: SamplingConfig, slots: int, p: int,
-                ring: int) -> Slots:
-  """`slots` free slots (done, no row) for prompts up to `p` tokens in a ring of `ring`."""
-  zeros_R = jnp.zeros((slots,), jnp.int32)
+                ring: int, forced: bool = False) -> Slots:
+  """`slots` free slots (done, no row) for prompts up to `p` tokens in a ring of `ring`
+  (`forced`: with room for a replay's tokens)."""
+  zeros_R, n = jnp.zeros((slots,), jnp.int32), cfg.max_new_tokens
   shapes = jax.eval_shape(lambda: row_state(
       model, cfg, jnp.zeros((slots, p), jnp.int32), jnp.ones((slots, p), bool), zeros_R, zeros_R,
-      jnp.zeros((slots, cfg.max_new_tokens)), 0, ring))
+      jnp.zeros((slots, n)), 0, ring, jnp.zeros((slots, n), jnp.int32) if forced else None))
   state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
   return state.replace(row_R=zeros_R - 1, done_R=jnp.ones((slots,), bool))
 
@@ -170,8 +174,12 @@ def _emit(s: Slots, cfg: SamplingConfig) -> tuple[Slots, jax.Array]:
   """Samples each live row's next token (its token index `step_R`) and records it; done rows
   emit PAD and record nothing."""
   n = s.tokens_RN.shape[1]
-  u_R = jnp.take_along_axis(s.uniforms_RN, jnp.minimum(s.step_R, n - 1)[:, None], 1)[:, 0]
-  tok_R, logp_R, stop, finished_R = emit_tokens(s.logits_RV, u_R, s.done_R, s.stop, cfg)
+
+  def at(x_RN):  # each row's entry at its token index
+    return jnp.take_along_axis(x_RN, jnp.minimum(s.step_R, n - 1)[:, None], 1)[:, 0]
+  forced_R = None if s.forced_RN is None else at(s.forced_RN)
+  tok_R, logp_R, stop, finished_R = emit_tokens(s.logits_RV, at(s.uniforms_RN), s.done_R,
+                                                s.stop, cfg, forced_R)
   live_R = ~s.done_R
   at_RN = live_R[:, None] & (jnp.arange(n) == s.step_R[:, None])
   step_R = s.step_R + live_R

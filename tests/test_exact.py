@@ -129,9 +129,9 @@ def test_replayed_decoding_scores_the_samplers_logprobs_bit_for_bit(model):
 
 def _exact_run(tmp_path, name: str, route: str = "pass", dtype: str = "bfloat16",
                schedule: dict | None = None, every: int = 1, moe: dict | None = None,
-               **correction) -> tuple[list[dict], str]:
+               slots: int = 0, **correction) -> tuple[list[dict], str]:
   """(the RL rows that measured the mismatch, the run's params fingerprint); sync runs measure
-  it at the steps before an evaluation (`eval.every`: 1, each step)."""
+  it at the steps before an evaluation (`eval.every`: 1, each step); `slots`: in-flight."""
   raw = tiny.get_config().to_dict()
   raw["eval"]["every"] = every
   raw.update(run_dir=str(tmp_path), run_name=name)
@@ -145,8 +145,8 @@ def _exact_run(tmp_path, name: str, route: str = "pass", dtype: str = "bfloat16"
     raw["model"]["family"] = "qwen3_moe"
     raw["model"]["moe"].update(moe)
   raw["rl"].update(steps=2)
-  raw["rl"]["batching"]["num_minibatches"] = 2
-  raw["rl"]["rollout"].update(exact=route, temperature=0.7)
+  raw["rl"]["batching"]["num_minibatches"] = 1 if slots else 2
+  raw["rl"]["rollout"].update(exact=route, temperature=0.7, inflight_slots=slots)
   raw["rl"]["correction"].update(correction)
   with Experiment(raw) as exp:
     summary = exp.run()
@@ -202,6 +202,26 @@ def test_a_replayed_exact_run_has_no_mismatch(tmp_path):
   raw["model"]["dtype"] = "float32"
   raw["rl"]["dapo"]["dynamic_sampling"] = True
   with pytest.raises(ConfigError, match=r"dapo.dynamic_sampling: not with rollout.exact='replay'"):
+    Experiment(raw)
+
+
+def test_in_flight_rows_replayed_through_their_schedule_have_no_mismatch(tmp_path):
+  """`exact="replay"` with in-flight slots (4 slots for 16 rows: refills, rows ending at EOS
+  at uneven steps, the tail in fewer slots), bfloat16 and a mixture of experts in float32: the
+  trainer's old log-probs, the engine's host loop run again with each row's tokens forced, are
+  the sampler's bit for bit at every step; two minibatches or async mode are refused in one
+  line that names the field."""
+  for dtype, moe in (("bfloat16", None), ("float32", {"experts": 4, "per_token": 2,
+                                                     "d_ff": 16})):
+    rows, _ = _exact_run(tmp_path, f"slots_{dtype}", route="replay", dtype=dtype, moe=moe,
+                         slots=4)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["mismatch_max"] == r["mismatch_kl"] == 0.0 for r in rows)
+  raw = tiny.get_config().to_dict()
+  raw["rl"]["rollout"].update(exact="replay", inflight_slots=4)
+  raw["rl"]["batching"]["num_minibatches"] = 2
+  with pytest.raises(ConfigError, match=r"batching.num_minibatches: not with "
+                                        r"rollout.exact='replay'; expected 1 \(the engine's"):
     Experiment(raw)
 
 

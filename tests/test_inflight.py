@@ -1,5 +1,6 @@
 """In-flight batching (sampler/inflight.py, a `Sampler` with `inflight_slots`) against the static
 engine and the model's forward."""
+import dataclasses
 import functools
 
 import jax
@@ -133,3 +134,26 @@ def test_rl_step_generates_in_flight_without_hidden_host_transfers(tmp_path, mon
   assert built == [4, 4]  # sample and greedy
   assert row["step"] == 2 and np.isfinite(row["loss"]) and row["response_len"] <= new_tokens
   assert record["completions"] == 8 * 2 * new_tokens * 4  # int32 token ids, nothing else
+
+
+def test_a_forced_replay_runs_the_schedule_that_drew_and_gives_its_logprobs(tiny_model):
+  """`forced`: a batch drawn at a temperature in 4 slots (16 rows: refills, uneven budgets and
+  EOS, the tail in 1 slot), then run again with each row's tokens forced and its length as
+  budget, gives the same tokens and, bit for bit, the same log-probs (rl.rollout.exact="replay"
+  in in-flight slots); the key no longer matters."""
+  from sampler.inflight import jit_inflight
+  graphdef, params = nnx.split(tiny_model)
+  free = SamplingConfig(max_new_tokens=12, eos_id=-1, pad_id=TOK.pad_id, temperature=0.7)
+  drawn = np.asarray(jit_inflight(graphdef, free, slots=4, n=2)(
+      params, *_prompts(), jax.random.key(1)).tokens_BT[:, 8:])
+  values, counts = np.unique(drawn, return_counts=True)
+  cfg = dataclasses.replace(free, eos_id=int(values[np.argmax(counts)]))  # ends rows mid-way
+  run = jit_inflight(graphdef, cfg, slots=4, n=2, forced=True)
+  budget_B = jnp.asarray(BUDGETS * 2, jnp.int32)
+  got = run(params, *_prompts(), jax.random.key(1), budget_B)
+  lengths_B = np.asarray(got.lengths_B)
+  assert (lengths_B < BUDGETS * 2).any() and len(set(lengths_B)) > 3
+  forced_BN = jnp.where(got.completion_mask_BN, got.tokens_BT[:, 8:], -1)
+  again = run(params, *_prompts(), jax.random.key(9), got.lengths_B.astype(jnp.int32), forced_BN)
+  np.testing.assert_array_equal(again.tokens_BT, got.tokens_BT)
+  assert np.array_equal(again.logprobs_BN, got.logprobs_BN)

@@ -55,19 +55,20 @@ class Controller:
     self.version = version
     self.executors = Executors(cluster, timeline, reward_model=cfg.rl.reward == "reward_model",
                                critic_mesh=None if critic is None else critic.role.mesh)
+    exact = (ExactSampler(cfg.rl, actor.role, generator.sampler.cfg, transfers)
+             if cfg.rl.rollout.exact else None)
     self.rollouts = RolloutSource(cfg, generator, cluster.sampler_weights, task.prompts,
                                   prompt_len=task.prompt_len, timeline=timeline,
                                   run=self.executors.sampler, next_index=next_index,
                                   split=cluster.split if cluster.split and cluster.split.generators
                                   else None,
-                                  exact=ExactSampler(cfg.rl, actor.role, generator.sampler.cfg,
-                                                     transfers) if cfg.rl.rollout.exact else None)
+                                  exact=exact)
     pack, new = cfg.rl.batching.pack_length, cfg.rl.rollout.max_new_tokens
     if pack and pack < task.prompt_len + new:
       raise ConfigError(f"config.rl.batching.pack_length: at least a row's {task.prompt_len} "
                         f"prompt + {new} new tokens, got {pack}")
     self.scoring = Scoring(cfg.rl, cluster, actor, critic, judge, self.executors,
-                           transfers=transfers, link_of=self._link)
+                           transfers=transfers, link_of=self._link, exact=exact)
     self._split, self._own_link = cluster.split, None  # (`_link`)
     items = offload_items(cfg.placement.offload)
     self.offload = Offloader(items, cluster, [actor, critic], timeline) if items else None

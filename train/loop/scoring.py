@@ -43,9 +43,11 @@ class Scoring:
 
   def __init__(self, cfg: RLConfig, cluster: RoleCluster, actor: Learner, critic: Learner | None,
                judge: Judge, executors: Executors, *, transfers: HostTransfers | None = None,
-               link_of=None):
+               link_of=None, exact=None):
     """`transfers`: the run's named host transfers (rewards up, rows' lengths down);
-    `link_of()`: the session's link to the groups apart (the scorers', where they are one)."""
+    `link_of()`: the session's link to the groups apart (the scorers', where they are one);
+    `exact`: `rl.rollout.exact`'s sampler (train/loop/exact.py), whose in-flight rows the
+    actor's old log-prob pass replays in its engine."""
     self.cfg, self.actor, self.critic, self.judge, self.ex = cfg, actor, critic, judge, executors
     self.transfers = HostTransfers() if transfers is None else transfers
     self.reference, self.reward_model = cluster.get("reference"), cluster.get("reward")
@@ -61,6 +63,8 @@ class Scoring:
     self.logprob_fns = {packed: tuple(
         packed_scorer(cfg, r) if packed else logprob_scorer(cfg, r, r is actor.role)
         for r in (self.reference, actor.role)) for packed in (False, True)}
+    if self.replays and cfg.rollout.inflight_slots:
+      self.logprob_fns[False] = (self.logprob_fns[False][0], exact.replayed)
     if critic is not None:
       self.values_fn = scorer(cfg, critic.role, critic_values(cfg))
     if self.reward_model is not None and self.remote is None:
