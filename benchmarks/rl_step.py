@@ -3,7 +3,8 @@ roofline, compile seconds and peak memory.
 
   python -m benchmarks.rl_step --json                       # the default experiment, + modes
   python -m benchmarks.rl_step --json --workload w1         # the 4-layer d_model-256 workload
-  python -m benchmarks.rl_step --json --workload w1 --exact # its sampling by the trainer's pass
+  python -m benchmarks.rl_step --json --workload w1 --exact pass  # drawn by the trainer's pass
+  python -m benchmarks.rl_step --json --workload w1 --inflight-slots 16 --exact replay
   python -m benchmarks.rl_step --json --workload qwen0.5b   # on a GPU: Qwen2.5-0.5B, gsm8k shapes
   python -m benchmarks.rl_step --json --workload qwen1.5b   # on a GPU: Qwen2.5-1.5B, gsm8k shapes
 
@@ -304,6 +305,8 @@ def parse_args():
   parser.add_argument("--exact", choices=("", "pass", "replay"), default="",
                       help="rl.rollout.exact: each token drawn by the trainer's own pass, or "
                            "the trainer replaying the sampler's decode loop")
+  parser.add_argument("--inflight-slots", type=int, default=0,
+                      help="rl.rollout.inflight_slots (0: the static engine)")
   add_host_flags(parser)
   args = parser.parse_args()
   if args.warmup < 1 or args.steps < 1:
@@ -325,10 +328,9 @@ def main() -> None:
   reduced = args.scale == "reduced" or (args.scale == "auto" and cpu and bool(work.reduced))
   rl = ({} if args.micro_batch_size is None
         else {"batching": {"micro_batch_size": args.micro_batch_size}})
-  if args.exact:
-    rl["rollout"] = {"exact": args.exact}
+  rl["rollout"] = {"exact": args.exact, "inflight_slots": args.inflight_slots}
   result = {"workload": args.workload, "scale": "reduced" if reduced else "full",
-            "exact": args.exact,
+            "exact": args.exact, "inflight_slots": args.inflight_slots,
             "scan_layers": cpu is False if args.scan_layers is None else args.scan_layers,
             **run_stages(work, steps=args.steps, warmup=args.warmup, reduced=reduced, rl=rl)}
   if work.modes if args.modes is None else args.modes:

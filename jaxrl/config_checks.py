@@ -68,3 +68,28 @@ def sections_agree(cfg) -> None:
   if cfg.rl.rollout.exact == "replay" and cfg.rl.schedule.mode == "async" and cfg.lora.enabled:
     raise ValueError("lora.rank: rl.rollout.exact='replay' in async mode draws from the "
                      "sampler's merged copy, which rounds apart from the adapters; expected 0")
+
+
+def check_exact(rl) -> None:
+  """`rl.rollout.exact` (an `RLConfig`) draws single-turn rows the trainer scores at the
+  sampling temperature ("pass" by its pass, in turn; "replay" in in-flight slots: whole batches
+  replayed): the settings it cannot honour, named (a ValueError)."""
+  if not rl.rollout.exact:
+    return
+  wanted = [("rollout.top_k", rl.rollout.top_k, 0, "0 (the trainer scores every token)"),
+            ("environment.name", rl.environment.name, "", "'' (single-turn)"),
+            ("dapo.dynamic_sampling", rl.dapo.dynamic_sampling, False,
+             "False (its rounds' rows are padded to the widest prompt: other shapes)")]
+  if rl.rollout.exact == "pass":  # (the trainer's pass: on its devices, unpacked)
+    wanted += [("schedule.mode", rl.schedule.mode, "sync", "'sync'"),
+               ("batching.pack_length", rl.batching.pack_length, 0, "0 (whole rows)"),
+               ("batching.share_prefix", rl.batching.share_prefix, "off", "'off'"),
+               ("rollout.inflight_slots", rl.rollout.inflight_slots, 0, "0")]
+  elif rl.rollout.inflight_slots:  # (the engine's schedule replayed on the actor's mesh)
+    wanted += [("batching.num_minibatches", rl.batching.num_minibatches, 1,
+                "1 (the engine's schedule replays whole batches)"),
+               ("schedule.partial_rollouts", rl.schedule.partial_rollouts, False, "False")]
+  for field, value, ok, want in wanted:
+    if value != ok:
+      raise ValueError(f"{field}: not with rollout.exact={rl.rollout.exact!r}; expected "
+                       f"{want}, got {value!r}")

@@ -23,7 +23,7 @@ import dataclasses
 
 from jaxrl.algos import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from jaxrl.algos.correction import ROLLOUT_MASKS
-from jaxrl.config_checks import at_least_zero, choice, positive, unit
+from jaxrl.config_checks import at_least_zero, check_exact, choice, positive, unit
 from jaxrl.envs import ENVIRONMENTS
 from jaxrl.envs.base import MAX_OUTPUT_CHARS
 from jaxrl.rewards.user import POLICIES as USER_CODE_POLICIES
@@ -159,8 +159,8 @@ class RolloutConfig:
   # single-turn rows): "" off; "pass": each token drawn by the trainer's own pass on its devices
   # (sync; any dtype; that pass once per new token); "replay": the trainer's passes and update
   # replay the sampler's decode loop (sync or async; float32, or bfloat16 without XLA's excess
-  # precision; dense or MoE), or its in-flight slots' schedule (sync, one minibatch). In sync
-  # mode pi_old is the sampler's log-probs, which the trainer recomputes before each evaluation.
+  # precision; dense or MoE), or its in-flight slots' schedule (one minibatch, no partial
+  # rollouts). In sync mode pi_old is the sampler's, which the trainer checks before evaluations.
   exact: str = ""
 
   def __post_init__(self):
@@ -309,34 +309,10 @@ class RLConfig:
       raise ValueError(f"batching.micro_batch_size: must divide a minibatch's {minibatch} rows "
                        f"(prompts_per_step*group_size/num_minibatches), got "
                        f"{self.batching.micro_batch_size}")
-    self._check_exact()
+    check_exact(self)
     if self.advantage.entry.kl_in_reward and self.kl.mode != "reward":
       raise ValueError(f"kl.mode: {self.advantage.name} folds the KL into the rewards; expected "
                        f"'reward', got {self.kl.mode!r}")
-
-  def _check_exact(self) -> None:
-    """`rollout.exact` draws single-turn rows the trainer scores at the sampling temperature
-    ("pass" by its pass, in turn; "replay" in in-flight slots: replayed whole, in turn): the
-    settings it cannot honour, named."""
-    if not self.rollout.exact:
-      return
-    wanted = [("rollout.top_k", self.rollout.top_k, 0, "0 (the trainer scores every token)"),
-              ("environment.name", self.environment.name, "", "'' (single-turn)"),
-              ("dapo.dynamic_sampling", self.dapo.dynamic_sampling, False,
-               "False (its rounds' rows are padded to the widest prompt: other shapes)")]
-    if self.rollout.exact == "pass" or self.rollout.inflight_slots:
-      wanted += [("schedule.mode", self.schedule.mode, "sync", "'sync'")]
-    if self.rollout.exact == "pass":  # (the trainer's pass: on its devices, unpacked)
-      wanted += [("batching.pack_length", self.batching.pack_length, 0, "0 (whole rows)"),
-                 ("batching.share_prefix", self.batching.share_prefix, "off", "'off'"),
-                 ("rollout.inflight_slots", self.rollout.inflight_slots, 0, "0")]
-    elif self.rollout.inflight_slots:  # (the engine's schedule replayed on the actor's mesh)
-      wanted += [("batching.num_minibatches", self.batching.num_minibatches, 1,
-                  "1 (the engine's schedule replays whole batches)")]
-    for field, value, ok, want in wanted:
-      if value != ok:
-        raise ValueError(f"{field}: not with rollout.exact={self.rollout.exact!r}; expected "
-                         f"{want}, got {value!r}")
 
   @property
   def rollouts(self) -> int:
@@ -351,9 +327,12 @@ class RLConfig:
   def needs_old_logprobs(self) -> bool:
     """Whether a step needs the trainer's log-probs before its update as a separate pass.
     With one minibatch the update starts from exactly those weights, so they are its own
-    log-probs, detached (as TRL and verl do); a KL folded into the rewards needs them first.
-    (Exact sync rollouts take the sampler's instead, `sampler_is_trainer`: `Scoring.old_pass`.)"""
-    return self.batching.num_minibatches > 1 or self.kl.mode == "reward"
+    log-probs, detached (as TRL and verl do); a KL folded into the rewards needs them first, and
+    so do exact async in-flight rows (their replay is a host loop: train/loop/exact.py). (Exact
+    sync rollouts take the sampler's instead, `sampler_is_trainer`: `Scoring.old_pass`.)"""
+    replays_slots = self.rollout.exact == "replay" and self.rollout.inflight_slots > 0
+    return self.batching.num_minibatches > 1 or self.kl.mode == "reward" or (
+        replays_slots and self.schedule.mode == "async")
 
   @property
   def shares_prefix(self) -> bool:

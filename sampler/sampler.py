@@ -88,6 +88,7 @@ class Sampler:
   rules: Rules = SAMPLER_RULES
   param_shardings: Any = None
   inflight_slots: int = 0
+  forced: bool = False  # in-flight programs that also replay drawn rows (sampler/inflight.py)
   length_buckets: Sequence[int] = LENGTH_BUCKETS
   batch_buckets: Sequence[int] = BATCH_BUCKETS
   _traced: list = dataclasses.field(default_factory=list, init=False, repr=False)
@@ -105,7 +106,7 @@ class Sampler:
                        on_trace=lambda: self._traced.append(None))
     else:
       fn = jit_inflight(self.graphdef, self.cfg, slots=self.inflight_slots, n=self.n,
-                        mesh=self.mesh, rules=self.rules)
+                        mesh=self.mesh, rules=self.rules, forced=self.forced)
     object.__setattr__(self, "_decode", fn)
 
   def lower(self, params, tokens_BP, valid_BP, key, max_new_B=None):
