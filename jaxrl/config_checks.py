@@ -71,24 +71,28 @@ def sections_agree(cfg) -> None:
 
 
 def check_exact(rl) -> None:
-  """`rl.rollout.exact` (an `RLConfig`) draws single-turn rows the trainer scores at the
-  sampling temperature ("pass" by its pass, in turn; "replay" in in-flight slots: whole batches
-  replayed): the settings it cannot honour, named (a ValueError)."""
+  """`rl.rollout.exact` (an `RLConfig`) draws rows the trainer scores at the sampling
+  temperature ("pass" by its pass, in turn, single-turn; "replay" in in-flight slots or turns:
+  whole batches replayed): the settings it cannot honour, named (a ValueError)."""
   if not rl.rollout.exact:
     return
   wanted = [("rollout.top_k", rl.rollout.top_k, 0, "0 (the trainer scores every token)"),
-            ("environment.name", rl.environment.name, "", "'' (single-turn)"),
             ("dapo.dynamic_sampling", rl.dapo.dynamic_sampling, False,
              "False (its rounds' rows are padded to the widest prompt: other shapes)")]
   if rl.rollout.exact == "pass":  # (the trainer's pass: on its devices, unpacked)
     wanted += [("schedule.mode", rl.schedule.mode, "sync", "'sync'"),
                ("batching.pack_length", rl.batching.pack_length, 0, "0 (whole rows)"),
                ("batching.share_prefix", rl.batching.share_prefix, "off", "'off'"),
-               ("rollout.inflight_slots", rl.rollout.inflight_slots, 0, "0")]
-  elif rl.rollout.inflight_slots:  # (the engine's schedule replayed on the actor's mesh)
+               ("rollout.inflight_slots", rl.rollout.inflight_slots, 0, "0"),
+               ("environment.name", rl.environment.name, "", "'' (single-turn)")]
+  elif rl.replays_engine:  # (the engine's schedule replayed on the actor's mesh)
     wanted += [("batching.num_minibatches", rl.batching.num_minibatches, 1,
                 "1 (the engine's schedule replays whole batches)"),
                ("schedule.partial_rollouts", rl.schedule.partial_rollouts, False, "False")]
+  if rl.rollout.exact == "replay" and rl.environment.name:  # (turns in a requests engine)
+    wanted += [("schedule.mode", rl.schedule.mode, "sync", "'sync' with an environment"),
+               ("environment.keep_turn_cache", rl.environment.keep_turn_cache or
+                bool(rl.rollout.inflight_slots), True, "True (or rollout.inflight_slots > 0)")]
   for field, value, ok, want in wanted:
     if value != ok:
       raise ValueError(f"{field}: not with rollout.exact={rl.rollout.exact!r}; expected "

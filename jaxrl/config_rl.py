@@ -328,11 +328,17 @@ class RLConfig:
     """Whether a step needs the trainer's log-probs before its update as a separate pass.
     With one minibatch the update starts from exactly those weights, so they are its own
     log-probs, detached (as TRL and verl do); a KL folded into the rewards needs them first, and
-    so do exact async in-flight rows (their replay is a host loop: train/loop/exact.py). (Exact
+    so do exact async in-flight rows (their replay is a host loop: `replays_engine`). (Exact
     sync rollouts take the sampler's instead, `sampler_is_trainer`: `Scoring.old_pass`.)"""
-    replays_slots = self.rollout.exact == "replay" and self.rollout.inflight_slots > 0
     return self.batching.num_minibatches > 1 or self.kl.mode == "reward" or (
-        replays_slots and self.schedule.mode == "async")
+        self.replays_engine and self.schedule.mode == "async")
+
+  @property
+  def replays_engine(self) -> bool:
+    """`rollout.exact="replay"` of rows drawn by the in-flight engine (its slots, or the turns
+    of conversations), whose schedule the trainer runs again (train/loop/engine_replay.py)."""
+    return self.rollout.exact == "replay" and bool(self.rollout.inflight_slots
+                                                   or self.environment.name)
 
   @property
   def shares_prefix(self) -> bool:

@@ -53,7 +53,8 @@ def request_programs(spec: DecodeSpec, ring: int) -> RequestPrograms:
     cfg, jit = spec.cfg, slots.jitter(spec.mesh, spec.rules)
     return RequestPrograms(
         slots.caster(spec.graphdef),
-        jit(_unrouted_slots, cfg=cfg, slots=spec.inflight_slots, p=ring, ring=ring),
+        jit(_unrouted_slots, cfg=cfg, slots=spec.inflight_slots, p=ring, ring=ring,
+            forced=spec.forced),
         jit(admit_rows, (1,), cfg=cfg, ring=ring), jit(extend_rows, (1,), cfg=cfg, ring=ring),
         jit(slots.decode, (1,), cfg=cfg))
   return spec.cached(build, "requests", ring)
@@ -88,11 +89,12 @@ def kept_ring(model, cache_KX, valid_KS, chunk_valid_KW, g, ring: int):
 
 
 def extend_rows(model, state: Slots, g, tokens_KW, valid_KW, slot_K, budget_K, keys_K2, index_K,
-                src_R, *, cfg, ring: int) -> Slots:
+                src_R, forced_KN=None, *, cfg, ring: int) -> Slots:
   """Continues the conversations kept in slots `slot_K`: chunk k (left-padded: the turn's last
   token, whose key a finished row never commits, then the environment's reply) is prefilled
   after the slot's kept keys, and the row decodes its next turn (budget, uniforms `fold_in(key,
-  index)`) in the slots r with src_R[r] >= 0 (chunk src_R[r])."""
+  index)`, or `forced_KN`'s tokens where >= 0) in the slots r with src_R[r] >= 0 (chunk
+  src_R[r])."""
   axes = slots.slot_axes(model)
   valid_KS = jnp.take(state.key_valid_RS, slot_K, axis=0)[:, :ring]
   cache_KS = jax.tree.map(lambda x, axis: jax.lax.slice_in_dim(
@@ -102,8 +104,9 @@ def extend_rows(model, state: Slots, g, tokens_KW, valid_KW, slot_K, budget_K, k
   cache, key_valid_KS = kept_ring(model, cache_KX, valid_KS, valid_KW, g, ring)
   new = slots.new_rows(cfg, jnp.zeros_like(slot_K), budget_K,
                        slots.keyed_uniforms(keys_K2, index_K, cfg.max_new_tokens),
-                          logits_KV, cache, key_valid_KS,
-                          length_K + valid_KW.sum(axis=1, dtype=jnp.int32))
+                       logits_KV, cache, key_valid_KS,
+                       length_K + valid_KW.sum(axis=1, dtype=jnp.int32)).replace(
+                           forced_RN=forced_KN)
   return jax.tree.map(functools.partial(slots.put_rows, src_R=src_R), state, new)
 
 
@@ -114,16 +117,18 @@ class Request:
   budget: int  # most new tokens
   key: np.ndarray  # uint32 key data
   row: int  # its uniforms: fold_in(key, row)
+  forced: tuple[int, ...] = ()  # tokens to emit instead of drawing (a replay; forced engines)
 
   def meta(self) -> list:
-    return [self.tag, list(self.ids), self.budget, np.asarray(self.key).tolist(), self.row]
+    return [self.tag, list(self.ids), self.budget, np.asarray(self.key).tolist(), self.row,
+            list(self.forced)]
 
   @classmethod
   def of(cls, meta: list) -> Request:
     """The request `meta` describes (a JSON list tag comes back as a tuple)."""
-    tag, ids, budget, key, row = meta
+    tag, ids, budget, key, row, *forced = meta
     return cls(tuple(tag) if isinstance(tag, list) else tag, tuple(ids), budget,
-               np.asarray(key, np.uint32), row)
+               np.asarray(key, np.uint32), row, tuple(forced[0]) if forced else ())
 
 
 class Finished(NamedTuple):
@@ -154,6 +159,7 @@ class Requests:
     cfg, count = spec.cfg, spec.inflight_slots
     self._buckets = slots.refill_buckets(spec.mesh, spec.rules, count)
     self.cfg, self.ring = cfg, slots.ring_width(context_width, cfg.max_new_tokens)
+    self.forced = spec.forced  # (its requests may carry tokens to replay)
     self._widths = tuple(WIDTH_STEP << k for k in range(self.ring.bit_length())
                          if WIDTH_STEP << k < self.ring) + (self.ring,)
     (self._cast, empty, self._admit, self._extend,
@@ -189,6 +195,8 @@ class Requests:
     self.install(params, version)
 
   def submit(self, request: Request) -> None:
+    if request.forced and not self.forced:
+      raise ValueError("a request with tokens to replay needs a forced engine (Sampler(forced=True))")
     if len(request.ids) > self.ring or len(request.ids) + request.budget > self.ring + 1:
       raise ValueError(f"a context of {len(request.ids)} tokens and {request.budget} new ones "
                        f"do not fit a slot of {self.ring + 1}")
@@ -276,7 +284,9 @@ class Requests:
     budget_K, index_K, slot_K = np.ones(k, np.int32), np.zeros(k, np.int32), np.zeros(k, np.int32)
     keys_K2 = np.zeros((k, 2), np.uint32)
     src_R = np.full(len(self._serving), -1, np.int32)
+    forced_KN = np.full((k, self.cfg.max_new_tokens), -1, np.int32)
     for j, (r, slot, n) in enumerate(items):
+      forced_KN[j, :len(r.forced)] = r.forced
       new = r.ids[n:]
       tokens_KW[j, width - len(new):], valid_KW[j, width - len(new):] = new, True
       budget_K[j], index_K[j], keys_K2[j], slot_K[j], src_R[slot] = r.budget, r.row, r.key, slot, j
@@ -288,8 +298,9 @@ class Requests:
     self.stats["continued" if fn is self._extend else "admitted"] += len(items)
     # admit_rows takes output rows (unused here: a request's results come back by its slot)
     first = slot_K if fn is self._extend else np.zeros(k, np.int32)
-    self.state = fn(self._model, self.state, self.g,
-                    *to_device((tokens_KW, valid_KW, first, budget_K, keys_K2, index_K, src_R)))
+    forced = (forced_KN,) if self.forced else ()
+    self.state = fn(self._model, self.state, self.g, *to_device(
+        (tokens_KW, valid_KW, first, budget_K, keys_K2, index_K, src_R) + forced))
 
   # -- run state ------------------------------------------------------------------------------
   def snapshot(self) -> tuple[dict, dict]:

@@ -155,7 +155,7 @@ class Sampler:
   def spec(self) -> DecodeSpec:
     """What its engines decode with (sampler/spec.py), with the programs' cache it owns."""
     return DecodeSpec(self.graphdef, self.cfg, self.n, self.mesh, self.rules,
-                      self.inflight_slots, self._programs)
+                      self.inflight_slots, self.forced, self._programs)
 
   def stream(self, params, geometry: StreamGeometry) -> Stream:
     """A stream of prompt batches in this sampler's in-flight slots, laid out as `geometry`

@@ -275,11 +275,12 @@ def caster(graphdef: nnx.GraphDef):
 
 
 def admit_rows(model, state: Slots, g, tokens_KP, valid_KP, rows_K, budget_K, keys_K2, index_K,
-           src_R, *, cfg, ring: int) -> Slots:
+           src_R, forced_KN=None, *, cfg, ring: int) -> Slots:
   """Starts rows `rows_K` (output rows; `index_K` their row in their batch, `keys_K2` their
-  batch's key data, `budget_K` their most tokens) in the slots r with src_R[r] >= 0."""
+  batch's key data, `budget_K` their most tokens; `forced_KN`: tokens to replay, -1: draw) in
+  the slots r with src_R[r] >= 0."""
   new = row_state(model, cfg, tokens_KP, valid_KP, rows_K, budget_K,
-                  keyed_uniforms(keys_K2, index_K, cfg.max_new_tokens), g, ring)
+                  keyed_uniforms(keys_K2, index_K, cfg.max_new_tokens), g, ring, forced_KN)
   if state.routes_RTLK is None:  # (slots that record no experts: sampler/requests.py)
     new = new.replace(routes_RTLK=None)
   return jax.tree.map(functools.partial(put_rows, src_R=src_R), state, new)

@@ -27,7 +27,7 @@ T = TypeVar("T")
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
   """`n` samples per prompt under `cfg` on `mesh` (None: one device) in the layout `rules`;
-  `inflight_slots` row slots (0: the static engine). Equal specs decode alike (`programs` is
+  `inflight_slots` row slots (0: the static engine), `forced`: able to replay. Equal specs decode alike (`programs` is
   not compared)."""
   graphdef: nnx.GraphDef
   cfg: SamplingConfig
@@ -35,6 +35,7 @@ class DecodeSpec:
   mesh: Mesh | None = None
   rules: Rules = SAMPLER_RULES
   inflight_slots: int = 0
+  forced: bool = False  # programs that also replay drawn rows (their tokens forced)
   programs: dict[Any, Any] = dataclasses.field(default_factory=dict, compare=False,
                                                repr=False)
 

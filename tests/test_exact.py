@@ -234,6 +234,32 @@ def test_in_flight_rows_replayed_through_their_schedule_have_no_mismatch(tmp_pat
     Experiment(raw)
 
 
+def test_conversations_replayed_turn_by_turn_have_no_mismatch(tmp_path):
+  """`exact="replay"` with an environment (3 turns, kept caches; bfloat16): the conversations
+  drawn on the actor's mesh are replayed with each turn forced and each reply the recorded
+  one, in the requests engine's programs: the old log-probs are the sampler's bit for bit
+  at every step; async is refused in one line."""
+  raw = tiny.get_config().to_dict()
+  raw.update(run_dir=str(tmp_path), run_name="turns")
+  raw["eval"]["every"] = 1
+  raw["model"]["dtype"] = "bfloat16"
+  raw["rl"].update(steps=2)
+  raw["rl"]["environment"].update(name="test_multiturn:Recorder", max_turns=3)
+  raw["rl"]["rollout"].update(max_new_tokens=16, exact="replay", temperature=0.7)
+  raw["rl"]["batching"]["num_minibatches"] = 1
+  with Experiment(raw) as exp:
+    exp.run()
+    rows = [r for r in exp.writer.rows if r["phase"] == "rl" and "mismatch_max" in r]
+    turns = exp.ctx.generator.multiturn.stats()
+  assert [r["step"] for r in rows] == [1, 2]
+  assert turns["continued"] > 0  # (turns continued in their kept caches)
+  assert all(r["mismatch_max"] == r["mismatch_kl"] == 0.0 for r in rows)
+  raw["rl"]["schedule"].update(mode="async")
+  with pytest.raises(ConfigError, match=r"schedule.mode: not with rollout.exact='replay'; "
+                                        r"expected 'sync' with an environment"):
+    Experiment(raw)
+
+
 def test_replay_in_async_mode_is_exact_and_its_mismatch_is_the_policy_lag(tmp_path):
   """`exact="replay"` in async mode (fixed schedule): the sampler's copy draws on its own devices,
   each holding the trainer's rows a device. A batch drawn by the weights the trainer scores it

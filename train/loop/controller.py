@@ -26,6 +26,7 @@ from sharding.reshard import move
 from train.io.host_transfers import HostTransfers
 from train.io.timeline import Timeline
 from train.loop.batch_fill import FilledBatch, fill_batch
+from train.loop.engine_replay import EngineReplay
 from train.loop.exact import ExactSampler
 from train.loop.executors import ExecutorError, Executors
 from train.loop.experience import critic_batch
@@ -55,8 +56,11 @@ class Controller:
     self.version = version
     self.executors = Executors(cluster, timeline, reward_model=cfg.rl.reward == "reward_model",
                                critic_mesh=None if critic is None else critic.role.mesh)
-    exact = (ExactSampler(cfg.rl, actor.role, generator.sampler.cfg, transfers)
-             if cfg.rl.rollout.exact else None)
+    exact = None
+    if cfg.rl.replays_engine:
+      exact = EngineReplay(cfg.rl, actor.role, generator, transfers)
+    elif cfg.rl.rollout.exact:
+      exact = ExactSampler(cfg.rl, actor.role, generator.sampler.cfg, transfers)
     self.rollouts = RolloutSource(cfg, generator, cluster.sampler_weights, task.prompts,
                                   prompt_len=task.prompt_len, timeline=timeline,
                                   run=self.executors.sampler, next_index=next_index,
@@ -68,7 +72,8 @@ class Controller:
       raise ConfigError(f"config.rl.batching.pack_length: at least a row's {task.prompt_len} "
                         f"prompt + {new} new tokens, got {pack}")
     self.scoring = Scoring(cfg.rl, cluster, actor, critic, judge, self.executors,
-                           transfers=transfers, link_of=self._link, exact=exact)
+                           transfers=transfers, link_of=self._link,
+                           engine_replay=exact if cfg.rl.replays_engine else None)
     self._split, self._own_link = cluster.split, None  # (`_link`)
     items = offload_items(cfg.placement.offload)
     self.offload = Offloader(items, cluster, [actor, critic], timeline) if items else None

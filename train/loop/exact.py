@@ -28,11 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.config_checks import ConfigError
 from jaxrl.models.lm_head import _chunk_stats, _split, chunk_length
 from jaxrl.models.rope import positions_from_valid
 from sampler.engine import Rollout
-from sampler.inflight import jit_inflight
 from sampler.methods import SamplingConfig
 from train.updates.batching import map_minibatches
 from train.updates.replay import replay_generate, stop_ids
@@ -101,9 +99,8 @@ class ExactSampler:
   """`rl.rollout.exact`: a step's rollouts decoded on the actor's mesh from the actor's own
   parameters (the sampler's copy is not read), by the trainer's pass ("pass") or in the loop
   the trainer replays ("replay"), `group_size` rows per prompt (group-major), in the trainer's
-  passes' pieces (`rollouts // pass_rows`; "replay": `RLConfig.replay_pieces`). "replay" with
-  `rollout.inflight_slots`: in the in-flight engine's slots (sampler/inflight.py), whose
-  schedule `replayed` runs again with the drawn tokens forced (sync, one minibatch)."""
+  passes' pieces (`rollouts // pass_rows`; "replay": `RLConfig.replay_pieces`). (Replays of
+  the engine's own schedule: train/loop/engine_replay.py.)"""
 
   def __init__(self, rl, role, sampling: SamplingConfig, transfers):
     """`role`: the actor; `sampling`: the RL sampler's settings; `transfers`: the run's named
@@ -112,32 +109,16 @@ class ExactSampler:
     self.pieces = rl.rollouts // rl.pass_rows
     self._steps: dict[int, object] = {}  # "pass": prompt width -> its jitted step
     self._replay = None  # "replay": one program, traced per prompt width
-    self._inflight = None  # "replay" in in-flight slots: the engine's host loop, forced or not
-    if rl.rollout.exact == "replay" and rl.rollout.inflight_slots:
-      stop_ids(sampling)
-      try:
-        self._inflight = jit_inflight(role.graphdef, sampling, slots=rl.rollout.inflight_slots,
-                                      n=self.group, mesh=role.mesh, rules=role.rules,
-                                      forced=True)
-      except ValueError as e:
-        raise ConfigError(f"config.rl.rollout.inflight_slots: {e} (the actor's mesh, where "
-                          "exact in-flight rows are drawn)") from None
-    elif rl.rollout.exact == "replay":
+    if rl.rollout.exact == "replay":
       self._replay = role.jit(functools.partial(replay_generate, role.graphdef, cfg=sampling,
                                                 pieces=rl.replay_pieces,
                                                 group=rl.replay_group))
 
-  def _prompts(self, tokens_BP: np.ndarray, valid_BP: np.ndarray):
-    host = (tokens_BP, valid_BP)
-    return self.transfers.to_device(host, self.role.batch_shardings(host), "prompts")
-
   def sample(self, prompts: dict, key) -> Rollout:
-    if self._inflight is not None:
-      return self._inflight(self.role.params,
-                            *self._prompts(prompts["prompt_tokens"], prompts["prompt_valid"]), key)
     rows = lambda x: np.repeat(x, self.group, axis=0)  # noqa: E731
-    tokens_BP, valid_BP = self._prompts(rows(prompts["prompt_tokens"]),
-                                        rows(prompts["prompt_valid"]))
+    host = (rows(prompts["prompt_tokens"]), rows(prompts["prompt_valid"]))
+    tokens_BP, valid_BP = self.transfers.to_device(host, self.role.batch_shardings(host),
+                                                   "prompts")
     if self._replay is not None:
       return self._replay(self.role.params, tokens_BP, valid_BP, key)
     width = tokens_BP.shape[1]
@@ -147,23 +128,3 @@ class ExactSampler:
           pieces=self.pieces))
     step = functools.partial(self._steps[width], self.role.params)
     return exact_generate(step, tokens_BP, valid_BP, key, cfg=self.sampling)
-
-  def replayed(self, params, tokens_BT, valid_BT, mask_BN, *routes):
-    """In-flight rows' log-probs [B, N] at `params` as the engine computes them: its host loop
-    run again over the rows' prompts (placed as `sample` places them), each row emitting its
-    drawn tokens (`forced_BN`) within its length as budget, so the slots refill, decode and
-    shrink as when the tokens were drawn, in the same programs. Its own routes: a mixture of
-    experts routes as it did then."""
-    del routes
-    if self._inflight is None:
-      raise ValueError("replayed: the rows were not drawn in in-flight slots")
-    tokens_BT, valid_BT, mask_BN = (np.asarray(x) for x in jax.device_get(
-        (tokens_BT, valid_BT, mask_BN)))
-    p = tokens_BT.shape[1] - mask_BN.shape[1]
-    tokens_BP, valid_BP = self._prompts(tokens_BT[::self.group, :p], valid_BT[::self.group, :p])
-    host = (np.where(mask_BN, tokens_BT[:, p:], -1).astype(np.int32),
-            mask_BN.sum(axis=1).astype(np.int32))
-    forced_BN, lengths_B = self.transfers.to_device(host, self.role.batch_shardings(host),
-                                                    "forced rows")
-    return self._inflight(params, tokens_BP, valid_BP, jax.random.key(0), lengths_B,
-                          forced_BN).logprobs_BN

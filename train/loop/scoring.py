@@ -43,11 +43,11 @@ class Scoring:
 
   def __init__(self, cfg: RLConfig, cluster: RoleCluster, actor: Learner, critic: Learner | None,
                judge: Judge, executors: Executors, *, transfers: HostTransfers | None = None,
-               link_of=None, exact=None):
+               link_of=None, engine_replay=None):
     """`transfers`: the run's named host transfers (rewards up, rows' lengths down);
     `link_of()`: the session's link to the groups apart (the scorers', where they are one);
-    `exact`: `rl.rollout.exact`'s sampler (train/loop/exact.py), whose in-flight rows the
-    actor's old log-prob pass replays in its engine."""
+    `engine_replay`: where the engine drew exact rows, their replay, which is then the actor's
+    old log-prob pass (train/loop/engine_replay.py)."""
     self.cfg, self.actor, self.critic, self.judge, self.ex = cfg, actor, critic, judge, executors
     self.transfers = HostTransfers() if transfers is None else transfers
     self.reference, self.reward_model = cluster.get("reference"), cluster.get("reward")
@@ -63,8 +63,7 @@ class Scoring:
     self.logprob_fns = {packed: tuple(
         packed_scorer(cfg, r) if packed else logprob_scorer(cfg, r, r is actor.role)
         for r in (self.reference, actor.role)) for packed in (False, True)}
-    if self.replays and cfg.rollout.inflight_slots:
-      self.logprob_fns[False] = (self.logprob_fns[False][0], exact.replayed)
+    self.engine_replay = engine_replay
     if critic is not None:
       self.values_fn = scorer(cfg, critic.role, critic_values(cfg))
     if self.reward_model is not None and self.remote is None:
@@ -166,9 +165,11 @@ class Scoring:
                      "ref logprobs")}
     if self.old_pass(check):
       old_pack = packs[self.actor.role] if old_packed else None
-      calls["old"] = (ex.trainer, (_on, self.actor.role, old_fn,
-                                   self._inputs(self.actor.role, rollout, old_pack, routes=True)),
-                      "old logprobs")
+      if self.engine_replay is not None:  # (the engine's host loop, run again)
+        old_fn, old_in = self.engine_replay.replayed, (rollout,)
+      else:
+        old_in = self._inputs(self.actor.role, rollout, old_pack, routes=True)
+      calls["old"] = (ex.trainer, (_on, self.actor.role, old_fn, old_in), "old logprobs")
     if self.critic is not None and not self.critic_apart:
       calls["values"] = (ex.critic, (_on, self.critic.role, self.values_fn,
                                      _moved(self.critic.role, rollout)), "values")

@@ -34,6 +34,7 @@ from train.io.host_transfers import HostTransfers
 from train.roles.cluster import RoleCluster
 from train.rollout.conversations import ConversationStream
 from train.rollout.multiturn import MultiTurn, Turns, as_rollout, turn_lowerings
+from train.rollout.scripted import ScriptedEnv, scripts
 from train.updates.replay import replay_generate
 
 
@@ -176,10 +177,10 @@ class Generator:
 
   def _generate(self, sampler: Sampler, params, prompts: dict, key: jax.Array) -> Rollout:
     if self.environment is not None:
-      return self._converse(sampler, params, prompts, key)
+      return self.converse(sampler, params, prompts, key)
     return sampler.generate(params, *self.put_prompts(prompts), key)
 
-  def _converse(self, sampler: Sampler, params, prompts: dict, key: jax.Array) -> Rollout:
+  def converse(self, sampler: Sampler, params, prompts: dict, key: jax.Array) -> Rollout:
     """Each row's conversation with its own environment, as a rollout on the sampler's
     devices (the host had every id anyway: it ran the environments). A turn is `sampler` with
     one sample per row, ending also at the environment's stop strings."""
@@ -194,6 +195,22 @@ class Generator:
     except EnvError as e:  # a user's environment misbehaved (rl.user_code.on_error="stop")
       raise ConfigError(f"config.rl.environment.name: {e}") from None
     return self._conversations_rollout(talks, prompts)
+
+  def replayed_conversations(self, sampler: Sampler, params, tokens_BT, valid_BT, mask_BN,
+                             policy_BN) -> np.ndarray:
+    """The model's log-probs [B, N] (0 at the environments' tokens) along conversations drawn
+    by `converse` with `sampler` (forced: `Sampler(forced=True)`), each turn emitted again in
+    the slots and each reply the recorded one (train/rollout/scripted.py); host arrays in."""
+    p, rows = tokens_BT.shape[1] - mask_BN.shape[1], len(tokens_BT)
+    recorded = scripts(tokens_BT[:, p:], mask_BN, policy_BN)
+    prompts = [ids[ok].tolist() for ids, ok in zip(tokens_BT[:, :p], valid_BT[:, :p])]
+    talks = self.multiturn.converse(
+        self._turn_sampler(sampler), params, prompts, [None] * rows,
+        [ScriptedEnv(r) for r in recorded], jax.random.key(0),
+        max_new_tokens=sampler.cfg.max_new_tokens, forced_B=[r.turns for r in recorded],
+        **self.turns)
+    return as_rollout(talks, tokens_BT[:, :p], valid_BT[:, :p], budget=mask_BN.shape[1],
+                      pad_id=self.pad_id).logprobs_BN
 
   def _turn_sampler(self, sampler: Sampler) -> Sampler:
     return sampler.variant(n=1, stop_text=self._turn_text)

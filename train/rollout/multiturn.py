@@ -190,20 +190,23 @@ class MultiTurn:
   def converse(self, sampler: Sampler, params, prompts_B: Sequence[Sequence[int]],
                examples_B: Sequence, envs_B: Sequence[Environment], key: jax.Array, *,
                max_new_tokens: int, max_turns: int, max_turn_tokens: int = 0,
-               keep_cache: bool = True) -> list[Conversation]:
+               keep_cache: bool = True, forced_B=None) -> list[Conversation]:
     """Runs each row's conversation (prompt ids `prompts_B[i]`, dataset row `examples_B[i]`)
     to its end; each turn's budget is what is left of the row's `max_new_tokens`, at most
     `max_turn_tokens` (0: no cap). `keep_cache`: turns continue in the slots that kept their
     conversations' caches (in-flight slots, as many as the rows unless the sampler has its
     own); else each turn prefills its whole conversation (in-flight slots if the sampler has
-    them, else static batches)."""
+    them, else static batches). `forced_B[i][t]`: row i's turn t emitted again (a replay in a
+    forced sampler's slots, `Sampler(forced=True)`, its environments replaying theirs)."""
     talks = [Conversation(env, i) for i, env in enumerate(envs_B)]
     for talk, example in zip(talks, examples_B):
       talk.reset(example, max_new_tokens)
     turns = Turns(max_new_tokens, max_turns, max_turn_tokens)
     sampler = turn_engine(sampler, len(talks), keep_cache)
     if sampler.inflight_slots:
-      return self._inflight(sampler, params, prompts_B, talks, key, turns, keep_cache)
+      return self._inflight(sampler, params, prompts_B, talks, key, turns, keep_cache, forced_B)
+    if forced_B is not None:
+      raise ValueError("a replay of conversations runs in in-flight slots")
     for turn in range(max_turns):
       live = [i for i, t in enumerate(talks) if turns.goes_on(t, turn)]
       if not live:
@@ -227,9 +230,10 @@ class MultiTurn:
                     for row, talk in enumerate(talks)], turns.max_new_tokens)
 
   def _inflight(self, sampler: Sampler, params, prompts_B, talks: list[Conversation], key,
-                turns: Turns, keep_cache: bool) -> list[Conversation]:
+                turns: Turns, keep_cache: bool, forced_B=None) -> list[Conversation]:
     """The conversations' turns as requests to in-flight slots, each submitted as soon as the
-    previous one's reply is in (to the slot that kept its cache, with `keep_cache`)."""
+    previous one's reply is in (to the slot that kept its cache, with `keep_cache`); turns
+    given in `forced_B` are emitted again, each within its own length."""
     keys = self.turn_keys(key, turns.max_turns)
     engine = sampler.requests(params, context_width=context_width(max(map(len, prompts_B))),
                               keep=keep_cache)
@@ -239,8 +243,9 @@ class MultiTurn:
       """Row i's next turn, or its slot freed: its conversation has ended."""
       talk = talks[i]
       if turns.goes_on(talk, asked[i]):
-        engine.submit(Request(i, tuple(prompts_B[i]) + tuple(talk.ids), turns.budget(talk),
-                              keys[asked[i]], i))
+        forced = () if forced_B is None else tuple(forced_B[i][asked[i]])
+        engine.submit(Request(i, tuple(prompts_B[i]) + tuple(talk.ids),
+                              len(forced) or turns.budget(talk), keys[asked[i]], i, forced))
         asked[i] += 1
       else:
         engine.release(i)

@@ -66,10 +66,10 @@ class RLStage(Stage):
   @classmethod
   def check(cls, cfg) -> None:
     """`rl.rollout.exact="replay"` in bfloat16 needs XLA to round as its programs say, a flag
-    read as JAX starts (the train command sets it: train/cli/flags.py), but in in-flight slots,
-    whose replay runs the very programs that drew."""
+    read as JAX starts (the train command sets it: train/cli/flags.py), but where the engine's
+    schedule is replayed in the very programs that drew (`RLConfig.replays_engine`)."""
     rl = cfg.rl
-    if rl.rollout.exact == "replay" and not rl.rollout.inflight_slots and \
+    if rl.rollout.exact == "replay" and not rl.replays_engine and \
         cfg.model.dtype != "float32" and not rounds_as_written():
       raise ConfigError(f"rl.rollout.exact: 'replay' in {cfg.model.dtype} needs XLA_FLAGS="
                         f"{NO_EXCESS_PRECISION} set before JAX starts (jaxrl-train sets it); "
