@@ -90,8 +90,7 @@ def check_exact(rl) -> None:
                 "1 (the engine's schedule replays whole batches)"),
                ("schedule.partial_rollouts", rl.schedule.partial_rollouts, False, "False")]
   if rl.rollout.exact == "replay" and rl.environment.name:  # (turns in a requests engine)
-    wanted += [("schedule.mode", rl.schedule.mode, "sync", "'sync' with an environment"),
-               ("environment.keep_turn_cache", rl.environment.keep_turn_cache or
+    wanted += [("environment.keep_turn_cache", rl.environment.keep_turn_cache or
                 bool(rl.rollout.inflight_slots), True, "True (or rollout.inflight_slots > 0)")]
   for field, value, ok, want in wanted:
     if value != ok:

@@ -238,7 +238,8 @@ def test_conversations_replayed_turn_by_turn_have_no_mismatch(tmp_path):
   """`exact="replay"` with an environment (3 turns, kept caches; bfloat16): the conversations
   drawn on the actor's mesh are replayed with each turn forced and each reply the recorded
   one, in the requests engine's programs: the old log-probs are the sampler's bit for bit
-  at every step; async is refused in one line."""
+  at every step; so in async mode (float32, fixed schedule, no staleness), where the
+  sampler's copy conversed on its own devices and the replay is every step's old pass."""
   raw = tiny.get_config().to_dict()
   raw.update(run_dir=str(tmp_path), run_name="turns")
   raw["eval"]["every"] = 1
@@ -254,10 +255,15 @@ def test_conversations_replayed_turn_by_turn_have_no_mismatch(tmp_path):
   assert [r["step"] for r in rows] == [1, 2]
   assert turns["continued"] > 0  # (turns continued in their kept caches)
   assert all(r["mismatch_max"] == r["mismatch_kl"] == 0.0 for r in rows)
-  raw["rl"]["schedule"].update(mode="async")
-  with pytest.raises(ConfigError, match=r"schedule.mode: not with rollout.exact='replay'; "
-                                        r"expected 'sync' with an environment"):
-    Experiment(raw)
+  raw.update(run_name="turns_async")
+  raw["model"]["dtype"] = "float32"
+  raw["rl"]["schedule"].update(mode="async", name="fixed", max_staleness=0)
+  raw["placement"]["sampler_tensor"] = 1
+  with Experiment(raw) as exp:
+    exp.run()
+    rows = [r for r in exp.writer.rows if r["phase"] == "rl" and "mismatch_max" in r]
+  assert [r["step"] for r in rows] == [1, 2]
+  assert all(r["mismatch_max"] == r["mismatch_kl"] == 0.0 for r in rows)
 
 
 def test_replay_in_async_mode_is_exact_and_its_mismatch_is_the_policy_lag(tmp_path):

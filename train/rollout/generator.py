@@ -73,9 +73,9 @@ def keeps_turn_cache(rl: RLConfig, sliding_window: int) -> bool:
 def _replay_program(cluster: RoleCluster, sampling: SamplingConfig, rl: RLConfig):
   """`rl.rollout.exact="replay"` on the sampler's own devices (async): `replay_generate` on the
   sampler's mesh, from its copy of the weights, in the trainer's pieces of rows (a minibatch:
-  `RLConfig.replay_pieces`), or in in-flight slots by the engine's programs that also replay
-  (`Sampler(forced=True)`, the prompts unrepeated), each device holding as many rows as a
-  trainer's device does (so every product has the trainer's shapes).
+  `RLConfig.replay_pieces`), each device holding as many rows as a trainer's device does (so
+  every product has the trainer's shapes); None where the engine draws (`replays_engine`: the
+  run's sampler then runs the programs that also replay, `Sampler(forced=True)`).
   A ConfigError where the two meshes split the batch apart."""
   train = batch_ways(cluster.meshes["actor"], cluster.actor.rules)
   mesh = cluster.meshes["sampler"]
@@ -85,11 +85,9 @@ def _replay_program(cluster: RoleCluster, sampling: SamplingConfig, rl: RLConfig
         f"the sampler's devices with the trainer's rows a device; expected a sampler mesh of "
         f"{train} devices, split {train} ways by rows (sampler_tensor=1), got "
         f"{dict(mesh.shape)}")
+  if rl.replays_engine:
+    return None
   weights = cluster.sampler_weights
-  if rl.rollout.inflight_slots:  # (the engine's programs, which the trainer runs again forced)
-    return Sampler(weights.graphdef, sampling, n=rl.group_size, mesh=mesh,
-                   param_shardings=weights.shardings, inflight_slots=rl.rollout.inflight_slots,
-                   forced=True).generate
   return jit_on(mesh, SAMPLER_RULES, functools.partial(
       replay_generate, weights.graphdef, cfg=sampling, pieces=rl.replay_pieces,
       group=rl.replay_group))
@@ -112,7 +110,8 @@ class Generator:
     try:
       self.sampler = Sampler(weights.graphdef, sampling, n=rl.group_size, mesh=mesh,
                              param_shardings=weights.shardings,
-                             inflight_slots=rl.rollout.inflight_slots)
+                             inflight_slots=rl.rollout.inflight_slots,
+                             forced=rl.replays_engine and rl.schedule.mode == "async")
     except ValueError as e:
       raise ConfigError(f"config.rl.rollout.inflight_slots: {e}") from None
     self.greedy_sampler = self.sampler.variant(n=1, method="greedy", stop_sequences=stops,
@@ -144,8 +143,6 @@ class Generator:
     """`group_size` samples per prompt (rows group-major), from `params` in the sampler
     layout; prompt batch i of a run uses `rollout_key(seed, i)`. Async under
     `rl.rollout.exact="replay"`: drawn in the decode loop the trainer replays."""
-    if self._replay is not None and self.sampler.inflight_slots:
-      return self._replay(params, *self.put_prompts(prompts), key)
     if self._replay is not None:
       group = lambda x: np.repeat(x, self.sampler.n, axis=0)  # noqa: E731
       return self._replay(params, *self.put_prompts(
