@@ -155,12 +155,12 @@ class RolloutConfig:
   # 0: each prompt batch decodes as one static batch; > 0: in-flight batching in this many row
   # slots, refilled as rows finish (a multiple of the sampler's data shards; uneven lengths).
   inflight_slots: int = 0
-  # The sampler's log-probs the trainer's bit for bit (mismatch exactly 0; train/loop/exact.py;
-  # single-turn rows): "" off; "pass": each token drawn by the trainer's own pass on its devices
-  # (sync; any dtype; that pass once per new token); "replay": the trainer's passes and update
+  # The sampler's log-probs the trainer's bit for bit (mismatch exactly 0; train/loop/exact.py,
+  # engine_replay.py): "" off; "pass": each token drawn by the trainer's own pass on its devices
+  # (sync, single-turn; that pass once per new token); "replay": the trainer's passes and update
   # replay the sampler's decode loop (sync or async; float32, or bfloat16 without XLA's excess
-  # precision; dense or MoE), or its in-flight slots' schedule (one minibatch, no partial
-  # rollouts). In sync mode pi_old is the sampler's, which the trainer checks before evaluations.
+  # precision; dense or MoE), or the in-flight engine's schedule (in-flight slots or turns; one
+  # minibatch, no partial rollouts). Sync: pi_old is the sampler's, checked before evaluations.
   exact: str = ""
 
   def __post_init__(self):
