@@ -129,7 +129,8 @@ def test_replayed_decoding_scores_the_samplers_logprobs_bit_for_bit(model):
 
 def _exact_run(tmp_path, name: str, route: str = "pass", dtype: str = "bfloat16",
                schedule: dict | None = None, every: int = 1, moe: dict | None = None,
-               slots: int = 0, steps: int = 2, **correction) -> tuple[list[dict], str]:
+               slots: int = 0, steps: int = 2, lora: int = 0,
+               **correction) -> tuple[list[dict], str]:
   """(the RL rows that measured the mismatch, the run's params fingerprint); sync runs measure
   it at the steps before an evaluation (`eval.every`: 1, each step); `slots`: in-flight."""
   raw = tiny.get_config().to_dict()
@@ -141,6 +142,7 @@ def _exact_run(tmp_path, name: str, route: str = "pass", dtype: str = "bfloat16"
     raw["rl"]["schedule"].update(schedule)
     raw["placement"]["sampler_tensor"] = 1
   raw["model"]["dtype"] = dtype
+  raw["lora"]["rank"] = lora
   if moe:  # (a mixture of experts: tiny's model with experts)
     raw["model"]["family"] = "qwen3_moe"
     raw["model"]["moe"].update(moe)
@@ -209,16 +211,17 @@ def test_in_flight_rows_replayed_through_their_schedule_have_no_mismatch(tmp_pat
   """`exact="replay"` with in-flight slots (4 slots for 16 rows: refills, rows ending at EOS
   at uneven steps, the tail in fewer slots): the trainer's old log-probs, the engine's host loop
   run again on the actor's mesh with each row's tokens forced, are the sampler's bit for bit at
-  every step, in bfloat16 and for a mixture of experts in float32 (sync), and in async mode
+  every step, in bfloat16 with LoRA adapters and for a mixture of experts in float32 (sync),
+  and in async mode
   where the sampler's copy drew on its own devices (fixed schedule, no staleness: step 3's
   weights moved); two minibatches or partial rollouts are refused in one line naming the field."""
   for name, dtype, moe, schedule in (
-      ("bf16", "bfloat16", None, None),
+      ("lora", "bfloat16", None, None),
       ("moe", "float32", {"experts": 4, "per_token": 2, "d_ff": 16}, None),
       ("async", "float32", None, {"mode": "async", "name": "fixed", "max_staleness": 0})):
     steps = 3 if schedule else 2
     rows, _ = _exact_run(tmp_path, name, route="replay", dtype=dtype, moe=moe, slots=4,
-                         schedule=schedule, steps=steps)
+                         schedule=schedule, steps=steps, lora=4 if name == "lora" else 0)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["mismatch_max"] == r["mismatch_kl"] == 0.0 for r in rows)
   raw = tiny.get_config().to_dict()
