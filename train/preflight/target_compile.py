@@ -190,7 +190,9 @@ def _scoring(cfg: ExperimentConfig, cluster: RoleCluster, actor, critic) -> list
   # (the [B, T] passes: a packed pass's rows depend on the lengths a rollout has)
   ref_fn, old_fn = scoring.logprob_fns[False]
   passes = [("reference log-probs", cluster.get("reference"), ref_fn)]
-  if rl.carries_old_logprobs:  # (exact sync rollouts: to check, before evaluations)
+  # (exact sync rollouts: to check, before evaluations; a replay of the engine's schedule runs
+  # the generator's in-flight programs, lowered with the generation)
+  if rl.carries_old_logprobs and not rl.replays_engine:
     passes.append(("old log-probs", actor.role, old_fn))
   if critic is not None:
     passes.append(("values", critic.role, scoring.values_fn))
