@@ -196,7 +196,8 @@ class Requests:
 
   def submit(self, request: Request) -> None:
     if request.forced and not self.forced:
-      raise ValueError("a request with tokens to replay needs a forced engine (Sampler(forced=True))")
+      raise ValueError("a request with tokens to replay needs a forced engine "
+                       "(Sampler(forced=True))")
     if len(request.ids) > self.ring or len(request.ids) + request.budget > self.ring + 1:
       raise ValueError(f"a context of {len(request.ids)} tokens and {request.budget} new ones "
                        f"do not fit a slot of {self.ring + 1}")

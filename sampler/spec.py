@@ -27,8 +27,8 @@ T = TypeVar("T")
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
   """`n` samples per prompt under `cfg` on `mesh` (None: one device) in the layout `rules`;
-  `inflight_slots` row slots (0: the static engine), `forced`: able to replay. Equal specs decode alike (`programs` is
-  not compared)."""
+  `inflight_slots` row slots (0: the static engine), `forced`: able to replay. Equal specs
+  decode alike (`programs` is not compared)."""
   graphdef: nnx.GraphDef
   cfg: SamplingConfig
   n: int = 1
