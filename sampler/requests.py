@@ -105,8 +105,7 @@ def extend_rows(model, state: Slots, g, tokens_KW, valid_KW, slot_K, budget_K, k
   new = slots.new_rows(cfg, jnp.zeros_like(slot_K), budget_K,
                        slots.keyed_uniforms(keys_K2, index_K, cfg.max_new_tokens),
                        logits_KV, cache, key_valid_KS,
-                       length_K + valid_KW.sum(axis=1, dtype=jnp.int32)).replace(
-                           forced_RN=forced_KN)
+                       length_K + valid_KW.sum(axis=1, dtype=jnp.int32), forced_KN=forced_KN)
   return jax.tree.map(functools.partial(slots.put_rows, src_R=src_R), state, new)
 
 
@@ -285,9 +284,10 @@ class Requests:
     budget_K, index_K, slot_K = np.ones(k, np.int32), np.zeros(k, np.int32), np.zeros(k, np.int32)
     keys_K2 = np.zeros((k, 2), np.uint32)
     src_R = np.full(len(self._serving), -1, np.int32)
-    forced_KN = np.full((k, self.cfg.max_new_tokens), -1, np.int32)
+    forced_KN = np.full((k, self.cfg.max_new_tokens), -1, np.int32) if self.forced else None
     for j, (r, slot, n) in enumerate(items):
-      forced_KN[j, :len(r.forced)] = r.forced
+      if self.forced:
+        forced_KN[j, :len(r.forced)] = r.forced
       new = r.ids[n:]
       tokens_KW[j, width - len(new):], valid_KW[j, width - len(new):] = new, True
       budget_K[j], index_K[j], keys_K2[j], slot_K[j], src_R[slot] = r.budget, r.row, r.key, slot, j
@@ -299,7 +299,7 @@ class Requests:
     self.stats["continued" if fn is self._extend else "admitted"] += len(items)
     # admit_rows takes output rows (unused here: a request's results come back by its slot)
     first = slot_K if fn is self._extend else np.zeros(k, np.int32)
-    forced = (forced_KN,) if self.forced else ()
+    forced = () if forced_KN is None else (forced_KN,)
     self.state = fn(self._model, self.state, self.g, *to_device(
         (tokens_KW, valid_KW, first, budget_K, keys_K2, index_K, src_R) + forced))
 

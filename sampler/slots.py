@@ -115,15 +115,15 @@ def row_state(model: DecodeModel, cfg: SamplingConfig, tokens_KP, valid_KP, rows
   key_valid_KS = jnp.roll(jnp.pad(valid_KP, ((0, 0), (0, ring - p))), (g - p) % ring, axis=1)
   return new_rows(cfg, rows_K, budget_K, uniforms_KN, logits_KV,
                   _ring_cache(model, cache_KP, ring, g), key_valid_KS,
-                  valid_KP.sum(axis=1, dtype=jnp.int32), routes_KTLK).replace(
-                      forced_RN=forced_KN)
+                  valid_KP.sum(axis=1, dtype=jnp.int32), routes_KTLK, forced_KN)
 
 
 def new_rows(cfg: SamplingConfig, rows_K, budget_K, uniforms_KN, logits_KV, kv_cache,
-             key_valid_KS, length_K, routes_KTLK=None) -> Slots:
+             key_valid_KS, length_K, routes_KTLK=None, forced_KN=None) -> Slots:
   """The state of K rows about to decode: their next-token logits, their cache in the ring
   layout (`key_valid_KS` over the ring; the scratch slot is added) holding `length_K` tokens
-  (the RoPE position of the first new one), nothing generated yet."""
+  (the RoPE position of the first new one), nothing generated yet (`forced_KN`: a replay's
+  tokens, -1: draw)."""
   k, n = rows_K.shape[0], cfg.max_new_tokens
   return Slots(row_R=rows_K, prompt_len_R=length_K, budget_R=budget_K, uniforms_RN=uniforms_KN,
                logits_RV=logits_KV, kv_cache=kv_cache,
@@ -131,7 +131,8 @@ def new_rows(cfg: SamplingConfig, rows_K, budget_K, uniforms_KN, logits_KV, kv_c
                tokens_RN=jnp.full((k, n), cfg.pad_id, jnp.int32),
                mask_RN=jnp.zeros((k, n), bool), logprobs_RN=jnp.zeros((k, n)),
                stop=StopState.start(k, cfg),
-               step_R=jnp.zeros((k,), jnp.int32), done_R=budget_K <= 0, routes_RTLK=routes_KTLK)
+               step_R=jnp.zeros((k,), jnp.int32), done_R=budget_K <= 0, routes_RTLK=routes_KTLK,
+               forced_RN=forced_KN)
 
 
 def put_rows(old, new_K, src_R):

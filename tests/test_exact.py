@@ -212,9 +212,9 @@ def test_in_flight_rows_replayed_through_their_schedule_have_no_mismatch(tmp_pat
   at uneven steps, the tail in fewer slots): the trainer's old log-probs, the engine's host loop
   run again on the actor's mesh with each row's tokens forced, are the sampler's bit for bit at
   every step, in bfloat16 with LoRA adapters and for a mixture of experts in float32 (sync),
-  and in async mode
-  where the sampler's copy drew on its own devices (fixed schedule, no staleness: step 3's
-  weights moved); two minibatches or partial rollouts are refused in one line naming the field."""
+  and in async mode where the sampler's copy drew on its own devices (fixed schedule, no
+  staleness: step 3's weights moved); two minibatches or partial rollouts are refused in one
+  line naming the field."""
   for name, dtype, moe, schedule in (
       ("lora", "bfloat16", None, None),
       ("moe", "float32", {"experts": 4, "per_token": 2, "d_ff": 16}, None),

@@ -6,7 +6,7 @@ those pieces, and a `ScriptedEnv` answers each turn with the reply recorded afte
 the conversation after its last turn. With the turns emitted again in a forced sampler's
 in-flight slots (train/rollout/multiturn.py `forced_B`), every request is submitted, continued
 in its kept cache and prefilled as when the conversation was drawn, so the log-probs come out
-of the same programs in the same shapes (train/loop/exact.py).
+of the same programs in the same shapes (train/loop/engine_replay.py).
 
 A reply of no tokens leaves two turns adjacent, which the row cannot tell from one: such a
 conversation replays as one longer turn (other shapes), and the mismatch metrics show it.
