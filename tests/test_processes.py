@@ -204,7 +204,7 @@ def test_a_killed_process_stops_the_run_with_one_line_and_it_resumes_exactly(
   outs = [p.communicate(timeout=120) for p in procs]
   assert all(p.returncode != 0 for p in procs), [(p.returncode, e[-1500:]) for p, (_, e) in
                                                  zip(procs, outs)]
-  assert time.time() - t0 < 60  # within the heartbeat (20 s here), not a hang
+  assert time.time() - t0 < HELD_HEARTBEAT_S + 40  # within the heartbeat, not a hang
   for i, (_, err) in enumerate(outs):
     if i != victim:
       line = f"jaxrl: error: process {victim} (the {group}'s) of the job stopped answering"
