@@ -22,7 +22,7 @@ from train.updates.forward import completion_logprobs, completion_values, sequen
 from train.updates.packing import plan
 from train.updates.policy import policy_loss, policy_update
 from train.updates.preference import pair_logprobs, pair_scores
-from train.updates.prefix import prefix_scores, prefix_values
+from train.updates.prefix import prefix_logprobs, prefix_scores, prefix_values
 from train.updates.state import TrainState, model_of
 
 P, N, B, G = 6, 10, 8, 4  # two prompts of four rows each
@@ -30,6 +30,7 @@ LENGTHS = np.array([0, 10, 3, 7, 9, 2, 5, 1])  # an empty one, a full one
 BASE = dict(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
 MODELS = {
     "llama": {}, "llama_scanned_remat": {"layers.scan": True, "layers.remat": "full"},
+    "llama_dots": {"layers.remat": "dots"},
     "gemma3": {"family": "gemma3", "n_layers": 3, "attention.sliding_window": 3,
                "attention.global_every": 2},
     "qwen3_moe": {"family": "qwen3_moe", "moe.experts": 4, "moe.per_token": 2, "moe.d_ff": 16,
@@ -37,8 +38,8 @@ MODELS = {
     "llama_lora": {}}
 
 
-def _batch(model: str):
-  cfg = from_fields({**BASE, **MODELS[model], "dtype": "float32"})
+def _batch(model: str, **fields):
+  cfg = from_fields({**BASE, **MODELS[model], **fields, "dtype": "float32"})
   if model.endswith("lora"):
     graphdef, params = perturbed(cfg, LoRAConfig(rank=4, alpha=8.0))
   else:
@@ -212,3 +213,19 @@ def test_every_policy_loss_shared_equals_the_unshared():
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=name)
     for k in want_m:
       np.testing.assert_allclose(got_m[k], want_m[k], atol=1e-5, rtol=1e-5, err_msg=k)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_the_shared_route_keeps_what_remat_keeps(scan):
+  """The shared route's two cached passes (the prompt's, its rows' completions') run their
+  blocks under `model.layers.remat` (jaxrl/models/remat.py): the gradient's compiled
+  temporaries shrink from none to dots to full as the unshared pass's do (they were the same
+  under each before)."""
+  def temporaries(remat):
+    graphdef, params, exp, _ = _batch("llama", **{"layers.scan": scan, "layers.remat": remat,
+                                                  "d_ff": 512, "n_layers": 4})
+    grad = jax.jit(jax.grad(lambda p, e: prefix_logprobs(
+        graphdef, p, e.tokens_BT, e.valid_BT, P, G)[0].sum()))
+    return grad.lower(params, exp).compile().memory_analysis().temp_size_in_bytes
+  none, dots, full = map(temporaries, ("none", "dots", "full"))
+  assert none > dots >= full and full < 0.9 * none, (none, dots, full)

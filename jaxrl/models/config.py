@@ -118,7 +118,8 @@ class LayersConfig:
   checkpoints and Hugging Face files stay per layer); auto (`ModelConfig.scanned`): scanned on
   GPUs and TPUs and in TPU target compiles, unrolled on the CPU (where the scanned RL step
   measured 1.25x slower). `remat`: none | dots | full: what a block's backward recomputes
-  instead of keeping (REMAT_POLICIES); training only: the sampler's cached passes never remat."""
+  instead of keeping (REMAT_POLICIES; jaxrl/models/remat.py); training passes only (a shared
+  prefix's cached ones too): the sampler's never remat."""
   scan: str = "auto"
   remat: str = "none"
 

@@ -22,13 +22,14 @@ from flax import nnx
 
 from jaxrl.models.attention import (KVCache, StackedLayer, Tree, TreeMask, ValidPrefix,
                                     attention_impl, attention_mask, valid_first, windowed)
-from jaxrl.models.config import REMAT_POLICIES, ModelConfig
+from jaxrl.models.config import ModelConfig
 from jaxrl.models.families import ACTIVATIONS
 from jaxrl.models.layouts import ROWS
 from jaxrl.models.lora import LoRA, LoRAConfig
 from jaxrl.models.scan import layer_view, period, scan_periods, stack_blocks
 from jaxrl.models.moe import MoE, stack_stats
 from jaxrl.models.norm import RMSNorm
+from jaxrl.models.remat import remat_block, remat_cached
 from jaxrl.models.splash import Segments
 
 
@@ -181,6 +182,7 @@ class _Pass:
   layout: Any
   valid_BT: Any
   length: int
+  remat: bool = False  # a differentiated cached pass: its blocks under `model.layers.remat`
 
 
 class Decoder(nnx.Module):
@@ -209,7 +211,7 @@ class Decoder(nnx.Module):
 
   def forward(self, tokens, positions, key_valid_BS, kv_cache: KVCache | None = None,
               cache_index=0, segment_ids_BT=None, last_only=False, layout=ROWS,
-              routes_BTLK=None, tree: Tree | None = None, weights_BT=None):
+              routes_BTLK=None, tree: Tree | None = None, weights_BT=None, remat=False):
     """(hidden states, the updated cache, the MoE layers' stacked `MoEStats` or None).
     `positions`: RoPE positions, or their (sin, cos) table computed ahead (a decode loop does).
     `segment_ids_BT` (training): packed rows, attention stays inside a segment. `last_only` (a
@@ -219,7 +221,8 @@ class Decoder(nnx.Module):
     `tree` (with `segment_ids_BT`): prefix trees, each segment also seeing its parent segment
     (`TreeMask`; `positions` the tokens' own, a branch's continuing from its prefix).
     `weights_BT`: the tokens' weights in a mixture of experts' routing statistics (default:
-    the tokens' validity, where the key mask is over the tokens)."""
+    the tokens' validity, where the key mask is over the tokens). `remat`: a cached pass that
+    is differentiated (train/updates/prefix.py) runs its blocks under `model.layers.remat`."""
     if tree is not None:
       mask = TreeMask.of(key_valid_BS, segment_ids_BT, tree, positions)
       return self.blocks_over(tokens, positions, mask, None, 0, False, ROWS, tree.copies_BT,
@@ -237,7 +240,7 @@ class Decoder(nnx.Module):
     valid_BT = key_valid_BS if key_valid_BS.shape[-1] == layout.length(tokens) else None
     valid_BT = valid_BT if weights_BT is None else weights_BT
     return self.blocks_over(tokens, positions, mask, kv_cache, cache_index, last_only, layout,
-                            valid_BT, routes_BTLK)
+                            valid_BT, routes_BTLK, remat)
 
   def over_valid_prefix(self, tokens_BT, positions_BT, key_valid_BT, routes_BTLK=None,
                         segment_ids_BT=None):
@@ -261,7 +264,7 @@ class Decoder(nnx.Module):
     return take(h_BTD, inverse_BT), None, routing
 
   def blocks_over(self, tokens, positions, mask, kv_cache, cache_index, last_only, layout,
-                  valid_BT=None, routes_BTLK=None):
+                  valid_BT=None, routes_BTLK=None, remat=False):
     """Embedding, the blocks under `mask`, the final norm: (hidden states, updated cache,
     stacked `MoEStats` or None)."""
     cfg = self.cfg
@@ -275,7 +278,8 @@ class Decoder(nnx.Module):
       local = windowed(mask, cfg.attention.sliding_window, layout.length(tokens), cache_index)
     kind = lambda i: (layout.rope_part(rope, cfg, cfg.is_local(i)),
                       local if cfg.is_local(i) else mask)
-    run = _Pass(kind, cache_index, last_only, layout, valid_BT, layout.length(tokens))
+    run = _Pass(kind, cache_index, last_only, layout, valid_BT, layout.length(tokens),
+                remat and cfg.layers.remat != "none")
     if self.stacked:
       x, kv_cache, stats = self.scanned(run, x, kv_cache, routes_BTLK)
     else:
@@ -290,11 +294,13 @@ class Decoder(nnx.Module):
   def layer_step(self, run: _Pass, block: Block, j: int, i, x, kv_cache, routes_BTK):
     """Layer `i` (an int, or traced in a scan; its kind of attention that of layer `j`) of a
     pass: (output, the whole updated cache or None, its `MoEStats` or None). A cacheless pass
-    runs under `model.layers.remat`; a cached one (never differentiated) writes the layer's keys and
-    values into the cache (a stacked one in place: attention.StackedLayer)."""
+    runs under `model.layers.remat`; a cached one writes the layer's keys and values into the
+    cache (a stacked one in place: attention.StackedLayer), under remat where `run.remat`."""
     if kv_cache is None:
       x, st = self.cacheless(block, x, *run.kind(j), run.valid_BT, routes_BTK)
       return x, None, st
+    if run.remat:
+      return remat_cached(self.cfg, self.stacked, run, block, j, i, x, kv_cache, routes_BTK)
     last = run.last_only and isinstance(i, int) and i == self.cfg.n_layers - 1
     layer_cache = StackedLayer(*kv_cache, i) if self.stacked else kv_cache[i]
     x, layer_cache, st = block(x, *run.kind(j), layer_cache, run.cache_index, last, run.layout,
@@ -318,8 +324,8 @@ class Decoder(nnx.Module):
   def cacheless(self, block: Block, x_BTD, rope_BTH, mask_BTS, valid_BT, routes_BTK):
     """`block` on a pass without a cache, under `model.layers.remat`: (output, its `MoEStats`)."""
     if self.cfg.layers.remat != "none":
-      x_BTD, _, stats = self.remat_block(block, x_BTD, rope_BTH, mask_BTS, False, valid_BT,
-                                         routes_BTK)
+      x_BTD, _, stats = remat_block(self.cfg, block, x_BTD, rope_BTH, mask_BTS, None, 0,
+                                    valid_BT, routes_BTK)
     else:
       x_BTD, _, stats = block(x_BTD, rope_BTH, mask_BTS, None, 0, False, ROWS, valid_BT,
                               routes_BTK)
@@ -348,22 +354,6 @@ class Decoder(nnx.Module):
       return x, kv_cache, None
     stats = jax.tree.map(lambda *a: jnp.concatenate(a), *found)
     return x, kv_cache, dataclasses.replace(stats, ids=jnp.moveaxis(stats.ids, 0, 2))
-
-  def remat_block(self, block: Block, x_BTD, rope_BTH, mask_BTS, last_only: bool, valid_BT,
-                  routes_BTK):
-    """`block` on a cacheless pass under `jax.checkpoint`: its backward recomputes what the
-    `model.layers.remat` policy does not save. The block is split into its pure state, so the
-    checkpointed function closes over no traced module."""
-    graphdef, state = nnx.split(block)
-
-    def run(state, x_BTD, rope_BTH, mask_BTS, valid_BT, routes_BTK):
-      out, _, stats = nnx.merge(graphdef, state)(x_BTD, rope_BTH, mask_BTS, None, 0, last_only,
-                                                 ROWS, valid_BT, routes_BTK)
-      return out, stats
-    policy = REMAT_POLICIES[self.cfg.layers.remat]
-    out, stats = jax.checkpoint(run, policy=policy)(state, x_BTD, rope_BTH, mask_BTS, valid_BT,
-                                                    routes_BTK)
-    return out, None, stats
 
 
 class LanguageModel(nnx.Module):
