@@ -31,6 +31,8 @@ BASE = dict(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head
 MODELS = {
     "llama": {}, "llama_scanned_remat": {"layers.scan": True, "layers.remat": "full"},
     "llama_dots": {"layers.remat": "dots"},
+    "gemma3_splash": {"family": "gemma3", "n_layers": 3, "attention.sliding_window": 3,
+                      "attention.global_every": 2, "attention.impl": "splash"},
     "gemma3": {"family": "gemma3", "n_layers": 3, "attention.sliding_window": 3,
                "attention.global_every": 2},
     "qwen3_moe": {"family": "qwen3_moe", "moe.experts": 4, "moe.per_token": 2, "moe.d_ff": 16,

@@ -91,13 +91,20 @@ def shared_forward_flops(cfg: ModelConfig, prompts: int, prompt_len: int, sample
   """`forward_flops` with each prompt run once for its `samples` rows (`rl.batching.share_prefix`,
   train/updates/prefix.py): the prompts' causal pass, then each row's `scored` completion
   positions attending to its prompt and to the completion so far; the LM head at those."""
-  window, rows = cfg.attention.sliding_window, prompts * samples
-  keys = prompt_len + (scored + 1) / 2
+  rows = prompts * samples
   return (2.0 * matmul_params(cfg) * (prompts * prompt_len + rows * scored)
-          + attention_flops(cfg, prompts * prompt_len, (prompt_len + 1) / 2,
-                            causal_keys(prompt_len, window))
-          + attention_flops(cfg, rows * scored, keys, min(keys, window or keys))
+          + shared_attention_flops(cfg, prompts, prompt_len, samples, scored)
           + head_flops(cfg, rows * scored))
+
+
+def shared_attention_flops(cfg: ModelConfig, prompts: int, prompt_len: int, samples: int,
+                           scored: int) -> float:
+  """`shared_forward_flops`' attention: the prompts' causal pass, then each row's completion
+  positions over its prompt and the completion so far."""
+  window, keys = cfg.attention.sliding_window, prompt_len + (scored + 1) / 2
+  return (attention_flops(cfg, prompts * prompt_len, (prompt_len + 1) / 2,
+                          causal_keys(prompt_len, window))
+          + attention_flops(cfg, prompts * samples * scored, keys, min(keys, window or keys)))
 
 
 def pass_flops(cfg: ModelConfig, rows: int, seq_len: int, prompt_len: int,

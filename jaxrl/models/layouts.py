@@ -22,6 +22,7 @@ from jaxrl.models.lm_head import features_product, lm_head, rows_product
 from jaxrl.models.attention import attend, attend_one, attention_impl, fused, write_cache
 from jaxrl.models.lora import adapted, adapter
 from jaxrl.models.rope import rope, rope_table, table_part
+from jaxrl.models.splash import Segments, splash
 from jaxrl.partitioning import constrain
 
 
@@ -95,15 +96,19 @@ class Rows:
 
   def attention(self, q_BTNH, k_BTKH, v_BTKH, layer_cache, cache_index, mask_BTS, cfg):
     """(attention output [B, T, N * H], the layer's updated cache). `mask_BTS`: a dense mask, or
-    a cacheless pass's `ValidPrefix` (cuDNN) or `Segments` (splash): attention.fused."""
+    a cacheless pass's `ValidPrefix` (cuDNN) or `Segments` (splash: attention.fused), or a
+    shared prefix's completion pass's `Segments` over the cache (splash.splash)."""
     q_BTNH = constrain(q_BTNH, ("batch", None, "act_heads", None))
-    slots = None if layer_cache is None else mask_BTS.shape[-1]
+    slots = None if layer_cache is None or isinstance(mask_BTS, Segments) else mask_BTS.shape[-1]
     k_BKHS, v_BKSH, new_cache = write_cache(layer_cache, k_BTKH.transpose(0, 2, 3, 1),
                                             v_BTKH.transpose(0, 2, 1, 3), cache_index, slots)
     b, t, n, h = q_BTNH.shape
     dt, kh = q_BTNH.dtype, cfg.n_kv_heads
     impl = attention_impl(cfg)
-    if impl != "einsum" and k_BKHS.shape[-1] == k_BTKH.shape[1]:  # no earlier cache slots
+    if isinstance(mask_BTS, Segments) and k_BKHS.shape[-1] > t:  # a shared prefix's completions
+      out_BTKGH = splash(q_BTNH, k_BKHS.transpose(0, 3, 1, 2), v_BKSH.transpose(0, 2, 1, 3),
+                         mask_BTS).reshape(b, t, kh, n // kh, h)
+    elif impl != "einsum" and k_BKHS.shape[-1] == k_BTKH.shape[1]:  # no earlier cache slots
       out_BTKGH = fused(q_BTNH, k_BTKH, v_BTKH, mask_BTS, impl).reshape(b, t, kh, n // kh, h)
     elif t == 1:
       out_BTKGH = attend_one(q_BTNH.reshape(b, kh, n // kh, h), k_BKHS.astype(dt),

@@ -211,7 +211,7 @@ class Decoder(nnx.Module):
 
   def forward(self, tokens, positions, key_valid_BS, kv_cache: KVCache | None = None,
               cache_index=0, segment_ids_BT=None, last_only=False, layout=ROWS,
-              routes_BTLK=None, tree: Tree | None = None, weights_BT=None, remat=False):
+              routes_BTLK=None, tree: Tree | None = None, weights_BT=None, shared=False):
     """(hidden states, the updated cache, the MoE layers' stacked `MoEStats` or None).
     `positions`: RoPE positions, or their (sin, cos) table computed ahead (a decode loop does).
     `segment_ids_BT` (training): packed rows, attention stays inside a segment. `last_only` (a
@@ -221,8 +221,9 @@ class Decoder(nnx.Module):
     `tree` (with `segment_ids_BT`): prefix trees, each segment also seeing its parent segment
     (`TreeMask`; `positions` the tokens' own, a branch's continuing from its prefix).
     `weights_BT`: the tokens' weights in a mixture of experts' routing statistics (default:
-    the tokens' validity, where the key mask is over the tokens). `remat`: a cached pass that
-    is differentiated (train/updates/prefix.py) runs its blocks under `model.layers.remat`."""
+    the tokens' validity, where the key mask is over the tokens). `shared`: a shared prefix's
+    cached pass (train/updates/prefix.py), differentiated: its blocks under `model.layers.remat`,
+    and where attention is the splash kernel's, the kernel over the cache."""
     if tree is not None:
       mask = TreeMask.of(key_valid_BS, segment_ids_BT, tree, positions)
       return self.blocks_over(tokens, positions, mask, None, 0, False, ROWS, tree.copies_BT,
@@ -231,8 +232,8 @@ class Decoder(nnx.Module):
     cacheless = kv_cache is None and not last_only and layout is ROWS
     if cacheless and impl == "cudnn":
       return self.over_valid_prefix(tokens, positions, key_valid_BS, routes_BTLK, segment_ids_BT)
-    if cacheless and impl == "splash":  # left padding is segment 0; packed rows keep theirs
-      mask = Segments(key_valid_BS if segment_ids_BT is None else segment_ids_BT)
+    if (cacheless or shared) and impl == "splash":  # left padding is segment 0; packed rows
+      mask = Segments(key_valid_BS if segment_ids_BT is None else segment_ids_BT)  # keep theirs
     else:
       mask = attention_mask(key_valid_BS, layout.length(tokens), cache_index, segment_ids_BT)
     # The tokens' own validity (the routing statistics count only valid tokens): a decode
@@ -240,7 +241,7 @@ class Decoder(nnx.Module):
     valid_BT = key_valid_BS if key_valid_BS.shape[-1] == layout.length(tokens) else None
     valid_BT = valid_BT if weights_BT is None else weights_BT
     return self.blocks_over(tokens, positions, mask, kv_cache, cache_index, last_only, layout,
-                            valid_BT, routes_BTLK, remat)
+                            valid_BT, routes_BTLK, shared)
 
   def over_valid_prefix(self, tokens_BT, positions_BT, key_valid_BT, routes_BTLK=None,
                         segment_ids_BT=None):

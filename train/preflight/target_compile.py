@@ -116,16 +116,21 @@ def _per_piece(cfg: ExperimentConfig, role, total: float) -> float:
   return total / (batch_ways(role.mesh, role.rules) * role.mesh.shape.get("tensor", 1))
 
 
-def _splash_flops(cfg: ExperimentConfig, role, passes: int) -> float:
-  """Attention FLOPs per device of one piece of a cacheless pass, in the splash kernel: XLA's
-  cost analysis counts a Pallas kernel as nothing. `passes`: forward 1, update 3 (its backward
-  twice the forward), 4 under remat=full (the forward recomputed)."""
+def _splash_flops(cfg: ExperimentConfig, role, passes: int, shared: bool = True) -> float:
+  """Attention FLOPs per device of one piece of a pass, in the splash kernel: XLA's cost
+  analysis counts a Pallas kernel as nothing. `passes`: forward 1, update 3 (its backward
+  twice the forward), 4 under remat=full (the forward recomputed); `shared`: a pass that runs
+  each prompt once for `rl.share_group` rows (flops.shared_attention_flops) where > 1."""
   if attention_impl(cfg.model) != "splash":
     return 0.0
-  t = cfg.data.max_prompt_tokens + cfg.rl.rollout.max_new_tokens
-  m = cfg.model
-  return _per_piece(cfg, role, passes * flops.attention_flops(
-      m, cfg.rl.pass_rows * t, (t + 1) / 2, flops.causal_keys(t, m.attention.sliding_window)))
+  p, n, m, g = cfg.data.max_prompt_tokens, cfg.rl.rollout.max_new_tokens, cfg.model, \
+      cfg.rl.share_group
+  if shared and g > 1:
+    attention = flops.shared_attention_flops(m, cfg.rl.pass_rows // g, p, g, n)
+  else:
+    attention = flops.attention_flops(m, cfg.rl.pass_rows * (p + n), (p + n + 1) / 2,
+                                      flops.causal_keys(p + n, m.attention.sliding_window))
+  return _per_piece(cfg, role, passes * attention)
 
 
 def _counted(cfg: ExperimentConfig, role, kernel: float, adapters: int, update: bool) -> float:
@@ -207,7 +212,7 @@ def _scoring(cfg: ExperimentConfig, cluster: RoleCluster, actor, critic) -> list
     rm = scoring.reward_model
     programs.append(Program("reward-model scores", "scoring", rm.mesh, lambda: scoring.scores_fn
                             .lower(rm.abstract(), *batch(rm)), rm.abstract(),
-                            _splash_flops(cfg, rm, 1)))
+                            _splash_flops(cfg, rm, 1, shared=False)))
   role, f32 = actor.role, S((b, n), jnp.float32)
   rollout = Rollout(tokens_BT=S((b, t), jnp.int32), valid_BT=S((b, t), bool),
                     completion_mask_BN=S((b, n), bool), logprobs_BN=f32,

@@ -33,14 +33,14 @@ def prefix_states(decoder, tokens_BT, valid_BT, prompt_len: int, group: int, rou
   h_BPD, cache, first = decoder.forward(
       prompt(tokens_BT), prompt(positions_BT), prompt(valid_BT),
       init_kv_cache(decoder.cfg, b // group, p), 0, routes_BTLK=prompt(routes_BTLK),
-      weights_BT=weights_BP, remat=True)
+      weights_BT=weights_BP, shared=True)
   cache = grow_kv_cache(decoder.cfg, cache, t)
   h_B1D, cache = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), (h_BPD[:, -1:], cache))
   weights_BN = valid_BT[:, p:].astype(jnp.float32)
   h_BND, _, rest = decoder.forward(
       tokens_BT[:, p:], positions_BT[:, p:], valid_BT, cache, p,
       routes_BTLK=None if routes_BTLK is None else routes_BTLK[:, p:], weights_BT=weights_BN,
-      remat=True)
+      shared=True)
   routing = None if first is None else pooled_stats(
       first, weights_BP.sum(), rest, weights_BN.sum(),
       jnp.concatenate([jnp.repeat(first.ids, group, axis=0), rest.ids], axis=1))
