@@ -185,6 +185,29 @@ def test_tpu_programs_attend_with_the_splash_kernel():
   assert programs["generate (prefill + decode loop)"].kernel_flops == 0
 
 
+def test_a_shared_prefix_attends_with_the_splash_kernel_over_its_cache():
+  """With `share_prefix` on, a TPU's scoring pass calls the kernel for the prompt's pass and
+  again for its rows' completions over the cache (twice the unshared pass's calls), and the
+  report adds the shared route's attention FLOPs, fewer than the unshared pass's."""
+  from train.preflight.target_compile import rl_programs, topology_devices
+  from jaxrl import platform
+  from train.roles.cluster import RoleCluster
+  found = {}
+  for share in ("off", "on"):
+    raw = load_config_file("configs/tiny.py")
+    raw.placement.update(train_devices=2)
+    raw.rl.batching.update(share_prefix=share, num_minibatches=1)  # (a prompt's 2 rows a piece)
+    cfg = resolve(raw, hf=False)
+    with platform.building_for("tpu"):
+      cluster = RoleCluster(cfg, topology_devices(parse_target("v5e-4")), initialize=False)
+      program = {p.name: p for p in rl_programs(cfg, cluster)}["reference log-probs"]
+      found[share] = (program.lower().as_text().count("tpu_custom_call"), program.kernel_flops,
+                      cfg.rl.share_group)
+  assert found["on"][2] > 1 and found["off"][0] > 0
+  assert found["on"][0] == 2 * found["off"][0]
+  assert 0 < found["on"][1] < found["off"][1]
+
+
 def _children(pid: int) -> list[int]:
   out = []
   for entry in os.listdir("/proc"):
