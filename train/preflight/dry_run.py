@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 
 from jaxrl import platform
 from jaxrl.config import ConfigError, ExperimentConfig, offload_items, usable_memory_gb
-from jaxrl.models.attention import flash
+from jaxrl.models.attention import attention_impl, flash
 from jaxrl.models.config import from_fields
 from jaxrl.models.lm_head import chunk_length
 from planner import footprint, footprint_tpu
@@ -155,9 +155,13 @@ def _pass(cfg: ExperimentConfig, mesh, rules, lm_head: bool = True) -> dict:
 
 
 def _flash(cfg: ExperimentConfig) -> bool:
-  """Whether the passes' attention is a flash kernel on the target: not with shared prefixes
-  (`rl.batching.share_prefix`: a cached chunk's dense scores, or a tree's dense mask)."""
-  return flash(cfg.model, target_platform()) and not cfg.rl.shares_prefix
+  """Whether the passes' attention is a flash kernel on the target. With shared prefixes
+  (`rl.batching.share_prefix`) only the splash kernel's over a cached chunk (a TPU's); cuDNN's
+  route has dense scores there, and a tree a dense mask."""
+  backend = target_platform()
+  if not cfg.rl.shares_prefix:
+    return flash(cfg.model, backend)
+  return attention_impl(cfg.model, backend) == "splash" and not cfg.rl.batching.pack_length
 
 
 def update_footprint(cfg: ExperimentConfig, mesh, rules, param_bytes: float, params: int,
